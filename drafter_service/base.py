@@ -1,0 +1,405 @@
+"""What every drafter shares: row buffers, padded batch attention, logits → drafts, and the verbs' checks.
+
+A drafter kind (DFlash, MTP) subclasses `Drafter` and supplies four pieces of model math: a fresh
+per-sequence state, how committed rows enter that state, how speculative state is dropped, and the
+batched draft forward. Validation and position bookkeeping live here once, so every kind rejects
+bad input the same way and a failed call never changes state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+from drafter_service.heads import TargetHead
+from drafter_service.store import SequenceStore, check_id
+from shared.errors import CapacityExceeded, InvalidRequest, StateConflict
+from shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest, bitmask_to_bool
+
+# Column name -> (shape of one row, dtype).
+Schema = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class Rows:
+    """Named columns sharing one row axis, oldest first.
+
+    Appends are amortised O(1): live rows sit in [start, end) of a buffer about twice the limit and
+    are compacted to the front only when the end is reached. Past `limit` rows the oldest fall off,
+    which is the DFlash window slide.
+    """
+
+    def __init__(self, schema: Schema, device: torch.device, limit: int | None = None) -> None:
+        self.limit = limit
+        self._cols = {name: torch.empty((0, *shape), dtype=dtype, device=device)
+                      for name, (shape, dtype) in schema.items()}
+        self._start = self._end = 0
+
+    def __len__(self) -> int:
+        return self._end - self._start
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._cols[name][self._start:self._end]
+
+    @property
+    def _capacity(self) -> int:
+        return next(iter(self._cols.values())).shape[0]
+
+    def append(self, **new: torch.Tensor) -> None:
+        n = next(iter(new.values())).shape[0]
+        if self.limit is not None and n > self.limit:
+            new, n = {name: value[n - self.limit:] for name, value in new.items()}, self.limit
+        if self.limit is not None:
+            self._start += max(0, len(self) + n - self.limit)
+        if self._end + n > self._capacity:
+            self._make_room(n)
+        for name, value in new.items():
+            self._cols[name][self._end:self._end + n] = value
+        self._end += n
+
+    def _make_room(self, n: int) -> None:
+        live, need = len(self), len(self) + n
+        if 2 * need <= self._capacity:
+            for col in self._cols.values():
+                col[:live] = col[self._start:self._end].clone()
+        else:
+            size = max(2 * need, 16)
+            if self.limit is not None:
+                size = max(need, min(size, 2 * self.limit))
+            for name, col in self._cols.items():
+                grown = col.new_empty((size, *col.shape[1:]))
+                grown[:live] = col[self._start:self._end]
+                self._cols[name] = grown
+        self._start, self._end = 0, live
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` rows."""
+        self._end = self._start + min(length, len(self))
+
+    def drop_front(self, n: int) -> None:
+        self._start += min(n, len(self))
+
+    def relimit(self, limit: int) -> None:
+        self.limit = limit
+        self._start = max(self._start, self._end - limit)
+
+
+# ---- padded batch attention ---------------------------------------------------------------------
+
+
+def pad_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Ragged [n_b, ...] tensors → [B, max n_b, ...], zero padded."""
+    if len(parts) == 1:
+        return parts[0].unsqueeze(0)
+    return pad_sequence(list(parts), batch_first=True)
+
+
+def valid_rows(lengths: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] bool: True on the first lengths[b] rows of each padded sequence."""
+    counts = torch.tensor(list(lengths), device=device)
+    return torch.arange(width, device=device)[None, :] < counts[:, None]
+
+
+def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, *, causal: bool,
+               window: int | None) -> torch.Tensor:
+    """[B, Tq, Tk] bool from positions (not row indices), as `shared.layers.visibility_mask` per batch row."""
+    diff = q_pos[:, :, None] - k_pos[:, None, :]
+    visible = k_valid[:, None, :].expand_as(diff)
+    if causal:
+        visible = visible & (diff >= 0)
+    if window is not None:
+        visible = visible & (diff < window)
+        if not causal:
+            visible = visible & (-diff < window)
+    return visible
+
+
+def batched_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """GQA over a padded batch. q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], visible [B, Tq, Tk] → [B, Tq, Hq, D]."""
+    groups = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)  # [B, Hq, Tq, D]
+    kh = k.transpose(1, 2).repeat_interleave(groups, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[:, None], scale=scale)
+    return out.transpose(1, 2)
+
+
+# ---- logits → drafts ----------------------------------------------------------------------------
+
+
+class DraftVocab:
+    """Draft ids ↔ target ids. With EAGLE-3's `d2t`, target_id = draft_id + d2t[draft_id]."""
+
+    def __init__(self, d2t: torch.Tensor | None, target_vocab: int) -> None:
+        self.target_vocab = target_vocab
+        self.table = None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+    @property
+    def size(self) -> int:
+        return self.target_vocab if self.table is None else self.table.numel()
+
+    def allowed(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """[draft vocab] bool from a target-vocabulary bitmask; InvalidRequest if nothing is left."""
+        allowed = bitmask_to_bool(bitmask, self.target_vocab)
+        if self.table is not None:
+            allowed = allowed.to(self.table.device)[self.table]
+        if not bool(allowed.any()):
+            raise InvalidRequest("bitmask allows no token the drafter can propose")
+        return allowed
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.table is None else self.table[ids]
+
+
+def pick(logits: torch.Tensor, allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy drafts and their log-probabilities. logits [..., V], allowed broadcastable bool or None.
+
+    Disallowed tokens get -inf first, so the log-probability is under the constrained distribution.
+    """
+    scores = logits.float()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    best = torch.log_softmax(scores, dim=-1).max(dim=-1)
+    return best.indices, best.values
+
+
+def batch_allowed(allowed: Sequence[torch.Tensor | None], size: int, device: torch.device) -> torch.Tensor | None:
+    """[B, size] bool, all True where a request has no bitmask; None when no request has one."""
+    if all(a is None for a in allowed):
+        return None
+    full = torch.ones(size, dtype=torch.bool, device=device)
+    return torch.stack([full if a is None else a.to(device) for a in allowed])
+
+
+def proposals(tokens: torch.Tensor, logp: torch.Tensor, batch: Sequence["Draft"]) -> list[Proposal]:
+    """tokens/logp [B, n] → one Proposal per request, cut to its num_drafts."""
+    tokens, logp = tokens.tolist(), logp.tolist()
+    return [
+        Proposal(tokens=tokens[i][:d.request.num_drafts],
+                 confidence=logp[i][:d.request.num_drafts] if d.request.want_confidence else None)
+        for i, d in enumerate(batch)
+    ]
+
+
+# ---- the verbs ----------------------------------------------------------------------------------
+
+
+@dataclass
+class SequenceState:
+    budget: int  # positions 0..budget-1 may be committed
+    next_pos: int = 0  # last committed position + 1
+    stash: torch.Tensor | None = None  # [k+1, feature_dim] one verify's rows, until commit
+
+    @property
+    def rows_held(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def is_fresh(self) -> bool:
+        return self.next_pos == 0 and self.stash is None
+
+
+@dataclass
+class Draft:
+    """One validated propose request with its sequence's state."""
+
+    state: SequenceState
+    request: ProposeRequest
+    allowed: torch.Tensor | None  # [draft vocab] bool from the bitmask, or None
+
+
+class Drafter(ABC):
+    """The `shared.proposer.Proposer` verbs over a `SequenceStore`; subclasses supply the model math."""
+
+    spec: DrafterSpec
+
+    def __init__(self, spec: DrafterSpec, head: TargetHead, vocab: DraftVocab, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.spec, self.head, self.vocab = spec, head, vocab
+        self.dtype, self.device = dtype, device
+        self.store: SequenceStore = SequenceStore()
+
+    # -- model math, per kind --
+
+    @abstractmethod
+    def new_state(self, budget: int) -> SequenceState:
+        """Empty state for a sequence that may commit positions 0..budget-1."""
+
+    @abstractmethod
+    def append_rows(self, state: SequenceState, tokens: torch.Tensor, rows: torch.Tensor, base_pos: int) -> None:
+        """Take committed rows [n, feature_dim] with their tokens [n] at positions base_pos.."""
+
+    @abstractmethod
+    def drop_speculative(self, state: SequenceState) -> None:
+        """Forget state built from drafts (trim, take_kv)."""
+
+    def fit_budget(self, state: SequenceState, budget: int) -> None:
+        """Adapt carried state to the budget of the sequence it is installed into."""
+
+    @abstractmethod
+    def draft(self, batch: Sequence[Draft]) -> list[Proposal]:
+        """Drafts for validated requests with num_drafts > 0, one forward per step for the batch."""
+
+    # -- verbs --
+
+    def alloc(self, seq_id: int, budget_tokens: int) -> None:
+        check_id(seq_id, "seq_id")
+        if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 1:
+            raise InvalidRequest(f"budget_tokens must be a positive integer, got {budget_tokens!r}")
+        self.store.add(seq_id, self.new_state(budget_tokens))
+
+    def prefill(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, start_pos: int = 0) -> int:
+        return self._append(seq_id, token_ids, rows, start_pos, "prefill")
+
+    def catchup(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, base_pos: int) -> int:
+        return self._append(seq_id, token_ids, rows, base_pos, "catchup")
+
+    @torch.no_grad()
+    def _append(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, base_pos: int, verb: str) -> int:
+        state = self.store.get(seq_id)
+        rows = self._check_rows(rows)
+        tokens = self._check_tokens(token_ids, rows.shape[0])
+        self._check_span(state, base_pos, rows.shape[0], verb)
+        if rows.shape[0]:
+            self.append_rows(state, tokens, rows, base_pos)
+            state.next_pos = base_pos + rows.shape[0]
+        return rows.shape[0]
+
+    def stash(self, seq_id: int, rows: torch.Tensor) -> None:
+        state = self.store.get(seq_id)
+        rows = self._check_rows(rows)
+        if not 1 <= rows.shape[0] <= self.spec.max_drafts + 1:
+            raise InvalidRequest(f"stash takes 1..{self.spec.max_drafts + 1} rows, got {rows.shape[0]}")
+        state.stash = rows.clone()  # the caller reuses its verify buffer
+
+    @torch.no_grad()
+    def commit(self, seq_id: int, num_rows: int, base_pos: int, token_ids: Sequence[int]) -> None:
+        state = self.store.get(seq_id)
+        if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
+            raise InvalidRequest(f"num_rows must be a positive integer, got {num_rows!r}")
+        if state.stash is None:
+            raise StateConflict(f"sequence {seq_id}: commit without a stash")
+        if num_rows > state.stash.shape[0]:
+            raise StateConflict(f"sequence {seq_id}: commit of {num_rows} rows, {state.stash.shape[0]} stashed")
+        tokens = self._check_tokens(token_ids, num_rows)
+        self._check_span(state, base_pos, num_rows, "commit")
+        self.append_rows(state, tokens, state.stash[:num_rows], base_pos)
+        state.next_pos = base_pos + num_rows
+        state.stash = None
+
+    def trim(self, seq_id: int, num_accepted: int) -> None:
+        state = self.store.get(seq_id)
+        if isinstance(num_accepted, bool) or not isinstance(num_accepted, int) \
+                or not 0 <= num_accepted <= self.spec.max_drafts:
+            raise InvalidRequest(f"num_accepted must be in 0..{self.spec.max_drafts}, got {num_accepted!r}")
+        state.stash = None
+        self.drop_speculative(state)
+
+    @torch.no_grad()
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        batch = self._check_requests(requests)
+        out: list[Proposal] = []
+        for i in range(0, len(batch), self.spec.max_batch):
+            chunk = batch[i:i + self.spec.max_batch]
+            drafting = [d for d in chunk if d.request.num_drafts > 0]
+            drafted = iter(self.draft(drafting) if drafting else [])
+            out += [next(drafted) if d.request.num_drafts > 0 else Proposal(tokens=[]) for d in chunk]
+        return out
+
+    def free(self, seq_id: int) -> None:
+        self.store.pop(seq_id)
+
+    def take_kv(self, seq_id: int) -> CarriedKV:
+        state = self.store.get(seq_id)
+        state.stash = None
+        self.drop_speculative(state)
+        self.store.replace(seq_id, self.new_state(state.budget))
+        return CarriedKV(self.store.park(state), state.rows_held, state.next_pos - 1)
+
+    def install_kv(self, seq_id: int, handle: int) -> CarriedKV:
+        state = self.store.get(seq_id)
+        carried = self.store.carried(handle)
+        if not state.is_fresh:
+            raise StateConflict(f"sequence {seq_id} already holds drafter state; install needs a fresh one")
+        if carried.next_pos > state.budget:
+            raise CapacityExceeded(
+                f"carried KV reaches position {carried.next_pos - 1}, beyond sequence {seq_id}'s budget "
+                f"of {state.budget} tokens"
+            )
+        self.store.unpark(handle)
+        self.fit_budget(carried, state.budget)
+        carried.budget = state.budget
+        self.store.replace(seq_id, carried)
+        return CarriedKV(handle, carried.rows_held, carried.next_pos - 1)
+
+    def free_kv(self, handle: int) -> None:
+        self.store.unpark(handle)
+
+    # -- checks --
+
+    def _check_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[1] != self.spec.feature_dim:
+            shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise InvalidRequest(f"rows must be [n, {self.spec.feature_dim}], got {shape}")
+        if rows.dtype != self.dtype:
+            raise InvalidRequest(f"rows must be {self.dtype}, got {rows.dtype}")
+        return rows.detach().to(self.device)
+
+    def _check_tokens(self, token_ids: Sequence[int], count: int) -> torch.Tensor:
+        if isinstance(token_ids, torch.Tensor):
+            if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+                raise InvalidRequest("token_ids must be a 1-D integer tensor or a list of ints")
+            ids = token_ids.to(self.device, torch.long)
+        else:
+            values = list(token_ids)
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in values):
+                raise InvalidRequest("token_ids must be ints")
+            ids = torch.tensor(values, dtype=torch.long, device=self.device)
+        if ids.numel() != count:
+            raise InvalidRequest(f"{ids.numel()} token ids for {count} rows")
+        if count and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
+            raise InvalidRequest(f"token ids must lie in 0..{self.spec.vocab_size - 1}")
+        return ids
+
+    def _check_span(self, state: SequenceState, base_pos: int, count: int, verb: str) -> None:
+        if isinstance(base_pos, bool) or not isinstance(base_pos, int) or base_pos < 0:
+            raise InvalidRequest(f"{verb}: position must be a non-negative integer, got {base_pos!r}")
+        if base_pos != state.next_pos:
+            raise StateConflict(f"{verb} at position {base_pos}, but the next position is {state.next_pos}")
+        if base_pos + count > state.budget:
+            raise CapacityExceeded(
+                f"{verb} reaches position {base_pos + count - 1}, beyond the budget of {state.budget} tokens"
+            )
+
+    def _check_requests(self, requests: Sequence[ProposeRequest]) -> list[Draft]:
+        seen: set[int] = set()
+        batch = []
+        for request in requests:
+            if not isinstance(request, ProposeRequest):
+                raise InvalidRequest(f"propose takes ProposeRequest items, got {type(request).__name__}")
+            state = self.store.get(request.seq_id)
+            if request.seq_id in seen:
+                raise InvalidRequest(f"sequence {request.seq_id} appears twice in one propose")
+            seen.add(request.seq_id)
+            batch.append(Draft(state, request, self._check_request(state, request)))
+        return batch
+
+    def _check_request(self, state: SequenceState, request: ProposeRequest) -> torch.Tensor | None:
+        n = request.num_drafts
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.spec.max_drafts:
+            raise InvalidRequest(f"num_drafts must be in 0..{self.spec.max_drafts}, got {n!r}")
+        self._check_tokens([request.last_token], 1)
+        if request.position != state.next_pos:
+            raise StateConflict(
+                f"sequence {request.seq_id}: propose at position {request.position}, "
+                f"but the anchor position is {state.next_pos}"
+            )
+        if request.position >= state.budget:
+            raise CapacityExceeded(f"sequence {request.seq_id}: anchor position {request.position} "
+                                   f"is beyond the budget of {state.budget} tokens")
+        return None if request.bitmask is None else self.vocab.allowed(request.bitmask)

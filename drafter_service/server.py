@@ -1,0 +1,241 @@
+"""The drafter gRPC service: DrafterService over one shared drafter, a Session per connected target.
+
+Each handler only converts (protobuf → domain object → Session call → protobuf); exceptions become
+status codes in one place (`shared.status.rpc_errors`). A target identifies itself with the
+`x-specsplit-client` metadata on every call; its Session lives until its Step stream ends (or
+`DrafterServer.close`), and then everything it held is freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from drafter_service.heads import TargetHead
+from drafter_service.session import Session
+from protos.specsplit.v1 import drafter_pb2, drafter_pb2_grpc
+from shared import wire
+from shared.errors import AlreadyExists, InvalidRequest
+from shared.proposer import Proposer
+from shared.status import rpc_errors
+from shared.transport import device_uuid, host_id
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "specsplit.v1.DrafterService"
+CLIENT_HEADER = "x-specsplit-client"
+SERVER_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+
+
+def client_id(context: grpc.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_HEADER and value:
+            return value if isinstance(value, str) else value.decode()
+    raise InvalidRequest(f"every call needs the {CLIENT_HEADER!r} metadata naming the connecting target")
+
+
+def _until_cancelled(requests: Iterator, context: grpc.ServicerContext) -> Iterator:
+    """The request stream; a client that goes away ends it like a clean close (no error to report)."""
+    try:
+        yield from requests
+    except grpc.RpcError:
+        if context.is_active():
+            raise
+
+
+class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
+    """DrafterService over `proposer`, shared by every connected target.
+
+    `head` is the target head to use for clients that register none (loaded from the target checkpoint);
+    `device` is where the drafter runs (inline rows are decoded there).
+    """
+
+    def __init__(self, proposer: Proposer, *, head: TargetHead | None, device: torch.device | str) -> None:
+        self.proposer = proposer
+        self.head = head
+        self.device = torch.device(device)
+        self._lock = threading.RLock()  # one drafter, one GPU stream: every call is serialized
+        self._sessions: dict[str, Session] = {}
+        self._seq_ids = itertools.count()
+
+    # ---- sessions -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _session(self, context: grpc.ServicerContext) -> Iterator[Session]:
+        """The caller's session (created on first use), held under the drafter lock."""
+        client = client_id(context)
+        with self._lock:
+            yield self._get_or_create(client)
+
+    def _get_or_create(self, client: str) -> Session:
+        session = self._sessions.get(client)
+        if session is None:
+            session = Session(self.proposer, client_id=client, new_seq_id=lambda: next(self._seq_ids),
+                              head=self.head, device=self.device)
+            self._sessions[client] = session
+        return session
+
+    def _end(self, session: Session) -> None:
+        """Free everything the session holds (idempotent; called when its Step stream ends)."""
+        with self._lock:
+            if self._sessions.get(session.client_id) is session:
+                del self._sessions[session.client_id]
+            if not session.closed:
+                log.info("client %s disconnected: freeing %d sequences", session.client_id, session.num_sequences)
+            session.close()
+
+    def close(self) -> None:
+        """Free every session's sequences, carried KVs and buffer mappings."""
+        with self._lock:
+            for session in list(self._sessions.values()):
+                self._end(session)
+
+    @property
+    def num_sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    # ---- description and buffers ----------------------------------------------------------------
+
+    @rpc_errors
+    def Describe(self, request, context):
+        client_id(context)
+        description = wire.DrafterDescription(
+            spec=self.proposer.spec, host_id=host_id(), device_uuid=device_uuid(self.device),
+            needs_target_head=self.head is None,
+        )
+        return wire.description_to_proto(description)
+
+    @rpc_errors
+    def RegisterBuffers(self, request, context):
+        descriptors = [wire.descriptor_from_proto(d) for d in request.buffers]
+        with self._session(context) as session:
+            session.register(descriptors)
+        return drafter_pb2.RegisterBuffersResponse()
+
+    @rpc_errors
+    def ReleaseBuffers(self, request, context):
+        with self._session(context) as session:
+            session.release(request.buffer_ids)
+        return drafter_pb2.ReleaseBuffersResponse()
+
+    # ---- sequences ------------------------------------------------------------------------------
+
+    @rpc_errors
+    def AllocState(self, request, context):
+        seq_id, budget_tokens = wire.alloc_from_proto(request)
+        with self._session(context) as session:
+            session.alloc(seq_id, budget_tokens)
+        return drafter_pb2.AllocStateResponse()
+
+    @rpc_errors
+    def PrefillDrafter(self, request, context):
+        seq_id, op = wire.prefill_from_proto(request)
+        with self._session(context) as session:
+            appended = session.prefill(seq_id, op)
+        return drafter_pb2.PrefillDrafterResponse(rows_appended=appended)
+
+    @rpc_errors
+    def Propose(self, request, context):
+        requests = wire.propose_from_proto(request)
+        with self._session(context) as session:
+            proposals = session.propose(requests)
+        return wire.proposals_to_proto(requests, proposals)
+
+    def _apply(self, request, context) -> int:
+        """The unary twins of a SeqStep go through the same applier as the Step stream."""
+        step = wire.unary_to_seq_step(request)
+        with self._session(context) as session:
+            return session.apply(step)
+
+    @rpc_errors
+    def FreeState(self, request, context):
+        self._apply(request, context)
+        return drafter_pb2.FreeStateResponse()
+
+    @rpc_errors
+    def Stash(self, request, context):
+        self._apply(request, context)
+        return drafter_pb2.StashResponse()
+
+    @rpc_errors
+    def Commit(self, request, context):
+        self._apply(request, context)
+        return drafter_pb2.CommitResponse()
+
+    @rpc_errors
+    def Trim(self, request, context):
+        self._apply(request, context)
+        return drafter_pb2.TrimResponse()
+
+    @rpc_errors
+    def Catchup(self, request, context):
+        return drafter_pb2.CatchupResponse(rows_appended=self._apply(request, context))
+
+    # ---- carried KV -----------------------------------------------------------------------------
+
+    @rpc_errors
+    def TakeDrafterKV(self, request, context):
+        with self._session(context) as session:
+            return wire.carried_kv_to_proto(session.take_kv(request.seq_id))
+
+    @rpc_errors
+    def InstallDrafterKV(self, request, context):
+        with self._session(context) as session:
+            return wire.carried_kv_to_proto(session.install_kv(request.seq_id, request.handle))
+
+    @rpc_errors
+    def FreeDrafterKV(self, request, context):
+        with self._session(context) as session:
+            session.free_kv(request.handle)
+        return drafter_pb2.FreeDrafterKVResponse()
+
+    # ---- the step stream ------------------------------------------------------------------------
+
+    @rpc_errors
+    def Step(self, request_iterator, context):
+        session = self._open_stream(client_id(context))
+        context.add_callback(lambda: self._end(session))
+        try:
+            for request in _until_cancelled(request_iterator, context):
+                batch, errors = wire.step_from_proto(request)
+                with self._lock:
+                    result = session.step(batch, errors)
+                yield wire.step_result_to_proto(result)
+        finally:
+            self._end(session)
+
+    def _open_stream(self, client: str) -> Session:
+        with self._lock:
+            session = self._get_or_create(client)
+            if session.streaming:
+                raise AlreadyExists(f"client {client} already has an open Step stream")
+            session.streaming = True
+            return session
+
+
+def serve(server_obj: DrafterServer, listen: list[str], *, max_workers: int = 8) -> grpc.Server:
+    """Bind every address (host:port or unix:PATH, insecure), add grpc.health.v1, start; the caller
+    waits on and stops the returned server. Each open Step stream holds one of the max_workers threads."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(server_obj, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for address in listen:
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as err:
+            raise InvalidRequest(f"cannot listen on {address!r}: {err}") from None
+        if port == 0:
+            raise InvalidRequest(f"cannot listen on {address!r}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server

@@ -1,0 +1,274 @@
+"""One connected target's view of the shared drafter: its buffers, its sequence ids, its carried KV.
+
+Every target names sequences from 0, so a session maps the client's seq ids to drafter-wide unique
+ids; a client can only reach the sequences and carried-KV handles it created. Rows arrive as
+references into buffers the session registered (or inline) and are resolved here, so the drafter
+only ever sees tensors. The drafter copies what it keeps, and every read is finished before a call
+returns: the target reuses its row slots as soon as it has the answer.
+
+Not thread-safe: the server serializes every call into the shared drafter with one lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from drafter_service.heads import TargetHead
+from shared.errors import AlreadyExists, InvalidRequest, SpecsplitError, StateConflict, UnknownSequence
+from shared.proposer import CarriedKV, Proposal, Proposer, ProposeRequest
+from shared.transport import BufferDescriptor, BufferImporter, BufferRole, RowSource
+from shared.wire import RowsOp, SeqError, SeqStep, StepBatch, StepResult
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    """A client's sequences and buffers over the shared `proposer` (all ids here are the client's)."""
+
+    def __init__(self, proposer: Proposer, *, client_id: str, new_seq_id: Callable[[], int],
+                 head: TargetHead | None, device: torch.device) -> None:
+        self.proposer, self.client_id = proposer, client_id
+        self.device = torch.device(device)
+        self.importer = BufferImporter()
+        self._new_seq_id = new_seq_id  # drafter-wide unique ids, shared by all sessions
+        self._default_head = head  # the server's own head, used until this client registers one
+        self._head: TargetHead | None = None  # views into the client's TARGET_EMBEDDING / LM_HEAD buffers
+        self._seqs: dict[int, int] = {}  # client seq id → drafter seq id
+        self._handles: set[int] = set()  # carried-KV handles this client owns
+        self.streaming = False  # a Step stream is open (one per client at a time)
+        self.closed = False
+
+    # ---- ids ------------------------------------------------------------------------------------
+
+    def _internal(self, seq_id: int) -> int:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise UnknownSequence(f"sequence {seq_id} is not allocated on this connection") from None
+
+    def _own_handle(self, handle: int) -> int:
+        if handle not in self._handles:
+            raise UnknownSequence(f"no carried drafter KV under handle {handle} on this connection")
+        return handle
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    # ---- buffers and the target head ------------------------------------------------------------
+
+    def register(self, descriptors: Sequence[BufferDescriptor]) -> None:
+        """Map all the buffers or none; head buffers (re)bind the target head."""
+        self.importer.register(descriptors)
+        if any(d.role is not BufferRole.ROWS for d in descriptors):
+            try:
+                self._head = self._head_from_buffers()
+            except Exception:
+                self.importer.release(d.buffer_id for d in descriptors)
+                raise
+
+    def release(self, buffer_ids: Iterable[int]) -> None:
+        buffer_ids = list(buffer_ids)
+        roles = {self.importer.descriptor(i).role for i in buffer_ids}
+        self.importer.release(buffer_ids)
+        if roles - {BufferRole.ROWS}:
+            try:
+                self._head = self._head_from_buffers()
+            except InvalidRequest as err:  # e.g. the embedding released, its LM head kept
+                log.warning("client %s: target head unbound: %s", self.client_id, err)
+                self._head = None
+
+    def _head_from_buffers(self) -> TargetHead | None:
+        embeds = self.importer.with_role(BufferRole.TARGET_EMBEDDING)
+        lm_heads = self.importer.with_role(BufferRole.TARGET_LM_HEAD)
+        if not embeds and not lm_heads:
+            return None
+        if len(embeds) != 1 or len(lm_heads) > 1:
+            raise InvalidRequest(
+                "a target head is one TARGET_EMBEDDING buffer plus at most one TARGET_LM_HEAD buffer (none when "
+                f"tied); got {len(embeds)} and {len(lm_heads)}"
+            )
+        embed = self._head_view(embeds[0])
+        lm_head = self._head_view(lm_heads[0]) if lm_heads else embed
+        return TargetHead(embed, lm_head)
+
+    def _head_view(self, descriptor: BufferDescriptor) -> torch.Tensor:
+        spec = self.proposer.spec
+        if (descriptor.rows, descriptor.cols) != (spec.vocab_size, spec.hidden_size):
+            raise InvalidRequest(
+                f"buffer {descriptor.buffer_id} ({descriptor.role.value}) is [{descriptor.rows}, {descriptor.cols}], "
+                f"the drafter needs [{spec.vocab_size}, {spec.hidden_size}]"
+            )
+        # A view on the drafter's GPU (CUDA IPC) is used in place; host rows for a GPU drafter are copied once.
+        return self.importer.whole(descriptor.buffer_id).to(self.device)
+
+    def _bind_head(self) -> None:
+        head = self._head or self._default_head
+        if head is None:
+            raise StateConflict(
+                "no target head is bound: register TARGET_EMBEDDING (and TARGET_LM_HEAD) buffers first"
+            )
+        # Drafter keeps its TargetHead in a plain `head` attribute read at every propose; the drafter is
+        # shared, so the calling session's head is bound before each propose (calls are serialized).
+        self.proposer.head = head
+
+    # ---- rows ----------------------------------------------------------------------------------
+
+    def _rows(self, source: RowSource) -> torch.Tensor:
+        """[rows, feature_dim]: a view of a registered buffer, or the decoded inline rows."""
+        return self.importer.resolve(source, cols=self.proposer.spec.feature_dim, device=self.device)
+
+    def _finish_reads(self) -> None:
+        """Wait for queued copies out of the target's buffers before the target may reuse them."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # ---- verbs ---------------------------------------------------------------------------------
+
+    def alloc(self, seq_id: int, budget_tokens: int) -> None:
+        if seq_id in self._seqs:
+            raise AlreadyExists(f"sequence {seq_id} is already allocated on this connection")
+        internal = self._new_seq_id()
+        self.proposer.alloc(internal, budget_tokens)
+        self._seqs[seq_id] = internal
+
+    def prefill(self, seq_id: int, op: RowsOp) -> int:
+        internal = self._internal(seq_id)
+        try:
+            return self.proposer.prefill(internal, op.token_ids, self._rows(op.rows), op.base_pos)
+        finally:
+            self._finish_reads()
+
+    def apply(self, step: SeqStep) -> int:
+        """One sequence's operations, in the wire's order: catchup, stash, commit, trim, free.
+        Returns the rows the catch-up appended (0 without one)."""
+        internal = self._internal(step.seq_id)
+        appended = 0
+        try:
+            if step.catchup is not None:
+                c = step.catchup
+                appended = self.proposer.catchup(internal, c.token_ids, self._rows(c.rows), c.base_pos)
+            if step.stash is not None:
+                self.proposer.stash(internal, self._rows(step.stash))
+        finally:
+            self._finish_reads()
+        if step.commit is not None:
+            c = step.commit
+            self.proposer.commit(internal, c.num_rows, c.base_pos, c.token_ids)
+        if step.trim is not None:
+            self.proposer.trim(internal, step.trim)
+        if step.free:
+            self.free(step.seq_id)
+        return appended
+
+    def free(self, seq_id: int) -> None:
+        self.proposer.free(self._internal(seq_id))
+        del self._seqs[seq_id]
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        """Batched drafts, at most spec.max_batch sequences per drafter call."""
+        internal = [dataclasses.replace(r, seq_id=self._internal(r.seq_id)) for r in requests]
+        self._bind_head()
+        width = self.proposer.spec.max_batch
+        out: list[Proposal] = []
+        for i in range(0, len(internal), width):
+            out += self.proposer.propose(internal[i:i + width])
+        return out
+
+    def take_kv(self, seq_id: int) -> CarriedKV:
+        carried = self.proposer.take_kv(self._internal(seq_id))
+        self._handles.add(carried.handle)
+        return carried
+
+    def install_kv(self, seq_id: int, handle: int) -> CarriedKV:
+        internal = self._internal(seq_id)
+        carried = self.proposer.install_kv(internal, self._own_handle(handle))
+        self._handles.discard(handle)
+        return carried
+
+    def free_kv(self, handle: int) -> None:
+        self.proposer.free_kv(self._own_handle(handle))
+        self._handles.discard(handle)
+
+    # ---- one engine step -----------------------------------------------------------------------
+
+    def step(self, batch: StepBatch, errors: Sequence[SeqError] = ()) -> StepResult:
+        """Apply every SeqStep, then the proposes; a failing sequence is reported and skipped, the
+        others go on. `errors` are the sequences the wire already refused (left out of `batch`)."""
+        self.register(batch.register)
+        errors = list(errors)
+        for seq_step in batch.seqs:
+            error = self._apply_isolated(seq_step)
+            if error is not None:
+                errors.append(error)
+        failed = {e.seq_id for e in errors}
+        proposals, propose_errors = self._propose_isolated([r for r in batch.proposes if r.seq_id not in failed])
+        if batch.release:
+            self.release(batch.release)
+        return StepResult(batch.step_id, proposals, tuple(errors + propose_errors))
+
+    def _apply_isolated(self, seq_step: SeqStep) -> SeqError | None:
+        try:
+            self.apply(seq_step)
+            return None
+        except Exception as err:  # noqa: BLE001 - becomes this sequence's SeqError
+            error = _seq_error(seq_step.seq_id, err)
+        if seq_step.free and seq_step.seq_id in self._seqs:
+            # The target is done with the sequence whatever failed before: release it, or it leaks.
+            self.free(seq_step.seq_id)
+        return error
+
+    def _propose_isolated(self, requests: Sequence[ProposeRequest]) -> tuple[dict[int, Proposal], list[SeqError]]:
+        """One batched call per chunk; if a chunk fails, its sequences are retried one by one so the
+        failure stays with the sequence that caused it."""
+        proposals: dict[int, Proposal] = {}
+        errors: list[SeqError] = []
+        width = self.proposer.spec.max_batch
+        for i in range(0, len(requests), width):
+            chunk = requests[i:i + width]
+            try:
+                proposals.update(zip((r.seq_id for r in chunk), self.propose(chunk), strict=True))
+                continue
+            except Exception:  # noqa: BLE001 - isolated below
+                pass
+            for request in chunk:
+                try:
+                    proposals[request.seq_id] = self.propose([request])[0]
+                except Exception as err:  # noqa: BLE001 - becomes this sequence's SeqError
+                    errors.append(_seq_error(request.seq_id, err))
+        return proposals, errors
+
+    # ---- teardown ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free every sequence and carried KV of this client and unmap its buffers (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        for seq_id, internal in list(self._seqs.items()):
+            _quietly(f"free sequence {seq_id}", self.proposer.free, internal)
+        for handle in list(self._handles):
+            _quietly(f"free carried KV {handle}", self.proposer.free_kv, handle)
+        self._seqs.clear()
+        self._handles.clear()
+        if self._head is not None and getattr(self.proposer, "head", None) is self._head:
+            self.proposer.head = self._default_head  # drop our views so the mappings can close
+        self._head = None
+        self.importer.close()
+
+
+def _seq_error(seq_id: int, err: Exception) -> SeqError:
+    if not isinstance(err, SpecsplitError):  # a bug, not a bad request: keep the traceback
+        log.exception("sequence %d failed unexpectedly", seq_id, exc_info=err)
+    return SeqError.from_exception(seq_id, err)
+
+
+def _quietly(what: str, call: Callable, *args) -> None:
+    try:
+        call(*args)
+    except Exception:  # noqa: BLE001 - teardown goes on; one failure must not leak the rest
+        log.exception("while closing a session: %s failed", what)

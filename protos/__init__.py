@@ -1,0 +1,1 @@
+"""Versioned gRPC protocol of specsplit: .proto sources and their generated Python stubs."""

@@ -1,0 +1,1 @@
+"""The specsplit proto package (rooted under protos/ so it never shadows the top-level CLI package)."""

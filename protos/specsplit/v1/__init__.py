@@ -1,0 +1,1 @@
+"""specsplit.v1: common types, DrafterService and TargetService; regenerate with tools/gen_protos.sh."""

@@ -1,0 +1,163 @@
+"""Decoder building blocks shared by the target and the drafters: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+Parameter names equal HF checkpoint names (`self_attn.q_proj`, `mlp.gate_proj`, ...), so loading a
+checkpoint is a name lookup. Tensors here are flat over tokens: [T, ...] with no batch dimension;
+ragged batches are described by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the input dtype, as HF Llama/Qwen3 do, so bf16 matches.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.scaling_type == "linear":
+        return (inv_freq / rope.factor).float()
+    if rope.scaling_type == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled).float()
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for arbitrary integer positions (positions need not be contiguous)."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D]."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def visibility_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool = True, window: int | None = None
+) -> torch.Tensor:
+    """[Tq, Tk] bool, True where query i may attend key j, judged by positions, not row indices."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    visible = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
+    if window is not None:
+        visible = visible & (diff < window)
+        if not causal:
+            visible = visible & (-diff < window)
+    return visible
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention. q [Tq, Hq, D], k/v [Tk, Hkv, D], mask [Tq, Tk] bool → [Tq, Hq, D]."""
+    groups = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)  # [Hq, Tq, D]
+    kh = k.transpose(0, 1).repeat_interleave(groups, dim=0)
+    vh = v.transpose(0, 1).repeat_interleave(groups, dim=0)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+    def key_value(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), v
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attn.reshape(attn.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# Mixes a layer's normed input into its attention output: (attention module, normed x) -> [T, hidden].
+TokenMixer = Callable[[SelfAttention, torch.Tensor], torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer. Where keys and values come from is the caller's business (`mix`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, mix: TokenMixer) -> torch.Tensor:
+        x = x + mix(self.self_attn, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,719 @@
+"""Row transport: buffers registered once per connection, rows referenced per step (shm, CUDA IPC, inline).
+
+This is the one module that touches shared-memory names, CUDA IPC handles and device pointers.
+
+Terms:
+- buffer: a 2-D tensor [rows, cols] owned by the exporting side (the target), shared with the
+  importing side (the drafter) once per connection through a `BufferDescriptor`.
+- generation: a counter per buffer that the owner bumps before it reuses the buffer's slots (each
+  step's capture band). It lives in a 64-byte header in shared memory, so the importer reads the
+  owner's current value and refuses a `RowRef` stamped with any other generation.
+- row reference: (buffer_id, row_offset, rows, generation), a few bytes on the wire per step.
+- inline rows: the rows themselves as bytes, when the processes share no memory.
+
+CUDA buffers are plain cudaMalloc allocations made through cupy (IPC handles name whole
+allocations, which torch's caching allocator does not guarantee), with an interprocess event the
+owner records after writing; the importer's stream waits on it before reading. cupy is imported
+only on CUDA paths. The importer must finish reading a step's rows before it answers the step: the
+owner reuses the slots once it has the answer.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import mmap
+import os
+import re
+import secrets
+import socket
+import threading
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from shared.errors import AlreadyExists, InvalidRequest, StateConflict
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the header's dtype word
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "specsplit-"  # every segment we create starts with this (leftovers are easy to find)
+_SHM_NAME = re.compile(r"specsplit-[0-9]+-[0-9a-f]{16}")  # refuse anything else: no path tricks
+HEADER_BYTES = 64  # keeps the rows 64-byte aligned after the header
+# Header: int64 words [magic, layout, generation, rows, cols, dtype code, 0, 0].
+_MAGIC, _LAYOUT = 0x5353_5242_5546_0001, 1
+_GEN = 2  # the word the owner bumps and the importer checks
+
+
+class UnknownBuffer(InvalidRequest):
+    """No buffer is registered under this id on this connection (or it was released)."""
+
+
+class BufferKind(str, enum.Enum):
+    SHM = "shm"
+    CUDA_IPC = "cuda_ipc"
+
+
+class BufferRole(str, enum.Enum):
+    ROWS = "rows"  # feature rows the owner rewrites every step
+    TARGET_EMBEDDING = "target_embedding"  # [vocab, hidden], written once
+    TARGET_LM_HEAD = "target_lm_head"  # [vocab, hidden], written once
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in _DTYPE_CODES:
+        raise InvalidRequest(f"row dtype must be one of {sorted(DTYPES)}, got {dtype}")
+
+
+@dataclass(frozen=True)
+class BufferDescriptor:
+    """What the importer needs to map one buffer (the domain side of the protobuf message)."""
+
+    buffer_id: int
+    kind: BufferKind
+    name: str  # shm segment: the header + rows (SHM) or the header alone (CUDA_IPC)
+    dtype: torch.dtype
+    rows: int
+    cols: int
+    host_id: str  # the owner's `host_id()`
+    device_uuid: str = ""  # CUDA_IPC: the GPU holding the allocation
+    mem_handle: bytes = b""  # CUDA_IPC: cudaIpcMemHandle_t
+    event_handle: bytes = b""  # CUDA_IPC: cudaIpcEventHandle_t of the owner's write event
+    role: BufferRole = BufferRole.ROWS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", _enum(BufferKind, self.kind, "buffer kind"))
+        object.__setattr__(self, "role", _enum(BufferRole, self.role, "buffer role"))
+        _check_dtype(self.dtype)
+        if self.buffer_id <= 0 or self.rows <= 0 or self.cols <= 0:
+            raise InvalidRequest(f"buffer {self.buffer_id}: id, rows and cols must be positive")
+        if not self.name or not self.host_id:
+            raise InvalidRequest(f"buffer {self.buffer_id}: name and host_id are required")
+        cuda_fields = (self.device_uuid, self.mem_handle, self.event_handle)
+        if self.kind is BufferKind.CUDA_IPC and not all(cuda_fields):
+            raise InvalidRequest(f"buffer {self.buffer_id}: CUDA_IPC needs device_uuid, mem_handle and event_handle")
+        if self.kind is BufferKind.SHM and any(cuda_fields):
+            raise InvalidRequest(f"buffer {self.buffer_id}: an SHM buffer carries no device or CUDA handles")
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.rows, self.cols, self.dtype)
+
+
+def _nbytes(rows: int, cols: int, dtype: torch.dtype) -> int:
+    _check_dtype(dtype)
+    if rows <= 0 or cols <= 0:
+        raise InvalidRequest(f"a buffer needs rows > 0 and cols > 0, got {rows} x {cols}")
+    return rows * cols * dtype.itemsize
+
+
+def _enum(cls: type[enum.Enum], value: object, what: str):
+    try:
+        return cls(value)
+    except ValueError:
+        raise InvalidRequest(f"unknown {what} {value!r}") from None
+
+
+@dataclass(frozen=True)
+class RowRef:
+    """rows consecutive rows of a registered buffer, as written in `generation`."""
+
+    buffer_id: int
+    row_offset: int
+    rows: int
+    generation: int
+
+    def __post_init__(self) -> None:
+        if self.buffer_id <= 0:
+            raise InvalidRequest(f"row reference names buffer {self.buffer_id}; ids are positive")
+        if self.row_offset < 0 or self.rows <= 0 or self.generation < 0:
+            raise InvalidRequest(
+                f"row reference needs row_offset >= 0, rows > 0, generation >= 0; got "
+                f"{self.row_offset}, {self.rows}, {self.generation}"
+            )
+
+
+@dataclass(frozen=True)
+class InlineRows:
+    """Rows sent by value: rows * cols elements of dtype, row-major, little-endian."""
+
+    data: bytes
+    dtype: torch.dtype
+    rows: int
+    cols: int
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype)
+        if self.rows <= 0 or self.cols <= 0:
+            raise InvalidRequest(f"inline rows need rows > 0 and cols > 0, got {self.rows} x {self.cols}")
+        want = self.rows * self.cols * self.dtype.itemsize
+        if len(self.data) != want:
+            raise InvalidRequest(
+                f"inline rows {self.rows} x {self.cols} {self.dtype} need {want} bytes, got {len(self.data)}"
+            )
+
+
+RowSource = RowRef | InlineRows  # what a verb's `rows` argument arrives as
+
+
+def encode_inline(tensor: torch.Tensor) -> InlineRows:
+    """[rows, cols] tensor (any device) → InlineRows (copies to the host)."""
+    _check_dtype(tensor.dtype)
+    if tensor.dim() != 2:
+        raise InvalidRequest(f"inline rows must be 2-D [rows, cols], got shape {tuple(tensor.shape)}")
+    rows, cols = tensor.shape
+    raw = tensor.detach().contiguous().cpu().view(torch.uint8)  # numpy has no bfloat16; bytes do
+    return InlineRows(raw.numpy().tobytes(), tensor.dtype, rows, cols)
+
+
+def decode_inline(inline: InlineRows, device: torch.device | str | None = None) -> torch.Tensor:
+    """InlineRows → [rows, cols] tensor on `device` (the host when None)."""
+    raw = torch.frombuffer(bytearray(inline.data), dtype=torch.uint8)  # a writable copy
+    rows = raw.view(inline.dtype).view(inline.rows, inline.cols)
+    return rows if device is None else rows.to(device)
+
+
+def _check_expected(
+    what: str, cols: int, dtype: torch.dtype, want_cols: int | None, want_dtype: torch.dtype | None
+) -> None:
+    if want_cols is not None and cols != want_cols:
+        raise InvalidRequest(f"{what} has rows of {cols} columns, expected {want_cols}")
+    if want_dtype is not None and dtype != want_dtype:
+        raise InvalidRequest(f"{what} holds {dtype}, expected {want_dtype}")
+
+
+# --- where this process runs -------------------------------------------------------------------
+
+
+@functools.cache
+def host_id() -> str:
+    """Identity of the memory this process can share: hostname, boot, IPC and mount namespaces.
+
+    Two processes agree exactly when they see the same /dev/shm and can open each other's CUDA IPC
+    handles (containers with a private IPC or mount namespace differ). Empty when there is no
+    /dev/shm, so `choose_mode` falls back to inline rows.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespaces = [os.readlink(f"/proc/self/ns/{ns}") for ns in ("ipc", "mnt")]
+    except OSError:
+        return ""
+    if not os.path.isdir(SHM_DIR):
+        return ""
+    return "/".join([socket.gethostname(), boot, *namespaces])
+
+
+def device_uuid(device: torch.device | str) -> str:
+    """UUID of a CUDA device (stable across processes, unlike its index); empty for the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_device_index(uuid: str) -> int | None:
+    """Index of the visible CUDA device with this UUID, or None."""
+    if not uuid or not torch.cuda.is_available():
+        return None
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    return None
+
+
+def choose_mode(local_host_id: str, peer_host_id: str, local_device_uuid: str, peer_device_uuid: str) -> str:
+    """How rows should travel between two processes: "cuda_ipc" | "shm" | "inline".
+
+    CUDA IPC only when both run on the same GPU; two GPUs of one host go through shared memory
+    (the importer may not see the exporter's GPU, and peer access is not guaranteed).
+    """
+    if not local_host_id or local_host_id != peer_host_id:
+        return "inline"
+    if local_device_uuid and local_device_uuid == peer_device_uuid:
+        return "cuda_ipc"
+    return "shm"
+
+
+# --- shared-memory segments --------------------------------------------------------------------
+
+
+def _shm_path(name: str) -> str:
+    if not _SHM_NAME.fullmatch(name):
+        raise InvalidRequest(f"not a specsplit shared-memory segment name: {name!r}")
+    return os.path.join(SHM_DIR, name)
+
+
+def _shm_create(nbytes: int) -> tuple[str, torch.Tensor]:
+    """A fresh segment of nbytes → (name, [nbytes] uint8 view). The caller must unlink the name."""
+    name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    path = _shm_path(name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        segment = mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return name, torch.frombuffer(segment, dtype=torch.uint8)  # the view keeps the mapping alive
+
+
+def _shm_open(name: str, min_bytes: int) -> torch.Tensor:
+    """Map an existing segment → [size] uint8 view. Never creates one (torch.from_file would)."""
+    path = _shm_path(name)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as err:
+        raise InvalidRequest(f"cannot open shared-memory segment {name!r}: {err.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < min_bytes:
+            raise InvalidRequest(f"shared-memory segment {name!r} has {size} bytes, needs {min_bytes}")
+        segment = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(segment, dtype=torch.uint8)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_header(raw: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stamp a fresh segment's first 64 bytes; returns the [8] int64 header view (generation 1)."""
+    header = raw[:HEADER_BYTES].view(torch.int64)
+    header.copy_(torch.tensor([_MAGIC, _LAYOUT, 1, rows, cols, _DTYPE_CODES[dtype], 0, 0]))
+    return header
+
+
+def _read_header(raw: torch.Tensor, descriptor: BufferDescriptor) -> torch.Tensor:
+    """The [8] int64 header view, after checking it describes the same buffer as the descriptor."""
+    header = raw[:HEADER_BYTES].view(torch.int64)
+    want = [_MAGIC, _LAYOUT, None, descriptor.rows, descriptor.cols, _DTYPE_CODES[descriptor.dtype]]
+    got = header[: len(want)].tolist()
+    if any(w is not None and w != g for w, g in zip(want, got, strict=True)):
+        raise InvalidRequest(
+            f"buffer {descriptor.buffer_id}: segment {descriptor.name!r} does not hold the described rows"
+        )
+    return header
+
+
+# --- CUDA (cupy, imported lazily) ---------------------------------------------------------------
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise InvalidRequest(
+            "CUDA IPC buffers need cupy (cupy-cuda12x or cupy-cuda13x); use shm or inline rows"
+        ) from None
+    return cupy
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _cuda_view(array, device_index: int, descriptor: BufferDescriptor) -> torch.Tensor:
+    """A cupy uint8 array over the allocation → [rows, cols] torch view (keeps the array alive)."""
+    flat = torch.as_tensor(array, device=f"cuda:{device_index}")
+    return flat.view(descriptor.dtype).view(descriptor.rows, descriptor.cols)
+
+
+class _CudaExport:
+    """The owner's allocation and write event (cupy objects; freed when the last view dies)."""
+
+    def __init__(self, nbytes: int, device_index: int) -> None:
+        cp = _cupy()
+        self.device_index = device_index
+        with cp.cuda.Device(device_index):
+            # Memory() is one plain cudaMalloc (no pool), so the IPC handle names exactly this buffer.
+            self.memory = cp.cuda.memory.Memory(nbytes)
+            self.array = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(self.memory, 0))
+            self.mem_handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self.memory.ptr))
+            self.event = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
+            self.event_handle = bytes(cp.cuda.runtime.ipcGetEventHandle(self.event.ptr))
+
+    def record(self, stream: torch.cuda.Stream | None) -> None:
+        cp = _cupy()
+        stream = stream or torch.cuda.current_stream(self.device_index)
+        with cp.cuda.Device(self.device_index):
+            cp.cuda.runtime.eventRecord(self.event.ptr, stream.cuda_stream)
+
+
+class _IpcMapping:
+    """An opened IPC allocation; closed when the last tensor viewing it is gone."""
+
+    def __init__(self, mem_handle: bytes, device_index: int) -> None:
+        cp = _cupy()
+        self.device_index = device_index
+        with cp.cuda.Device(device_index):
+            self.ptr = cp.cuda.runtime.ipcOpenMemHandle(mem_handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+
+    def __del__(self) -> None:
+        try:
+            cp = _cupy()
+            with cp.cuda.Device(self.device_index):
+                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+        except Exception:  # interpreter shutdown: the driver releases the mapping with the process
+            pass
+
+
+class _IpcEvent:
+    """The owner's write event, opened on the importing side."""
+
+    def __init__(self, event_handle: bytes, device_index: int) -> None:
+        cp = _cupy()
+        self.device_index = device_index
+        with cp.cuda.Device(device_index):
+            self.ptr = cp.cuda.runtime.ipcOpenEventHandle(event_handle)
+
+    def wait(self) -> None:
+        """Make the current torch stream wait until the owner's recorded writes are done."""
+        cp = _cupy()
+        stream = torch.cuda.current_stream(self.device_index)
+        with cp.cuda.Device(self.device_index):
+            cp.cuda.runtime.streamWaitEvent(stream.cuda_stream, self.ptr, 0)
+
+    def __del__(self) -> None:
+        try:
+            _cupy().cuda.runtime.eventDestroy(self.ptr)
+        except Exception:
+            pass
+
+
+def _open_cuda(descriptor: BufferDescriptor) -> tuple[torch.Tensor, _IpcEvent]:
+    index = local_device_index(descriptor.device_uuid)
+    if index is None:
+        raise InvalidRequest(
+            f"buffer {descriptor.buffer_id}: GPU {descriptor.device_uuid} is not visible here; send rows inline"
+        )
+    cp = _cupy()
+    mapping = _IpcMapping(descriptor.mem_handle, index)
+    with cp.cuda.Device(index):
+        memory = cp.cuda.UnownedMemory(mapping.ptr, descriptor.nbytes, mapping, index)
+        array = cp.ndarray((descriptor.nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(memory, 0))
+    return _cuda_view(array, index, descriptor), _IpcEvent(descriptor.event_handle, index)
+
+
+# --- exporter -----------------------------------------------------------------------------------
+
+
+class RowBuffer:
+    """A buffer the exporting side owns: `tensor` [rows, cols] plus its generation counter.
+
+    Owner's cycle per reuse: `bump()`, write rows into `tensor`, `record()` (CUDA: after the writes
+    are enqueued), then hand out `ref(...)`s. `ref` refuses a CUDA buffer not recorded since the
+    last bump, so a forgotten record cannot turn into a silent race.
+    """
+
+    def __init__(
+        self, descriptor: BufferDescriptor, tensor: torch.Tensor, header: torch.Tensor, cuda: _CudaExport | None
+    ) -> None:
+        self.descriptor = descriptor
+        self.tensor = tensor  # [rows, cols]
+        self._header = header  # [8] int64 in shared memory; word _GEN is the generation
+        self._cuda = cuda
+        self._recorded = cuda is None  # host writes are complete when they return
+        self._released = False
+        self._finalizer = weakref.finalize(self, _unlink_quietly, os.path.join(SHM_DIR, descriptor.name))
+
+    @property
+    def buffer_id(self) -> int:
+        return self.descriptor.buffer_id
+
+    @property
+    def generation(self) -> int:
+        return int(self._header[_GEN])
+
+    def describe(self) -> BufferDescriptor:
+        return self.descriptor
+
+    def bump(self) -> int:
+        """Start reusing the buffer's slots: references to the old generation become stale."""
+        self._check_live()
+        generation = self.generation + 1
+        self._header[_GEN] = generation
+        self._recorded = self._cuda is None
+        return generation
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> None:
+        """CUDA: record the interprocess event on `stream` (default: current) after the writes."""
+        self._check_live()
+        if self._cuda is not None:
+            self._cuda.record(stream)
+        self._recorded = True
+
+    def ref(self, row_offset: int, rows: int) -> RowRef:
+        """A reference to tensor[row_offset : row_offset + rows] in the current generation."""
+        self._check_live()
+        if not self._recorded:
+            raise StateConflict(
+                f"buffer {self.buffer_id}: record() the writes of generation {self.generation} before referencing them"
+            )
+        ref = RowRef(self.buffer_id, row_offset, rows, self.generation)
+        if row_offset + rows > self.descriptor.rows:
+            raise InvalidRequest(
+                f"rows {row_offset}..{row_offset + rows} lie outside buffer {self.buffer_id} "
+                f"of {self.descriptor.rows} rows"
+            )
+        return ref
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise UnknownBuffer(f"buffer {self.buffer_id} was released")
+
+    def _release(self) -> None:
+        self._released = True
+        self._finalizer()  # unlink the name now; mappings (ours, the importer's) stay valid until dropped
+
+
+class BufferExporter:
+    """Creates and owns the buffers one process shares; unlinks every segment on release/close.
+
+    Segments are also unlinked when a RowBuffer is garbage-collected or the interpreter exits
+    normally; a killed process leaves `specsplit-<pid>-*` files in /dev/shm behind.
+    """
+
+    def __init__(self) -> None:
+        self.host_id = host_id()
+        self._buffers: dict[int, RowBuffer] = {}
+        self._next_id = 1
+        self._lock = threading.Lock()
+
+    def create(
+        self,
+        rows: int,
+        cols: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        role: BufferRole = BufferRole.ROWS,
+    ) -> RowBuffer:
+        """A new zeroed buffer [rows, cols]: shared memory for a CPU device, cudaMalloc for CUDA."""
+        rows, cols, device = int(rows), int(cols), torch.device(device)
+        _nbytes(rows, cols, dtype)
+        if device.type not in ("cpu", "cuda"):
+            raise InvalidRequest(f"buffers live on the CPU or a CUDA device, not {device}")
+        if not self.host_id:
+            raise InvalidRequest("no /dev/shm on this host: rows can only travel inline")
+        with self._lock:
+            buffer_id, self._next_id = self._next_id, self._next_id + 1
+        if device.type == "cpu":
+            buffer = self._create_shm(buffer_id, rows, cols, dtype, role)
+        else:
+            buffer = self._create_cuda(buffer_id, rows, cols, dtype, _cuda_index(device), role)
+        with self._lock:
+            self._buffers[buffer_id] = buffer
+        return buffer
+
+    def _create_shm(self, buffer_id: int, rows: int, cols: int, dtype: torch.dtype, role: BufferRole) -> RowBuffer:
+        name, raw = _shm_create(HEADER_BYTES + _nbytes(rows, cols, dtype))
+        descriptor = BufferDescriptor(buffer_id, BufferKind.SHM, name, dtype, rows, cols, self.host_id, role=role)
+        header = _write_header(raw, rows, cols, dtype)
+        tensor = raw[HEADER_BYTES:].view(dtype).view(rows, cols)
+        return RowBuffer(descriptor, tensor, header, None)
+
+    def _create_cuda(
+        self, buffer_id: int, rows: int, cols: int, dtype: torch.dtype, index: int, role: BufferRole
+    ) -> RowBuffer:
+        cuda = _CudaExport(_nbytes(rows, cols, dtype), index)
+        name, raw = _shm_create(HEADER_BYTES)  # the generation lives on the host, readable without a sync
+        descriptor = BufferDescriptor(
+            buffer_id,
+            BufferKind.CUDA_IPC,
+            name,
+            dtype,
+            rows,
+            cols,
+            self.host_id,
+            device_uuid=device_uuid(torch.device("cuda", index)),
+            mem_handle=cuda.mem_handle,
+            event_handle=cuda.event_handle,
+            role=role,
+        )
+        tensor = _cuda_view(cuda.array, index, descriptor)
+        tensor.zero_()
+        return RowBuffer(descriptor, tensor, _write_header(raw, rows, cols, dtype), cuda)
+
+    def export_existing(self, tensor: torch.Tensor, role: BufferRole) -> RowBuffer:
+        """Share a tensor the owner already has (the target's embedding / LM head) by copying it once.
+
+        Why a copy rather than torch's `storage._share_cuda_()`: torch's handle names a whole caching-
+        allocator segment (with expandable segments, a different mechanism needing extra process
+        permissions) and can only be opened through torch's private `_new_shared_cuda`; one plain
+        allocation keeps a single code path. The copy is made once, on the owner's side; the
+        importer maps it without copying. To hold a single copy afterwards, the owner points its
+        parameter at the returned `buffer.tensor` and drops the original.
+        """
+        if tensor.dim() != 2:
+            raise InvalidRequest(f"only 2-D tensors can be exported, got shape {tuple(tensor.shape)}")
+        buffer = self.create(tensor.shape[0], tensor.shape[1], tensor.dtype, tensor.device, role)
+        buffer.tensor.copy_(tensor)
+        buffer.record()
+        return buffer
+
+    def get(self, buffer_id: int) -> RowBuffer:
+        with self._lock:
+            buffer = self._buffers.get(buffer_id)
+        if buffer is None:
+            raise UnknownBuffer(f"no buffer {buffer_id} is exported here")
+        return buffer
+
+    def descriptors(self) -> list[BufferDescriptor]:
+        with self._lock:
+            return [b.descriptor for b in self._buffers.values()]
+
+    def release(self, buffer_id: int) -> None:
+        """Unlink the buffer's segment; importers that already mapped it keep a valid mapping."""
+        buffer = self.get(buffer_id)
+        with self._lock:
+            self._buffers.pop(buffer_id, None)
+        buffer._release()
+
+    def close(self) -> None:
+        with self._lock:
+            buffers, self._buffers = list(self._buffers.values()), {}
+        for buffer in buffers:
+            buffer._release()
+
+    def __enter__(self) -> BufferExporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- importer -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Imported:
+    descriptor: BufferDescriptor
+    tensor: torch.Tensor  # [rows, cols] view of the owner's memory
+    header: torch.Tensor  # [8] int64 view of the owner's header
+    event: _IpcEvent | None  # CUDA: the owner's write event
+
+
+class BufferImporter:
+    """The importing side of one connection: maps descriptors once, resolves references per step."""
+
+    def __init__(self, local_host_id: str | None = None) -> None:
+        self.host_id = host_id() if local_host_id is None else local_host_id
+        self._buffers: dict[int, _Imported] = {}
+        self._lock = threading.Lock()
+
+    def register(self, descriptors: Iterable[BufferDescriptor]) -> None:
+        """Map every descriptor, or none of them when one fails."""
+        descriptors = list(descriptors)
+        ids = [d.buffer_id for d in descriptors]
+        with self._lock:
+            taken = [i for i in ids if i in self._buffers]
+        if taken or len(set(ids)) != len(ids):
+            raise AlreadyExists(f"buffer ids already registered or repeated: {sorted(set(taken) or ids)}")
+        opened = {d.buffer_id: self._open(d) for d in descriptors}
+        with self._lock:
+            if any(i in self._buffers for i in opened):
+                raise AlreadyExists(f"buffer ids registered concurrently: {sorted(opened)}")
+            self._buffers.update(opened)
+
+    def _open(self, descriptor: BufferDescriptor) -> _Imported:
+        if descriptor.host_id != self.host_id:
+            raise InvalidRequest(f"buffer {descriptor.buffer_id} lives on another host or namespace; send rows inline")
+        if descriptor.kind is BufferKind.SHM:
+            raw = _shm_open(descriptor.name, HEADER_BYTES + descriptor.nbytes)
+            header = _read_header(raw, descriptor)
+            rows = raw[HEADER_BYTES : HEADER_BYTES + descriptor.nbytes].view(descriptor.dtype)
+            return _Imported(descriptor, rows.view(descriptor.rows, descriptor.cols), header, None)
+        header = _read_header(_shm_open(descriptor.name, HEADER_BYTES), descriptor)
+        tensor, event = _open_cuda(descriptor)
+        return _Imported(descriptor, tensor, header, event)
+
+    def _get(self, buffer_id: int) -> _Imported:
+        with self._lock:
+            imported = self._buffers.get(buffer_id)
+        if imported is None:
+            raise UnknownBuffer(f"buffer {buffer_id} is not registered on this connection")
+        return imported
+
+    def descriptor(self, buffer_id: int) -> BufferDescriptor:
+        return self._get(buffer_id).descriptor
+
+    def with_role(self, role: BufferRole) -> list[BufferDescriptor]:
+        """Registered buffers holding `role` (e.g. the target's LM head), in registration order."""
+        with self._lock:
+            return [b.descriptor for b in self._buffers.values() if b.descriptor.role is BufferRole(role)]
+
+    def resolve(
+        self,
+        source: RowSource,
+        *,
+        cols: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """RowRef → a [rows, cols] view of the registered buffer; InlineRows → a decoded tensor.
+
+        cols/dtype, when given, are what the caller expects. A CUDA view is ordered after the
+        owner's recorded writes on the current stream. `device` applies to inline rows only.
+        """
+        if isinstance(source, InlineRows):
+            _check_expected("inline rows", source.cols, source.dtype, cols, dtype)
+            return decode_inline(source, device)
+        imported = self._get(source.buffer_id)
+        described = imported.descriptor
+        _check_expected(f"buffer {source.buffer_id}", described.cols, described.dtype, cols, dtype)
+        end = source.row_offset + source.rows
+        if end > described.rows:
+            raise InvalidRequest(
+                f"rows {source.row_offset}..{end} lie outside buffer {source.buffer_id} of {described.rows} rows"
+            )
+        current = int(imported.header[_GEN])
+        if source.generation != current:
+            raise StateConflict(
+                f"buffer {source.buffer_id} is at generation {current}; reference to {source.generation} is stale"
+            )
+        if imported.event is not None:
+            imported.event.wait()
+        return imported.tensor[source.row_offset : end]
+
+    def whole(self, buffer_id: int) -> torch.Tensor:
+        """The full [rows, cols] view of a buffer written once (embedding, LM head)."""
+        imported = self._get(buffer_id)
+        if imported.event is not None:
+            imported.event.wait()
+        return imported.tensor
+
+    def release(self, buffer_ids: Iterable[int]) -> None:
+        """Forget buffers; views already handed out stay valid until dropped."""
+        buffer_ids = list(buffer_ids)
+        for buffer_id in buffer_ids:
+            self._get(buffer_id)
+        with self._lock:
+            for buffer_id in buffer_ids:
+                self._buffers.pop(buffer_id, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._buffers.clear()
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def __contains__(self, buffer_id: object) -> bool:
+        return buffer_id in self._buffers
+
+    def __enter__(self) -> BufferImporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

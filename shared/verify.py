@@ -1,0 +1,218 @@
+"""Lossless verification of drafted tokens against the target's logits (pure-torch reference).
+
+The algorithm is speculative sampling from Leviathan et al., "Fast Inference from Transformers via
+Speculative Decoding" (arXiv 2211.17192). Terms, defined once:
+
+- draft tokens d_0..d_{k-1}: what the drafter proposed for one sequence; q_j is the draft
+  distribution d_j was sampled from (one-hot on d_j for greedy drafters such as DFlash).
+- target rows: the target scores [last token, d_0, .., d_{k-1}] in one forward, giving k+1 rows of
+  logits. Row j is the target's distribution p_j for the token in draft slot j; row k follows the
+  last draft. p_j = target_probs(row j, the request's SamplingParams).
+- accepted tokens: the longest prefix of drafts that pass. Greedy: d_j == argmax(row j). Sampled:
+  u_j < p_j(d_j) / q_j(d_j) with u_j uniform in [0, 1), i.e. accept with probability
+  min(1, p_j(d_j) / q_j(d_j)). With one-hot q that is probability p_j(d_j).
+- recovered token: at the first rejected slot j, a token sampled from the residual
+  norm(max(0, p_j - q_j)) (greedy: argmax(row j)). With one-hot q the residual is p_j with d_j
+  zeroed, so a recovered token never equals the draft it replaces.
+- bonus token: when all k drafts are accepted, a token sampled from p_k (greedy: argmax(row k)).
+
+Each step emits the accepted tokens followed by exactly one recovered-or-bonus token, and the
+emitted tokens are distributed exactly as if the target had sampled them one at a time.
+
+Random numbers: a sampled sequence with k drafts draws exactly k + 1 uniforms from its own
+generator, in one `torch.rand(k + 1)`: u_0..u_{k-1} for the acceptance tests, u_k to pick the
+emitted token by inverse CDF. The count depends on k alone, never on the outcome, so a request's
+tokens do not depend on what else is in the batch and a batched kernel can reproduce them. Greedy
+sequences draw nothing.
+
+Batches are ragged and flat: sequence i owns target rows cu_rows[i]:cu_rows[i+1] and has
+cu_rows[i+1] - cu_rows[i] - 1 drafts (k = 0 is allowed: just sample one token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from shared.errors import InvalidRequest
+from shared.sampling import SamplingParams, check_generator_device, inverse_cdf, target_probs
+
+PLACEHOLDER_TOKEN_ID = -1  # pads the batched greedy output past each sequence's emitted tokens
+
+
+@dataclass
+class VerifyResult:
+    """What one verify step emits per sequence."""
+
+    num_accepted: list[int]  # [num_seqs] drafts accepted per sequence
+    tokens: list[list[int]]  # [num_seqs] accepted drafts, then one recovered-or-bonus token
+
+    @staticmethod
+    def from_tokens(tokens: list[list[int]]) -> "VerifyResult":
+        return VerifyResult(num_accepted=[len(t) - 1 for t in tokens], tokens=tokens)
+
+
+def verify_greedy(
+    draft_tokens: Sequence[Sequence[int]],
+    target_logits: torch.Tensor,  # [sum(k_i + 1), V]
+    cu_rows: torch.Tensor,  # [num_seqs + 1]
+) -> VerifyResult:
+    """Accept drafts while they equal the target's argmax, then emit the argmax of the next row."""
+    bounds = _row_bounds(draft_tokens, target_logits, cu_rows)
+    argmax = target_logits.argmax(dim=-1).tolist()  # [num_rows]
+    tokens = [_greedy_tokens(list(d), argmax[start:end]) for d, (start, end) in zip(draft_tokens, bounds)]
+    return VerifyResult.from_tokens(tokens)
+
+
+def verify_sampled(
+    draft_tokens: Sequence[Sequence[int]],
+    target_logits: torch.Tensor,  # [sum(k_i + 1), V]
+    cu_rows: torch.Tensor,  # [num_seqs + 1]
+    params: Sequence[SamplingParams] | SamplingParams,
+    generators: Sequence[torch.Generator],  # [num_seqs], one per request
+    draft_probs: Sequence[torch.Tensor | None] | None = None,  # [num_seqs] of [k_i, V] or None (one-hot)
+) -> VerifyResult:
+    """Speculative sampling per sequence; greedy requests in the batch use greedy acceptance."""
+    bounds = _row_bounds(draft_tokens, target_logits, cu_rows)
+    num_seqs = len(bounds)
+    params = [params] * num_seqs if isinstance(params, SamplingParams) else list(params)
+    draft_probs = [None] * num_seqs if draft_probs is None else list(draft_probs)
+    if len(params) != num_seqs or len(generators) != num_seqs or len(draft_probs) != num_seqs:
+        raise InvalidRequest(
+            f"need one params, generator and draft_probs entry per sequence ({num_seqs}), "
+            f"got {len(params)}, {len(generators)}, {len(draft_probs)}"
+        )
+    argmax = target_logits.argmax(dim=-1).tolist() if any(p.greedy for p in params) else []
+    tokens = []
+    for i, (start, end) in enumerate(bounds):
+        drafts = list(draft_tokens[i])
+        if params[i].greedy:
+            tokens.append(_greedy_tokens(drafts, argmax[start:end]))
+        else:
+            rows = target_logits[start:end]
+            tokens.append(_sampled_tokens(drafts, rows, params[i], generators[i], draft_probs[i]))
+    return VerifyResult.from_tokens(tokens)
+
+
+def _greedy_tokens(drafts: list[int], row_argmax: list[int]) -> list[int]:
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == row_argmax[accepted]:
+        accepted += 1
+    # Accepted drafts equal their rows' argmax, so the output is simply the first accepted+1 argmaxes.
+    return row_argmax[: accepted + 1]
+
+
+def _sampled_tokens(
+    drafts: list[int],
+    logits: torch.Tensor,  # [k + 1, V]
+    params: SamplingParams,
+    generator: torch.Generator,
+    draft_probs: torch.Tensor | None,  # [k, V] or None
+) -> list[int]:
+    k = len(drafts)
+    p = target_probs(logits, params)  # [k + 1, V]
+    check_generator_device(generator, p.device)
+    uniforms = torch.rand(k + 1, generator=generator, device=p.device)  # [k + 1]
+    ids = torch.tensor(drafts, dtype=torch.long, device=p.device)  # [k]
+    q = _draft_distribution(ids, draft_probs, p.shape[-1])  # [k, V]
+    accepted = _num_accepted(ids, p[:k], q, uniforms[:k])
+    emit_from = p[k] if accepted == k else _residual(p[accepted], q[accepted])  # [V]
+    token = int(inverse_cdf(emit_from[None], uniforms[k:]).item())
+    return drafts[:accepted] + [token]
+
+
+def _draft_distribution(ids: torch.Tensor, draft_probs: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    if draft_probs is None:  # greedy drafter: all its mass sits on the draft token
+        return torch.nn.functional.one_hot(ids, vocab).float()
+    if draft_probs.shape != (ids.numel(), vocab) or not draft_probs.is_floating_point():
+        raise InvalidRequest(
+            f"draft_probs must be a floating [{ids.numel()}, {vocab}] tensor, got "
+            f"{tuple(draft_probs.shape)} {draft_probs.dtype}"
+        )
+    return draft_probs.to(device=ids.device, dtype=torch.float32)
+
+
+def _num_accepted(
+    ids: torch.Tensor,  # [k]
+    p: torch.Tensor,  # [k, V]
+    q: torch.Tensor,  # [k, V]
+    uniforms: torch.Tensor,  # [k]
+) -> int:
+    p_draft = p.gather(1, ids[:, None]).squeeze(1)  # [k]
+    q_draft = q.gather(1, ids[:, None]).squeeze(1)  # [k]
+    passed = uniforms * q_draft < p_draft  # u < p/q without dividing by a tiny q
+    leading = passed.long().cumprod(dim=0).sum()
+    impossible, accepted = torch.stack([(q_draft <= 0).any().long(), leading]).tolist()
+    if impossible:
+        raise InvalidRequest("a draft token has zero draft probability; it cannot have been sampled from q")
+    return accepted
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)), left unnormalised: inverse_cdf scales by the row's mass."""
+    residual = (p - q).clamp(min=0)  # [V]
+    # Positive in exact arithmetic whenever a rejection is possible; float rounding can cancel it.
+    return torch.where(residual.sum() > 0, residual, p)
+
+
+def verify_greedy_batched(
+    draft_ids: torch.Tensor,  # [sum(k_i)] int, sequence i's drafts at cu_rows[i]-i : cu_rows[i+1]-i-1
+    target_logits: torch.Tensor,  # [sum(k_i + 1), V]
+    cu_rows: torch.Tensor,  # [num_seqs + 1]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectorised `verify_greedy` on device → (num_accepted [num_seqs], tokens [num_seqs, max_k + 1]).
+
+    Row i of tokens holds its num_accepted[i] + 1 emitted tokens, then PLACEHOLDER_TOKEN_ID.
+    """
+    shapes_ok = target_logits.dim() == 2 and cu_rows.dim() == 1 and cu_rows.numel() >= 1 and draft_ids.dim() == 1
+    ints_ok = not cu_rows.is_floating_point() and not draft_ids.is_floating_point()
+    if not shapes_ok or not ints_ok or not target_logits.is_floating_point():
+        raise InvalidRequest("need floating target_logits [rows, V], integer cu_rows [num_seqs + 1] and draft_ids")
+    num_rows, vocab = target_logits.shape
+    num_seqs = cu_rows.numel() - 1
+    if num_seqs == 0 or draft_ids.numel() != num_rows - num_seqs:
+        raise InvalidRequest(f"{num_seqs} sequences over {num_rows} rows need {num_rows - num_seqs} drafts")
+    device = target_logits.device
+    cu_rows = cu_rows.to(device=device, dtype=torch.long)
+    counts = cu_rows.diff()  # [num_seqs] k_i + 1
+    bad = (counts < 1).any() | (cu_rows[0] != 0) | (cu_rows[-1] != num_rows)
+    bad = bad | ((draft_ids < 0) | (draft_ids >= vocab)).any()
+    max_rows, bad = torch.stack([counts.max(), bad.long()]).tolist()
+    if bad:
+        raise InvalidRequest("cu_rows must rise from 0 to the row count by >= 1, drafts must be < vocab")
+    rows = torch.arange(num_rows, device=device)
+    seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), counts, output_size=num_rows)
+    slot = rows - cu_rows[seq]  # [num_rows] draft slot j judged by this row; k for the bonus row
+    # Row r of sequence i judges draft r - i; the padding stands in for bonus rows, which judge nothing.
+    padding = torch.full((1,), -1, dtype=torch.long, device=device)
+    padded = torch.cat([draft_ids.to(device=device, dtype=torch.long), padding])  # [sum(k_i) + 1]
+    judged = torch.where(slot == counts[seq] - 1, -1, padded[rows - seq])  # [num_rows]
+    argmax = target_logits.argmax(dim=-1)  # [num_rows]
+    first_miss = torch.where(judged != argmax, slot, num_rows)  # bonus rows always "miss"
+    num_accepted = torch.full((num_seqs,), num_rows, device=device).scatter_reduce(0, seq, first_miss, "amin")
+    emitted = torch.where(slot <= num_accepted[seq], argmax, PLACEHOLDER_TOKEN_ID)
+    tokens = torch.full((num_seqs, max_rows), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
+    tokens[seq, slot] = emitted
+    return num_accepted, tokens
+
+
+def _row_bounds(
+    draft_tokens: Sequence[Sequence[int]], target_logits: torch.Tensor, cu_rows: torch.Tensor
+) -> list[tuple[int, int]]:
+    """Validate the ragged batch and return each sequence's [start, end) target rows."""
+    if target_logits.dim() != 2 or not target_logits.is_floating_point():
+        raise InvalidRequest(f"target_logits must be floating [rows, V], got {tuple(target_logits.shape)}")
+    if cu_rows.dim() != 1 or cu_rows.is_floating_point() or cu_rows.numel() != len(draft_tokens) + 1:
+        raise InvalidRequest(f"cu_rows must be an integer [num_seqs + 1] = [{len(draft_tokens) + 1}] tensor")
+    cu = cu_rows.tolist()
+    num_rows, vocab = target_logits.shape
+    if cu[0] != 0 or cu[-1] != num_rows:
+        raise InvalidRequest(f"cu_rows must run from 0 to the {num_rows} target rows, got {cu}")
+    for i, drafts in enumerate(draft_tokens):
+        if cu[i + 1] - cu[i] != len(drafts) + 1:
+            raise InvalidRequest(f"sequence {i} has {len(drafts)} drafts but {cu[i + 1] - cu[i]} target rows")
+        if any(not 0 <= t < vocab for t in drafts):
+            raise InvalidRequest(f"sequence {i} has a draft token outside [0, {vocab})")
+    return list(zip(cu[:-1], cu[1:]))

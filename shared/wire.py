@@ -1,0 +1,736 @@
+"""Conversion between the specsplit.v1 protobuf messages and domain objects; nothing else here.
+
+Besides the servers and clients, this is the only module that imports the generated stubs.
+Every `*_from_proto` validates what arrived and raises InvalidRequest for malformed input.
+
+The per-step message pieces live here as protobuf-free dataclasses (`SeqStep`, `StepBatch`,
+`StepResult`, `SeqError`) because they are the wire's shape of a step: the drafter applies a
+`StepBatch` through the Proposer verbs, in the fixed order catchup, stash, commit, trim, free for
+each sequence, then the batch's proposes. The unary Stash/Commit/Trim/Catchup/FreeState requests
+convert to a one-sequence `SeqStep`, so both paths share one applier.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from protos.specsplit.v1 import common_pb2, drafter_pb2, target_pb2
+from shared.errors import (
+    AlreadyExists,
+    CapacityExceeded,
+    DrafterUnavailable,
+    InvalidRequest,
+    SpecsplitError,
+    StateConflict,
+    UnknownSequence,
+)
+from shared.proposer import CarriedKV, DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest
+from shared.sampling import SamplingParams
+from shared.transport import (
+    BufferDescriptor,
+    BufferKind,
+    BufferRole,
+    InlineRows,
+    RowRef,
+    RowSource,
+    decode_inline,
+    encode_inline,
+)
+
+_DTYPE = {
+    torch.float32: common_pb2.DTYPE_FLOAT32,
+    torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
+    torch.float16: common_pb2.DTYPE_FLOAT16,
+}
+_DRAFTER_KIND = {DrafterKind.DFLASH: common_pb2.DRAFTER_KIND_DFLASH, DrafterKind.MTP: common_pb2.DRAFTER_KIND_MTP}
+_FEATURE = {
+    FeatureKind.LAYER_CONCAT: common_pb2.FEATURE_KIND_LAYER_CONCAT,
+    FeatureKind.LAST_HIDDEN: common_pb2.FEATURE_KIND_LAST_HIDDEN,
+}
+_BUFFER_KIND = {BufferKind.SHM: common_pb2.BUFFER_KIND_SHM, BufferKind.CUDA_IPC: common_pb2.BUFFER_KIND_CUDA_IPC}
+_ROLE = {
+    BufferRole.ROWS: common_pb2.BUFFER_ROLE_ROWS,
+    BufferRole.TARGET_EMBEDDING: common_pb2.BUFFER_ROLE_TARGET_EMBEDDING,
+    BufferRole.TARGET_LM_HEAD: common_pb2.BUFFER_ROLE_TARGET_LM_HEAD,
+}
+FINISH_REASONS = {
+    "length": target_pb2.FINISH_REASON_LENGTH,
+    "stop": target_pb2.FINISH_REASON_STOP,
+    "eos": target_pb2.FINISH_REASON_EOS,
+    "cancelled": target_pb2.FINISH_REASON_CANCELLED,
+}
+_STATUS_BY_NUMBER = {code.value[0]: code.name for code in grpc.StatusCode}
+# The inverse of shared.errors' grpc_code, for clients; FAILED_PRECONDITION from a running drafter is
+# a state conflict (a checkpoint error would have stopped it from starting).
+_ERROR_BY_STATUS: dict[str, type[SpecsplitError]] = {
+    "INVALID_ARGUMENT": InvalidRequest,
+    "NOT_FOUND": UnknownSequence,
+    "FAILED_PRECONDITION": StateConflict,
+    "ALREADY_EXISTS": AlreadyExists,
+    "RESOURCE_EXHAUSTED": CapacityExceeded,
+}
+
+
+def error_from_status(code: str, message: str) -> SpecsplitError:
+    """The domain error a client raises for a status code; codes without one mean the peer failed."""
+    return _ERROR_BY_STATUS.get(code, DrafterUnavailable)(message)
+
+
+def _from_proto(table: dict, number: int, what: str):
+    for domain, wire in table.items():
+        if wire == number:
+            return domain
+    raise InvalidRequest(f"unknown or unset {what} ({number})")
+
+
+def _nonneg(what: str, value: int) -> int:
+    if value < 0:
+        raise InvalidRequest(f"{what} must be >= 0, got {value}")
+    return value
+
+
+def _tokens(what: str, values: Iterable[int]) -> tuple[int, ...]:
+    tokens = tuple(values)
+    if any(t < 0 for t in tokens):
+        raise InvalidRequest(f"{what} holds a negative token id")
+    return tokens
+
+
+# --- rows and buffers --------------------------------------------------------------------------
+
+
+def inline_to_proto(inline: InlineRows) -> common_pb2.InlineRows:
+    return common_pb2.InlineRows(data=inline.data, dtype=_DTYPE[inline.dtype], rows=inline.rows, cols=inline.cols)
+
+
+def inline_from_proto(pb: common_pb2.InlineRows) -> InlineRows:
+    return InlineRows(pb.data, _from_proto(_DTYPE, pb.dtype, "dtype"), pb.rows, pb.cols)
+
+
+def rows_to_proto(source: RowSource) -> common_pb2.RowRef:
+    if isinstance(source, InlineRows):
+        return common_pb2.RowRef(inline=inline_to_proto(source))
+    return common_pb2.RowRef(
+        buffer_id=source.buffer_id, row_offset=source.row_offset, rows=source.rows, generation=source.generation
+    )
+
+
+def rows_from_proto(pb: common_pb2.RowRef) -> RowSource:
+    if pb.HasField("inline"):
+        return inline_from_proto(pb.inline)
+    return RowRef(pb.buffer_id, pb.row_offset, pb.rows, pb.generation)
+
+
+def _required_rows(pb, name: str = "rows") -> RowSource:
+    if not pb.HasField(name):
+        raise InvalidRequest(f"{type(pb).__name__}.{name} is missing")
+    return rows_from_proto(getattr(pb, name))
+
+
+def descriptor_to_proto(d: BufferDescriptor) -> common_pb2.BufferDescriptor:
+    return common_pb2.BufferDescriptor(
+        buffer_id=d.buffer_id,
+        kind=_BUFFER_KIND[d.kind],
+        name=d.name,
+        mem_handle=d.mem_handle,
+        dtype=_DTYPE[d.dtype],
+        rows=d.rows,
+        cols=d.cols,
+        device_uuid=d.device_uuid,
+        host_id=d.host_id,
+        event_handle=d.event_handle,
+        role=_ROLE[d.role],
+    )
+
+
+def descriptor_from_proto(pb: common_pb2.BufferDescriptor) -> BufferDescriptor:
+    return BufferDescriptor(
+        buffer_id=pb.buffer_id,
+        kind=_from_proto(_BUFFER_KIND, pb.kind, "buffer kind"),
+        name=pb.name,
+        dtype=_from_proto(_DTYPE, pb.dtype, "dtype"),
+        rows=pb.rows,
+        cols=pb.cols,
+        host_id=pb.host_id,
+        device_uuid=pb.device_uuid,
+        mem_handle=pb.mem_handle,
+        event_handle=pb.event_handle,
+        role=_from_proto(_ROLE, pb.role, "buffer role"),
+    )
+
+
+def bitmask_to_proto(bitmask: torch.Tensor) -> common_pb2.Bitmask:
+    """[words] int32 → Bitmask (little-endian bytes)."""
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 1 or bitmask.numel() == 0:
+        raise InvalidRequest(f"a bitmask is a non-empty 1-D int32 tensor, got {bitmask.dtype} {tuple(bitmask.shape)}")
+    return common_pb2.Bitmask(words=bitmask.detach().contiguous().cpu().numpy().astype("<i4").tobytes())
+
+
+def bitmask_from_proto(pb: common_pb2.Bitmask) -> torch.Tensor:
+    """Bitmask → [words] int32 on the host (the proposer checks its length against the vocabulary)."""
+    if not pb.words or len(pb.words) % 4:
+        raise InvalidRequest(f"a bitmask is a non-empty whole number of 4-byte words, got {len(pb.words)} bytes")
+    return torch.frombuffer(bytearray(pb.words), dtype=torch.int32)
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        stop_token_ids=p.stop_token_ids,
+        stop_strings=p.stop_strings,
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        pb.seed = p.seed
+    return pb
+
+
+def sampling_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto3 zeros mean "unset": max_tokens 0 takes the default, top_p 0 means 1 (off)."""
+    defaults = SamplingParams()
+    return SamplingParams(
+        max_tokens=pb.max_tokens or defaults.max_tokens,
+        temperature=pb.temperature,
+        top_k=pb.top_k,
+        top_p=pb.top_p or 1.0,
+        seed=pb.seed if pb.HasField("seed") else None,
+        stop_token_ids=tuple(pb.stop_token_ids),
+        stop_strings=tuple(pb.stop_strings),
+        ignore_eos=pb.ignore_eos,
+    )
+
+
+# --- drafter description and carried KV --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DrafterDescription:
+    """DrafterService.Describe: the drafter's spec plus where it runs (to choose the row transport)."""
+
+    spec: DrafterSpec
+    host_id: str = ""  # shared.transport.host_id() of the drafter process
+    device_uuid: str = ""  # the drafter's GPU, empty on the CPU
+    needs_target_head: bool = False  # wants the target's embedding and LM head as buffers
+
+
+def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
+    s = d.spec
+    return drafter_pb2.DrafterDescription(
+        kind=_DRAFTER_KIND[DrafterKind(s.kind)],
+        block_size=s.block_size,
+        max_drafts=s.max_drafts,
+        target_layer_ids=s.target_layer_ids,
+        feature=_FEATURE[FeatureKind(s.feature)],
+        feature_dim=s.feature_dim,
+        hidden_size=s.hidden_size,
+        vocab_size=s.vocab_size,
+        max_batch=s.max_batch,
+        window=s.window,
+        needs_target_head=d.needs_target_head,
+        host_id=d.host_id,
+        device_uuid=d.device_uuid,
+    )
+
+
+def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescription:
+    if pb.hidden_size <= 0 or pb.vocab_size <= 0 or pb.window <= 0:
+        raise InvalidRequest("drafter description needs positive hidden_size, vocab_size and window")
+    spec = DrafterSpec(
+        kind=_from_proto(_DRAFTER_KIND, pb.kind, "drafter kind"),
+        feature=_from_proto(_FEATURE, pb.feature, "feature kind"),
+        feature_dim=pb.feature_dim,
+        hidden_size=pb.hidden_size,
+        vocab_size=pb.vocab_size,
+        max_drafts=pb.max_drafts,
+        block_size=_nonneg("block_size", pb.block_size),
+        target_layer_ids=tuple(_nonneg("target layer id", i) for i in pb.target_layer_ids),
+        max_batch=pb.max_batch,
+        window=pb.window,
+    )
+    return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head)
+
+
+def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:
+    return drafter_pb2.CarriedKV(handle=kv.handle, rows=kv.rows, last_position=kv.last_position)
+
+
+def carried_kv_from_proto(pb: drafter_pb2.CarriedKV) -> CarriedKV:
+    if pb.rows < 0 or pb.last_position < -1:
+        raise InvalidRequest(f"carried KV needs rows >= 0 and last_position >= -1, got {pb.rows}, {pb.last_position}")
+    return CarriedKV(handle=pb.handle, rows=pb.rows, last_position=pb.last_position)
+
+
+# --- propose -----------------------------------------------------------------------------------
+
+
+def propose_item_to_proto(r: ProposeRequest) -> drafter_pb2.ProposeItem:
+    pb = drafter_pb2.ProposeItem(
+        seq_id=r.seq_id,
+        last_token=r.last_token,
+        position=r.position,
+        num_drafts=r.num_drafts,
+        want_confidence=r.want_confidence,
+    )
+    if r.bitmask is not None:
+        pb.bitmask.CopyFrom(bitmask_to_proto(r.bitmask))
+    return pb
+
+
+def propose_item_from_proto(pb: drafter_pb2.ProposeItem) -> ProposeRequest:
+    if pb.num_drafts <= 0:
+        raise InvalidRequest(f"sequence {pb.seq_id}: num_drafts must be >= 1, got {pb.num_drafts}")
+    return ProposeRequest(
+        seq_id=_nonneg("seq_id", pb.seq_id),
+        last_token=_nonneg("last_token", pb.last_token),
+        position=_nonneg("position", pb.position),
+        num_drafts=pb.num_drafts,
+        bitmask=bitmask_from_proto(pb.bitmask) if pb.HasField("bitmask") else None,
+        want_confidence=pb.want_confidence,
+    )
+
+
+def proposal_to_proto(seq_id: int, p: Proposal) -> drafter_pb2.Proposal:
+    pb = drafter_pb2.Proposal(seq_id=seq_id, tokens=p.tokens, confidence=p.confidence or ())
+    if p.probs is not None:
+        pb.probs.CopyFrom(inline_to_proto(encode_inline(p.probs)))
+    return pb
+
+
+def proposal_from_proto(pb: drafter_pb2.Proposal) -> tuple[int, Proposal]:
+    """→ (seq_id, Proposal); probs are decoded onto the host."""
+    tokens = list(_tokens("proposal", pb.tokens))
+    if pb.confidence and len(pb.confidence) != len(tokens):
+        raise InvalidRequest(f"proposal for {pb.seq_id}: {len(pb.confidence)} confidences for {len(tokens)} drafts")
+    probs = decode_inline(inline_from_proto(pb.probs)) if pb.HasField("probs") else None
+    if probs is not None and probs.shape[0] != len(tokens):
+        raise InvalidRequest(f"proposal for {pb.seq_id}: probs have {probs.shape[0]} rows for {len(tokens)} drafts")
+    return pb.seq_id, Proposal(tokens=tokens, confidence=list(pb.confidence) or None, probs=probs)
+
+
+def propose_to_proto(requests: Sequence[ProposeRequest]) -> drafter_pb2.ProposeRequest:
+    return drafter_pb2.ProposeRequest(items=[propose_item_to_proto(r) for r in requests])
+
+
+def propose_from_proto(pb: drafter_pb2.ProposeRequest) -> list[ProposeRequest]:
+    return [propose_item_from_proto(item) for item in pb.items]
+
+
+def proposals_to_proto(
+    requests: Sequence[ProposeRequest], proposals: Sequence[Proposal]
+) -> drafter_pb2.ProposeResponse:
+    return drafter_pb2.ProposeResponse(
+        proposals=[proposal_to_proto(r.seq_id, p) for r, p in zip(requests, proposals, strict=True)]
+    )
+
+
+def proposals_from_proto(pb: drafter_pb2.ProposeResponse) -> list[Proposal]:
+    return [proposal_from_proto(p)[1] for p in pb.proposals]
+
+
+# --- per-sequence operations (the Step stream and their unary twins) ---------------------------
+
+
+@dataclass(frozen=True)
+class CommitOp:
+    """Move stash[:num_rows] into the context at base_pos.. (Proposer.commit)."""
+
+    num_rows: int
+    base_pos: int
+    token_ids: tuple[int, ...]  # [num_rows]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", _tokens("commit", self.token_ids))
+        if self.num_rows <= 0 or self.base_pos < 0 or len(self.token_ids) != self.num_rows:
+            raise InvalidRequest(
+                f"commit needs num_rows >= 1 token ids and base_pos >= 0, got {self.num_rows} rows, "
+                f"{len(self.token_ids)} ids, base_pos {self.base_pos}"
+            )
+
+
+@dataclass(frozen=True)
+class RowsOp:
+    """Rows with their tokens at base_pos.. (Proposer.catchup; also the prefill of a prompt)."""
+
+    token_ids: tuple[int, ...]  # [rows]
+    rows: RowSource  # [len(token_ids), feature_dim]
+    base_pos: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", _tokens("rows", self.token_ids))
+        if not self.token_ids or self.rows.rows != len(self.token_ids) or self.base_pos < 0:
+            raise InvalidRequest(
+                f"{len(self.token_ids)} token ids need as many rows (got {self.rows.rows}) and base_pos >= 0 "
+                f"(got {self.base_pos})"
+            )
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One sequence's operations in a step, applied as catchup, stash, commit, trim, free."""
+
+    seq_id: int
+    catchup: RowsOp | None = None
+    stash: RowSource | None = None  # [k+1, feature_dim] verify rows
+    commit: CommitOp | None = None
+    trim: int | None = None  # drafts the verify accepted
+    free: bool = False
+
+    def __post_init__(self) -> None:
+        _nonneg("seq_id", self.seq_id)
+        if self.trim is not None:
+            _nonneg("trim", self.trim)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One engine step, target → drafter: per-sequence operations, then the batch's proposes."""
+
+    step_id: int
+    seqs: tuple[SeqStep, ...] = ()
+    proposes: tuple[ProposeRequest, ...] = ()
+    register: tuple[BufferDescriptor, ...] = ()  # mapped before any rows are read
+    release: tuple[int, ...] = ()  # unmapped after the step
+
+    def __post_init__(self) -> None:
+        for name in ("seqs", "proposes", "register", "release"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        _nonneg("step_id", self.step_id)
+        for what, ids in (("seqs", [s.seq_id for s in self.seqs]), ("proposes", [p.seq_id for p in self.proposes])):
+            if len(set(ids)) != len(ids):
+                raise InvalidRequest(f"a step names a sequence twice in {what}")
+
+
+@dataclass(frozen=True)
+class SeqError:
+    """A sequence that failed inside a step: its gRPC status code name and message."""
+
+    seq_id: int
+    code: str  # grpc.StatusCode name, e.g. "NOT_FOUND"
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.code not in grpc.StatusCode.__members__ or self.code == "OK":
+            raise InvalidRequest(f"not an error status code: {self.code!r}")
+
+    @staticmethod
+    def from_exception(seq_id: int, error: Exception) -> SeqError:
+        """The status a server maps the exception to (shared.errors' grpc_code; INTERNAL otherwise)."""
+        return SeqError(seq_id, getattr(error, "grpc_code", "INTERNAL"), str(error))
+
+    def exception(self) -> SpecsplitError:
+        """The domain error for a client to raise; codes without one mean the drafter failed."""
+        return error_from_status(self.code, f"sequence {self.seq_id}: {self.message}")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One engine step's answer: proposals of the sequences that succeeded, errors of the others."""
+
+    step_id: int
+    proposals: dict[int, Proposal] = field(default_factory=dict)  # seq_id → drafts, in propose order
+    errors: tuple[SeqError, ...] = ()
+
+
+def _commit_to_proto(op: CommitOp) -> drafter_pb2.CommitOp:
+    return drafter_pb2.CommitOp(num_rows=op.num_rows, base_pos=op.base_pos, token_ids=op.token_ids)
+
+
+def _rows_op_to_proto(op: RowsOp) -> drafter_pb2.CatchupOp:
+    return drafter_pb2.CatchupOp(token_ids=op.token_ids, rows=rows_to_proto(op.rows), base_pos=op.base_pos)
+
+
+def _rows_op_from_proto(pb: drafter_pb2.CatchupOp) -> RowsOp:
+    return RowsOp(tuple(pb.token_ids), _required_rows(pb), pb.base_pos)
+
+
+def seq_step_to_proto(s: SeqStep) -> drafter_pb2.SeqStep:
+    pb = drafter_pb2.SeqStep(seq_id=s.seq_id, free=s.free)
+    if s.catchup is not None:
+        pb.catchup.CopyFrom(_rows_op_to_proto(s.catchup))
+    if s.stash is not None:
+        pb.stash.CopyFrom(rows_to_proto(s.stash))
+    if s.commit is not None:
+        pb.commit.CopyFrom(_commit_to_proto(s.commit))
+    if s.trim is not None:
+        pb.trim = s.trim
+    return pb
+
+
+def seq_step_from_proto(pb: drafter_pb2.SeqStep) -> SeqStep:
+    c = pb.commit
+    return SeqStep(
+        seq_id=pb.seq_id,
+        catchup=_rows_op_from_proto(pb.catchup) if pb.HasField("catchup") else None,
+        stash=rows_from_proto(pb.stash) if pb.HasField("stash") else None,
+        commit=CommitOp(c.num_rows, c.base_pos, tuple(c.token_ids)) if pb.HasField("commit") else None,
+        trim=pb.trim if pb.HasField("trim") else None,
+        free=pb.free,
+    )
+
+
+def step_to_proto(batch: StepBatch) -> drafter_pb2.StepRequest:
+    return drafter_pb2.StepRequest(
+        step_id=batch.step_id,
+        seqs=[seq_step_to_proto(s) for s in batch.seqs],
+        proposes=[propose_item_to_proto(p) for p in batch.proposes],
+        register_buffers=[descriptor_to_proto(d) for d in batch.register],
+        release_buffers=batch.release,
+    )
+
+
+def step_from_proto(pb: drafter_pb2.StepRequest) -> tuple[StepBatch, list[SeqError]]:
+    """→ (the well-formed part of the step, errors of the sequences left out).
+
+    A malformed SeqStep or ProposeItem drops that sequence from the whole step (its propose too),
+    so one bad sequence does not fail the stream. Malformed connection-level fields raise.
+    """
+    errors: dict[int, SeqError] = {}
+    seqs = _convert_each(pb.seqs, seq_step_from_proto, errors)
+    proposes = _convert_each(pb.proposes, propose_item_from_proto, errors)
+    batch = StepBatch(
+        step_id=pb.step_id,
+        seqs=[s for s in seqs if s.seq_id not in errors],
+        proposes=[p for p in proposes if p.seq_id not in errors],
+        register=[descriptor_from_proto(d) for d in pb.register_buffers],
+        release=[_nonneg("buffer id", i) for i in pb.release_buffers],
+    )
+    return batch, list(errors.values())
+
+
+def _convert_each(items, convert, errors: dict[int, SeqError]) -> list:
+    """Convert each item; a failure or a repeated seq_id records an INVALID_ARGUMENT for its sequence."""
+    out, seen = [], set()
+    for item in items:
+        try:
+            if item.seq_id in seen:
+                raise InvalidRequest(f"sequence {item.seq_id} appears twice in one step")
+            seen.add(item.seq_id)
+            out.append(convert(item))
+        except InvalidRequest as err:
+            errors.setdefault(item.seq_id, SeqError(item.seq_id, "INVALID_ARGUMENT", str(err)))
+    return out
+
+
+def step_result_to_proto(r: StepResult) -> drafter_pb2.StepResponse:
+    return drafter_pb2.StepResponse(
+        step_id=r.step_id,
+        proposals=[proposal_to_proto(seq_id, p) for seq_id, p in r.proposals.items()],
+        errors=[
+            drafter_pb2.SeqError(seq_id=e.seq_id, code=grpc.StatusCode[e.code].value[0], message=e.message)
+            for e in r.errors
+        ],
+    )
+
+
+def step_result_from_proto(pb: drafter_pb2.StepResponse) -> StepResult:
+    proposals = dict(proposal_from_proto(p) for p in pb.proposals)
+    if len(proposals) != len(pb.proposals):
+        raise InvalidRequest(f"step {pb.step_id} answers a sequence twice")
+    errors = tuple(SeqError(e.seq_id, _STATUS_BY_NUMBER.get(e.code, "UNKNOWN"), e.message) for e in pb.errors)
+    return StepResult(pb.step_id, proposals, errors)
+
+
+# Unary requests ↔ a one-sequence SeqStep (the same applier serves both paths).
+
+
+def stash_to_proto(seq_id: int, rows: RowSource) -> drafter_pb2.StashRequest:
+    return drafter_pb2.StashRequest(seq_id=seq_id, rows=rows_to_proto(rows))
+
+
+def commit_to_proto(seq_id: int, op: CommitOp) -> drafter_pb2.CommitRequest:
+    return drafter_pb2.CommitRequest(seq_id=seq_id, num_rows=op.num_rows, base_pos=op.base_pos, token_ids=op.token_ids)
+
+
+def trim_to_proto(seq_id: int, num_accepted: int) -> drafter_pb2.TrimRequest:
+    return drafter_pb2.TrimRequest(seq_id=seq_id, num_accepted=num_accepted)
+
+
+def catchup_to_proto(seq_id: int, op: RowsOp) -> drafter_pb2.CatchupRequest:
+    return drafter_pb2.CatchupRequest(
+        seq_id=seq_id, token_ids=op.token_ids, rows=rows_to_proto(op.rows), base_pos=op.base_pos
+    )
+
+
+def unary_to_seq_step(pb) -> SeqStep:
+    """A StashRequest, CommitRequest, TrimRequest, CatchupRequest or FreeStateRequest → SeqStep."""
+    if isinstance(pb, drafter_pb2.StashRequest):
+        return SeqStep(pb.seq_id, stash=_required_rows(pb))
+    if isinstance(pb, drafter_pb2.CommitRequest):
+        return SeqStep(pb.seq_id, commit=CommitOp(pb.num_rows, pb.base_pos, tuple(pb.token_ids)))
+    if isinstance(pb, drafter_pb2.TrimRequest):
+        return SeqStep(pb.seq_id, trim=pb.num_accepted)
+    if isinstance(pb, drafter_pb2.CatchupRequest):
+        return SeqStep(pb.seq_id, catchup=RowsOp(tuple(pb.token_ids), _required_rows(pb), pb.base_pos))
+    if isinstance(pb, drafter_pb2.FreeStateRequest):
+        return SeqStep(pb.seq_id, free=True)
+    raise InvalidRequest(f"{type(pb).__name__} is not a per-sequence request")
+
+
+def alloc_to_proto(seq_id: int, budget_tokens: int) -> drafter_pb2.AllocStateRequest:
+    return drafter_pb2.AllocStateRequest(seq_id=seq_id, budget_tokens=budget_tokens)
+
+
+def alloc_from_proto(pb: drafter_pb2.AllocStateRequest) -> tuple[int, int]:
+    """→ (seq_id, budget_tokens)."""
+    if pb.budget_tokens <= 0:
+        raise InvalidRequest(f"sequence {pb.seq_id}: budget_tokens must be >= 1, got {pb.budget_tokens}")
+    return _nonneg("seq_id", pb.seq_id), pb.budget_tokens
+
+
+def prefill_to_proto(seq_id: int, op: RowsOp) -> drafter_pb2.PrefillDrafterRequest:
+    return drafter_pb2.PrefillDrafterRequest(
+        seq_id=seq_id, token_ids=op.token_ids, rows=rows_to_proto(op.rows), start_pos=op.base_pos
+    )
+
+
+def prefill_from_proto(pb: drafter_pb2.PrefillDrafterRequest) -> tuple[int, RowsOp]:
+    """→ (seq_id, prompt rows at start_pos..)."""
+    return _nonneg("seq_id", pb.seq_id), RowsOp(tuple(pb.token_ids), _required_rows(pb), pb.start_pos)
+
+
+# --- target service ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """TargetService.Generate's request: a text or token-id prompt and how to sample it."""
+
+    prompt: str | tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    chat: bool = False  # wrap a text prompt in the chat template
+    speculative: bool = True  # use the drafter when one is attached
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            object.__setattr__(self, "prompt", _tokens("prompt", self.prompt))
+        if not self.prompt:
+            raise InvalidRequest("the prompt is empty")
+        if self.chat and not isinstance(self.prompt, str):
+            raise InvalidRequest("chat needs a text prompt")
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Counters of a finished generation; τ = generated tokens per step."""
+
+    steps: int
+    drafted: int
+    accepted: int
+    tau: float
+    prompt_tokens: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One engine step's output for a request; the last one carries finish_reason and stats."""
+
+    token_ids: tuple[int, ...]
+    text: str = ""
+    finish_reason: str | None = None  # length | stop | eos | cancelled
+    stats: GenerationStats | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", _tokens("generated", self.token_ids))
+        reason = self.finish_reason
+        if isinstance(reason, enum.Enum):  # target_service's FinishReason is a str enum
+            object.__setattr__(self, "finish_reason", reason.value)
+        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
+            raise InvalidRequest(f"unknown finish reason {self.finish_reason!r}")
+
+
+@dataclass(frozen=True)
+class TargetDescription:
+    """TargetService.Describe: the served model and its drafter."""
+
+    model_name: str
+    vocab_size: int
+    max_context: int
+    drafter_kind: DrafterKind | None = None  # None: no drafter attached
+
+    @property
+    def drafter_attached(self) -> bool:
+        return self.drafter_kind is not None
+
+
+def generate_to_proto(call: GenerateCall) -> target_pb2.GenerateRequest:
+    pb = target_pb2.GenerateRequest(
+        chat=call.chat,
+        sampling=sampling_to_proto(call.sampling),
+        speculative=call.speculative,
+        request_id=call.request_id,
+    )
+    if isinstance(call.prompt, str):
+        pb.text = call.prompt
+    else:
+        pb.token_ids.ids.extend(call.prompt)
+    return pb
+
+
+def generate_from_proto(pb: target_pb2.GenerateRequest) -> GenerateCall:
+    which = pb.WhichOneof("prompt")
+    if which is None:
+        raise InvalidRequest("GenerateRequest has no prompt")
+    return GenerateCall(
+        prompt=pb.text if which == "text" else tuple(pb.token_ids.ids),
+        sampling=sampling_from_proto(pb.sampling),
+        chat=pb.chat,
+        speculative=pb.speculative if pb.HasField("speculative") else True,
+        request_id=pb.request_id,
+    )
+
+
+def chunk_to_proto(chunk: GenerateChunk) -> target_pb2.GenerateResponse:
+    pb = target_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
+    if chunk.finish_reason is not None:
+        pb.finish_reason = FINISH_REASONS[chunk.finish_reason]
+    if chunk.stats is not None:
+        s = chunk.stats
+        pb.stats.CopyFrom(
+            target_pb2.GenerationStats(
+                steps=s.steps,
+                drafted=s.drafted,
+                accepted=s.accepted,
+                tau=s.tau,
+                prompt_tokens=s.prompt_tokens,
+                generated_tokens=s.generated_tokens,
+            )
+        )
+    return pb
+
+
+def chunk_from_proto(pb: target_pb2.GenerateResponse) -> GenerateChunk:
+    reason = _from_proto(FINISH_REASONS, pb.finish_reason, "finish reason") if pb.HasField("finish_reason") else None
+    stats = None
+    if pb.HasField("stats"):
+        s = pb.stats
+        stats = GenerationStats(s.steps, s.drafted, s.accepted, s.tau, s.prompt_tokens, s.generated_tokens)
+    return GenerateChunk(tuple(pb.token_ids), pb.text, reason, stats)
+
+
+def target_description_to_proto(d: TargetDescription) -> target_pb2.TargetDescription:
+    kind = common_pb2.DRAFTER_KIND_UNSPECIFIED if d.drafter_kind is None else _DRAFTER_KIND[DrafterKind(d.drafter_kind)]
+    return target_pb2.TargetDescription(
+        model_name=d.model_name,
+        vocab_size=d.vocab_size,
+        max_context=d.max_context,
+        drafter_attached=d.drafter_attached,
+        drafter_kind=kind,
+    )
+
+
+def target_description_from_proto(pb: target_pb2.TargetDescription) -> TargetDescription:
+    kind = _from_proto(_DRAFTER_KIND, pb.drafter_kind, "drafter kind") if pb.drafter_attached else None
+    return TargetDescription(pb.model_name, pb.vocab_size, pb.max_context, kind)

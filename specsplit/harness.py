@@ -1,0 +1,136 @@
+"""An importable test harness: spawn both services as subprocesses, wait for health, hand out clients.
+
+Used by our tests, by `specsplit up` / `specsplit demo`, and by users' own pytest suites: the
+package registers this module as a pytest plugin, so the fixtures `specsplit_services` (one pair per
+test module, random DFlash drafter on the default model) and `specsplit_factory` (spawn any pair)
+are available wherever specsplit is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from target_service.client import TargetClient, wait_healthy
+
+
+@dataclass
+class ServiceSpec:
+    target: str = "default"
+    drafter: str = "dflash"  # none | dflash | mtp | a checkpoint folder
+    device: str = "cpu"
+    dtype: str | None = None
+    seed: int = 0
+    target_args: tuple[str, ...] = ()
+    drafter_args: tuple[str, ...] = ()
+    startup_timeout: float = 180.0
+
+
+def _common(spec: ServiceSpec) -> list[str]:
+    args = ["--target", spec.target, "--device", spec.device, "--seed", str(spec.seed)]
+    return args + (["--dtype", spec.dtype] if spec.dtype else [])
+
+
+@dataclass
+class Services:
+    """A running drafter + target pair on unix sockets in a private directory."""
+
+    spec: ServiceSpec
+    workdir: Path
+    drafter_address: str | None = None
+    target_address: str = ""
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self) -> "Services":
+        if self.spec.drafter != "none":
+            self.drafter_address = f"unix:{self.workdir}/drafter.sock"
+            self.start_drafter()
+        self.target_address = f"unix:{self.workdir}/target.sock"
+        drafter = ["--drafter", self.drafter_address] if self.drafter_address else []
+        self._spawn("target", ["target", "serve", "--listen", self.target_address, *drafter,
+                               *_common(self.spec), *self.spec.target_args])
+        wait_healthy(self.target_address, self.spec.startup_timeout)
+        return self
+
+    def start_drafter(self) -> None:
+        self._spawn("drafter", ["drafter", "serve", "--listen", self.drafter_address,
+                                "--drafter", self.spec.drafter, *_common(self.spec), *self.spec.drafter_args])
+        wait_healthy(self.drafter_address, self.spec.startup_timeout)
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = open(self.workdir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "specsplit", *args], stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        if self.procs[name].poll() is not None:
+            raise RuntimeError(f"{name} exited at once; see {self.workdir / f'{name}.log'}")
+
+    def client(self) -> TargetClient:
+        return TargetClient(self.target_address)
+
+    def kill_drafter(self, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop("drafter")
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        """SIGTERM each service (target first), then SIGKILL whatever is left after 20 s."""
+        for name in ("target", "drafter"):
+            proc = self.procs.pop(name, None)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> "Services":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def spawn(spec: ServiceSpec = ServiceSpec(), workdir: str | os.PathLike | None = None) -> Services:
+    """Start a service pair; use as a context manager (or call stop())."""
+    folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="specsplit-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    services = Services(spec, folder)
+    try:
+        return services.start()
+    except BaseException:
+        services.stop()
+        raise
+
+
+@pytest.fixture(scope="module")
+def specsplit_services(tmp_path_factory):
+    """A drafter + target pair (random DFlash drafter, default model) shared by a test module."""
+    services = spawn(ServiceSpec(), tmp_path_factory.mktemp("specsplit"))
+    yield services
+    services.stop()
+
+
+@pytest.fixture
+def specsplit_factory(tmp_path_factory):
+    """Spawn service pairs with any ServiceSpec; all are stopped at the end of the test."""
+    started: list[Services] = []
+
+    def make(spec: ServiceSpec = ServiceSpec()) -> Services:
+        started.append(spawn(spec, tmp_path_factory.mktemp("specsplit")))
+        return started[-1]
+
+    yield make
+    for services in started:
+        services.stop()

@@ -1,0 +1,106 @@
+"""Wiring of the two services from command-line settings: the one place that knows both sides."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from drafter_service.checkpoint import load_drafter, random_drafter
+from drafter_service.heads import TargetHead, TargetInfo
+from drafter_service.server import DrafterServer, serve as serve_drafter_rpc
+from shared.checkpoint import load_config, load_state_dict
+from shared.errors import InvalidRequest
+from shared.tokenizer import Tokenizer
+from specsplit.local import RANDOM_DRAFTERS, LocalSetup, target_dir
+from target_service.drafter_client import RemoteProposer
+from target_service.engine import Engine, EngineConfig
+from target_service.loop import EngineLoop
+from target_service.model import load_target
+from target_service.server import TargetServicer, serve as serve_target_rpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DrafterSettings:
+    listen: tuple[str, ...]
+    setup: LocalSetup  # target (for its geometry and head), drafter, device, dtype, seed
+    head: str = "auto"  # auto | checkpoint | target: where the drafter's embedding and LM head come from
+
+    def __post_init__(self) -> None:
+        if self.head not in ("auto", "checkpoint", "target"):
+            raise InvalidRequest("--head must be auto, checkpoint or target")
+        if not self.listen:
+            raise InvalidRequest("give at least one --listen address")
+
+    @property
+    def head_from_checkpoint(self) -> bool:
+        """On one GPU the target shares its head through registered buffers; elsewhere we load it."""
+        return self.head == "checkpoint" or (self.head == "auto" and self.setup.device == "cpu")
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    listen: tuple[str, ...]
+    setup: LocalSetup
+    drafter_address: str | None  # None: serve without speculation
+    engine: EngineConfig = EngineConfig()
+    drafter_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            raise InvalidRequest("give at least one --listen address")
+
+
+def checkpoint_head(folder, dtype, device) -> TargetHead:
+    """The target's embedding and LM head read from its checkpoint (tied heads share one tensor)."""
+    tensors = load_state_dict(folder)
+    embed = tensors["model.embed_tokens.weight"].to(device=device, dtype=dtype)
+    lm_head = tensors.get("lm_head.weight")
+    return TargetHead(embed=embed, lm_head=embed if lm_head is None else lm_head.to(device=device, dtype=dtype))
+
+
+def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
+    setup = settings.setup
+    folder = target_dir(setup.target)
+    info = TargetInfo.from_config(load_config(folder))
+    head = checkpoint_head(folder, setup.torch_dtype, setup.device) if settings.head_from_checkpoint else None
+    kw = dict(dtype=setup.torch_dtype, device=setup.device)
+    if setup.drafter in RANDOM_DRAFTERS:
+        drafter = random_drafter(setup.drafter, info, head, seed=setup.seed, **kw)
+    else:
+        drafter = load_drafter(setup.drafter, head or TargetHead.random(info, seed=0, **kw), target_info=info, **kw)
+    return DrafterServer(drafter, head=head, device=setup.device)
+
+
+def start_drafter(settings: DrafterSettings) -> tuple[DrafterServer, grpc.Server]:
+    server_obj = build_drafter_server(settings)
+    return server_obj, serve_drafter_rpc(server_obj, list(settings.listen))
+
+
+def start_target(settings: TargetSettings) -> tuple[EngineLoop, grpc.Server]:
+    setup = settings.setup
+    folder = target_dir(setup.target)
+    model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
+    tokenizer = Tokenizer.from_dir(folder)
+    proposer = None
+    if settings.drafter_address:
+        proposer = RemoteProposer(settings.drafter_address, device=setup.device, dtype=setup.torch_dtype,
+                                  timeout=settings.drafter_timeout,
+                                  head=(model.embed_weight, model.lm_head_weight))
+    engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids, decode=tokenizer.decode)
+    loop = EngineLoop(engine)
+    servicer = TargetServicer(loop, tokenizer, model_name=folder.name)
+    return loop, serve_target_rpc(servicer, list(settings.listen))
+
+
+def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()

@@ -1,0 +1,73 @@
+"""A small client of the target service: what the CLI, the demo and the test harness use."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.specsplit.v1 import target_pb2, target_pb2_grpc
+from shared import wire
+from shared.errors import SpecsplitError
+from shared.sampling import SamplingParams
+from target_service.drafter_client import CHANNEL_OPTIONS, grpc_target
+
+
+class TargetClient:
+    def __init__(self, address: str, *, timeout: float = 600.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(grpc_target(address), options=CHANNEL_OPTIONS)
+        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+
+    def stream(self, prompt: str | list[int], sampling: SamplingParams = SamplingParams(), *,
+               chat: bool = False, speculative: bool = True, request_id: str = "") -> Iterator[wire.GenerateChunk]:
+        """Chunks as the target accepts tokens; a failed call raises the matching domain error."""
+        call = wire.GenerateCall(prompt if isinstance(prompt, str) else tuple(prompt), sampling, chat,
+                                 speculative, request_id)
+        try:
+            for pb in self.stub.Generate(wire.generate_to_proto(call), timeout=self.timeout):
+                yield wire.chunk_from_proto(pb)
+        except grpc.RpcError as exc:
+            raise wire.error_from_status(exc.code().name, exc.details() or exc.code().name) from None
+
+    def generate(self, prompt: str | list[int], sampling: SamplingParams = SamplingParams(), **kw) -> dict:
+        """The whole generation as the CLI's JSON shape: token_ids, text, stats."""
+        chunks = list(self.stream(prompt, sampling, **kw))
+        stats = chunks[-1].stats
+        if stats is None:
+            raise SpecsplitError("the stream ended without a final chunk")
+        return {
+            "token_ids": [t for c in chunks for t in c.token_ids],
+            "text": "".join(c.text for c in chunks),
+            "stats": {"steps": stats.steps, "drafted": stats.drafted, "accepted": stats.accepted,
+                      "tau": round(stats.tau, 4)},
+            "finish_reason": chunks[-1].finish_reason,
+        }
+
+    def describe(self) -> wire.TargetDescription:
+        pb = self.stub.Describe(target_pb2.DescribeTargetRequest(), timeout=self.timeout)
+        return wire.target_description_from_proto(pb)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def wait_healthy(address: str, timeout: float = 60.0, service: str = "") -> None:
+    """Block until the server at `address` answers SERVING (any specsplit service)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(grpc_target(address)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} did not become healthy within {timeout:.0f} s")
+            time.sleep(0.1)

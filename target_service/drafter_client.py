@@ -1,0 +1,320 @@
+"""A `Proposer` that lives in another process: the drafter service, reached over gRPC.
+
+Per engine step the target's verbs (stash, commit, trim, catch-up) are queued and leave together with
+the step's batched propose as ONE message on a persistent bidirectional `Step` stream. Feature rows
+never travel as bytes on one host: they are copied into a buffer registered once per connection
+(CUDA IPC on one GPU, POSIX shared memory on a CPU host) and referenced by (buffer, offset, rows,
+generation); between hosts they travel inline. Any transport failure raises DrafterUnavailable, and
+`available()` reconnects with backoff, so the engine can re-attach.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import grpc
+import torch
+
+from protos.specsplit.v1 import drafter_pb2, drafter_pb2_grpc
+from shared import wire
+from shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError
+from shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest
+from shared.transport import (
+    BufferExporter, BufferRole, RowBuffer, choose_mode, device_uuid, encode_inline, host_id,
+)
+
+log = logging.getLogger(__name__)
+CLIENT_HEADER = "x-specsplit-client"
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+
+
+def grpc_target(address: str) -> str:
+    """ADDR as the CLI takes it (host:port or unix:PATH) → a gRPC channel target."""
+    if address.startswith("unix:") or ":" in address:
+        return address
+    raise InvalidRequest(f"address {address!r}: expected host:port or unix:PATH")
+
+
+def _error_from_rpc(exc: grpc.RpcError) -> SpecsplitError:
+    code = exc.code().name if exc.code() is not None else "UNAVAILABLE"
+    return wire.error_from_status(code, f"drafter {code}: {exc.details()}")
+
+
+class RowStager:
+    """Copies rows into one registered buffer and hands out references (or inline rows)."""
+
+    def __init__(self, exporter: BufferExporter | None, rows: int, cols: int, dtype, device) -> None:
+        self.exporter, self.cols, self.dtype, self.device = exporter, cols, dtype, device
+        self.buffer: RowBuffer | None = exporter.create(rows, cols, dtype, device) if exporter else None
+        self.cursor = 0
+        self.fresh = True  # the next put starts a new generation
+
+    def put(self, rows: torch.Tensor) -> int | torch.Tensor:
+        """Stage rows; returns their offset (shared buffer) or the rows themselves (inline)."""
+        if rows.dim() != 2 or rows.shape[1] != self.cols:
+            raise InvalidRequest(f"feature rows must be [n, {self.cols}], got {tuple(rows.shape)}")
+        if self.buffer is None:
+            return rows.detach().to(self.dtype).cpu()
+        if self.fresh:
+            self.buffer.bump()
+            self.cursor, self.fresh = 0, False
+        if self.cursor + rows.shape[0] > self.buffer.tensor.shape[0]:
+            raise DrafterUnavailable("staging buffer overflow")  # sized from the spec; a bug if hit
+        offset = self.cursor
+        self.buffer.tensor[offset:offset + rows.shape[0]].copy_(rows)
+        self.cursor += rows.shape[0]
+        return offset
+
+    def seal(self) -> None:
+        """The staged writes are complete (CUDA: record the interprocess event); next put reuses."""
+        if self.buffer is not None and not self.fresh:
+            self.buffer.record()
+        self.fresh = True
+
+    def source(self, staged: int | torch.Tensor, rows: int):
+        if isinstance(staged, torch.Tensor):
+            return encode_inline(staged)
+        return self.buffer.ref(staged, rows)
+
+
+@dataclass
+class _Pending:
+    """One sequence's queued operations for the next Step message."""
+
+    catchup: tuple | None = None  # (token_ids, staged, rows, base_pos)
+    stash: tuple | None = None  # (staged, rows)
+    commit: wire.CommitOp | None = None
+    trim: int | None = None
+    free: bool = False
+
+
+@dataclass
+class _Connection:
+    channel: grpc.Channel
+    stub: drafter_pb2_grpc.DrafterServiceStub
+    metadata: tuple
+    outbox: "queue.Queue[drafter_pb2.StepRequest | None]" = field(default_factory=queue.Queue)
+    inbox: "queue.Queue" = field(default_factory=queue.Queue)
+    exporter: BufferExporter | None = None
+    step: RowStager | None = None
+    bulk: RowStager | None = None  # prefill / re-attach rows, grown on demand
+    head_buffers: list = field(default_factory=list)
+
+    def close(self) -> None:
+        self.outbox.put(None)
+        self.channel.close()
+        if self.exporter is not None:
+            self.exporter.close()
+
+
+class RemoteProposer:
+    """The drafter service as a `shared.proposer.Proposer`."""
+
+    def __init__(self, address: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 max_batch: int = 64) -> None:
+        self.address = grpc_target(address)
+        self.device, self.dtype, self.timeout = torch.device(device), dtype, timeout
+        self.head = head  # (embedding, lm_head) shared with a drafter on the same GPU
+        self.max_batch = max_batch
+        self.mode = "inline"
+        self._conn: _Connection | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._step_id = 0
+        self._retry_at = 0.0
+        self._backoff = 0.5
+        self.spec: DrafterSpec = self._connect()
+
+    # ---- connection ------------------------------------------------------------------------------
+
+    def _connect(self) -> DrafterSpec:
+        channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        conn = _Connection(channel, drafter_pb2_grpc.DrafterServiceStub(channel),
+                           ((CLIENT_HEADER, uuid.uuid4().hex),))
+        try:
+            grpc.channel_ready_future(channel).result(timeout=self.timeout)
+            desc = wire.description_from_proto(
+                conn.stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=self.timeout, metadata=conn.metadata))
+            self._setup_transport(conn, desc)
+        except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
+            channel.close()
+            raise DrafterUnavailable(f"cannot reach the drafter at {self.address}: {exc}") from None
+        responses = conn.stub.Step(iter(conn.outbox.get, None), metadata=conn.metadata)
+        threading.Thread(target=self._read, args=(responses, conn.inbox), daemon=True).start()
+        self._conn, self._pending = conn, {}
+        log.info("drafter at %s attached (%s rows, %s)", self.address, self.mode, desc.spec.kind.value)
+        return desc.spec
+
+    def _setup_transport(self, conn: _Connection, desc: wire.DrafterDescription) -> None:
+        spec = desc.spec
+        self.mode = choose_mode(host_id(), desc.host_id, device_uuid(self.device), desc.device_uuid)
+        conn.exporter = BufferExporter() if self.mode != "inline" else None
+        step_rows = min(spec.max_batch, self.max_batch) * (spec.max_drafts + 1)
+        conn.step = RowStager(conn.exporter, step_rows, spec.feature_dim, self.dtype, self.device)
+        conn.bulk = RowStager(conn.exporter, 1024, spec.feature_dim, self.dtype, self.device)
+        buffers = [b.buffer for b in (conn.step, conn.bulk) if b.buffer is not None]
+        if self.mode == "cuda_ipc" and desc.needs_target_head and self.head is not None:
+            embed, lm_head = self.head
+            conn.head_buffers = [conn.exporter.export_existing(embed, BufferRole.TARGET_EMBEDDING)]
+            if lm_head.data_ptr() != embed.data_ptr():  # tied weights are shared once
+                conn.head_buffers.append(conn.exporter.export_existing(lm_head, BufferRole.TARGET_LM_HEAD))
+            buffers += conn.head_buffers
+        if buffers:
+            request = drafter_pb2.RegisterBuffersRequest(buffers=[wire.descriptor_to_proto(b.describe()) for b in buffers])
+            conn.stub.RegisterBuffers(request, timeout=self.timeout, metadata=conn.metadata)
+
+    @staticmethod
+    def _read(responses, inbox: queue.Queue) -> None:
+        try:
+            for response in responses:
+                inbox.put(response)
+        except grpc.RpcError as exc:
+            inbox.put(exc)
+        inbox.put(DrafterUnavailable("the drafter closed the step stream"))
+
+    def _disconnect(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
+        self._pending = {}
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, 5.0)
+
+    def available(self) -> bool:
+        """Whether the drafter can be used; reconnects (with backoff) after a failure."""
+        if self._conn is not None:
+            return True
+        if time.monotonic() < self._retry_at:
+            return False
+        try:
+            spec = self._connect()
+        except DrafterUnavailable as exc:
+            log.info("drafter still unavailable: %s", exc)
+            self._disconnect()
+            return False
+        if spec != self.spec:
+            log.warning("the drafter came back with a different spec; not re-attaching")
+            self._disconnect()
+            return False
+        self._backoff = 0.5
+        return True
+
+    def close(self) -> None:
+        self._disconnect()
+
+    def _live(self) -> _Connection:
+        if self._conn is None:
+            raise DrafterUnavailable("the drafter is disconnected")
+        return self._conn
+
+    def _unary(self, method: str, request):
+        conn = self._live()
+        try:
+            return getattr(conn.stub, method)(request, timeout=self.timeout, metadata=conn.metadata)
+        except grpc.RpcError as exc:
+            error = _error_from_rpc(exc)
+            if isinstance(error, DrafterUnavailable):
+                self._disconnect()
+            raise error from None
+
+    # ---- Proposer verbs -----------------------------------------------------------------------------
+
+    def alloc(self, seq_id: int, budget_tokens: int) -> None:
+        self._unary("AllocState", wire.alloc_to_proto(seq_id, budget_tokens))
+
+    def prefill(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, start_pos: int = 0) -> int:
+        conn = self._live()
+        if conn.bulk.buffer is not None and rows.shape[0] > conn.bulk.buffer.tensor.shape[0]:
+            self._grow_bulk(conn, rows.shape[0])
+        staged = conn.bulk.put(rows)
+        conn.bulk.seal()
+        op = wire.RowsOp(tuple(token_ids), conn.bulk.source(staged, rows.shape[0]), start_pos)
+        return self._unary("PrefillDrafter", wire.prefill_to_proto(seq_id, op)).rows_appended
+
+    def _grow_bulk(self, conn: _Connection, rows: int) -> None:
+        old = conn.bulk.buffer
+        conn.bulk = RowStager(conn.exporter, max(rows, 2 * old.tensor.shape[0]), old.tensor.shape[1],
+                              self.dtype, self.device)
+        self._unary("RegisterBuffers", drafter_pb2.RegisterBuffersRequest(
+            buffers=[wire.descriptor_to_proto(conn.bulk.buffer.describe())]))
+        self._unary("ReleaseBuffers", drafter_pb2.ReleaseBuffersRequest(buffer_ids=[old.buffer_id]))
+        conn.exporter.release(old.buffer_id)
+
+    def stash(self, seq_id: int, rows: torch.Tensor) -> None:
+        self._pending.setdefault(seq_id, _Pending()).stash = (self._live().step.put(rows), rows.shape[0])
+
+    def commit(self, seq_id: int, num_rows: int, base_pos: int, token_ids: Sequence[int]) -> None:
+        self._pending.setdefault(seq_id, _Pending()).commit = wire.CommitOp(num_rows, base_pos, tuple(token_ids))
+
+    def trim(self, seq_id: int, num_accepted: int) -> None:
+        self._pending.setdefault(seq_id, _Pending()).trim = num_accepted
+
+    def catchup(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, base_pos: int) -> int:
+        staged = self._live().step.put(rows)
+        self._pending.setdefault(seq_id, _Pending()).catchup = (tuple(token_ids), staged, rows.shape[0], base_pos)
+        return rows.shape[0]
+
+    def free(self, seq_id: int) -> None:
+        self._pending.setdefault(seq_id, _Pending()).free = True
+        self._flush([])  # the sequence may have no later step to ride on
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        result = self._flush(list(requests))
+        return [result.proposals[r.seq_id] for r in requests]
+
+    def take_kv(self, seq_id: int) -> CarriedKV:
+        self._flush([])
+        pb = self._unary("TakeDrafterKV", drafter_pb2.TakeDrafterKVRequest(seq_id=seq_id))
+        return wire.carried_kv_from_proto(pb)
+
+    def install_kv(self, seq_id: int, handle: int) -> CarriedKV:
+        pb = self._unary("InstallDrafterKV", drafter_pb2.InstallDrafterKVRequest(seq_id=seq_id, handle=handle))
+        return wire.carried_kv_from_proto(pb)
+
+    def free_kv(self, handle: int) -> None:
+        self._unary("FreeDrafterKV", drafter_pb2.FreeDrafterKVRequest(handle=handle))
+
+    # ---- the Step message ---------------------------------------------------------------------------
+
+    def _flush(self, proposes: list[ProposeRequest]) -> wire.StepResult:
+        conn = self._live()
+        conn.step.seal()
+        self._step_id += 1
+        batch = wire.StepBatch(self._step_id, tuple(self._seq_steps(conn)), tuple(proposes))
+        self._pending = {}
+        conn.outbox.put(wire.step_to_proto(batch))
+        result = self._receive(conn)
+        if result.errors:
+            raise result.errors[0].exception()
+        return result
+
+    def _seq_steps(self, conn: _Connection):
+        for seq_id, p in self._pending.items():
+            catchup = None
+            if p.catchup is not None:
+                tokens, staged, rows, base_pos = p.catchup
+                catchup = wire.RowsOp(tokens, conn.step.source(staged, rows), base_pos)
+            stash = conn.step.source(*p.stash) if p.stash is not None else None
+            yield wire.SeqStep(seq_id, catchup=catchup, stash=stash, commit=p.commit, trim=p.trim, free=p.free)
+
+    def _receive(self, conn: _Connection) -> wire.StepResult:
+        try:
+            item = conn.inbox.get(timeout=self.timeout)
+        except queue.Empty:
+            item = DrafterUnavailable(f"no step answer within {self.timeout:.0f} s")
+        if isinstance(item, grpc.RpcError):
+            item = _error_from_rpc(item)
+        if isinstance(item, Exception):
+            self._disconnect()
+            raise item if isinstance(item, SpecsplitError) else DrafterUnavailable(str(item))
+        result = wire.step_result_from_proto(item)
+        if result.step_id != self._step_id:
+            self._disconnect()
+            raise DrafterUnavailable(f"step answers out of order ({result.step_id} != {self._step_id})")
+        return result

@@ -1,0 +1,367 @@
+"""The speculative engine: prefill → drafter prefill → loop {propose → batched verify → accept → commit}.
+
+The engine talks to "a drafter" only through `shared.proposer.Proposer`: in-process that is the
+drafter object itself, in the split it is the gRPC client. Drafter failure is not request failure:
+any drafter error detaches the drafter, every running sequence continues by serial decoding with
+identical output, and `Proposer.available()` (when the proposer has it) lets the engine re-attach
+later, rebuilding drafter state for the sequences still running.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from shared.errors import CapacityExceeded, InvalidRequest
+from shared.proposer import FeatureKind, ProposeRequest, Proposer
+from shared.sampling import make_generator
+from shared.verify import verify_sampled
+from target_service.model import CaptureSpec, ForwardBatch, TargetModel
+from target_service.sequence import FinishReason, Request, Sequence, StepEvent
+
+log = logging.getLogger(__name__)
+_FAILED = object()  # what a drafter verb "returns" when it raised
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 16  # sequences decoded together in one verify forward
+    prefill_chunk: int = 512  # prompt tokens per prefill forward
+    kv_blocks: int = 2048
+    kv_block_size: int = 16
+    num_drafts: int | None = None  # drafts per step; None = the drafter's max
+
+    def __post_init__(self) -> None:
+        if min(self.max_batch, self.prefill_chunk, self.kv_blocks, self.kv_block_size) <= 0:
+            raise InvalidRequest("engine sizes must be positive")
+        if self.num_drafts is not None and self.num_drafts < 0:
+            raise InvalidRequest("num_drafts must be >= 0")
+
+
+def capture_for(proposer: Proposer | None) -> CaptureSpec:
+    if proposer is None:
+        return CaptureSpec()
+    spec = proposer.spec
+    if spec.feature is FeatureKind.LAYER_CONCAT:
+        return CaptureSpec(layer_ids=tuple(spec.target_layer_ids))
+    return CaptureSpec(last_hidden=True)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: TargetModel,
+        proposer: Proposer | None = None,
+        config: EngineConfig = EngineConfig(),
+        *,
+        eos_ids: Iterable[int] = (),
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.model = model
+        self.proposer = proposer
+        self.config = config
+        self.eos_ids = frozenset(eos_ids)
+        self.decode = decode
+        self.cache = model.new_cache(config.kv_blocks, config.kv_block_size)
+        self.capture = capture_for(proposer)
+        self.drafter_ok = proposer is not None
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._device = model.embed_weight.device
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self._validate(request)
+        if request.request_id in self.running or any(s.request.request_id == request.request_id for s in self.waiting):
+            raise InvalidRequest(f"request id {request.request_id!r} is already in flight")
+        seq = Sequence(
+            seq_id=next(self._ids),
+            request=request,
+            generator=make_generator(request.params.seed, self._device),
+            eos_ids=self.eos_ids,
+            tokens=list(request.prompt_ids),
+        )
+        seq.stats.prompt_tokens = len(request.prompt_ids)
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        for seq in list(self.waiting):
+            if seq.request.request_id == request_id:
+                self.waiting.remove(seq)
+                return True
+        seq = self.running.get(request_id)
+        if seq is None:
+            return False
+        seq.finish_reason = FinishReason.CANCELLED
+        self._release(seq)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[StepEvent]:
+        """Admit and prefill waiting requests, then one speculative (or serial) step for the rest."""
+        events = self._admit()
+        decoding = [s for s in self.running.values() if s.finish_reason is None and s.stats.steps > 0
+                    and s.request.request_id not in {e.request_id for e in events}]
+        if decoding:
+            events += self._decode_step(decoding)
+        return events
+
+    def generate(self, requests: list[Request]) -> dict[str, list[StepEvent]]:
+        """Run requests to completion; returns each request's events in order."""
+        for request in requests:
+            self.add(request)
+        out: dict[str, list[StepEvent]] = {r.request_id: [] for r in requests}
+        while self.has_work:
+            for event in self.step():
+                out[event.request_id].append(event)
+        return out
+
+    # ---- admission and prefill --------------------------------------------------------------
+
+    def _validate(self, request: Request) -> None:
+        if not request.prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        limit = self.model.config.max_position_embeddings
+        budget = len(request.prompt_ids) + request.params.max_tokens
+        if budget > limit:
+            raise InvalidRequest(f"prompt ({len(request.prompt_ids)}) + max_tokens "
+                                 f"({request.params.max_tokens}) exceeds the context length {limit}")
+        if self._blocks_for(budget) > self.config.kv_blocks:
+            raise CapacityExceeded(f"a {budget}-token request does not fit the KV cache")
+
+    def _blocks_for(self, tokens: int) -> int:
+        extra = (self.proposer.spec.max_drafts + 1) if self.proposer is not None else 1
+        return -(-(tokens + extra) // self.config.kv_block_size)
+
+    def _admit(self) -> list[StepEvent]:
+        events = []
+        while self.waiting and len(self.running) < self.config.max_batch:
+            seq = self.waiting[0]
+            reserved = sum(self._blocks_for(s.budget_tokens) for s in self.running.values())
+            if reserved + self._blocks_for(seq.budget_tokens) > self.config.kv_blocks:
+                break
+            self.waiting.popleft()
+            self.running[seq.request.request_id] = seq
+            self.cache.allocate(seq.seq_id)
+            events.append(self._prefill(seq))
+        return events
+
+    def _prefill(self, seq: Sequence) -> StepEvent:
+        prompt = seq.request.prompt_ids
+        chunk = self.config.prefill_chunk
+        rows = []
+        for start in range(0, len(prompt), chunk):
+            ids = prompt[start:start + chunk]
+            out = self._forward([seq.seq_id], [ids], [start], logits_last_only=True)
+            rows.append(self._features(out))
+        first = self._sample([seq], out.logits, [[]])[0]
+        seq.stats.steps += 1
+        if self._speculating(seq):
+            self._attach(seq, prompt, torch.cat(rows) if rows[0] is not None else None)
+        return self._emit(seq, first)
+
+    # ---- the decode step ----------------------------------------------------------------------
+
+    def _speculating(self, seq: Sequence) -> bool:
+        return self.drafter_ok and seq.request.speculative
+
+    def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
+        self._maybe_reattach(seqs)
+        drafts = self._propose(seqs)
+        inputs = [[s.tokens[-1]] + d for s, d in zip(seqs, drafts)]
+        starts = [s.last_position for s in seqs]
+        out = self._forward([s.seq_id for s in seqs], inputs, starts, logits_last_only=False)
+        accepted_tokens = self._sample(seqs, out.logits, drafts)
+        features = self._features(out)
+        events = []
+        offset = 0
+        for seq, draft, new_tokens, start in zip(seqs, drafts, accepted_tokens, starts):
+            rows = features[offset:offset + len(draft) + 1] if features is not None else None
+            offset += len(draft) + 1
+            num_accepted = len(new_tokens) - 1
+            self.cache.truncate(seq.seq_id, start + num_accepted + 1)
+            seq.stats.steps += 1
+            seq.stats.drafted += len(draft)
+            seq.stats.accepted += num_accepted
+            self._after_verify(seq, draft, num_accepted, rows, start)
+            events.append(self._emit(seq, new_tokens))
+        return events
+
+    def _propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        requests, index = [], []
+        for i, seq in enumerate(seqs):
+            k = self._num_drafts(seq) if seq.drafter_attached else 0
+            if k > 0:
+                requests.append(ProposeRequest(seq.seq_id, seq.tokens[-1], seq.last_position, k))
+                index.append(i)
+        if not requests:
+            return drafts
+        proposals = self._drafter_call(self.proposer.propose, requests)
+        if proposals is _FAILED:
+            return drafts
+        for i, proposal in zip(index, proposals):
+            drafts[i] = list(proposal.tokens)
+        return drafts
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        wanted = self.config.num_drafts if self.config.num_drafts is not None else self.proposer.spec.max_drafts
+        limit = self.model.config.max_position_embeddings - len(seq.tokens) - 1
+        return max(0, min(wanted, self.proposer.spec.max_drafts, seq.remaining - 1, limit))
+
+    def _after_verify(self, seq, draft, num_accepted, rows, start) -> None:
+        """Tell the drafter what was accepted: stash + commit + trim, or catch-up for serial rows."""
+        if not seq.drafter_attached:
+            return
+        committed = [seq.tokens[-1]] + draft[:num_accepted]
+        if not draft:
+            self._drafter_call(self.proposer.catchup, seq.seq_id, committed, rows[:1], start)
+            return
+        for verb, args in (
+            (self.proposer.stash, (seq.seq_id, rows)),
+            (self.proposer.commit, (seq.seq_id, num_accepted + 1, start, committed)),
+            (self.proposer.trim, (seq.seq_id, num_accepted)),
+        ):
+            if self._drafter_call(verb, *args) is _FAILED:
+                return
+
+    # ---- drafter attachment ------------------------------------------------------------------
+
+    def _drafter_call(self, verb, *args):
+        """Run one drafter verb; any failure detaches the drafter instead of failing requests."""
+        if not self.drafter_ok:
+            return _FAILED
+        try:
+            return verb(*args)
+        except Exception as exc:  # noqa: BLE001 - by design: a drafter fault must not fail requests
+            log.warning("drafter failed in %s (%s: %s); continuing without speculation",
+                        getattr(verb, "__name__", verb), type(exc).__name__, exc)
+            self._detach()
+            return _FAILED
+
+    def _detach(self) -> None:
+        self.drafter_ok = False
+        for seq in self.running.values():
+            seq.drafter_attached = False
+
+    def _attach(self, seq: Sequence, tokens: list[int], rows: torch.Tensor | None) -> None:
+        if self._drafter_call(self.proposer.alloc, seq.seq_id, seq.budget_tokens) is _FAILED:
+            return
+        if self._drafter_call(self.proposer.prefill, seq.seq_id, tokens, rows, 0) is _FAILED:
+            return
+        seq.drafter_attached = True
+
+    def _maybe_reattach(self, seqs: list[Sequence]) -> None:
+        """After a drafter outage, rebuild drafter state by re-capturing each sequence's rows."""
+        if self.proposer is None or self.drafter_ok:
+            return
+        available = getattr(self.proposer, "available", None)
+        if available is None or not available():
+            return
+        self.drafter_ok = True
+        for seq in seqs:
+            if seq.request.speculative and self.drafter_ok:
+                self._forget(seq)
+                self._attach(seq, seq.tokens[:-1], self._recapture(seq))
+
+    def _forget(self, seq: Sequence) -> None:
+        """Drop whatever a drafter that came back may still hold for `seq` (usually nothing)."""
+        try:
+            self.proposer.free(seq.seq_id)
+        except Exception:  # noqa: BLE001 - unknown sequence is the normal case after a restart
+            pass
+
+    def _recapture(self, seq: Sequence) -> torch.Tensor:
+        """Feature rows of every committed token but the newest (rewrites identical KV)."""
+        history = seq.tokens[:-1]
+        rows = []
+        for start in range(0, len(history), self.config.prefill_chunk):
+            ids = history[start:start + self.config.prefill_chunk]
+            rows.append(self._features(self._forward([seq.seq_id], [ids], [start], logits_last_only=True)))
+        return torch.cat(rows)
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _forward(self, seq_ids, inputs, starts, *, logits_last_only):
+        flat = [t for ids in inputs for t in ids]
+        positions = [p for ids, s in zip(inputs, starts) for p in range(s, s + len(ids))]
+        lengths = torch.tensor([0] + [len(ids) for ids in inputs], dtype=torch.int64)
+        cu = torch.cumsum(lengths, 0)
+        batch = ForwardBatch(
+            token_ids=torch.tensor(flat, dtype=torch.int64, device=self._device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self._device),
+            cu_seqlens=cu,
+            seq_ids=list(seq_ids),
+            logits_index=(cu[1:] - 1).to(self._device) if logits_last_only else None,
+        )
+        with torch.inference_mode():
+            return self.model(batch, self.cache, self.capture)
+
+    def _features(self, out) -> torch.Tensor | None:
+        if self.capture.layer_ids:
+            return out.layer_features
+        return out.last_hidden if self.capture.last_hidden else None
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
+        sizes = torch.tensor([0] + [len(d) + 1 for d in drafts], dtype=torch.int64)
+        result = verify_sampled(
+            drafts, logits, torch.cumsum(sizes, 0),
+            [s.request.params for s in seqs], [s.generator for s in seqs],
+        )
+        return result.tokens
+
+    def _emit(self, seq: Sequence, new_tokens: list[int]) -> StepEvent:
+        kept = seq.accept(new_tokens)
+        delta = self._text_delta(seq, kept)
+        event = StepEvent(seq.request.request_id, kept, delta, seq.finish_reason, seq.stats)
+        if seq.finish_reason is not None:
+            self._release(seq)
+        return event
+
+    def _text_delta(self, seq: Sequence, kept: list[int]) -> str:
+        """New text since the last event; a stop string ends the request and is not emitted."""
+        if self.decode is None:
+            return ""
+        stops = [s for s in seq.request.params.stop_strings if s]
+        text = self.decode(seq.generated)
+        if any(s in text[max(0, len(seq.text) - len(s) + 1):] for s in stops):
+            self._cut_after_stop(seq, kept, stops)
+            text = self.decode(seq.generated)
+            text = text[: min(text.find(s) for s in stops if s in text)]
+            seq.finish_reason = FinishReason.STOP
+        elif seq.finish_reason is None:
+            # Hold back a trailing partial UTF-8 character and a possible stop-string prefix.
+            text = text.rstrip("\ufffd")
+            hold = max((len(s) - 1 for s in stops), default=0)
+            text = text[: max(len(seq.text), len(text) - hold)]
+        delta = text[len(seq.text):] if text.startswith(seq.text) else ""
+        seq.text += delta
+        return delta
+
+    def _cut_after_stop(self, seq: Sequence, kept: list[int], stops: list[str]) -> None:
+        """Drop emitted-this-step tokens that come after the one completing a stop string."""
+        while len(kept) > 1 and any(s in self.decode(seq.generated[:-1]) for s in stops):
+            kept.pop()
+            seq.tokens.pop()
+            seq.stats.generated -= 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.pop(seq.request.request_id, None)
+        self.cache.free(seq.seq_id)
+        if seq.drafter_attached:
+            seq.drafter_attached = False
+            self._drafter_call(self.proposer.free, seq.seq_id)
+

@@ -1,0 +1,257 @@
+"""The target model (Llama, Qwen3, Qwen2, Mistral) over a ragged token batch and a paged KV cache.
+
+One `forward` serves prefill chunks, decode (one token per sequence) and verify (k+1 tokens per
+sequence): every token's K/V is written at its position, then each query attends causally, by
+position and within its layer's window, to its own sequence's cached positions 0..its position.
+The module tree carries HF's names (`model.layers.3.self_attn.q_proj`, `lm_head`), so loading a
+checkpoint is a name lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shared.checkpoint import assign_parameters, load_config, load_state_dict
+from shared.config import ModelConfig
+from shared.errors import CapacityExceeded, InvalidRequest, StateConflict
+from shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, attention, visibility_mask
+from target_service.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """Which hidden rows a forward returns besides logits (the drafter's feature rows)."""
+
+    layer_ids: tuple[int, ...] = ()  # outputs of these decoder layers (0-based), concatenated in this order
+    last_hidden: bool = False  # output of the last decoder layer, before the final norm
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_ids", tuple(int(i) for i in self.layer_ids))
+
+    def validate(self, num_layers: int) -> None:
+        bad = [i for i in self.layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise InvalidRequest(f"capture layer id {bad[0]} is out of range for {num_layers} layers")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise InvalidRequest(f"capture layer ids {self.layer_ids} repeat a layer")
+
+
+@dataclass
+class ForwardBatch:
+    """A ragged batch, flat over tokens; sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1]."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64; within each sequence contiguous and increasing
+    cu_seqlens: torch.Tensor  # [num_seqs + 1] int64 offsets into token_ids (CPU tensor)
+    seq_ids: list[int]  # [num_seqs] KV cache sequence ids, each at most once
+    logits_index: torch.Tensor | None = None  # [R] rows of T to compute logits for; None = all T rows
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [R, vocab] float32
+    layer_features: torch.Tensor | None  # [T, len(layer_ids) * hidden] in model dtype, when captured
+    last_hidden: torch.Tensor | None  # [T, hidden] in model dtype, when captured
+
+
+@dataclass(frozen=True)
+class _Span:
+    """One sequence of the batch: its rows, and where its context lives in the cache."""
+
+    rows: slice
+    first: int  # position of the sequence's first token in this batch
+    context_slots: torch.Tensor  # [last + 1] int64 cache slots of positions 0..last
+    context_positions: torch.Tensor  # [last + 1] int64, arange(last + 1)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every layer of one forward needs to attend."""
+
+    cache: PagedKVCache
+    spans: list[_Span]
+    positions: torch.Tensor  # [T]
+    new_slots: torch.Tensor  # [T] cache slots the batch's tokens are written to
+    cos: torch.Tensor  # [T, head_dim]
+    sin: torch.Tensor  # [T, head_dim]
+
+
+class DecoderStack(nn.Module):
+    """HF's `model.` prefix: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight  # [vocab, hidden]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight  # [vocab, hidden]
+
+    def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        cfg = self.config
+        return PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks,
+                            block_size, dtype=self.embed_weight.dtype, device=self.embed_weight.device)
+
+    @torch.no_grad()
+    def forward(
+        self, batch: ForwardBatch, cache: PagedKVCache, capture: CaptureSpec = CaptureSpec()
+    ) -> ForwardOutput:
+        """Each sequence must be allocated in `cache`; forward reserves it up to its last position + 1
+        itself (never shrinking it), and a batch may start anywhere up to the sequence's cached length.
+
+        Rows past a sequence's last position (a rejected verify's) are left alone: the engine may
+        truncate them, and if it does not, a later forward overwrites them before any query reads them.
+        """
+        capture.validate(self.config.num_hidden_layers)
+        device = self.embed_weight.device
+        token_ids, positions = batch.token_ids.to(device), batch.positions.to(device)
+        spans = self._plan(batch, token_ids, positions, cache)
+        x = self.model.embed_tokens(token_ids)  # [T, hidden]
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        new_slots = torch.cat([s.context_slots[s.first:] for s in spans])  # [T]
+        step = _Step(cache, spans, positions, new_slots, cos, sin)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, partial(self._attend, step, i))
+            if i in capture.layer_ids:
+                captured[i] = x
+        return ForwardOutput(
+            logits=self._logits(x, batch.logits_index),
+            layer_features=torch.cat([captured[i] for i in capture.layer_ids], -1) if capture.layer_ids else None,
+            last_hidden=x if capture.last_hidden else None,
+        )
+
+    def _logits(self, x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
+        if logits_index is not None:
+            x = x[logits_index.to(x.device)]
+        return self.lm_head(self.model.norm(x)).float()  # [R, vocab]
+
+    def _attend(self, step: _Step, layer: int, attn: SelfAttention, x: torch.Tensor) -> torch.Tensor:
+        q = attn.query(x, step.cos, step.sin)  # [T, Hq, D]
+        k, v = attn.key_value(x, step.cos, step.sin)  # [T, Hkv, D]
+        step.cache.write_slots(layer, step.new_slots, k, v)
+        window = self.config.layer_window(layer)
+        out = torch.empty_like(q)
+        for span in step.spans:
+            # Keys older than the window of the batch's first query are invisible to every query of it.
+            start = 0 if window is None else max(0, span.first - window + 1)
+            keys, values = step.cache.read_slots(layer, span.context_slots[start:])
+            mask = visibility_mask(step.positions[span.rows], span.context_positions[start:], window=window)
+            out[span.rows] = attention(q[span.rows], keys, values, mask, attn.scale)
+        return attn.output(out)
+
+    def _plan(
+        self, batch: ForwardBatch, token_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache
+    ) -> list[_Span]:
+        """Validate the batch against the cache, reserve room, and locate each sequence's context."""
+        bounds = _check_layout(batch, token_ids, positions)
+        starts = torch.tensor([a for a, _ in bounds], device=positions.device)
+        ends = torch.tensor([b - 1 for _, b in bounds], device=positions.device)
+        firsts, lasts = torch.stack([positions[starts], positions[ends]]).tolist()
+        _check_values(token_ids, positions, bounds, firsts, self.config.vocab_size)
+        if batch.logits_index is not None:
+            _check_index(batch.logits_index, len(token_ids))
+        _reserve(cache, batch.seq_ids, firsts, lasts)
+        spans = []
+        for seq_id, (a, b), first, last in zip(batch.seq_ids, bounds, firsts, lasts):
+            slots = cache.context_slots(seq_id, last + 1)
+            spans.append(_Span(slice(a, b), first, slots, torch.arange(last + 1, device=positions.device)))
+        return spans
+
+
+def _check_layout(batch: ForwardBatch, token_ids: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, int]]:
+    """Shapes and offsets, on the host: [(row_start, row_end)] per sequence."""
+    if token_ids.dim() != 1 or positions.shape != token_ids.shape:
+        raise InvalidRequest(f"token_ids {tuple(token_ids.shape)} and positions {tuple(positions.shape)} "
+                             "must be equal 1-D shapes")
+    if token_ids.dtype.is_floating_point or positions.dtype.is_floating_point:
+        raise InvalidRequest("token_ids and positions must be integer tensors")
+    if not batch.seq_ids:
+        raise InvalidRequest("a forward batch needs at least one sequence")
+    cu = batch.cu_seqlens.tolist()
+    if len(cu) != len(batch.seq_ids) + 1 or cu[0] != 0 or cu[-1] != token_ids.shape[0]:
+        raise InvalidRequest(f"cu_seqlens {cu} must run from 0 to {token_ids.shape[0]} "
+                             f"with one entry per sequence ({len(batch.seq_ids)}) plus one")
+    if any(b <= a for a, b in zip(cu, cu[1:])):
+        raise InvalidRequest(f"cu_seqlens {cu} gives a sequence no tokens")
+    if len(set(batch.seq_ids)) != len(batch.seq_ids):
+        raise InvalidRequest(f"seq_ids {batch.seq_ids} name a sequence twice")
+    return list(zip(cu, cu[1:]))
+
+
+def _check_values(
+    token_ids: torch.Tensor, positions: torch.Tensor, bounds: list[tuple[int, int]], firsts: list[int], vocab_size: int
+) -> None:
+    if min(firsts) < 0:
+        raise InvalidRequest("positions must be non-negative")
+    lengths = torch.tensor([b - a for a, b in bounds], device=positions.device)
+    offsets = torch.tensor([f - a for (a, _), f in zip(bounds, firsts)], device=positions.device)
+    expected = torch.repeat_interleave(offsets, lengths) + torch.arange(len(positions), device=positions.device)
+    if bool((positions != expected).any()):
+        raise InvalidRequest("positions must be contiguous and increasing within each sequence")
+    if bool(((token_ids < 0) | (token_ids >= vocab_size)).any()):
+        raise InvalidRequest(f"token ids must lie in [0, {vocab_size})")
+
+
+def _check_index(logits_index: torch.Tensor, num_rows: int) -> None:
+    if logits_index.dim() != 1 or logits_index.dtype.is_floating_point:
+        raise InvalidRequest("logits_index must be a 1-D integer tensor")
+    if logits_index.numel() and not (0 <= int(logits_index.min()) and int(logits_index.max()) < num_rows):
+        raise InvalidRequest(f"logits_index must lie in [0, {num_rows})")
+
+
+def _reserve(cache: PagedKVCache, seq_ids: list[int], firsts: list[int], lasts: list[int]) -> None:
+    """Grow every sequence to its last position + 1, or none of them."""
+    needed = 0
+    for seq_id, first, last in zip(seq_ids, firsts, lasts):
+        held = cache.length(seq_id)
+        if first > held:
+            raise StateConflict(f"sequence {seq_id} holds {held} positions; a batch cannot start at {first}")
+        needed += max(0, cache.blocks_for(last + 1) - cache.blocks_for(held))
+    if needed > cache.num_free_blocks:
+        raise CapacityExceeded(f"the batch needs {needed} more KV blocks; {cache.num_free_blocks} are free")
+    for seq_id, last in zip(seq_ids, lasts):
+        cache.reserve(seq_id, last + 1)
+
+
+def load_target(
+    folder: Path | str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> TargetModel:
+    """A TargetModel from an HF-format folder, weights cast to `dtype` on `device`, ready for inference."""
+    if not dtype.is_floating_point:
+        raise InvalidRequest(f"target dtype must be floating point, got {dtype}")
+    config = load_config(folder)
+    tensors = load_state_dict(folder)
+    with torch.device("meta"):
+        model = TargetModel(config).to(dtype)  # no random init: every parameter is overwritten below
+    model = model.to_empty(device=device)
+    model.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope).to(device)  # float32 inv_freq
+    model.tie_weights()
+    ignore = ["*.rotary_emb.inv_freq"] + (["lm_head.weight"] if config.tie_word_embeddings else [])
+    assign_parameters(model, tensors, ignore=ignore)
+    return model.eval().requires_grad_(False)

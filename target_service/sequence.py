@@ -1,0 +1,107 @@
+"""One request's life in the engine: its tokens, sampling state, stop rules and stats."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_tokens reached
+    EOS = "eos"  # the model's end-of-sequence token
+    STOP = "stop"  # a stop token id or stop string
+    CANCELLED = "cancelled"  # the client went away or the request was aborted
+
+
+@dataclass
+class RequestStats:
+    """τ is generated tokens per target forward that produced tokens (prefill counts as one)."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    generated: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def tau(self) -> float:
+        return self.generated / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+                "tau": round(self.tau, 4)}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    speculative: bool = True
+
+
+@dataclass
+class StepEvent:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]  # newly emitted ids (may be empty on the final event)
+    text_delta: str
+    finish_reason: FinishReason | None
+    stats: RequestStats
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request: Request
+    generator: torch.Generator
+    eos_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)  # prompt followed by generated ids
+    stats: RequestStats = field(default_factory=RequestStats)
+    drafter_attached: bool = False  # the drafter holds state for this sequence
+    finish_reason: FinishReason | None = None
+    text: str = ""  # decoded generated text emitted so far (stop strings excluded)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def last_position(self) -> int:
+        """Position of the newest token, whose KV is not yet in the cache."""
+        return len(self.tokens) - 1
+
+    @property
+    def remaining(self) -> int:
+        return self.request.params.max_tokens - len(self.generated)
+
+    @property
+    def budget_tokens(self) -> int:
+        return self.prompt_len + self.request.params.max_tokens
+
+    def accept(self, new_tokens: list[int]) -> list[int]:
+        """Append verified tokens, cut at max_tokens / EOS / stop ids; returns what was kept."""
+        params = self.request.params
+        kept: list[int] = []
+        for token in new_tokens[: max(self.remaining, 0)]:
+            kept.append(token)
+            if token in self.eos_ids and not params.ignore_eos:
+                self.finish_reason = FinishReason.EOS
+                break
+            if token in params.stop_token_ids:
+                self.finish_reason = FinishReason.STOP
+                break
+        self.tokens.extend(kept)
+        self.stats.generated += len(kept)
+        if self.finish_reason is None and self.remaining <= 0:
+            self.finish_reason = FinishReason.LENGTH
+        return kept

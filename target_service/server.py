@@ -1,0 +1,87 @@
+"""The target gRPC service: Generate streams tokens as they are accepted; Describe tells what is served."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protos.specsplit.v1 import target_pb2_grpc
+from shared import wire
+from shared.errors import InvalidRequest
+from shared.status import rpc_errors
+from shared.tokenizer import Tokenizer
+from target_service.loop import EngineLoop
+from target_service.sequence import Request, StepEvent
+
+SERVICE_NAME = "specsplit.v1.TargetService"
+SERVER_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+
+
+def _stats(event: StepEvent) -> wire.GenerationStats:
+    s = event.stats
+    return wire.GenerationStats(s.steps, s.drafted, s.accepted, s.tau, s.prompt_tokens, s.generated)
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, model_name: str) -> None:
+        self.loop = loop
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    def _request(self, call: wire.GenerateCall) -> Request:
+        if isinstance(call.prompt, str):
+            text = call.prompt
+            if call.chat:
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": call.prompt}])
+            prompt_ids = self.tokenizer.encode(text)
+        else:
+            prompt_ids = list(call.prompt)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt encodes to no tokens")
+        return Request(call.request_id or uuid.uuid4().hex, prompt_ids, call.sampling, call.speculative)
+
+    @rpc_errors
+    def Generate(self, request, context):
+        req = self._request(wire.generate_from_proto(request))
+        events = self.loop.submit(req)
+        context.add_callback(lambda: self.loop.cancel(req.request_id))
+        while True:
+            event = events.get()
+            if isinstance(event, Exception):
+                raise event
+            final = event.finish_reason is not None
+            chunk = wire.GenerateChunk(tuple(event.token_ids), event.text_delta, event.finish_reason,
+                                       _stats(event) if final else None)
+            yield wire.chunk_to_proto(chunk)
+            if final:
+                return
+
+    @rpc_errors
+    def Describe(self, request, context):
+        engine = self.loop.engine
+        proposer = engine.proposer if engine.drafter_ok else None
+        return wire.target_description_to_proto(wire.TargetDescription(
+            model_name=self.model_name,
+            vocab_size=engine.model.config.vocab_size,
+            max_context=engine.model.config.max_position_embeddings,
+            drafter_kind=proposer.spec.kind if proposer is not None else None,
+        ))
+
+
+def serve(servicer: TargetServicer, listen: list[str], *, max_workers: int = 32) -> grpc.Server:
+    """Bind every address (host:port or unix:PATH), add grpc.health.v1, start; the caller stops it."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for address in listen:
+        if server.add_insecure_port(address) == 0:
+            raise InvalidRequest(f"cannot listen on {address!r}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server
+

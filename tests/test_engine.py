@@ -1,0 +1,165 @@
+"""The in-process engine is lossless: greedy speculative output == target-only output, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_service.checkpoint import random_drafter
+from shared.errors import InvalidRequest
+from shared.sampling import SamplingParams
+from shared.tokenizer import Tokenizer
+from specsplit.local import target_head, target_info
+from target_service.engine import Engine, EngineConfig
+from target_service.model import load_target
+from target_service.sequence import FinishReason, Request
+from tests.oracle import OracleDrafter
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_dir):
+    return load_target(smollm2_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return Tokenizer.from_dir(smollm2_dir)
+
+
+def requests(tokenizer, prompts=PROMPTS, **params):
+    params.setdefault("max_tokens", MAX_TOKENS)
+    params.setdefault("ignore_eos", True)
+    return [Request(f"r{i}", tokenizer.encode(p), SamplingParams(**params)) for i, p in enumerate(prompts)]
+
+
+def run(target, proposer, reqs, **config):
+    engine = Engine(target, proposer, EngineConfig(**config))
+    events = engine.generate(reqs)
+    tokens = {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()}
+    stats = {rid: evs[-1].stats for rid, evs in events.items()}
+    assert not engine.running and not engine.waiting
+    return tokens, stats
+
+
+@pytest.fixture(scope="module")
+def reference(target, tokenizer):
+    tokens, stats = run(target, None, requests(tokenizer))
+    for s in stats.values():
+        assert s.tau == pytest.approx(1.0) and s.drafted == 0
+    return tokens
+
+
+def drafter(kind, target, **kw):
+    return random_drafter(kind, target_info(target), target_head(target), seed=0, dtype=torch.float32, **kw)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+@pytest.mark.parametrize("batched", [True, False])
+def test_random_drafter_is_lossless(kind, batched, target, tokenizer, reference):
+    reqs = requests(tokenizer)
+    tokens, stats = run(target, drafter(kind, target), reqs if batched else reqs[:1],
+                        max_batch=4 if batched else 1)
+    for rid, toks in tokens.items():
+        assert toks == reference[rid]
+        assert stats[rid].drafted > 0
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_oracle_drafter_hits_long_runs_partial_accepts_and_slides(batched, target, tokenizer, reference):
+    reqs = requests(tokenizer)
+    continuations = {tuple(r.prompt_ids): r.prompt_ids + reference[r.request_id] for r in reqs}
+    inner = drafter("dflash", target, block_size=8, window=12)
+    oracle = OracleDrafter(inner, continuations, mistake_rate=0.08)
+    tokens, stats = run(target, oracle, reqs, max_batch=4 if batched else 1)
+    assert tokens == reference
+    for s in stats.values():
+        assert s.accepted > s.drafted // 2  # long accepted runs
+        assert s.accepted < s.drafted  # and rejections
+        assert s.tau > 2.0
+    prompt_rows = max(len(r.prompt_ids) for r in reqs)
+    assert prompt_rows + MAX_TOKENS > 12  # the 12-row window slid
+
+
+def test_sampling_is_seeded_and_reproducible(target, tokenizer):
+    reqs = requests(tokenizer, prompts=PROMPTS[:2], temperature=0.8, top_p=0.9, seed=7, max_tokens=16)
+    first, _ = run(target, drafter("dflash", target), reqs, max_batch=4)
+    again, _ = run(target, drafter("dflash", target), requests(
+        tokenizer, prompts=PROMPTS[:2], temperature=0.8, top_p=0.9, seed=7, max_tokens=16))
+    assert first == again
+
+
+def test_eos_and_stop_strings(target, tokenizer, reference):
+    stop_token = reference["r0"][5]
+    reqs = [Request("a", tokenizer.encode(PROMPTS[0]),
+                    SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(stop_token,), ignore_eos=True))]
+    engine = Engine(target, drafter("dflash", target), eos_ids=tokenizer.eos_token_ids, decode=tokenizer.decode)
+    events = engine.generate(reqs)["a"]
+    toks = [t for e in events for t in e.token_ids]
+    assert toks == reference["r0"][: reference["r0"].index(stop_token) + 1]
+    assert events[-1].finish_reason is FinishReason.STOP
+
+    full_text = tokenizer.decode(reference["r0"])
+    stop = full_text[10:14]
+    reqs = [Request("b", tokenizer.encode(PROMPTS[0]),
+                    SamplingParams(max_tokens=MAX_TOKENS, stop_strings=(stop,), ignore_eos=True))]
+    events = engine.generate(reqs)["b"]
+    text = "".join(e.text_delta for e in events)
+    assert text == full_text[: full_text.find(stop)]
+    assert events[-1].finish_reason is FinishReason.STOP
+
+
+def test_bad_requests_are_refused(target, tokenizer):
+    engine = Engine(target, None)
+    with pytest.raises(InvalidRequest):
+        engine.add(Request("x", [], SamplingParams()))
+    with pytest.raises(InvalidRequest):
+        engine.add(Request("x", [10**9], SamplingParams()))
+    with pytest.raises(InvalidRequest):
+        engine.add(Request("x", [1], SamplingParams(max_tokens=10**6)))
+    engine.add(Request("x", [1, 2], SamplingParams(max_tokens=2)))
+    with pytest.raises(InvalidRequest):
+        engine.add(Request("x", [1, 2], SamplingParams(max_tokens=2)))
+
+
+class FlakyDrafter:
+    """Delegates to a real drafter but raises from propose after `fail_after` calls."""
+
+    def __init__(self, inner, fail_after):
+        self.inner, self.spec, self.calls, self.fail_after = inner, inner.spec, 0, fail_after
+        self.up = False
+
+    def propose(self, requests):
+        self.calls += 1
+        if self.calls > self.fail_after and not self.up:
+            raise ConnectionError("drafter went away")
+        return self.inner.propose(requests)
+
+    def available(self):
+        return self.up
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_drafter_failure_is_not_request_failure(target, tokenizer, reference):
+    flaky = FlakyDrafter(drafter("mtp", target), fail_after=3)
+    engine = Engine(target, flaky, EngineConfig(max_batch=4))
+    for r in requests(tokenizer):
+        engine.add(r)
+    out: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_work:
+        steps += 1
+        if steps == 12:
+            flaky.up = True  # the drafter is back: the engine re-attaches and rebuilds state
+        for e in engine.step():
+            out.setdefault(e.request_id, []).extend(e.token_ids)
+    assert out == reference
+    assert engine.drafter_ok

@@ -1,0 +1,291 @@
+"""MTP drafter: lazily built exact rows, multi-draft steps and batching equal a from-scratch recomputation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafter_service.checkpoint import random_drafter
+from drafter_service.heads import TargetInfo
+from drafter_service.mtp import MTPDrafter
+from shared.config import RopeConfig
+from shared.errors import CapacityExceeded, InvalidRequest, StateConflict, UnknownSequence
+from shared.layers import RMSNorm
+from shared.proposer import FeatureKind, ProposeRequest, Proposer, bool_to_bitmask
+
+INFO = TargetInfo(hidden_size=32, vocab_size=97, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, intermediate_size=64, rope=RopeConfig(theta=300.0),
+                  model_type="qwen3")
+MAX_DRAFTS = 4
+
+
+def roughen(model: nn.Module, seed: int) -> None:
+    """Weights large enough that every input visibly moves the drafts (N(0, 0.02) barely does)."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=gen) / m.weight.shape[1] ** 0.5)
+            elif isinstance(m, RMSNorm):
+                m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=gen))
+
+
+def make(seed: int = 0, **kw) -> MTPDrafter:
+    drafter = random_drafter("mtp", INFO, seed=seed, max_drafts=MAX_DRAFTS, **kw)
+    roughen(drafter.model, seed)
+    return drafter
+
+
+class History:
+    """Committed target rows h_i and tokens x_i of one sequence, positions 0.. in order."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.hidden: list[torch.Tensor] = []
+        self.tokens: list[int] = []
+
+    def fresh(self, n: int) -> tuple[list[int], torch.Tensor]:
+        tokens = torch.randint(0, INFO.vocab_size, (n,), generator=self.gen).tolist()
+        return tokens, torch.randn(n, INFO.hidden_size, generator=self.gen)
+
+    def add(self, tokens: list[int], rows: torch.Tensor) -> None:
+        self.tokens += tokens
+        self.hidden += list(rows)
+
+    @property
+    def next_pos(self) -> int:
+        return len(self.tokens)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    inv = theta ** (-torch.arange(0, 2 * half, 2, dtype=torch.float64) / (2 * half))
+    ang = (pos.double()[:, None] * inv)[:, None, :]
+    cos, sin = ang.cos().float(), ang.sin().float()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def run_layer(layer, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The MTP decoder layer over a whole sequence, causal, no cache."""
+    a, dec = layer.self_attn, INFO
+    h = layer.input_layernorm(x)
+    q = rope(a.q_norm(a.q_proj(h).view(len(x), -1, dec.head_dim)), pos, dec.rope.theta)
+    k = rope(a.k_norm(a.k_proj(h).view(len(x), -1, dec.head_dim)), pos, dec.rope.theta)
+    v = a.v_proj(h).view(len(x), -1, dec.head_dim)
+    groups = dec.num_attention_heads // dec.num_key_value_heads
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(groups, 1).transpose(0, 1),
+        v.repeat_interleave(groups, 1).transpose(0, 1), is_causal=True,
+    ).transpose(0, 1)
+    x = x + a.o_proj(out.reshape(len(x), -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+@torch.no_grad()
+def reference(drafter: MTPDrafter, history: History, anchor: int, num_drafts: int,
+              allowed: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+    """Every draft recomputed from scratch: pairs (h_{i-1}, x_i) at positions 1..L, then own outputs."""
+    model, head = drafter.model, drafter.head
+    layer = model.layer
+
+    def fuse(token: int, hidden: torch.Tensor) -> torch.Tensor:
+        return layer.eh_proj(torch.cat([layer.enorm(head.embed[token]), layer.hnorm(hidden)]))
+
+    tokens = history.tokens[1:] + [anchor]
+    inputs = [fuse(t, h) for t, h in zip(tokens, history.hidden)]
+    drafts, conf = [], []
+    for step in range(num_drafts):
+        out = run_layer(layer, torch.stack(inputs), torch.arange(1, len(inputs) + 1))[-1]
+        normed = layer.shared_head.norm(out)
+        logits = normed @ (head.lm_head if model.lm_head is None else model.lm_head.weight).T
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        logp = torch.log_softmax(logits, -1)
+        draft = int(logp.argmax())
+        if model.d2t is not None:
+            draft += int(model.d2t[draft])
+        drafts.append(draft)
+        conf.append(float(logp.max()))
+        inputs.append(fuse(draft, out))
+    return drafts, conf
+
+
+def propose_one(drafter, seq, anchor, position, n, **kw):
+    return drafter.propose([ProposeRequest(seq, anchor, position, n, want_confidence=True, **kw)])[0]
+
+
+def assert_matches(drafter, seq, history, anchor, n, allowed=None, **kw):
+    """`allowed`: the reference's mask, in the draft vocabulary."""
+    got = propose_one(drafter, seq, anchor, history.next_pos, n, **kw)
+    tokens, conf = reference(drafter, history, anchor, n, allowed)
+    assert got.tokens == tokens
+    torch.testing.assert_close(torch.tensor(got.confidence), torch.tensor(conf), atol=1e-4, rtol=1e-4)
+    return got
+
+
+def start(drafter, seq, history, n, budget=200):
+    drafter.alloc(seq, budget)
+    tokens, rows = history.fresh(n)
+    assert drafter.prefill(seq, tokens, rows) == n
+    history.add(tokens, rows)
+
+
+def verify(drafter, seq, history, anchor, drafts, accept):
+    """Verify [anchor, drafts] and accept `accept` of them: stash, commit, trim."""
+    _, rows = history.fresh(len(drafts) + 1)
+    committed = [anchor] + drafts[:accept]
+    base = history.next_pos
+    drafter.stash(seq, rows)
+    drafter.commit(seq, accept + 1, base, committed)
+    drafter.trim(seq, accept)
+    history.add(committed, rows[:accept + 1])
+
+
+def test_is_a_proposer_with_mtp_spec():
+    drafter = make()
+    assert isinstance(drafter, Proposer)
+    assert drafter.spec.feature is FeatureKind.LAST_HIDDEN
+    assert (drafter.spec.feature_dim, drafter.spec.max_drafts, drafter.spec.block_size) == (32, MAX_DRAFTS, 0)
+
+
+@pytest.mark.parametrize("num_drafts", [1, 3])
+def test_propose_matches_reference(num_drafts):
+    drafter = make()
+    history = History(1)
+    start(drafter, 0, history, 7)
+    assert_matches(drafter, 0, history, 11, num_drafts)
+
+
+def test_steps_with_partial_accepts_match_reference():
+    drafter = make()
+    history = History(2)
+    start(drafter, 0, history, 5)
+    anchor = 9
+    for accept in (2, 0, 4, 1, 3):
+        got = assert_matches(drafter, 0, history, anchor, MAX_DRAFTS)
+        verify(drafter, 0, history, anchor, got.tokens, accept)
+        anchor = (got.tokens[accept] + 1) % INFO.vocab_size if accept < MAX_DRAFTS else 5  # a bonus token
+    assert_matches(drafter, 0, history, anchor, MAX_DRAFTS)
+
+
+def test_trim_drops_speculative_rows():
+    drafter = make()
+    history = History(3)
+    start(drafter, 0, history, 6)
+    got = propose_one(drafter, 0, 14, 6, MAX_DRAFTS)
+    state = drafter.store.get(0)
+    assert state.exact == 5  # positions 1..5; the anchor's row and three draft rows are speculative
+    assert len(state.kv) == 5 + MAX_DRAFTS
+    assert state.kv["pos"].tolist() == list(range(1, 10))
+    verify(drafter, 0, history, 14, got.tokens, 1)
+    assert len(state.kv) == state.exact == 5
+    assert_matches(drafter, 0, history, 60, MAX_DRAFTS)
+
+
+def test_repeated_propose_and_serial_catchup():
+    drafter = make()
+    history = History(4)
+    start(drafter, 0, history, 4)
+    first = assert_matches(drafter, 0, history, 8, 3)
+    assert propose_one(drafter, 0, 8, 4, 3).tokens == first.tokens  # the anchor row is rebuilt, not reused
+    for token in (8, 21, 33):  # speculation suspended: serial rows, one at a time
+        _, rows = history.fresh(1)
+        assert drafter.catchup(0, [token], rows, history.next_pos) == 1
+        history.add([token], rows)
+    assert_matches(drafter, 0, history, 2, MAX_DRAFTS)
+
+
+def test_batched_propose_equals_per_sequence():
+    drafter, twin = make(max_batch=2), make()
+    histories = {}
+    for seq, n in ((0, 3), (1, 9), (2, 1)):
+        histories[seq] = History(10 + seq)
+        tokens, rows = histories[seq].fresh(n)
+        for d in (drafter, twin):
+            d.alloc(seq, 100)
+            d.prefill(seq, tokens, rows)
+        histories[seq].add(tokens, rows)
+    for _ in range(2):
+        requests = [ProposeRequest(s, 20 + s, h.next_pos, n, want_confidence=True)
+                    for (s, h), n in zip(histories.items(), (4, 1, 3))]
+        batched = drafter.propose(requests)
+        for request, got in zip(requests, batched):
+            alone = twin.propose([request])[0]
+            assert got.tokens == alone.tokens and len(got.tokens) == request.num_drafts
+            torch.testing.assert_close(torch.tensor(got.confidence), torch.tensor(alone.confidence),
+                                       atol=1e-5, rtol=0)
+            tokens, _ = reference(drafter, histories[request.seq_id], request.last_token, request.num_drafts)
+            assert got.tokens == tokens
+        for request, got in zip(requests, batched):  # accept one draft each, in both drafters
+            history = histories[request.seq_id]
+            _, rows = history.fresh(2)
+            committed = [request.last_token, got.tokens[0]]
+            for d in (drafter, twin):
+                d.stash(request.seq_id, rows)
+                d.commit(request.seq_id, 2, request.position, committed)
+                d.trim(request.seq_id, 1)
+            history.add(committed, rows)
+
+
+def test_bitmask_confidence_and_d2t():
+    drafter = make(draft_vocab_size=30)
+    d2t = drafter.model.d2t
+    targets = sorted(set((torch.arange(30) + d2t).tolist()))
+    history = History(5)
+    start(drafter, 0, history, 6)
+    got = assert_matches(drafter, 0, history, 3, MAX_DRAFTS)
+    assert set(got.tokens) <= set(targets)
+    allowed = torch.zeros(INFO.vocab_size, dtype=torch.bool)
+    allowed[targets[::3]] = True
+    allowed[got.tokens[0]] = False
+    masked = assert_matches(drafter, 0, history, 3, MAX_DRAFTS, bitmask=bool_to_bitmask(allowed),
+                            allowed=allowed[torch.arange(30) + d2t])
+    assert all(allowed[t] for t in masked.tokens)
+
+
+def test_take_and_install_carry_exact_rows():
+    drafter = make()
+    history = History(6)
+    start(drafter, 1, history, 5)
+    got = propose_one(drafter, 1, 7, 5, 2)
+    verify(drafter, 1, history, 7, got.tokens, 2)
+    carried = drafter.take_kv(1)
+    assert (carried.rows, carried.last_position) == (4, 7)
+    with pytest.raises(StateConflict):  # the source is fresh again: nothing to draft from
+        propose_one(drafter, 1, 7, 0, 1)
+    drafter.alloc(2, 100)
+    drafter.install_kv(2, carried.handle)
+    assert_matches(drafter, 2, history, 12, MAX_DRAFTS)
+    tokens, rows = history.fresh(2)
+    tokens[0] = 12
+    drafter.prefill(2, tokens, rows, start_pos=8)
+    history.add(tokens, rows)
+    assert_matches(drafter, 2, history, 50, MAX_DRAFTS)
+
+
+@pytest.mark.parametrize("call,error", [
+    (lambda d: propose_one(d, 0, 1, 4, MAX_DRAFTS + 1), InvalidRequest),
+    (lambda d: propose_one(d, 0, 1, 3, 1), StateConflict),
+    (lambda d: propose_one(d, 2, 1, 0, 1), StateConflict),  # nothing committed
+    (lambda d: d.prefill(0, [1], torch.randn(1, 32), 3), StateConflict),
+    (lambda d: d.prefill(0, [1], torch.randn(1, 33), 4), InvalidRequest),
+    (lambda d: d.prefill(0, [1] * 7, torch.randn(7, 32), 4), CapacityExceeded),
+    (lambda d: d.commit(0, 1, 4, [1]), StateConflict),
+    (lambda d: d.trim(0, -1), InvalidRequest),
+    (lambda d: d.free(5), UnknownSequence),
+])
+def test_bad_calls_raise_and_change_nothing(call, error):
+    drafter = make()
+    history = History(7)
+    start(drafter, 0, history, 4, budget=10)
+    drafter.alloc(2, 10)
+    state = drafter.store.get(0)
+    before = (state.next_pos, state.exact, len(state.kv), len(state.pending), state.pending["h"].clone())
+    with pytest.raises(error):
+        call(drafter)
+    after = (state.next_pos, state.exact, len(state.kv), len(state.pending), state.pending["h"])
+    assert before[:4] == after[:4] and torch.equal(before[4], after[4])
+    assert_matches(drafter, 0, history, 5, 2)

@@ -1,0 +1,420 @@
+"""Row transport: rows cross processes through shared memory (and CUDA IPC on a GPU), refs are validated."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from shared.errors import AlreadyExists, InvalidRequest, StateConflict
+from shared.transport import (
+    SHM_DIR,
+    SHM_PREFIX,
+    BufferDescriptor,
+    BufferExporter,
+    BufferImporter,
+    BufferKind,
+    BufferRole,
+    InlineRows,
+    RowRef,
+    UnknownBuffer,
+    choose_mode,
+    decode_inline,
+    encode_inline,
+    host_id,
+)
+
+TIMEOUT = 60  # seconds a child may take to answer (spawn imports torch)
+
+
+def _segments(pid: int | None = None) -> set[str]:
+    prefix = SHM_PREFIX if pid is None else f"{SHM_PREFIX}{pid}-"
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(prefix)}
+
+
+def _pattern(rows: int, cols: int, generation: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """Rows whose every value names (generation, row, col), so a wrong slice cannot pass."""
+    r = torch.arange(rows, device=device)[:, None] * 1000
+    c = torch.arange(cols, device=device)[None, :]
+    return (generation * 100_000 + r + c).to(dtype)
+
+
+# --- the exporting child process (spawn: a fresh interpreter, no inherited mappings) -------------
+
+
+def _exporter_main(conn, device: str) -> None:
+    """Serve commands from the parent: create / bump / release / close / exit_without_close."""
+    exporter = BufferExporter()
+    while True:
+        command, *args = conn.recv()
+        if command == "create":
+            rows, cols, dtype = args
+            buffer = exporter.create(rows, cols, dtype, device)
+            buffer.tensor.copy_(_pattern(rows, cols, buffer.generation, dtype, device))
+            buffer.record()
+            conn.send((buffer.describe(), buffer.ref(0, rows)))
+        elif command == "bump":
+            (buffer_id,) = args
+            buffer = exporter.get(buffer_id)
+            buffer.bump()
+            if device != "cpu":
+                torch.cuda._sleep(200_000_000)  # ~0.1 s: the write lands well after the ref is sent
+            rows, cols = buffer.tensor.shape
+            buffer.tensor.copy_(_pattern(rows, cols, buffer.generation, buffer.tensor.dtype, device))
+            buffer.record()
+            conn.send(buffer.ref(1, rows - 1))
+        elif command == "release":
+            exporter.release(args[0])
+            conn.send("released")
+        elif command == "close":
+            exporter.close()
+            conn.send("closed")
+            return
+        elif command == "exit_without_close":
+            conn.send("bye")
+            return  # the RowBuffers' finalizers unlink at interpreter exit
+
+
+class Child:
+    """A spawned exporter process driven over a pipe."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(target=_exporter_main, args=(child_conn, device), daemon=True)
+        self.process.start()
+
+    def ask(self, *command):
+        self.conn.send(command)
+        if not self.conn.poll(TIMEOUT):
+            raise TimeoutError(f"exporter did not answer {command[0]}")
+        return self.conn.recv()
+
+    def join(self) -> None:
+        self.process.join(TIMEOUT)
+        assert self.process.exitcode == 0
+
+
+@pytest.fixture(scope="module")
+def child():
+    child = Child()
+    yield child
+    if child.process.is_alive():
+        child.ask("close")
+        child.join()
+
+
+# --- across processes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_cross_processes_through_shm(child, dtype):
+    descriptor, ref = child.ask("create", 6, 5, dtype)
+    assert descriptor.kind is BufferKind.SHM and descriptor.host_id == host_id()
+    with BufferImporter() as importer:
+        importer.register([descriptor])
+        rows = importer.resolve(ref, cols=5, dtype=dtype)
+        torch.testing.assert_close(rows, _pattern(6, 5, 1, dtype), rtol=0, atol=0)
+        middle = importer.resolve(RowRef(descriptor.buffer_id, 2, 3, 1))
+        torch.testing.assert_close(middle, _pattern(6, 5, 1, dtype)[2:5], rtol=0, atol=0)
+    child.ask("release", descriptor.buffer_id)
+
+
+def test_stale_generation_is_refused_after_the_owner_reuses_slots(child):
+    descriptor, old = child.ask("create", 4, 3, torch.float32)
+    with BufferImporter() as importer:
+        importer.register([descriptor])
+        importer.resolve(old)
+        new = child.ask("bump", descriptor.buffer_id)
+        assert new.generation == old.generation + 1
+        with pytest.raises(StateConflict, match="stale"):
+            importer.resolve(old)
+        torch.testing.assert_close(importer.resolve(new), _pattern(4, 3, 2)[1:], rtol=0, atol=0)
+        with pytest.raises(StateConflict):  # a generation the owner has not reached yet
+            importer.resolve(RowRef(descriptor.buffer_id, 0, 1, new.generation + 1))
+    child.ask("release", descriptor.buffer_id)
+
+
+def test_released_buffer_is_unlinked_but_mapped_views_stay_valid(child):
+    descriptor, ref = child.ask("create", 2, 2, torch.float32)
+    importer = BufferImporter()
+    importer.register([descriptor])
+    view = importer.resolve(ref)
+    child.ask("release", descriptor.buffer_id)
+    assert descriptor.name not in _segments()
+    torch.testing.assert_close(view, _pattern(2, 2, 1), rtol=0, atol=0)  # the mapping outlives the name
+    with pytest.raises(InvalidRequest, match="cannot open"):  # a new connection cannot map it
+        BufferImporter().register([descriptor])
+
+
+def test_child_leaves_no_segments_on_close_or_on_normal_exit():
+    for farewell in ("close", "exit_without_close"):
+        child = Child()
+        descriptors = [child.ask("create", 3, 4, torch.float32)[0] for _ in range(2)]
+        assert {d.name for d in descriptors} <= _segments(child.process.pid)
+        child.ask(farewell)
+        child.join()
+        assert not _segments(child.process.pid), farewell
+
+
+# --- validation (in one process: the exporter's segments are ordinary files) -------------------
+
+
+@pytest.fixture
+def pair():
+    exporter = BufferExporter()
+    buffer = exporter.create(8, 4, torch.float32)
+    buffer.tensor.copy_(_pattern(8, 4, 1))
+    importer = BufferImporter()
+    importer.register([buffer.describe()])
+    yield exporter, buffer, importer
+    importer.close()
+    exporter.close()
+    assert not _segments(os.getpid())
+
+
+def test_unknown_and_released_buffers_are_refused(pair):
+    exporter, buffer, importer = pair
+    with pytest.raises(UnknownBuffer):
+        importer.resolve(RowRef(buffer.buffer_id + 1, 0, 1, 1))
+    importer.release([buffer.buffer_id])
+    with pytest.raises(UnknownBuffer):
+        importer.resolve(buffer.ref(0, 1))
+    with pytest.raises(UnknownBuffer):
+        importer.release([buffer.buffer_id])
+    exporter.release(buffer.buffer_id)
+    with pytest.raises(UnknownBuffer):
+        buffer.ref(0, 1)
+    assert issubclass(UnknownBuffer, InvalidRequest)
+
+
+@pytest.mark.parametrize("offset, rows", [(-1, 2), (0, 0), (0, -3), (7, 2), (8, 1), (0, 9)])
+def test_rows_outside_the_buffer_are_refused(pair, offset, rows):
+    _, buffer, importer = pair
+    with pytest.raises(InvalidRequest):
+        importer.resolve(RowRef(buffer.buffer_id, offset, rows, buffer.generation))
+    with pytest.raises(InvalidRequest):
+        buffer.ref(offset, rows)
+
+
+def test_last_rows_of_the_buffer_resolve(pair):
+    _, buffer, importer = pair
+    torch.testing.assert_close(importer.resolve(buffer.ref(6, 2)), _pattern(8, 4, 1)[6:], rtol=0, atol=0)
+
+
+def test_cols_and_dtype_must_match_what_the_caller_expects(pair):
+    _, buffer, importer = pair
+    ref = buffer.ref(0, 2)
+    with pytest.raises(InvalidRequest, match="columns"):
+        importer.resolve(ref, cols=5)
+    with pytest.raises(InvalidRequest, match="bfloat16"):
+        importer.resolve(ref, dtype=torch.bfloat16)
+    assert importer.resolve(ref, cols=4, dtype=torch.float32).shape == (2, 4)
+
+
+def test_registration_is_checked_and_all_or_nothing(pair):
+    exporter, buffer, importer = pair
+    with pytest.raises(AlreadyExists):
+        importer.register([buffer.describe()])
+    other = exporter.create(2, 2)
+    good = other.describe()
+    bad = BufferDescriptor(99, BufferKind.SHM, good.name, torch.float32, 1, 2, good.host_id)  # rows disagree
+    too_big = BufferDescriptor(98, BufferKind.SHM, good.name, torch.float32, 3, 2, good.host_id)
+    fresh = BufferImporter()
+    with pytest.raises(InvalidRequest, match="does not hold"):
+        fresh.register([good, bad])
+    assert len(fresh) == 0  # the good one was not kept either
+    with pytest.raises(InvalidRequest, match="needs"):
+        fresh.register([too_big])
+    far = BufferDescriptor(good.buffer_id, BufferKind.SHM, good.name, torch.float32, 2, 2, "elsewhere")
+    with pytest.raises(InvalidRequest, match="another host"):
+        fresh.register([far])
+    for name in ("../etc/passwd", "specsplit-1-zz"):
+        with pytest.raises(InvalidRequest, match="segment name"):
+            fresh.register([BufferDescriptor(7, BufferKind.SHM, name, torch.float32, 1, 1, good.host_id)])
+    missing = good.name[:-4] + ("0000" if not good.name.endswith("0000") else "1111")
+    with pytest.raises(InvalidRequest, match="cannot open"):
+        fresh.register([BufferDescriptor(7, BufferKind.SHM, missing, torch.float32, 1, 1, good.host_id)])
+    assert not os.path.exists(os.path.join(SHM_DIR, missing))  # opening never creates a segment
+    fresh.register([good])
+    assert good.buffer_id in fresh and fresh.with_role(BufferRole.ROWS) == [good]
+
+
+def test_descriptors_and_refs_validate_their_fields():
+    name, host = "specsplit-1-0123456789abcdef", "h"
+    for bad in (
+        dict(buffer_id=0),
+        dict(rows=0),
+        dict(cols=-1),
+        dict(dtype=torch.int64),
+        dict(name=""),
+        dict(kind="nvlink"),
+        dict(mem_handle=b"x"),
+        dict(kind=BufferKind.CUDA_IPC),
+    ):
+        fields = dict(buffer_id=1, kind=BufferKind.SHM, name=name, dtype=torch.float32, rows=1, cols=1, host_id=host)
+        with pytest.raises(InvalidRequest):
+            BufferDescriptor(**{**fields, **bad})
+    for args in ((0, 0, 1, 1), (1, -1, 1, 1), (1, 0, 0, 1), (1, 0, 1, -1)):
+        with pytest.raises(InvalidRequest):
+            RowRef(*args)
+
+
+def test_exporter_generation_cycle(pair):
+    _, buffer, importer = pair
+    assert buffer.generation == 1
+    first = buffer.ref(0, 1)
+    assert buffer.bump() == 2 and buffer.ref(0, 1).generation == 2
+    with pytest.raises(StateConflict):
+        importer.resolve(first)
+    assert importer.resolve(buffer.ref(0, 1)).shape == (1, 4)
+
+
+def test_export_existing_copies_once_and_imports_whole(pair):
+    exporter, _, importer = pair
+    weight = torch.randn(10, 6).to(torch.bfloat16)
+    buffer = exporter.export_existing(weight, BufferRole.TARGET_LM_HEAD)
+    importer.register([buffer.describe()])
+    (head,) = importer.with_role(BufferRole.TARGET_LM_HEAD)
+    torch.testing.assert_close(importer.whole(head.buffer_id), weight, rtol=0, atol=0)
+    with pytest.raises(InvalidRequest):
+        exporter.export_existing(torch.zeros(3), BufferRole.TARGET_EMBEDDING)
+
+
+def test_bad_exporter_arguments():
+    with BufferExporter() as exporter:
+        for args in ((0, 4), (4, 0)):
+            with pytest.raises(InvalidRequest):
+                exporter.create(*args)
+        with pytest.raises(InvalidRequest):
+            exporter.create(2, 2, torch.int32)
+        with pytest.raises(InvalidRequest):
+            exporter.create(2, 2, device="meta")
+        with pytest.raises(UnknownBuffer):
+            exporter.release(123)
+
+
+# --- inline rows and mode choice ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_inline_round_trip(dtype):
+    rows = torch.randn(3, 7).to(dtype)
+    inline = encode_inline(rows.t().contiguous().t())  # a non-contiguous source still encodes row-major
+    assert len(inline.data) == 3 * 7 * dtype.itemsize
+    torch.testing.assert_close(decode_inline(inline), rows, rtol=0, atol=0)
+    with BufferImporter() as importer:
+        torch.testing.assert_close(importer.resolve(inline, cols=7, dtype=dtype), rows, rtol=0, atol=0)
+        with pytest.raises(InvalidRequest):
+            importer.resolve(inline, cols=8)
+
+
+def test_inline_validation():
+    with pytest.raises(InvalidRequest):
+        InlineRows(b"\0" * 11, torch.float32, 1, 3)
+    with pytest.raises(InvalidRequest):
+        InlineRows(b"", torch.float32, 0, 3)
+    with pytest.raises(InvalidRequest):
+        InlineRows(b"\0" * 8, torch.int64, 1, 1)
+    with pytest.raises(InvalidRequest):
+        encode_inline(torch.zeros(4))
+    with pytest.raises(InvalidRequest):
+        encode_inline(torch.zeros(2, 2, dtype=torch.int32))
+
+
+def test_choose_mode():
+    me = host_id()
+    assert me and me == host_id()
+    assert choose_mode(me, me, "GPU-a", "GPU-a") == "cuda_ipc"
+    assert choose_mode(me, me, "GPU-a", "GPU-b") == "shm"
+    assert choose_mode(me, me, "", "") == "shm"
+    assert choose_mode(me, me, "", "GPU-a") == "shm"
+    assert choose_mode(me, "other", "GPU-a", "GPU-a") == "inline"
+    assert choose_mode("", "", "", "") == "inline"
+
+
+def _report_host_id(queue) -> None:
+    queue.put(host_id())
+
+
+def test_host_id_agrees_across_processes():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_report_host_id, args=(queue,))
+    process.start()
+    assert queue.get(timeout=TIMEOUT) == host_id()
+    process.join(TIMEOUT)
+
+
+# --- CUDA IPC (run on a GPU host: pytest -m gpu) -------------------------------------------------
+
+
+def _need_cuda_ipc():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("cupy")
+
+
+@pytest.fixture(scope="module")
+def gpu_child():
+    _need_cuda_ipc()
+    child = Child("cuda:0")
+    yield child
+    if child.process.is_alive():
+        child.ask("close")
+        child.join()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_ipc_rows_cross_processes(gpu_child, dtype):
+    descriptor, ref = gpu_child.ask("create", 64, 48, dtype)
+    assert descriptor.kind is BufferKind.CUDA_IPC and len(descriptor.mem_handle) == 64
+    with BufferImporter() as importer:
+        importer.register([descriptor])
+        rows = importer.resolve(ref, cols=48, dtype=dtype)
+        assert rows.device.type == "cuda"
+        torch.testing.assert_close(rows.clone(), _pattern(64, 48, 1, dtype, "cuda"), rtol=0, atol=0)
+    gpu_child.ask("release", descriptor.buffer_id)
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_reader_waits_for_the_owners_event_and_checks_generation(gpu_child):
+    descriptor, old = gpu_child.ask("create", 1024, 256, torch.float32)
+    with BufferImporter() as importer:
+        importer.register([descriptor])
+        new = gpu_child.ask("bump", descriptor.buffer_id)  # the owner's write is still sleeping on the GPU
+        with pytest.raises(StateConflict):
+            importer.resolve(old)
+        copy = importer.resolve(new).clone()  # ordered after the owner's event on our stream
+        torch.testing.assert_close(copy, _pattern(1024, 256, 2, device="cuda")[1:], rtol=0, atol=0)
+        with pytest.raises(InvalidRequest):
+            importer.resolve(RowRef(descriptor.buffer_id, 1000, 25, new.generation))
+    gpu_child.ask("release", descriptor.buffer_id)
+    assert descriptor.name not in _segments()
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_refuses_an_invisible_gpu(gpu_child):
+    descriptor, _ = gpu_child.ask("create", 2, 2, torch.float32)
+    fields = {f: getattr(descriptor, f) for f in descriptor.__dataclass_fields__}
+    ghost = BufferDescriptor(**{**fields, "device_uuid": "GPU-00000000-0000-0000-0000-000000000000"})
+    with pytest.raises(InvalidRequest, match="not visible"):
+        BufferImporter().register([ghost])
+    gpu_child.ask("release", descriptor.buffer_id)
+
+
+@pytest.mark.gpu
+def test_cuda_export_existing_and_record_discipline():
+    _need_cuda_ipc()
+    with BufferExporter() as exporter:
+        weight = torch.randn(32, 16, device="cuda", dtype=torch.bfloat16)
+        buffer = exporter.export_existing(weight, BufferRole.TARGET_EMBEDDING)
+        torch.testing.assert_close(buffer.tensor, weight, rtol=0, atol=0)
+        buffer.bump()
+        with pytest.raises(StateConflict, match="record"):
+            buffer.ref(0, 1)  # a CUDA write must be recorded before it is referenced
+        buffer.record()
+        assert buffer.ref(0, 1).generation == 2

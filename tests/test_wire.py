@@ -1,0 +1,458 @@
+"""Protobuf ↔ domain conversion: round trips, and malformed protobuf input raises InvalidRequest."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from protos.specsplit.v1 import common_pb2, drafter_pb2, target_pb2
+from shared import wire
+from shared.errors import (
+    AlreadyExists,
+    CapacityExceeded,
+    DrafterUnavailable,
+    InvalidRequest,
+    StateConflict,
+    UnknownSequence,
+)
+from shared.proposer import CarriedKV, DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest, bool_to_bitmask
+from shared.sampling import SamplingParams
+from shared.transport import BufferDescriptor, BufferKind, BufferRole, RowRef, encode_inline
+from shared.wire import (
+    CommitOp,
+    GenerateCall,
+    GenerateChunk,
+    GenerationStats,
+    RowsOp,
+    SeqError,
+    SeqStep,
+    StepBatch,
+    StepResult,
+)
+
+REF = RowRef(buffer_id=3, row_offset=5, rows=2, generation=9)
+INLINE = encode_inline(torch.arange(6, dtype=torch.float32).view(2, 3))
+
+
+def wire_trip(value, to_proto, from_proto, message_type):
+    """Through bytes too, so what is compared is what a peer would parse."""
+    data = to_proto(value).SerializeToString()
+    return from_proto(message_type.FromString(data))
+
+
+# --- rows, buffers, bitmasks --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", [REF, INLINE])
+def test_rows_round_trip(source):
+    assert wire_trip(source, wire.rows_to_proto, wire.rows_from_proto, common_pb2.RowRef) == source
+
+
+@pytest.mark.parametrize(
+    "pb",
+    [
+        common_pb2.RowRef(buffer_id=0, rows=1),
+        common_pb2.RowRef(buffer_id=1, row_offset=-1, rows=1),
+        common_pb2.RowRef(buffer_id=1, rows=0),
+        common_pb2.RowRef(buffer_id=1, rows=1, generation=-2),
+        common_pb2.RowRef(inline=common_pb2.InlineRows(data=b"\0" * 4, dtype=common_pb2.DTYPE_FLOAT32, rows=1, cols=2)),
+        common_pb2.RowRef(inline=common_pb2.InlineRows(data=b"\0" * 4, rows=1, cols=1)),  # dtype unset
+    ],
+)
+def test_malformed_rows_are_refused(pb):
+    with pytest.raises(InvalidRequest):
+        wire.rows_from_proto(pb)
+
+
+def test_descriptor_round_trip():
+    shm = BufferDescriptor(4, BufferKind.SHM, "specsplit-1-0123456789abcdef", torch.bfloat16, 100, 64, "host")
+    cuda = BufferDescriptor(
+        5,
+        BufferKind.CUDA_IPC,
+        "specsplit-1-fedcba9876543210",
+        torch.float16,
+        7,
+        3,
+        "host",
+        device_uuid="GPU-1",
+        mem_handle=bytes(range(64)),
+        event_handle=bytes(64),
+        role=BufferRole.TARGET_LM_HEAD,
+    )
+    for d in (shm, cuda):
+        assert wire_trip(d, wire.descriptor_to_proto, wire.descriptor_from_proto, common_pb2.BufferDescriptor) == d
+    unset_kind = wire.descriptor_to_proto(shm)
+    unset_kind.kind = common_pb2.BUFFER_KIND_UNSPECIFIED
+    with pytest.raises(InvalidRequest, match="buffer kind"):
+        wire.descriptor_from_proto(unset_kind)
+
+
+def test_bitmask_round_trip_keeps_the_sign_bit():
+    allowed = torch.zeros(100, dtype=torch.bool)
+    allowed[[0, 31, 63, 99]] = True  # bit 31 makes a word negative
+    words = bool_to_bitmask(allowed)
+    back = wire_trip(words, wire.bitmask_to_proto, wire.bitmask_from_proto, common_pb2.Bitmask)
+    assert back.dtype == torch.int32 and torch.equal(back, words)
+    assert len(wire.bitmask_to_proto(words).words) == 4 * words.numel()
+    for bad in (b"", b"\0" * 5):
+        with pytest.raises(InvalidRequest):
+            wire.bitmask_from_proto(common_pb2.Bitmask(words=bad))
+    with pytest.raises(InvalidRequest):
+        wire.bitmask_to_proto(words.to(torch.int64))
+
+
+# --- sampling -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(
+            max_tokens=7,
+            temperature=0.7,
+            top_k=40,
+            top_p=0.9,
+            seed=2**64 - 1,
+            stop_token_ids=(2, 5),
+            stop_strings=("\n\n", "END"),
+            ignore_eos=True,
+        ),
+        SamplingParams(seed=0),
+    ],
+)
+def test_sampling_round_trip(params):
+    assert wire_trip(params, wire.sampling_to_proto, wire.sampling_from_proto, common_pb2.SamplingParams) == params
+
+
+def test_sampling_unset_fields_take_defaults_and_bad_values_are_refused():
+    assert wire.sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
+    for bad in (
+        dict(temperature=-1.0),
+        dict(top_k=-3),
+        dict(top_p=1.5),
+        dict(max_tokens=-1),
+        dict(stop_token_ids=[-4]),
+    ):
+        with pytest.raises(InvalidRequest):
+            wire.sampling_from_proto(common_pb2.SamplingParams(**bad))
+
+
+# --- drafter description, carried KV ------------------------------------------------------------
+
+
+def test_description_round_trip():
+    spec = DrafterSpec(
+        DrafterKind.DFLASH,
+        FeatureKind.LAYER_CONCAT,
+        feature_dim=3 * 64,
+        hidden_size=64,
+        vocab_size=1000,
+        max_drafts=15,
+        block_size=16,
+        target_layer_ids=(1, 9, 17),
+        max_batch=8,
+        window=2048,
+    )
+    description = wire.DrafterDescription(spec, host_id="h", device_uuid="GPU-x", needs_target_head=True)
+    back = wire_trip(
+        description, wire.description_to_proto, wire.description_from_proto, drafter_pb2.DrafterDescription
+    )
+    assert back == description
+    mtp = wire.DrafterDescription(DrafterSpec(DrafterKind.MTP, FeatureKind.LAST_HIDDEN, 64, 64, 1000, 1))
+    assert wire_trip(mtp, wire.description_to_proto, wire.description_from_proto, drafter_pb2.DrafterDescription) == mtp
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("kind", 0),
+        ("feature", 0),
+        ("feature_dim", 0),
+        ("vocab_size", -1),
+        ("block_size", -1),
+        ("max_drafts", 0),
+        ("window", 0),
+    ],
+)
+def test_bad_description_is_refused(field, value):
+    pb = wire.description_to_proto(
+        wire.DrafterDescription(DrafterSpec(DrafterKind.MTP, FeatureKind.LAST_HIDDEN, 64, 64, 1000, 1))
+    )
+    setattr(pb, field, value)
+    with pytest.raises(InvalidRequest):
+        wire.description_from_proto(pb)
+
+
+def test_carried_kv_round_trip():
+    for kv in (CarriedKV(3, 120, 119), CarriedKV(4, 0, -1)):
+        assert wire_trip(kv, wire.carried_kv_to_proto, wire.carried_kv_from_proto, drafter_pb2.CarriedKV) == kv
+    with pytest.raises(InvalidRequest):
+        wire.carried_kv_from_proto(drafter_pb2.CarriedKV(handle=1, rows=-1))
+
+
+# --- propose ------------------------------------------------------------------------------------
+
+
+def same_requests(a: ProposeRequest, b: ProposeRequest) -> bool:
+    masks = (a.bitmask is None and b.bitmask is None) or torch.equal(a.bitmask, b.bitmask)
+    return masks and (a.seq_id, a.last_token, a.position, a.num_drafts, a.want_confidence) == (
+        b.seq_id,
+        b.last_token,
+        b.position,
+        b.num_drafts,
+        b.want_confidence,
+    )
+
+
+def test_propose_round_trip():
+    requests = [
+        ProposeRequest(seq_id=1, last_token=42, position=17, num_drafts=3),
+        ProposeRequest(
+            seq_id=2,
+            last_token=0,
+            position=0,
+            num_drafts=1,
+            want_confidence=True,
+            bitmask=torch.tensor([-1, 5, 0, 2**31 - 1], dtype=torch.int32),
+        ),
+    ]
+    back = wire_trip(requests, wire.propose_to_proto, wire.propose_from_proto, drafter_pb2.ProposeRequest)
+    assert len(back) == 2 and all(same_requests(a, b) for a, b in zip(requests, back, strict=True))
+
+
+@pytest.mark.parametrize("field, value", [("num_drafts", 0), ("seq_id", -1), ("last_token", -5), ("position", -1)])
+def test_bad_propose_items_are_refused(field, value):
+    pb = wire.propose_item_to_proto(ProposeRequest(seq_id=1, last_token=4, position=3, num_drafts=2))
+    setattr(pb, field, value)
+    with pytest.raises(InvalidRequest):
+        wire.propose_item_from_proto(pb)
+
+
+def test_proposals_round_trip():
+    requests = [ProposeRequest(7, 1, 1, 2), ProposeRequest(8, 1, 1, 3)]
+    probs = torch.softmax(torch.randn(3, 11), dim=-1)
+    proposals = [Proposal([4, 5]), Proposal([6, 7, 8], confidence=[-0.25, -1.5, -3.0], probs=probs)]
+    back = wire_trip(
+        proposals,
+        lambda p: wire.proposals_to_proto(requests, p),
+        wire.proposals_from_proto,
+        drafter_pb2.ProposeResponse,
+    )
+    assert back[0] == Proposal([4, 5])
+    assert back[1].tokens == [6, 7, 8] and back[1].confidence == [-0.25, -1.5, -3.0]
+    torch.testing.assert_close(back[1].probs, probs, rtol=0, atol=0)
+    with pytest.raises(ValueError):  # one proposal per request
+        wire.proposals_to_proto(requests[:1], proposals)
+
+
+def test_bad_proposals_are_refused():
+    with pytest.raises(InvalidRequest):
+        wire.proposal_from_proto(drafter_pb2.Proposal(seq_id=1, tokens=[1, 2], confidence=[0.0]))
+    with pytest.raises(InvalidRequest):
+        wire.proposal_from_proto(drafter_pb2.Proposal(seq_id=1, tokens=[1, -2]))
+    pb = drafter_pb2.Proposal(seq_id=1, tokens=[1, 2])
+    pb.probs.CopyFrom(wire.inline_to_proto(encode_inline(torch.zeros(3, 4))))
+    with pytest.raises(InvalidRequest, match="probs"):
+        wire.proposal_from_proto(pb)
+
+
+# --- step ---------------------------------------------------------------------------------------
+
+
+def full_batch() -> StepBatch:
+    descriptor = BufferDescriptor(3, BufferKind.SHM, "specsplit-1-0123456789abcdef", torch.float32, 64, 3, "host")
+    return StepBatch(
+        step_id=12,
+        seqs=(
+            SeqStep(1, stash=REF, commit=CommitOp(2, 40, (11, 12)), trim=1),
+            SeqStep(
+                2, catchup=RowsOp((5, 6), INLINE, 30), stash=RowRef(3, 0, 1, 9), commit=CommitOp(1, 32, (7,)), trim=0
+            ),
+            SeqStep(3, free=True),
+        ),
+        proposes=(ProposeRequest(1, 12, 42, 3), ProposeRequest(2, 7, 33, 3, want_confidence=True)),
+        register=(descriptor,),
+        release=(1, 2),
+    )
+
+
+def test_step_request_round_trip():
+    batch = full_batch()
+    data = wire.step_to_proto(batch).SerializeToString()
+    back, errors = wire.step_from_proto(drafter_pb2.StepRequest.FromString(data))
+    assert errors == []
+    assert back.seqs == batch.seqs and back.register == batch.register and back.release == batch.release
+    assert back.step_id == 12 and all(same_requests(a, b) for a, b in zip(batch.proposes, back.proposes, strict=True))
+    assert back.seqs[2].trim is None and back.seqs[1].trim == 0  # trim 0 is not "no trim"
+
+
+def test_a_malformed_sequence_is_dropped_from_the_step_with_an_error():
+    pb = wire.step_to_proto(full_batch())
+    pb.seqs[0].commit.num_rows = -2  # sequence 1: bad commit; its propose must go too
+    pb.proposes[1].num_drafts = 0  # sequence 2: bad propose; its operations must go too
+    pb.seqs.add(seq_id=3)  # sequence 3 twice
+    batch, errors = wire.step_from_proto(pb)
+    assert {e.seq_id for e in errors} == {1, 2, 3} and all(e.code == "INVALID_ARGUMENT" for e in errors)
+    assert batch.seqs == () and batch.proposes == ()
+    assert len(batch.register) == 1  # connection-level fields still apply
+
+
+def test_malformed_connection_fields_fail_the_step():
+    pb = wire.step_to_proto(full_batch())
+    pb.register_buffers[0].rows = 0
+    with pytest.raises(InvalidRequest):
+        wire.step_from_proto(pb)
+    pb = wire.step_to_proto(full_batch())
+    pb.release_buffers.append(-1)
+    with pytest.raises(InvalidRequest):
+        wire.step_from_proto(pb)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: CommitOp(0, 0, ()),
+        lambda: CommitOp(2, 0, (1,)),
+        lambda: CommitOp(1, -1, (1,)),
+        lambda: CommitOp(1, 0, (-1,)),
+        lambda: RowsOp((), INLINE, 0),
+        lambda: RowsOp((1, 2, 3), INLINE, 0),  # INLINE holds 2 rows
+        lambda: SeqStep(-1),
+        lambda: SeqStep(1, trim=-1),
+        lambda: StepBatch(-1),
+        lambda: StepBatch(1, seqs=(SeqStep(1), SeqStep(1))),
+        lambda: StepBatch(1, proposes=(ProposeRequest(1, 1, 1, 1), ProposeRequest(1, 1, 1, 1))),
+        lambda: SeqError(1, "OK", ""),
+        lambda: SeqError(1, "BOGUS", ""),
+    ],
+)
+def test_domain_step_pieces_validate(build):
+    with pytest.raises(InvalidRequest):
+        build()
+
+
+def test_step_result_round_trip_and_errors_map_back():
+    result = StepResult(
+        12,
+        {1: Proposal([3, 4, 5]), 2: Proposal([9], confidence=[-0.5])},
+        (
+            SeqError.from_exception(4, UnknownSequence("no sequence 4")),
+            SeqError.from_exception(5, StateConflict("position gap")),
+            SeqError.from_exception(6, RuntimeError("boom")),
+        ),
+    )
+    data = wire.step_result_to_proto(result).SerializeToString()
+    pb = drafter_pb2.StepResponse.FromString(data)
+    assert [e.code for e in pb.errors] == [
+        grpc.StatusCode.NOT_FOUND.value[0],
+        grpc.StatusCode.FAILED_PRECONDITION.value[0],
+        grpc.StatusCode.INTERNAL.value[0],
+    ]
+    back = wire.step_result_from_proto(pb)
+    assert back == result
+    assert [type(e.exception()) for e in back.errors] == [UnknownSequence, StateConflict, DrafterUnavailable]
+    assert "no sequence 4" in str(back.errors[0].exception())
+    pb.proposals.add(seq_id=1, tokens=[1])
+    with pytest.raises(InvalidRequest, match="twice"):
+        wire.step_result_from_proto(pb)
+
+
+def test_every_domain_error_code_maps_back_to_its_class():
+    for error in (InvalidRequest, UnknownSequence, StateConflict, AlreadyExists, CapacityExceeded, DrafterUnavailable):
+        assert isinstance(SeqError.from_exception(1, error("x")).exception(), error)
+
+
+def test_unary_requests_become_one_sequence_steps():
+    cases = [
+        (wire.stash_to_proto(4, REF), SeqStep(4, stash=REF)),
+        (wire.commit_to_proto(4, CommitOp(2, 10, (1, 2))), SeqStep(4, commit=CommitOp(2, 10, (1, 2)))),
+        (wire.trim_to_proto(4, 0), SeqStep(4, trim=0)),
+        (wire.catchup_to_proto(4, RowsOp((1, 2), INLINE, 8)), SeqStep(4, catchup=RowsOp((1, 2), INLINE, 8))),
+        (drafter_pb2.FreeStateRequest(seq_id=4), SeqStep(4, free=True)),
+    ]
+    for pb, step in cases:
+        assert wire.unary_to_seq_step(type(pb).FromString(pb.SerializeToString())) == step
+    with pytest.raises(InvalidRequest, match="missing"):
+        wire.unary_to_seq_step(drafter_pb2.StashRequest(seq_id=4))
+    with pytest.raises(InvalidRequest):
+        wire.unary_to_seq_step(drafter_pb2.TrimRequest(seq_id=4, num_accepted=-1))
+    with pytest.raises(InvalidRequest):
+        wire.unary_to_seq_step(drafter_pb2.AllocStateRequest(seq_id=4))
+
+
+def test_alloc_and_prefill_round_trip():
+    assert wire.alloc_from_proto(wire.alloc_to_proto(3, 500)) == (3, 500)
+    for seq_id, budget in ((3, 0), (-1, 10)):
+        with pytest.raises(InvalidRequest):
+            wire.alloc_from_proto(wire.alloc_to_proto(seq_id, budget))
+    op = RowsOp((1, 2), REF, 0)
+    assert wire.prefill_from_proto(wire.prefill_to_proto(9, op)) == (9, op)
+    with pytest.raises(InvalidRequest):
+        wire.prefill_from_proto(drafter_pb2.PrefillDrafterRequest(seq_id=9, token_ids=[1]))
+
+
+# --- target service -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        GenerateCall("Hello", chat=True, request_id="r1"),
+        GenerateCall((1, 2, 3), SamplingParams(max_tokens=9, temperature=1.0, seed=3), speculative=False),
+    ],
+)
+def test_generate_request_round_trip(call):
+    assert wire_trip(call, wire.generate_to_proto, wire.generate_from_proto, target_pb2.GenerateRequest) == call
+
+
+def test_generate_request_defaults_and_validation():
+    call = wire.generate_from_proto(target_pb2.GenerateRequest(text="hi"))
+    assert call.speculative is True and call.sampling == SamplingParams()
+    for pb in (
+        target_pb2.GenerateRequest(),
+        target_pb2.GenerateRequest(text=""),
+        target_pb2.GenerateRequest(token_ids=target_pb2.TokenIds(ids=[])),
+        target_pb2.GenerateRequest(token_ids=target_pb2.TokenIds(ids=[1, -1])),
+        target_pb2.GenerateRequest(token_ids=target_pb2.TokenIds(ids=[1]), chat=True),
+    ):
+        with pytest.raises(InvalidRequest):
+            wire.generate_from_proto(pb)
+
+
+def test_generate_chunks_round_trip():
+    stats = GenerationStats(steps=5, drafted=20, accepted=11, tau=3.2, prompt_tokens=7, generated_tokens=16)
+    for chunk in (
+        GenerateChunk((1, 2), "ab"),
+        GenerateChunk((), "", "eos", stats),
+        GenerateChunk((3,), "c", "cancelled"),
+    ):
+        assert wire_trip(chunk, wire.chunk_to_proto, wire.chunk_from_proto, target_pb2.GenerateResponse) == chunk
+    assert not wire.chunk_to_proto(GenerateChunk((1,))).HasField("finish_reason")
+    with pytest.raises(InvalidRequest):
+        GenerateChunk((1,), finish_reason="tired")
+
+
+def test_finish_reason_accepts_a_str_enum():
+    import enum
+
+    class Reason(str, enum.Enum):
+        EOS = "eos"
+
+    assert GenerateChunk((1,), finish_reason=Reason.EOS).finish_reason == "eos"
+
+
+def test_target_description_round_trip():
+    for d in (wire.TargetDescription("smollm2", 49152, 8192, DrafterKind.DFLASH), wire.TargetDescription("m", 10, 20)):
+        back = wire_trip(
+            d, wire.target_description_to_proto, wire.target_description_from_proto, target_pb2.TargetDescription
+        )
+        assert back == d and back.drafter_attached == (d.drafter_kind is not None)
+    with pytest.raises(InvalidRequest):
+        wire.target_description_from_proto(target_pb2.TargetDescription(drafter_attached=True))
+
+
+def test_unknown_enum_numbers_are_refused():
+    with pytest.raises(InvalidRequest):
+        wire.inline_from_proto(common_pb2.InlineRows(data=b"\0" * 4, dtype=99, rows=1, cols=1))
