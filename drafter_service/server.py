@@ -31,7 +31,13 @@ from shared.transport import device_uuid, host_id
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specsplit.v1.DrafterService"
 CLIENT_HEADER = "x-specsplit-client"
-SERVER_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", 256 << 20),  # inline rows between hosts can be large
+    ("grpc.max_receive_message_length", 256 << 20),
+    # Pings find a target that vanished without closing its socket, so its session is freed.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
 
 
 def client_id(context: grpc.ServicerContext) -> str:

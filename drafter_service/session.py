@@ -18,7 +18,13 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from drafter_service.heads import TargetHead
-from shared.errors import AlreadyExists, InvalidRequest, SpecsplitError, StateConflict, UnknownSequence
+from shared.errors import (
+    AlreadyExists,
+    InvalidRequest,
+    SpecsplitError,
+    StateConflict,
+    UnknownSequence,
+)
 from shared.proposer import CarriedKV, Proposal, Proposer, ProposeRequest
 from shared.transport import BufferDescriptor, BufferImporter, BufferRole, RowSource
 from shared.wire import RowsOp, SeqError, SeqStep, StepBatch, StepResult
@@ -223,24 +229,28 @@ class Session:
         return error
 
     def _propose_isolated(self, requests: Sequence[ProposeRequest]) -> tuple[dict[int, Proposal], list[SeqError]]:
-        """One batched call per chunk; if a chunk fails, its sequences are retried one by one so the
-        failure stays with the sequence that caused it."""
+        """One batched call per chunk of spec.max_batch; see `_propose_chunk`."""
         proposals: dict[int, Proposal] = {}
         errors: list[SeqError] = []
         width = self.proposer.spec.max_batch
         for i in range(0, len(requests), width):
-            chunk = requests[i:i + width]
-            try:
-                proposals.update(zip((r.seq_id for r in chunk), self.propose(chunk), strict=True))
-                continue
-            except Exception:  # noqa: BLE001 - isolated below
-                pass
-            for request in chunk:
-                try:
-                    proposals[request.seq_id] = self.propose([request])[0]
-                except Exception as err:  # noqa: BLE001 - becomes this sequence's SeqError
-                    errors.append(_seq_error(request.seq_id, err))
+            self._propose_chunk(requests[i:i + width], proposals, errors)
         return proposals, errors
+
+    def _propose_chunk(self, chunk: Sequence[ProposeRequest], proposals: dict[int, Proposal],
+                       errors: list[SeqError]) -> None:
+        """If the batched call fails, retry its sequences one by one so the failure stays with the
+        sequence that caused it (the drafter validates a whole batch before changing any state)."""
+        try:
+            proposals.update(zip((r.seq_id for r in chunk), self.propose(chunk), strict=True))
+            return
+        except Exception as err:  # noqa: BLE001 - one sequence's failure or the batch's, told apart below
+            if len(chunk) == 1:
+                errors.append(_seq_error(chunk[0].seq_id, err))
+                return
+            log.debug("batched propose failed (%s); proposing one sequence at a time", err)
+        for request in chunk:
+            self._propose_chunk([request], proposals, errors)
 
     # ---- teardown ------------------------------------------------------------------------------
 
@@ -270,5 +280,5 @@ def _seq_error(seq_id: int, err: Exception) -> SeqError:
 def _quietly(what: str, call: Callable, *args) -> None:
     try:
         call(*args)
-    except Exception:  # noqa: BLE001 - teardown goes on; one failure must not leak the rest
+    except Exception:  # teardown goes on: one failure must not leak the rest
         log.exception("while closing a session: %s failed", what)

@@ -31,8 +31,9 @@ cu_rows[i+1] - cu_rows[i] - 1 drafts (k = 0 is allowed: just sample one token).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -50,7 +51,7 @@ class VerifyResult:
     tokens: list[list[int]]  # [num_seqs] accepted drafts, then one recovered-or-bonus token
 
     @staticmethod
-    def from_tokens(tokens: list[list[int]]) -> "VerifyResult":
+    def from_tokens(tokens: list[list[int]]) -> VerifyResult:
         return VerifyResult(num_accepted=[len(t) - 1 for t in tokens], tokens=tokens)
 
 
@@ -215,4 +216,4 @@ def _row_bounds(
             raise InvalidRequest(f"sequence {i} has {len(drafts)} drafts but {cu[i + 1] - cu[i]} target rows")
         if any(not 0 <= t < vocab for t in drafts):
             raise InvalidRequest(f"sequence {i} has a draft token outside [0, {vocab})")
-    return list(zip(cu[:-1], cu[1:]))
+    return list(itertools.pairwise(cu))

@@ -244,8 +244,8 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
 
 
 def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescription:
-    if pb.hidden_size <= 0 or pb.vocab_size <= 0 or pb.window <= 0:
-        raise InvalidRequest("drafter description needs positive hidden_size, vocab_size and window")
+    if pb.hidden_size <= 0 or pb.vocab_size <= 0 or pb.window < 0:
+        raise InvalidRequest("drafter description needs positive hidden_size and vocab_size, window >= 0")
     spec = DrafterSpec(
         kind=_from_proto(_DRAFTER_KIND, pb.kind, "drafter kind"),
         feature=_from_proto(_FEATURE, pb.feature, "feature kind"),

@@ -89,6 +89,142 @@ def cmd_convert(args: argparse.Namespace) -> None:
     print(default_target_dir())
 
 
+def setup_from(args: argparse.Namespace, drafter: str):
+    from specsplit.local import LocalSetup
+
+    return LocalSetup(target=args.target, drafter=drafter, device=args.device, dtype=args.dtype, seed=args.seed)
+
+
+def cmd_drafter_serve(args: argparse.Namespace) -> None:
+    from specsplit.services import DrafterSettings, start_drafter, wait_for_signal
+
+    server_obj, server = start_drafter(DrafterSettings(tuple(args.listen), setup_from(args, args.drafter), head=args.head))
+    print(f"drafter serving on {', '.join(args.listen)}", flush=True)
+    wait_for_signal()
+    server.stop(grace=2).wait()
+    server_obj.close()
+
+
+def cmd_target_serve(args: argparse.Namespace) -> None:
+    from specsplit.services import TargetSettings, start_target, wait_for_signal
+    from target_service.engine import EngineConfig
+
+    drafter = None if args.drafter in (None, "none") else args.drafter
+    engine = EngineConfig(max_batch=args.max_batch, num_drafts=args.num_drafts, kv_blocks=args.kv_blocks)
+    settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
+                              drafter_timeout=args.drafter_timeout)
+    loop, server = start_target(settings)
+    print(f"target serving on {', '.join(args.listen)}", flush=True)
+    wait_for_signal()
+    server.stop(grace=2).wait()
+    loop.stop()
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    from specsplit.harness import ServiceSpec, spawn
+    from specsplit.services import wait_for_signal
+
+    with spawn(ServiceSpec(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
+                           seed=args.seed)) as services:
+        print(f"drafter: {services.drafter_address}\ntarget:  {services.target_address}", flush=True)
+        wait_for_signal()
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from specsplit.demo import run_demo
+
+    run_demo(args)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", action="append", required=True, metavar="ADDR",
+                   help="host:port or unix:PATH (repeatable)")
+    p.add_argument("--target", default="default", help="'default' or a target checkpoint folder")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_service_parsers(sub) -> None:
+    drafter = sub.add_parser("drafter", help="the drafter service").add_subparsers(dest="action", required=True)
+    ds = drafter.add_parser("serve", help="serve a drafter over gRPC")
+    add_serve_args(ds)
+    ds.add_argument("--drafter", default="dflash", help="dflash | mtp (random, seeded) | a checkpoint folder")
+    ds.add_argument("--head", default="auto", choices=["auto", "checkpoint", "target"],
+                    help="where the target's embedding/LM head come from (auto: shared buffers on CUDA)")
+    ds.set_defaults(func=cmd_drafter_serve)
+
+    target = sub.add_parser("target", help="the target service").add_subparsers(dest="action", required=True)
+    ts = target.add_parser("serve", help="serve the target model over gRPC")
+    add_serve_args(ts)
+    ts.add_argument("--drafter", default=None, metavar="ADDR", help="drafter service address, or none")
+    ts.add_argument("--max-batch", type=int, default=16)
+    ts.add_argument("--num-drafts", type=int, default=None)
+    ts.add_argument("--kv-blocks", type=int, default=2048)
+    ts.add_argument("--drafter-timeout", type=float, default=60.0)
+    ts.set_defaults(func=cmd_target_serve)
+
+    for name, func, text in (("up", cmd_up, "start both services on the default model; print their addresses"),
+                             ("demo", cmd_demo, "start both services, stream a few prompts, shut down")):
+        p = sub.add_parser(name, help=text)
+        add_model_args(p)
+        p.set_defaults(func=func, drafter="dflash", seed=0)
+        p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> None:
+    from specsplit.train import TrainConfig, run
+
+    minutes = 7.0 if args.minutes is None and args.steps is None else args.minutes
+    cfg = TrainConfig(kind=args.kind, layers=args.layers, block_size=args.block_size, batch=args.batch,
+                      anchors=args.anchors, mtp_steps=args.mtp_steps, seq_len=args.seq_len, lr=args.lr,
+                      loss_decay=args.loss_decay, steps=args.steps, minutes=minutes, gen_batch=args.gen_batch,
+                      gen_fraction=args.gen_fraction, pool_gb=args.pool_gb, seed=args.seed, log_every=args.log_every)
+    run(cfg, target=args.target, out=args.out, device=args.device, init=args.init,
+        log=lambda line: print(line, flush=True))
+
+
+def cmd_eval_acceptance(args: argparse.Namespace) -> None:
+    from specsplit.evaluate import EvalSettings, dumps, format_report, run
+    from specsplit.train_data import HELDOUT_PATH
+
+    settings = EvalSettings(max_tokens=args.max_tokens, temperature=args.temperature, batch=args.batch,
+                            num_drafts=args.num_drafts, seed=args.seed)
+    rep = run(target=args.target, drafter=args.drafter, prompts_path=args.prompts or HELDOUT_PATH,
+              settings=settings, device=args.device, dtype=args.dtype, limit=args.limit, seed=args.seed)
+    print(dumps(rep) if args.json else format_report(rep))
+
+
+def add_training_parsers(sub) -> None:
+    tr = sub.add_parser("train-drafter", help="train a DFlash or MTP drafter on the target's own continuations")
+    tr.add_argument("--kind", choices=["dflash", "mtp"], required=True)
+    tr.add_argument("--target", default="default")
+    tr.add_argument("--out", required=True, help="checkpoint folder to write")
+    tr.add_argument("--device", default="cpu")
+    tr.add_argument("--minutes", type=float, default=None, help="wall-time bound, generation included (default 7)")
+    tr.add_argument("--steps", type=int, default=None, help="optimizer steps (with --minutes: whichever ends first)")
+    tr.add_argument("--init", default=None, help="start from this drafter checkpoint instead of random weights")
+    for flag, kind, default in (("--layers", int, 2), ("--block-size", int, 16), ("--batch", int, 32),
+                                ("--anchors", int, 32), ("--mtp-steps", int, 3), ("--seq-len", int, 256),
+                                ("--lr", float, 6e-4), ("--loss-decay", float, None), ("--gen-batch", int, 512),
+                                ("--gen-fraction", float, 0.3), ("--pool-gb", float, 32.0), ("--seed", int, 0),
+                                ("--log-every", int, 50)):
+        tr.add_argument(flag, type=kind, default=default)
+    tr.set_defaults(func=cmd_train_drafter)
+
+    ev = sub.add_parser("eval-acceptance", help="τ and acceptance of a drafter on held-out prompts, and speedup")
+    add_model_args(ev)
+    ev.set_defaults(func=cmd_eval_acceptance, drafter="dflash")
+    ev.add_argument("--prompts", default=None, help="JSONL of {kind, text} (default: the held-out prompts)")
+    ev.add_argument("--max-tokens", type=int, default=128)
+    ev.add_argument("--temperature", type=float, default=0.0)
+    ev.add_argument("--batch", type=int, default=16, help="sequences decoded together")
+    ev.add_argument("--num-drafts", type=int, default=None)
+    ev.add_argument("--limit", type=int, default=None, help="only the first K prompts")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specsplit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = sub.add_parser("convert-default", help="convert the embedded GGUF target once; print its folder")
     conv.set_defaults(func=cmd_convert)
+    add_service_parsers(sub)
+    add_training_parsers(sub)
     return parser
 
 

@@ -56,20 +56,26 @@ class Services:
         drafter = ["--drafter", self.drafter_address] if self.drafter_address else []
         self._spawn("target", ["target", "serve", "--listen", self.target_address, *drafter,
                                *_common(self.spec), *self.spec.target_args])
-        wait_healthy(self.target_address, self.spec.startup_timeout)
+        self._wait("target", self.target_address)
         return self
 
     def start_drafter(self) -> None:
         self._spawn("drafter", ["drafter", "serve", "--listen", self.drafter_address,
                                 "--drafter", self.spec.drafter, *_common(self.spec), *self.spec.drafter_args])
-        wait_healthy(self.drafter_address, self.spec.startup_timeout)
+        self._wait("drafter", self.drafter_address)
+
+    def _wait(self, name: str, address: str) -> None:
+        proc = self.procs[name]
+        try:
+            wait_healthy(address, self.spec.startup_timeout, alive=lambda: proc.poll() is None)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}\n--- {name}.log ---\n{self.log(name)[-4000:]}") from None
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "specsplit", *args], stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-        if self.procs[name].poll() is not None:
-            raise RuntimeError(f"{name} exited at once; see {self.workdir / f'{name}.log'}")
+        with log:
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", "specsplit", *args], stdout=log,
+                                                stderr=subprocess.STDOUT, start_new_session=True)
 
     def client(self) -> TargetClient:
         return TargetClient(self.target_address)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+import time
+from typing import Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -54,10 +55,12 @@ class TargetClient:
         self.channel.close()
 
 
-def wait_healthy(address: str, timeout: float = 60.0, service: str = "") -> None:
-    """Block until the server at `address` answers SERVING (any specsplit service)."""
-    import time
+def wait_healthy(address: str, timeout: float = 60.0, service: str = "",
+                 alive: Callable[[], bool] = lambda: True) -> None:
+    """Block until the server at `address` answers SERVING (any specsplit service).
 
+    `alive` lets a caller that spawned the server stop waiting as soon as the process died.
+    """
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(grpc_target(address)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)

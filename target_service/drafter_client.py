@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -46,11 +47,21 @@ def _error_from_rpc(exc: grpc.RpcError) -> SpecsplitError:
     return wire.error_from_status(code, f"drafter {code}: {exc.details()}")
 
 
+@dataclass
+class LinkStats:
+    """What crossed the connection: hidden-row bytes sent inline, and each Step's round trip."""
+
+    inline_row_bytes: int = 0
+    step_seconds: deque = field(default_factory=lambda: deque(maxlen=100_000))  # the latest Steps
+
+
 class RowStager:
     """Copies rows into one registered buffer and hands out references (or inline rows)."""
 
-    def __init__(self, exporter: BufferExporter | None, rows: int, cols: int, dtype, device) -> None:
+    def __init__(self, exporter: BufferExporter | None, rows: int, cols: int, dtype, device,
+                 stats: LinkStats) -> None:
         self.exporter, self.cols, self.dtype, self.device = exporter, cols, dtype, device
+        self.stats = stats
         self.buffer: RowBuffer | None = exporter.create(rows, cols, dtype, device) if exporter else None
         self.cursor = 0
         self.fresh = True  # the next put starts a new generation
@@ -79,13 +90,18 @@ class RowStager:
 
     def source(self, staged: int | torch.Tensor, rows: int):
         if isinstance(staged, torch.Tensor):
-            return encode_inline(staged)
+            inline = encode_inline(staged)
+            self.stats.inline_row_bytes += len(inline.data)
+            return inline
         return self.buffer.ref(staged, rows)
+
+
+_OP_ORDER = ("catchup", "stash", "commit", "trim", "free")  # the order a SeqStep is applied in
 
 
 @dataclass
 class _Pending:
-    """One sequence's queued operations for the next Step message."""
+    """One sequence's queued operations for the next Step message, applied in _OP_ORDER."""
 
     catchup: tuple | None = None  # (token_ids, staged, rows, base_pos)
     stash: tuple | None = None  # (staged, rows)
@@ -124,6 +140,7 @@ class RemoteProposer:
         self.head = head  # (embedding, lm_head) shared with a drafter on the same GPU
         self.max_batch = max_batch
         self.mode = "inline"
+        self.link = LinkStats()
         self._conn: _Connection | None = None
         self._pending: dict[int, _Pending] = {}
         self._step_id = 0
@@ -133,12 +150,12 @@ class RemoteProposer:
 
     # ---- connection ------------------------------------------------------------------------------
 
-    def _connect(self) -> DrafterSpec:
+    def _connect(self, ready_timeout: float | None = None) -> DrafterSpec:
         channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         conn = _Connection(channel, drafter_pb2_grpc.DrafterServiceStub(channel),
                            ((CLIENT_HEADER, uuid.uuid4().hex),))
         try:
-            grpc.channel_ready_future(channel).result(timeout=self.timeout)
+            grpc.channel_ready_future(channel).result(timeout=ready_timeout or self.timeout)
             desc = wire.description_from_proto(
                 conn.stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=self.timeout, metadata=conn.metadata))
             self._setup_transport(conn, desc)
@@ -156,8 +173,8 @@ class RemoteProposer:
         self.mode = choose_mode(host_id(), desc.host_id, device_uuid(self.device), desc.device_uuid)
         conn.exporter = BufferExporter() if self.mode != "inline" else None
         step_rows = min(spec.max_batch, self.max_batch) * (spec.max_drafts + 1)
-        conn.step = RowStager(conn.exporter, step_rows, spec.feature_dim, self.dtype, self.device)
-        conn.bulk = RowStager(conn.exporter, 1024, spec.feature_dim, self.dtype, self.device)
+        conn.step = RowStager(conn.exporter, step_rows, spec.feature_dim, self.dtype, self.device, self.link)
+        conn.bulk = RowStager(conn.exporter, 1024, spec.feature_dim, self.dtype, self.device, self.link)
         buffers = [b.buffer for b in (conn.step, conn.bulk) if b.buffer is not None]
         if self.mode == "cuda_ipc" and desc.needs_target_head and self.head is not None:
             embed, lm_head = self.head
@@ -193,7 +210,7 @@ class RemoteProposer:
         if time.monotonic() < self._retry_at:
             return False
         try:
-            spec = self._connect()
+            spec = self._connect(ready_timeout=1.0)  # the engine loop waits on this: keep it short
         except DrafterUnavailable as exc:
             log.info("drafter still unavailable: %s", exc)
             self._disconnect()
@@ -240,29 +257,47 @@ class RemoteProposer:
     def _grow_bulk(self, conn: _Connection, rows: int) -> None:
         old = conn.bulk.buffer
         conn.bulk = RowStager(conn.exporter, max(rows, 2 * old.tensor.shape[0]), old.tensor.shape[1],
-                              self.dtype, self.device)
+                              self.dtype, self.device, self.link)
         self._unary("RegisterBuffers", drafter_pb2.RegisterBuffersRequest(
             buffers=[wire.descriptor_to_proto(conn.bulk.buffer.describe())]))
         self._unary("ReleaseBuffers", drafter_pb2.ReleaseBuffersRequest(buffer_ids=[old.buffer_id]))
         conn.exporter.release(old.buffer_id)
 
+    def _pending_for(self, seq_id: int, op: str) -> _Pending:
+        """The sequence's queue; if it already holds an op applied after `op`, those are sent first.
+
+        Called before staging rows, since a send starts a new generation of the step buffer.
+        """
+        pending = self._pending.get(seq_id)
+        if pending is not None and any(getattr(pending, name) not in (None, False)
+                                       for name in _OP_ORDER[_OP_ORDER.index(op):]):
+            self._flush([])
+        return self._pending.setdefault(seq_id, _Pending())
+
     def stash(self, seq_id: int, rows: torch.Tensor) -> None:
-        self._pending.setdefault(seq_id, _Pending()).stash = (self._live().step.put(rows), rows.shape[0])
+        pending = self._pending_for(seq_id, "stash")
+        pending.stash = (self._live().step.put(rows), rows.shape[0])
 
     def commit(self, seq_id: int, num_rows: int, base_pos: int, token_ids: Sequence[int]) -> None:
-        self._pending.setdefault(seq_id, _Pending()).commit = wire.CommitOp(num_rows, base_pos, tuple(token_ids))
+        self._pending_for(seq_id, "commit").commit = wire.CommitOp(num_rows, base_pos, tuple(token_ids))
 
     def trim(self, seq_id: int, num_accepted: int) -> None:
-        self._pending.setdefault(seq_id, _Pending()).trim = num_accepted
+        self._pending_for(seq_id, "trim").trim = num_accepted
 
     def catchup(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, base_pos: int) -> int:
-        staged = self._live().step.put(rows)
-        self._pending.setdefault(seq_id, _Pending()).catchup = (tuple(token_ids), staged, rows.shape[0], base_pos)
+        pending = self._pending_for(seq_id, "catchup")
+        pending.catchup = (tuple(token_ids), self._live().step.put(rows), rows.shape[0], base_pos)
         return rows.shape[0]
 
     def free(self, seq_id: int) -> None:
-        self._pending.setdefault(seq_id, _Pending()).free = True
+        self._pending_for(seq_id, "free").free = True
         self._flush([])  # the sequence may have no later step to ride on
+
+    def ping(self) -> float:
+        """One empty Step round trip, in seconds (the transport's floor; benchmarks use it)."""
+        started = time.perf_counter()
+        self._flush([])
+        return time.perf_counter() - started
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
         result = self._flush(list(requests))
@@ -288,8 +323,10 @@ class RemoteProposer:
         self._step_id += 1
         batch = wire.StepBatch(self._step_id, tuple(self._seq_steps(conn)), tuple(proposes))
         self._pending = {}
+        started = time.perf_counter()
         conn.outbox.put(wire.step_to_proto(batch))
         result = self._receive(conn)
+        self.link.step_seconds.append(time.perf_counter() - started)
         if result.errors:
             raise result.errors[0].exception()
         return result

@@ -40,6 +40,7 @@ def test_chi_square_table_matches_the_incomplete_gamma_function():
 
 # --- SamplingParams ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -75,6 +76,7 @@ def test_sampling_params_defaults_are_greedy_and_lists_become_tuples():
 
 # --- target_probs --------------------------------------------------------------------------------
 
+
 def _logits_of(probs: list[float]) -> torch.Tensor:
     return torch.tensor([probs]).log()
 
@@ -102,7 +104,11 @@ def test_temperature_scales_logits_before_the_softmax(temperature):
         ([0.1, 0.4, 0.2, 0.3], SamplingParams(temperature=1.0, top_k=9), [0.1, 0.4, 0.2, 0.3]),
         # top-p keeps the smallest set whose mass reaches top_p
         ([0.15, 0.5, 0.05, 0.3], SamplingParams(temperature=1.0, top_p=0.79), [0.0, 0.625, 0.0, 0.375]),
-        ([0.15, 0.5, 0.05, 0.3], SamplingParams(temperature=1.0, top_p=0.81), [0.15 / 0.95, 0.5 / 0.95, 0.0, 0.3 / 0.95]),
+        (
+            [0.15, 0.5, 0.05, 0.3],
+            SamplingParams(temperature=1.0, top_p=0.81),
+            [0.15 / 0.95, 0.5 / 0.95, 0.0, 0.3 / 0.95],
+        ),
         # the top token always survives, however small top_p is
         ([0.15, 0.5, 0.05, 0.3], SamplingParams(temperature=1.0, top_p=1e-6), [0.0, 1.0, 0.0, 0.0]),
         # top-k first, then top-p on the renormalised survivors: 4/7 >= 0.5 keeps only the top token
@@ -137,6 +143,7 @@ def test_target_probs_rejects_bad_logits(logits):
 
 
 # --- inverse_cdf and sample ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "probs, u, expected",

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_sampling import CHI2_CRITICAL_P001, chi_square
 
 from shared.errors import InvalidRequest
 from shared.sampling import SamplingParams, make_generator, target_probs
@@ -17,7 +18,6 @@ from shared.verify import (
     verify_greedy_batched,
     verify_sampled,
 )
-from test_sampling import CHI2_CRITICAL_P001, chi_square
 
 VOCAB = 10
 SAMPLED = SamplingParams(temperature=1.0)
@@ -98,8 +98,12 @@ def test_batched_greedy_equals_the_loop_on_random_ragged_batches():
         argmax = logits.argmax(-1)
         # Drafts mostly copy the argmax so that long accepted runs and bonuses occur.
         drafts = [
-            [int(argmax[s + j]) if torch.rand(1, generator=gen) < 0.8 else int(torch.randint(0, 5, (1,), generator=gen))
-             for j in range(k)]
+            [
+                int(argmax[s + j])
+                if torch.rand(1, generator=gen) < 0.8
+                else int(torch.randint(0, 5, (1,), generator=gen))
+                for j in range(k)
+            ]
             for s, k in zip(cu_rows.tolist(), ks)
         ]
         reference = verify_greedy(drafts, logits, cu_rows)
@@ -107,10 +111,13 @@ def test_batched_greedy_equals_the_loop_on_random_ragged_batches():
         num_accepted, tokens = verify_greedy_batched(flat, logits, cu_rows)
         assert num_accepted.tolist() == reference.num_accepted
         assert [row[: a + 1] for row, a in zip(tokens.tolist(), reference.num_accepted)] == reference.tokens
-        assert all(t == PLACEHOLDER_TOKEN_ID for row, a in zip(tokens.tolist(), reference.num_accepted) for t in row[a + 1:])
+        assert all(
+            t == PLACEHOLDER_TOKEN_ID for row, a in zip(tokens.tolist(), reference.num_accepted) for t in row[a + 1 :]
+        )
 
 
 # --- sampled: degenerate cases -------------------------------------------------------------------
+
 
 def test_sampled_accepts_every_draft_when_p_equals_q():
     drafts = [[3, 1, 4], [1, 5]]
@@ -130,7 +137,11 @@ def test_sampled_always_rejects_a_draft_the_target_forbids(with_draft_probs):
     drafts = [[2, 6]]
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4))
     logits[0, 2] = -math.inf  # p(d_0) = 0
-    q = [torch.softmax(torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5)), -1)] if with_draft_probs else None
+    q = (
+        [torch.softmax(torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5)), -1)]
+        if with_draft_probs
+        else None
+    )
     for seed in range(300):
         result = verify_sampled(drafts, logits, cu_rows_for(drafts), SAMPLED, [make_generator(seed, "cpu")], q)
         assert result.num_accepted == [0]
@@ -165,12 +176,15 @@ def test_sampled_k0_samples_one_token_from_the_target():
     logits = torch.full((2, VOCAB), -math.inf)
     logits[0, 8] = 0.0
     logits[1, 2:4] = 0.0
-    result = verify_sampled([[], []], logits, cu_rows_for([[], []]), SAMPLED, [make_generator(s, "cpu") for s in (0, 1)])
+    result = verify_sampled(
+        [[], []], logits, cu_rows_for([[], []]), SAMPLED, [make_generator(s, "cpu") for s in (0, 1)]
+    )
     assert result.num_accepted == [0, 0]
     assert result.tokens[0] == [8] and result.tokens[1][0] in (2, 3)
 
 
 # --- sampled: random-number protocol and reproducibility -----------------------------------------
+
 
 def _random_batch(drafts: list[list[int]], seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
@@ -198,9 +212,13 @@ def test_a_request_gets_the_same_tokens_whatever_else_is_in_the_batch():
     cu = cu_rows_for(drafts).tolist()
     mixed = [SamplingParams(temperature=0.8, top_k=5), SamplingParams(), SamplingParams(temperature=1.0), SAMPLED]
     for seed in range(30):
-        batch = verify_sampled(drafts, logits, cu_rows_for(drafts), mixed, [make_generator(seed, "cpu") for _ in drafts], q)
+        batch = verify_sampled(
+            drafts, logits, cu_rows_for(drafts), mixed, [make_generator(seed, "cpu") for _ in drafts], q
+        )
         for i, d in enumerate(drafts):
-            alone = verify_sampled([d], logits[cu[i]:cu[i + 1]], cu_rows_for([d]), mixed[i], [make_generator(seed, "cpu")], [q[i]])
+            alone = verify_sampled(
+                [d], logits[cu[i] : cu[i + 1]], cu_rows_for([d]), mixed[i], [make_generator(seed, "cpu")], [q[i]]
+            )
             assert alone.tokens[0] == batch.tokens[i]
 
 
@@ -306,6 +324,7 @@ def test_the_lossless_check_can_tell_the_draft_from_the_target():
 
 
 # --- validation ----------------------------------------------------------------------------------
+
 
 def _bad_calls():
     logits = torch.randn(5, VOCAB)

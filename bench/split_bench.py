@@ -1,0 +1,110 @@
+"""Services vs in-process, side by side in one run: tokens/s, Step round trip, row bytes over gRPC.
+
+    python bench/split_bench.py --device cuda --drafter dflash --json-out result.json
+
+The drafter runs as its own process (`specsplit drafter serve`); the target engine runs here, once
+with the drafter object in-process and once with the gRPC client, on the same prompts, so the
+ratio is measured under the same conditions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from shared.sampling import SamplingParams
+from shared.tokenizer import Tokenizer
+from specsplit.local import LocalSetup, make_drafter, target_dir
+from target_service.client import wait_healthy
+from target_service.drafter_client import RemoteProposer
+from target_service.engine import Engine, EngineConfig
+from target_service.model import load_target
+from target_service.sequence import Request
+
+PROMPTS = [
+    "Explain how a hash map works.", "Write a Python function to reverse a linked list.",
+    "List five facts about the Moon.", "What is the difference between TCP and UDP?",
+    "Describe the water cycle for a child.", "Write a haiku about autumn.",
+    "How do I sort a dictionary by value in Python?", "Summarise the plot of Hamlet in three sentences.",
+]
+
+
+def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: int, tag: str):
+    reqs = [Request(f"{tag}{i}", tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])),
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for i, p in enumerate(prompts)]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    events = engine.generate(reqs)
+    elapsed = time.perf_counter() - started
+    tokens = [[t for e in events[r.request_id] for t in e.token_ids] for r in reqs]
+    stats = [events[r.request_id][-1].stats for r in reqs]
+    generated = sum(len(t) for t in tokens)
+    return tokens, {"tokens_per_s": generated / elapsed, "seconds": elapsed, "generated": generated,
+                    "tau": sum(s.generated for s in stats) / sum(s.steps for s in stats)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--drafter", default="dflash")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8, help="concurrent requests per engine step")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
+    folder = target_dir(setup.target)
+    model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
+    tokenizer = Tokenizer.from_dir(folder)
+    sock = f"unix:{tempfile.mkdtemp(prefix='specsplit-bench-')}/drafter.sock"
+    cmd = [sys.executable, "-m", "specsplit", "drafter", "serve", "--listen", sock, "--drafter", args.drafter,
+           "--device", args.device, "--seed", "0"] + (["--dtype", args.dtype] if args.dtype else [])
+    drafter_proc = subprocess.Popen(cmd)
+    try:
+        wait_healthy(sock, 300)
+        remote = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
+                                head=(model.embed_weight, model.lm_head_weight))
+        results = {"device": args.device, "drafter": args.drafter, "transport": remote.mode}
+        local_drafter = make_drafter(args.drafter, model, setup)
+        config = EngineConfig(max_batch=args.batch)
+        for batch_name, prompts in (("single", PROMPTS[:1] * 2), ("batched", PROMPTS[: args.batch])):
+            conf = EngineConfig(max_batch=1) if batch_name == "single" else config
+            run(Engine(model, local_drafter, conf), tokenizer, prompts[:1], 8, "warm")  # warm-up
+            run(Engine(model, remote, conf), tokenizer, prompts[:1], 8, "warm")
+            base_tokens, base = run(Engine(model, None, conf), tokenizer, prompts, args.max_tokens, "t")
+            local_tokens, local = run(Engine(model, local_drafter, conf), tokenizer, prompts, args.max_tokens, "l")
+            remote.link.step_seconds.clear()
+            bytes_before = remote.link.inline_row_bytes
+            split_tokens, split = run(Engine(model, remote, conf), tokenizer, prompts, args.max_tokens, "s")
+            steps = sorted(remote.link.step_seconds)
+            results[batch_name] = {
+                "target_only": base, "in_process": local, "services": split,
+                "services_over_in_process": split["tokens_per_s"] / local["tokens_per_s"],
+                "in_process_over_target_only": local["tokens_per_s"] / base["tokens_per_s"],
+                "outputs_equal": base_tokens == local_tokens == split_tokens,
+                "step_round_trip_p50_ms": 1e3 * statistics.median(steps) if steps else None,
+                "hidden_row_bytes_over_grpc": remote.link.inline_row_bytes - bytes_before,
+            }
+        pings = sorted(remote.ping() for _ in range(200))
+        results["empty_step_round_trip_p50_ms"] = 1e3 * statistics.median(pings)
+        remote.close()
+    finally:
+        drafter_proc.terminate()
+        drafter_proc.wait(timeout=30)
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

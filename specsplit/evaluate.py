@@ -1,0 +1,212 @@
+"""Acceptance of a drafter on held-out prompts: τ, acceptance by draft position, and speed against the target alone.
+
+Terms: τ = generated tokens / target steps, the engine's own figure (its prefill counts as a step);
+τ without prefill = (generated - 1) / (steps - 1) per request, summed over requests, the usual
+"acceptance length". Acceptance at draft position j is the share of verified proposals whose first
+j+1 drafts were all accepted, so it never rises with j. Both runs (speculative and target-only) use
+the same prompts, model and engine settings in one process; with greedy decoding their outputs must
+match token for token, and every mismatch is counted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from shared.errors import InvalidRequest
+from shared.proposer import Proposal, ProposeRequest, Proposer
+from shared.sampling import SamplingParams
+from target_service.engine import Engine, EngineConfig
+from target_service.model import TargetModel
+from target_service.sequence import Request, RequestStats
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    kind: str  # a label for the per-kind breakdown (chat, code, ...)
+    ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ids", tuple(self.ids))
+        if not self.ids:
+            raise InvalidRequest("an evaluation prompt needs at least one token")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    batch: int = 16  # sequences the engine decodes together
+    num_drafts: int | None = None  # None: the drafter's max
+    seed: int = 0  # seeds sampling when temperature > 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1 or self.batch < 1 or self.temperature < 0:
+            raise InvalidRequest("max_tokens and batch must be ≥ 1, temperature ≥ 0")
+
+    def params(self, index: int) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed + index)
+
+
+class AcceptanceRecorder:
+    """A pass-through Proposer noting, per verified proposal, how many drafts it offered and how many held."""
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner = inner
+        self.spec = inner.spec
+        self.offered: dict[int, int] = {}
+        self.records: list[tuple[int, int]] = []  # (drafts offered, drafts accepted)
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        proposals = self.inner.propose(requests)
+        for request, proposal in zip(requests, proposals):
+            self.offered[request.seq_id] = len(proposal.tokens)
+        return proposals
+
+    def trim(self, seq_id: int, num_accepted: int) -> None:
+        # The engine trims once per verified proposal with drafts, after commit.
+        self.records.append((self.offered.pop(seq_id, 0), num_accepted))
+        self.inner.trim(seq_id, num_accepted)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    stats: list[RequestStats]
+    seconds: float
+
+    @property
+    def generated(self) -> int:
+        return sum(s.generated for s in self.stats)
+
+
+def _sync(model: TargetModel) -> None:
+    if model.embed_weight.device.type == "cuda":
+        torch.cuda.synchronize(model.embed_weight.device)
+
+
+def run_engine(model: TargetModel, proposer: Proposer | None, prompts: Sequence[EvalPrompt],
+               settings: EvalSettings, eos_ids: Sequence[int]) -> Run:
+    engine = Engine(model, proposer, EngineConfig(max_batch=settings.batch, num_drafts=settings.num_drafts),
+                    eos_ids=eos_ids)
+    requests = [Request(f"p{i}", list(p.ids), settings.params(i), speculative=proposer is not None)
+                for i, p in enumerate(prompts)]
+    _sync(model)
+    start = time.perf_counter()
+    events = engine.generate(requests)
+    _sync(model)
+    seconds = time.perf_counter() - start
+    ordered = [events[r.request_id] for r in requests]
+    return Run([[t for e in evs for t in e.token_ids] for evs in ordered], [evs[-1].stats for evs in ordered],
+               seconds)
+
+
+def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPrompt], settings: EvalSettings, *,
+             eos_ids: Sequence[int] = ()) -> dict:
+    """Run the prompts with the drafter and without (after one short warm-up of each); the report."""
+    if not prompts:
+        raise InvalidRequest("no prompts to evaluate")
+    recorder = AcceptanceRecorder(proposer)
+    warm = EvalSettings(max_tokens=4, batch=settings.batch, num_drafts=settings.num_drafts)
+    run_engine(model, recorder, prompts[:1], warm, eos_ids)
+    run_engine(model, None, prompts[:1], warm, eos_ids)
+    recorder.records.clear()
+    base = run_engine(model, None, prompts, settings, eos_ids)
+    spec = run_engine(model, recorder, prompts, settings, eos_ids)
+    return report(prompts, spec, base, recorder.records, proposer.spec.max_drafts, settings)
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+
+def tau_figures(stats: Sequence[RequestStats]) -> dict:
+    generated, steps = sum(s.generated for s in stats), sum(s.steps for s in stats)
+    return {"requests": len(stats), "generated": generated, "steps": steps,
+            "tau": generated / steps if steps else 0.0,
+            "tau_excl_prefill": (generated - len(stats)) / (steps - len(stats)) if steps > len(stats) else 0.0,
+            "drafted": sum(s.drafted for s in stats), "accepted": sum(s.accepted for s in stats)}
+
+
+def position_acceptance(records: Sequence[tuple[int, int]], max_drafts: int) -> list[float]:
+    """For j = 0..max_drafts-1: share of verified proposals whose first j+1 drafts were all accepted."""
+    if not records:
+        return [0.0] * max_drafts
+    return [sum(accepted > j for _, accepted in records) / len(records) for j in range(max_drafts)]
+
+
+def report(prompts: Sequence[EvalPrompt], spec: Run, base: Run, records: Sequence[tuple[int, int]],
+           max_drafts: int, settings: EvalSettings) -> dict:
+    greedy = settings.temperature == 0.0
+    kinds = sorted({p.kind for p in prompts})
+    overall = tau_figures(spec.stats)
+    overall["acceptance_rate"] = overall["accepted"] / overall["drafted"] if overall["drafted"] else 0.0
+    spec_tps, base_tps = spec.generated / spec.seconds, base.generated / base.seconds
+    return {
+        "prompts": len(prompts), "max_tokens": settings.max_tokens, "temperature": settings.temperature,
+        "batch": settings.batch, "max_drafts": max_drafts, **overall,
+        "proposals": len(records), "position_acceptance": position_acceptance(records, max_drafts),
+        "by_kind": {k: tau_figures([s for s, p in zip(spec.stats, prompts) if p.kind == k]) for k in kinds},
+        "tokens_per_s": {"speculative": spec_tps, "target_only": base_tps, "speedup": spec_tps / base_tps},
+        "seconds": {"speculative": spec.seconds, "target_only": base.seconds},
+        "mismatches": sum(a != b for a, b in zip(spec.tokens, base.tokens)) if greedy else None,
+    }
+
+
+def format_report(rep: dict) -> str:
+    kinds = list(rep["by_kind"])
+    cols = ["all"] + kinds
+    figures = [rep] + [rep["by_kind"][k] for k in kinds]
+    counts = ", ".join(f"{k} {rep['by_kind'][k]['requests']}" for k in kinds)
+    lines = [f"{rep['prompts']} prompts ({counts}), "
+             f"max_tokens {rep['max_tokens']}, temperature {rep['temperature']}, batch {rep['batch']}, "
+             f"max drafts {rep['max_drafts']}",
+             f"{'':<22}" + "".join(f"{c:>10}" for c in cols)]
+    for name, key, fmt in (("tau", "tau", "{:.3f}"), ("tau excl. prefill", "tau_excl_prefill", "{:.3f}"),
+                           ("generated", "generated", "{}"), ("target steps", "steps", "{}"),
+                           ("drafted", "drafted", "{}"), ("accepted", "accepted", "{}")):
+        lines.append(f"{name:<22}" + "".join(f"{fmt.format(f[key]):>10}" for f in figures))
+    lines.append(f"acceptance rate {rep['acceptance_rate']:.3f} over {rep['proposals']} proposals; by draft position:")
+    lines.append("  " + "  ".join(f"{j + 1}:{a:.3f}" for j, a in enumerate(rep["position_acceptance"])))
+    tps = rep["tokens_per_s"]
+    lines.append(f"tokens/s: speculative {tps['speculative']:.1f}, target-only {tps['target_only']:.1f}, "
+                 f"speedup {tps['speedup']:.2f}x")
+    mism = rep["mismatches"]
+    lines.append("outputs vs target-only: not compared (sampling)" if mism is None
+                 else f"outputs vs target-only: {mism} mismatches of {rep['prompts']}")
+    return "\n".join(lines)
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+
+def run(*, target: str, drafter: str, prompts_path: str | Path, settings: EvalSettings, device: str,
+        dtype: str | None, limit: int | None, seed: int = 0) -> dict:
+    """`specsplit eval-acceptance`: load the target, the drafter and the prompts; evaluate."""
+    from shared.tokenizer import Tokenizer
+    from specsplit.local import LocalSetup, make_drafter, target_dir
+    from specsplit.train_data import read_prompts
+    from target_service.model import load_target
+
+    if drafter == "none":
+        raise InvalidRequest("eval-acceptance needs a drafter: dflash, mtp or a checkpoint folder")
+    setup = LocalSetup(target=target, drafter=drafter, device=device, dtype=dtype, seed=seed)
+    folder = target_dir(target)
+    model = load_target(folder, dtype=setup.torch_dtype, device=device)
+    tokenizer = Tokenizer.from_dir(folder)
+    prompts = [EvalPrompt(p.kind, p.encode(tokenizer)) for p in read_prompts(prompts_path, limit)]
+    proposer = make_drafter(drafter, model, setup)
+    rep = evaluate(model, proposer, prompts, settings, eos_ids=tokenizer.eos_token_ids)
+    rep["drafter"] = drafter
+    return rep
+
+
+def dumps(rep: dict) -> str:
+    return json.dumps(rep, sort_keys=True)

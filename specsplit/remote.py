@@ -1,0 +1,16 @@
+"""`specsplit generate --server`: one request through a running target service."""
+
+from __future__ import annotations
+
+from shared.sampling import SamplingParams
+from target_service.client import TargetClient
+
+
+def generate_remote(address: str, prompt: str, params: SamplingParams, *, chat: bool,
+                    speculative: bool) -> tuple[list[int], str, dict]:
+    client = TargetClient(address)
+    try:
+        result = client.generate(prompt, params, chat=chat, speculative=speculative)
+    finally:
+        client.close()
+    return result["token_ids"], result["text"], result["stats"]

@@ -1,0 +1,432 @@
+"""Train a DFlash or MTP drafter online against its frozen target, on the target's own continuations.
+
+Recipe: (1) the target continues training prompts in large dense batches (greedy, plus a share
+sampled at a temperature) and the finished sequences are run through it once more to capture the
+drafter's feature rows, building a pool on the device; (2) epochs over the pool, each batch with
+fresh random anchors, AdamW with warmup and a cosine decay, bf16 autocast on CUDA over float32
+master weights, gradients clipped; (3) the drafter is saved in bfloat16 in the loader's format.
+
+Terms: γ is the DFlash block size; an anchor is the committed token a block starts from (inference
+calls it the bonus token); the loss weight of a block's draft k is exp(-(k-1)/w) (w = `loss_decay`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from drafter_service.checkpoint import WEIGHTS, DrafterModel, load_model, random_model, save_dflash, save_mtp
+from drafter_service.dflash import DFlashModel
+from drafter_service.heads import TargetHead, TargetInfo
+from drafter_service.mtp import MTPModel
+from drafter_service.training import dflash_block_hidden, mtp_step_outputs
+from shared.errors import InvalidRequest
+from target_service.dense import Generated, capture_features, generate
+from target_service.model import CaptureSpec, TargetModel
+
+MAX_FILE_BYTES = 25 * 1024 * 1024
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    kind: str = "dflash"  # dflash | mtp
+    layers: int = 2  # DFlash decoder layers (MTP has one)
+    block_size: int = 16  # γ
+    batch: int = 32  # sequences per optimizer step
+    anchors: int = 32  # DFlash blocks per sequence per step
+    mtp_steps: int = 3  # MTP chained steps trained (teacher-forced)
+    seq_len: int = 256  # tokens the target generates per prompt
+    max_prompt_tokens: int = 192
+    gen_batch: int = 512  # sequences generated together
+    sampled_fraction: float = 0.4  # prompts that also get a sampled continuation
+    temperature: float = 0.7
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup: float = 0.04  # share of training spent warming up
+    weight_decay: float = 0.01
+    loss_decay: float | None = None  # w; None: 1 + 3γ/8 for DFlash (7 at γ=16), 2 for MTP
+    steps: int | None = None
+    minutes: float | None = None  # wall-time bound for everything, generation included
+    gen_fraction: float = 0.3  # of `minutes`, the most spent generating
+    pool_gb: float = 32.0  # device memory for the feature pool
+    seed: int = 0
+    log_every: int = 50
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("dflash", "mtp"):
+            raise InvalidRequest(f"--kind must be dflash or mtp, got {self.kind!r}")
+        if self.steps is None and self.minutes is None:
+            raise InvalidRequest("give --steps, --minutes or both")
+        for name in ("layers", "batch", "anchors", "mtp_steps", "seq_len", "max_prompt_tokens", "gen_batch",
+                     "log_every"):
+            if getattr(self, name) < 1:
+                raise InvalidRequest(f"{name} must be ≥ 1")
+        if self.block_size < 2:
+            raise InvalidRequest("block size must be ≥ 2")
+        if (self.steps is not None and self.steps < 1) or (self.minutes is not None and self.minutes <= 0):
+            raise InvalidRequest("--steps and --minutes must be positive")
+        if not (0 <= self.sampled_fraction <= 1 and 0 < self.gen_fraction < 1 and 0 <= self.warmup < 1):
+            raise InvalidRequest("sampled_fraction must lie in [0, 1], gen_fraction in (0, 1), warmup in [0, 1)")
+        if self.lr <= 0 or self.temperature <= 0 or self.pool_gb <= 0:
+            raise InvalidRequest("lr, temperature and pool_gb must be positive")
+
+    @property
+    def decay(self) -> float:
+        if self.loss_decay is not None:
+            return self.loss_decay
+        return 1 + 3 * self.block_size / 8 if self.kind == "dflash" else 2.0
+
+
+@dataclass
+class Clock:
+    """Wall-time budget of one run: when generation must stop and when training must end."""
+
+    minutes: float | None
+    gen_fraction: float
+    start: float = field(default_factory=time.monotonic)
+    margin_s: float = 15.0  # saving and shutdown
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def gen_over(self) -> bool:
+        return self.minutes is not None and self.elapsed() > self.minutes * 60 * self.gen_fraction
+
+    def train_seconds(self) -> float | None:
+        """Seconds training may take from now, or None without a wall-time bound."""
+        if self.minutes is None:
+            return None
+        return max(1.0, self.minutes * 60 - self.elapsed() - self.margin_s)
+
+
+# ---- the pool of self-distilled sequences -------------------------------------------------------
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    temperature: float  # 0 = greedy
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, S] int64, packed to the left
+    positions: torch.Tensor  # [B, S]
+    valid: torch.Tensor  # [B, S] bool
+    starts: torch.Tensor  # [B] index of the first generated token
+    lengths: torch.Tensor  # [B] real tokens
+    rows: torch.Tensor  # [B, S, feature_dim] the target's feature rows
+
+
+class Pool:
+    """Generated sequences and their feature rows, preallocated on the device."""
+
+    def __init__(self, capacity: int, width: int, feature_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.tokens = torch.zeros((capacity, width), dtype=torch.long, device=device)
+        self.rows = torch.zeros((capacity, width, feature_dim), dtype=dtype, device=device)
+        self.starts = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.size = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[0]
+
+    def add(self, gen: Generated, rows: torch.Tensor) -> int:
+        """Keep the sequences with at least two generated tokens, as many as fit; returns how many."""
+        keep = (gen.lengths - gen.prompt_lengths >= 2).nonzero().squeeze(1)[: self.capacity - self.size]
+        n, width = keep.numel(), gen.tokens.shape[1]
+        span = slice(self.size, self.size + n)
+        self.tokens[span, :width] = gen.tokens[keep]
+        self.rows[span, :width] = rows[keep]
+        self.starts[span], self.lengths[span] = gen.prompt_lengths[keep], gen.lengths[keep]
+        self.size += n
+        return n
+
+    def batch(self, index: torch.Tensor) -> Batch:
+        index = index.to(self.tokens.device)
+        lengths = self.lengths[index]
+        width = int(lengths.max())
+        cols = torch.arange(width, device=index.device)[None, :]
+        return Batch(self.tokens[index, :width], cols.expand(index.numel(), -1), cols < lengths[:, None],
+                     self.starts[index], lengths, self.rows[index, :width])
+
+
+def plan_jobs(prompts: Sequence[list[int]], cfg: TrainConfig) -> list[list[Job]]:
+    """Generation batches: each prompt greedy, a share again sampled; similar lengths batched together."""
+    rng = random.Random(cfg.seed)
+    greedy = [Job(p, 0.0) for p in prompts]
+    sampled = [Job(p, cfg.temperature) for p in prompts if rng.random() < cfg.sampled_fraction]
+    batches = []
+    for jobs in (greedy, sampled):
+        rng.shuffle(jobs)
+        window = cfg.gen_batch * 8
+        for i in range(0, len(jobs), window):
+            chunk = sorted(jobs[i:i + window], key=lambda j: len(j.prompt))
+            batches += [chunk[k:k + cfg.gen_batch] for k in range(0, len(chunk), cfg.gen_batch)]
+    rng.shuffle(batches)
+    return batches
+
+
+def fit_prompts(prompts: Sequence[list[int]], max_tokens: int, keep_tail: Sequence[bool]) -> list[list[int]]:
+    """Prompts within `max_tokens`: raw text keeps its last tokens, a chat prompt that is too long is dropped."""
+    out = []
+    for ids, tail in zip(prompts, keep_tail):
+        if len(ids) <= max_tokens:
+            out.append(list(ids))
+        elif tail:
+            out.append(list(ids[-max_tokens:]))
+    return out
+
+
+def build_pool(target: TargetModel, prompts: Sequence[list[int]], capture: CaptureSpec, cfg: TrainConfig,
+               clock: Clock, eos_ids: Sequence[int], log: Log) -> Pool:
+    device = target.embed_weight.device
+    batches = plan_jobs(prompts, cfg)
+    feature_dim = target.config.hidden_size * (len(capture.layer_ids) or 1)
+    width = cfg.max_prompt_tokens + cfg.seq_len
+    per_row = width * feature_dim * target.embed_weight.element_size()
+    capacity = min(sum(map(len, batches)), int(cfg.pool_gb * 2**30 // per_row))
+    pool = Pool(capacity, width, feature_dim, target.embed_weight.dtype, device)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    tokens = 0
+    for i, jobs in enumerate(batches):
+        if pool.size >= pool.capacity or clock.gen_over():
+            break
+        temperature = jobs[0].temperature
+        out = generate(target, [j.prompt for j in jobs], cfg.seq_len, temperature=temperature, generator=gen,
+                       eos_ids=eos_ids)
+        pool.add(out, capture_features(target, out.tokens, out.lengths, capture))
+        tokens += int((out.lengths - out.prompt_lengths).sum())
+        log(f"gen batch {i + 1}/{len(batches)} ({'greedy' if temperature == 0 else f'T={temperature}'}, "
+            f"{len(jobs)} seqs): pool {pool.size}, {tokens} generated tokens, "
+            f"{tokens / clock.elapsed():.0f} tok/s, {clock.elapsed():.0f}s")
+    if pool.size == 0:
+        raise InvalidRequest("no training sequences were generated")
+    return pool
+
+
+# ---- losses -------------------------------------------------------------------------------------
+
+
+def sample_anchors(batch: Batch, count: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `count` distinct anchors per row among generated indices with a token after them.
+
+    Returns anchors [B, N] (0 where a row has fewer) and whether each is real [B, N].
+    """
+    rows, width = batch.tokens.shape
+    cols = torch.arange(width, device=batch.tokens.device)[None, :]
+    allowed = (cols >= batch.starts[:, None]) & (cols <= batch.lengths[:, None] - 2)
+    scores = torch.rand((rows, width), generator=gen, device=cols.device).masked_fill(~allowed, 2.0)
+    order = scores.argsort(1)[:, :min(count, width)]
+    real = allowed.gather(1, order)
+    return order.masked_fill(~real, 0), real
+
+
+def weighted_ce(hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, model: DrafterModel,
+                head: TargetHead) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and accuracy over the rows with weight > 0; logits only for those rows."""
+    chosen = weights > 0
+    logits = model.logits(hidden[chosen], head)  # [R, vocab]
+    w, y = weights[chosen], targets[chosen]
+    loss = (F.cross_entropy(logits, y, reduction="none") * w).sum() / w.sum().clamp(min=1e-6)
+    accuracy = (logits.argmax(-1) == y).float().mean() if y.numel() else logits.new_zeros(())
+    return loss, accuracy.detach()
+
+
+def dflash_loss(model: DFlashModel, head: TargetHead, batch: Batch, cfg: TrainConfig,
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block k of an anchor a predicts x_{a+k}, k = 1..γ-1, weighted exp(-(k-1)/w) where a+k is real."""
+    gamma = model.cfg.block_size
+    anchors, real = sample_anchors(batch, cfg.anchors, gen)
+    hidden = dflash_block_hidden(model, head, batch.rows, batch.tokens, batch.positions, batch.valid, anchors)
+    k = torch.arange(gamma, device=anchors.device)
+    index = anchors[:, :, None] + k  # [B, N, γ]
+    ok = real[:, :, None] & (index < batch.lengths[:, None, None]) & (k >= 1)
+    targets = batch.tokens.gather(1, index.clamp(max=batch.tokens.shape[1] - 1).flatten(1)).view_as(index)
+    weights = ok * torch.exp(-(k - 1).clamp(min=0) / cfg.decay)
+    return weighted_ce(hidden, targets, weights, model, head)
+
+
+def mtp_loss(model: MTPModel, head: TargetHead, batch: Batch, cfg: TrainConfig,
+             gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step s at sequence index i predicts x_{i+s}, weighted exp(-(s-1)/w) where it is a generated token."""
+    outs = mtp_step_outputs(model, head, batch.rows, batch.tokens, batch.positions, batch.valid, cfg.mtp_steps)
+    index = torch.arange(1, batch.tokens.shape[1], device=batch.tokens.device)[None, :]  # i = r + 1
+    hidden, targets, weights = [], [], []
+    for step, out in enumerate(outs, 1):
+        label = index + step
+        ok = (label < batch.lengths[:, None]) & (label >= batch.starts[:, None])
+        hidden.append(out)
+        targets.append(batch.tokens.gather(1, label.clamp(max=batch.tokens.shape[1] - 1).expand_as(ok)))
+        weights.append(ok * math.exp(-(step - 1) / cfg.decay))
+    return weighted_ce(torch.cat(hidden, 1), torch.cat(targets, 1), torch.cat(weights, 1), model, head)
+
+
+# ---- the optimizer loop -------------------------------------------------------------------------
+
+
+def lr_at(progress: float, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine from lr down to min_lr_ratio·lr."""
+    if progress < cfg.warmup:
+        return cfg.lr * max(progress / cfg.warmup, 0.01)
+    t = min(1.0, (progress - cfg.warmup) / (1 - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@dataclass
+class TrainResult:
+    model: DrafterModel
+    losses: list[float]
+    accuracies: list[float]
+    pool_size: int
+
+
+def new_drafter(cfg: TrainConfig, info: TargetInfo, device: torch.device, init: str | Path | None) -> DrafterModel:
+    """A float32 drafter to train: fresh and seeded, or read from `init`."""
+    if init is None:
+        model = random_model(cfg.kind, info, seed=cfg.seed, num_layers=cfg.layers if cfg.kind == "dflash" else 1,
+                             block_size=cfg.block_size, dtype=torch.float32, device=device)
+    else:
+        model = load_model(init, target_info=info, dtype=torch.float32, device=device)
+        if isinstance(model, DFlashModel) != (cfg.kind == "dflash"):
+            raise InvalidRequest(f"--init {init} is not a {cfg.kind} drafter")
+    check_size(model)
+    return model.train().requires_grad_(True)
+
+
+def check_size(model: DrafterModel) -> int:
+    """Bytes of the bfloat16 checkpoint; refuses one over the 25 MB a weights file may hold."""
+    size = sum(t.numel() * 2 if t.is_floating_point() else t.numel() * t.element_size()
+               for t in model.state_dict().values())
+    if size > MAX_FILE_BYTES:
+        raise InvalidRequest(f"the drafter would be {size / 2**20:.1f} MiB in bfloat16, over the 25 MiB limit; "
+                             "use fewer layers")
+    return size
+
+
+def train_drafter(cfg: TrainConfig, target: TargetModel, prompts: Sequence[list[int]], *,
+                  eos_ids: Sequence[int] = (), init: str | Path | None = None, log: Log = print,
+                  clock: Clock | None = None) -> TrainResult:
+    """Generate the pool from `prompts` (token ids, already within max_prompt_tokens), then train."""
+    clock = clock or Clock(cfg.minutes, cfg.gen_fraction)
+    device = target.embed_weight.device
+    torch.manual_seed(cfg.seed)
+    info, head = TargetInfo.from_config(target.config), TargetHead(target.embed_weight, target.lm_head_weight)
+    model = new_drafter(cfg, info, device, init)
+    capture = capture_for_model(model)
+    pool = build_pool(target, prompts, capture, cfg, clock, eos_ids, log)
+    log(f"pool: {pool.size} sequences, {int((pool.lengths - pool.starts)[:pool.size].sum())} generated tokens, "
+        f"{clock.elapsed():.0f}s")
+    losses, accs = _optimize(model, head, pool, cfg, clock, log)
+    return TrainResult(model.eval(), losses, accs, pool.size)
+
+
+def capture_for_model(model: DrafterModel) -> CaptureSpec:
+    if isinstance(model, DFlashModel):
+        return CaptureSpec(layer_ids=model.cfg.target_layer_ids)
+    return CaptureSpec(last_hidden=True)
+
+
+def _optimize(model: DrafterModel, head: TargetHead, pool: Pool, cfg: TrainConfig, clock: Clock,
+              log: Log) -> tuple[list[float], list[float]]:
+    device = pool.tokens.device
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                            fused=fused)
+    loss_fn = dflash_loss if isinstance(model, DFlashModel) else mtp_loss
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
+    order = _epochs(pool.size, cfg.batch, cfg.seed)
+    budget, start = clock.train_seconds(), time.monotonic()
+    losses, accs, tokens, step = [], [], 0, 0
+    while True:
+        progress = max(step / cfg.steps if cfg.steps else 0.0,
+                       (time.monotonic() - start) / budget if budget else 0.0)
+        if progress >= 1.0:
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(progress, cfg)
+        batch = pool.batch(next(order))
+        with autocast:
+            loss, acc = loss_fn(model, head, batch, cfg, gen)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        accs.append(acc)
+        tokens += int(batch.lengths.sum())
+        step += 1
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            _log_step(log, step, losses, accs, tokens, time.monotonic() - start, clock, opt)
+    return [float(x) for x in losses], [float(x) for x in accs]
+
+
+def _log_step(log: Log, step: int, losses: list, accs: list, tokens: int, seconds: float, clock: Clock, opt) -> None:
+    recent = slice(-min(len(losses), 20), None)
+    loss = torch.stack(losses[recent]).mean().item()
+    acc = torch.stack(accs[recent]).mean().item()
+    log(f"step {step}: loss {loss:.4f}, acc {acc:.3f}, lr {opt.param_groups[0]['lr']:.2e}, "
+        f"{tokens / max(seconds, 1e-9):.0f} tok/s, train {seconds:.0f}s, total {clock.elapsed():.0f}s")
+
+
+def _epochs(size: int, batch: int, seed: int):
+    """Batches of pool indices, a fresh permutation each epoch."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        perm = torch.randperm(size, generator=gen)
+        if size <= batch:
+            yield perm
+            continue
+        for i in range(0, size - batch + 1, batch):
+            yield perm[i:i + batch]
+
+
+def save_drafter(model: DrafterModel, out: str | Path) -> Path:
+    """The drafter in bfloat16, in the folder format `load_drafter` reads."""
+    check_size(model)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    folder = save_dflash(out, half) if isinstance(half, DFlashModel) else save_mtp(out, half)
+    size = (folder / WEIGHTS).stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise InvalidRequest(f"{folder / WEIGHTS} is {size / 2**20:.1f} MiB, over the 25 MiB limit")
+    return folder
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+
+def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: str | None = None,
+        log: Log = print) -> Path:
+    """`specsplit train-drafter`: load the target and the training prompts, train, save."""
+    from shared.tokenizer import Tokenizer
+    from specsplit.local import target_dir
+    from specsplit.train_data import training_prompts
+    from target_service.model import load_target
+
+    clock = Clock(cfg.minutes, cfg.gen_fraction)
+    folder = target_dir(target)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = load_target(folder, dtype=dtype, device=device)
+    tokenizer = Tokenizer.from_dir(folder)
+    prompts = training_prompts(cfg.seed)
+    ids = fit_prompts([p.encode(tokenizer) for p in prompts], cfg.max_prompt_tokens,
+                      [p.kind == "code" for p in prompts])
+    log(f"target {folder} on {device} ({dtype}); {len(ids)} training prompts; {clock.elapsed():.0f}s")
+    result = train_drafter(cfg, model, ids, eos_ids=tokenizer.eos_token_ids, init=init, log=log, clock=clock)
+    saved = save_drafter(result.model, out)
+    size = (saved / WEIGHTS).stat().st_size
+    log(f"saved {saved} ({size / 2**20:.1f} MiB); {len(result.losses)} steps on {result.pool_size} sequences; "
+        f"final loss {sum(result.losses[-20:]) / len(result.losses[-20:]):.4f}; total {clock.elapsed():.0f}s")
+    return saved

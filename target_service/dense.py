@@ -1,0 +1,236 @@
+"""A batched dense path through the target's own modules: rectangular [B, T] batches, a static KV cache.
+
+Serving uses the ragged, paged `TargetModel.forward`; training and data generation want many whole
+sequences at once (hundreds of rows, one forward per decode step), which a dense [B, S] cache serves
+better. The math is the model's: every layer is `model.model.layers[i]` called with a token mixer
+that takes q/k/v from its own `SelfAttention`; only where keys live and which are visible differ.
+Rows may be left-padded (generation) or right-padded (feature capture): visibility is judged by
+each row's positions and a validity mask, never by column index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from shared.errors import InvalidRequest
+from shared.layers import SelfAttention, TokenMixer
+from target_service.model import CaptureSpec, TargetModel
+
+
+@dataclass
+class DenseKV:
+    """A static KV cache over columns 0..S-1 for B rows; `filled` columns have been written."""
+
+    k: torch.Tensor  # [layers, B, Hkv, S, D] (head-major, as attention reads it)
+    v: torch.Tensor  # [layers, B, Hkv, S, D]
+    pos: torch.Tensor  # [B, S] position of each written column
+    valid: torch.Tensor  # [B, S] False on padding and unwritten columns
+    filled: int = 0
+
+    @staticmethod
+    def empty(model: TargetModel, batch: int, width: int) -> "DenseKV":
+        cfg, weight = model.config, model.embed_weight
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, width, cfg.head_dim)
+        return DenseKV(
+            k=weight.new_zeros(shape), v=weight.new_zeros(shape),
+            pos=torch.zeros((batch, width), dtype=torch.long, device=weight.device),
+            valid=torch.zeros((batch, width), dtype=torch.bool, device=weight.device),
+        )
+
+
+@dataclass
+class DenseOutput:
+    logits: torch.Tensor | None  # [B, vocab] float32 at each row's last column, when asked
+    layer_features: torch.Tensor | None  # [B, T, len(layer_ids) * hidden], when captured
+    last_hidden: torch.Tensor | None  # [B, T, hidden] before the final norm, when captured
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """Where one forward's queries find their keys, and which they may see per attention window."""
+
+    cache: DenseKV | None  # None: the batch attends to itself only
+    start: int  # first cache column this batch writes
+    visible: dict[int | None, torch.Tensor]  # window -> [B, T, K] bool
+
+
+def dense_visibility(q_pos: torch.Tensor, q_valid: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor,
+                     window: int | None) -> torch.Tensor:
+    """[B, Tq, Tk] causal-by-position visibility; padding queries see everything (their rows are dropped)."""
+    diff = q_pos[:, :, None] - k_pos[:, None, :]
+    visible = k_valid[:, None, :] & (diff >= 0)
+    if window is not None:
+        visible = visible & (diff < window)
+    return visible | ~q_valid[:, :, None]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """GQA. q [B, Tq, Hq, D], k/v [B, Hkv, Tk, D], visible [B, Tq, Tk] → [B, Tq, Hq, D].
+
+    The query heads sharing a KV head are folded into the query axis, so the (large) cache is read
+    as it lies instead of being repeated per query head.
+    """
+    batch, tq, hq, dim = q.shape
+    hkv = k.shape[1]
+    groups = hq // hkv
+    qg = q.view(batch, tq, hkv, groups, dim).permute(0, 2, 3, 1, 4).reshape(batch, hkv, groups * tq, dim)
+    mask = visible.repeat(1, groups, 1)[:, None]  # [B, 1, groups * Tq, Tk]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.view(batch, hkv, groups, tq, dim).permute(0, 3, 1, 2, 4).reshape(batch, tq, hq, dim)
+
+
+def _mixer(keys: _Keys, layer: int, window: int | None, cos: torch.Tensor, sin: torch.Tensor,
+           batch: int) -> TokenMixer:
+    def mix(attn: SelfAttention, x: torch.Tensor) -> torch.Tensor:
+        q = attn.query(x, cos, sin)
+        k, v = attn.key_value(x, cos, sin)
+        q = q.view(batch, -1, *q.shape[1:])  # [B, T, Hq, D]
+        k, v = (t.view(batch, -1, *t.shape[1:]).transpose(1, 2) for t in (k, v))  # [B, Hkv, T, D]
+        if keys.cache is not None:
+            end = keys.start + q.shape[1]
+            keys.cache.k[layer, :, :, keys.start:end] = k
+            keys.cache.v[layer, :, :, keys.start:end] = v
+            k, v = keys.cache.k[layer, :, :, :end], keys.cache.v[layer, :, :, :end]
+        out = _attend(q, k, v, keys.visible[window], attn.scale)
+        return attn.output(out.reshape(-1, *out.shape[2:]))
+
+    return mix
+
+
+def _plan(model: TargetModel, positions: torch.Tensor, valid: torch.Tensor, cache: DenseKV | None) -> _Keys:
+    """Record the batch's columns in the cache and build one visibility mask per distinct window."""
+    if cache is None:
+        k_pos, k_valid, start = positions, valid, 0
+    else:
+        start, end = cache.filled, cache.filled + positions.shape[1]
+        if end > cache.pos.shape[1]:
+            raise InvalidRequest(f"the dense cache holds {cache.pos.shape[1]} columns; the batch needs {end}")
+        cache.pos[:, start:end], cache.valid[:, start:end] = positions, valid
+        cache.filled = end
+        k_pos, k_valid = cache.pos[:, :end], cache.valid[:, :end]
+    windows = {model.config.layer_window(i) for i in range(model.config.num_hidden_layers)}
+    visible = {w: dense_visibility(positions, valid, k_pos, k_valid, w) for w in windows}
+    return _Keys(cache, start, visible)
+
+
+@torch.no_grad()
+def dense_forward(model: TargetModel, token_ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
+                  cache: DenseKV | None = None, capture: CaptureSpec = CaptureSpec(),
+                  last_logits: bool = False) -> DenseOutput:
+    """token_ids/positions/valid [B, T]. With a cache, the batch fills its next T columns and attends to all
+    written ones; without, it attends to itself. `last_logits` gives logits of column T-1 of every row."""
+    capture.validate(model.config.num_hidden_layers)
+    batch, width = token_ids.shape
+    device = model.embed_weight.device
+    token_ids, positions, valid = token_ids.to(device), positions.to(device), valid.to(device)
+    keys = _plan(model, positions, valid, cache)
+    x = model.model.embed_tokens(token_ids.reshape(-1))  # [B * T, hidden]
+    cos, sin = model.model.rotary_emb(positions.reshape(-1), x.dtype)
+    captured: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        x = layer(x, _mixer(keys, i, model.config.layer_window(i), cos, sin, batch))
+        if i in capture.layer_ids:
+            captured[i] = x
+    x = x.view(batch, width, -1)
+    features = [captured[i].view(batch, width, -1) for i in capture.layer_ids]
+    return DenseOutput(
+        logits=model.lm_head(model.model.norm(x[:, -1])).float() if last_logits else None,
+        layer_features=torch.cat(features, -1) if features else None,
+        last_hidden=x if capture.last_hidden else None,
+    )
+
+
+# ---- generation ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Generated:
+    """Sequences packed to the left: row b is tokens[b, :lengths[b]], its first prompt_lengths[b] the prompt."""
+
+    tokens: torch.Tensor  # [B, max prompt + max_new_tokens] int64, zero after each row's end
+    prompt_lengths: torch.Tensor  # [B] int64
+    lengths: torch.Tensor  # [B] int64: prompt + generated, through the first EOS when there is one
+
+    def rows(self) -> list[list[int]]:
+        return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths.tolist())]
+
+
+def left_pad(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Prompts right-aligned in [B, P]: token ids, positions (0 on padding) and validity."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise InvalidRequest("generation needs at least one prompt, and no empty prompt")
+    width = max(len(p) for p in prompts)
+    pads = torch.tensor([width - len(p) for p in prompts], device=device)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    cols = torch.arange(width, device=device)[None, :]
+    return ids, (cols - pads[:, None]).clamp(min=0), cols >= pads[:, None]
+
+
+def _next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """[B, vocab] → [B]: argmax when greedy, else a sample at `temperature`."""
+    if temperature == 0.0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+@torch.no_grad()
+def generate(model: TargetModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             temperature: float = 0.0, generator: torch.Generator | None = None,
+             eos_ids: Sequence[int] = ()) -> Generated:
+    """Continue every prompt by up to `max_new_tokens` tokens in one batch; stops early once all rows ended."""
+    if max_new_tokens < 1 or temperature < 0:
+        raise InvalidRequest("max_new_tokens must be ≥ 1 and temperature ≥ 0")
+    device = model.embed_weight.device
+    ids, positions, valid = left_pad(prompts, device)
+    batch, width = ids.shape
+    cache = DenseKV.empty(model, batch, width + max_new_tokens)
+    logits = dense_forward(model, ids, positions, valid, cache=cache, last_logits=True).logits
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    out = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    count = torch.zeros(batch, dtype=torch.long, device=device)
+    next_pos = positions[:, -1] + 1
+    for step in range(max_new_tokens):
+        token = _next_tokens(logits, temperature, generator)
+        out[:, step] = token
+        count += (~done).long()
+        done |= torch.isin(token, eos)
+        # Checking for the end reads the device, so only every few steps: the host keeps queueing work.
+        if step + 1 == max_new_tokens or (step % 8 == 7 and bool(done.all())):
+            break
+        logits = dense_forward(model, token[:, None], (next_pos + step)[:, None], torch.ones_like(token[:, None],
+                               dtype=torch.bool), cache=cache, last_logits=True).logits
+    return _pack(ids, valid, out, count)
+
+
+def _pack(prompt_ids: torch.Tensor, prompt_valid: torch.Tensor, new: torch.Tensor, count: torch.Tensor) -> Generated:
+    """Left-padded prompts + continuations → rows packed to the left, zero after each row's end."""
+    prompt_lengths = prompt_valid.sum(1)
+    full = torch.cat([prompt_ids, new], 1)  # [B, P + G]
+    pads = prompt_ids.shape[1] - prompt_lengths
+    cols = torch.arange(full.shape[1], device=full.device)[None, :]
+    packed = full.gather(1, (cols + pads[:, None]).clamp(max=full.shape[1] - 1))
+    lengths = prompt_lengths + count
+    return Generated(packed.masked_fill(cols >= lengths[:, None], 0), prompt_lengths, lengths)
+
+
+@torch.no_grad()
+def capture_features(model: TargetModel, tokens: torch.Tensor, lengths: torch.Tensor, capture: CaptureSpec,
+                     *, chunk: int = 64) -> torch.Tensor:
+    """Feature rows of left-packed sequences tokens [B, S] (row b real up to lengths[b]) → [B, S, feature]."""
+    if not capture.layer_ids and not capture.last_hidden:
+        raise InvalidRequest("capture_features needs layer ids or last_hidden")
+    device = model.embed_weight.device
+    cols = torch.arange(tokens.shape[1], device=device)[None, :]
+    parts = []
+    for start in range(0, tokens.shape[0], chunk):
+        ids = tokens[start:start + chunk].to(device)
+        valid = cols < lengths[start:start + chunk].to(device)[:, None]
+        out = dense_forward(model, ids, cols.expand_as(ids), valid, capture=capture)
+        parts.append(out.layer_features if capture.layer_ids else out.last_hidden)
+    return torch.cat(parts)

@@ -1,0 +1,461 @@
+"""Drafter gRPC service: the Step stream and unary RPCs equal direct drafter calls; errors map to status
+codes and stay with their sequence; sessions keep clients apart and free everything when they go."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from torch import nn
+
+from drafter_service.checkpoint import random_drafter
+from drafter_service.heads import TargetHead, TargetInfo
+from drafter_service.server import CLIENT_HEADER, SERVICE_NAME, DrafterServer, serve
+from protos.specsplit.v1 import drafter_pb2, drafter_pb2_grpc
+from shared import wire
+from shared.proposer import ProposeRequest, bool_to_bitmask
+from shared.transport import BufferExporter, BufferRole, RowRef, encode_inline, host_id
+
+INFO = TargetInfo(hidden_size=32, vocab_size=97, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, intermediate_size=64)
+GAMMA = 4  # 3 drafts per propose
+MAX_BATCH = 2  # small, so a step's proposes span several chunks
+BUDGET = 64
+CODE = {code.name: code.value[0] for code in grpc.StatusCode}
+
+
+def make_drafter(head: TargetHead | None = None):
+    """A seeded DFlash drafter with weights large enough that every row moves the drafts."""
+    drafter = random_drafter("dflash", INFO, head, seed=0, num_layers=2, block_size=GAMMA, max_batch=MAX_BATCH)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for m in drafter.model.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=gen) / m.weight.shape[1] ** 0.5)
+    return drafter
+
+
+FEATURE_DIM = make_drafter().spec.feature_dim
+
+
+class Client:
+    """One connected target: its metadata, a shared-memory row buffer, and a Step stream."""
+
+    def __init__(self, channel: grpc.Channel, name: str, exporter: BufferExporter) -> None:
+        self.stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        self.metadata = ((CLIENT_HEADER, name),)
+        self.buffer = exporter.create(64, FEATURE_DIM)
+        self.cursor = 0
+        self.call("RegisterBuffers", drafter_pb2.RegisterBuffersRequest(
+            buffers=[wire.descriptor_to_proto(self.buffer.describe())]))
+        self.outbox: queue.Queue | None = None
+
+    def call(self, method: str, request):
+        return getattr(self.stub, method)(request, metadata=self.metadata, timeout=20)
+
+    def new_generation(self) -> None:
+        self.buffer.bump()
+        self.cursor = 0
+
+    def shm(self, rows: torch.Tensor) -> RowRef:
+        """Write rows into the buffer's current generation and reference them."""
+        offset, self.cursor = self.cursor, self.cursor + rows.shape[0]
+        self.buffer.tensor[offset:self.cursor].copy_(rows)
+        return self.buffer.ref(offset, rows.shape[0])
+
+    def code(self, method: str, request) -> str:
+        with pytest.raises(grpc.RpcError) as info:
+            self.call(method, request)
+        return info.value.code().name
+
+    # -- the Step stream --
+
+    def open(self) -> None:
+        self.outbox = queue.Queue()
+        self.responses = self.stub.Step(iter(self.outbox.get, None), metadata=self.metadata)
+
+    def step(self, batch: wire.StepBatch) -> wire.StepResult:
+        self.outbox.put(wire.step_to_proto(batch))
+        return wire.step_result_from_proto(next(self.responses))
+
+    def close_stream(self) -> None:
+        self.outbox.put(None)
+        assert list(self.responses) == []
+
+
+@pytest.fixture
+def env(tmp_path):
+    """A drafter served on a unix socket, its untouched twin to call directly, and a client factory."""
+    exporter = BufferExporter()
+    made: list = []
+
+    def start(server_head="drafter", drafter_head: TargetHead | None = None):
+        drafter = make_drafter(drafter_head)
+        head = drafter.head if server_head == "drafter" else server_head
+        server_obj = DrafterServer(drafter, head=head, device="cpu")
+        address = f"unix:{tmp_path}/drafter-{len(made)}.sock"
+        server = serve(server_obj, [address], max_workers=8)
+        channel = grpc.insecure_channel(address)
+        made.append((server, server_obj, channel))
+        return drafter, server_obj, channel
+
+    class Env:
+        pass
+
+    e = Env()
+    e.start, e.exporter = start, exporter
+    e.drafter, e.server, e.channel = start()
+    e.twin = make_drafter()
+    e.client = lambda name: Client(e.channel, name, exporter)
+    yield e
+    for server, server_obj, channel in made:
+        channel.close()
+        server.stop(None)
+        server_obj.close()
+    exporter.close()
+
+
+def rows(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, FEATURE_DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def inline(t: torch.Tensor):
+    return encode_inline(t)
+
+
+def alloc_prefill(client: Client, twin, seq_id: int, prompt: list[int], seed: int, *, twin_id: int | None = None):
+    """Allocate and prefill a sequence on the server (inline rows) and on the twin."""
+    client.call("AllocState", wire.alloc_to_proto(seq_id, BUDGET))
+    r = rows(len(prompt), seed)
+    reply = client.call("PrefillDrafter", wire.prefill_to_proto(seq_id, wire.RowsOp(tuple(prompt), inline(r), 0)))
+    assert reply.rows_appended == len(prompt)
+    twin_id = seq_id if twin_id is None else twin_id
+    twin.alloc(twin_id, BUDGET)
+    twin.prefill(twin_id, prompt, r, 0)
+
+
+def propose_unary(client: Client, requests: list[ProposeRequest]):
+    return wire.proposals_from_proto(client.call("Propose", wire.propose_to_proto(requests)))
+
+
+def same(got, want) -> None:
+    assert [p.tokens for p in got] == [p.tokens for p in want]
+    for g, w in zip(got, want):
+        if w.confidence is None:
+            assert not g.confidence
+        else:
+            assert g.confidence == pytest.approx(w.confidence, abs=1e-6)
+
+
+# ---- equivalence with direct calls ---------------------------------------------------------------
+
+
+def test_step_stream_matches_direct_calls(env):
+    client, twin = env.client("target-a"), env.twin
+    prompts = {0: [3, 14, 15, 92, 65], 1: [2, 71, 82], 2: [1, 41, 42, 13]}
+    for seq_id, prompt in prompts.items():
+        alloc_prefill(client, twin, seq_id, prompt, seed=10 + seq_id)
+    pos = {s: len(p) for s, p in prompts.items()}
+    client.open()
+
+    # Step 1: proposes only (3 sequences over two chunks of MAX_BATCH).
+    mask = torch.zeros(INFO.vocab_size, dtype=torch.bool)
+    mask[10:40] = True
+    reqs = [ProposeRequest(0, 5, pos[0], 3, want_confidence=True), ProposeRequest(1, 6, pos[1], 2),
+            ProposeRequest(2, 7, pos[2], 3, bitmask=bool_to_bitmask(mask))]
+    result = client.step(wire.StepBatch(1, proposes=reqs))
+    assert result.step_id == 1 and not result.errors and list(result.proposals) == [0, 1, 2]
+    same(list(result.proposals.values()), twin.propose(reqs))
+    assert all(10 <= t < 40 for t in result.proposals[2].tokens)
+
+    # Step 2: every sequence verifies k+1 = 4 rows (shm refs, one inline) and accepts a drafts.
+    client.new_generation()
+    accepted = {0: 0, 1: 1, 2: 3}
+    seqs, reqs = [], []
+    for seq_id, a in accepted.items():
+        verify = rows(GAMMA, 20 + seq_id)
+        source = inline(verify) if seq_id == 1 else client.shm(verify)
+        tokens = tuple(range(30 + seq_id, 31 + seq_id + a))
+        seqs.append(wire.SeqStep(seq_id, stash=source, commit=wire.CommitOp(a + 1, pos[seq_id], tokens), trim=a))
+        twin.stash(seq_id, verify)
+        twin.commit(seq_id, a + 1, pos[seq_id], tokens)
+        twin.trim(seq_id, a)
+        pos[seq_id] += a + 1
+        reqs.append(ProposeRequest(seq_id, 50 + seq_id, pos[seq_id], 3, want_confidence=seq_id == 2))
+    result = client.step(wire.StepBatch(2, seqs=seqs, proposes=reqs))
+    assert not result.errors
+    same(list(result.proposals.values()), twin.propose(reqs))
+
+    # Step 3: a catch-up for 0, sequence 2 freed, proposes for the other two.
+    client.new_generation()
+    extra = rows(2, 30)
+    result = client.step(wire.StepBatch(3, seqs=[
+        wire.SeqStep(0, catchup=wire.RowsOp((60, 61), client.shm(extra), pos[0])),
+        wire.SeqStep(2, free=True),
+    ], proposes=[ProposeRequest(0, 62, pos[0] + 2, 3), ProposeRequest(1, 63, pos[1], 1)]))
+    twin.catchup(0, [60, 61], extra, pos[0])
+    twin.free(2)
+    assert not result.errors
+    same(list(result.proposals.values()),
+         twin.propose([ProposeRequest(0, 62, pos[0] + 2, 3), ProposeRequest(1, 63, pos[1], 1)]))
+    assert len(env.drafter.store) == 2
+    client.close_stream()
+
+
+def test_unary_verbs_match_direct_calls(env):
+    client, twin = env.client("target-a"), env.twin
+    alloc_prefill(client, twin, 4, [9, 8, 7], seed=1)
+    verify = rows(3, 2)
+    client.call("Stash", wire.stash_to_proto(4, inline(verify)))
+    client.call("Commit", wire.commit_to_proto(4, wire.CommitOp(2, 3, (11, 12))))
+    client.call("Trim", wire.trim_to_proto(4, 1))
+    client.new_generation()
+    extra = rows(3, 3)
+    reply = client.call("Catchup", wire.catchup_to_proto(4, wire.RowsOp((1, 2, 3), client.shm(extra), 5)))
+    assert reply.rows_appended == 3
+    twin.stash(4, verify)
+    twin.commit(4, 2, 3, [11, 12])
+    twin.trim(4, 1)
+    twin.catchup(4, [1, 2, 3], extra, 5)
+    req = [ProposeRequest(4, 13, 8, 3, want_confidence=True)]
+    same(propose_unary(client, req), twin.propose(req))
+    client.call("FreeState", drafter_pb2.FreeStateRequest(seq_id=4))
+    assert len(env.drafter.store) == 0
+
+
+def test_describe(env):
+    client = env.client("target-a")
+    desc = wire.description_from_proto(client.call("Describe", drafter_pb2.DescribeDrafterRequest()))
+    assert desc.spec == env.drafter.spec
+    assert desc.host_id == host_id() and desc.device_uuid == "" and not desc.needs_target_head
+
+
+def test_health_check_answers_serving(env):
+    stub = health_pb2_grpc.HealthStub(env.channel)
+    for service in ("", SERVICE_NAME):
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+def test_unary_errors_map_to_status_and_leave_other_sequences_untouched(env):
+    client, twin = env.client("target-a"), env.twin
+    alloc_prefill(client, twin, 0, [5, 6, 7, 8], seed=1)
+    alloc_prefill(client, twin, 1, [9, 10, 11], seed=2)
+    probe = [ProposeRequest(1, 12, 3, 3, want_confidence=True)]
+    before = propose_unary(client, probe)
+    same(before, twin.propose(probe))
+
+    client.new_generation()
+    stale = client.shm(rows(2, 3))
+    client.new_generation()
+    bad_cols = encode_inline(torch.zeros(2, FEATURE_DIM + 1))
+    cases = [
+        ("AllocState", wire.alloc_to_proto(0, BUDGET), "ALREADY_EXISTS"),
+        ("AllocState", drafter_pb2.AllocStateRequest(seq_id=2, budget_tokens=0), "INVALID_ARGUMENT"),
+        ("Propose", wire.propose_to_proto([ProposeRequest(9, 1, 0, 1)]), "NOT_FOUND"),
+        ("Stash", wire.stash_to_proto(9, inline(rows(2, 4))), "NOT_FOUND"),
+        ("FreeState", drafter_pb2.FreeStateRequest(seq_id=9), "NOT_FOUND"),
+        ("TakeDrafterKV", drafter_pb2.TakeDrafterKVRequest(seq_id=9), "NOT_FOUND"),
+        ("FreeDrafterKV", drafter_pb2.FreeDrafterKVRequest(handle=1), "NOT_FOUND"),
+        ("Stash", drafter_pb2.StashRequest(seq_id=0), "INVALID_ARGUMENT"),  # no rows
+        ("Stash", wire.stash_to_proto(0, bad_cols), "INVALID_ARGUMENT"),
+        ("Stash", wire.stash_to_proto(0, RowRef(77, 0, 2, 1)), "INVALID_ARGUMENT"),  # unknown buffer
+        ("Stash", wire.stash_to_proto(0, RowRef(client.buffer.buffer_id, 62, 4, client.buffer.generation)),
+         "INVALID_ARGUMENT"),  # out of bounds
+        ("Stash", wire.stash_to_proto(0, stale), "FAILED_PRECONDITION"),
+        ("Commit", wire.commit_to_proto(0, wire.CommitOp(1, 4, (3,))), "FAILED_PRECONDITION"),  # no stash
+        ("Catchup", wire.catchup_to_proto(0, wire.RowsOp((3,), inline(rows(1, 5)), 6)), "FAILED_PRECONDITION"),
+        ("Propose", wire.propose_to_proto([ProposeRequest(0, 1, 4, GAMMA)]), "INVALID_ARGUMENT"),
+        ("Propose", wire.propose_to_proto([ProposeRequest(0, 1, 5, 1)]), "FAILED_PRECONDITION"),
+        ("Trim", wire.trim_to_proto(0, GAMMA), "INVALID_ARGUMENT"),
+        ("ReleaseBuffers", drafter_pb2.ReleaseBuffersRequest(buffer_ids=[77]), "INVALID_ARGUMENT"),
+    ]
+    for method, request, code in cases:
+        assert client.code(method, request) == code, (method, request)
+
+    # A commit gap after a good stash.
+    client.call("Stash", wire.stash_to_proto(0, inline(rows(2, 6))))
+    assert client.code("Commit", wire.commit_to_proto(0, wire.CommitOp(1, 7, (3,)))) == "FAILED_PRECONDITION"
+
+    # Without the client metadata every call is refused, the stream too.
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.AllocState(wire.alloc_to_proto(5, BUDGET), timeout=10)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT and CLIENT_HEADER in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        next(client.stub.Step(iter([drafter_pb2.StepRequest(step_id=1)]), timeout=10))
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    same(propose_unary(client, probe), before)
+    assert len(env.drafter.store) == 2
+
+
+def test_register_buffers_is_all_or_nothing(env):
+    client = env.client("target-a")
+    good = env.exporter.create(8, FEATURE_DIM)
+    bad = wire.descriptor_to_proto(env.exporter.create(8, FEATURE_DIM).describe())
+    bad.name = "specsplit-1-0000000000000000"  # no such segment
+    request = drafter_pb2.RegisterBuffersRequest(buffers=[wire.descriptor_to_proto(good.describe()), bad])
+    assert client.code("RegisterBuffers", request) == "INVALID_ARGUMENT"
+    ref = good.ref(0, 1)
+    client.call("AllocState", wire.alloc_to_proto(0, BUDGET))
+    assert client.code("Stash", wire.stash_to_proto(0, ref)) == "INVALID_ARGUMENT"  # good was not kept
+    client.call("RegisterBuffers", drafter_pb2.RegisterBuffersRequest(buffers=[wire.descriptor_to_proto(good.describe())]))
+    client.call("Stash", wire.stash_to_proto(0, ref))
+    client.call("ReleaseBuffers", drafter_pb2.ReleaseBuffersRequest(buffer_ids=[good.buffer_id]))
+    assert client.code("Stash", wire.stash_to_proto(0, ref)) == "INVALID_ARGUMENT"
+
+
+def test_step_errors_stay_with_their_sequence(env):
+    client, twin = env.client("target-a"), env.twin
+    for seq_id in range(5):
+        alloc_prefill(client, twin, seq_id, [20 + seq_id, 21, 22], seed=seq_id)
+    client.open()
+    client.new_generation()
+    stale = client.shm(rows(2, 7))
+    client.new_generation()
+    verify = rows(2, 8)
+    step = wire.step_to_proto(wire.StepBatch(1, seqs=[
+        wire.SeqStep(0, stash=stale, commit=wire.CommitOp(1, 3, (4,))),  # stale rows: skipped entirely
+        wire.SeqStep(1, stash=client.shm(verify), commit=wire.CommitOp(2, 3, (4, 5)), trim=1),
+        wire.SeqStep(9, trim=0),  # unknown sequence
+        wire.SeqStep(4, stash=stale, free=True),  # failed, but freed all the same: the target is done with it
+    ], proposes=[ProposeRequest(0, 4, 4, 3), ProposeRequest(1, 6, 5, 3), ProposeRequest(2, 7, 3, GAMMA),
+                 ProposeRequest(3, 8, 3, 2)]))
+    malformed = step.seqs.add(seq_id=3)
+    malformed.commit.CopyFrom(drafter_pb2.CommitOp(num_rows=2, base_pos=3, token_ids=[1]))  # 2 rows, 1 token
+    client.outbox.put(step)
+    result = wire.step_result_from_proto(next(client.responses))
+    codes = {e.seq_id: e.code for e in result.errors}
+    assert codes == {0: "FAILED_PRECONDITION", 9: "NOT_FOUND", 2: "INVALID_ARGUMENT", 3: "INVALID_ARGUMENT",
+                     4: "FAILED_PRECONDITION"}
+    assert len(env.drafter.store) == 4
+    twin.stash(1, verify)
+    twin.commit(1, 2, 3, [4, 5])
+    twin.trim(1, 1)
+    assert list(result.proposals) == [1]  # 2 failed inside a batched propose: isolated from 1's chunk
+    same([result.proposals[1]], twin.propose([ProposeRequest(1, 6, 5, 3)]))
+
+    # The failed sequences are untouched and go on next step; the stream survived.
+    again = [ProposeRequest(0, 4, 3, 3), ProposeRequest(2, 7, 3, 3), ProposeRequest(3, 8, 3, 2)]
+    result = client.step(wire.StepBatch(2, proposes=again))
+    assert not result.errors
+    same(list(result.proposals.values()), twin.propose(again))
+    client.close_stream()
+
+
+def test_a_second_step_stream_of_one_client_is_refused(env):
+    client = env.client("target-a")
+    client.open()
+    assert client.step(wire.StepBatch(1)).step_id == 1
+    with pytest.raises(grpc.RpcError) as info:
+        next(client.stub.Step(iter([drafter_pb2.StepRequest(step_id=1)]), metadata=client.metadata, timeout=10))
+    assert info.value.code() is grpc.StatusCode.ALREADY_EXISTS
+    assert client.step(wire.StepBatch(2)).step_id == 2
+    client.close_stream()
+
+
+# ---- sessions ------------------------------------------------------------------------------------
+
+
+def test_two_clients_with_the_same_seq_id_do_not_collide(env):
+    a, b, twin = env.client("target-a"), env.client("target-b"), env.twin
+    alloc_prefill(a, twin, 0, [1, 2, 3, 4], seed=1, twin_id=100)
+    alloc_prefill(b, twin, 0, [5, 6, 7], seed=2, twin_id=200)
+    same(propose_unary(a, [ProposeRequest(0, 9, 4, 3)]), twin.propose([ProposeRequest(100, 9, 4, 3)]))
+    same(propose_unary(b, [ProposeRequest(0, 9, 3, 3)]), twin.propose([ProposeRequest(200, 9, 3, 3)]))
+
+    # One client's carried KV and sequences are invisible to the other.
+    handle = a.call("TakeDrafterKV", drafter_pb2.TakeDrafterKVRequest(seq_id=0)).handle
+    assert b.code("InstallDrafterKV", drafter_pb2.InstallDrafterKVRequest(seq_id=0, handle=handle)) == "NOT_FOUND"
+    assert b.code("FreeDrafterKV", drafter_pb2.FreeDrafterKVRequest(handle=handle)) == "NOT_FOUND"
+    carried = a.call("InstallDrafterKV", drafter_pb2.InstallDrafterKVRequest(seq_id=0, handle=handle))
+    assert (carried.rows, carried.last_position) == (4, 3)
+    a.call("FreeState", drafter_pb2.FreeStateRequest(seq_id=0))
+    assert b.code("AllocState", wire.alloc_to_proto(0, BUDGET)) == "ALREADY_EXISTS"
+    same(propose_unary(b, [ProposeRequest(0, 9, 3, 3)]), twin.propose([ProposeRequest(200, 9, 3, 3)]))
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("how", ["close", "cancel"])
+def test_ending_the_stream_frees_the_session(env, how):
+    client, other, twin = env.client("target-a"), env.client("target-b"), env.twin
+    alloc_prefill(other, twin, 0, [1, 2], seed=9, twin_id=100)
+    for seq_id in range(3):
+        alloc_prefill(client, twin, seq_id, [3, 4, 5], seed=seq_id)
+    client.call("TakeDrafterKV", drafter_pb2.TakeDrafterKVRequest(seq_id=1))
+    client.open()
+    assert list(client.step(wire.StepBatch(1, proposes=[ProposeRequest(0, 6, 3, 2)])).proposals) == [0]
+    assert len(env.drafter.store) == 4 and env.drafter.store.num_carried == 1
+    if how == "close":
+        client.close_stream()
+    else:
+        client.responses.cancel()
+    wait_until(lambda: len(env.drafter.store) == 1 and env.server.num_sessions == 1)
+    assert env.drafter.store.num_carried == 0
+    # The client's buffers are unmapped with it: a new session under the same id starts empty.
+    assert client.code("Propose", wire.propose_to_proto([ProposeRequest(0, 6, 3, 2)])) == "NOT_FOUND"
+    client.call("AllocState", wire.alloc_to_proto(0, BUDGET))
+    assert client.code("Stash", wire.stash_to_proto(0, client.shm(rows(1, 1)))) == "INVALID_ARGUMENT"
+
+
+def test_close_frees_every_session(env):
+    a, b, twin = env.client("target-a"), env.client("target-b"), env.twin
+    alloc_prefill(a, twin, 0, [1, 2], seed=1)
+    alloc_prefill(b, twin, 0, [1, 2], seed=2, twin_id=100)
+    alloc_prefill(b, twin, 1, [1, 2], seed=3, twin_id=101)
+    b.call("TakeDrafterKV", drafter_pb2.TakeDrafterKVRequest(seq_id=1))
+    env.server.close()
+    assert len(env.drafter.store) == 0 and env.drafter.store.num_carried == 0 and env.server.num_sessions == 0
+
+
+# ---- the target head -----------------------------------------------------------------------------
+
+
+def test_target_head_is_bound_from_registered_buffers(env):
+    true_head = TargetHead.random(INFO, seed=11)
+    drafter, _, channel = env.start(server_head=None, drafter_head=TargetHead.random(INFO, seed=12))
+    twin = make_drafter(true_head)
+    client = Client(channel, "target-a", env.exporter)
+    desc = wire.description_from_proto(client.call("Describe", drafter_pb2.DescribeDrafterRequest()))
+    assert desc.needs_target_head
+    alloc_prefill(client, twin, 0, [1, 2, 3], seed=4)
+    req = [ProposeRequest(0, 5, 3, 3, want_confidence=True)]
+    assert client.code("Propose", wire.propose_to_proto(req)) == "FAILED_PRECONDITION"
+
+    wrong = env.exporter.create(INFO.vocab_size, INFO.hidden_size + 1, role=BufferRole.TARGET_EMBEDDING)
+    assert client.code("RegisterBuffers", drafter_pb2.RegisterBuffersRequest(
+        buffers=[wire.descriptor_to_proto(wrong.describe())])) == "INVALID_ARGUMENT"
+    embed = env.exporter.export_existing(true_head.embed, BufferRole.TARGET_EMBEDDING)
+    lm_head = env.exporter.export_existing(true_head.lm_head, BufferRole.TARGET_LM_HEAD)
+    client.call("RegisterBuffers", drafter_pb2.RegisterBuffersRequest(
+        buffers=[wire.descriptor_to_proto(b.describe()) for b in (embed, lm_head)]))
+    same(propose_unary(client, req), twin.propose(req))
+    # The bound head views the target's buffer: no copy of the weights.
+    embed.tensor[0].fill_(3.0)
+    assert torch.equal(drafter.head.embed[0], embed.tensor[0])
+
+    client.call("ReleaseBuffers", drafter_pb2.ReleaseBuffersRequest(buffer_ids=[embed.buffer_id, lm_head.buffer_id]))
+    assert client.code("Propose", wire.propose_to_proto(req)) == "FAILED_PRECONDITION"
+
+
+def test_step_stream_wire_codes_are_numeric(env):
+    """SeqError codes travel as google.rpc numbers (the proto's contract)."""
+    client = env.client("target-a")
+    client.open()
+    client.outbox.put(wire.step_to_proto(wire.StepBatch(1, seqs=[wire.SeqStep(3, trim=0)])))
+    reply = next(client.responses)
+    assert [(e.seq_id, e.code) for e in reply.errors] == [(3, CODE["NOT_FOUND"])]
+    client.close_stream()
