@@ -72,9 +72,10 @@ def dflash_block_hidden(model: DFlashModel, head: TargetHead, rows: torch.Tensor
     q_pos = (anchor_pos[:, :, None] + torch.arange(gamma, device=anchors.device)).reshape(-1)
     cos, sin = model.rotary_emb(q_pos, block.dtype)
     x = block.reshape(batch * blocks * gamma, -1)
+    windows = [cfg.decoder.layer_window(i) for i in range(len(model.layers))]
+    masks = {w: dflash_visibility(positions, valid, anchor_pos, gamma, w) for w in set(windows)}
     for i, layer in enumerate(model.layers):
-        visible = dflash_visibility(positions, valid, anchor_pos, gamma, cfg.decoder.layer_window(i))
-        x = layer(x, _block_mixer(ctx_k[:, :, i], ctx_v[:, :, i], cos, sin, visible, batch))
+        x = layer(x, _block_mixer(ctx_k[:, :, i], ctx_v[:, :, i], cos, sin, masks[windows[i]], batch))
     return model.norm(x).view(batch, blocks, gamma, -1)
 
 

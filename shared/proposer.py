@@ -58,7 +58,7 @@ class DrafterSpec:
     block_size: int = 0  # γ for DFlash, 0 otherwise
     target_layer_ids: tuple[int, ...] = ()
     max_batch: int = 64  # widest batched propose
-    window: int = 4096  # context rows kept per sequence (DFlash slide window)
+    window: int = 4096  # context rows kept per sequence (DFlash slide window); 0 = all rows (MTP)
 
     def __post_init__(self) -> None:
         if self.feature_dim <= 0 or self.max_drafts <= 0 or self.max_batch <= 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import uuid
 
@@ -95,7 +96,12 @@ def setup_from(args: argparse.Namespace, drafter: str):
     return LocalSetup(target=args.target, drafter=drafter, device=args.device, dtype=args.dtype, seed=args.seed)
 
 
+def log_to_stderr() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
 def cmd_drafter_serve(args: argparse.Namespace) -> None:
+    log_to_stderr()
     from specsplit.services import DrafterSettings, start_drafter, wait_for_signal
 
     server_obj, server = start_drafter(DrafterSettings(tuple(args.listen), setup_from(args, args.drafter), head=args.head))
@@ -106,6 +112,7 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_target_serve(args: argparse.Namespace) -> None:
+    log_to_stderr()
     from specsplit.services import TargetSettings, start_target, wait_for_signal
     from target_service.engine import EngineConfig
 
@@ -204,12 +211,16 @@ def add_training_parsers(sub) -> None:
     tr.add_argument("--minutes", type=float, default=None, help="wall-time bound, generation included (default 7)")
     tr.add_argument("--steps", type=int, default=None, help="optimizer steps (with --minutes: whichever ends first)")
     tr.add_argument("--init", default=None, help="start from this drafter checkpoint instead of random weights")
-    for flag, kind, default in (("--layers", int, 2), ("--block-size", int, 16), ("--batch", int, 32),
-                                ("--anchors", int, 32), ("--mtp-steps", int, 3), ("--seq-len", int, 256),
-                                ("--lr", float, 6e-4), ("--loss-decay", float, None), ("--gen-batch", int, 512),
-                                ("--gen-fraction", float, 0.3), ("--pool-gb", float, 32.0), ("--seed", int, 0),
-                                ("--log-every", int, 50)):
-        tr.add_argument(flag, type=kind, default=default)
+    for flag, kind, default, text in (
+            ("--layers", int, 2, "DFlash decoder layers"), ("--block-size", int, 16, "DFlash block size γ"),
+            ("--batch", int, 32, "sequences per optimizer step"), ("--anchors", int, 32, "DFlash blocks per sequence"),
+            ("--mtp-steps", int, 3, "MTP chained steps trained"), ("--seq-len", int, 256, "tokens generated per prompt"),
+            ("--lr", float, 6e-4, "peak learning rate"), ("--loss-decay", float, None, "w in exp(-(k-1)/w)"),
+            ("--gen-batch", int, 1024, "sequences generated at once"),
+            ("--gen-fraction", float, 0.3, "share of --minutes spent generating, at most"),
+            ("--pool-gb", float, 32.0, "device memory for feature rows"), ("--seed", int, 0, ""),
+            ("--log-every", int, 50, "steps between progress lines")):
+        tr.add_argument(flag, type=kind, default=default, help=text or None)
     tr.set_defaults(func=cmd_train_drafter)
 
     ev = sub.add_parser("eval-acceptance", help="τ and acceptance of a drafter on held-out prompts, and speedup")

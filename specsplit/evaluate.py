@@ -115,7 +115,7 @@ def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPromp
     if not prompts:
         raise InvalidRequest("no prompts to evaluate")
     recorder = AcceptanceRecorder(proposer)
-    warm = EvalSettings(max_tokens=4, batch=settings.batch, num_drafts=settings.num_drafts)
+    warm = EvalSettings(max_tokens=min(4, settings.max_tokens), batch=settings.batch, num_drafts=settings.num_drafts)
     run_engine(model, recorder, prompts[:1], warm, eos_ids)
     run_engine(model, None, prompts[:1], warm, eos_ids)
     recorder.records.clear()

@@ -34,6 +34,7 @@ from target_service.dense import Generated, capture_features, generate
 from target_service.model import CaptureSpec, TargetModel
 
 MAX_FILE_BYTES = 25 * 1024 * 1024
+CHAT_SAMPLES = 2.0  # sampled continuations per chat prompt, besides the greedy one
 Log = Callable[[str], None]
 
 
@@ -47,7 +48,7 @@ class TrainConfig:
     mtp_steps: int = 3  # MTP chained steps trained (teacher-forced)
     seq_len: int = 256  # tokens the target generates per prompt
     max_prompt_tokens: int = 192
-    gen_batch: int = 512  # sequences generated together
+    gen_batch: int = 1024  # sequences generated together (decode is launch-bound: wide batches are cheap)
     sampled_fraction: float = 0.4  # prompts that also get a sampled continuation
     temperature: float = 0.7
     lr: float = 6e-4
@@ -133,9 +134,11 @@ class Pool:
 
     def __init__(self, capacity: int, width: int, feature_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.tokens = torch.zeros((capacity, width), dtype=torch.long, device=device)
-        self.rows = torch.zeros((capacity, width, feature_dim), dtype=dtype, device=device)
+        # Left uninitialised (a large pool need not be written twice); `add` writes every column.
+        self.rows = torch.empty((capacity, width, feature_dim), dtype=dtype, device=device)
         self.starts = torch.zeros(capacity, dtype=torch.long, device=device)
         self.lengths = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.host_lengths = torch.zeros(capacity, dtype=torch.long)  # batch widths without a device read
         self.size = 0
 
     @property
@@ -149,24 +152,29 @@ class Pool:
         span = slice(self.size, self.size + n)
         self.tokens[span, :width] = gen.tokens[keep]
         self.rows[span, :width] = rows[keep]
+        self.rows[span, width:] = 0  # read as (masked) context when a longer row shares a batch
         self.starts[span], self.lengths[span] = gen.prompt_lengths[keep], gen.lengths[keep]
+        self.host_lengths[span] = gen.lengths[keep].cpu()
         self.size += n
         return n
 
     def batch(self, index: torch.Tensor) -> Batch:
+        """The sequences at pool rows `index` (a CPU tensor), cut to the longest of them."""
+        width = int(self.host_lengths[index].max())
         index = index.to(self.tokens.device)
         lengths = self.lengths[index]
-        width = int(lengths.max())
         cols = torch.arange(width, device=index.device)[None, :]
         return Batch(self.tokens[index, :width], cols.expand(index.numel(), -1), cols < lengths[:, None],
                      self.starts[index], lengths, self.rows[index, :width])
 
 
-def plan_jobs(prompts: Sequence[list[int]], cfg: TrainConfig) -> list[list[Job]]:
-    """Generation batches: each prompt greedy, a share again sampled; similar lengths batched together."""
+def plan_jobs(prompts: Sequence[list[int]], samples: Sequence[float], cfg: TrainConfig) -> list[list[Job]]:
+    """Generation batches: each prompt greedy, plus `samples[i]` sampled continuations on average
+    (the whole part always, the fraction by chance); similar lengths are batched together."""
     rng = random.Random(cfg.seed)
     greedy = [Job(p, 0.0) for p in prompts]
-    sampled = [Job(p, cfg.temperature) for p in prompts if rng.random() < cfg.sampled_fraction]
+    sampled = [Job(p, cfg.temperature) for p, n in zip(prompts, samples)
+               for _ in range(int(n) + (rng.random() < n - int(n)))]
     batches = []
     for jobs in (greedy, sampled):
         rng.shuffle(jobs)
@@ -178,21 +186,16 @@ def plan_jobs(prompts: Sequence[list[int]], cfg: TrainConfig) -> list[list[Job]]
     return batches
 
 
-def fit_prompts(prompts: Sequence[list[int]], max_tokens: int, keep_tail: Sequence[bool]) -> list[list[int]]:
-    """Prompts within `max_tokens`: raw text keeps its last tokens, a chat prompt that is too long is dropped."""
-    out = []
-    for ids, tail in zip(prompts, keep_tail):
-        if len(ids) <= max_tokens:
-            out.append(list(ids))
-        elif tail:
-            out.append(list(ids[-max_tokens:]))
-    return out
+def fit_prompt(ids: list[int], max_tokens: int, keep_tail: bool) -> list[int] | None:
+    """A prompt within `max_tokens`: raw text keeps its last tokens; None for a chat prompt that is too long."""
+    if len(ids) <= max_tokens:
+        return ids
+    return ids[-max_tokens:] if keep_tail else None
 
 
-def build_pool(target: TargetModel, prompts: Sequence[list[int]], capture: CaptureSpec, cfg: TrainConfig,
+def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: CaptureSpec, cfg: TrainConfig,
                clock: Clock, eos_ids: Sequence[int], log: Log) -> Pool:
     device = target.embed_weight.device
-    batches = plan_jobs(prompts, cfg)
     feature_dim = target.config.hidden_size * (len(capture.layer_ids) or 1)
     width = cfg.max_prompt_tokens + cfg.seq_len
     per_row = width * feature_dim * target.embed_weight.element_size()
@@ -201,7 +204,7 @@ def build_pool(target: TargetModel, prompts: Sequence[list[int]], capture: Captu
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     tokens = 0
     for i, jobs in enumerate(batches):
-        if pool.size >= pool.capacity or clock.gen_over():
+        if pool.size >= pool.capacity or (i > 0 and clock.gen_over()):
             break
         temperature = jobs[0].temperature
         out = generate(target, [j.prompt for j in jobs], cfg.seq_len, temperature=temperature, generator=gen,
@@ -316,16 +319,18 @@ def check_size(model: DrafterModel) -> int:
 
 
 def train_drafter(cfg: TrainConfig, target: TargetModel, prompts: Sequence[list[int]], *,
-                  eos_ids: Sequence[int] = (), init: str | Path | None = None, log: Log = print,
-                  clock: Clock | None = None) -> TrainResult:
-    """Generate the pool from `prompts` (token ids, already within max_prompt_tokens), then train."""
+                  samples: Sequence[float] | None = None, eos_ids: Sequence[int] = (),
+                  init: str | Path | None = None, log: Log = print, clock: Clock | None = None) -> TrainResult:
+    """Generate the pool from `prompts` (token ids within max_prompt_tokens; `samples` sampled continuations
+    each, cfg.sampled_fraction by default), then train."""
     clock = clock or Clock(cfg.minutes, cfg.gen_fraction)
     device = target.embed_weight.device
     torch.manual_seed(cfg.seed)
     info, head = TargetInfo.from_config(target.config), TargetHead(target.embed_weight, target.lm_head_weight)
     model = new_drafter(cfg, info, device, init)
     capture = capture_for_model(model)
-    pool = build_pool(target, prompts, capture, cfg, clock, eos_ids, log)
+    samples = [cfg.sampled_fraction] * len(prompts) if samples is None else samples
+    pool = build_pool(target, plan_jobs(prompts, samples, cfg), capture, cfg, clock, eos_ids, log)
     log(f"pool: {pool.size} sequences, {int((pool.lengths - pool.starts)[:pool.size].sum())} generated tokens, "
         f"{clock.elapsed():.0f}s")
     losses, accs = _optimize(model, head, pool, cfg, clock, log)
@@ -357,7 +362,8 @@ def _optimize(model: DrafterModel, head: TargetHead, pool: Pool, cfg: TrainConfi
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(progress, cfg)
-        batch = pool.batch(next(order))
+        index = next(order)
+        batch = pool.batch(index)
         with autocast:
             loss, acc = loss_fn(model, head, batch, cfg, gen)
         loss.backward()
@@ -366,11 +372,11 @@ def _optimize(model: DrafterModel, head: TargetHead, pool: Pool, cfg: TrainConfi
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
         accs.append(acc)
-        tokens += int(batch.lengths.sum())
+        tokens += int(pool.host_lengths[index].sum())
         step += 1
         if step % cfg.log_every == 0 or step == cfg.steps:
             _log_step(log, step, losses, accs, tokens, time.monotonic() - start, clock, opt)
-    return [float(x) for x in losses], [float(x) for x in accs]
+    return torch.stack(losses).tolist(), torch.stack(accs).tolist()
 
 
 def _log_step(log: Log, step: int, losses: list, accs: list, tokens: int, seconds: float, clock: Clock, opt) -> None:
@@ -421,10 +427,13 @@ def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: st
     model = load_target(folder, dtype=dtype, device=device)
     tokenizer = Tokenizer.from_dir(folder)
     prompts = training_prompts(cfg.seed)
-    ids = fit_prompts([p.encode(tokenizer) for p in prompts], cfg.max_prompt_tokens,
-                      [p.kind == "code" for p in prompts])
+    fitted = [(fit_prompt(p.encode(tokenizer), cfg.max_prompt_tokens, p.kind == "code"), p.kind) for p in prompts]
+    ids = [i for i, _ in fitted if i]
+    # Chat prompts are fewer than code prefixes, so each also gets sampled answers for variety.
+    samples = [CHAT_SAMPLES if kind == "chat" else cfg.sampled_fraction for i, kind in fitted if i]
     log(f"target {folder} on {device} ({dtype}); {len(ids)} training prompts; {clock.elapsed():.0f}s")
-    result = train_drafter(cfg, model, ids, eos_ids=tokenizer.eos_token_ids, init=init, log=log, clock=clock)
+    result = train_drafter(cfg, model, ids, samples=samples, eos_ids=tokenizer.eos_token_ids, init=init, log=log,
+                           clock=clock)
     saved = save_drafter(result.model, out)
     size = (saved / WEIGHTS).stat().st_size
     log(f"saved {saved} ({size / 2**20:.1f} MiB); {len(result.losses)} steps on {result.pool_size} sequences; "

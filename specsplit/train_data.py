@@ -15,6 +15,7 @@ import hashlib
 import json
 import random
 import sysconfig
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -194,10 +195,9 @@ def _short_functions(source: str, max_lines: int) -> tuple[list[str], str | None
         return [], None
     lines = source.splitlines(keepends=True)
     functions = [
-        "".join(lines[node.lineno - 1:node.end_lineno])
+        textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno]))
         for node in ast.walk(tree)
-        if isinstance(node, ast.FunctionDef) and node.col_offset == 0 and node.end_lineno
-        and 4 <= node.end_lineno - node.lineno + 1 <= max_lines
+        if isinstance(node, ast.FunctionDef) and node.end_lineno and 4 <= node.end_lineno - node.lineno + 1 <= max_lines
     ]
     return functions, ast.get_docstring(tree)
 
@@ -206,7 +206,7 @@ def _short_functions(source: str, max_lines: int) -> tuple[list[str], str | None
 
 
 def all_prompts(seed: int = 0, *, code_per_file: int = 12, requests_per_file: int = 4,
-                word_problem_count: int = 1500) -> list[Prompt]:
+                word_problem_count: int = 800) -> list[Prompt]:
     files = stdlib_files()
     return (written_instructions() + templated_instructions() + word_problems(word_problem_count, seed)
             + code_requests(files, requests_per_file, seed) + code_prefixes(files, code_per_file, seed))

@@ -173,7 +173,7 @@ def test_description_round_trip():
         ("vocab_size", -1),
         ("block_size", -1),
         ("max_drafts", 0),
-        ("window", 0),
+        ("window", -1),  # 0 is valid: no window (MTP keeps every row)
     ],
 )
 def test_bad_description_is_refused(field, value):

@@ -1,0 +1,74 @@
+"""The acceptance report: τ, per-position acceptance and counts agree with each other and with the engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drafter_service.checkpoint import random_drafter
+from specsplit.cli import main
+from specsplit.evaluate import EvalPrompt, EvalSettings, evaluate, format_report, position_acceptance
+from specsplit.local import target_head, target_info
+from target_service.dense import generate
+from target_service.model import load_target
+from tests.oracle import OracleDrafter
+
+PROMPTS = [EvalPrompt("chat", [5, 6, 7, 8, 9]), EvalPrompt("code", [30, 31, 32])]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return load_target(tiny_llama_dir)
+
+
+def check_report(rep: dict, prompts, max_tokens: int) -> None:
+    assert rep["prompts"] == len(prompts) and rep["mismatches"] == 0
+    assert rep["generated"] == len(prompts) * max_tokens  # no EOS given: every request runs to max_tokens
+    assert rep["tau"] == pytest.approx(rep["generated"] / rep["steps"]) and rep["tau"] >= 1.0
+    assert rep["tau_excl_prefill"] == pytest.approx((rep["generated"] - 2) / (rep["steps"] - 2))
+    assert 0 <= rep["accepted"] <= rep["drafted"]
+    # Each generated token comes from a prefill, a bonus token per step, or an accepted draft.
+    assert rep["generated"] == rep["steps"] + rep["accepted"]
+    acc = rep["position_acceptance"]
+    assert len(acc) == rep["max_drafts"] and all(0 <= a <= 1 for a in acc)
+    assert all(a >= b for a, b in zip(acc, acc[1:]))
+    assert sum(acc) * rep["proposals"] == pytest.approx(rep["accepted"])
+    assert set(rep["by_kind"]) == {p.kind for p in prompts}
+    assert sum(k["generated"] for k in rep["by_kind"].values()) == rep["generated"]
+    assert rep["tokens_per_s"]["speedup"] > 0
+    json.dumps(rep)
+    assert "mismatches" in format_report(rep)
+
+
+def test_random_drafter_report_is_well_formed(llama):
+    drafter = random_drafter("dflash", target_info(llama), target_head(llama), seed=0, block_size=4)
+    rep = evaluate(llama, drafter, PROMPTS, EvalSettings(max_tokens=12, batch=2))
+    check_report(rep, PROMPTS, 12)
+    assert rep["proposals"] > 0 and rep["max_drafts"] == 3
+
+
+def test_oracle_drafter_accepts_long_runs(llama):
+    full = generate(llama, [list(p.ids) for p in PROMPTS], 16).rows()
+    inner = random_drafter("dflash", target_info(llama), target_head(llama), seed=0, block_size=5)
+    oracle = OracleDrafter(inner, {tuple(p.ids): row for p, row in zip(PROMPTS, full)}, mistake_rate=0.1)
+    rep = evaluate(llama, oracle, PROMPTS, EvalSettings(max_tokens=16, batch=1))
+    check_report(rep, PROMPTS, 16)
+    assert rep["tau"] > 2 and rep["position_acceptance"][0] > 0.5
+
+
+def test_position_acceptance_counts_prefixes():
+    assert position_acceptance([(3, 0), (3, 3), (2, 1), (3, 2)], 3) == [0.75, 0.5, 0.25]
+    assert position_acceptance([], 2) == [0.0, 0.0]
+
+
+def test_cli_evaluates_the_default_target(smollm2_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"kind": "chat", "text": "Name a color."}\n{"kind": "code", "text": "def add(a, b):"}\n')
+    assert main(["eval-acceptance", "--drafter", "mtp", "--prompts", str(prompts), "--max-tokens", "3",
+                 "--batch", "2", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["prompts"] == 2 and rep["mismatches"] == 0 and rep["drafter"] == "mtp"
+    assert rep["steps"] + rep["accepted"] == rep["generated"] <= 6
+    assert set(rep["by_kind"]) == {"chat", "code"}

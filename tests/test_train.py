@@ -1,0 +1,176 @@
+"""Drafter training: the dense target path matches the engine, the training forwards match inference
+exactly, a short run lowers the loss, and the checkpoint it writes loads and decodes losslessly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from drafter_service.checkpoint import load_drafter, random_drafter
+from drafter_service.training import dflash_block_hidden, mtp_step_outputs
+from shared.errors import InvalidRequest
+from shared.proposer import ProposeRequest
+from shared.sampling import SamplingParams
+from specsplit import train_data
+from specsplit.local import target_head, target_info
+from specsplit.train import TrainConfig, capture_for_model, save_drafter, train_drafter
+from target_service.dense import capture_features, generate
+from target_service.engine import Engine, EngineConfig
+from target_service.model import CaptureSpec, ForwardBatch, load_target
+from target_service.sequence import Request
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return load_target(tiny_llama_dir)
+
+
+def engine_greedy(target, prompts, max_tokens, proposer=None):
+    engine = Engine(target, proposer, EngineConfig(max_batch=4))
+    events = engine.generate([Request(f"r{i}", list(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                              for i, p in enumerate(prompts)])
+    return [list(p) + [t for e in events[f"r{i}"] for t in e.token_ids] for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: sliding-window layers
+def test_dense_greedy_matches_the_engine(family, request):
+    target = load_target(request.getfixturevalue(f"tiny_{family}_dir"))
+    assert generate(target, PROMPTS, 14).rows() == engine_greedy(target, PROMPTS, 14)
+
+
+def test_dense_generation_stops_at_eos_and_samples_reproducibly(llama):
+    greedy = generate(llama, PROMPTS, 14)
+    eos = greedy.tokens[0, len(PROMPTS[0]) + 3].item()  # the 4th token row 0 generates
+    cut = generate(llama, PROMPTS, 14, eos_ids=[eos])
+    assert cut.rows()[0] == greedy.rows()[0][:len(PROMPTS[0]) + 4]
+    for row, full in zip(cut.rows(), greedy.rows()):
+        assert row == full[:len(row)] and (len(row) == len(full) or row[-1] == eos)
+    draw = [generate(llama, PROMPTS, 10, temperature=0.9, generator=torch.Generator().manual_seed(s)).rows()
+            for s in (1, 1, 2)]
+    assert draw[0] == draw[1] != draw[2]
+    with pytest.raises(InvalidRequest):
+        generate(llama, [[1], []], 4)
+
+
+def test_captured_features_match_the_paged_forward(llama):
+    out = generate(llama, PROMPTS, 9)
+    capture = CaptureSpec(layer_ids=(0, 2), last_hidden=True)
+    layers = capture_features(llama, out.tokens, out.lengths, CaptureSpec(layer_ids=(0, 2)), chunk=2)
+    last = capture_features(llama, out.tokens, out.lengths, CaptureSpec(last_hidden=True))
+    for b, row in enumerate(out.rows()):
+        cache = llama.new_cache(16)
+        cache.allocate(0)
+        ref = llama(ForwardBatch(torch.tensor(row), torch.arange(len(row)), torch.tensor([0, len(row)]), [0]),
+                    cache, capture)
+        torch.testing.assert_close(layers[b, :len(row)], ref.layer_features)
+        torch.testing.assert_close(last[b, :len(row)], ref.last_hidden)
+
+
+def _recording(drafter):
+    """Every logits tensor the drafter computes while proposing."""
+    seen, logits = [], drafter.model.logits
+
+    def record(hidden, head):
+        out = logits(hidden, head)
+        seen.append(out)
+        return out
+
+    drafter.model.logits = record
+    return seen, logits
+
+
+def _sharpened(drafter):
+    with torch.no_grad():  # weights large enough that a wrong mask or position moves the logits a lot
+        for p in drafter.model.parameters():
+            if p.dim() == 2:
+                p.mul_(5)
+    return drafter
+
+
+def _sequence(target, drafter):
+    out = generate(target, PROMPTS, 20)
+    rows = capture_features(target, out.tokens, out.lengths, capture_for_model(drafter.model))
+    positions = torch.arange(out.tokens.shape[1]).expand_as(out.tokens)
+    return out, rows, positions, positions < out.lengths[:, None]
+
+
+@pytest.mark.parametrize("layer_types", [None, ("full_attention", "sliding_attention")])
+def test_dflash_training_blocks_equal_inference_proposals(llama, layer_types):
+    info, head = target_info(llama), target_head(llama)
+    drafter = _sharpened(random_drafter("dflash", info, head, seed=3, num_layers=2, block_size=6,
+                                        layer_types=layer_types, sliding_window=3 if layer_types else None))
+    out, rows, positions, valid = _sequence(llama, drafter)
+    b, tokens = 2, out.tokens[2]
+    anchors = [int(out.lengths[b]) - 9, len(PROMPTS[b]) + 2, int(out.lengths[b]) - 3]
+    hidden = dflash_block_hidden(drafter.model, head, rows, out.tokens, positions, valid,
+                                 torch.tensor([[0, 4, 9], [1, 2, 3], anchors]))
+    seen, logits = _recording(drafter)
+    for n, anchor in enumerate(anchors):  # each block alone, as inference sees it
+        drafter.alloc(n, 64)
+        drafter.prefill(n, tokens[:anchor].tolist(), rows[b, :anchor])
+        proposal = drafter.propose([ProposeRequest(n, int(tokens[anchor]), anchor, 5, want_confidence=True)])[0]
+        expected = logits(hidden[b, n, 1:6], head)
+        torch.testing.assert_close(expected, seen[-1][0], rtol=1e-4, atol=1e-4)
+        assert proposal.tokens == expected.argmax(-1).tolist()
+
+
+def test_mtp_training_steps_equal_inference_drafts(llama):
+    info, head = target_info(llama), target_head(llama)
+    drafter = _sharpened(random_drafter("mtp", info, head, seed=4, max_drafts=3))
+    out, rows, _, _ = _sequence(llama, drafter)
+    b, tokens = 0, out.tokens[0]
+    anchor = int(out.lengths[b]) - 10
+    seen, logits = _recording(drafter)
+    drafter.alloc(0, 64)
+    drafter.prefill(0, tokens[:anchor].tolist(), rows[b, :anchor])
+    drafts = drafter.propose([ProposeRequest(0, int(tokens[anchor]), anchor, 3)])[0].tokens
+    # Teacher forcing with the drafts themselves reproduces the chained inference steps.
+    seq = torch.cat([tokens[:anchor + 1], torch.tensor(drafts)])[None]
+    hidden = torch.cat([rows[b, :anchor + 1], rows.new_zeros(3, rows.shape[2])])[None]
+    positions = torch.arange(seq.shape[1])[None]
+    outs = mtp_step_outputs(drafter.model, head, hidden, seq, positions, torch.ones_like(seq, dtype=torch.bool), 3)
+    expected = torch.stack([logits(o[0, anchor - 1], head) for o in outs])
+    torch.testing.assert_close(expected, torch.cat(seen), rtol=1e-4, atol=1e-4)
+    assert expected.argmax(-1).tolist() == drafts
+
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+def test_training_lowers_the_loss_and_saves_a_lossless_drafter(kind, llama, tmp_path):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(3, 12))] for _ in range(24)]
+    cfg = TrainConfig(kind=kind, layers=1, block_size=4, batch=8, anchors=8, mtp_steps=2, seq_len=24,
+                      max_prompt_tokens=16, gen_batch=12, steps=24, lr=3e-3, warmup=0.0, log_every=100)
+    lines = []
+    result = train_drafter(cfg, llama, prompts, log=lines.append)
+    assert result.pool_size >= 24 and any(line.startswith("gen batch") for line in lines)
+    assert sum(result.losses[-3:]) / 3 < result.losses[0] * 0.8
+    folder = save_drafter(result.model, tmp_path / kind)
+    drafter = load_drafter(folder, target_head(llama), target_info=target_info(llama), dtype=torch.float32)
+    assert next(drafter.model.parameters()).dtype == torch.float32
+    reference = engine_greedy(llama, PROMPTS, 16)
+    assert engine_greedy(llama, PROMPTS, 16, drafter) == reference
+
+
+def test_config_is_validated():
+    with pytest.raises(InvalidRequest):
+        TrainConfig(kind="eagle", steps=1)
+    with pytest.raises(InvalidRequest):
+        TrainConfig(kind="dflash")  # neither steps nor minutes
+    with pytest.raises(InvalidRequest):
+        TrainConfig(kind="dflash", steps=1, block_size=1)
+    assert TrainConfig(steps=1, block_size=16).decay == 7.0
+    assert TrainConfig(steps=1, block_size=8).decay == 4.0
+
+
+def test_heldout_prompts_are_never_trained_on():
+    heldout = train_data.read_prompts(train_data.HELDOUT_PATH)
+    assert len(heldout) == 64 and {p.kind for p in heldout} == {"chat", "code"}
+    assert all(train_data.is_heldout(p.key) for p in heldout)
+    training = train_data.training_prompts(0, code_per_file=2, requests_per_file=1, word_problem_count=100)
+    assert training and not any(train_data.is_heldout(p.key) for p in training)
+    assert not {p.text for p in heldout} & {p.text for p in training}
+    assert not {p.key for p in heldout if p.kind == "code"} & {p.key for p in training}
