@@ -165,9 +165,8 @@ def format_report(rep: dict) -> str:
     cols = ["all"] + kinds
     figures = [rep] + [rep["by_kind"][k] for k in kinds]
     counts = ", ".join(f"{k} {rep['by_kind'][k]['requests']}" for k in kinds)
-    lines = [f"{rep['prompts']} prompts ({counts}), "
-             f"max_tokens {rep['max_tokens']}, temperature {rep['temperature']}, batch {rep['batch']}, "
-             f"max drafts {rep['max_drafts']}",
+    lines = [(f"{rep['prompts']} prompts ({counts}), max_tokens {rep['max_tokens']}, "
+              f"temperature {rep['temperature']}, batch {rep['batch']}, max drafts {rep['max_drafts']}"),
              f"{'':<22}" + "".join(f"{c:>10}" for c in cols)]
     for name, key, fmt in (("tau", "tau", "{:.3f}"), ("tau excl. prefill", "tau_excl_prefill", "{:.3f}"),
                            ("generated", "generated", "{}"), ("target steps", "steps", "{}"),

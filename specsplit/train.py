@@ -346,9 +346,11 @@ def capture_for_model(model: DrafterModel) -> CaptureSpec:
 def _optimize(model: DrafterModel, head: TargetHead, pool: Pool, cfg: TrainConfig, clock: Clock,
               log: Log) -> tuple[list[float], list[float]]:
     device = pool.tokens.device
-    fused = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            fused=fused)
+    fused = device.type == "cuda"  # one kernel for the whole update
+    # Norm gains are left out of weight decay, as usual.
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
     loss_fn = dflash_loss if isinstance(model, DFlashModel) else mtp_loss
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
@@ -376,6 +378,8 @@ def _optimize(model: DrafterModel, head: TargetHead, pool: Pool, cfg: TrainConfi
         step += 1
         if step % cfg.log_every == 0 or step == cfg.steps:
             _log_step(log, step, losses, accs, tokens, time.monotonic() - start, clock, opt)
+    if not losses:
+        raise InvalidRequest("the time budget ended before the first training step")
     return torch.stack(losses).tolist(), torch.stack(accs).tolist()
 
 

@@ -55,7 +55,7 @@ class _Keys:
 
     cache: DenseKV | None  # None: the batch attends to itself only
     start: int  # first cache column this batch writes
-    visible: dict[int | None, torch.Tensor]  # window -> [B, T, K] bool
+    visible: dict[int | None, torch.Tensor]  # window -> [B, 1, groups * T, K] bool, see `_attend`
 
 
 def dense_visibility(q_pos: torch.Tensor, q_valid: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor,
@@ -68,8 +68,13 @@ def dense_visibility(q_pos: torch.Tensor, q_valid: torch.Tensor, k_pos: torch.Te
     return visible | ~q_valid[:, :, None]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """GQA. q [B, Tq, Hq, D], k/v [B, Hkv, Tk, D], visible [B, Tq, Tk] → [B, Tq, Hq, D].
+def grouped_mask(visible: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Tq, Tk] → [B, 1, groups * Tq, Tk], the query layout `_attend` folds GQA groups into."""
+    return visible.repeat(1, groups, 1)[:, None]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """GQA. q [B, Tq, Hq, D], k/v [B, Hkv, Tk, D], mask from `grouped_mask` → [B, Tq, Hq, D].
 
     The query heads sharing a KV head are folded into the query axis, so the (large) cache is read
     as it lies instead of being repeated per query head.
@@ -78,7 +83,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     hkv = k.shape[1]
     groups = hq // hkv
     qg = q.view(batch, tq, hkv, groups, dim).permute(0, 2, 3, 1, 4).reshape(batch, hkv, groups * tq, dim)
-    mask = visible.repeat(1, groups, 1)[:, None]  # [B, 1, groups * Tq, Tk]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.view(batch, hkv, groups, tq, dim).permute(0, 3, 1, 2, 4).reshape(batch, tq, hq, dim)
 
@@ -112,8 +116,10 @@ def _plan(model: TargetModel, positions: torch.Tensor, valid: torch.Tensor, cach
         cache.pos[:, start:end], cache.valid[:, start:end] = positions, valid
         cache.filled = end
         k_pos, k_valid = cache.pos[:, :end], cache.valid[:, :end]
-    windows = {model.config.layer_window(i) for i in range(model.config.num_hidden_layers)}
-    visible = {w: dense_visibility(positions, valid, k_pos, k_valid, w) for w in windows}
+    cfg = model.config
+    windows = {cfg.layer_window(i) for i in range(cfg.num_hidden_layers)}
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+    visible = {w: grouped_mask(dense_visibility(positions, valid, k_pos, k_valid, w), groups) for w in windows}
     return _Keys(cache, start, visible)
 
 

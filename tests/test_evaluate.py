@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from drafter_service.checkpoint import random_drafter
 from specsplit.cli import main
