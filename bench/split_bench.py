@@ -96,14 +96,18 @@ def main() -> None:
         pings = sorted(remote.ping() for _ in range(200))
         results["empty_step_round_trip_p50_ms"] = 1e3 * statistics.median(pings)
         remote.close()
+        text = json.dumps(results, indent=2)
+        print(text, flush=True)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                f.write(text)
     finally:
         drafter_proc.terminate()
-        drafter_proc.wait(timeout=30)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text)
+        try:
+            drafter_proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            print("drafter did not stop on SIGTERM within 10 s; killing it", file=sys.stderr)
+            drafter_proc.kill()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from target_service.client import TargetClient, wait_healthy
 @dataclass
 class ServiceSpec:
     target: str = "default"
-    drafter: str = "dflash"  # none | dflash | mtp | a checkpoint folder
+    drafter: str = "dflash"  # as --drafter takes it (specsplit.local.DRAFTER_HELP)
     device: str = "cpu"
     dtype: str | None = None
     seed: int = 0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+import drafter_service
 from drafter_service.checkpoint import load_drafter, random_drafter
 from drafter_service.heads import TargetHead, TargetInfo
 from shared.errors import InvalidRequest
@@ -17,13 +18,37 @@ from target_service.engine import Engine, EngineConfig
 from target_service.model import TargetModel, load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-RANDOM_DRAFTERS = ("dflash", "mtp")
+# `--drafter dflash|mtp`: the drafters trained for the default target and shipped in the package;
+# `random-dflash|random-mtp`: seeded random drafters of that kind (lossless, but they accelerate nothing).
+SHIPPED_DIR = Path(drafter_service.__file__).parent / "checkpoints"
+SHIPPED = {"dflash": "smollm2-135m-dflash", "mtp": "smollm2-135m-mtp"}
+RANDOM_PREFIX = "random-"
+DRAFTER_HELP = "none | dflash | mtp (trained for the default target) | random-dflash | random-mtp | a folder"
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    """What `--drafter` names: a seeded random drafter of a kind, or a checkpoint folder."""
+
+    random_kind: str | None = None
+    folder: Path | None = None
+
+
+def resolve_drafter(spec: str) -> DrafterChoice | None:
+    if spec == "none":
+        return None
+    if spec.startswith(RANDOM_PREFIX) and spec[len(RANDOM_PREFIX):] in SHIPPED:
+        return DrafterChoice(random_kind=spec[len(RANDOM_PREFIX):])
+    folder = SHIPPED_DIR / SHIPPED[spec] if spec in SHIPPED else Path(spec)
+    if not folder.is_dir():
+        raise InvalidRequest(f"--drafter {spec!r}: expected {DRAFTER_HELP}")
+    return DrafterChoice(folder=folder)
 
 
 @dataclass(frozen=True)
 class LocalSetup:
     target: str = "default"  # "default" or a checkpoint folder
-    drafter: str = "none"  # none | dflash | mtp (random, seeded) | a checkpoint folder
+    drafter: str = "none"  # see DRAFTER_HELP
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on CUDA
     seed: int = 0  # seeds a random drafter
@@ -56,17 +81,20 @@ def target_head(model: TargetModel) -> TargetHead:
     return TargetHead(embed=model.embed_weight, lm_head=model.lm_head_weight)
 
 
-def make_drafter(spec: str, model: TargetModel, setup: LocalSetup) -> Proposer | None:
-    if spec == "none":
+def build_drafter(spec: str, info: TargetInfo, head: TargetHead | None, setup: LocalSetup) -> Proposer | None:
+    """The drafter `--drafter` names; head None gives a seeded stand-in until the target shares its own."""
+    choice = resolve_drafter(spec)
+    if choice is None:
         return None
-    info, head = target_info(model), target_head(model)
-    dtype, device = setup.torch_dtype, setup.device
-    if spec in RANDOM_DRAFTERS:
-        return random_drafter(spec, info, head, seed=setup.seed, dtype=dtype, device=device)
-    folder = Path(spec)
-    if not folder.is_dir():
-        raise InvalidRequest(f"--drafter {spec!r}: expected none, dflash, mtp or a checkpoint folder")
-    return load_drafter(folder, head, target_info=info, dtype=dtype, device=device)
+    kw = dict(dtype=setup.torch_dtype, device=setup.device)
+    if choice.random_kind is not None:
+        return random_drafter(choice.random_kind, info, head, seed=setup.seed, **kw)
+    head = head if head is not None else TargetHead.random(info, seed=0, **kw)
+    return load_drafter(choice.folder, head, target_info=info, **kw)
+
+
+def make_drafter(spec: str, model: TargetModel, setup: LocalSetup) -> Proposer | None:
+    return build_drafter(spec, target_info(model), target_head(model), setup)
 
 
 def load_local(setup: LocalSetup, config: EngineConfig = EngineConfig()) -> tuple[Engine, Tokenizer]:

@@ -9,13 +9,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from drafter_service.checkpoint import load_drafter, random_drafter
 from drafter_service.heads import TargetHead, TargetInfo
 from drafter_service.server import DrafterServer, serve as serve_drafter_rpc
 from shared.checkpoint import load_config, load_state_dict
 from shared.errors import InvalidRequest
 from shared.tokenizer import Tokenizer
-from specsplit.local import RANDOM_DRAFTERS, LocalSetup, target_dir
+from specsplit.local import LocalSetup, build_drafter, target_dir
 from target_service.drafter_client import RemoteProposer
 from target_service.engine import Engine, EngineConfig
 from target_service.loop import EngineLoop
@@ -69,11 +68,9 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
     folder = target_dir(setup.target)
     info = TargetInfo.from_config(load_config(folder))
     head = checkpoint_head(folder, setup.torch_dtype, setup.device) if settings.head_from_checkpoint else None
-    kw = dict(dtype=setup.torch_dtype, device=setup.device)
-    if setup.drafter in RANDOM_DRAFTERS:
-        drafter = random_drafter(setup.drafter, info, head, seed=setup.seed, **kw)
-    else:
-        drafter = load_drafter(setup.drafter, head or TargetHead.random(info, seed=0, **kw), target_info=info, **kw)
+    drafter = build_drafter(setup.drafter, info, head, setup)
+    if drafter is None:
+        raise InvalidRequest("a drafter service needs a drafter: --drafter none is not one")
     return DrafterServer(drafter, head=head, device=setup.device)
 
 

@@ -87,6 +87,16 @@ def test_oracle_drafter_hits_long_runs_partial_accepts_and_slides(batched, targe
     assert prompt_rows + MAX_TOKENS > 12  # the 12-row window slid
 
 
+@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+def test_shipped_drafters_load_and_are_lossless(kind, target, tokenizer, reference):
+    from specsplit.local import LocalSetup, make_drafter
+
+    proposer = make_drafter(kind, target, LocalSetup(drafter=kind))
+    tokens, stats = run(target, proposer, requests(tokenizer), max_batch=4)
+    assert tokens == reference
+    assert sum(s.accepted for s in stats.values()) > 0  # trained: it does accept drafts
+
+
 def test_sampling_is_seeded_and_reproducible(target, tokenizer):
     reqs = requests(tokenizer, prompts=PROMPTS[:2], temperature=0.8, top_p=0.9, seed=7, max_tokens=16)
     first, _ = run(target, drafter("dflash", target), reqs, max_batch=4)

@@ -65,9 +65,9 @@ def test_position_acceptance_counts_prefixes():
 def test_cli_evaluates_the_default_target(smollm2_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"kind": "chat", "text": "Name a color."}\n{"kind": "code", "text": "def add(a, b):"}\n')
-    assert main(["eval-acceptance", "--drafter", "mtp", "--prompts", str(prompts), "--max-tokens", "3",
+    assert main(["eval-acceptance", "--drafter", "random-mtp", "--prompts", str(prompts), "--max-tokens", "3",
                  "--batch", "2", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["prompts"] == 2 and rep["mismatches"] == 0 and rep["drafter"] == "mtp"
+    assert rep["prompts"] == 2 and rep["mismatches"] == 0 and rep["drafter"] == "random-mtp"
     assert rep["steps"] + rep["accepted"] == rep["generated"] <= 6
     assert set(rep["by_kind"]) == {"chat", "code"}

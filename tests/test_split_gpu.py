@@ -22,7 +22,7 @@ def local_tokens(drafter: str) -> list[list[int]]:
     return [[t for e in events[str(i)] for t in e.token_ids] for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+@pytest.mark.parametrize("kind", ["dflash", "random-mtp"])
 def test_cuda_ipc_split_equals_in_process(kind, specsplit_factory):
     services = specsplit_factory(ServiceSpec(drafter=kind, device="cuda", dtype="float32"))
     client = services.client()
