@@ -13,11 +13,9 @@ import itertools
 import logging
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from drafter_service.heads import TargetHead
 from drafter_service.session import Session
@@ -25,19 +23,12 @@ from protos.specsplit.v1 import drafter_pb2, drafter_pb2_grpc
 from shared import wire
 from shared.errors import AlreadyExists, InvalidRequest
 from shared.proposer import Proposer
+from shared.serving import CLIENT_HEADER, start_server
 from shared.status import rpc_errors
 from shared.transport import device_uuid, host_id
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specsplit.v1.DrafterService"
-CLIENT_HEADER = "x-specsplit-client"
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", 256 << 20),  # inline rows between hosts can be large
-    ("grpc.max_receive_message_length", 256 << 20),
-    # Pings find a target that vanished without closing its socket, so its session is freed.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-]
 
 
 def client_id(context: grpc.ServicerContext) -> str:
@@ -228,20 +219,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
 
 
 def serve(server_obj: DrafterServer, listen: list[str], *, max_workers: int = 8) -> grpc.Server:
-    """Bind every address (host:port or unix:PATH, insecure), add grpc.health.v1, start; the caller
-    waits on and stops the returned server. Each open Step stream holds one of the max_workers threads."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
-    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(server_obj, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for address in listen:
-        try:
-            port = server.add_insecure_port(address)
-        except RuntimeError as err:
-            raise InvalidRequest(f"cannot listen on {address!r}: {err}") from None
-        if port == 0:
-            raise InvalidRequest(f"cannot listen on {address!r}")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server
+    """Serve on every address with grpc.health.v1. Each open Step stream holds one of the max_workers
+    threads; keepalive pings (shared.serving) find a target that vanished without closing its socket."""
+    register = lambda server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(server_obj, server)  # noqa: E731
+    return start_server(register, listen, SERVICE_NAME, max_workers=max_workers)

@@ -12,7 +12,7 @@ from protos.specsplit.v1 import target_pb2, target_pb2_grpc
 from shared import wire
 from shared.errors import SpecsplitError
 from shared.sampling import SamplingParams
-from target_service.drafter_client import CHANNEL_OPTIONS, grpc_target
+from shared.serving import CHANNEL_OPTIONS, grpc_target
 
 
 class TargetClient:

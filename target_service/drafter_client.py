@@ -24,6 +24,7 @@ import torch
 
 from protos.specsplit.v1 import drafter_pb2, drafter_pb2_grpc
 from shared import wire
+from shared.serving import CHANNEL_OPTIONS, CLIENT_HEADER, grpc_target
 from shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError
 from shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest
 from shared.transport import (
@@ -31,15 +32,6 @@ from shared.transport import (
 )
 
 log = logging.getLogger(__name__)
-CLIENT_HEADER = "x-specsplit-client"
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
-
-
-def grpc_target(address: str) -> str:
-    """ADDR as the CLI takes it (host:port or unix:PATH) → a gRPC channel target."""
-    if address.startswith("unix:") or ":" in address:
-        return address
-    raise InvalidRequest(f"address {address!r}: expected host:port or unix:PATH")
 
 
 def _error_from_rpc(exc: grpc.RpcError) -> SpecsplitError:

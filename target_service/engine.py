@@ -110,8 +110,8 @@ class Engine:
     def step(self) -> list[StepEvent]:
         """Admit and prefill waiting requests, then one speculative (or serial) step for the rest."""
         events = self._admit()
-        decoding = [s for s in self.running.values() if s.finish_reason is None and s.stats.steps > 0
-                    and s.request.request_id not in {e.request_id for e in events}]
+        just_prefilled = {e.request_id for e in events}
+        decoding = [s for s in self.running.values() if s.request.request_id not in just_prefilled]
         if decoding:
             events += self._decode_step(decoding)
         return events

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import uuid
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.specsplit.v1 import target_pb2_grpc
 from shared import wire
 from shared.errors import InvalidRequest
+from shared.serving import start_server
 from shared.status import rpc_errors
 from shared.tokenizer import Tokenizer
 from target_service.loop import EngineLoop
 from target_service.sequence import Request, StepEvent
 
 SERVICE_NAME = "specsplit.v1.TargetService"
-SERVER_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 
 
 def _stats(event: StepEvent) -> wire.GenerationStats:
@@ -72,16 +70,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
 
 def serve(servicer: TargetServicer, listen: list[str], *, max_workers: int = 32) -> grpc.Server:
-    """Bind every address (host:port or unix:PATH), add grpc.health.v1, start; the caller stops it."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
-    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for address in listen:
-        if server.add_insecure_port(address) == 0:
-            raise InvalidRequest(f"cannot listen on {address!r}")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server
-
+    """Serve on every address (host:port or unix:PATH) with grpc.health.v1; the caller stops it."""
+    register = lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)  # noqa: E731
+    return start_server(register, listen, SERVICE_NAME, max_workers=max_workers)

@@ -1,0 +1,47 @@
+"""gRPC plumbing both services share: addresses, channel/server options, health, the client header."""
+
+from __future__ import annotations
+
+from concurrent import futures
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shared.errors import InvalidRequest
+
+# Every call from a target to a drafter names the connecting target (its session on the drafter).
+CLIENT_HEADER = "x-specsplit-client"
+_MESSAGE_LIMITS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+CHANNEL_OPTIONS = list(_MESSAGE_LIMITS)  # inline rows between hosts can be large
+SERVER_OPTIONS = _MESSAGE_LIMITS + [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
+
+
+def grpc_target(address: str) -> str:
+    """ADDR as the CLI takes it (host:port or unix:PATH) → a gRPC channel target."""
+    if address.startswith("unix:") or ":" in address:
+        return address
+    raise InvalidRequest(f"address {address!r}: expected host:port or unix:PATH")
+
+
+def start_server(register: Callable[[grpc.Server], None], listen: list[str], service_name: str, *,
+                 max_workers: int) -> grpc.Server:
+    """Bind every address (insecure), register the servicer and grpc.health.v1, start, mark SERVING.
+
+    The caller waits on and stops the returned server.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    register(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for address in listen:
+        try:
+            port = server.add_insecure_port(grpc_target(address))
+        except RuntimeError as err:
+            raise InvalidRequest(f"cannot listen on {address!r}: {err}") from None
+        if port == 0:
+            raise InvalidRequest(f"cannot listen on {address!r}")
+    server.start()
+    for name in ("", service_name):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server
