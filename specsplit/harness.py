@@ -102,7 +102,7 @@ class Services:
                 proc.wait()
 
     def __enter__(self) -> "Services":
-        return self.start()
+        return self  # spawn() has started it
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from shared.errors import InvalidRequest
 from shared.sampling import SamplingParams
-from specsplit.harness import ServiceSpec
+from specsplit.harness import ServiceSpec, spawn
 from specsplit.local import LocalSetup, load_local
 from target_service.sequence import Request
 
@@ -110,3 +111,23 @@ def test_sigkill_of_the_drafter_mid_stream_changes_nothing(specsplit_factory, ta
         if result["stats"]["drafted"] > 0:
             break
     assert result["stats"]["drafted"] > 0
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_harness_leaves_no_process_behind(tmp_path):
+    with spawn(ServiceSpec(drafter="random-dflash"), tmp_path) as services:
+        assert len(_processes_mentioning(str(tmp_path))) == 2
+        assert services.client().generate("Hi", SamplingParams(max_tokens=2))["token_ids"]
+    assert _processes_mentioning(str(tmp_path)) == []
