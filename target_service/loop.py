@@ -28,7 +28,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, request: Request) -> "queue.Queue[StepEvent | Exception]":
+    def submit(self, request: Request) -> "queue.Queue[StepEvent | Exception | None]":
         """Queue a request; validation errors raise here, in the caller's thread."""
         events: queue.Queue = queue.Queue()
         with self._work:
@@ -40,9 +40,12 @@ class EngineLoop:
         return events
 
     def cancel(self, request_id: str) -> None:
+        """Abort the request; its consumer, if still waiting, gets `None` (the stream is over)."""
         with self._lock:
             if self.engine.abort(request_id):
-                self._streams.pop(request_id, None)
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.put(None)
 
     def stop(self) -> None:
         with self._work:

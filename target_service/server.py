@@ -48,6 +48,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         context.add_callback(lambda: self.loop.cancel(req.request_id))
         while True:
             event = events.get()
+            if event is None:  # cancelled: the client is gone
+                return
             if isinstance(event, Exception):
                 raise event
             final = event.finish_reason is not None
