@@ -19,7 +19,7 @@ SERVER_OPTIONS = _MESSAGE_LIMITS + [("grpc.keepalive_time_ms", 30_000), ("grpc.k
 
 def grpc_target(address: str) -> str:
     """ADDR as the CLI takes it (host:port or unix:PATH) → a gRPC channel target."""
-    if address.startswith("unix:") or ":" in address:
+    if ":" in address:  # host:port, [v6]:port or unix:PATH
         return address
     raise InvalidRequest(f"address {address!r}: expected host:port or unix:PATH")
 

@@ -11,6 +11,9 @@ import uuid
 from shared.errors import SpecsplitError
 from shared.sampling import SamplingParams
 
+# Kept here (not imported from specsplit.local) so `specsplit --help` loads no model code.
+DRAFTER_HELP = "none | dflash | mtp (trained for the default target) | random-dflash | random-mtp | a folder"
+
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="prompt text, encoded without special tokens")
@@ -29,7 +32,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or a folder")
     p.add_argument("--drafter", default="none",
-                   help="none | dflash | mtp (trained for the default target) | random-dflash | random-mtp | a folder")
+                   help=DRAFTER_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
 
@@ -156,8 +159,7 @@ def add_service_parsers(sub) -> None:
     drafter = sub.add_parser("drafter", help="the drafter service").add_subparsers(dest="action", required=True)
     ds = drafter.add_parser("serve", help="serve a drafter over gRPC")
     add_serve_args(ds)
-    ds.add_argument("--drafter", default="dflash",
-                    help="dflash | mtp (trained for the default target) | random-dflash | random-mtp | a folder")
+    ds.add_argument("--drafter", default="dflash", help=DRAFTER_HELP)
     ds.add_argument("--head", default="auto", choices=["auto", "checkpoint", "target"],
                     help="where the target's embedding/LM head come from (auto: shared buffers on CUDA)")
     ds.set_defaults(func=cmd_drafter_serve)

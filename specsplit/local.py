@@ -14,6 +14,7 @@ from shared.errors import InvalidRequest
 from shared.gguf_import import default_target_dir
 from shared.proposer import Proposer
 from shared.tokenizer import Tokenizer
+from specsplit.cli import DRAFTER_HELP
 from target_service.engine import Engine, EngineConfig
 from target_service.model import TargetModel, load_target
 
@@ -23,7 +24,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SHIPPED_DIR = Path(drafter_service.__file__).parent / "checkpoints"
 SHIPPED = {"dflash": "smollm2-135m-dflash", "mtp": "smollm2-135m-mtp"}
 RANDOM_PREFIX = "random-"
-DRAFTER_HELP = "none | dflash | mtp (trained for the default target) | random-dflash | random-mtp | a folder"
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, grpc.Server]:
     proposer = None
     if settings.drafter_address:
         proposer = RemoteProposer(settings.drafter_address, device=setup.device, dtype=setup.torch_dtype,
-                                  timeout=settings.drafter_timeout,
+                                  timeout=settings.drafter_timeout, max_batch=settings.engine.max_batch,
                                   head=(model.embed_weight, model.lm_head_weight))
     engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids, decode=tokenizer.decode)
     loop = EngineLoop(engine)

@@ -126,7 +126,7 @@ class RemoteProposer:
 
     def __init__(self, address: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 max_batch: int = 64) -> None:
+                 max_batch: int = 64) -> None:  # max_batch: the engine's widest step
         self.address = grpc_target(address)
         self.device, self.dtype, self.timeout = torch.device(device), dtype, timeout
         self.head = head  # (embedding, lm_head) shared with a drafter on the same GPU
@@ -151,9 +151,9 @@ class RemoteProposer:
             desc = wire.description_from_proto(
                 conn.stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=self.timeout, metadata=conn.metadata))
             self._setup_transport(conn, desc)
-        except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
-            channel.close()
-            raise DrafterUnavailable(f"cannot reach the drafter at {self.address}: {exc}") from None
+        except (grpc.RpcError, grpc.FutureTimeoutError, SpecsplitError) as exc:
+            conn.close()  # the channel and any buffers already exported
+            raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: {exc}") from None
         responses = conn.stub.Step(iter(conn.outbox.get, None), metadata=conn.metadata)
         threading.Thread(target=self._read, args=(responses, conn.inbox), daemon=True).start()
         self._conn, self._pending = conn, {}
@@ -163,12 +163,17 @@ class RemoteProposer:
     def _setup_transport(self, conn: _Connection, desc: wire.DrafterDescription) -> None:
         spec = desc.spec
         self.mode = choose_mode(host_id(), desc.host_id, device_uuid(self.device), desc.device_uuid)
+        if desc.needs_target_head and (self.mode != "cuda_ipc" or self.head is None):
+            raise DrafterUnavailable(f"the drafter wants the target's embedding and LM head, which can only be "
+                                     f"shared on one GPU (rows travel by {self.mode} here); start it with --head checkpoint")
         conn.exporter = BufferExporter() if self.mode != "inline" else None
-        step_rows = min(spec.max_batch, self.max_batch) * (spec.max_drafts + 1)
-        conn.step = RowStager(conn.exporter, step_rows, spec.feature_dim, self.dtype, self.device, self.link)
-        conn.bulk = RowStager(conn.exporter, 1024, spec.feature_dim, self.dtype, self.device, self.link)
+        # Shared memory between two GPUs of one host stages rows in host memory.
+        stage_on = self.device if self.mode == "cuda_ipc" else torch.device("cpu")
+        step_rows = self.max_batch * (spec.max_drafts + 1)  # every sequence of the widest engine step
+        conn.step = RowStager(conn.exporter, step_rows, spec.feature_dim, self.dtype, stage_on, self.link)
+        conn.bulk = RowStager(conn.exporter, 1024, spec.feature_dim, self.dtype, stage_on, self.link)
         buffers = [b.buffer for b in (conn.step, conn.bulk) if b.buffer is not None]
-        if self.mode == "cuda_ipc" and desc.needs_target_head and self.head is not None:
+        if desc.needs_target_head:
             embed, lm_head = self.head
             conn.head_buffers = [conn.exporter.export_existing(embed, BufferRole.TARGET_EMBEDDING)]
             if lm_head.data_ptr() != embed.data_ptr():  # tied weights are shared once
@@ -249,7 +254,7 @@ class RemoteProposer:
     def _grow_bulk(self, conn: _Connection, rows: int) -> None:
         old = conn.bulk.buffer
         conn.bulk = RowStager(conn.exporter, max(rows, 2 * old.tensor.shape[0]), old.tensor.shape[1],
-                              self.dtype, self.device, self.link)
+                              self.dtype, old.tensor.device, self.link)
         self._unary("RegisterBuffers", drafter_pb2.RegisterBuffersRequest(
             buffers=[wire.descriptor_to_proto(conn.bulk.buffer.describe())]))
         self._unary("ReleaseBuffers", drafter_pb2.ReleaseBuffersRequest(buffer_ids=[old.buffer_id]))
@@ -320,6 +325,9 @@ class RemoteProposer:
         result = self._receive(conn)
         self.link.step_seconds.append(time.perf_counter() - started)
         if result.errors:
+            # The drafter's state for this client no longer matches the target's: drop the connection
+            # (the drafter frees the session) and let the engine re-attach from scratch after backoff.
+            self._disconnect()
             raise result.errors[0].exception()
         return result
 

@@ -109,6 +109,7 @@ class Engine:
 
     def step(self) -> list[StepEvent]:
         """Admit and prefill waiting requests, then one speculative (or serial) step for the rest."""
+        self._maybe_reattach(list(self.running.values()))
         events = self._admit()
         just_prefilled = {e.request_id for e in events}
         decoding = [s for s in self.running.values() if s.request.request_id not in just_prefilled]
@@ -170,7 +171,7 @@ class Engine:
         first = self._sample([seq], out.logits, [[]])[0]
         seq.stats.steps += 1
         if self._speculating(seq):
-            self._attach(seq, prompt, torch.cat(rows) if rows[0] is not None else None)
+            self._attach(seq, prompt, torch.cat(rows))
         return self._emit(seq, first)
 
     # ---- the decode step ----------------------------------------------------------------------
@@ -179,7 +180,6 @@ class Engine:
         return self.drafter_ok and seq.request.speculative
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
-        self._maybe_reattach(seqs)
         drafts = self._propose(seqs)
         inputs = [[s.tokens[-1]] + d for s, d in zip(seqs, drafts)]
         starts = [s.last_position for s in seqs]
