@@ -21,7 +21,7 @@ import pytest
 from target_service.client import TargetClient, wait_healthy
 
 
-@dataclass
+@dataclass(frozen=True)  # used as a default argument: must not be mutable
 class ServiceSpec:
     target: str = "default"
     drafter: str = "dflash"  # as --drafter takes it (specsplit.local.DRAFTER_HELP)
