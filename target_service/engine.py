@@ -78,7 +78,7 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        self._validate(request)
+        self.validate(request)
         if request.request_id in self.running or any(s.request.request_id == request.request_id for s in self.waiting):
             raise InvalidRequest(f"request id {request.request_id!r} is already in flight")
         seq = Sequence(
@@ -129,7 +129,8 @@ class Engine:
 
     # ---- admission and prefill --------------------------------------------------------------
 
-    def _validate(self, request: Request) -> None:
+    def validate(self, request: Request) -> None:
+        """Raise InvalidRequest / CapacityExceeded for a request this engine can never serve."""
         if not request.prompt_ids:
             raise InvalidRequest("the prompt is empty")
         vocab = self.model.config.vocab_size
