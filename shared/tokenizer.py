@@ -83,12 +83,26 @@ class TextStream:
         self._ids: list[int] = []
         self._prefix = 0  # ids before this are out; ids[_prefix:_read] give context for the next delta
         self._read = 0
+        self._pending: list[int] = []  # ids pushed since the last non-empty delta
 
     def push(self, token_id: int) -> str:
         """The text `token_id` completes ('' while a character is still partial)."""
+        self._pending.append(int(token_id))
         if self._native is not None:
-            return self._native.step(self.tokenizer.backend, int(token_id)) or ""
-        self._ids.append(int(token_id))
+            delta = self._native.step(self.tokenizer.backend, int(token_id)) or ""
+        else:
+            delta = self._push_python(int(token_id))
+        if delta:
+            self._pending.clear()
+        return delta
+
+    def flush(self) -> str:
+        """What a plain decode shows for a trailing partial character (U+FFFD), once the stream ends."""
+        pending, self._pending = self._pending, []
+        return self.tokenizer.decode(pending, self.skip_special_tokens) if pending else ""
+
+    def _push_python(self, token_id: int) -> str:
+        self._ids.append(token_id)
         before = self.tokenizer.decode(self._ids[self._prefix:self._read], self.skip_special_tokens)
         after = self.tokenizer.decode(self._ids[self._prefix:], self.skip_special_tokens)
         if len(after) <= len(before) or after.endswith("\ufffd"):

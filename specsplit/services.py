@@ -89,7 +89,7 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, grpc.Server]:
         proposer = RemoteProposer(settings.drafter_address, device=setup.device, dtype=setup.torch_dtype,
                                   timeout=settings.drafter_timeout, max_batch=settings.engine.max_batch,
                                   head=(model.embed_weight, model.lm_head_weight))
-    engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids, decode=tokenizer.decode)
+    engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids, text_stream=tokenizer.stream)
     loop = EngineLoop(engine)
     servicer = TargetServicer(loop, tokenizer, model_name=folder.name)
     return loop, serve_target_rpc(servicer, list(settings.listen))

@@ -240,9 +240,11 @@ class RemoteProposer:
     # ---- Proposer verbs -----------------------------------------------------------------------------
 
     def alloc(self, seq_id: int, budget_tokens: int) -> None:
+        self._send_queued(seq_id)
         self._unary("AllocState", wire.alloc_to_proto(seq_id, budget_tokens))
 
     def prefill(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, start_pos: int = 0) -> int:
+        self._send_queued(seq_id)
         conn = self._live()
         if conn.bulk.buffer is not None and rows.shape[0] > conn.bulk.buffer.tensor.shape[0]:
             self._grow_bulk(conn, rows.shape[0])
@@ -287,8 +289,18 @@ class RemoteProposer:
         return rows.shape[0]
 
     def free(self, seq_id: int) -> None:
+        """Queued: it rides on the next step's message (the engine calls `flush` when none is coming)."""
         self._pending_for(seq_id, "free").free = True
-        self._flush([])  # the sequence may have no later step to ride on
+
+    def _send_queued(self, seq_id: int) -> None:
+        """A unary verb must not overtake the sequence's queued stream verbs (e.g. a free before a re-alloc)."""
+        if seq_id in self._pending:
+            self._flush([])
+
+    def flush(self) -> None:
+        """Send every queued verb now, in one Step message (nothing to send: no round trip)."""
+        if self._pending:
+            self._flush([])
 
     def ping(self) -> float:
         """One empty Step round trip, in seconds (the transport's floor; benchmarks use it)."""
@@ -306,6 +318,7 @@ class RemoteProposer:
         return wire.carried_kv_from_proto(pb)
 
     def install_kv(self, seq_id: int, handle: int) -> CarriedKV:
+        self._send_queued(seq_id)
         pb = self._unary("InstallDrafterKV", drafter_pb2.InstallDrafterKVRequest(seq_id=seq_id, handle=handle))
         return wire.carried_kv_from_proto(pb)
 

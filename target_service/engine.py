@@ -20,6 +20,7 @@ import torch
 from shared.errors import CapacityExceeded, InvalidRequest
 from shared.proposer import FeatureKind, ProposeRequest, Proposer
 from shared.sampling import make_generator
+from shared.tokenizer import TextStream
 from shared.verify import verify_sampled
 from target_service.model import CaptureSpec, ForwardBatch, TargetModel
 from target_service.sequence import FinishReason, Request, Sequence, StepEvent
@@ -60,13 +61,13 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         *,
         eos_ids: Iterable[int] = (),
-        decode: Callable[[list[int]], str] | None = None,
+        text_stream: Callable[[], TextStream] | None = None,
     ) -> None:
         self.model = model
         self.proposer = proposer
         self.config = config
         self.eos_ids = frozenset(eos_ids)
-        self.decode = decode
+        self.text_stream = text_stream  # one incremental detokenizer per request (None: no text)
         self.cache = model.new_cache(config.kv_blocks, config.kv_block_size)
         self.capture = capture_for(proposer)
         self.drafter_ok = proposer is not None
@@ -87,6 +88,7 @@ class Engine:
             generator=make_generator(request.params.seed, self._device),
             eos_ids=self.eos_ids,
             tokens=list(request.prompt_ids),
+            detok=self.text_stream() if self.text_stream is not None else None,
         )
         seq.stats.prompt_tokens = len(request.prompt_ids)
         self.waiting.append(seq)
@@ -333,31 +335,42 @@ class Engine:
         return event
 
     def _text_delta(self, seq: Sequence, kept: list[int]) -> str:
-        """New text since the last event; a stop string ends the request and is not emitted."""
-        if self.decode is None:
+        """New text since the last event; a stop string ends the request and is not emitted.
+
+        Decoding is incremental (each token once), so a long generation costs O(n), not O(n^2).
+        Text that could still become a stop string's start is held back until it cannot.
+        """
+        if seq.detok is None:
             return ""
         stops = [s for s in seq.request.params.stop_strings if s]
-        text = self.decode(seq.generated)
-        if any(s in text[max(0, len(seq.text) - len(s) + 1):] for s in stops):
-            self._cut_after_stop(seq, kept, stops)
-            text = self.decode(seq.generated)
-            text = text[: min(text.find(s) for s in stops if s in text)]
-            seq.finish_reason = FinishReason.STOP
-        elif seq.finish_reason is None:
-            # Hold back a trailing partial UTF-8 character and a possible stop-string prefix.
-            text = text.rstrip("\ufffd")
-            hold = max((len(s) - 1 for s in stops), default=0)
-            text = text[: max(len(seq.text), len(text) - hold)]
-        delta = text[len(seq.text):] if text.startswith(seq.text) else ""
+        longest = max((len(s) for s in stops), default=0)
+        for i, token in enumerate(kept):
+            searched_from = max(0, len(seq.decoded) - longest + 1)
+            seq.decoded += seq.detok.push(token)
+            cut = _first_stop(seq.decoded, stops, searched_from)
+            if cut is not None:
+                self._drop_after(seq, kept, i + 1)
+                seq.finish_reason = FinishReason.STOP
+                text = seq.decoded[:cut]
+                break
+        else:
+            if seq.finish_reason is None:
+                text = seq.decoded[: max(len(seq.text), len(seq.decoded) - max(longest - 1, 0))]
+            else:
+                seq.decoded += seq.detok.flush()
+                text = seq.decoded
+        delta = text[len(seq.text):]
         seq.text += delta
         return delta
 
-    def _cut_after_stop(self, seq: Sequence, kept: list[int], stops: list[str]) -> None:
-        """Drop emitted-this-step tokens that come after the one completing a stop string."""
-        while len(kept) > 1 and any(s in self.decode(seq.generated[:-1]) for s in stops):
-            kept.pop()
-            seq.tokens.pop()
-            seq.stats.generated -= 1
+    @staticmethod
+    def _drop_after(seq: Sequence, kept: list[int], keep: int) -> None:
+        """Drop the tokens this step emitted after the one that completed a stop string."""
+        extra = len(kept) - keep
+        if extra > 0:
+            del kept[keep:]
+            del seq.tokens[-extra:]
+            seq.stats.generated -= extra
 
     def _release(self, seq: Sequence) -> None:
         self.running.pop(seq.request.request_id, None)
@@ -365,4 +378,13 @@ class Engine:
         if seq.drafter_attached:
             seq.drafter_attached = False
             self._drafter_call(self.proposer.free, seq.seq_id)
+            # A remote proposer sends the free with the next step; with no step coming, send it now.
+            flush = getattr(self.proposer, "flush", None)
+            if flush is not None and not any(s.drafter_attached for s in self.running.values()):
+                self._drafter_call(flush)
 
+
+def _first_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the earliest stop string found at or after `start` begins."""
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(found) if found else None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.sampling import SamplingParams
+from shared.tokenizer import TextStream
 
 
 class FinishReason(str, enum.Enum):
@@ -66,6 +67,8 @@ class Sequence:
     drafter_attached: bool = False  # the drafter holds state for this sequence
     finish_reason: FinishReason | None = None
     text: str = ""  # decoded generated text emitted so far (stop strings excluded)
+    detok: TextStream | None = None  # incremental detokenizer (None: the engine emits no text)
+    decoded: str = ""  # all text decoded so far, including what is held back for stop strings
 
     @property
     def prompt_len(self) -> int:
@@ -76,13 +79,17 @@ class Sequence:
         return self.tokens[self.prompt_len:]
 
     @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
     def last_position(self) -> int:
         """Position of the newest token, whose KV is not yet in the cache."""
         return len(self.tokens) - 1
 
     @property
     def remaining(self) -> int:
-        return self.request.params.max_tokens - len(self.generated)
+        return self.request.params.max_tokens - self.num_generated
 
     @property
     def budget_tokens(self) -> int:

@@ -49,3 +49,21 @@ def test_cancelled_stream_frees_target_and_drafter_state(pair):
     assert wait_until(lambda: not loop.engine.running and len(drafter_obj.proposer.store) == 0)
     # The service keeps serving.
     assert client.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True))["token_ids"]
+
+
+def test_a_free_rides_on_the_next_step_and_flush_sends_it(pair):
+    drafter_obj, loop, client = pair
+    assert client.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True))["token_ids"]
+    assert wait_until(lambda: len(drafter_obj.proposer.store) == 0)  # the last free went out at once
+    proposer, store = loop.engine.proposer, drafter_obj.proposer.store  # the engine is idle now
+    steps = len(proposer.link.step_seconds)
+    proposer.alloc(1000, 64)
+    proposer.free(1000)
+    assert len(proposer.link.step_seconds) == steps and len(store) == 1  # queued, not sent
+    proposer.alloc(1000, 64)  # a unary verb sends the sequence's queued free first
+    assert len(proposer.link.step_seconds) == steps + 1 and len(store) == 1
+    proposer.free(1000)
+    proposer.flush()
+    assert len(proposer.link.step_seconds) == steps + 2 and len(store) == 0
+    proposer.flush()  # nothing queued: no round trip
+    assert len(proposer.link.step_seconds) == steps + 2

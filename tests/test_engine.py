@@ -110,7 +110,7 @@ def test_eos_and_stop_strings(target, tokenizer, reference):
     stop_token = reference["r0"][5]
     reqs = [Request("a", tokenizer.encode(PROMPTS[0]),
                     SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(stop_token,), ignore_eos=True))]
-    engine = Engine(target, drafter("dflash", target), eos_ids=tokenizer.eos_token_ids, decode=tokenizer.decode)
+    engine = Engine(target, drafter("dflash", target), eos_ids=tokenizer.eos_token_ids, text_stream=tokenizer.stream)
     events = engine.generate(reqs)["a"]
     toks = [t for e in events for t in e.token_ids]
     assert toks == reference["r0"][: reference["r0"].index(stop_token) + 1]
@@ -124,6 +124,39 @@ def test_eos_and_stop_strings(target, tokenizer, reference):
     text = "".join(e.text_delta for e in events)
     assert text == full_text[: full_text.find(stop)]
     assert events[-1].finish_reason is FinishReason.STOP
+
+
+def _reference_stop(tokenizer, tokens, stops):
+    """The plain definition: the shortest token prefix whose text holds a stop, text cut before it."""
+    for n in range(1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[:n])
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return tokens[:n], text[: min(hits)]
+    return tokens, tokenizer.decode(tokens)
+
+
+def test_incremental_text_and_stop_strings_match_plain_decoding(target, tokenizer, reference):
+    """Stops of every length, across token boundaries, several per request, with many tokens per step."""
+    reqs = requests(tokenizer)
+    continuations = {tuple(r.prompt_ids): r.prompt_ids + reference[r.request_id] for r in reqs}
+    oracle = OracleDrafter(drafter("dflash", target, block_size=8), continuations, mistake_rate=0.05)
+    engine = Engine(target, oracle, EngineConfig(max_batch=3), text_stream=tokenizer.stream)
+    full = {rid: tokenizer.decode(toks) for rid, toks in reference.items()}
+    cases = [(), (full["r0"][11:12],), (full["r1"][6:9], "\u00a7never"), (full["r2"][20:26],),
+             ("zz-not-there", full["r0"][30:32], full["r0"][25:27])]
+    for stops in cases:
+        reqs = requests(tokenizer, stop_strings=stops)
+        events = engine.generate(reqs)
+        for r in reqs:
+            tokens = [t for e in events[r.request_id] for t in e.token_ids]
+            text = "".join(e.text_delta for e in events[r.request_id])
+            want_tokens, want_text = _reference_stop(tokenizer, reference[r.request_id], stops)
+            assert (tokens, text) == (want_tokens, want_text), (stops, r.request_id)
+            finish = events[r.request_id][-1].finish_reason
+            hit = any(s in full[r.request_id] for s in stops)
+            assert finish is (FinishReason.STOP if hit else FinishReason.LENGTH)
+    assert not engine.running
 
 
 def test_bad_requests_are_refused(target, tokenizer):

@@ -258,6 +258,18 @@ def test_text_stream_deltas_rebuild_the_text(tokenizer, native):
     assert "\ufffd" not in "".join(deltas) and "" in deltas  # split characters wait for their last byte
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_text_stream_flush_shows_a_cut_character_as_a_plain_decode_does(tokenizer, native):
+    ids = tokenizer.encode(TEXTS[3])
+    stream = TextStream(tokenizer, native=native)
+    deltas = [stream.push(i) for i in ids]
+    cut = max(k for k, d in enumerate(deltas) if d == "")  # this id leaves a character unfinished
+    stream = TextStream(tokenizer, native=native)
+    text = "".join(stream.push(i) for i in ids[: cut + 1]) + stream.flush()
+    assert text == tokenizer.decode(ids[: cut + 1]) and text.endswith("\ufffd")
+    assert stream.flush() == ""
+
+
 def test_smollm2_logits_match_transformers_gguf_loading(smollm2_dir, gguf_path, tokenizer):
     ids = torch.tensor(tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a haiku about 42 apples."}])))
