@@ -96,6 +96,37 @@ def attention(
     return out.transpose(0, 1)
 
 
+def padded_visibility(q_pos: torch.Tensor, q_valid: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor,
+                      window: int | None) -> torch.Tensor:
+    """[B, Tq, Tk] causal-by-position visibility over padded rows; padding queries see everything
+    (their outputs are dropped), so no softmax row is empty."""
+    diff = q_pos[:, :, None] - k_pos[:, None, :]
+    visible = k_valid[:, None, :] & (diff >= 0)
+    if window is not None:
+        visible = visible & (diff < window)
+    return visible | ~q_valid[:, :, None]
+
+
+def grouped_mask(visible: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Tq, Tk] → [B, 1, groups * Tq, Tk], the query layout `grouped_attention` folds GQA groups into."""
+    return visible.repeat(1, groups, 1)[:, None]
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """GQA over a padded batch. q [B, Tq, Hq, D], k/v [B, Hkv, Tk, D], mask from `grouped_mask` → [B, Tq, Hq, D].
+
+    The query heads sharing a KV head are folded into the query axis, so keys and values are read
+    as they lie instead of being repeated per query head.
+    """
+    batch, tq, hq, dim = q.shape
+    hkv = k.shape[1]
+    groups = hq // hkv
+    qg = q.view(batch, tq, hkv, groups, dim).permute(0, 2, 3, 1, 4).reshape(batch, hkv, groups * tq, dim)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.view(batch, hkv, groups, tq, dim).permute(0, 3, 1, 2, 4).reshape(batch, tq, hq, dim)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

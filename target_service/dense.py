@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.errors import InvalidRequest
-from shared.layers import SelfAttention, TokenMixer
+from shared.layers import SelfAttention, TokenMixer, grouped_attention, grouped_mask, padded_visibility
 from target_service.model import CaptureSpec, TargetModel
 
 
@@ -55,36 +55,7 @@ class _Keys:
 
     cache: DenseKV | None  # None: the batch attends to itself only
     start: int  # first cache column this batch writes
-    visible: dict[int | None, torch.Tensor]  # window -> [B, 1, groups * T, K] bool, see `_attend`
-
-
-def dense_visibility(q_pos: torch.Tensor, q_valid: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor,
-                     window: int | None) -> torch.Tensor:
-    """[B, Tq, Tk] causal-by-position visibility; padding queries see everything (their rows are dropped)."""
-    diff = q_pos[:, :, None] - k_pos[:, None, :]
-    visible = k_valid[:, None, :] & (diff >= 0)
-    if window is not None:
-        visible = visible & (diff < window)
-    return visible | ~q_valid[:, :, None]
-
-
-def grouped_mask(visible: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, Tq, Tk] → [B, 1, groups * Tq, Tk], the query layout `_attend` folds GQA groups into."""
-    return visible.repeat(1, groups, 1)[:, None]
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """GQA. q [B, Tq, Hq, D], k/v [B, Hkv, Tk, D], mask from `grouped_mask` → [B, Tq, Hq, D].
-
-    The query heads sharing a KV head are folded into the query axis, so the (large) cache is read
-    as it lies instead of being repeated per query head.
-    """
-    batch, tq, hq, dim = q.shape
-    hkv = k.shape[1]
-    groups = hq // hkv
-    qg = q.view(batch, tq, hkv, groups, dim).permute(0, 2, 3, 1, 4).reshape(batch, hkv, groups * tq, dim)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-    return out.view(batch, hkv, groups, tq, dim).permute(0, 3, 1, 2, 4).reshape(batch, tq, hq, dim)
+    visible: dict[int | None, torch.Tensor]  # window -> [B, 1, groups * T, K] bool, see `grouped_attention`
 
 
 def _mixer(keys: _Keys, layer: int, window: int | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -99,7 +70,7 @@ def _mixer(keys: _Keys, layer: int, window: int | None, cos: torch.Tensor, sin: 
             keys.cache.k[layer, :, :, keys.start:end] = k
             keys.cache.v[layer, :, :, keys.start:end] = v
             k, v = keys.cache.k[layer, :, :, :end], keys.cache.v[layer, :, :, :end]
-        out = _attend(q, k, v, keys.visible[window], attn.scale)
+        out = grouped_attention(q, k, v, keys.visible[window], attn.scale)
         return attn.output(out.reshape(-1, *out.shape[2:]))
 
     return mix
@@ -119,7 +90,7 @@ def _plan(model: TargetModel, positions: torch.Tensor, valid: torch.Tensor, cach
     cfg = model.config
     windows = {cfg.layer_window(i) for i in range(cfg.num_hidden_layers)}
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
-    visible = {w: grouped_mask(dense_visibility(positions, valid, k_pos, k_valid, w), groups) for w in windows}
+    visible = {w: grouped_mask(padded_visibility(positions, valid, k_pos, k_valid, w), groups) for w in windows}
     return _Keys(cache, start, visible)
 
 

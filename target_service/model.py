@@ -15,11 +15,15 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from shared.checkpoint import assign_parameters, load_config, load_state_dict
 from shared.config import ModelConfig
 from shared.errors import CapacityExceeded, InvalidRequest, StateConflict
-from shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, attention, visibility_mask
+from shared.layers import (
+    DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, attention, grouped_attention, grouped_mask,
+    padded_visibility, visibility_mask,
+)
 from target_service.kv_cache import PagedKVCache
 
 
@@ -70,11 +74,22 @@ class _Span:
 
 
 @dataclass(frozen=True)
+class _Padded:
+    """The ragged batch as B rows of queries over B rows of cached keys, built once per forward."""
+
+    q_index: torch.Tensor  # [B, Qmax] rows of T (0 on padding)
+    out_rows: torch.Tensor  # [T] rows of the flattened [B * Qmax] output holding the batch's tokens, in order
+    ctx_slots: torch.Tensor  # [B * Lmax] cache slots of positions 0..Lmax-1 (garbage past a row's context)
+    masks: dict[int | None, torch.Tensor]  # attention window -> [B, 1, groups * Qmax, Lmax] bool
+
+
+@dataclass(frozen=True)
 class _Step:
     """What every layer of one forward needs to attend."""
 
     cache: PagedKVCache
-    spans: list[_Span]
+    spans: list[_Span] | None  # per-sequence reference path
+    padded: _Padded | None  # batched path
     positions: torch.Tensor  # [T]
     new_slots: torch.Tensor  # [T] cache slots the batch's tokens are written to
     cos: torch.Tensor  # [T, head_dim]
@@ -99,6 +114,9 @@ class TargetModel(nn.Module):
         self.model = DecoderStack(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        # "batched": one padded attention call per layer for the whole batch (serving);
+        # "per_sequence": a loop over sequences, the simple reference the batched path is tested against.
+        self.attention_path = "batched"
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -130,14 +148,21 @@ class TargetModel(nn.Module):
         capture.validate(self.config.num_hidden_layers)
         device = self.embed_weight.device
         token_ids, positions = batch.token_ids.to(device), batch.positions.to(device)
-        spans = self._plan(batch, token_ids, positions, cache)
+        bounds, firsts, lasts = self._plan(batch, token_ids, positions, cache)
         x = self.model.embed_tokens(token_ids)  # [T, hidden]
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        new_slots = torch.cat([s.context_slots[s.first:] for s in spans])  # [T]
-        step = _Step(cache, spans, positions, new_slots, cos, sin)
+        if self.attention_path == "per_sequence":
+            spans = self._spans(batch.seq_ids, bounds, firsts, lasts, cache, positions.device)
+            new_slots = torch.cat([s.context_slots[s.first:] for s in spans])  # [T]
+            step = _Step(cache, spans, None, positions, new_slots, cos, sin)
+            attend = self._attend_per_sequence
+        else:
+            padded, new_slots = self._pad(batch.seq_ids, bounds, lasts, cache, positions)
+            step = _Step(cache, None, padded, positions, new_slots, cos, sin)
+            attend = self._attend_batched
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, partial(self._attend, step, i))
+            x = layer(x, partial(attend, step, i))
             if i in capture.layer_ids:
                 captured[i] = x
         return ForwardOutput(
@@ -151,7 +176,18 @@ class TargetModel(nn.Module):
             x = x[logits_index.to(x.device)]
         return self.lm_head(self.model.norm(x)).float()  # [R, vocab]
 
-    def _attend(self, step: _Step, layer: int, attn: SelfAttention, x: torch.Tensor) -> torch.Tensor:
+    def _attend_batched(self, step: _Step, layer: int, attn: SelfAttention, x: torch.Tensor) -> torch.Tensor:
+        q = attn.query(x, step.cos, step.sin)  # [T, Hq, D]
+        k, v = attn.key_value(x, step.cos, step.sin)  # [T, Hkv, D]
+        step.cache.write_slots(layer, step.new_slots, k, v)
+        pad = step.padded
+        batch, width = pad.q_index.shape[0], pad.ctx_slots.shape[0] // pad.q_index.shape[0]
+        keys, values = step.cache.read_slots(layer, pad.ctx_slots)  # [B * Lmax, Hkv, D]
+        keys, values = (t.view(batch, width, *t.shape[1:]).transpose(1, 2) for t in (keys, values))
+        out = grouped_attention(q[pad.q_index], keys, values, pad.masks[self.config.layer_window(layer)], attn.scale)
+        return attn.output(out.flatten(0, 1).index_select(0, pad.out_rows))
+
+    def _attend_per_sequence(self, step: _Step, layer: int, attn: SelfAttention, x: torch.Tensor) -> torch.Tensor:
         q = attn.query(x, step.cos, step.sin)  # [T, Hq, D]
         k, v = attn.key_value(x, step.cos, step.sin)  # [T, Hkv, D]
         step.cache.write_slots(layer, step.new_slots, k, v)
@@ -165,10 +201,9 @@ class TargetModel(nn.Module):
             out[span.rows] = attention(q[span.rows], keys, values, mask, attn.scale)
         return attn.output(out)
 
-    def _plan(
-        self, batch: ForwardBatch, token_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache
-    ) -> list[_Span]:
-        """Validate the batch against the cache, reserve room, and locate each sequence's context."""
+    def _plan(self, batch: ForwardBatch, token_ids: torch.Tensor, positions: torch.Tensor,
+              cache: PagedKVCache) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+        """Validate the batch against the cache and reserve room: (row bounds, first and last position) per sequence."""
         bounds = _check_layout(batch, token_ids, positions)
         starts = torch.tensor([a for a, _ in bounds], device=positions.device)
         ends = torch.tensor([b - 1 for _, b in bounds], device=positions.device)
@@ -177,11 +212,46 @@ class TargetModel(nn.Module):
         if batch.logits_index is not None:
             _check_index(batch.logits_index, len(token_ids))
         _reserve(cache, batch.seq_ids, firsts, lasts)
+        return bounds, firsts, lasts
+
+    @staticmethod
+    def _spans(seq_ids, bounds, firsts, lasts, cache: PagedKVCache, device: torch.device) -> list[_Span]:
         spans = []
-        for seq_id, (a, b), first, last in zip(batch.seq_ids, bounds, firsts, lasts):
+        for seq_id, (a, b), first, last in zip(seq_ids, bounds, firsts, lasts):
             slots = cache.context_slots(seq_id, last + 1)
-            spans.append(_Span(slice(a, b), first, slots, torch.arange(last + 1, device=positions.device)))
+            spans.append(_Span(slice(a, b), first, slots, torch.arange(last + 1, device=device)))
         return spans
+
+    def _pad(self, seq_ids: list[int], bounds: list[tuple[int, int]], lasts: list[int], cache: PagedKVCache,
+             positions: torch.Tensor) -> tuple[_Padded, torch.Tensor]:
+        """The padded layout, its masks (one per distinct attention window) and the batch's new slots.
+
+        Index tensors are built on the host from the known lengths and copied once, so no layer
+        needs a data-dependent (synchronising) operation such as boolean indexing.
+        """
+        device = positions.device
+        q_lens = torch.tensor([b - a for a, b in bounds])
+        qmax, lmax = int(q_lens.max()), max(lasts) + 1
+        q_cols = torch.arange(qmax)
+        q_valid = q_cols[None, :] < q_lens[:, None]  # [B, Qmax]
+        q_index = torch.where(q_valid, torch.tensor([a for a, _ in bounds])[:, None] + q_cols[None, :], 0)
+        out_rows = q_valid.reshape(-1).nonzero().squeeze(1)  # [T]: where each token's row sits in [B * Qmax]
+        token_seq = torch.repeat_interleave(torch.arange(len(bounds)), q_lens)  # [T]
+        k_valid = torch.arange(lmax)[None, :] < torch.tensor([last + 1 for last in lasts])[:, None]
+        q_valid, q_index, out_rows, token_seq, k_valid = (
+            t.to(device, non_blocking=True) for t in (q_valid, q_index, out_rows, token_seq, k_valid))
+        k_pos = torch.arange(lmax, device=device)
+        tables = pad_sequence([cache.block_table(s).to(torch.int64) for s in seq_ids], batch_first=True)
+        blocks = tables.gather(1, (k_pos // cache.block_size).clamp(max=tables.shape[1] - 1).expand(len(seq_ids), -1))
+        slots = blocks * cache.block_size + k_pos % cache.block_size  # [B, Lmax]
+        new_slots = slots[token_seq, positions]  # [T]: each token's own slot
+        q_pos = positions[q_index]
+        cfg = self.config
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        windows = {cfg.layer_window(i) for i in range(cfg.num_hidden_layers)}
+        masks = {w: grouped_mask(padded_visibility(q_pos, q_valid, k_pos.expand_as(k_valid), k_valid, w), groups)
+                 for w in windows}
+        return _Padded(q_index, out_rows, slots.reshape(-1), masks), new_slots
 
 
 def _check_layout(batch: ForwardBatch, token_ids: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, int]]:

@@ -138,6 +138,29 @@ def test_ragged_verify_equals_one_shot_per_sequence(tiny_dir):
                  atol=ATOL, rtol=0)
 
 
+def test_batched_attention_equals_the_per_sequence_reference(tiny_dir):
+    """Serving's padded attention (one call per layer) against the per-sequence loop, on a mixed batch:
+    a long prefill chunk, decodes and verifies of other lengths, blocks interleaved across sequences."""
+    model = load_target(tiny_dir)
+    histories = {4: token_ids(23, seed=20), 9: token_ids(5, seed=21), 2: token_ids(1, seed=22), 6: token_ids(0)}
+    tails = {4: token_ids(6, seed=23), 9: token_ids(1, seed=24), 2: token_ids(3, seed=25), 6: token_ids(17, seed=26)}
+    capture = CaptureSpec(layer_ids=(0, 2), last_hidden=True)
+    outputs = {}
+    for path in ("per_sequence", "batched"):
+        model.attention_path = path
+        cache = model.new_cache(num_blocks=40, block_size=4)
+        for seq_id in histories:
+            cache.allocate(seq_id)
+        for start in range(0, 24, 3):  # grow the histories in turns, so each one's blocks are scattered
+            part = [(s, h[start:start + 3], start) for s, h in histories.items() if len(h) > start]
+            model(batch(*part), cache)
+        outputs[path] = model(batch(*[(s, tails[s], len(histories[s])) for s in histories]), cache, capture)
+    model.attention_path = "batched"
+    ref, got = outputs["per_sequence"], outputs["batched"]
+    for name in ("logits", "layer_features", "last_hidden"):
+        assert_close(getattr(got, name), getattr(ref, name), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("truncate", [True, False])
 def test_rejected_verify_rows_are_overwritten(tiny_dir, truncate):
     """A verify whose drafts were all rejected leaves stale K/V; the next forward must not see them."""
