@@ -1,6 +1,7 @@
 """The target's attention paths side by side: one padded call per layer vs a loop over sequences.
 
     python bench/attention_bench.py --device cuda --dtype bfloat16 --batch 1 8 32
+    python bench/attention_bench.py --target DIR --random-weights ...   (only DIR/config.json is read)
 
 For each batch size, B sequences with a history of --context tokens each verify --verify tokens in
 one forward (the speculative step's shape). Both paths run on the same cache in one process; the
@@ -17,8 +18,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from shared.checkpoint import load_config
+from shared.layers import RotaryEmbedding
 from specsplit.local import target_dir
-from target_service.model import ForwardBatch, load_target
+from target_service.model import ForwardBatch, TargetModel, load_target
 
 
 def forward_batch(batch: int, context: int, verify: int, device: str) -> ForwardBatch:
@@ -29,7 +32,15 @@ def forward_batch(batch: int, context: int, verify: int, device: str) -> Forward
     return ForwardBatch(ids.to(device), positions.to(device), cu, list(range(batch)))
 
 
-def launches(model, fb, cache, device: str) -> int:
+def launches(model, fb, cache, device: str) -> int | None:
+    try:
+        return _launches(model, fb, cache, device)
+    except Exception as exc:  # noqa: BLE001 - a profiler that does not work here leaves the timings
+        print(f"(no launch count: {exc})")
+        return None
+
+
+def _launches(model, fb, cache, device: str) -> int:
     activity = ProfilerActivity.CUDA if device.startswith("cuda") else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         model(fb, cache)
@@ -57,6 +68,9 @@ def timed(model, fb, cache, device: str, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--target", default="default", help="default or an HF-format folder")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="random weights of the target's shape (timing only; needs just config.json)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--context", type=int, default=256)
@@ -64,8 +78,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    model = load_target(target_dir("default"), dtype=getattr(torch, args.dtype), device=args.device)
-    print(f"SmolLM2-135M on {args.device} ({args.dtype}): B sequences of {args.context} tokens verify "
+    dtype = getattr(torch, args.dtype)
+    if args.random_weights:
+        torch.manual_seed(0)
+        config = load_config(target_dir(args.target))
+        model = TargetModel(config).to(dtype=dtype, device=args.device).eval()
+        model.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope).to(args.device)  # float32, as loaded
+    else:
+        model = load_target(target_dir(args.target), dtype=dtype, device=args.device)
+    print(f"{args.target} on {args.device} ({args.dtype}): B sequences of {args.context} tokens verify "
           f"{args.verify} each")
     print(f"{'B':>4} {'batched ms':>11} {'per-seq ms':>11} {'speedup':>8} {'launches b/p':>14}")
     for batch in args.batch:
@@ -83,7 +104,7 @@ def main() -> None:
                             launches(model, fb, cache, args.device))
         model.attention_path = "batched"
         (b_ms, b_n), (p_ms, p_n) = result["batched"], result["per_sequence"]
-        print(f"{batch:>4} {b_ms:>11.2f} {p_ms:>11.2f} {p_ms / b_ms:>7.2f}× {b_n:>6}/{p_n:<7}", flush=True)
+        print(f"{batch:>4} {b_ms:>11.2f} {p_ms:>11.2f} {p_ms / b_ms:>7.2f}× {b_n!s:>6}/{p_n!s:<7}", flush=True)
 
 
 if __name__ == "__main__":
