@@ -23,7 +23,7 @@ from protos.specsplit.v1 import drafter_pb2, drafter_pb2_grpc
 from shared import wire
 from shared.errors import AlreadyExists, InvalidRequest
 from shared.proposer import Proposer
-from shared.serving import CLIENT_HEADER, start_server
+from shared.serving import CLIENT_HEADER, Served, start_server
 from shared.status import rpc_errors
 from shared.transport import device_uuid, host_id
 
@@ -218,8 +218,10 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             return session
 
 
-def serve(server_obj: DrafterServer, listen: list[str], *, max_workers: int = 8) -> grpc.Server:
+def serve(server_obj: DrafterServer, listen: list[str], *, max_workers: int = 8) -> Served:
     """Serve on every address with grpc.health.v1. Each open Step stream holds one of the max_workers
     threads; keepalive pings (shared.serving) find a target that vanished without closing its socket."""
     register = lambda server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(server_obj, server)  # noqa: E731
-    return start_server(register, listen, SERVICE_NAME, max_workers=max_workers)
+    # Busy while a target is connected: its requests in flight still want drafts.
+    return start_server(register, listen, SERVICE_NAME, max_workers=max_workers,
+                        busy=lambda: server_obj.num_sessions > 0)

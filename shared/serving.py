@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent import futures
 from typing import Callable
 
@@ -24,11 +25,39 @@ def grpc_target(address: str) -> str:
     raise InvalidRequest(f"address {address!r}: expected host:port or unix:PATH")
 
 
+class Served:
+    """A started gRPC server with its health service.
+
+    `drain` is the graceful stop Kubernetes expects on SIGTERM: health turns NOT_SERVING for good
+    (watchers are told at once), new calls are refused, and the service's own work in flight (as
+    `busy` reports it) gets up to `grace` seconds to finish; then every call still open, health
+    watches included, is cancelled.
+    """
+
+    def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer,
+                 busy: Callable[[], bool]) -> None:
+        self.server = server
+        self._health = health_servicer
+        self._busy = busy
+
+    def drain(self, grace: float) -> None:
+        self._health.enter_graceful_shutdown()
+        stopped = self.server.stop(grace)
+        deadline = time.monotonic() + grace
+        while self._busy() and not stopped.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.server.stop(None).wait()
+
+    def stop(self, grace: float | None = None):
+        """grpc.Server.stop: returns an event set once the server has stopped."""
+        return self.server.stop(grace)
+
+
 def start_server(register: Callable[[grpc.Server], None], listen: list[str], service_name: str, *,
-                 max_workers: int) -> grpc.Server:
+                 max_workers: int, busy: Callable[[], bool]) -> Served:
     """Bind every address (insecure), register the servicer and grpc.health.v1, start, mark SERVING.
 
-    The caller waits on and stops the returned server.
+    The caller drains or stops the returned server.
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
     register(server)
@@ -44,4 +73,4 @@ def start_server(register: Callable[[grpc.Server], None], listen: list[str], ser
     server.start()
     for name in ("", service_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server
+    return Served(server, health_servicer, busy)

@@ -110,7 +110,7 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
     server_obj, server = start_drafter(DrafterSettings(tuple(args.listen), setup_from(args, args.drafter), head=args.head))
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
-    server.stop(grace=2).wait()
+    server.drain(args.drain_seconds)  # a target still connected keeps its Step stream until then
     server_obj.close()
 
 
@@ -126,7 +126,7 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
     loop, server = start_target(settings)
     print(f"target serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
-    server.stop(grace=2).wait()
+    server.drain(args.drain_seconds)  # streams in flight finish (or are cancelled at the deadline)
     loop.stop()
 
 
@@ -153,6 +153,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drain-seconds", type=float, default=25.0,
+                   help="on SIGTERM/SIGINT: report NOT_SERVING, refuse new calls and give calls in flight "
+                        "this long to finish (default 25, inside Kubernetes' 30 s grace period)")
 
 
 def add_service_parsers(sub) -> None:

@@ -2,7 +2,7 @@
 
 Used by our tests, by `specsplit up` / `specsplit demo`, and by users' own pytest suites: the
 package registers this module as a pytest plugin, so the fixtures `specsplit_services` (one pair per
-test module, random DFlash drafter on the default model) and `specsplit_factory` (spawn any pair)
+test module, the shipped DFlash drafter on the default model) and `specsplit_factory` (spawn any pair)
 are available wherever specsplit is installed.
 """
 
@@ -31,10 +31,12 @@ class ServiceSpec:
     target_args: tuple[str, ...] = ()
     drafter_args: tuple[str, ...] = ()
     startup_timeout: float = 180.0
+    drain_seconds: float = 5.0  # how long a SIGTERMed service lets calls in flight finish
 
 
 def _common(spec: ServiceSpec) -> list[str]:
-    args = ["--target", spec.target, "--device", spec.device, "--seed", str(spec.seed)]
+    args = ["--target", spec.target, "--device", spec.device, "--seed", str(spec.seed),
+            "--drain-seconds", str(spec.drain_seconds)]
     return args + (["--dtype", spec.dtype] if spec.dtype else [])
 
 
@@ -122,7 +124,7 @@ def spawn(spec: ServiceSpec = ServiceSpec(), workdir: str | os.PathLike | None =
 
 @pytest.fixture(scope="module")
 def specsplit_services(tmp_path_factory):
-    """A drafter + target pair (random DFlash drafter, default model) shared by a test module."""
+    """A drafter + target pair (the shipped DFlash drafter, default model) shared by a test module."""
     services = spawn(ServiceSpec(), tmp_path_factory.mktemp("specsplit"))
     yield services
     services.stop()

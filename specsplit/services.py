@@ -7,12 +7,11 @@ import signal
 import threading
 from dataclasses import dataclass
 
-import grpc
-
 from drafter_service.heads import TargetHead, TargetInfo
 from drafter_service.server import DrafterServer, serve as serve_drafter_rpc
 from shared.checkpoint import load_config, load_state_dict
 from shared.errors import InvalidRequest
+from shared.serving import Served
 from shared.tokenizer import Tokenizer
 from specsplit.local import LocalSetup, build_drafter, target_dir
 from target_service.drafter_client import RemoteProposer
@@ -74,12 +73,12 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
     return DrafterServer(drafter, head=head, device=setup.device)
 
 
-def start_drafter(settings: DrafterSettings) -> tuple[DrafterServer, grpc.Server]:
+def start_drafter(settings: DrafterSettings) -> tuple[DrafterServer, Served]:
     server_obj = build_drafter_server(settings)
     return server_obj, serve_drafter_rpc(server_obj, list(settings.listen))
 
 
-def start_target(settings: TargetSettings) -> tuple[EngineLoop, grpc.Server]:
+def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
     setup = settings.setup
     folder = target_dir(setup.target)
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from shared.errors import InvalidRequest
 from shared.layers import SelfAttention, TokenMixer, grouped_attention, grouped_mask, padded_visibility

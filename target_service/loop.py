@@ -60,6 +60,12 @@ class EngineLoop:
                 self._work.notify()
         stream.put(None)
 
+    @property
+    def busy(self) -> bool:
+        """Whether any request is still streaming."""
+        with self._work:
+            return bool(self._streams)
+
     def stop(self) -> None:
         with self._work:
             self._stopped = True

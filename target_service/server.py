@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import uuid
 
-import grpc
 
 from protos.specsplit.v1 import target_pb2_grpc
 from shared import wire
 from shared.errors import InvalidRequest
-from shared.serving import start_server
+from shared.serving import Served, start_server
 from shared.status import rpc_errors
 from shared.tokenizer import Tokenizer
 from target_service.loop import EngineLoop
@@ -71,7 +70,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         ))
 
 
-def serve(servicer: TargetServicer, listen: list[str], *, max_workers: int = 32) -> grpc.Server:
-    """Serve on every address (host:port or unix:PATH) with grpc.health.v1; the caller stops it."""
+def serve(servicer: TargetServicer, listen: list[str], *, max_workers: int = 32) -> Served:
+    """Serve on every address (host:port or unix:PATH) with grpc.health.v1; the caller drains or stops it."""
     register = lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)  # noqa: E731
-    return start_server(register, listen, SERVICE_NAME, max_workers=max_workers)
+    return start_server(register, listen, SERVICE_NAME, max_workers=max_workers, busy=lambda: servicer.loop.busy)

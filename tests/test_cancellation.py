@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -13,6 +14,7 @@ from specsplit.local import LocalSetup
 from specsplit.services import DrafterSettings, TargetSettings, start_drafter, start_target
 from target_service.client import TargetClient
 from target_service.engine import EngineConfig
+from target_service.sequence import FinishReason
 
 
 @pytest.fixture
@@ -20,7 +22,7 @@ def pair(tmp_path):
     drafter_addr, target_addr = f"unix:{tmp_path}/d.sock", f"unix:{tmp_path}/t.sock"
     drafter_obj, drafter_server = start_drafter(DrafterSettings((drafter_addr,), LocalSetup(drafter="random-dflash")))
     loop, target_server = start_target(TargetSettings((target_addr,), LocalSetup(), drafter_addr, EngineConfig()))
-    yield drafter_obj, loop, TargetClient(target_addr)
+    yield drafter_obj, loop, TargetClient(target_addr), target_server
     target_server.stop(grace=1).wait()
     loop.stop()
     drafter_server.stop(grace=1).wait()
@@ -37,7 +39,7 @@ def wait_until(predicate, timeout=20.0):
 
 
 def test_cancelled_stream_frees_target_and_drafter_state(pair):
-    drafter_obj, loop, client = pair
+    drafter_obj, loop, client, _ = pair
     request = wire.generate_to_proto(
         wire.GenerateCall("Count from one to a thousand:", SamplingParams(max_tokens=400, ignore_eos=True)))
     call = client.stub.Generate(request)
@@ -52,7 +54,7 @@ def test_cancelled_stream_frees_target_and_drafter_state(pair):
 
 
 def test_a_free_rides_on_the_next_step_and_flush_sends_it(pair):
-    drafter_obj, loop, client = pair
+    drafter_obj, loop, client, _ = pair
     assert client.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True))["token_ids"]
     assert wait_until(lambda: len(drafter_obj.proposer.store) == 0)  # the last free went out at once
     proposer, store = loop.engine.proposer, drafter_obj.proposer.store  # the engine is idle now
@@ -67,3 +69,31 @@ def test_a_free_rides_on_the_next_step_and_flush_sends_it(pair):
     assert len(proposer.link.step_seconds) == steps + 2 and len(store) == 0
     proposer.flush()  # nothing queued: no round trip
     assert len(proposer.link.step_seconds) == steps + 2
+
+
+def test_drain_finishes_streams_in_flight_and_refuses_new_ones(pair):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    drafter_obj, loop, client, served = pair
+    call = client.stub.Generate(wire.generate_to_proto(
+        wire.GenerateCall("Count from one to a thousand:", SamplingParams(max_tokens=60, ignore_eos=True))))
+    first = next(call)
+    watch = health_pb2_grpc.HealthStub(client.channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    draining = threading.Thread(target=served.drain, args=(120,), daemon=True)
+    draining.start()
+    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # watchers hear it first
+    assert wait_until(lambda: _refused(client))  # new calls are turned away
+    rest = [wire.chunk_from_proto(c) for c in call]  # the stream in flight runs to its end
+    assert sum(len(c.token_ids) for c in [first, *rest]) == 60 and rest[-1].finish_reason == FinishReason.LENGTH
+    draining.join(timeout=30)
+    assert not draining.is_alive() and not loop.engine.running
+
+
+def _refused(client: TargetClient) -> bool:
+    try:
+        list(client.stub.Generate(wire.generate_to_proto(wire.GenerateCall("Hi", SamplingParams(max_tokens=1))),
+                                  timeout=5))
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return False
