@@ -16,8 +16,8 @@ import statistics
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from launches import count_launches
 from shared.checkpoint import load_config
 from shared.layers import RotaryEmbedding
 from specsplit.local import target_dir
@@ -30,26 +30,6 @@ def forward_batch(batch: int, context: int, verify: int, device: str) -> Forward
     positions = torch.arange(context, context + verify).repeat(batch)
     cu = torch.arange(0, batch * verify + 1, verify)
     return ForwardBatch(ids.to(device), positions.to(device), cu, list(range(batch)))
-
-
-def launches(model, fb, cache, device: str) -> int | None:
-    try:
-        return _launches(model, fb, cache, device)
-    except Exception as exc:  # noqa: BLE001 - a profiler that does not work here leaves the timings
-        print(f"(no launch count: {exc})")
-        return None
-
-
-def _launches(model, fb, cache, device: str) -> int:
-    activity = ProfilerActivity.CUDA if device.startswith("cuda") else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        model(fb, cache)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-    events = prof.events()
-    if device.startswith("cuda"):
-        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
 
 
 def timed(model, fb, cache, device: str, repeats: int) -> float:
@@ -101,7 +81,7 @@ def main() -> None:
             model.attention_path = path
             timed(model, fb, cache, args.device, 2)  # warm-up
             result[path] = (timed(model, fb, cache, args.device, args.repeats),
-                            launches(model, fb, cache, args.device))
+                            count_launches(lambda: model(fb, cache), args.device))
         model.attention_path = "batched"
         (b_ms, b_n), (p_ms, p_n) = result["batched"], result["per_sequence"]
         print(f"{batch:>4} {b_ms:>11.2f} {p_ms:>11.2f} {p_ms / b_ms:>7.2f}× {b_n!s:>6}/{p_n!s:<7}", flush=True)

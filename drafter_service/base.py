@@ -9,6 +9,8 @@ bad input the same way and a failed call never changes state.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -204,6 +206,16 @@ class SequenceState:
         return self.next_pos == 0 and self.stash is None
 
 
+@dataclass(frozen=True)
+class Append:
+    """Committed rows [n, feature_dim] with their tokens [n] at positions base_pos.. for one sequence."""
+
+    state: SequenceState
+    tokens: torch.Tensor
+    rows: torch.Tensor
+    base_pos: int
+
+
 @dataclass
 class Draft:
     """One validated propose request with its sequence's state."""
@@ -223,6 +235,7 @@ class Drafter(ABC):
         self.spec, self.head, self.vocab = spec, head, vocab
         self.dtype, self.device = dtype, device
         self.store: SequenceStore = SequenceStore()
+        self._deferred: list[Append] | None = None  # inside `batched_appends`
 
     # -- model math, per kind --
 
@@ -233,6 +246,38 @@ class Drafter(ABC):
     @abstractmethod
     def append_rows(self, state: SequenceState, tokens: torch.Tensor, rows: torch.Tensor, base_pos: int) -> None:
         """Take committed rows [n, feature_dim] with their tokens [n] at positions base_pos.."""
+
+    def append_rows_batch(self, appends: Sequence["Append"]) -> None:
+        """Several `append_rows` at once; a kind whose row math is row-independent runs one forward."""
+        for a in appends:
+            self.append_rows(a.state, a.tokens, a.rows, a.base_pos)
+
+    # Whether committed rows may wait for the end of a `batched_appends` block. Only for kinds whose
+    # drop_speculative ignores them (DFlash keeps nothing speculative); MTP's trim must follow its commit.
+    defers_appends = False
+
+    @contextmanager
+    def batched_appends(self) -> Iterator[None]:
+        """Inside the block, rows that commit/catchup would append wait, and enter their states in one
+        `append_rows_batch` when it ends (per sequence in call order, so the result is the same)."""
+        if not self.defers_appends or self._deferred is not None:
+            yield
+            return
+        self._deferred = []
+        try:
+            yield
+        finally:
+            appends, self._deferred = self._deferred, None
+            if appends:
+                self.append_rows_batch(appends)
+
+    def _enter_rows(self, state: SequenceState, tokens: torch.Tensor, rows: torch.Tensor, base_pos: int,
+                    *, borrowed: bool) -> None:
+        """`borrowed` rows belong to the caller (a registered buffer): a deferred append keeps a copy."""
+        if self._deferred is None:
+            self.append_rows(state, tokens, rows, base_pos)
+        else:
+            self._deferred.append(Append(state, tokens, rows.clone() if borrowed else rows, base_pos))
 
     @abstractmethod
     def drop_speculative(self, state: SequenceState) -> None:
@@ -266,7 +311,7 @@ class Drafter(ABC):
         tokens = self._check_tokens(token_ids, rows.shape[0])
         self._check_span(state, base_pos, rows.shape[0], verb)
         if rows.shape[0]:
-            self.append_rows(state, tokens, rows, base_pos)
+            self._enter_rows(state, tokens, rows, base_pos, borrowed=True)
             state.next_pos = base_pos + rows.shape[0]
         return rows.shape[0]
 
@@ -288,7 +333,7 @@ class Drafter(ABC):
             raise StateConflict(f"sequence {seq_id}: commit of {num_rows} rows, {state.stash.shape[0]} stashed")
         tokens = self._check_tokens(token_ids, num_rows)
         self._check_span(state, base_pos, num_rows, "commit")
-        self.append_rows(state, tokens, state.stash[:num_rows], base_pos)
+        self._enter_rows(state, tokens, state.stash[:num_rows], base_pos, borrowed=False)  # the stash is a copy
         state.next_pos = base_pos + num_rows
         state.stash = None
 

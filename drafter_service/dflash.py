@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafter_service.base import (
-    Draft, Drafter, DraftVocab, Rows, SequenceState, batch_allowed, batched_attention, pad_rows, pick,
+    Append, Draft, Drafter, DraftVocab, Rows, SequenceState, batch_allowed, batched_attention, pad_rows, pick,
     proposals, valid_rows, visibility,
 )
 from drafter_service.heads import TargetHead, TargetInfo
@@ -264,12 +264,26 @@ class DFlashDrafter(Drafter):
         schema = {"feat": ((dec.hidden_size,), self.dtype), "k": kv, "v": kv, "pos": ((), torch.long)}
         return DFlashState(budget, ctx=Rows(schema, self.device, limit=min(self.spec.window, budget)))
 
+    defers_appends = True  # a context row's features depend on that row alone
+
     def append_rows(self, state: DFlashState, tokens: torch.Tensor, rows: torch.Tensor, base_pos: int) -> None:
-        # Rows that would slide straight out of the window are never computed.
-        n, keep = rows.shape[0], min(rows.shape[0], state.ctx.limit)
-        pos = torch.arange(base_pos + n - keep, base_pos + n, device=self.device)
-        feat, k, v = self.model.context(rows[n - keep:], pos)
-        state.ctx.append(feat=feat, k=k, v=v, pos=pos)
+        self.append_rows_batch([Append(state, tokens, rows, base_pos)])
+
+    def append_rows_batch(self, appends: Sequence[Append]) -> None:
+        """One context forward for every sequence's new rows; rows that would slide straight out of a
+        window are never computed."""
+        kept, spans = [], []
+        for a in appends:
+            n, keep = a.rows.shape[0], min(a.rows.shape[0], a.state.ctx.limit)
+            kept.append(a.rows[n - keep:])
+            spans.append(range(a.base_pos + n - keep, a.base_pos + n))
+        pos = torch.tensor([p for span in spans for p in span], dtype=torch.long).to(self.device, non_blocking=True)
+        feat, k, v = self.model.context(torch.cat(kept) if len(kept) > 1 else kept[0], pos)
+        start = 0
+        for a, span in zip(appends, spans):
+            end = start + len(span)
+            a.state.ctx.append(feat=feat[start:end], k=k[start:end], v=v[start:end], pos=pos[start:end])
+            start = end
 
     def drop_speculative(self, state: DFlashState) -> None:
         """DFlash keeps nothing speculative: proposes never write the context."""

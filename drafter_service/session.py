@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -207,10 +208,11 @@ class Session:
         others go on. `errors` are the sequences the wire already refused (left out of `batch`)."""
         self.register(batch.register)
         errors = list(errors)
-        for seq_step in batch.seqs:
-            error = self._apply_isolated(seq_step)
-            if error is not None:
-                errors.append(error)
+        with _batched_appends(self.proposer):  # every sequence's committed rows in one forward
+            for seq_step in batch.seqs:
+                error = self._apply_isolated(seq_step)
+                if error is not None:
+                    errors.append(error)
         failed = {e.seq_id for e in errors}
         proposals, propose_errors = self._propose_isolated([r for r in batch.proposes if r.seq_id not in failed])
         if batch.release:
@@ -269,6 +271,11 @@ class Session:
             self.proposer.head = self._default_head  # drop our views so the mappings can close
         self._head = None
         self.importer.close()
+
+
+def _batched_appends(proposer: Proposer) -> AbstractContextManager:
+    batched = getattr(proposer, "batched_appends", None)
+    return batched() if batched is not None else nullcontext()
 
 
 def _seq_error(seq_id: int, err: Exception) -> SeqError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from contextlib import contextmanager
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -189,19 +190,38 @@ class Engine:
         out = self._forward([s.seq_id for s in seqs], inputs, starts, logits_last_only=False)
         accepted_tokens = self._sample(seqs, out.logits, drafts)
         features = self._features(out)
-        events = []
         offset = 0
-        for seq, draft, new_tokens, start in zip(seqs, drafts, accepted_tokens, starts):
-            rows = features[offset:offset + len(draft) + 1] if features is not None else None
-            offset += len(draft) + 1
-            num_accepted = len(new_tokens) - 1
-            self.cache.truncate(seq.seq_id, start + num_accepted + 1)
-            seq.stats.steps += 1
-            seq.stats.drafted += len(draft)
-            seq.stats.accepted += num_accepted
-            self._after_verify(seq, draft, num_accepted, rows, start)
-            events.append(self._emit(seq, new_tokens))
-        return events
+        with self._batched_appends():
+            for seq, draft, new_tokens, start in zip(seqs, drafts, accepted_tokens, starts):
+                rows = features[offset:offset + len(draft) + 1] if features is not None else None
+                offset += len(draft) + 1
+                num_accepted = len(new_tokens) - 1
+                self.cache.truncate(seq.seq_id, start + num_accepted + 1)
+                seq.stats.steps += 1
+                seq.stats.drafted += len(draft)
+                seq.stats.accepted += num_accepted
+                self._after_verify(seq, draft, num_accepted, rows, start)
+        return [self._emit(seq, new_tokens) for seq, new_tokens in zip(seqs, accepted_tokens)]
+
+    @contextmanager
+    def _batched_appends(self):
+        """Lets an in-process drafter take every sequence's committed rows in one forward (as the drafter
+        service does for one Step message); if that forward fails, the drafter is detached."""
+        batched = getattr(self.proposer, "batched_appends", None)
+        if batched is None or not self.drafter_ok:
+            yield
+            return
+        block = batched()
+        block.__enter__()
+        try:
+            yield
+        finally:
+            try:
+                block.__exit__(None, None, None)  # always: the drafter must leave the block
+            except Exception as exc:  # noqa: BLE001 - by design: a drafter fault must not fail requests
+                log.warning("drafter failed appending committed rows (%s: %s); continuing without "
+                            "speculation", type(exc).__name__, exc)
+                self._detach()
 
     def _propose(self, seqs: list[Sequence]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]

@@ -238,6 +238,43 @@ def test_batched_propose_equals_per_sequence():
         assert got.tokens == tokens
 
 
+def test_batched_appends_equal_one_at_a_time_and_the_reference():
+    """Commits and catch-ups of several sequences inside `batched_appends` enter their contexts in one
+    forward at the block's end; windows slide as they would one call at a time."""
+    window = 7
+    drafter, twin = make(window=window), make(window=window)
+    histories = {s: History(drafter, 40 + s) for s in range(3)}
+    for seq, n in ((0, 4), (1, 9), (2, 1)):
+        rows = histories[seq].fresh(n)
+        for d in (drafter, twin):
+            d.alloc(seq, 100)
+            d.prefill(seq, [5] * n, rows)
+        histories[seq].add(rows, 0)
+    for accepts in ((2, 0, 4), (4, 4, 1), (0, 3, 2)):
+        verified = {s: histories[s].fresh(GAMMA) for s in histories}
+        catchup = histories[2].fresh(1)
+        with drafter.batched_appends():
+            for d_seq, accept in zip(histories, accepts):
+                drafter.stash(d_seq, verified[d_seq])
+                drafter.commit(d_seq, accept + 1, histories[d_seq].next_pos, [3] * (accept + 1))
+                drafter.trim(d_seq, accept)
+            drafter.catchup(2, [4], catchup, histories[2].next_pos + accepts[2] + 1)
+            assert drafter.store.get(0).rows_held == twin.store.get(0).rows_held  # nothing entered yet
+        for d_seq, accept in zip(histories, accepts):
+            twin.stash(d_seq, verified[d_seq])
+            twin.commit(d_seq, accept + 1, histories[d_seq].next_pos, [3] * (accept + 1))
+            twin.trim(d_seq, accept)
+            histories[d_seq].add(verified[d_seq][:accept + 1], histories[d_seq].next_pos)
+        twin.catchup(2, [4], catchup, histories[2].next_pos)
+        histories[2].add(catchup, histories[2].next_pos)
+        for seq in histories:
+            got, alone = snapshot(drafter, seq), snapshot(twin, seq)
+            assert got[0] == alone[0] and torch.equal(got[2][3], alone[2][3])  # next_pos, stamped positions
+            for x, y in zip(got[2][:3], alone[2][:3]):
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+            assert_matches(drafter, seq, histories[seq], 11, GAMMA - 1, window=window)
+
+
 def test_zero_drafts_and_no_confidence():
     drafter = make()
     for seq in (0, 1):
