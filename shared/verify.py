@@ -1,4 +1,4 @@
-"""Lossless verification of drafted tokens against the target's logits (pure-torch reference).
+"""Lossless verification of drafted tokens against the target's logits, in pure torch.
 
 The algorithm is speculative sampling from Leviathan et al., "Fast Inference from Transformers via
 Speculative Decoding" (arXiv 2211.17192). Terms, defined once:
@@ -24,6 +24,9 @@ generator, in one `torch.rand(k + 1)`: u_0..u_{k-1} for the acceptance tests, u_
 emitted token by inverse CDF. The count depends on k alone, never on the outcome, so a request's
 tokens do not depend on what else is in the batch and a batched kernel can reproduce them. Greedy
 sequences draw nothing.
+
+`verify_sampled` runs the batch vectorised; `verify_sampled_per_sequence` is the one-sequence-at-a-time
+reference it is tested to equal token for token.
 
 Batches are ragged and flat: sequence i owns target rows cu_rows[i]:cu_rows[i+1] and has
 cu_rows[i+1] - cu_rows[i] - 1 drafts (k = 0 is allowed: just sample one token).
@@ -75,16 +78,40 @@ def verify_sampled(
     generators: Sequence[torch.Generator],  # [num_seqs], one per request
     draft_probs: Sequence[torch.Tensor | None] | None = None,  # [num_seqs] of [k_i, V] or None (one-hot)
 ) -> VerifyResult:
-    """Speculative sampling per sequence; greedy requests in the batch use greedy acceptance."""
-    bounds = _row_bounds(draft_tokens, target_logits, cu_rows)
-    num_seqs = len(bounds)
-    params = [params] * num_seqs if isinstance(params, SamplingParams) else list(params)
-    draft_probs = [None] * num_seqs if draft_probs is None else list(draft_probs)
-    if len(params) != num_seqs or len(generators) != num_seqs or len(draft_probs) != num_seqs:
-        raise InvalidRequest(
-            f"need one params, generator and draft_probs entry per sequence ({num_seqs}), "
-            f"got {len(params)}, {len(generators)}, {len(draft_probs)}"
-        )
+    """Speculative sampling for the whole batch at once (greedy requests use greedy acceptance).
+
+    Vectorised over sequences, with one host synchronisation for the batch; it draws the same
+    uniforms from the same generators as `verify_sampled_per_sequence`, the reference it must equal.
+    """
+    bounds, params, draft_probs = _checked_batch(draft_tokens, target_logits, cu_rows, params, generators,
+                                                 draft_probs)
+    tokens: list[list[int]] = [[] for _ in bounds]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        argmax = target_logits.argmax(dim=-1).tolist()
+        for i in greedy:
+            start, end = bounds[i]
+            tokens[i] = _greedy_tokens(list(draft_tokens[i]), argmax[start:end])
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        picked = _sample_batch([_Sampled(list(draft_tokens[i]), bounds[i], params[i], generators[i], draft_probs[i])
+                                for i in sampled], target_logits)
+        for i, emitted in zip(sampled, picked):
+            tokens[i] = emitted
+    return VerifyResult.from_tokens(tokens)
+
+
+def verify_sampled_per_sequence(
+    draft_tokens: Sequence[Sequence[int]],
+    target_logits: torch.Tensor,  # [sum(k_i + 1), V]
+    cu_rows: torch.Tensor,  # [num_seqs + 1]
+    params: Sequence[SamplingParams] | SamplingParams,
+    generators: Sequence[torch.Generator],  # [num_seqs], one per request
+    draft_probs: Sequence[torch.Tensor | None] | None = None,  # [num_seqs] of [k_i, V] or None (one-hot)
+) -> VerifyResult:
+    """The reference: speculative sampling one sequence at a time, as the module docstring states it."""
+    bounds, params, draft_probs = _checked_batch(draft_tokens, target_logits, cu_rows, params, generators,
+                                                 draft_probs)
     argmax = target_logits.argmax(dim=-1).tolist() if any(p.greedy for p in params) else []
     tokens = []
     for i, (start, end) in enumerate(bounds):
@@ -95,6 +122,136 @@ def verify_sampled(
             rows = target_logits[start:end]
             tokens.append(_sampled_tokens(drafts, rows, params[i], generators[i], draft_probs[i]))
     return VerifyResult.from_tokens(tokens)
+
+
+def _checked_batch(draft_tokens, target_logits, cu_rows, params, generators, draft_probs):
+    bounds = _row_bounds(draft_tokens, target_logits, cu_rows)
+    num_seqs = len(bounds)
+    params = [params] * num_seqs if isinstance(params, SamplingParams) else list(params)
+    draft_probs = [None] * num_seqs if draft_probs is None else list(draft_probs)
+    if len(params) != num_seqs or len(generators) != num_seqs or len(draft_probs) != num_seqs:
+        raise InvalidRequest(
+            f"need one params, generator and draft_probs entry per sequence ({num_seqs}), "
+            f"got {len(params)}, {len(generators)}, {len(draft_probs)}"
+        )
+    return bounds, params, draft_probs
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    """One sampled sequence of the batch."""
+
+    drafts: list[int]
+    rows: tuple[int, int]  # [start, end) of its target rows
+    params: SamplingParams
+    generator: torch.Generator
+    draft_probs: torch.Tensor | None  # [k, V], or None for one-hot drafts
+
+
+def _sample_batch(seqs: list[_Sampled], logits: torch.Tensor) -> list[list[int]]:
+    """Vectorised `_sampled_tokens` over sequences (rows compacted to the sampled ones, in order)."""
+    counts = [len(s.drafts) + 1 for s in seqs]
+    firsts = list(itertools.accumulate([0] + counts[:-1]))  # each sequence's first compacted row
+    p = _compacted_probs(seqs, logits, counts, firsts)  # [R, V]
+    device, vocab = p.device, p.shape[-1]
+    for s in seqs:
+        check_generator_device(s.generator, device)
+    uniforms = torch.cat([torch.rand(n, generator=s.generator, device=device) for s, n in zip(seqs, counts)])
+    draft_rows = _longs([f + j for f, s in zip(firsts, seqs) for j in range(len(s.drafts))], device)  # [D]
+    drafts = _longs([d for s in seqs for d in s.drafts], device)  # [D]
+    q_draft = _draft_prob_at_drafts(seqs, device, vocab)  # [D]
+    p_draft = p[draft_rows, drafts]
+    passed = uniforms[draft_rows] * q_draft < p_draft  # u < p/q without dividing by a tiny q
+    num_drafts = _longs([n - 1 for n in counts], device)  # [S]
+    owner = _longs([i for i, n in enumerate(counts) for _ in range(n - 1)], device)  # [D]
+    slot = draft_rows - _longs([f for f, n in zip(firsts, counts) for _ in range(n - 1)], device)
+    misses = torch.where(passed, max(counts), slot)
+    accepted = num_drafts.scatter_reduce(0, owner, misses, "amin")  # [S] leading drafts that passed
+    first_rows = _longs(firsts, device)  # [S]
+    emit_rows = first_rows + accepted
+    q_emit = _draft_row_at(seqs, accepted, num_drafts, device, vocab)  # [S, V], zero where all passed (bonus)
+    p_emit = p[emit_rows]
+    residual = (p_emit - q_emit).clamp(min=0)
+    # Positive in exact arithmetic whenever a rejection is possible; float rounding can cancel it.
+    weights = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_emit)
+    token = inverse_cdf(weights, uniforms[first_rows + num_drafts])  # u_k picks the token
+    impossible = (q_draft <= 0).any().long() if len(drafts) else torch.zeros((), dtype=torch.long, device=device)
+    result = torch.cat([accepted, token, impossible[None]]).tolist()
+    if result[-1]:
+        raise InvalidRequest("a draft token has zero draft probability; it cannot have been sampled from q")
+    num = len(seqs)
+    return [s.drafts[:a] + [t] for s, a, t in zip(seqs, result[:num], result[num:2 * num])]
+
+
+def _compacted_probs(seqs: list[_Sampled], logits: torch.Tensor, counts: list[int], firsts: list[int]) -> torch.Tensor:
+    """target_probs of every sampled row, one call per distinct (temperature, top-k, top-p).
+
+    On a CPU the rows go through in cache-sized chunks: target_probs makes several passes over its
+    input, and [R, V] for a large vocabulary falls out of cache long before it is done.
+    """
+    source = [r for s in seqs for r in range(*s.rows)]
+    device, vocab = logits.device, logits.shape[-1]
+    chunk = max(1, (1 << 19) // vocab) if device.type == "cpu" else len(source)
+    p = torch.empty((len(source), vocab), dtype=torch.float32, device=device)
+    for members in _by_sampling(seqs).values():
+        rows = [firsts[m] + j for m in members for j in range(counts[m])]
+        for at in range(0, len(rows), chunk):
+            part = rows[at:at + chunk]
+            picked = _rows_of(logits, [source[r] for r in part])
+            probs = target_probs(picked, seqs[members[0]].params)
+            if part == list(range(part[0], part[0] + len(part))):
+                p[part[0]:part[0] + len(part)] = probs
+            else:
+                p[_longs(part, device)] = probs
+    return p
+
+
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows]: a view when the rows are consecutive (the usual case), else a gather."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0]:rows[0] + len(rows)]
+    return logits[_longs(rows, logits.device)]
+
+
+def _by_sampling(seqs: list[_Sampled]) -> dict[tuple, list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(seqs):
+        groups.setdefault((s.params.temperature, s.params.top_k, s.params.top_p), []).append(i)
+    return groups
+
+
+def _draft_prob_at_drafts(seqs: list[_Sampled], device: torch.device, vocab: int) -> torch.Tensor:
+    """q_j(d_j) for every draft: 1 for one-hot drafts, else read from the sequence's draft_probs."""
+    parts = []
+    for s in seqs:
+        k = len(s.drafts)
+        if s.draft_probs is None:
+            parts.append(torch.ones(k, device=device))
+        else:
+            ids = _longs(s.drafts, device)
+            q = _draft_distribution(ids, s.draft_probs, vocab)  # validates the shape: [k, V]
+            parts.append(q[torch.arange(k, device=device), ids])
+    return torch.cat(parts) if parts else torch.ones(0, device=device)
+
+
+def _draft_row_at(seqs: list[_Sampled], accepted: torch.Tensor, num_drafts: torch.Tensor, device: torch.device,
+                  vocab: int) -> torch.Tensor:
+    """[S, V]: each sequence's draft distribution at its first rejected slot; zeros where none was."""
+    widest = max(len(s.drafts) for s in seqs)
+    padded = _longs([s.drafts + [0] * (widest - len(s.drafts)) for s in seqs], device).view(len(seqs), widest)
+    slot = torch.minimum(accepted, (num_drafts - 1).clamp(min=0))  # [S]
+    rejected = (accepted < num_drafts).float()  # [S]; all passed (or k = 0): the bonus row, q = 0
+    q = torch.zeros((len(seqs), vocab), dtype=torch.float32, device=device)
+    if widest:  # one-hot drafts: q is 1 on the rejected draft
+        q.scatter_(1, padded.gather(1, slot[:, None]), rejected[:, None])
+    for i, s in enumerate(seqs):  # drafters that ship their distributions (rare): that row
+        if s.draft_probs is not None and s.drafts:
+            q[i] = s.draft_probs.to(device=device, dtype=torch.float32)[slot[i]] * rejected[i]
+    return q
+
+
+def _longs(values: list, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _greedy_tokens(drafts: list[int], row_argmax: list[int]) -> list[int]:
