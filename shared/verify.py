@@ -25,8 +25,8 @@ emitted token by inverse CDF. The count depends on k alone, never on the outcome
 tokens do not depend on what else is in the batch and a batched kernel can reproduce them. Greedy
 sequences draw nothing.
 
-`verify_sampled` runs the batch vectorised; `verify_sampled_per_sequence` is the one-sequence-at-a-time
-reference it is tested to equal token for token.
+`verify_sampled` runs the batch vectorised; with `per_sequence=True` it runs the one-sequence-at-a-time
+reference that the vectorised path is tested to equal token for token.
 
 Batches are ragged and flat: sequence i owns target rows cu_rows[i]:cu_rows[i+1] and has
 cu_rows[i+1] - cu_rows[i] - 1 drafts (k = 0 is allowed: just sample one token).
@@ -77,11 +77,14 @@ def verify_sampled(
     params: Sequence[SamplingParams] | SamplingParams,
     generators: Sequence[torch.Generator],  # [num_seqs], one per request
     draft_probs: Sequence[torch.Tensor | None] | None = None,  # [num_seqs] of [k_i, V] or None (one-hot)
+    *,
+    per_sequence: bool = False,
 ) -> VerifyResult:
-    """Speculative sampling for the whole batch at once (greedy requests use greedy acceptance).
+    """Speculative sampling for the batch; greedy requests use greedy acceptance.
 
-    Vectorised over sequences, with one host synchronisation for the batch; it draws the same
-    uniforms from the same generators as `verify_sampled_per_sequence`, the reference it must equal.
+    Sampled sequences run vectorised, with one host synchronisation for the batch. `per_sequence`
+    runs the reference instead, one sequence at a time as the module docstring states the
+    algorithm; both draw the same uniforms from the same generators and emit the same tokens.
     """
     bounds, params, draft_probs = _checked_batch(draft_tokens, target_logits, cu_rows, params, generators,
                                                  draft_probs)
@@ -92,35 +95,15 @@ def verify_sampled(
         for i in greedy:
             start, end = bounds[i]
             tokens[i] = _greedy_tokens(list(draft_tokens[i]), argmax[start:end])
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled:
-        picked = _sample_batch([_Sampled(list(draft_tokens[i]), bounds[i], params[i], generators[i], draft_probs[i])
-                                for i in sampled], target_logits)
-        for i, emitted in zip(sampled, picked):
-            tokens[i] = emitted
-    return VerifyResult.from_tokens(tokens)
-
-
-def verify_sampled_per_sequence(
-    draft_tokens: Sequence[Sequence[int]],
-    target_logits: torch.Tensor,  # [sum(k_i + 1), V]
-    cu_rows: torch.Tensor,  # [num_seqs + 1]
-    params: Sequence[SamplingParams] | SamplingParams,
-    generators: Sequence[torch.Generator],  # [num_seqs], one per request
-    draft_probs: Sequence[torch.Tensor | None] | None = None,  # [num_seqs] of [k_i, V] or None (one-hot)
-) -> VerifyResult:
-    """The reference: speculative sampling one sequence at a time, as the module docstring states it."""
-    bounds, params, draft_probs = _checked_batch(draft_tokens, target_logits, cu_rows, params, generators,
-                                                 draft_probs)
-    argmax = target_logits.argmax(dim=-1).tolist() if any(p.greedy for p in params) else []
-    tokens = []
-    for i, (start, end) in enumerate(bounds):
-        drafts = list(draft_tokens[i])
-        if params[i].greedy:
-            tokens.append(_greedy_tokens(drafts, argmax[start:end]))
-        else:
-            rows = target_logits[start:end]
-            tokens.append(_sampled_tokens(drafts, rows, params[i], generators[i], draft_probs[i]))
+    sampled = [_Sampled(list(draft_tokens[i]), bounds[i], params[i], generators[i], draft_probs[i])
+               for i, p in enumerate(params) if not p.greedy]
+    if per_sequence:
+        picked = [_sampled_tokens(s.drafts, target_logits[s.rows[0]:s.rows[1]], s.params, s.generator, s.draft_probs)
+                  for s in sampled]
+    else:
+        picked = _sample_batch(sampled, target_logits) if sampled else []
+    for i, emitted in zip([i for i, p in enumerate(params) if not p.greedy], picked):
+        tokens[i] = emitted
     return VerifyResult.from_tokens(tokens)
 
 

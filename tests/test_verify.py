@@ -17,7 +17,6 @@ from shared.verify import (
     verify_greedy,
     verify_greedy_batched,
     verify_sampled,
-    verify_sampled_per_sequence,
 )
 
 VOCAB = 10
@@ -239,10 +238,11 @@ def test_vectorised_sampling_equals_the_per_sequence_reference():
         params = [choices[int(torch.randint(0, len(choices), (1,), generator=rng))] for _ in drafts]
         shared = make_generator(trial, "cpu")
         outputs = []
-        for verify in (verify_sampled, verify_sampled_per_sequence):
+        for per_sequence in (False, True):
             gens = [shared if i % 2 else make_generator(trial * 10 + i, "cpu") for i in range(num)]
             shared.manual_seed(trial)
-            outputs.append(verify(drafts, logits, cu_rows_for(drafts), params, gens, q).tokens)
+            outputs.append(verify_sampled(drafts, logits, cu_rows_for(drafts), params, gens, q,
+                                          per_sequence=per_sequence).tokens)
         assert outputs[0] == outputs[1], trial
         rejected += sum(len(t) - 1 < len(d) for t, d in zip(outputs[0], drafts))
     assert rejected > 50  # rejections, recoveries and bonus tokens were all exercised
