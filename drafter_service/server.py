@@ -21,9 +21,9 @@ from drafter_service.heads import TargetHead
 from drafter_service.session import Session
 from protos.specsplit.v1 import drafter_pb2, drafter_pb2_grpc
 from shared import wire
-from shared.errors import AlreadyExists, InvalidRequest
+from shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest
 from shared.proposer import Proposer
-from shared.serving import CLIENT_HEADER, Served, start_server
+from shared.serving import CLIENT_HEADER, SPARE_THREADS, Served, start_server
 from shared.status import rpc_errors
 from shared.transport import device_uuid, host_id
 
@@ -54,8 +54,12 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
     `device` is where the drafter runs (inline rows are decoded there).
     """
 
-    def __init__(self, proposer: Proposer, *, head: TargetHead | None, device: torch.device | str) -> None:
+    def __init__(self, proposer: Proposer, *, head: TargetHead | None, device: torch.device | str,
+                 max_targets: int = 8) -> None:
+        if max_targets < 1:
+            raise InvalidRequest(f"max_targets must be at least 1, got {max_targets}")
         self.proposer = proposer
+        self.max_targets = max_targets  # open Step streams; each holds a server thread
         self.head = head
         self.device = torch.device(device)
         self._lock = threading.RLock()  # one drafter, one GPU stream: every call is serialized
@@ -98,6 +102,12 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
     def num_sessions(self) -> int:
         with self._lock:
             return len(self._sessions)
+
+    @property
+    def num_streams(self) -> int:
+        """Targets connected now: sessions with an open Step stream."""
+        with self._lock:
+            return sum(s.streaming for s in self._sessions.values())
 
     # ---- description and buffers ----------------------------------------------------------------
 
@@ -211,17 +221,24 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
 
     def _open_stream(self, client: str) -> Session:
         with self._lock:
-            session = self._get_or_create(client)
-            if session.streaming:
+            session = self._sessions.get(client)
+            if session is not None and session.streaming:
                 raise AlreadyExists(f"client {client} already has an open Step stream")
+            if self.num_streams >= self.max_targets:
+                if session is not None:  # what it registered before asking is freed: it will retry afresh
+                    self._end(session)
+                raise CapacityExceeded(f"the drafter serves its limit of {self.max_targets} targets "
+                                       "(--max-targets)")
+            session = self._get_or_create(client)
             session.streaming = True
             return session
 
 
-def serve(server_obj: DrafterServer, listen: list[str], *, max_workers: int = 8) -> Served:
-    """Serve on every address with grpc.health.v1. Each open Step stream holds one of the max_workers
-    threads; keepalive pings (shared.serving) find a target that vanished without closing its socket."""
+def serve(server_obj: DrafterServer, listen: list[str]) -> Served:
+    """Serve on every address with grpc.health.v1. Each open Step stream holds a thread (at most
+    max_targets of them, plus spares for unary calls and health checks); keepalive pings
+    (shared.serving) find a target that vanished without closing its socket."""
     register = lambda server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(server_obj, server)  # noqa: E731
     # Busy while a target is connected: its requests in flight still want drafts.
-    return start_server(register, listen, SERVICE_NAME, max_workers=max_workers,
-                        busy=lambda: server_obj.num_sessions > 0)
+    return start_server(register, listen, SERVICE_NAME, max_workers=server_obj.max_targets + SPARE_THREADS,
+                        busy=lambda: server_obj.num_streams > 0)

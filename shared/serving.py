@@ -15,6 +15,8 @@ from shared.errors import InvalidRequest
 CLIENT_HEADER = "x-specsplit-client"
 _MESSAGE_LIMITS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 CHANNEL_OPTIONS = list(_MESSAGE_LIMITS)  # inline rows between hosts can be large
+# Server threads kept beyond the long-lived streams a service admits: unary calls and health checks.
+SPARE_THREADS = 8
 SERVER_OPTIONS = _MESSAGE_LIMITS + [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
 
 

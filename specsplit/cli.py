@@ -107,7 +107,8 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
     log_to_stderr()
     from specsplit.services import DrafterSettings, start_drafter, wait_for_signal
 
-    server_obj, server = start_drafter(DrafterSettings(tuple(args.listen), setup_from(args, args.drafter), head=args.head))
+    server_obj, server = start_drafter(DrafterSettings(tuple(args.listen), setup_from(args, args.drafter),
+                                                       head=args.head, max_targets=args.max_targets))
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
     server.drain(args.drain_seconds)  # a target still connected keeps its Step stream until then
@@ -122,7 +123,7 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
     drafter = None if args.drafter in (None, "none") else args.drafter
     engine = EngineConfig(max_batch=args.max_batch, num_drafts=args.num_drafts, kv_blocks=args.kv_blocks)
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
-                              drafter_timeout=args.drafter_timeout)
+                              drafter_timeout=args.drafter_timeout, max_streams=args.max_streams)
     loop, server = start_target(settings)
     print(f"target serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
@@ -165,6 +166,8 @@ def add_service_parsers(sub) -> None:
     ds.add_argument("--drafter", default="dflash", help=DRAFTER_HELP)
     ds.add_argument("--head", default="auto", choices=["auto", "checkpoint", "target"],
                     help="where the target's embedding/LM head come from (auto: shared buffers on CUDA)")
+    ds.add_argument("--max-targets", type=int, default=8,
+                    help="targets connected at once; one more is refused with RESOURCE_EXHAUSTED")
     ds.set_defaults(func=cmd_drafter_serve)
 
     target = sub.add_parser("target", help="the target service").add_subparsers(dest="action", required=True)
@@ -175,6 +178,9 @@ def add_service_parsers(sub) -> None:
     ts.add_argument("--num-drafts", type=int, default=None)
     ts.add_argument("--kv-blocks", type=int, default=2048)
     ts.add_argument("--drafter-timeout", type=float, default=60.0)
+    ts.add_argument("--max-streams", type=int, default=64,
+                    help="Generate streams open at once (requests past --max-batch wait in the engine's "
+                         "queue); one more is refused with RESOURCE_EXHAUSTED")
     ts.set_defaults(func=cmd_target_serve)
 
     for name, func, text in (("up", cmd_up, "start both services on the default model; print their addresses"),

@@ -28,10 +28,13 @@ class DrafterSettings:
     listen: tuple[str, ...]
     setup: LocalSetup  # target (for its geometry and head), drafter, device, dtype, seed
     head: str = "auto"  # auto | checkpoint | target: where the drafter's embedding and LM head come from
+    max_targets: int = 8  # targets connected at once (each keeps a Step stream open)
 
     def __post_init__(self) -> None:
         if self.head not in ("auto", "checkpoint", "target"):
             raise InvalidRequest("--head must be auto, checkpoint or target")
+        if self.max_targets < 1:
+            raise InvalidRequest("--max-targets must be at least 1")
         if not self.listen:
             raise InvalidRequest("give at least one --listen address")
 
@@ -48,10 +51,13 @@ class TargetSettings:
     drafter_address: str | None  # None: serve without speculation
     engine: EngineConfig = EngineConfig()
     drafter_timeout: float = 60.0
+    max_streams: int = 64  # Generate streams open at once; more are refused with RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:
         if not self.listen:
             raise InvalidRequest("give at least one --listen address")
+        if self.max_streams < 1:
+            raise InvalidRequest("--max-streams must be at least 1")
 
 
 def checkpoint_head(folder, dtype, device) -> TargetHead:
@@ -70,7 +76,7 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
     drafter = build_drafter(setup.drafter, info, head, setup)
     if drafter is None:
         raise InvalidRequest("a drafter service needs a drafter: --drafter none is not one")
-    return DrafterServer(drafter, head=head, device=setup.device)
+    return DrafterServer(drafter, head=head, device=setup.device, max_targets=settings.max_targets)
 
 
 def start_drafter(settings: DrafterSettings) -> tuple[DrafterServer, Served]:
@@ -90,7 +96,7 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
                                   head=(model.embed_weight, model.lm_head_weight))
     engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids, text_stream=tokenizer.stream)
     loop = EngineLoop(engine)
-    servicer = TargetServicer(loop, tokenizer, model_name=folder.name)
+    servicer = TargetServicer(loop, tokenizer, model_name=folder.name, max_streams=settings.max_streams)
     return loop, serve_target_rpc(servicer, list(settings.listen))
 
 

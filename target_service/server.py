@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
-
 
 from protos.specsplit.v1 import target_pb2_grpc
 from shared import wire
-from shared.errors import InvalidRequest
-from shared.serving import Served, start_server
+from shared.errors import CapacityExceeded, InvalidRequest
+from shared.serving import SPARE_THREADS, Served, start_server
 from shared.status import rpc_errors
 from shared.tokenizer import Tokenizer
 from target_service.loop import EngineLoop
@@ -23,10 +23,16 @@ def _stats(event: StepEvent) -> wire.GenerationStats:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, model_name: str) -> None:
+    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, model_name: str, *, max_streams: int = 64) -> None:
+        if max_streams < 1:
+            raise InvalidRequest(f"max_streams must be at least 1, got {max_streams}")
         self.loop = loop
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # Each open stream holds a server thread; past this many, Generate answers RESOURCE_EXHAUSTED
+        # at once instead of waiting unseen for a thread (and health checks always find one).
+        self.max_streams = max_streams
+        self._streams = threading.BoundedSemaphore(max_streams)
 
     def _request(self, call: wire.GenerateCall) -> Request:
         if isinstance(call.prompt, str):
@@ -42,6 +48,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     def Generate(self, request, context):
+        if not self._streams.acquire(blocking=False):
+            raise CapacityExceeded(f"the target is serving its limit of {self.max_streams} streams "
+                                   "(--max-streams); retry later")
+        try:
+            yield from self._generate(request, context)
+        finally:
+            self._streams.release()
+
+    def _generate(self, request, context):
         req = self._request(wire.generate_from_proto(request))
         events = self.loop.submit(req)
         context.add_callback(lambda: self.loop.cancel(req.request_id))
@@ -70,7 +85,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         ))
 
 
-def serve(servicer: TargetServicer, listen: list[str], *, max_workers: int = 32) -> Served:
-    """Serve on every address (host:port or unix:PATH) with grpc.health.v1; the caller drains or stops it."""
+def serve(servicer: TargetServicer, listen: list[str]) -> Served:
+    """Serve on every address (host:port or unix:PATH) with grpc.health.v1; the caller drains or stops it.
+    Threads: one per stream the servicer admits, and spares for Describe and health checks."""
     register = lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)  # noqa: E731
-    return start_server(register, listen, SERVICE_NAME, max_workers=max_workers, busy=lambda: servicer.loop.busy)
+    return start_server(register, listen, SERVICE_NAME, max_workers=servicer.max_streams + SPARE_THREADS,
+                        busy=lambda: servicer.loop.busy)

@@ -19,9 +19,14 @@ from target_service.sequence import FinishReason
 
 @pytest.fixture
 def pair(tmp_path):
+    yield from started_pair(tmp_path)
+
+
+def started_pair(tmp_path, **target_settings):
     drafter_addr, target_addr = f"unix:{tmp_path}/d.sock", f"unix:{tmp_path}/t.sock"
     drafter_obj, drafter_server = start_drafter(DrafterSettings((drafter_addr,), LocalSetup(drafter="random-dflash")))
-    loop, target_server = start_target(TargetSettings((target_addr,), LocalSetup(), drafter_addr, EngineConfig()))
+    loop, target_server = start_target(TargetSettings((target_addr,), LocalSetup(), drafter_addr, EngineConfig(),
+                                                      **target_settings))
     yield drafter_obj, loop, TargetClient(target_addr), target_server
     target_server.stop(grace=1).wait()
     loop.stop()
@@ -97,3 +102,25 @@ def _refused(client: TargetClient) -> bool:
     except grpc.RpcError as exc:
         return exc.code() == grpc.StatusCode.UNAVAILABLE
     return False
+
+
+def test_streams_past_max_streams_are_refused_at_once(tmp_path):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    pair = started_pair(tmp_path, max_streams=1)
+    drafter_obj, loop, client, _ = next(pair)
+    try:
+        call = client.stub.Generate(wire.generate_to_proto(
+            wire.GenerateCall("Count from one to a thousand:", SamplingParams(max_tokens=400, ignore_eos=True))))
+        next(call)
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.stub.Generate(wire.generate_to_proto(wire.GenerateCall("Hi", SamplingParams(max_tokens=2))),
+                                      timeout=10))
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-streams" in info.value.details()
+        reply = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING  # spare threads answer while full
+        call.cancel()
+        assert wait_until(lambda: not loop.busy)
+        assert client.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True))["token_ids"]
+    finally:
+        next(pair, None)

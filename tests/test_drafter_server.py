@@ -17,6 +17,7 @@ from drafter_service.heads import TargetHead, TargetInfo
 from drafter_service.server import CLIENT_HEADER, SERVICE_NAME, DrafterServer, serve
 from protos.specsplit.v1 import drafter_pb2, drafter_pb2_grpc
 from shared import wire
+from shared.errors import InvalidRequest
 from shared.proposer import ProposeRequest, bool_to_bitmask
 from shared.transport import BufferExporter, BufferRole, RowRef, encode_inline, host_id
 
@@ -93,12 +94,12 @@ def env(tmp_path):
     exporter = BufferExporter()
     made: list = []
 
-    def start(server_head="drafter", drafter_head: TargetHead | None = None):
+    def start(server_head="drafter", drafter_head: TargetHead | None = None, max_targets: int = 8):
         drafter = make_drafter(drafter_head)
         head = drafter.head if server_head == "drafter" else server_head
-        server_obj = DrafterServer(drafter, head=head, device="cpu")
+        server_obj = DrafterServer(drafter, head=head, device="cpu", max_targets=max_targets)
         address = f"unix:{tmp_path}/drafter-{len(made)}.sock"
-        server = serve(server_obj, [address], max_workers=8)
+        server = serve(server_obj, [address])
         channel = grpc.insecure_channel(address)
         made.append((server, server_obj, channel))
         return drafter, server_obj, channel
@@ -359,6 +360,27 @@ def test_a_second_step_stream_of_one_client_is_refused(env):
     assert info.value.code() is grpc.StatusCode.ALREADY_EXISTS
     assert client.step(wire.StepBatch(2)).step_id == 2
     client.close_stream()
+
+
+def test_targets_past_max_targets_are_refused_until_one_leaves(env):
+    _, server_obj, channel = env.start(max_targets=1)
+    first, second = (Client(channel, name, env.exporter) for name in ("target-a", "target-b"))
+    first.open()
+    assert first.step(wire.StepBatch(1)).step_id == 1
+    with pytest.raises(grpc.RpcError) as info:
+        next(second.stub.Step(iter([drafter_pb2.StepRequest(step_id=1)]), metadata=second.metadata, timeout=10))
+    assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-targets" in info.value.details()
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING  # spare threads answer while full
+    first.close_stream()
+    wait_until(lambda: server_obj.num_streams == 0)
+    assert server_obj.num_sessions == 0  # the refused target's buffers were freed with its session
+    second = Client(channel, "target-b", env.exporter)  # it reconnects afresh, as RemoteProposer does
+    second.open()
+    assert second.step(wire.StepBatch(1)).step_id == 1
+    second.close_stream()
+    with pytest.raises(InvalidRequest):
+        DrafterServer(env.twin, head=None, device="cpu", max_targets=0)
 
 
 # ---- sessions ------------------------------------------------------------------------------------
