@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -55,11 +56,14 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
     """
 
     def __init__(self, proposer: Proposer, *, head: TargetHead | None, device: torch.device | str,
-                 max_targets: int = 8) -> None:
+                 max_targets: int = 8, idle_seconds: float = 600.0) -> None:
         if max_targets < 1:
             raise InvalidRequest(f"max_targets must be at least 1, got {max_targets}")
         self.proposer = proposer
         self.max_targets = max_targets  # open Step streams; each holds a server thread
+        # A connection with no Step stream and no call for this long is presumed gone (a target that
+        # died between registering buffers and opening its stream): its state is freed.
+        self.idle_seconds = idle_seconds
         self.head = head
         self.device = torch.device(device)
         self._lock = threading.RLock()  # one drafter, one GPU stream: every call is serialized
@@ -73,7 +77,18 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         """The caller's session (created on first use), held under the drafter lock."""
         client = client_id(context)
         with self._lock:
-            yield self._get_or_create(client)
+            self._sweep_idle()
+            session = self._get_or_create(client)
+            session.last_call = time.monotonic()
+            yield session
+
+    def _sweep_idle(self) -> None:
+        now = time.monotonic()
+        for session in list(self._sessions.values()):
+            if not session.streaming and now - session.last_call > self.idle_seconds:
+                log.info("client %s made no call for %.0f s and has no Step stream: freeing it",
+                         session.client_id, now - session.last_call)
+                self._end(session)
 
     def _get_or_create(self, client: str) -> Session:
         session = self._sessions.get(client)
@@ -221,6 +236,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
 
     def _open_stream(self, client: str) -> Session:
         with self._lock:
+            self._sweep_idle()
             session = self._sessions.get(client)
             if session is not None and session.streaming:
                 raise AlreadyExists(f"client {client} already has an open Step stream")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
@@ -47,6 +48,7 @@ class Session:
         self._seqs: dict[int, int] = {}  # client seq id → drafter seq id
         self._handles: set[int] = set()  # carried-KV handles this client owns
         self.streaming = False  # a Step stream is open (one per client at a time)
+        self.last_call = time.monotonic()  # of a unary call (the server frees long-idle sessions without a stream)
         self.closed = False
 
     # ---- ids ------------------------------------------------------------------------------------

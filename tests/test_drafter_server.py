@@ -94,10 +94,10 @@ def env(tmp_path):
     exporter = BufferExporter()
     made: list = []
 
-    def start(server_head="drafter", drafter_head: TargetHead | None = None, max_targets: int = 8):
+    def start(server_head="drafter", drafter_head: TargetHead | None = None, **server_kw):
         drafter = make_drafter(drafter_head)
         head = drafter.head if server_head == "drafter" else server_head
-        server_obj = DrafterServer(drafter, head=head, device="cpu", max_targets=max_targets)
+        server_obj = DrafterServer(drafter, head=head, device="cpu", **server_kw)
         address = f"unix:{tmp_path}/drafter-{len(made)}.sock"
         server = serve(server_obj, [address])
         channel = grpc.insecure_channel(address)
@@ -381,6 +381,22 @@ def test_targets_past_max_targets_are_refused_until_one_leaves(env):
     second.close_stream()
     with pytest.raises(InvalidRequest):
         DrafterServer(env.twin, head=None, device="cpu", max_targets=0)
+
+
+def test_a_connection_without_a_stream_is_freed_once_idle(env):
+    drafter, server_obj, channel = env.start(idle_seconds=0.3)
+    gone, streaming = (Client(channel, name, env.exporter) for name in ("target-gone", "target-streaming"))
+    gone.call("AllocState", wire.alloc_to_proto(0, BUDGET))  # then it dies before opening its stream
+    streaming.call("AllocState", wire.alloc_to_proto(0, BUDGET))
+    streaming.open()
+    assert streaming.step(wire.StepBatch(1)).step_id == 1  # its stream is open on the drafter now
+    assert server_obj.num_sessions == 2 and len(drafter.store) == 2
+    time.sleep(0.5)
+    fresh = Client(channel, "target-new", env.exporter)  # any call sweeps: the idle, stream-less one goes
+    assert server_obj.num_sessions == 2 and len(drafter.store) == 1
+    assert streaming.step(wire.StepBatch(2)).step_id == 2  # an idle stream is a live connection
+    assert fresh.code("FreeState", drafter_pb2.FreeStateRequest(seq_id=0)) == "NOT_FOUND"
+    streaming.close_stream()
 
 
 # ---- sessions ------------------------------------------------------------------------------------
