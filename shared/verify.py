@@ -227,9 +227,10 @@ def _draft_row_at(seqs: list[_Sampled], accepted: torch.Tensor, num_drafts: torc
     q = torch.zeros((len(seqs), vocab), dtype=torch.float32, device=device)
     if widest:  # one-hot drafts: q is 1 on the rejected draft
         q.scatter_(1, padded.gather(1, slot[:, None]), rejected[:, None])
-    for i, s in enumerate(seqs):  # drafters that ship their distributions (rare): that row
+    for i, s in enumerate(seqs):  # drafters that ship their distributions (rare): that row, no host sync
         if s.draft_probs is not None and s.drafts:
-            q[i] = s.draft_probs.to(device=device, dtype=torch.float32)[slot[i]] * rejected[i]
+            row = s.draft_probs.to(device=device, dtype=torch.float32).index_select(0, slot[i:i + 1])[0]
+            q[i] = row * rejected[i]
     return q
 
 

@@ -156,7 +156,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-seconds", type=float, default=25.0,
                    help="on SIGTERM/SIGINT: report NOT_SERVING, refuse new calls and give calls in flight "
-                        "this long to finish (default 25, inside Kubernetes' 30 s grace period)")
+                        "this long to finish (default 25; keep it below the pod's grace period)")
 
 
 def add_service_parsers(sub) -> None:

@@ -113,6 +113,7 @@ class _Connection:
     step: RowStager | None = None
     bulk: RowStager | None = None  # prefill / re-attach rows, grown on demand
     head_buffers: list = field(default_factory=list)
+    allocated: set[int] = field(default_factory=set)  # seq ids this connection's drafter session holds
 
     def close(self) -> None:
         self.outbox.put(None)
@@ -157,6 +158,10 @@ class RemoteProposer:
         responses = conn.stub.Step(iter(conn.outbox.get, None), metadata=conn.metadata)
         threading.Thread(target=self._read, args=(responses, conn.inbox), daemon=True).start()
         self._conn, self._pending = conn, {}
+        try:
+            self._flush([])  # the stream opens lazily: make sure the drafter took it (--max-targets may not)
+        except SpecsplitError as exc:  # _flush has disconnected
+            raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: {exc}") from None
         log.info("drafter at %s attached (%s rows, %s)", self.address, self.mode, desc.spec.kind.value)
         return desc.spec
 
@@ -242,6 +247,7 @@ class RemoteProposer:
     def alloc(self, seq_id: int, budget_tokens: int) -> None:
         self._send_queued(seq_id)
         self._unary("AllocState", wire.alloc_to_proto(seq_id, budget_tokens))
+        self._live().allocated.add(seq_id)
 
     def prefill(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, start_pos: int = 0) -> int:
         self._send_queued(seq_id)
@@ -289,7 +295,13 @@ class RemoteProposer:
         return rows.shape[0]
 
     def free(self, seq_id: int) -> None:
-        """Queued: it rides on the next step's message (the engine calls `flush` when none is coming)."""
+        """Queued: it rides on the next step's message (the engine calls `flush` when none is coming).
+        A sequence this connection never allocated (the drafter restarted since) has nothing to free."""
+        conn = self._live()
+        if seq_id not in conn.allocated:
+            self._pending.pop(seq_id, None)
+            return
+        conn.allocated.discard(seq_id)
         self._pending_for(seq_id, "free").free = True
 
     def _send_queued(self, seq_id: int) -> None:

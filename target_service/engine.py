@@ -376,9 +376,13 @@ class Engine:
         else:
             if seq.finish_reason is None:
                 text = seq.decoded[: max(len(seq.text), len(seq.decoded) - max(longest - 1, 0))]
-            else:
+            else:  # the end: a trailing partial character shows as a plain decode shows it
+                searched_from = max(0, len(seq.decoded) - longest + 1)
                 seq.decoded += seq.detok.flush()
-                text = seq.decoded
+                cut = _first_stop(seq.decoded, stops, searched_from)
+                if cut is not None:
+                    seq.finish_reason = FinishReason.STOP
+                text = seq.decoded if cut is None else seq.decoded[:cut]
         delta = text[len(seq.text):]
         seq.text += delta
         return delta

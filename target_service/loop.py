@@ -39,7 +39,8 @@ class EngineLoop:
         with self._work:
             if self._stopped:
                 raise SpecsplitError("the target is shutting down")
-            if request.request_id in self._streams:
+            if request.request_id in self._streams or request.request_id in self._cancels:
+                # A cancelled request runs until the engine thread aborts it: its id is not free yet.
                 raise InvalidRequest(f"request id {request.request_id!r} is already in flight")
             self._streams[request.request_id] = events
             self._admissions.append(request)
@@ -77,11 +78,14 @@ class EngineLoop:
             with self._work:
                 while not (self._stopped or self._admissions or self._cancels or self.engine.has_work):
                     self._work.wait()
-                admissions, self._admissions = self._admissions, []
-                cancels, self._cancels = self._cancels, []
+                admissions = self._admissions
+                self._admissions = []
+                cancels = list(self._cancels)
                 stopped = self._stopped
             for request_id in cancels:
-                self.engine.abort(request_id)
+                self._guarded(self.engine.abort, request_id)
+            with self._work:
+                del self._cancels[:len(cancels)]  # aborted: the ids are free again
             if stopped:
                 self._fail_all(SpecsplitError("the target shut down"))
                 return
@@ -110,6 +114,14 @@ class EngineLoop:
         if event.finish_reason is not None:
             del self._streams[event.request_id]
 
+    def _guarded(self, call, request_id: str) -> None:
+        """An abort that fails must not kill the engine thread: the request's client gets the error."""
+        try:
+            call(request_id)
+        except Exception as exc:  # noqa: BLE001 - logged; the thread goes on serving the others
+            log.exception("aborting request %s failed", request_id)
+            self._deliver_error(request_id, exc)
+
     def _deliver_error(self, request_id: str, exc: Exception) -> None:
         with self._work:
             stream = self._streams.pop(request_id, None)
@@ -121,5 +133,5 @@ class EngineLoop:
             streams, self._streams = self._streams, {}
             self._admissions = []
         for request_id, stream in streams.items():
-            self.engine.abort(request_id)  # a no-op for requests the engine never admitted
+            self._guarded(self.engine.abort, request_id)  # a no-op for requests the engine never admitted
             stream.put(exc)

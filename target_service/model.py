@@ -242,7 +242,10 @@ class TargetModel(nn.Module):
             t.to(device, non_blocking=True) for t in (q_valid, q_index, out_rows, token_seq, k_valid))
         k_pos = torch.arange(lmax, device=device)
         tables = pad_sequence([cache.block_table(s).to(torch.int64) for s in seq_ids], batch_first=True)
-        blocks = tables.gather(1, (k_pos // cache.block_size).clamp(max=tables.shape[1] - 1).expand(len(seq_ids), -1))
+        # Padding columns read the row's own last block, never another request's (masked either way,
+        # but a non-finite value there would still turn 0-weights into NaN).
+        own_blocks = torch.tensor([cache.blocks_for(last + 1) - 1 for last in lasts]).to(device, non_blocking=True)
+        blocks = tables.gather(1, torch.minimum((k_pos // cache.block_size)[None, :], own_blocks[:, None]))
         slots = blocks * cache.block_size + k_pos % cache.block_size  # [B, Lmax]
         new_slots = slots[token_seq, positions]  # [T]: each token's own slot
         q_pos = positions[q_index]

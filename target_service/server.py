@@ -33,6 +33,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         # at once instead of waiting unseen for a thread (and health checks always find one).
         self.max_streams = max_streams
         self._streams = threading.BoundedSemaphore(max_streams)
+        self._open = 0  # Generate handlers running (a stream is over when its handler returns)
+        self._open_lock = threading.Lock()
 
     def _request(self, call: wire.GenerateCall) -> Request:
         if isinstance(call.prompt, str):
@@ -51,10 +53,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not self._streams.acquire(blocking=False):
             raise CapacityExceeded(f"the target is serving its limit of {self.max_streams} streams "
                                    "(--max-streams); retry later")
+        with self._open_lock:
+            self._open += 1
         try:
             yield from self._generate(request, context)
         finally:
+            with self._open_lock:
+                self._open -= 1
             self._streams.release()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a Generate stream is still open (its last chunk may not have been sent yet)."""
+        with self._open_lock:
+            return self._open > 0
 
     def _generate(self, request, context):
         req = self._request(wire.generate_from_proto(request))
@@ -90,4 +102,4 @@ def serve(servicer: TargetServicer, listen: list[str]) -> Served:
     Threads: one per stream the servicer admits, and spares for Describe and health checks."""
     register = lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)  # noqa: E731
     return start_server(register, listen, SERVICE_NAME, max_workers=servicer.max_streams + SPARE_THREADS,
-                        busy=lambda: servicer.loop.busy)
+                        busy=lambda: servicer.busy)

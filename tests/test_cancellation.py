@@ -17,9 +17,13 @@ from target_service.engine import EngineConfig
 from target_service.sequence import FinishReason
 
 
+PROMPT = "Count from one to a thousand:"
+
+
 @pytest.fixture
 def pair(tmp_path):
-    yield from started_pair(tmp_path)
+    for drafter_obj, loop, client, target_server, _ in started_pair(tmp_path):
+        yield drafter_obj, loop, client, target_server
 
 
 def started_pair(tmp_path, **target_settings):
@@ -27,7 +31,7 @@ def started_pair(tmp_path, **target_settings):
     drafter_obj, drafter_server = start_drafter(DrafterSettings((drafter_addr,), LocalSetup(drafter="random-dflash")))
     loop, target_server = start_target(TargetSettings((target_addr,), LocalSetup(), drafter_addr, EngineConfig(),
                                                       **target_settings))
-    yield drafter_obj, loop, TargetClient(target_addr), target_server
+    yield drafter_obj, loop, TargetClient(target_addr), target_server, drafter_server
     target_server.stop(grace=1).wait()
     loop.stop()
     drafter_server.stop(grace=1).wait()
@@ -46,7 +50,7 @@ def wait_until(predicate, timeout=20.0):
 def test_cancelled_stream_frees_target_and_drafter_state(pair):
     drafter_obj, loop, client, _ = pair
     request = wire.generate_to_proto(
-        wire.GenerateCall("Count from one to a thousand:", SamplingParams(max_tokens=400, ignore_eos=True)))
+        wire.GenerateCall(PROMPT, SamplingParams(max_tokens=400, ignore_eos=True)))
     call = client.stub.Generate(request)
     next(call)  # the first tokens arrived: the sequence lives on both sides
     assert len(loop.engine.running) == 1 and len(drafter_obj.proposer.store) == 1
@@ -81,7 +85,7 @@ def test_drain_finishes_streams_in_flight_and_refuses_new_ones(pair):
 
     drafter_obj, loop, client, served = pair
     call = client.stub.Generate(wire.generate_to_proto(
-        wire.GenerateCall("Count from one to a thousand:", SamplingParams(max_tokens=60, ignore_eos=True))))
+        wire.GenerateCall(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True))))
     first = next(call)
     watch = health_pb2_grpc.HealthStub(client.channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
     assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
@@ -108,10 +112,10 @@ def test_streams_past_max_streams_are_refused_at_once(tmp_path):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     pair = started_pair(tmp_path, max_streams=1)
-    drafter_obj, loop, client, _ = next(pair)
+    drafter_obj, loop, client, _, _ = next(pair)
     try:
         call = client.stub.Generate(wire.generate_to_proto(
-            wire.GenerateCall("Count from one to a thousand:", SamplingParams(max_tokens=400, ignore_eos=True))))
+            wire.GenerateCall(PROMPT, SamplingParams(max_tokens=400, ignore_eos=True))))
         next(call)
         with pytest.raises(grpc.RpcError) as info:
             list(client.stub.Generate(wire.generate_to_proto(wire.GenerateCall("Hi", SamplingParams(max_tokens=2))),
@@ -123,4 +127,33 @@ def test_streams_past_max_streams_are_refused_at_once(tmp_path):
         assert wait_until(lambda: not loop.busy)
         assert client.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True))["token_ids"]
     finally:
+        next(pair, None)
+
+
+def test_a_drafter_restart_mid_request_resumes_speculation_for_it(tmp_path):
+    """The drafter dies while a long request runs; a new one comes up at the same address: the
+    target re-attaches *that* request (re-captured rows) and the output equals target-only."""
+    pair = started_pair(tmp_path)
+    drafter_obj, loop, client, _, drafter_server = next(pair)
+    drafter_addr = f"unix:{tmp_path}/d.sock"
+    params = SamplingParams(max_tokens=160, ignore_eos=True)
+    reference = client.generate(PROMPT, params, speculative=False)["token_ids"]
+    replacement = None
+    try:
+        tokens = []
+        stream = client.stream(PROMPT, params)
+        tokens += next(stream).token_ids
+        drafter_server.stop(None).wait()
+        drafter_obj.close()
+        replacement = start_drafter(DrafterSettings((drafter_addr,), LocalSetup(drafter="random-dflash")))
+        saw_it = False
+        for chunk in stream:
+            tokens += chunk.token_ids
+            saw_it = saw_it or len(replacement[0].proposer.store) == 1
+        assert saw_it  # the running request was re-attached to the new drafter
+        assert tokens == reference
+    finally:
+        if replacement is not None:
+            replacement[1].stop(None).wait()
+            replacement[0].close()
         next(pair, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -107,15 +108,29 @@ def test_duplicate_and_invalid_requests_raise_in_the_callers_thread(gated):
         loop.submit(Request("d", [5], SamplingParams(max_tokens=10**6)))
 
 
-def test_an_id_is_reusable_once_its_request_was_cancelled(gated):
+def test_an_id_is_reusable_once_its_cancelled_request_is_aborted(gated):
     engine, loop = gated
-    loop.submit(request("a"))
-    loop.cancel("a")
-    again = loop.submit(request("a", max_tokens=3))
+    first = loop.submit(request("a"))
+    engine.gate.release()  # prefill
+    assert first.get(timeout=30).token_ids
+    loop.cancel("a")  # the engine thread is inside a step: "a" still runs until it is aborted
+    with pytest.raises(InvalidRequest, match="already in flight"):
+        loop.submit(request("a", max_tokens=3))  # its events could otherwise reach the new stream
     for _ in range(1000):
         engine.gate.release()
+    again = _submit_when_free(loop, request("a", max_tokens=3))
     events = drain(again)
-    assert sum(len(e.token_ids) for e in events) == 3
+    assert sum(len(e.token_ids) for e in events) == 3 and events[-1].finish_reason is not None
+
+
+def _submit_when_free(loop, req, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return loop.submit(req)
+        except InvalidRequest:
+            assert time.monotonic() < deadline, "the cancelled id never became free"
+            time.sleep(0.01)
 
 
 def test_stop_fails_every_open_stream(gated):
