@@ -12,7 +12,7 @@ from shared.tokenizer import Tokenizer
 from specsplit.local import target_head, target_info
 from target_service.engine import Engine, EngineConfig
 from target_service.model import load_target
-from target_service.sequence import FinishReason, Request
+from target_service.sequence import FinishReason, Request, Sequence
 from tests.oracle import OracleDrafter
 
 PROMPTS = [
@@ -157,6 +157,30 @@ def test_incremental_text_and_stop_strings_match_plain_decoding(target, tokenize
             hit = any(s in full[r.request_id] for s in stops)
             assert finish is (FinishReason.STOP if hit else FinishReason.LENGTH)
     assert not engine.running
+
+
+class _CutCharacter:
+    """A detokenizer whose last token leaves a character unfinished: push gives '', flush U+FFFD."""
+
+    def push(self, token_id: int) -> str:
+        return "ab" if token_id == 5 else ""
+
+    def flush(self) -> str:
+        return "\ufffd"
+
+
+@pytest.mark.parametrize("stops, text, finish", [((), "ab\ufffd", FinishReason.LENGTH),
+                                                 (("b\ufffd",), "a", FinishReason.STOP)])
+def test_text_flushed_at_the_end_is_checked_for_stops(target, stops, text, finish):
+    engine = Engine(target, None, text_stream=_CutCharacter)
+    params = SamplingParams(max_tokens=2, stop_strings=stops, ignore_eos=True)
+    seq = Sequence(0, Request("a", [1, 2], params), torch.Generator(), frozenset(), [1, 2, 5],
+                   detok=_CutCharacter())
+    emitted = engine._text_delta(seq, [5])
+    seq.tokens.append(7)
+    seq.finish_reason = FinishReason.LENGTH  # the request ends on a token that leaves a character open
+    emitted += engine._text_delta(seq, [7])
+    assert (emitted, seq.finish_reason) == (text, finish)
 
 
 def test_bad_requests_are_refused(target, tokenizer):
