@@ -114,6 +114,7 @@ class _Connection:
     bulk: RowStager | None = None  # prefill / re-attach rows, grown on demand
     head_buffers: list = field(default_factory=list)
     allocated: set[int] = field(default_factory=set)  # seq ids this connection's drafter session holds
+    dead: bool = False  # the Step stream ended: the drafter has dropped (or never had) this session
 
     def close(self) -> None:
         self.outbox.put(None)
@@ -152,11 +153,11 @@ class RemoteProposer:
             desc = wire.description_from_proto(
                 conn.stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=self.timeout, metadata=conn.metadata))
             self._setup_transport(conn, desc)
-        except (grpc.RpcError, grpc.FutureTimeoutError, SpecsplitError) as exc:
+        except (grpc.RpcError, grpc.FutureTimeoutError, SpecsplitError, OSError) as exc:  # OSError: shared memory
             conn.close()  # the channel and any buffers already exported
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: {exc}") from None
         responses = conn.stub.Step(iter(conn.outbox.get, None), metadata=conn.metadata)
-        threading.Thread(target=self._read, args=(responses, conn.inbox), daemon=True).start()
+        threading.Thread(target=self._read, args=(responses, conn), daemon=True).start()
         self._conn, self._pending = conn, {}
         try:
             self._flush([])  # the stream opens lazily: make sure the drafter took it (--max-targets may not)
@@ -189,13 +190,16 @@ class RemoteProposer:
             conn.stub.RegisterBuffers(request, timeout=self.timeout, metadata=conn.metadata)
 
     @staticmethod
-    def _read(responses, inbox: queue.Queue) -> None:
+    def _read(responses, conn: _Connection) -> None:
         try:
             for response in responses:
-                inbox.put(response)
+                conn.inbox.put(response)
         except grpc.RpcError as exc:
-            inbox.put(exc)
-        inbox.put(DrafterUnavailable("the drafter closed the step stream"))
+            conn.inbox.put(exc)
+        # Unary calls on this channel could now reach a restarted drafter under this session's id,
+        # which it does not know (or would open afresh): the connection is over.
+        conn.dead = True
+        conn.inbox.put(DrafterUnavailable("the drafter closed the step stream"))
 
     def _disconnect(self) -> None:
         if self._conn is not None:
@@ -207,8 +211,10 @@ class RemoteProposer:
 
     def available(self) -> bool:
         """Whether the drafter can be used; reconnects (with backoff) after a failure."""
-        if self._conn is not None:
+        if self._conn is not None and not self._conn.dead:
             return True
+        if self._conn is not None:
+            self._disconnect()
         if time.monotonic() < self._retry_at:
             return False
         try:
@@ -227,7 +233,15 @@ class RemoteProposer:
     def close(self) -> None:
         self._disconnect()
 
+    def reset(self) -> None:
+        """Drop the connection: the drafter frees everything this target held there; `available()`
+        reconnects after the backoff. The engine calls this whenever it stops trusting the drafter's state."""
+        if self._conn is not None:
+            self._disconnect()
+
     def _live(self) -> _Connection:
+        if self._conn is not None and self._conn.dead:
+            self._disconnect()
         if self._conn is None:
             raise DrafterUnavailable("the drafter is disconnected")
         return self._conn

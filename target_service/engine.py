@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from contextlib import contextmanager
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 
-from shared.errors import CapacityExceeded, InvalidRequest
+from shared.errors import CapacityExceeded, InvalidRequest, StateConflict
 from shared.proposer import FeatureKind, ProposeRequest, Proposer
 from shared.sampling import make_generator
 from shared.tokenizer import TextStream
@@ -181,7 +181,7 @@ class Engine:
     # ---- the decode step ----------------------------------------------------------------------
 
     def _speculating(self, seq: Sequence) -> bool:
-        return self.drafter_ok and seq.request.speculative
+        return self.drafter_ok and seq.request.speculative and not seq.drafter_refused
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
         drafts = self._propose(seqs)
@@ -236,6 +236,16 @@ class Engine:
         proposals = self._drafter_call(self.proposer.propose, requests)
         if proposals is _FAILED:
             return drafts
+        vocab = self.model.config.vocab_size
+        for request, proposal in zip(requests, proposals):
+            tokens = proposal.tokens
+            if len(tokens) > request.num_drafts or any(not 0 <= t < vocab for t in tokens):
+                # A drafter that answers out of contract must not fail the verify of every request.
+                log.warning("the drafter answered sequence %s out of contract (%d drafts for %d asked, or an "
+                            "id outside [0, %d)); continuing without speculation", request.seq_id, len(tokens),
+                            request.num_drafts, vocab)
+                self._detach()
+                return [[] for _ in seqs]
         for i, proposal in zip(index, proposals):
             drafts[i] = list(proposal.tokens)
         return drafts
@@ -276,14 +286,34 @@ class Engine:
             return _FAILED
 
     def _detach(self) -> None:
+        """Stop trusting the drafter's state: a remote drafter's connection is dropped (it frees
+        everything this engine held there; re-attach rebuilds it), an in-process one is told to free."""
         self.drafter_ok = False
+        attached = [s for s in self.running.values() if s.drafter_attached]
         for seq in self.running.values():
             seq.drafter_attached = False
+        reset = getattr(self.proposer, "reset", None)
+        if reset is not None:
+            reset()
+            return
+        for seq in attached:
+            self._forget(seq)
 
     def _attach(self, seq: Sequence, tokens: list[int], rows: torch.Tensor | None) -> None:
-        if self._drafter_call(self.proposer.alloc, seq.seq_id, seq.budget_tokens) is _FAILED:
+        try:
+            self.proposer.alloc(seq.seq_id, seq.budget_tokens)
+            self.proposer.prefill(seq.seq_id, tokens, rows, 0)
+        except (InvalidRequest, CapacityExceeded, StateConflict) as exc:
+            # This sequence is what the drafter refuses, not the drafter: the others keep speculating.
+            log.warning("the drafter refused sequence %s (%s: %s); decoding it without speculation",
+                        seq.request.request_id, type(exc).__name__, exc)
+            seq.drafter_refused = True
+            self._forget(seq)
             return
-        if self._drafter_call(self.proposer.prefill, seq.seq_id, tokens, rows, 0) is _FAILED:
+        except Exception as exc:  # noqa: BLE001 - by design: a drafter fault must not fail requests
+            log.warning("drafter failed attaching %s (%s: %s); continuing without speculation",
+                        seq.request.request_id, type(exc).__name__, exc)
+            self._detach()
             return
         seq.drafter_attached = True
 
@@ -296,7 +326,7 @@ class Engine:
             return
         self.drafter_ok = True
         for seq in seqs:
-            if seq.request.speculative and self.drafter_ok:
+            if self._speculating(seq):
                 self._forget(seq)
                 self._attach(seq, seq.tokens[:-1], self._recapture(seq))
 

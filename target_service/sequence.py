@@ -65,6 +65,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)  # prompt followed by generated ids
     stats: RequestStats = field(default_factory=RequestStats)
     drafter_attached: bool = False  # the drafter holds state for this sequence
+    drafter_refused: bool = False  # the drafter refused this sequence (e.g. its budget): decode it serially
     finish_reason: FinishReason | None = None
     text: str = ""  # decoded generated text emitted so far (stop strings excluded)
     detok: TextStream | None = None  # incremental detokenizer (None: the engine emits no text)

@@ -157,3 +157,28 @@ def test_a_drafter_restart_mid_request_resumes_speculation_for_it(tmp_path):
             replacement[1].stop(None).wait()
             replacement[0].close()
         next(pair, None)
+
+
+def test_a_drafter_restart_while_idle_leaves_no_orphan_state(tmp_path):
+    """The target notices nothing while idle; its next calls must not open a stream-less session on
+    the new drafter under the old connection's id (it would hold the request's state until swept)."""
+    pair = started_pair(tmp_path)
+    drafter_obj, loop, client, _, drafter_server = next(pair)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    reference = client.generate(PROMPT, params, speculative=False)["token_ids"]
+    replacement = None
+    try:
+        assert client.generate(PROMPT, params)["token_ids"] == reference
+        drafter_server.stop(None).wait()
+        drafter_obj.close()
+        replacement = start_drafter(DrafterSettings((f"unix:{tmp_path}/d.sock",), LocalSetup(drafter="random-dflash")))
+        time.sleep(1.0)  # the old stream's end has reached the target
+        assert client.generate(PROMPT, params)["token_ids"] == reference
+        new = replacement[0]
+        assert wait_until(lambda: not loop.busy and len(new.proposer.store) == 0)
+        assert new.num_sessions == new.num_streams  # every session on the new drafter has its stream
+    finally:
+        if replacement is not None:
+            replacement[1].stop(None).wait()
+            replacement[0].close()
+        next(pair, None)

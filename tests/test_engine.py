@@ -7,6 +7,7 @@ import torch
 
 from drafter_service.checkpoint import random_drafter
 from shared.errors import InvalidRequest
+from shared.proposer import Proposal
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 from specsplit.local import target_head, target_info
@@ -214,6 +215,50 @@ class FlakyDrafter:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+class MisbehavingDrafter:
+    """Delegates to a real drafter; `propose_bad` spoils its answers, `refuse` makes prefill refuse
+    the sequences whose first prompt token is in it."""
+
+    def __init__(self, inner, propose_bad=None, refuse=()):
+        self.inner, self.spec, self.propose_bad, self.refuse = inner, inner.spec, propose_bad, set(refuse)
+
+    def propose(self, requests):
+        proposals = self.inner.propose(requests)
+        return [self.propose_bad(r, p) for r, p in zip(requests, proposals)] if self.propose_bad else proposals
+
+    def prefill(self, seq_id, token_ids, rows, start_pos=0):
+        if token_ids[0] in self.refuse:
+            raise InvalidRequest("this drafter cannot take that sequence")
+        return self.inner.prefill(seq_id, token_ids, rows, start_pos)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("spoil", ["id past the vocabulary", "more drafts than asked"])
+def test_a_drafter_answering_out_of_contract_is_detached_not_fatal(spoil, target, tokenizer, reference):
+    def bad(request, proposal):
+        if spoil == "id past the vocabulary":
+            return Proposal(tokens=[target.config.vocab_size + 3] * request.num_drafts)
+        return Proposal(tokens=[7] * (request.num_drafts + 5))
+
+    inner = drafter("dflash", target)
+    tokens, stats = run(target, MisbehavingDrafter(inner, propose_bad=bad), requests(tokenizer), max_batch=4)
+    assert tokens == reference and len(inner.store) == 0  # detaching freed what it held
+
+
+def test_a_sequence_the_drafter_refuses_is_decoded_serially_and_the_others_speculate(target, tokenizer, reference):
+    reqs = requests(tokenizer)
+    inner = drafter("dflash", target)
+    refusing = MisbehavingDrafter(inner, refuse={reqs[1].prompt_ids[0]})
+    engine = Engine(target, refusing, EngineConfig(max_batch=4))
+    events = engine.generate(reqs)
+    tokens = {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()}
+    stats = {rid: evs[-1].stats for rid, evs in events.items()}
+    assert tokens == reference and engine.drafter_ok and len(inner.store) == 0
+    assert stats["r1"].drafted == 0 and stats["r0"].drafted > 0 and stats["r2"].drafted > 0
 
 
 def test_drafter_failure_is_not_request_failure(target, tokenizer, reference):
