@@ -149,10 +149,11 @@ class RemoteProposer:
         conn = _Connection(channel, drafter_pb2_grpc.DrafterServiceStub(channel),
                            ((CLIENT_HEADER, uuid.uuid4().hex),))
         try:
-            grpc.channel_ready_future(channel).result(timeout=ready_timeout or self.timeout)
+            wait = ready_timeout or self.timeout  # every call of the attach: a hung drafter must not hold it
+            grpc.channel_ready_future(channel).result(timeout=wait)
             desc = wire.description_from_proto(
-                conn.stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=self.timeout, metadata=conn.metadata))
-            self._setup_transport(conn, desc)
+                conn.stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=wait, metadata=conn.metadata))
+            self._setup_transport(conn, desc, wait)
         except (grpc.RpcError, grpc.FutureTimeoutError, SpecsplitError, OSError) as exc:  # OSError: shared memory
             conn.close()  # the channel and any buffers already exported
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: {exc}") from None
@@ -160,13 +161,13 @@ class RemoteProposer:
         threading.Thread(target=self._read, args=(responses, conn), daemon=True).start()
         self._conn, self._pending = conn, {}
         try:
-            self._flush([])  # the stream opens lazily: make sure the drafter took it (--max-targets may not)
+            self._flush([], timeout=wait)  # the stream opens lazily: did the drafter take it (--max-targets)?
         except SpecsplitError as exc:  # _flush has disconnected
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: {exc}") from None
         log.info("drafter at %s attached (%s rows, %s)", self.address, self.mode, desc.spec.kind.value)
         return desc.spec
 
-    def _setup_transport(self, conn: _Connection, desc: wire.DrafterDescription) -> None:
+    def _setup_transport(self, conn: _Connection, desc: wire.DrafterDescription, wait: float) -> None:
         spec = desc.spec
         self.mode = choose_mode(host_id(), desc.host_id, device_uuid(self.device), desc.device_uuid)
         if desc.needs_target_head and (self.mode != "cuda_ipc" or self.head is None):
@@ -187,7 +188,7 @@ class RemoteProposer:
             buffers += conn.head_buffers
         if buffers:
             request = drafter_pb2.RegisterBuffersRequest(buffers=[wire.descriptor_to_proto(b.describe()) for b in buffers])
-            conn.stub.RegisterBuffers(request, timeout=self.timeout, metadata=conn.metadata)
+            conn.stub.RegisterBuffers(request, timeout=wait, metadata=conn.metadata)
 
     @staticmethod
     def _read(responses, conn: _Connection) -> None:
@@ -218,7 +219,7 @@ class RemoteProposer:
         if time.monotonic() < self._retry_at:
             return False
         try:
-            spec = self._connect(ready_timeout=1.0)  # the engine loop waits on this: keep it short
+            spec = self._connect(ready_timeout=2.0)  # the engine loop waits on this: keep it short
         except DrafterUnavailable as exc:
             log.info("drafter still unavailable: %s", exc)
             self._disconnect()
@@ -353,7 +354,7 @@ class RemoteProposer:
 
     # ---- the Step message ---------------------------------------------------------------------------
 
-    def _flush(self, proposes: list[ProposeRequest]) -> wire.StepResult:
+    def _flush(self, proposes: list[ProposeRequest], timeout: float | None = None) -> wire.StepResult:
         conn = self._live()
         conn.step.seal()
         self._step_id += 1
@@ -361,7 +362,7 @@ class RemoteProposer:
         self._pending = {}
         started = time.perf_counter()
         conn.outbox.put(wire.step_to_proto(batch))
-        result = self._receive(conn)
+        result = self._receive(conn, timeout or self.timeout)
         self.link.step_seconds.append(time.perf_counter() - started)
         if result.errors:
             # The drafter's state for this client no longer matches the target's: drop the connection
@@ -379,11 +380,11 @@ class RemoteProposer:
             stash = conn.step.source(*p.stash) if p.stash is not None else None
             yield wire.SeqStep(seq_id, catchup=catchup, stash=stash, commit=p.commit, trim=p.trim, free=p.free)
 
-    def _receive(self, conn: _Connection) -> wire.StepResult:
+    def _receive(self, conn: _Connection, timeout: float) -> wire.StepResult:
         try:
-            item = conn.inbox.get(timeout=self.timeout)
+            item = conn.inbox.get(timeout=timeout)
         except queue.Empty:
-            item = DrafterUnavailable(f"no step answer within {self.timeout:.0f} s")
+            item = DrafterUnavailable(f"no step answer within {timeout:.0f} s")
         if isinstance(item, grpc.RpcError):
             item = _error_from_rpc(item)
         if isinstance(item, Exception):

@@ -182,3 +182,40 @@ def test_a_drafter_restart_while_idle_leaves_no_orphan_state(tmp_path):
             replacement[1].stop(None).wait()
             replacement[0].close()
         next(pair, None)
+
+
+def test_re_attaching_to_a_hung_drafter_does_not_hold_the_engine(tmp_path):
+    """A drafter that accepts connections but never answers: re-attach gives up in seconds, not
+    after --drafter-timeout (here 600 s) per call, so the engine loop keeps serving."""
+    from concurrent import futures
+
+    from protos.specsplit.v1 import drafter_pb2_grpc
+    from target_service.drafter_client import RemoteProposer
+
+    class Hung(drafter_pb2_grpc.DrafterServiceServicer):
+        def Describe(self, request, context):
+            release.wait(60)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "hung")
+
+    address = f"unix:{tmp_path}/d.sock"
+    drafter_obj, drafter_server = start_drafter(DrafterSettings((address,), LocalSetup(drafter="random-dflash")))
+    proposer = RemoteProposer(address, timeout=600)
+    drafter_server.stop(None).wait()
+    drafter_obj.close()
+    release = threading.Event()
+    hung = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(Hung(), hung)
+    hung.add_insecure_port(address)
+    hung.start()
+    try:
+        proposer.reset()
+        time.sleep(1.0)  # past the first back-off: the next available() really tries to re-attach
+        answered = []
+        probe = threading.Thread(target=lambda: answered.append(proposer.available()), daemon=True)
+        probe.start()
+        probe.join(timeout=30)
+        assert answered == [False]
+    finally:
+        release.set()
+        hung.stop(None)
+        proposer.close()
