@@ -83,7 +83,7 @@ class EngineLoop:
                 cancels = list(self._cancels)
                 stopped = self._stopped
             for request_id in cancels:
-                self._guarded(self.engine.abort, request_id)
+                self._abort(request_id)
             with self._work:
                 del self._cancels[:len(cancels)]  # aborted: the ids are free again
             if stopped:
@@ -114,10 +114,10 @@ class EngineLoop:
         if event.finish_reason is not None:
             del self._streams[event.request_id]
 
-    def _guarded(self, call, request_id: str) -> None:
+    def _abort(self, request_id: str) -> None:
         """An abort that fails must not kill the engine thread: the request's client gets the error."""
         try:
-            call(request_id)
+            self.engine.abort(request_id)
         except Exception as exc:  # noqa: BLE001 - logged; the thread goes on serving the others
             log.exception("aborting request %s failed", request_id)
             self._deliver_error(request_id, exc)
@@ -133,5 +133,5 @@ class EngineLoop:
             streams, self._streams = self._streams, {}
             self._admissions = []
         for request_id, stream in streams.items():
-            self._guarded(self.engine.abort, request_id)  # a no-op for requests the engine never admitted
+            self._abort(request_id)  # a no-op for requests the engine never admitted
             stream.put(exc)
