@@ -130,58 +130,66 @@ def test_streams_past_max_streams_are_refused_at_once(tmp_path):
         next(pair, None)
 
 
-def test_a_drafter_restart_mid_request_resumes_speculation_for_it(tmp_path):
+class Restartable:
+    """A service pair whose drafter can be replaced by a new one at the same address."""
+
+    def __init__(self, tmp_path) -> None:
+        self.address = f"unix:{tmp_path}/d.sock"
+        self._pair = started_pair(tmp_path)
+        self.drafter, self.loop, self.client, _, self._drafter_server = next(self._pair)
+        self._replaced = False
+
+    def restart_drafter(self):
+        self._drafter_server.stop(None).wait()
+        self.drafter.close()
+        self.drafter, self._drafter_server = start_drafter(
+            DrafterSettings((self.address,), LocalSetup(drafter="random-dflash")))
+        self._replaced = True
+        return self.drafter
+
+    def close(self) -> None:
+        if self._replaced:  # the pair's own teardown stops the first drafter
+            self._drafter_server.stop(None).wait()
+            self.drafter.close()
+        next(self._pair, None)
+
+
+@pytest.fixture
+def restartable(tmp_path):
+    services = Restartable(tmp_path)
+    yield services
+    services.close()
+
+
+def test_a_drafter_restart_mid_request_resumes_speculation_for_it(restartable):
     """The drafter dies while a long request runs; a new one comes up at the same address: the
     target re-attaches *that* request (re-captured rows) and the output equals target-only."""
-    pair = started_pair(tmp_path)
-    drafter_obj, loop, client, _, drafter_server = next(pair)
-    drafter_addr = f"unix:{tmp_path}/d.sock"
+    client = restartable.client
     params = SamplingParams(max_tokens=160, ignore_eos=True)
     reference = client.generate(PROMPT, params, speculative=False)["token_ids"]
-    replacement = None
-    try:
-        tokens = []
-        stream = client.stream(PROMPT, params)
-        tokens += next(stream).token_ids
-        drafter_server.stop(None).wait()
-        drafter_obj.close()
-        replacement = start_drafter(DrafterSettings((drafter_addr,), LocalSetup(drafter="random-dflash")))
-        saw_it = False
-        for chunk in stream:
-            tokens += chunk.token_ids
-            saw_it = saw_it or len(replacement[0].proposer.store) == 1
-        assert saw_it  # the running request was re-attached to the new drafter
-        assert tokens == reference
-    finally:
-        if replacement is not None:
-            replacement[1].stop(None).wait()
-            replacement[0].close()
-        next(pair, None)
+    stream = client.stream(PROMPT, params)
+    tokens = list(next(stream).token_ids)
+    new = restartable.restart_drafter()
+    saw_it = False
+    for chunk in stream:
+        tokens += chunk.token_ids
+        saw_it = saw_it or len(new.proposer.store) == 1
+    assert saw_it  # the running request was re-attached to the new drafter
+    assert tokens == reference
 
 
-def test_a_drafter_restart_while_idle_leaves_no_orphan_state(tmp_path):
+def test_a_drafter_restart_while_idle_leaves_no_orphan_state(restartable):
     """The target notices nothing while idle; its next calls must not open a stream-less session on
     the new drafter under the old connection's id (it would hold the request's state until swept)."""
-    pair = started_pair(tmp_path)
-    drafter_obj, loop, client, _, drafter_server = next(pair)
+    client, loop = restartable.client, restartable.loop
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     reference = client.generate(PROMPT, params, speculative=False)["token_ids"]
-    replacement = None
-    try:
-        assert client.generate(PROMPT, params)["token_ids"] == reference
-        drafter_server.stop(None).wait()
-        drafter_obj.close()
-        replacement = start_drafter(DrafterSettings((f"unix:{tmp_path}/d.sock",), LocalSetup(drafter="random-dflash")))
-        time.sleep(1.0)  # the old stream's end has reached the target
-        assert client.generate(PROMPT, params)["token_ids"] == reference
-        new = replacement[0]
-        assert wait_until(lambda: not loop.busy and len(new.proposer.store) == 0)
-        assert new.num_sessions == new.num_streams  # every session on the new drafter has its stream
-    finally:
-        if replacement is not None:
-            replacement[1].stop(None).wait()
-            replacement[0].close()
-        next(pair, None)
+    assert client.generate(PROMPT, params)["token_ids"] == reference
+    new = restartable.restart_drafter()
+    time.sleep(1.0)  # the old stream's end has reached the target
+    assert client.generate(PROMPT, params)["token_ids"] == reference
+    assert wait_until(lambda: not loop.busy and len(new.proposer.store) == 0)
+    assert new.num_sessions == new.num_streams  # every session on the new drafter has its stream
 
 
 def test_re_attaching_to_a_hung_drafter_does_not_hold_the_engine(tmp_path):
