@@ -76,10 +76,6 @@ class Sequence:
         return len(self.request.prompt_ids)
 
     @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
-
-    @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.prompt_len
 
