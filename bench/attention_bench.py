@@ -18,10 +18,10 @@ import time
 import torch
 
 from launches import count_launches
-from shared.checkpoint import load_config
-from shared.layers import RotaryEmbedding
+from specsplit.shared.checkpoint import load_config
+from specsplit.shared.layers import RotaryEmbedding
 from specsplit.local import target_dir
-from target_service.model import ForwardBatch, TargetModel, load_target
+from specsplit.target_service.model import ForwardBatch, TargetModel, load_target
 
 
 def forward_batch(batch: int, context: int, verify: int, device: str) -> ForwardBatch:

@@ -18,7 +18,7 @@ import torch
 
 from launches import count_launches
 from specsplit.local import LocalSetup, make_drafter, target_dir
-from target_service.model import load_target
+from specsplit.target_service.model import load_target
 
 
 def one_step(drafter, batch: int, rows: torch.Tensor, position: int, batched: bool) -> None:

@@ -19,14 +19,14 @@ import time
 
 import torch
 
-from shared.sampling import SamplingParams
-from shared.tokenizer import Tokenizer
+from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.tokenizer import Tokenizer
 from specsplit.local import LocalSetup, make_drafter, target_dir
-from target_service.client import wait_healthy
-from target_service.drafter_client import RemoteProposer
-from target_service.engine import Engine, EngineConfig
-from target_service.model import load_target
-from target_service.sequence import Request
+from specsplit.target_service.client import wait_healthy
+from specsplit.target_service.drafter_client import RemoteProposer
+from specsplit.target_service.engine import Engine, EngineConfig
+from specsplit.target_service.model import load_target
+from specsplit.target_service.sequence import Request
 
 PROMPTS = [
     "Explain how a hash map works.", "Write a Python function to reverse a linked list.",

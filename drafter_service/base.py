@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from drafter_service.heads import TargetHead
-from drafter_service.store import SequenceStore, check_id
-from shared.errors import CapacityExceeded, InvalidRequest, StateConflict
-from shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest, bitmask_to_bool
+from specsplit.drafter_service.heads import TargetHead
+from specsplit.drafter_service.store import SequenceStore, check_id
+from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
+from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest, bitmask_to_bool
 
 # Column name -> (shape of one row, dtype).
 Schema = dict[str, tuple[tuple[int, ...], torch.dtype]]

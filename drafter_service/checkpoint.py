@@ -16,13 +16,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from drafter_service.dflash import DFlashConfig, DFlashDrafter, DFlashModel, build_target_layer_ids
-from drafter_service.heads import TargetHead, TargetInfo
-from drafter_service.mtp import MTPConfig, MTPDrafter, MTPModel
-from shared.config import read_config_json
-from shared.errors import CheckpointError, InvalidRequest
-from shared.layers import RMSNorm, RotaryEmbedding
-from shared.proposer import DrafterKind
+from specsplit.drafter_service.dflash import DFlashConfig, DFlashDrafter, DFlashModel, build_target_layer_ids
+from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.drafter_service.mtp import MTPConfig, MTPDrafter, MTPModel
+from specsplit.shared.config import read_config_json
+from specsplit.shared.errors import CheckpointError, InvalidRequest
+from specsplit.shared.layers import RMSNorm, RotaryEmbedding
+from specsplit.shared.proposer import DrafterKind
 
 WEIGHTS = "model.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

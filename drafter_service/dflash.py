@@ -20,15 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter_service.base import (
+from specsplit.drafter_service.base import (
     Append, Draft, Drafter, DraftVocab, Rows, SequenceState, batch_allowed, batched_attention, pad_rows, pick,
     proposals, valid_rows, visibility,
 )
-from drafter_service.heads import TargetHead, TargetInfo
-from shared.config import ModelConfig
-from shared.errors import CheckpointError
-from shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer
-from shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal
+from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.shared.config import ModelConfig
+from specsplit.shared.errors import CheckpointError
+from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer
+from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal
 
 ARCHITECTURE = "DFlashDraftModel"
 

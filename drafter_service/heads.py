@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.config import ModelConfig, RopeConfig
-from shared.errors import CheckpointError
+from specsplit.shared.config import ModelConfig, RopeConfig
+from specsplit.shared.errors import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter_service.base import (
+from specsplit.drafter_service.base import (
     Draft, Drafter, DraftVocab, Rows, SequenceState, batch_allowed, batched_attention, pad_rows, pick,
     valid_rows, visibility,
 )
-from drafter_service.heads import TargetHead, TargetInfo
-from shared.config import ModelConfig
-from shared.errors import CheckpointError, StateConflict
-from shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer
-from shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest
+from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.shared.config import ModelConfig
+from specsplit.shared.errors import CheckpointError, StateConflict
+from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer
+from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest
 
 ARCHITECTURE = "SpecsplitMTP"  # marker only; loading keys on num_nextn_predict_layers
 

@@ -18,15 +18,15 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from drafter_service.heads import TargetHead
-from drafter_service.session import Session
-from protos.specsplit.v1 import drafter_pb2, drafter_pb2_grpc
-from shared import wire
-from shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest
-from shared.proposer import Proposer
-from shared.serving import CLIENT_HEADER, SPARE_THREADS, Served, start_server
-from shared.status import rpc_errors
-from shared.transport import device_uuid, host_id
+from specsplit.drafter_service.heads import TargetHead
+from specsplit.drafter_service.session import Session
+from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
+from specsplit.shared import wire
+from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest
+from specsplit.shared.proposer import Proposer
+from specsplit.shared.serving import CLIENT_HEADER, SPARE_THREADS, Served, start_server
+from specsplit.shared.status import rpc_errors
+from specsplit.shared.transport import device_uuid, host_id
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specsplit.v1.DrafterService"

@@ -19,17 +19,17 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from drafter_service.heads import TargetHead
-from shared.errors import (
+from specsplit.drafter_service.heads import TargetHead
+from specsplit.shared.errors import (
     AlreadyExists,
     InvalidRequest,
     SpecsplitError,
     StateConflict,
     UnknownSequence,
 )
-from shared.proposer import CarriedKV, Proposal, Proposer, ProposeRequest
-from shared.transport import BufferDescriptor, BufferImporter, BufferRole, RowSource
-from shared.wire import RowsOp, SeqError, SeqStep, StepBatch, StepResult
+from specsplit.shared.proposer import CarriedKV, Proposal, Proposer, ProposeRequest
+from specsplit.shared.transport import BufferDescriptor, BufferImporter, BufferRole, RowSource
+from specsplit.shared.wire import RowsOp, SeqError, SeqStep, StepBatch, StepResult
 
 log = logging.getLogger(__name__)
 

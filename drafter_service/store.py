@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Generic, Iterator, TypeVar
 
-from shared.errors import AlreadyExists, InvalidRequest, UnknownSequence
+from specsplit.shared.errors import AlreadyExists, InvalidRequest, UnknownSequence
 
 StateT = TypeVar("StateT")
 

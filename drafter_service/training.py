@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from drafter_service.base import visibility
-from drafter_service.dflash import DFlashModel, _block_mixer
-from drafter_service.heads import TargetHead
-from drafter_service.mtp import CachedKV, MTPModel, _cached_mixer
-from shared.errors import InvalidRequest
+from specsplit.drafter_service.base import visibility
+from specsplit.drafter_service.dflash import DFlashModel, _block_mixer
+from specsplit.drafter_service.heads import TargetHead
+from specsplit.drafter_service.mtp import CachedKV, MTPModel, _cached_mixer
+from specsplit.shared.errors import InvalidRequest
 
 
 def _check_rows(rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,

@@ -15,8 +15,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from shared.config import ModelConfig, read_config_json
-from shared.errors import CheckpointError
+from specsplit.shared.config import ModelConfig, read_config_json
+from specsplit.shared.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

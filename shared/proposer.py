@@ -30,7 +30,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from shared.errors import InvalidRequest
+from specsplit.shared.errors import InvalidRequest
 
 
 class DrafterKind(str, enum.Enum):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.errors import InvalidRequest
+from specsplit.shared.errors import InvalidRequest
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shared.errors import InvalidRequest
+from specsplit.shared.errors import InvalidRequest
 
 # Every call from a target to a drafter names the connecting target (its session on the drafter).
 CLIENT_HEADER = "x-specsplit-client"

@@ -8,7 +8,7 @@ import logging
 
 import grpc
 
-from shared.errors import SpecsplitError
+from specsplit.shared.errors import SpecsplitError
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders
 
-from shared.errors import CheckpointError, InvalidRequest
+from specsplit.shared.errors import CheckpointError, InvalidRequest
 
 # The default system turn a ChatML template writes when the first message is not a system one,
 # spelled as a Jinja string literal inside the template (SmolLM2 has one; Qwen's have none).

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.errors import AlreadyExists, InvalidRequest, StateConflict
+from specsplit.shared.errors import AlreadyExists, InvalidRequest, StateConflict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the header's dtype word

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.errors import InvalidRequest
-from shared.sampling import SamplingParams, check_generator_device, inverse_cdf, target_probs
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.sampling import SamplingParams, check_generator_device, inverse_cdf, target_probs
 
 PLACEHOLDER_TOKEN_ID = -1  # pads the batched greedy output past each sequence's emitted tokens
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from protos.specsplit.v1 import common_pb2, drafter_pb2, target_pb2
-from shared.errors import (
+from specsplit.protos.v1 import common_pb2, drafter_pb2, target_pb2
+from specsplit.shared.errors import (
     AlreadyExists,
     CapacityExceeded,
     DrafterUnavailable,
@@ -29,9 +29,9 @@ from shared.errors import (
     StateConflict,
     UnknownSequence,
 )
-from shared.proposer import CarriedKV, DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest
-from shared.sampling import SamplingParams
-from shared.transport import (
+from specsplit.shared.proposer import CarriedKV, DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest
+from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.transport import (
     BufferDescriptor,
     BufferKind,
     BufferRole,

@@ -8,8 +8,8 @@ import logging
 import sys
 import uuid
 
-from shared.errors import SpecsplitError
-from shared.sampling import SamplingParams
+from specsplit.shared.errors import SpecsplitError
+from specsplit.shared.sampling import SamplingParams
 
 # Kept here (not imported from specsplit.local) so `specsplit --help` loads no model code.
 DRAFTER_HELP = "none | dflash | mtp (trained for the default target) | random-dflash | random-mtp | a folder"
@@ -62,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print_result(args, token_ids, text, stats)
         return
     from specsplit.local import LocalSetup, load_local
-    from target_service.sequence import Request
+    from specsplit.target_service.sequence import Request
 
     setup = LocalSetup(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
                        seed=args.seed or 0)
@@ -76,10 +76,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_init_drafter(args: argparse.Namespace) -> None:
-    from drafter_service.checkpoint import write_random_drafter
+    from specsplit.drafter_service.checkpoint import write_random_drafter
     from specsplit.local import target_dir
-    from shared.config import ModelConfig, read_config_json
-    from drafter_service.heads import TargetInfo
+    from specsplit.shared.config import ModelConfig, read_config_json
+    from specsplit.drafter_service.heads import TargetInfo
 
     info = TargetInfo.from_config(ModelConfig.from_hf(read_config_json(target_dir(args.target))))
     write_random_drafter(args.out, args.kind, info, seed=args.seed, num_layers=args.layers,
@@ -88,7 +88,7 @@ def cmd_init_drafter(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from shared.gguf_import import default_target_dir
+    from specsplit.shared.gguf_import import default_target_dir
 
     print(default_target_dir())
 
@@ -118,7 +118,7 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
 def cmd_target_serve(args: argparse.Namespace) -> None:
     log_to_stderr()
     from specsplit.services import TargetSettings, start_target, wait_for_signal
-    from target_service.engine import EngineConfig
+    from specsplit.target_service.engine import EngineConfig
 
     drafter = None if args.drafter in (None, "none") else args.drafter
     engine = EngineConfig(max_batch=args.max_batch, num_drafts=args.num_drafts, kv_blocks=args.kv_blocks)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from shared.sampling import SamplingParams
+from specsplit.shared.sampling import SamplingParams
 from specsplit.harness import ServiceSpec, spawn
 
 PROMPTS = [

@@ -18,12 +18,12 @@ from typing import Sequence
 
 import torch
 
-from shared.errors import InvalidRequest
-from shared.proposer import Proposal, ProposeRequest, Proposer
-from shared.sampling import SamplingParams
-from target_service.engine import Engine, EngineConfig
-from target_service.model import TargetModel
-from target_service.sequence import Request, RequestStats
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.proposer import Proposal, ProposeRequest, Proposer
+from specsplit.shared.sampling import SamplingParams
+from specsplit.target_service.engine import Engine, EngineConfig
+from specsplit.target_service.model import TargetModel
+from specsplit.target_service.sequence import Request, RequestStats
 
 
 @dataclass(frozen=True)
@@ -189,10 +189,10 @@ def format_report(rep: dict) -> str:
 def run(*, target: str, drafter: str, prompts_path: str | Path, settings: EvalSettings, device: str,
         dtype: str | None, limit: int | None, seed: int = 0) -> dict:
     """`specsplit eval-acceptance`: load the target, the drafter and the prompts; evaluate."""
-    from shared.tokenizer import Tokenizer
+    from specsplit.shared.tokenizer import Tokenizer
     from specsplit.local import LocalSetup, make_drafter, target_dir
     from specsplit.train_data import read_prompts
-    from target_service.model import load_target
+    from specsplit.target_service.model import load_target
 
     if drafter == "none":
         raise InvalidRequest("eval-acceptance needs a drafter: dflash, mtp or a checkpoint folder")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from target_service.client import TargetClient, wait_healthy
+from specsplit.target_service.client import TargetClient, wait_healthy
 
 
 @dataclass(frozen=True)  # used as a default argument: must not be mutable

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import torch
 
-import drafter_service
-from drafter_service.checkpoint import load_drafter, random_drafter
-from drafter_service.heads import TargetHead, TargetInfo
-from shared.errors import InvalidRequest
-from shared.gguf_import import default_target_dir
-from shared.proposer import Proposer
-from shared.tokenizer import Tokenizer
+from specsplit import drafter_service
+from specsplit.drafter_service.checkpoint import load_drafter, random_drafter
+from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.gguf_import import default_target_dir
+from specsplit.shared.proposer import Proposer
+from specsplit.shared.tokenizer import Tokenizer
 from specsplit.cli import DRAFTER_HELP
-from target_service.engine import Engine, EngineConfig
-from target_service.model import TargetModel, load_target
+from specsplit.target_service.engine import Engine, EngineConfig
+from specsplit.target_service.model import TargetModel, load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # `--drafter dflash|mtp`: the drafters trained for the default target and shipped in the package;

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.sampling import SamplingParams
-from target_service.client import TargetClient
+from specsplit.shared.sampling import SamplingParams
+from specsplit.target_service.client import TargetClient
 
 
 def generate_remote(address: str, prompt: str, params: SamplingParams, *, chat: bool,

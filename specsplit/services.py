@@ -7,18 +7,18 @@ import signal
 import threading
 from dataclasses import dataclass
 
-from drafter_service.heads import TargetHead, TargetInfo
-from drafter_service.server import DrafterServer, serve as serve_drafter_rpc
-from shared.checkpoint import load_config, load_state_dict
-from shared.errors import InvalidRequest
-from shared.serving import Served
-from shared.tokenizer import Tokenizer
+from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.drafter_service.server import DrafterServer, serve as serve_drafter_rpc
+from specsplit.shared.checkpoint import load_config, load_state_dict
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.serving import Served
+from specsplit.shared.tokenizer import Tokenizer
 from specsplit.local import LocalSetup, build_drafter, target_dir
-from target_service.drafter_client import RemoteProposer
-from target_service.engine import Engine, EngineConfig
-from target_service.loop import EngineLoop
-from target_service.model import load_target
-from target_service.server import TargetServicer, serve as serve_target_rpc
+from specsplit.target_service.drafter_client import RemoteProposer
+from specsplit.target_service.engine import Engine, EngineConfig
+from specsplit.target_service.loop import EngineLoop
+from specsplit.target_service.model import load_target
+from specsplit.target_service.server import TargetServicer, serve as serve_target_rpc
 
 log = logging.getLogger(__name__)
 

@@ -24,14 +24,14 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from drafter_service.checkpoint import WEIGHTS, DrafterModel, load_model, random_model, save_dflash, save_mtp
-from drafter_service.dflash import DFlashModel
-from drafter_service.heads import TargetHead, TargetInfo
-from drafter_service.mtp import MTPModel
-from drafter_service.training import dflash_block_hidden, mtp_step_outputs
-from shared.errors import InvalidRequest
-from target_service.dense import Generated, capture_features, generate
-from target_service.model import CaptureSpec, TargetModel
+from specsplit.drafter_service.checkpoint import WEIGHTS, DrafterModel, load_model, random_model, save_dflash, save_mtp
+from specsplit.drafter_service.dflash import DFlashModel
+from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.drafter_service.mtp import MTPModel
+from specsplit.drafter_service.training import dflash_block_hidden, mtp_step_outputs
+from specsplit.shared.errors import InvalidRequest
+from specsplit.target_service.dense import Generated, capture_features, generate
+from specsplit.target_service.model import CaptureSpec, TargetModel
 
 MAX_FILE_BYTES = 25 * 1024 * 1024
 CHAT_SAMPLES = 2.0  # sampled continuations per chat prompt, besides the greedy one
@@ -420,10 +420,10 @@ def save_drafter(model: DrafterModel, out: str | Path) -> Path:
 def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: str | None = None,
         log: Log = print) -> Path:
     """`specsplit train-drafter`: load the target and the training prompts, train, save."""
-    from shared.tokenizer import Tokenizer
+    from specsplit.shared.tokenizer import Tokenizer
     from specsplit.local import target_dir
     from specsplit.train_data import training_prompts
-    from target_service.model import load_target
+    from specsplit.target_service.model import load_target
 
     clock = Clock(cfg.minutes, cfg.gen_fraction)
     folder = target_dir(target)

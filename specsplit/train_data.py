@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from shared.errors import InvalidRequest
-from shared.tokenizer import Tokenizer
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.tokenizer import Tokenizer
 
 DATA_DIR = Path(__file__).parent / "data"
 INSTRUCTIONS_PATH = DATA_DIR / "instructions.txt"

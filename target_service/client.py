@@ -8,11 +8,11 @@ from typing import Callable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.specsplit.v1 import target_pb2, target_pb2_grpc
-from shared import wire
-from shared.errors import SpecsplitError
-from shared.sampling import SamplingParams
-from shared.serving import CHANNEL_OPTIONS, grpc_target
+from specsplit.protos.v1 import target_pb2, target_pb2_grpc
+from specsplit.shared import wire
+from specsplit.shared.errors import SpecsplitError
+from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.serving import CHANNEL_OPTIONS, grpc_target
 
 
 class TargetClient:

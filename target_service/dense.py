@@ -15,9 +15,9 @@ from typing import Sequence
 
 import torch
 
-from shared.errors import InvalidRequest
-from shared.layers import SelfAttention, TokenMixer, grouped_attention, grouped_mask, padded_visibility
-from target_service.model import CaptureSpec, TargetModel
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.layers import SelfAttention, TokenMixer, grouped_attention, grouped_mask, padded_visibility
+from specsplit.target_service.model import CaptureSpec, TargetModel
 
 
 @dataclass

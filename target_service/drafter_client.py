@@ -22,12 +22,12 @@ from typing import Sequence
 import grpc
 import torch
 
-from protos.specsplit.v1 import drafter_pb2, drafter_pb2_grpc
-from shared import wire
-from shared.serving import CHANNEL_OPTIONS, CLIENT_HEADER, grpc_target
-from shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError
-from shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest
-from shared.transport import (
+from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
+from specsplit.shared import wire
+from specsplit.shared.serving import CHANNEL_OPTIONS, CLIENT_HEADER, grpc_target
+from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError
+from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest
+from specsplit.shared.transport import (
     BufferExporter, BufferRole, RowBuffer, choose_mode, device_uuid, encode_inline, host_id,
 )
 

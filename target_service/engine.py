@@ -18,13 +18,13 @@ from typing import Callable, Iterable
 
 import torch
 
-from shared.errors import CapacityExceeded, InvalidRequest, StateConflict
-from shared.proposer import FeatureKind, ProposeRequest, Proposer
-from shared.sampling import make_generator
-from shared.tokenizer import TextStream
-from shared.verify import verify_sampled
-from target_service.model import CaptureSpec, ForwardBatch, TargetModel
-from target_service.sequence import FinishReason, Request, Sequence, StepEvent
+from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
+from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
+from specsplit.shared.sampling import make_generator
+from specsplit.shared.tokenizer import TextStream
+from specsplit.shared.verify import verify_sampled
+from specsplit.target_service.model import CaptureSpec, ForwardBatch, TargetModel
+from specsplit.target_service.sequence import FinishReason, Request, Sequence, StepEvent
 
 log = logging.getLogger(__name__)
 _FAILED = object()  # what a drafter verb "returns" when it raised

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest, UnknownSequence
+from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest, UnknownSequence
 
 
 @dataclass

@@ -6,9 +6,9 @@ import logging
 import queue
 import threading
 
-from shared.errors import InvalidRequest, SpecsplitError
-from target_service.engine import Engine
-from target_service.sequence import Request, StepEvent
+from specsplit.shared.errors import InvalidRequest, SpecsplitError
+from specsplit.target_service.engine import Engine
+from specsplit.target_service.sequence import Request, StepEvent
 
 log = logging.getLogger(__name__)
 

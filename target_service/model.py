@@ -17,14 +17,14 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from shared.checkpoint import assign_parameters, load_config, load_state_dict
-from shared.config import ModelConfig
-from shared.errors import CapacityExceeded, InvalidRequest, StateConflict
-from shared.layers import (
+from specsplit.shared.checkpoint import assign_parameters, load_config, load_state_dict
+from specsplit.shared.config import ModelConfig
+from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
+from specsplit.shared.layers import (
     DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, attention, grouped_attention, grouped_mask,
     padded_visibility, visibility_mask,
 )
-from target_service.kv_cache import PagedKVCache
+from specsplit.target_service.kv_cache import PagedKVCache
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.sampling import SamplingParams
-from shared.tokenizer import TextStream
+from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.tokenizer import TextStream
 
 
 class FinishReason(str, enum.Enum):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import threading
 import uuid
 
-from protos.specsplit.v1 import target_pb2_grpc
-from shared import wire
-from shared.errors import CapacityExceeded, InvalidRequest
-from shared.serving import SPARE_THREADS, Served, start_server
-from shared.status import rpc_errors
-from shared.tokenizer import Tokenizer
-from target_service.loop import EngineLoop
-from target_service.sequence import Request, StepEvent
+from specsplit.protos.v1 import target_pb2_grpc
+from specsplit.shared import wire
+from specsplit.shared.errors import CapacityExceeded, InvalidRequest
+from specsplit.shared.serving import SPARE_THREADS, Served, start_server
+from specsplit.shared.status import rpc_errors
+from specsplit.shared.tokenizer import Tokenizer
+from specsplit.target_service.loop import EngineLoop
+from specsplit.target_service.sequence import Request, StepEvent
 
 SERVICE_NAME = "specsplit.v1.TargetService"
 

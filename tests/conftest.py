@@ -15,7 +15,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct converted from the embedded GGUF, cached under $SPECSPLIT_CACHE (once per run)."""
-    from shared.gguf_import import default_target_dir
+    from specsplit.shared.gguf_import import default_target_dir
 
     return default_target_dir()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from shared.proposer import Proposal, ProposeRequest, Proposer
+from specsplit.shared.proposer import Proposal, ProposeRequest, Proposer
 
 
 class OracleDrafter:

@@ -8,13 +8,13 @@ import time
 import grpc
 import pytest
 
-from shared import wire
-from shared.sampling import SamplingParams
+from specsplit.shared import wire
+from specsplit.shared.sampling import SamplingParams
 from specsplit.local import LocalSetup
 from specsplit.services import DrafterSettings, TargetSettings, start_drafter, start_target
-from target_service.client import TargetClient
-from target_service.engine import EngineConfig
-from target_service.sequence import FinishReason
+from specsplit.target_service.client import TargetClient
+from specsplit.target_service.engine import EngineConfig
+from specsplit.target_service.sequence import FinishReason
 
 
 PROMPT = "Count from one to a thousand:"
@@ -197,8 +197,8 @@ def test_re_attaching_to_a_hung_drafter_does_not_hold_the_engine(tmp_path):
     after --drafter-timeout (here 600 s) per call, so the engine loop keeps serving."""
     from concurrent import futures
 
-    from protos.specsplit.v1 import drafter_pb2_grpc
-    from target_service.drafter_client import RemoteProposer
+    from specsplit.protos.v1 import drafter_pb2_grpc
+    from specsplit.target_service.drafter_client import RemoteProposer
 
     class Hung(drafter_pb2_grpc.DrafterServiceServicer):
         def Describe(self, request, context):

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.checkpoint import assign_parameters, load_state_dict, save_checkpoint
-from shared.errors import CheckpointError
-from target_service.model import load_target
+from specsplit.shared.checkpoint import assign_parameters, load_state_dict, save_checkpoint
+from specsplit.shared.errors import CheckpointError
+from specsplit.target_service.model import load_target
 
 
 def tensors_of(folder: Path) -> dict[str, torch.Tensor]:

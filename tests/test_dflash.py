@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter_service.checkpoint import random_drafter
-from drafter_service.dflash import DFlashDrafter, build_target_layer_ids
-from drafter_service.heads import TargetInfo
-from shared.config import RopeConfig
-from shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest, StateConflict, UnknownSequence
-from shared.layers import RMSNorm
-from shared.proposer import ProposeRequest, Proposer, bool_to_bitmask
+from specsplit.drafter_service.checkpoint import random_drafter
+from specsplit.drafter_service.dflash import DFlashDrafter, build_target_layer_ids
+from specsplit.drafter_service.heads import TargetInfo
+from specsplit.shared.config import RopeConfig
+from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest, StateConflict, UnknownSequence
+from specsplit.shared.layers import RMSNorm
+from specsplit.shared.proposer import ProposeRequest, Proposer, bool_to_bitmask
 
 INFO = TargetInfo(hidden_size=32, vocab_size=97, num_hidden_layers=6, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, intermediate_size=64, rope=RopeConfig(theta=500.0))

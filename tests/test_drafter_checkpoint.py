@@ -10,16 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafter_service.checkpoint import (
+from specsplit.drafter_service.checkpoint import (
     load_drafter, random_drafter, random_model, save_dflash, save_mtp, write_random_drafter,
 )
-from drafter_service.dflash import DFlashDrafter
-from drafter_service.heads import TargetHead, TargetInfo
-from drafter_service.mtp import MTPDrafter
-from shared.config import RopeConfig
-from shared.errors import CheckpointError, InvalidRequest
-from shared.layers import RMSNorm
-from shared.proposer import ProposeRequest
+from specsplit.drafter_service.dflash import DFlashDrafter
+from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.drafter_service.mtp import MTPDrafter
+from specsplit.shared.config import RopeConfig
+from specsplit.shared.errors import CheckpointError, InvalidRequest
+from specsplit.shared.layers import RMSNorm
+from specsplit.shared.proposer import ProposeRequest
 
 INFO = TargetInfo(hidden_size=32, vocab_size=97, num_hidden_layers=6, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, intermediate_size=64, rms_norm_eps=1e-5,

@@ -12,14 +12,14 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import nn
 
-from drafter_service.checkpoint import random_drafter
-from drafter_service.heads import TargetHead, TargetInfo
-from drafter_service.server import CLIENT_HEADER, SERVICE_NAME, DrafterServer, serve
-from protos.specsplit.v1 import drafter_pb2, drafter_pb2_grpc
-from shared import wire
-from shared.errors import InvalidRequest
-from shared.proposer import ProposeRequest, bool_to_bitmask
-from shared.transport import BufferExporter, BufferRole, RowRef, encode_inline, host_id
+from specsplit.drafter_service.checkpoint import random_drafter
+from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.drafter_service.server import CLIENT_HEADER, SERVICE_NAME, DrafterServer, serve
+from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
+from specsplit.shared import wire
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.proposer import ProposeRequest, bool_to_bitmask
+from specsplit.shared.transport import BufferExporter, BufferRole, RowRef, encode_inline, host_id
 
 INFO = TargetInfo(hidden_size=32, vocab_size=97, num_hidden_layers=6, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, intermediate_size=64)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter_service.checkpoint import random_drafter
-from shared.errors import InvalidRequest
-from shared.proposer import Proposal
-from shared.sampling import SamplingParams
-from shared.tokenizer import Tokenizer
+from specsplit.drafter_service.checkpoint import random_drafter
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.proposer import Proposal
+from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.tokenizer import Tokenizer
 from specsplit.local import target_head, target_info
-from target_service.engine import Engine, EngineConfig
-from target_service.model import load_target
-from target_service.sequence import FinishReason, Request, Sequence
+from specsplit.target_service.engine import Engine, EngineConfig
+from specsplit.target_service.model import load_target
+from specsplit.target_service.sequence import FinishReason, Request, Sequence
 from tests.oracle import OracleDrafter
 
 PROMPTS = [

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from drafter_service.checkpoint import random_drafter
+from specsplit.drafter_service.checkpoint import random_drafter
 from specsplit.cli import main
 from specsplit.evaluate import EvalPrompt, EvalSettings, evaluate, format_report, position_acceptance
 from specsplit.local import target_head, target_info
-from target_service.dense import generate
-from target_service.model import load_target
+from specsplit.target_service.dense import generate
+from specsplit.target_service.model import load_target
 from tests.oracle import OracleDrafter
 
 PROMPTS = [EvalPrompt("chat", [5, 6, 7, 8, 9]), EvalPrompt("code", [30, 31, 32])]

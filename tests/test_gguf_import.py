@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from shared import gguf_import
-from shared.errors import CheckpointError, InvalidRequest
-from shared.gguf_import import convert_gguf, default_target_dir, locate_default_gguf, unpermute_rotary
-from shared.tokenizer import TextStream, Tokenizer
-from target_service.model import ForwardBatch, load_target
+from specsplit.shared import gguf_import
+from specsplit.shared.errors import CheckpointError, InvalidRequest
+from specsplit.shared.gguf_import import convert_gguf, default_target_dir, locate_default_gguf, unpermute_rotary
+from specsplit.shared.tokenizer import TextStream, Tokenizer
+from specsplit.target_service.model import ForwardBatch, load_target
 
 TEXTS = [
     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",

@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from shared.errors import InvalidRequest, SpecsplitError
-from shared.sampling import SamplingParams
-from target_service.engine import Engine, EngineConfig
-from target_service.loop import EngineLoop
-from target_service.model import load_target
-from target_service.sequence import Request
+from specsplit.shared.errors import InvalidRequest, SpecsplitError
+from specsplit.shared.sampling import SamplingParams
+from specsplit.target_service.engine import Engine, EngineConfig
+from specsplit.target_service.loop import EngineLoop
+from specsplit.target_service.model import load_target
+from specsplit.target_service.sequence import Request
 
 LONG = 150
 

@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter_service.checkpoint import random_drafter
-from drafter_service.heads import TargetInfo
-from drafter_service.mtp import MTPDrafter
-from shared.config import RopeConfig
-from shared.errors import CapacityExceeded, InvalidRequest, StateConflict, UnknownSequence
-from shared.layers import RMSNorm
-from shared.proposer import FeatureKind, ProposeRequest, Proposer, bool_to_bitmask
+from specsplit.drafter_service.checkpoint import random_drafter
+from specsplit.drafter_service.heads import TargetInfo
+from specsplit.drafter_service.mtp import MTPDrafter
+from specsplit.shared.config import RopeConfig
+from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict, UnknownSequence
+from specsplit.shared.layers import RMSNorm
+from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer, bool_to_bitmask
 
 INFO = TargetInfo(hidden_size=32, vocab_size=97, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, intermediate_size=64, rope=RopeConfig(theta=300.0),

@@ -13,9 +13,9 @@ import google.protobuf
 import grpc
 import pytest
 
-from protos.specsplit.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2
-from shared import wire
-from shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal
+from specsplit.protos.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2
+from specsplit.shared import wire
+from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_DIR = ROOT / "protos" / "specsplit" / "v1"
@@ -29,19 +29,7 @@ def test_the_three_protos_exist():
 
 def test_generated_stubs_are_up_to_date(tmp_path):
     pytest.importorskip("grpc_tools", reason="grpcio-tools (the dev extra) regenerates the stubs")
-    relative = [str(p.relative_to(ROOT)) for p in PROTOS]
-    command = [
-        sys.executable,
-        "-m",
-        "grpc_tools.protoc",
-        "-I",
-        ".",
-        f"--python_out={tmp_path}",
-        f"--grpc_python_out={tmp_path}",
-        f"--pyi_out={tmp_path}",
-        *relative,
-    ]
-    subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(["bash", str(ROOT / "tools" / "gen_protos.sh"), str(tmp_path)], check=True, capture_output=True)
     for proto in PROTOS:
         for suffix in GENERATED_SUFFIXES:
             name = proto.stem + suffix

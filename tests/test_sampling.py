@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from shared.errors import InvalidRequest
-from shared.sampling import SamplingParams, inverse_cdf, make_generator, sample, target_probs
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.sampling import SamplingParams, inverse_cdf, make_generator, sample, target_probs
 
 # Upper 0.001 quantile of the chi-square distribution, by degrees of freedom (index = df).
 CHI2_CRITICAL_P001 = (

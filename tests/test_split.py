@@ -11,11 +11,11 @@ import threading
 
 import pytest
 
-from shared.errors import InvalidRequest
-from shared.sampling import SamplingParams
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.sampling import SamplingParams
 from specsplit.harness import ServiceSpec, spawn
 from specsplit.local import LocalSetup, load_local
-from target_service.sequence import Request
+from specsplit.target_service.sequence import Request
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    ", "A short poem about the sea:\n"]
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)

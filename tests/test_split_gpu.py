@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.sampling import SamplingParams
+from specsplit.shared.sampling import SamplingParams
 from specsplit.harness import ServiceSpec
 from specsplit.local import LocalSetup, load_local
-from target_service.sequence import Request
+from specsplit.target_service.sequence import Request
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PROMPTS = ["The capital of France is", "def add(a, b):\n    ", "A short poem about the sea:\n"]

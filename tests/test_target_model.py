@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest, StateConflict, UnknownSequence
-from target_service.kv_cache import PagedKVCache
-from target_service.model import CaptureSpec, ForwardBatch, load_target
+from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest, StateConflict, UnknownSequence
+from specsplit.target_service.kv_cache import PagedKVCache
+from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
 
 ATOL = 1e-4  # float32 against transformers' eager attention
 
@@ -66,8 +66,8 @@ def test_wrong_rope_would_be_caught(tiny_llama_dir, llama):
     """The tolerance above is meaningful: dropping llama3 rope scaling moves logits far past it."""
     from dataclasses import replace
 
-    from shared.config import RopeConfig
-    from shared.layers import RotaryEmbedding
+    from specsplit.shared.config import RopeConfig
+    from specsplit.shared.layers import RotaryEmbedding
 
     ids = token_ids(24)
     plain = load_target(tiny_llama_dir)

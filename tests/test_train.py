@@ -8,18 +8,18 @@ import random
 import pytest
 import torch
 
-from drafter_service.checkpoint import load_drafter, random_drafter
-from drafter_service.training import dflash_block_hidden, mtp_step_outputs
-from shared.errors import InvalidRequest
-from shared.proposer import ProposeRequest
-from shared.sampling import SamplingParams
+from specsplit.drafter_service.checkpoint import load_drafter, random_drafter
+from specsplit.drafter_service.training import dflash_block_hidden, mtp_step_outputs
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.proposer import ProposeRequest
+from specsplit.shared.sampling import SamplingParams
 from specsplit import train_data
 from specsplit.local import target_head, target_info
 from specsplit.train import TrainConfig, capture_for_model, save_drafter, train_drafter
-from target_service.dense import capture_features, generate
-from target_service.engine import Engine, EngineConfig
-from target_service.model import CaptureSpec, ForwardBatch, load_target
-from target_service.sequence import Request
+from specsplit.target_service.dense import capture_features, generate
+from specsplit.target_service.engine import Engine, EngineConfig
+from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
+from specsplit.target_service.sequence import Request
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]
 

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from shared.errors import AlreadyExists, InvalidRequest, StateConflict
-from shared.transport import (
+from specsplit.shared.errors import AlreadyExists, InvalidRequest, StateConflict
+from specsplit.shared.transport import (
     SHM_DIR,
     SHM_PREFIX,
     BufferDescriptor,

@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_sampling import CHI2_CRITICAL_P001, chi_square
 
-from shared.errors import InvalidRequest
-from shared.sampling import SamplingParams, make_generator, target_probs
-from shared.verify import (
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.sampling import SamplingParams, make_generator, target_probs
+from specsplit.shared.verify import (
     PLACEHOLDER_TOKEN_ID,
     VerifyResult,
     verify_greedy,

@@ -6,9 +6,9 @@ import grpc
 import pytest
 import torch
 
-from protos.specsplit.v1 import common_pb2, drafter_pb2, target_pb2
-from shared import wire
-from shared.errors import (
+from specsplit.protos.v1 import common_pb2, drafter_pb2, target_pb2
+from specsplit.shared import wire
+from specsplit.shared.errors import (
     AlreadyExists,
     CapacityExceeded,
     DrafterUnavailable,
@@ -16,10 +16,10 @@ from shared.errors import (
     StateConflict,
     UnknownSequence,
 )
-from shared.proposer import CarriedKV, DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest, bool_to_bitmask
-from shared.sampling import SamplingParams
-from shared.transport import BufferDescriptor, BufferKind, BufferRole, RowRef, encode_inline
-from shared.wire import (
+from specsplit.shared.proposer import CarriedKV, DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest, bool_to_bitmask
+from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.transport import BufferDescriptor, BufferKind, BufferRole, RowRef, encode_inline
+from specsplit.shared.wire import (
     CommitOp,
     GenerateCall,
     GenerateChunk,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.specsplit.v1 import drafter_pb2 as protos_dot_specsplit_dot_v1_dot_drafter__pb2
+from . import drafter_pb2 as protos_dot_specsplit_dot_v1_dot_drafter__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__

@@ -22,14 +22,14 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from protos.specsplit.v1 import common_pb2 as protos_dot_specsplit_dot_v1_dot_common__pb2
+from . import common_pb2 as protos_dot_specsplit_dot_v1_dot_common__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/specsplit/v1/target.proto\x12\x0cspecsplit.v1\x1a protos/specsplit/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd4\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.specsplit.v1.TokenIdsH\x00\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x18\n\x0bspeculative\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06promptB\x0e\n\x0c_speculative\"\x81\x01\n\x0fGenerationStats\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x03\x12\x0b\n\x03tau\x18\x04 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x03\"\xba\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.specsplit.v1.FinishReasonH\x00\x88\x01\x01\x12\x31\n\x05stats\x18\x04 \x01(\x0b\x32\x1d.specsplit.v1.GenerationStatsH\x01\x88\x01\x01\x42\x10\n\x0e_finish_reasonB\x08\n\x06_stats\"\x17\n\x15\x44\x65scribeTargetRequest\"\x9b\x01\n\x11TargetDescription\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x03\x12\x18\n\x10\x64rafter_attached\x18\x04 \x01(\x08\x12/\n\x0c\x64rafter_kind\x18\x05 \x01(\x0e\x32\x19.specsplit.v1.DrafterKind*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xae\x01\n\rTargetService\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x12P\n\x08\x44\x65scribe\x12#.specsplit.v1.DescribeTargetRequest\x1a\x1f.specsplit.v1.TargetDescriptionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.specsplit.v1.target_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.protos.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FINISHREASON']._serialized_start=829
