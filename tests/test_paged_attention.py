@@ -1,0 +1,184 @@
+"""Paged attention: the torch reference against a naive loop; the Triton kernel against the reference,
+under Triton's CPU interpreter here (a subprocess) and on CUDA in the gpu tests, inside a CUDA graph too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specsplit.kernels.paged_attention import paged_attention_reference, paged_attention_triton
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def ragged_case(seed, batch, q_len, q_heads, kv_heads, head_dim, max_context, block_size=16,
+                dtype=torch.float32, device="cpu"):
+    """Sequences of random lengths whose blocks lie shuffled in one pool; the last q_len positions are
+    the queries', except that some sequences pad with queries at position 0. The slots no query may
+    read (free blocks, the tail of a sequence's last block) hold NaN, table padding is -1."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max_context // block_size)
+    num_blocks = batch * max_blocks + 3
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    tables = torch.full((batch, max_blocks), -1, dtype=torch.int32)
+    positions = torch.zeros(batch, q_len, dtype=torch.int32)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    for b in range(batch):
+        length = int(torch.randint(q_len, max_context + 1, (1,), generator=gen))
+        used = -(-length // block_size)
+        tables[b, :used] = torch.tensor([free.pop() for _ in range(used)], dtype=torch.int32)
+        slots = tables[b, torch.arange(length) // block_size].long() * block_size + torch.arange(length) % block_size
+        for cache in (k_cache, v_cache):
+            cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(length, kv_heads, head_dim, generator=gen)
+        real = int(torch.randint(1, q_len + 1, (1,), generator=gen)) if b % 2 else q_len
+        positions[b, :real] = torch.arange(length - real, length)
+    q = 2 * torch.randn(batch, q_len, q_heads, head_dim, generator=gen)  # peaky enough that errors show
+    args = (q, k_cache, v_cache)
+    return (*(t.to(device=device, dtype=dtype) for t in args), tables.to(device), positions.to(device))
+
+
+def naive_attention(q, k_cache, v_cache, tables, positions, scale, window):
+    """One (sequence, query) at a time, its keys listed position by position, in float64."""
+    batch, q_len, q_heads, _ = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b in range(batch):
+        for j in range(q_len):
+            pos = int(positions[b, j])
+            lo = 0 if window is None else max(0, pos - window + 1)
+            slots = [(int(tables[b, p // block_size]), p % block_size) for p in range(lo, pos + 1)]
+            k = torch.stack([k_cache[s] for s in slots]).double().repeat_interleave(q_heads // kv_heads, 1)
+            v = torch.stack([v_cache[s] for s in slots]).double().repeat_interleave(q_heads // kv_heads, 1)
+            weights = (torch.einsum("hd,nhd->hn", q[b, j].double(), k) * scale).softmax(-1)
+            out[b, j] = torch.einsum("hn,nhd->hd", weights, v)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("q_len", [1, 3, 8, 16])
+def test_reference_matches_naive_loop(q_len, q_heads, kv_heads, window):
+    q, k, v, tables, positions = ragged_case(q_len, 4, q_len, q_heads, kv_heads, 32, max_context=70)
+    out = paged_attention_reference(q, k, v, tables, positions, 32 ** -0.5, window)
+    # float32 against float64: each score sums 32 products and each output <= 70 weighted values,
+    # all O(1-10); rounding grows ~ sqrt(n) * 6e-8 * magnitude, ~1e-6. 1e-5 leaves 10x margin while
+    # one wrong key, block or mask moves an output by O(0.1).
+    torch.testing.assert_close(out.double(), naive_attention(q, k, v, tables, positions, 32 ** -0.5, window),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_reference_block_size_not_a_power_of_two():
+    q, k, v, tables, positions = ragged_case(7, 3, 4, 6, 2, 16, max_context=40, block_size=5)
+    out = paged_attention_reference(q, k, v, tables, positions, 0.25, window=9)
+    torch.testing.assert_close(out.double(), naive_attention(q, k, v, tables, positions, 0.25, 9),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_imports_and_falls_back_without_triton():
+    code = ("import sys; sys.modules['triton'] = None; import torch\n"
+            "from specsplit.kernels.paged_attention import paged_attention\n"
+            "q, k = torch.randn(1, 1, 2, 16), torch.randn(1, 4, 2, 16)\n"
+            "t, p = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([[3]], dtype=torch.int32)\n"
+            "print(paged_attention(q, k, k, t, p, 0.25).shape)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "torch.Size([1, 1, 2, 16])" in result.stdout, result.stderr
+
+
+# (seed, batch, q_len, q_heads, kv_heads, head_dim, max_context, block_size, window, num_splits)
+INTERPRETED = [
+    (0, 2, 1, 9, 3, 64, 80, 16, None, 1),
+    (1, 3, 16, 9, 3, 64, 90, 16, 7, 1),
+    (2, 2, 3, 8, 2, 128, 100, 16, None, 4),
+    (3, 2, 8, 4, 4, 32, 120, 8, 20, 2),
+]
+
+
+def check_triton_interpreted() -> None:
+    """Run with TRITON_INTERPRET=1 set before triton is imported (test_triton_interpreted does)."""
+    from triton.runtime import interpreter
+
+    # triton 3.6's interpreter int()s 1-element arrays (loop bounds), an error since numpy 2.4
+    # (triton-lang/triton#9171, fixed upstream by squeezing first, as here).
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+    for seed, batch, q_len, q_heads, kv_heads, head_dim, context, block_size, window, splits in INTERPRETED:
+        q, k, v, tables, positions = ragged_case(seed, batch, q_len, q_heads, kv_heads, head_dim, context, block_size)
+        scale = head_dim ** -0.5
+        out = paged_attention_triton(q, k, v, tables, positions, scale, window, num_splits=splits)
+        # both float32; the kernel's exp2 and online rescaling add a few ulps: same bound as above
+        torch.testing.assert_close(out, paged_attention_reference(q, k, v, tables, positions, scale, window),
+                                   atol=1e-5, rtol=1e-5)
+    print("interpreted cases ok:", len(INTERPRETED))
+
+
+def test_triton_interpreted():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+GEOMETRIES = {"smollm2": (9, 3, 64), "qwen3_8b": (32, 8, 128)}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_splits", [1, None])
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("q_len", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_triton_matches_reference_cuda(geometry, dtype, q_len, window, num_splits):
+    q_heads, kv_heads, head_dim = GEOMETRIES[geometry]
+    q, k, v, tables, positions = ragged_case(q_len, 6, q_len, q_heads, kv_heads, head_dim, max_context=4096,
+                                             dtype=dtype, device="cuda")
+    scale = head_dim ** -0.5
+    out = paged_attention_triton(q, k, v, tables, positions, scale, window, num_splits=num_splits)
+    ref = paged_attention_reference(q, k, v, tables, positions, scale, window)
+    # float32: exact (ieee) dots, only the summation order differs. bfloat16: both round the output
+    # to bf16 (2^-9 relative) and the kernel rounds the softmax weights to bf16 before P @ V.
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_triton_in_cuda_graph(geometry):
+    """Captured once; new positions, tables, queries and cache contents copied into the static inputs
+    are what the replay reads (the split count is fixed by shapes, the key range read on the device)."""
+    q_heads, kv_heads, head_dim = GEOMETRIES[geometry]
+    case = lambda seed: ragged_case(seed, 4, 16, q_heads, kv_heads, head_dim, 4096, dtype=torch.bfloat16,
+                                    device="cuda")
+    static = case(0)
+    run = lambda: (paged_attention_triton(*static, 0.1, None), paged_attention_reference(*static, 0.1, None))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, ref_out = run()
+    for seed in (1, 2):
+        fresh = case(seed)
+        for buffer, value in zip(static, fresh):
+            buffer.copy_(value)
+        graph.replay()
+        expected = paged_attention_reference(*fresh, 0.1, None)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(ref_out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+if __name__ == "__main__":
+    check_triton_interpreted()
