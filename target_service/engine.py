@@ -23,6 +23,7 @@ from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
 from specsplit.shared.verify import verify_sampled
+from specsplit.target_service.graphs import StepBatch, StepGraphs
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, TargetModel
 from specsplit.target_service.sequence import FinishReason, Request, Sequence, StepEvent
 
@@ -37,6 +38,7 @@ class EngineConfig:
     kv_blocks: int = 2048
     kv_block_size: int = 16
     num_drafts: int | None = None  # drafts per step; None = the drafter's max
+    cuda_graphs: bool = True  # on a GPU, replay decode/verify steps as captured CUDA graphs
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.kv_blocks, self.kv_block_size) <= 0:
@@ -69,13 +71,28 @@ class Engine:
         self.config = config
         self.eos_ids = frozenset(eos_ids)
         self.text_stream = text_stream  # one incremental detokenizer per request (None: no text)
-        self.cache = model.new_cache(config.kv_blocks, config.kv_block_size)
+        self._device = model.embed_weight.device
+        use_graphs = config.cuda_graphs and self._device.type == "cuda"
+        # Graphs route padding tokens to a scratch block of their own, one past the configured pool.
+        self.cache = model.new_cache(config.kv_blocks + use_graphs, config.kv_block_size)
         self.capture = capture_for(proposer)
+        self.graphs = self._capture_graphs() if use_graphs else None
         self.drafter_ok = proposer is not None
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self._device = model.embed_weight.device
+
+    def _capture_graphs(self) -> StepGraphs:
+        drafts = self._max_drafts()
+        longest = self.model.config.max_position_embeddings + drafts + 1
+        return StepGraphs(self.model, self.cache, self.capture, max_batch=self.config.max_batch,
+                          query_lens=(1, drafts + 1), max_len=min(longest, self.config.kv_blocks * self.config.kv_block_size))
+
+    def _max_drafts(self) -> int:
+        if self.proposer is None:
+            return 0
+        wanted = self.config.num_drafts if self.config.num_drafts is not None else self.proposer.spec.max_drafts
+        return min(wanted, self.proposer.spec.max_drafts)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -187,7 +204,7 @@ class Engine:
         drafts = self._propose(seqs)
         inputs = [[s.tokens[-1]] + d for s, d in zip(seqs, drafts)]
         starts = [s.last_position for s in seqs]
-        out = self._forward([s.seq_id for s in seqs], inputs, starts, logits_last_only=False)
+        out = self._verify_forward([s.seq_id for s in seqs], inputs, starts)
         accepted_tokens = self._sample(seqs, out.logits, drafts)
         features = self._features(out)
         offset = 0
@@ -251,9 +268,8 @@ class Engine:
         return drafts
 
     def _num_drafts(self, seq: Sequence) -> int:
-        wanted = self.config.num_drafts if self.config.num_drafts is not None else self.proposer.spec.max_drafts
         limit = self.model.config.max_position_embeddings - len(seq.tokens) - 1
-        return max(0, min(wanted, self.proposer.spec.max_drafts, seq.remaining - 1, limit))
+        return max(0, min(self._max_drafts(), seq.remaining - 1, limit))
 
     def _after_verify(self, seq, draft, num_accepted, rows, start) -> None:
         """Tell the drafter what was accepted: stash + commit + trim, or catch-up for serial rows."""
@@ -362,6 +378,12 @@ class Engine:
         )
         with torch.inference_mode():
             return self.model(batch, self.cache, self.capture)
+
+    def _verify_forward(self, seq_ids, inputs, starts):
+        """Decode/verify rows: a captured graph when one fits the batch, the eager forward otherwise."""
+        if self.graphs is not None and self.graphs.bucket(len(inputs), max(map(len, inputs))) is not None:
+            return self.graphs.forward(StepBatch(list(seq_ids), inputs, starts))
+        return self._forward(seq_ids, inputs, starts, logits_last_only=False)
 
     def _features(self, out) -> torch.Tensor | None:
         if self.capture.layer_ids:

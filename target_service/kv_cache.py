@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest, UnknownSequence
+from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest, StateConflict, UnknownSequence
 
 
 @dataclass
@@ -90,6 +90,20 @@ class PagedKVCache:
             seq.table = None
         seq.length = max(seq.length, length)
 
+    def reserve_batch(self, seq_ids: list[int], firsts: list[int], lengths: list[int]) -> None:
+        """Grow each sequence to `lengths[i]` positions, or none of them; a sequence's batch may start
+        (`firsts[i]`) anywhere up to its current length."""
+        needed = 0
+        for seq_id, first, length in zip(seq_ids, firsts, lengths):
+            held = self.length(seq_id)
+            if first > held:
+                raise StateConflict(f"sequence {seq_id} holds {held} positions; a batch cannot start at {first}")
+            needed += max(0, self.blocks_for(length) - self.blocks_for(held))
+        if needed > self.num_free_blocks:
+            raise CapacityExceeded(f"the batch needs {needed} more KV blocks; {self.num_free_blocks} are free")
+        for seq_id, length in zip(seq_ids, lengths):
+            self.reserve(seq_id, length)
+
     def truncate(self, seq_id: int, length: int) -> None:
         """Keep positions 0..length-1; blocks wholly past them go back to the pool."""
         seq = self._get(seq_id)
@@ -101,6 +115,10 @@ class PagedKVCache:
             del seq.blocks[keep:]
             seq.table = None
         seq.length = length
+
+    def blocks(self, seq_id: int) -> list[int]:
+        """The sequence's block ids, in position order (a copy)."""
+        return list(self._get(seq_id).blocks)
 
     def block_table(self, seq_id: int) -> torch.Tensor:
         """[blocks_for(length)] int32 block ids on the cache device."""

@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from specsplit.shared.checkpoint import assign_parameters, load_config, load_state_dict
 from specsplit.shared.config import ModelConfig
-from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
+from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.layers import (
     DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, attention, grouped_attention, grouped_mask,
     padded_visibility, visibility_mask,
@@ -211,7 +211,7 @@ class TargetModel(nn.Module):
         _check_values(token_ids, positions, bounds, firsts, self.config.vocab_size)
         if batch.logits_index is not None:
             _check_index(batch.logits_index, len(token_ids))
-        _reserve(cache, batch.seq_ids, firsts, lasts)
+        cache.reserve_batch(batch.seq_ids, firsts, [last + 1 for last in lasts])
         return bounds, firsts, lasts
 
     @staticmethod
@@ -296,20 +296,6 @@ def _check_index(logits_index: torch.Tensor, num_rows: int) -> None:
         raise InvalidRequest("logits_index must be a 1-D integer tensor")
     if logits_index.numel() and not (0 <= int(logits_index.min()) and int(logits_index.max()) < num_rows):
         raise InvalidRequest(f"logits_index must lie in [0, {num_rows})")
-
-
-def _reserve(cache: PagedKVCache, seq_ids: list[int], firsts: list[int], lasts: list[int]) -> None:
-    """Grow every sequence to its last position + 1, or none of them."""
-    needed = 0
-    for seq_id, first, last in zip(seq_ids, firsts, lasts):
-        held = cache.length(seq_id)
-        if first > held:
-            raise StateConflict(f"sequence {seq_id} holds {held} positions; a batch cannot start at {first}")
-        needed += max(0, cache.blocks_for(last + 1) - cache.blocks_for(held))
-    if needed > cache.num_free_blocks:
-        raise CapacityExceeded(f"the batch needs {needed} more KV blocks; {cache.num_free_blocks} are free")
-    for seq_id, last in zip(seq_ids, lasts):
-        cache.reserve(seq_id, last + 1)
 
 
 def load_target(

@@ -1,0 +1,176 @@
+"""CUDA graphs of the target's decode/verify forward: one per (batch bucket, query length), captured
+once over static buffers and replayed every step (nano-vllm's `capture_cudagraph`, for a paged cache).
+
+A step of B sequences with up to Q tokens each (decode: Q = 1; verify: Q = k + 1) runs in the
+smallest captured bucket (B', Q') with B' >= B and Q' >= Q. Padding is harmless by construction:
+a padding token writes its K/V to a scratch block the cache lends us and attends within it, and its
+rows are dropped from the output. Everything a step changes (tokens, positions, cache slots, block
+tables) lives in device tensors the graph reads; the host builds them from lists it already has, so
+the forward itself never synchronises. `TargetModel.forward` stays the eager reference (and runs
+prefill); on a CPU the same static forward runs without capture, which is how it is tested there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from specsplit.kernels.paged_attention import paged_attention
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.layers import SelfAttention
+from specsplit.target_service.kv_cache import PagedKVCache
+from specsplit.target_service.model import CaptureSpec, ForwardOutput, TargetModel
+
+_SCRATCH = -1  # the cache sequence id holding the scratch block padding tokens write to
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... up to max_batch, and max_batch itself."""
+    sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
+    return sizes + [max_batch]
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One decode/verify step, as the engine knows it on the host."""
+
+    seq_ids: list[int]  # [B] KV cache sequence ids
+    tokens: list[list[int]]  # [B] of [n_i] token ids: the last committed token, then drafts
+    starts: list[int]  # [B] position of each sequence's first token
+
+
+class StaticForward:
+    """The decode/verify forward as fixed-shape tensor ops over buffers of one bucket (B x Q tokens)."""
+
+    def __init__(self, model: TargetModel, cache: PagedKVCache, capture: CaptureSpec, batch: int,
+                 query_len: int, max_blocks: int, scratch_block: int) -> None:
+        self.model, self.cache, self.capture = model, cache, capture
+        self.batch, self.query_len = batch, query_len
+        device = cache.device
+        scratch_slot = scratch_block * cache.block_size
+        self.token_ids = torch.zeros(batch * query_len, dtype=torch.int64, device=device)  # [B * Q]
+        self.positions = torch.zeros(batch, query_len, dtype=torch.int64, device=device)  # [B, Q]
+        self.slots = torch.full((batch * query_len,), scratch_slot, dtype=torch.int64, device=device)  # [B * Q]
+        self.block_tables = torch.full((batch, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
+        self.output: ForwardOutput | None = None
+
+    def load(self, step: StepBatch) -> torch.Tensor:
+        """Copy a step into the buffers; returns the rows of [B * Q] that hold its tokens, in order."""
+        cache, q = self.cache, self.query_len
+        tokens = torch.zeros(self.batch, q, dtype=torch.int64)
+        positions = torch.zeros(self.batch, q, dtype=torch.int64)
+        slots = torch.full((self.batch, q), self.scratch_slot, dtype=torch.int64)
+        tables = torch.full(self.block_tables.shape, self.scratch_block, dtype=torch.int32)
+        rows = []
+        for b, (seq_id, ids, start) in enumerate(zip(step.seq_ids, step.tokens, step.starts)):
+            n = len(ids)
+            blocks = cache.blocks(seq_id)
+            tokens[b, :n] = torch.tensor(ids)
+            # Padding queries of a real sequence sit at its last position (they read only its own
+            # keys) but write to the scratch slot.
+            positions[b] = torch.arange(start, start + q).clamp(max=start + n - 1)
+            span = torch.arange(start, start + n)
+            slots[b, :n] = torch.tensor(blocks)[span // cache.block_size] * cache.block_size + span % cache.block_size
+            tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            rows.extend(range(b * q, b * q + n))
+        for buffer, host in ((self.token_ids, tokens), (self.positions, positions), (self.slots, slots),
+                             (self.block_tables, tables)):
+            buffer.copy_(host.view(buffer.shape), non_blocking=True)
+        return torch.tensor(rows, dtype=torch.int64).to(self.slots.device, non_blocking=True)
+
+    def run(self) -> ForwardOutput:
+        model = self.model
+        stack = model.model
+        positions = self.positions.view(-1)
+        x = stack.embed_tokens(self.token_ids)  # [B * Q, hidden]
+        cos, sin = stack.rotary_emb(positions, x.dtype)
+        captured = {}
+        for i, layer in enumerate(stack.layers):
+            x = layer(x, partial(self._attend, i, cos, sin))
+            if i in self.capture.layer_ids:
+                captured[i] = x
+        layers = self.capture.layer_ids
+        self.output = ForwardOutput(
+            logits=model.lm_head(stack.norm(x)).float(),
+            layer_features=torch.cat([captured[i] for i in layers], -1) if layers else None,
+            last_hidden=x if self.capture.last_hidden else None,
+        )
+        return self.output
+
+    def _attend(self, layer: int, cos: torch.Tensor, sin: torch.Tensor, attn: SelfAttention,
+                x: torch.Tensor) -> torch.Tensor:
+        q = attn.query(x, cos, sin)  # [B * Q, Hq, D]
+        k, v = attn.key_value(x, cos, sin)  # [B * Q, Hkv, D]
+        self.cache.write_slots(layer, self.slots, k, v)
+        out = paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[layer],
+                              self.cache.v_pool[layer], self.block_tables, self.positions, attn.scale,
+                              self.model.config.layer_window(layer))
+        return attn.output(out.reshape(q.shape))
+
+
+class StepGraphs:
+    """Decode/verify forwards for every (batch bucket, query length), CUDA-graph captured on a GPU.
+
+    `use_graphs=False` runs the same static forward eagerly (the CPU path, and the graph's reference).
+    """
+
+    def __init__(self, model: TargetModel, cache: PagedKVCache, capture: CaptureSpec, *, max_batch: int,
+                 query_lens: tuple[int, ...], max_len: int, use_graphs: bool = True) -> None:
+        capture.validate(model.config.num_hidden_layers)
+        cache.allocate(_SCRATCH)
+        cache.reserve(_SCRATCH, cache.block_size)
+        scratch_block = cache.blocks(_SCRATCH)[0]
+        self.cache = cache
+        self.max_blocks = cache.blocks_for(max_len)
+        self.query_lens = tuple(sorted(set(query_lens)))
+        self.batches = batch_buckets(max_batch)
+        self.forwards = {(b, q): StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block)
+                         for b in self.batches for q in self.query_lens}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        if use_graphs:
+            self._capture_all()
+
+    def bucket(self, num_seqs: int, query_len: int) -> tuple[int, int] | None:
+        b = next((b for b in self.batches if b >= num_seqs), None)
+        q = next((q for q in self.query_lens if q >= query_len), None)
+        return None if b is None or q is None else (b, q)
+
+    def forward(self, step: StepBatch) -> ForwardOutput:
+        """The step's outputs, rows in token order (as `TargetModel.forward` returns them)."""
+        lengths = [len(t) for t in step.tokens]
+        key = self.bucket(len(lengths), max(lengths))
+        if key is None or min(lengths) == 0:
+            raise InvalidRequest(f"no captured bucket holds {len(lengths)} sequences of up to {max(lengths)} tokens")
+        last = [s + n - 1 for s, n in zip(step.starts, lengths)]
+        if max(last) >= self.max_blocks * self.cache.block_size:
+            raise InvalidRequest(f"position {max(last)} lies past the {self.max_blocks} blocks a step can address")
+        self.cache.reserve_batch(step.seq_ids, step.starts, [x + 1 for x in last])
+        fwd = self.forwards[key]
+        rows = fwd.load(step)
+        graph = self.graphs.get(key)
+        if graph is None:
+            with torch.inference_mode():
+                out = fwd.run()
+        else:
+            graph.replay()
+            out = fwd.output
+        pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+        return ForwardOutput(pick(out.logits), pick(out.layer_features), pick(out.last_hidden))
+
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        warm = torch.cuda.Stream()
+        # Largest first, so smaller graphs reuse the pool's memory.
+        for key in sorted(self.forwards, reverse=True):
+            fwd = self.forwards[key]
+            warm.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(warm), torch.inference_mode():
+                fwd.run()  # buffers hold padding only: writes go to the scratch block
+            torch.cuda.current_stream().wait_stream(warm)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+                fwd.run()
+            self.graphs[key] = graph

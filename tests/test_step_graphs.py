@@ -1,0 +1,155 @@
+"""The static (graph-shaped) decode/verify forward equals the eager forward; on a GPU, so does its CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from specsplit.shared.errors import CapacityExceeded, InvalidRequest
+from specsplit.target_service.graphs import StepBatch, StepGraphs, batch_buckets
+from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
+
+# Both sides are float32 over the same weights; they differ in reduction order only (one padded
+# attention over gathered blocks vs per-row softmax over the same keys), so 1e-4 absolute on logits
+# of magnitude ~1 leaves two orders of margin over fp32 rounding and catches any wrong key or position.
+ATOL = 1e-4
+
+
+def eager(model, cache, step: StepBatch, capture: CaptureSpec):
+    lengths = torch.tensor([0] + [len(t) for t in step.tokens])
+    batch = ForwardBatch(
+        token_ids=torch.tensor([t for ids in step.tokens for t in ids]),
+        positions=torch.tensor([p for ids, s in zip(step.tokens, step.starts) for p in range(s, s + len(ids))]),
+        cu_seqlens=torch.cumsum(lengths, 0),
+        seq_ids=list(step.seq_ids),
+    )
+    return model(batch, cache, capture)
+
+
+def prefilled_pair(model, lengths: list[int], block_size: int = 4, seed: int = 0):
+    """Two caches with the same random prompts prefilled (one for each path). Prompts go in one
+    block at a time, round robin, so each sequence's blocks interleave with the others'."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    caches = [model.new_cache(num_blocks=96, block_size=block_size) for _ in range(2)]
+    for cache in caches:
+        for seq_id in range(len(prompts)):
+            cache.allocate(seq_id)
+        for start in range(0, max(lengths), block_size):
+            for seq_id, prompt in enumerate(prompts):
+                if start < len(prompt):
+                    eager(model, cache, StepBatch([seq_id], [prompt[start:start + block_size]], [start]), CaptureSpec())
+    return caches, prompts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [4, 2, 5], [3]])
+def test_static_forward_equals_eager(family, query_lens, request):
+    model = load_target(request.getfixturevalue(f"tiny_{family}_dir"))
+    capture = CaptureSpec(layer_ids=(0, model.config.num_hidden_layers - 1), last_hidden=True)
+    lengths = [9, 14, 6][:len(query_lens)]
+    (ref_cache, cache), _ = prefilled_pair(model, lengths)
+    graphs = StepGraphs(model, cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False)
+    gen = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in query_lens]
+    starts = list(lengths)
+    for _ in range(3):  # positions move on (as if every token were accepted), crossing block boundaries
+        step = StepBatch(list(range(len(tokens))), tokens, starts)
+        want = eager(model, ref_cache, step, capture)
+        got = graphs.forward(step)
+        for name in ("logits", "layer_features", "last_hidden"):
+            assert_close(getattr(got, name).float(), getattr(want, name).float(), atol=ATOL, rtol=0)
+        starts = [s + len(t) for s, t in zip(starts, tokens)]
+
+
+def test_padding_never_touches_real_sequences(tiny_llama_dir):
+    """A step in a larger bucket leaves other sequences' cached keys exactly as they were."""
+    model = load_target(tiny_llama_dir)
+    (_, cache), _ = prefilled_pair(model, [7, 5])
+    graphs = StepGraphs(model, cache, CaptureSpec(), max_batch=4, query_lens=(8,), max_len=64, use_graphs=False)
+    before_k, before_v = cache.k_pool.clone(), cache.v_pool.clone()
+    graphs.forward(StepBatch([0], [[5]], [7]))  # 1 sequence of 1 token in the (1, 8) bucket
+    changed = (cache.k_pool != before_k).any(-1).any(-1)  # [layers, blocks, rows]
+    slot0 = cache.blocks(0)[7 // 4] * 4 + 7 % 4
+    scratch = cache.blocks(-1)[0]
+    for layer in range(model.config.num_hidden_layers):
+        rows = changed[layer].flatten().nonzero().flatten().tolist()
+        assert set(rows) <= {slot0} | set(range(scratch * 4, scratch * 4 + 4))
+        assert slot0 in rows
+    assert torch.equal(cache.v_pool[:, cache.blocks(1)], before_v[:, cache.blocks(1)])
+
+
+def test_buckets_and_refusals(tiny_llama_dir):
+    assert batch_buckets(1) == [1] and batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(12) == [1, 2, 4, 8, 12]
+    model = load_target(tiny_llama_dir)
+    cache = model.new_cache(num_blocks=4, block_size=4)
+    graphs = StepGraphs(model, cache, CaptureSpec(), max_batch=2, query_lens=(1, 4), max_len=64, use_graphs=False)
+    assert graphs.bucket(2, 3) == (2, 4) and graphs.bucket(3, 1) is None and graphs.bucket(1, 5) is None
+    cache.allocate(0)
+    with pytest.raises(InvalidRequest):
+        graphs.forward(StepBatch([0], [[1] * 5], [0]))  # longer than any captured query length
+    with pytest.raises(InvalidRequest):
+        graphs.forward(StepBatch([0], [[1]], [64]))  # past what a block table row can address
+    cache.reserve(0, 12)  # the scratch block is the fourth: nothing is left
+    with pytest.raises(CapacityExceeded):
+        graphs.forward(StepBatch([0], [[1]], [12]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_replay_equals_eager(tiny_qwen3_dir, dtype):
+    model = load_target(tiny_qwen3_dir, dtype=dtype, device="cuda")
+    capture = CaptureSpec(layer_ids=(0, 1), last_hidden=True)
+    (ref_cache, cache), _ = prefilled_pair(model, [9, 14, 6])
+    graphs = StepGraphs(model, cache, capture, max_batch=4, query_lens=(1, 6), max_len=64)
+    assert len(graphs.graphs) == len(graphs.forwards) == 3 * 2
+    gen = torch.Generator().manual_seed(1)
+    ends = [9, 14, 6]
+    for query_lens in [[1, 1, 1], [4, 2, 6], [1], [6, 6]]:
+        tokens = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in query_lens]
+        step = StepBatch(list(range(len(tokens))), tokens, ends[:len(tokens)])
+        ends[:len(tokens)] = [e + n for e, n in zip(ends, query_lens)]
+        want = eager(model, ref_cache, step, capture)
+        got = graphs.forward(step)
+        atol = ATOL if dtype == torch.float32 else 5e-2  # bf16: 8 mantissa bits over a few layers
+        assert_close(got.logits, want.logits, atol=atol, rtol=0)
+        assert_close(got.layer_features.float(), want.layer_features.float(), atol=atol, rtol=0)
+
+
+def test_engine_on_static_steps_is_lossless(smollm2_dir):
+    """The engine with its verify forwards on the static step (as on a GPU, without capture) emits the
+    target-only tokens, through partial accepts and every bucket a shrinking batch passes through."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+    from tests.oracle import OracleDrafter
+
+    target = load_target(smollm2_dir)
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time"]
+    reqs = lambda: [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=12 + 6 * i, ignore_eos=True))  # noqa: E731
+                    for i, p in enumerate(prompts)]
+
+    def run(proposer, static: bool):
+        engine = Engine(target, proposer, EngineConfig(max_batch=4))
+        if static:
+            engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4,
+                                       query_lens=(1, engine._max_drafts() + 1), max_len=256, use_graphs=False)
+        events = engine.generate(reqs())
+        return {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()}, events
+
+    reference, _ = run(None, static=False)
+    inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                           block_size=8, max_drafts=6)
+    oracle = OracleDrafter(inner, {tuple(r.prompt_ids): r.prompt_ids + reference[r.request_id] for r in reqs()},
+                           mistake_rate=0.15)
+    tokens, events = run(oracle, static=True)
+    assert tokens == reference
+    stats = [evs[-1].stats for evs in events.values()]
+    assert all(0 < s.accepted < s.drafted for s in stats)
+    assert run(None, static=True)[0] == reference  # target-only decode (Q = 1) too
