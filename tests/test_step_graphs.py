@@ -43,14 +43,16 @@ def prefilled_pair(model, lengths: list[int], block_size: int = 4, seed: int = 0
     return caches, prompts
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [4, 2, 5], [3]])
-def test_static_forward_equals_eager(family, query_lens, request):
+@pytest.mark.parametrize("fused", [True, False])
+def test_static_forward_equals_eager(family, query_lens, fused, request):
     model = load_target(request.getfixturevalue(f"tiny_{family}_dir"))
     capture = CaptureSpec(layer_ids=(0, model.config.num_hidden_layers - 1), last_hidden=True)
     lengths = [9, 14, 6][:len(query_lens)]
     (ref_cache, cache), _ = prefilled_pair(model, lengths)
-    graphs = StepGraphs(model, cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False)
+    graphs = StepGraphs(model, cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False,
+                        fused=fused)
     gen = torch.Generator().manual_seed(1)
     tokens = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in query_lens]
     starts = list(lengths)
@@ -99,11 +101,13 @@ def test_buckets_and_refusals(tiny_llama_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_replay_equals_eager(tiny_qwen3_dir, dtype):
-    model = load_target(tiny_qwen3_dir, dtype=dtype, device="cuda")
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_cuda_graph_replay_equals_eager(family, fused, dtype, request):
+    model = load_target(request.getfixturevalue(f"tiny_{family}_dir"), dtype=dtype, device="cuda")
     capture = CaptureSpec(layer_ids=(0, 1), last_hidden=True)
     (ref_cache, cache), _ = prefilled_pair(model, [9, 14, 6])
-    graphs = StepGraphs(model, cache, capture, max_batch=4, query_lens=(1, 6), max_len=64)
+    graphs = StepGraphs(model, cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, fused=fused)
     assert len(graphs.graphs) == len(graphs.forwards) == 3 * 2
     gen = torch.Generator().manual_seed(1)
     ends = [9, 14, 6]
