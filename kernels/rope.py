@@ -1,0 +1,104 @@
+"""Rotary embedding of q and k fused with the KV-cache write of k and v: torch reference, Triton kernel, dispatcher.
+
+RoPE is the NeoX/HF "rotate_half" form, out = x*cos + rotate_half(x)*sin, computed in the model dtype
+with cos/sin [T, D] as the model computes them (once per forward, shared by every layer: so they stay an
+input rather than being recomputed in here). The kernel rounds where the torch ops round (each product,
+then the sum) and is built without FMA contraction, so on the GPU it equals the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAVE_TRITON, tl, triton
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D]."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def rope_and_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
+    """Rotated q [T, Hq, D]; rotated k and v land in rows `slots` [T] of the caches viewed as
+    [num_blocks * block_size, Hkv, D] (the `PagedKVCache.write_slots` layout)."""
+    k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    k_flat.index_copy_(0, slots, apply_rope_reference(k, cos, sin).to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, v.to(v_cache.dtype))
+    return apply_rope_reference(q, cos, sin)
+
+
+def rope_and_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] (any strides with a unit last one: column views of a fused qkv
+    projection are read in place), cos/sin [T, D], caches [num_blocks, block_size, Hkv, D], slots [T]
+    int64. Returns rotated q as a new contiguous tensor; q, k and v are not modified."""
+    if q.is_cuda and HAVE_TRITON:
+        return rope_and_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
+    return rope_and_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, slots)
+
+
+def rope_and_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
+    assert HAVE_TRITON, "triton is not installed"
+    tokens, hq, dim = q.shape
+    hkv = k.shape[1]
+    assert k.shape == v.shape == (tokens, hkv, dim) and hq % hkv == 0, (q.shape, k.shape, v.shape)
+    assert cos.shape == sin.shape == (tokens, dim), (cos.shape, sin.shape)
+    assert dim % 2 == 0 and triton.next_power_of_2(dim) == dim, dim
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (hkv, dim), k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert slots.shape == (tokens,) and slots.dtype == torch.int64, (slots.shape, slots.dtype)
+    assert q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype, \
+        (q.dtype, k.dtype, v.dtype, cos.dtype, sin.dtype, k_cache.dtype)
+    assert all(t.stride(-1) == 1 for t in (q, k, v, cos, sin)), "the last dimension must be contiguous"
+    assert cos.stride() == sin.stride()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _rope_kernel[(tokens,)](
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+        cos, sin, cos.stride(0), slots, q_out, k_cache, v_cache, hq, hkv,
+        DIM=dim, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
+        num_warps=4, enable_fp_fusion=False)  # no FMA: x*cos + r*sin rounds each product, as torch does
+    return q_out
+
+
+@triton.jit
+def _rotate(x_ptr, x_sh, out_ptr, out_sh, heads, cos1, cos2, sin1, sin2, DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotates one token's `heads` heads at x_ptr (head stride x_sh) into out_ptr (head stride out_sh)."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, DIM // 2)[None, :]
+    mask = h < heads
+    x1 = tl.load(x_ptr + h * x_sh + d, mask=mask).to(tl.float32)
+    x2 = tl.load(x_ptr + h * x_sh + DIM // 2 + d, mask=mask).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # rotate_half(x) = (-x2, x1); each product and the sum rounded to the model dtype as in torch
+    out1 = (x1 * cos1).to(dtype).to(tl.float32) - (x2 * sin1).to(dtype).to(tl.float32)
+    out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+    tl.store(out_ptr + h * out_sh + d, out1.to(dtype), mask=mask)
+    tl.store(out_ptr + h * out_sh + DIM // 2 + d, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, q_st, q_sh, k_ptr, k_st, k_sh, v_ptr, v_st, v_sh, cos_ptr, sin_ptr, cs_st, slots_ptr,
+                 q_out_ptr, k_cache_ptr, v_cache_ptr, hq, hkv,
+                 DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr):
+    """One program per token: rotates its q heads into q_out and its k heads into the cache row
+    slots[t], and copies its v heads there."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, DIM // 2)
+    cos1 = tl.load(cos_ptr + t * cs_st + d).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_ptr + t * cs_st + DIM // 2 + d).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_ptr + t * cs_st + d).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_ptr + t * cs_st + DIM // 2 + d).to(tl.float32)[None, :]
+    _rotate(q_ptr + t * q_st, q_sh, q_out_ptr + t * hq * DIM, DIM, hq, cos1, cos2, sin1, sin2,
+            DIM, BLOCK_HQ)
+    row = tl.load(slots_ptr + t) * hkv * DIM  # the caches are contiguous [num_slots, Hkv, D]
+    _rotate(k_ptr + t * k_st, k_sh, k_cache_ptr + row, DIM, hkv, cos1, cos2, sin1, sin2, DIM, BLOCK_HKV)
+    h = tl.arange(0, BLOCK_HKV)[:, None]
+    dd = tl.arange(0, DIM)[None, :]
+    mask = h < hkv
+    tl.store(v_cache_ptr + row + h * DIM + dd, tl.load(v_ptr + t * v_st + h * v_sh + dd, mask=mask), mask=mask)
