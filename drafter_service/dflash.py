@@ -24,6 +24,7 @@ from specsplit.drafter_service.base import (
     Append, Draft, Drafter, DraftVocab, Rows, SequenceState, batch_allowed, batched_attention, pad_rows, pick,
     proposals, valid_rows, visibility,
 )
+from specsplit.drafter_service.graphs import ContextGraphs, ProposeGraphs
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.errors import CheckpointError
@@ -240,7 +241,8 @@ class DFlashState(SequenceState):
 class DFlashDrafter(Drafter):
     """A DFlash model behind the Proposer verbs; context K/V cached per sequence in a sliding window."""
 
-    def __init__(self, model: DFlashModel, head: TargetHead, *, window: int = 4096, max_batch: int = 64) -> None:
+    def __init__(self, model: DFlashModel, head: TargetHead, *, window: int = 4096, max_batch: int = 64,
+                 cuda_graphs: bool = True) -> None:
         cfg = model.cfg
         if head.hidden_size != cfg.decoder.hidden_size or head.vocab_size != cfg.decoder.vocab_size:
             raise CheckpointError(f"target head [{head.vocab_size}, {head.hidden_size}] does not fit a drafter "
@@ -257,6 +259,20 @@ class DFlashDrafter(Drafter):
         super().__init__(spec, head, DraftVocab(model.d2t, cfg.decoder.vocab_size),
                          dtype=weight.dtype, device=weight.device)
         self.model = model
+        self.context_graphs: ContextGraphs | None = None
+        self.propose_graphs: ProposeGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.use_static_forwards(use_graphs=True)
+
+    def use_static_forwards(self, *, use_graphs: bool) -> None:
+        """Run the context and block forwards over static buffers, as CUDA graphs when `use_graphs`
+        (captured per size bucket on first use). Without graphs it is the CPU test of the same code."""
+        pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        rows = self.spec.max_batch * self.spec.block_size
+        self.context_graphs = ContextGraphs(self.model, max_rows=rows, use_graphs=use_graphs, pool=pool)
+        self.propose_graphs = ProposeGraphs(self.model, self.vocab.table, max_batch=self.spec.max_batch,
+                                            window=self.spec.window, device=self.device, dtype=self.dtype,
+                                            use_graphs=use_graphs, pool=pool)
 
     def new_state(self, budget: int) -> DFlashState:
         dec = self.model.cfg.decoder
@@ -278,7 +294,9 @@ class DFlashDrafter(Drafter):
             kept.append(a.rows[n - keep:])
             spans.append(range(a.base_pos + n - keep, a.base_pos + n))
         pos = torch.tensor([p for span in spans for p in span], dtype=torch.long).to(self.device, non_blocking=True)
-        feat, k, v = self.model.context(torch.cat(kept) if len(kept) > 1 else kept[0], pos)
+        rows = torch.cat(kept) if len(kept) > 1 else kept[0]
+        graphs = self.context_graphs
+        feat, k, v = (graphs if graphs is not None and graphs.fits(rows.shape[0]) else self.model.context)(rows, pos)
         start = 0
         for a, span in zip(appends, spans):
             end = start + len(span)
@@ -292,6 +310,12 @@ class DFlashDrafter(Drafter):
         state.ctx.relimit(min(self.spec.window, budget))
 
     def draft(self, batch: Sequence[Draft]) -> list[Proposal]:
+        graphs = self.propose_graphs
+        if graphs is not None and all(d.allowed is None for d in batch) and self.head.embed.device == self.device \
+                and graphs.fits(len(batch), max(len(d.state.ctx) for d in batch)):
+            ids, logp = graphs(self.head, [d.request.last_token for d in batch],
+                               [d.request.position for d in batch], [d.state.ctx for d in batch])
+            return proposals(ids, logp, batch)
         anchors = torch.tensor([d.request.last_token for d in batch])
         positions = torch.tensor([d.request.position for d in batch], device=self.device)
         block = self.model.embed_block(anchors, self.head)

@@ -21,18 +21,13 @@ from specsplit.kernels.activation import silu_mul
 from specsplit.kernels.norm import add_rms_norm, rms_norm
 from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
+from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.layers import SelfAttention
 from specsplit.target_service.kv_cache import PagedKVCache
 from specsplit.target_service.model import CaptureSpec, ForwardOutput, TargetModel
 
 _SCRATCH = -1  # the cache sequence id holding the scratch block padding tokens write to
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, ... up to max_batch, and max_batch itself."""
-    sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
-    return sizes + [max_batch]
 
 
 @dataclass(frozen=True)
@@ -215,8 +210,7 @@ class StepGraphs:
             self._capture_all()
 
     def bucket(self, num_seqs: int, query_len: int) -> tuple[int, int] | None:
-        b = next((b for b in self.batches if b >= num_seqs), None)
-        q = next((q for q in self.query_lens if q >= query_len), None)
+        b, q = bucket_for(num_seqs, self.batches), bucket_for(query_len, list(self.query_lens))
         return None if b is None or q is None else (b, q)
 
     def forward(self, step: StepBatch) -> ForwardOutput:
@@ -243,15 +237,5 @@ class StepGraphs:
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        warm = torch.cuda.Stream()
-        # Largest first, so smaller graphs reuse the pool's memory.
-        for key in sorted(self.forwards, reverse=True):
-            fwd = self.forwards[key]
-            warm.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(warm), torch.inference_mode():
-                fwd.run()  # buffers hold padding only: writes go to the scratch block
-            torch.cuda.current_stream().wait_stream(warm)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-                fwd.run()
-            self.graphs[key] = graph
+        for key in sorted(self.forwards, reverse=True):  # largest first: smaller graphs reuse its memory
+            self.graphs[key], _ = capture(self.forwards[key].run, pool)

@@ -7,7 +7,8 @@ import torch
 from torch.testing import assert_close
 
 from specsplit.shared.errors import CapacityExceeded, InvalidRequest
-from specsplit.target_service.graphs import StepBatch, StepGraphs, batch_buckets
+from specsplit.shared.cuda_graphs import batch_buckets
+from specsplit.target_service.graphs import StepBatch, StepGraphs
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
 
 # Both sides are float32 over the same weights; they differ in reduction order only (one padded

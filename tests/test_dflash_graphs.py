@@ -1,0 +1,92 @@
+"""The DFlash drafter's static (graph-shaped) context and block forwards equal its eager ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from specsplit.drafter_service.graphs import length_buckets
+from specsplit.shared.proposer import ProposeRequest
+from tests.test_dflash import make
+
+# Both paths are float32 over the same weights; the static one pads contexts to a bucket (masked keys)
+# and rows to a bucket, so only reduction order differs: 1e-5 on log-probabilities of magnitude ~1-10.
+ATOL = 1e-5
+
+
+def drive(drafter, lengths: list[int], steps: int, seed: int = 0):
+    """Prefill sequences, then propose / stash / commit (accepting a varying number) for some steps;
+    returns every step's proposals and the final contexts."""
+    gen = torch.Generator().manual_seed(seed)
+    width = drafter.spec.feature_dim
+    for seq_id, n in enumerate(lengths):
+        drafter.alloc(seq_id, 400)
+        drafter.prefill(seq_id, torch.randint(0, 97, (n,), generator=gen).tolist(), torch.randn(n, width, generator=gen))
+    pos = list(lengths)
+    last = [1] * len(lengths)
+    history = []
+    for step in range(steps):
+        requests = [ProposeRequest(i, last[i], pos[i], 4, want_confidence=True) for i in range(len(lengths))]
+        proposals = drafter.propose(requests)
+        history.append(proposals)
+        with drafter.batched_appends():
+            for i, p in enumerate(proposals):
+                accepted = (step + i) % 5
+                drafter.stash(i, torch.randn(5, width, generator=gen))
+                committed = [last[i]] + p.tokens[:accepted]
+                drafter.commit(i, accepted + 1, pos[i], committed)
+                drafter.trim(i, accepted)
+                pos[i] += accepted + 1
+                last[i] = int(torch.randint(0, 97, (1,), generator=gen))
+    contexts = [{n: drafter.store.get(i).ctx[n].clone() for n in ("feat", "k", "v", "pos")} for i in range(len(lengths))]
+    return history, contexts
+
+
+@pytest.mark.parametrize("window", [4096, 12])
+def test_static_forwards_equal_eager(window):
+    eager, static = make(window=window), make(window=window)
+    static.use_static_forwards(use_graphs=False)
+    want, want_ctx = drive(eager, [7, 30, 3], steps=8)
+    got, got_ctx = drive(static, [7, 30, 3], steps=8)
+    for a, b in zip(want, got):
+        assert [p.tokens for p in a] == [p.tokens for p in b]
+        assert_close(torch.tensor([p.confidence for p in b]), torch.tensor([p.confidence for p in a]), atol=ATOL, rtol=0)
+    for a, b in zip(want_ctx, got_ctx):
+        for name in a:
+            assert_close(b[name], a[name], atol=ATOL, rtol=0)
+
+
+def test_bitmask_requests_take_the_eager_path():
+    from specsplit.shared.proposer import bool_to_bitmask
+
+    drafter = make()
+    drafter.use_static_forwards(use_graphs=False)
+    drafter.alloc(0, 64)
+    drafter.prefill(0, [1, 2, 3], torch.randn(3, drafter.spec.feature_dim))
+    allowed = torch.zeros(97, dtype=torch.bool)
+    allowed[[5, 9]] = True
+    proposal = drafter.propose([ProposeRequest(0, 3, 3, 4, bitmask=bool_to_bitmask(allowed))])[0]
+    assert set(proposal.tokens) <= {5, 9}
+
+
+def test_length_buckets():
+    assert length_buckets(4096) == [64, 128, 256, 512, 1024, 2048, 4096]
+    assert length_buckets(12) == [12] and length_buckets(100, smallest=16) == [16, 32, 64, 100]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("window", [4096, 12])
+def test_cuda_graphs_equal_eager(window):
+    eager, graphed = make(window=window, device="cuda"), make(window=window, device="cuda")
+    assert graphed.propose_graphs is not None  # on by default on a GPU
+    eager.propose_graphs = eager.context_graphs = None
+    want, want_ctx = drive(eager, [7, 30, 3], steps=8)
+    got, got_ctx = drive(graphed, [7, 30, 3], steps=8)
+    assert graphed.propose_graphs._runs and all(run.graph is not None for _, run in graphed.propose_graphs._runs.values())
+    for a, b in zip(want, got):
+        assert [p.tokens for p in a] == [p.tokens for p in b]
+    for a, b in zip(want_ctx, got_ctx):
+        for name in a:
+            assert_close(b[name], a[name], atol=1e-4, rtol=0)
