@@ -396,20 +396,20 @@ class Drafter(ABC):
         return rows.detach().to(self.device)
 
     def _check_tokens(self, token_ids: Sequence[int], count: int) -> torch.Tensor:
+        """Checked on the host (ids in a device tensor are read back once), then moved to the device."""
         if isinstance(token_ids, torch.Tensor):
             if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
                 raise InvalidRequest("token_ids must be a 1-D integer tensor or a list of ints")
-            ids = token_ids.to(self.device, torch.long)
+            values = token_ids.tolist()
         else:
             values = list(token_ids)
             if any(isinstance(t, bool) or not isinstance(t, int) for t in values):
                 raise InvalidRequest("token_ids must be ints")
-            ids = torch.tensor(values, dtype=torch.long, device=self.device)
-        if ids.numel() != count:
-            raise InvalidRequest(f"{ids.numel()} token ids for {count} rows")
-        if count and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
+        if len(values) != count:
+            raise InvalidRequest(f"{len(values)} token ids for {count} rows")
+        if count and (min(values) < 0 or max(values) >= self.spec.vocab_size):
             raise InvalidRequest(f"token ids must lie in 0..{self.spec.vocab_size - 1}")
-        return ids
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     def _check_span(self, state: SequenceState, base_pos: int, count: int, verb: str) -> None:
         if isinstance(base_pos, bool) or not isinstance(base_pos, int) or base_pos < 0:
