@@ -20,6 +20,7 @@ from specsplit.shared import wire
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.proposer import ProposeRequest, bool_to_bitmask
 from specsplit.shared.transport import BufferExporter, BufferRole, RowRef, encode_inline, host_id
+from tests.rounding import conf_atol
 
 INFO = TargetInfo(hidden_size=32, vocab_size=97, num_hidden_layers=6, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, intermediate_size=64)
@@ -30,13 +31,22 @@ CODE = {code.name: code.value[0] for code in grpc.StatusCode}
 
 
 def make_drafter(head: TargetHead | None = None):
-    """A seeded DFlash drafter with weights large enough that every row moves the drafts."""
+    """A seeded DFlash drafter with weights large enough that every row moves the drafts; it keeps the
+    largest |logit| it has computed in `largest_logit` (the scale its confidences are rounded at)."""
     drafter = random_drafter("dflash", INFO, head, seed=0, num_layers=2, block_size=GAMMA, max_batch=MAX_BATCH)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for m in drafter.model.modules():
             if isinstance(m, nn.Linear):
                 m.weight.copy_(torch.randn(m.weight.shape, generator=gen) / m.weight.shape[1] ** 0.5)
+    logits, drafter.largest_logit = drafter.model.logits, 0.0
+
+    def recorded(hidden, head):
+        out = logits(hidden, head)
+        drafter.largest_logit = max(drafter.largest_logit, out.abs().max().item())
+        return out
+
+    drafter.model.logits = recorded
     return drafter
 
 
@@ -143,13 +153,18 @@ def propose_unary(client: Client, requests: list[ProposeRequest]):
     return wire.proposals_from_proto(client.call("Propose", wire.propose_to_proto(requests)))
 
 
-def same(got, want) -> None:
+def same(got, want, twin) -> None:
+    """`want` from `twin`, the drafter called directly. The service enters a step's committed rows in
+    one batched forward where the twin takes them one call at a time, so the sums differ in order and
+    confidences agree to rounding (tests/rounding.py): at the scale of the twin's logits, the longest
+    sum is the 97-token softmax, chained after the fc, 2 layers and the head."""
     assert [p.tokens for p in got] == [p.tokens for p in want]
+    atol = conf_atol(twin.largest_logit, INFO.vocab_size, depth=5)
     for g, w in zip(got, want):
         if w.confidence is None:
             assert not g.confidence
         else:
-            assert g.confidence == pytest.approx(w.confidence, abs=1e-6)
+            assert g.confidence == pytest.approx(w.confidence, abs=atol, rel=0)
 
 
 # ---- equivalence with direct calls ---------------------------------------------------------------
@@ -170,7 +185,7 @@ def test_step_stream_matches_direct_calls(env):
             ProposeRequest(2, 7, pos[2], 3, bitmask=bool_to_bitmask(mask))]
     result = client.step(wire.StepBatch(1, proposes=reqs))
     assert result.step_id == 1 and not result.errors and list(result.proposals) == [0, 1, 2]
-    same(list(result.proposals.values()), twin.propose(reqs))
+    same(list(result.proposals.values()), twin.propose(reqs), twin)
     assert all(10 <= t < 40 for t in result.proposals[2].tokens)
 
     # Step 2: every sequence verifies k+1 = 4 rows (shm refs, one inline) and accepts a drafts.
@@ -189,7 +204,7 @@ def test_step_stream_matches_direct_calls(env):
         reqs.append(ProposeRequest(seq_id, 50 + seq_id, pos[seq_id], 3, want_confidence=seq_id == 2))
     result = client.step(wire.StepBatch(2, seqs=seqs, proposes=reqs))
     assert not result.errors
-    same(list(result.proposals.values()), twin.propose(reqs))
+    same(list(result.proposals.values()), twin.propose(reqs), twin)
 
     # Step 3: a catch-up for 0, sequence 2 freed, proposes for the other two.
     client.new_generation()
@@ -202,7 +217,7 @@ def test_step_stream_matches_direct_calls(env):
     twin.free(2)
     assert not result.errors
     same(list(result.proposals.values()),
-         twin.propose([ProposeRequest(0, 62, pos[0] + 2, 3), ProposeRequest(1, 63, pos[1], 1)]))
+         twin.propose([ProposeRequest(0, 62, pos[0] + 2, 3), ProposeRequest(1, 63, pos[1], 1)]), twin)
     assert len(env.drafter.store) == 2
     client.close_stream()
 
@@ -223,7 +238,7 @@ def test_unary_verbs_match_direct_calls(env):
     twin.trim(4, 1)
     twin.catchup(4, [1, 2, 3], extra, 5)
     req = [ProposeRequest(4, 13, 8, 3, want_confidence=True)]
-    same(propose_unary(client, req), twin.propose(req))
+    same(propose_unary(client, req), twin.propose(req), twin)
     client.call("FreeState", drafter_pb2.FreeStateRequest(seq_id=4))
     assert len(env.drafter.store) == 0
 
@@ -251,7 +266,7 @@ def test_unary_errors_map_to_status_and_leave_other_sequences_untouched(env):
     alloc_prefill(client, twin, 1, [9, 10, 11], seed=2)
     probe = [ProposeRequest(1, 12, 3, 3, want_confidence=True)]
     before = propose_unary(client, probe)
-    same(before, twin.propose(probe))
+    same(before, twin.propose(probe), twin)
 
     client.new_generation()
     stale = client.shm(rows(2, 3))
@@ -293,7 +308,7 @@ def test_unary_errors_map_to_status_and_leave_other_sequences_untouched(env):
         next(client.stub.Step(iter([drafter_pb2.StepRequest(step_id=1)]), timeout=10))
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
-    same(propose_unary(client, probe), before)
+    same(propose_unary(client, probe), before, twin)
     assert len(env.drafter.store) == 2
 
 
@@ -341,13 +356,13 @@ def test_step_errors_stay_with_their_sequence(env):
     twin.commit(1, 2, 3, [4, 5])
     twin.trim(1, 1)
     assert list(result.proposals) == [1]  # 2 failed inside a batched propose: isolated from 1's chunk
-    same([result.proposals[1]], twin.propose([ProposeRequest(1, 6, 5, 3)]))
+    same([result.proposals[1]], twin.propose([ProposeRequest(1, 6, 5, 3)]), twin)
 
     # The failed sequences are untouched and go on next step; the stream survived.
     again = [ProposeRequest(0, 4, 3, 3), ProposeRequest(2, 7, 3, 3), ProposeRequest(3, 8, 3, 2)]
     result = client.step(wire.StepBatch(2, proposes=again))
     assert not result.errors
-    same(list(result.proposals.values()), twin.propose(again))
+    same(list(result.proposals.values()), twin.propose(again), twin)
     client.close_stream()
 
 
@@ -406,8 +421,8 @@ def test_two_clients_with_the_same_seq_id_do_not_collide(env):
     a, b, twin = env.client("target-a"), env.client("target-b"), env.twin
     alloc_prefill(a, twin, 0, [1, 2, 3, 4], seed=1, twin_id=100)
     alloc_prefill(b, twin, 0, [5, 6, 7], seed=2, twin_id=200)
-    same(propose_unary(a, [ProposeRequest(0, 9, 4, 3)]), twin.propose([ProposeRequest(100, 9, 4, 3)]))
-    same(propose_unary(b, [ProposeRequest(0, 9, 3, 3)]), twin.propose([ProposeRequest(200, 9, 3, 3)]))
+    same(propose_unary(a, [ProposeRequest(0, 9, 4, 3)]), twin.propose([ProposeRequest(100, 9, 4, 3)]), twin)
+    same(propose_unary(b, [ProposeRequest(0, 9, 3, 3)]), twin.propose([ProposeRequest(200, 9, 3, 3)]), twin)
 
     # One client's carried KV and sequences are invisible to the other.
     handle = a.call("TakeDrafterKV", drafter_pb2.TakeDrafterKVRequest(seq_id=0)).handle
@@ -417,7 +432,7 @@ def test_two_clients_with_the_same_seq_id_do_not_collide(env):
     assert (carried.rows, carried.last_position) == (4, 3)
     a.call("FreeState", drafter_pb2.FreeStateRequest(seq_id=0))
     assert b.code("AllocState", wire.alloc_to_proto(0, BUDGET)) == "ALREADY_EXISTS"
-    same(propose_unary(b, [ProposeRequest(0, 9, 3, 3)]), twin.propose([ProposeRequest(200, 9, 3, 3)]))
+    same(propose_unary(b, [ProposeRequest(0, 9, 3, 3)]), twin.propose([ProposeRequest(200, 9, 3, 3)]), twin)
 
 
 def wait_until(predicate, timeout: float = 10.0) -> None:
@@ -480,7 +495,7 @@ def test_target_head_is_bound_from_registered_buffers(env):
     lm_head = env.exporter.export_existing(true_head.lm_head, BufferRole.TARGET_LM_HEAD)
     client.call("RegisterBuffers", drafter_pb2.RegisterBuffersRequest(
         buffers=[wire.descriptor_to_proto(b.describe()) for b in (embed, lm_head)]))
-    same(propose_unary(client, req), twin.propose(req))
+    same(propose_unary(client, req), twin.propose(req), twin)
     # The bound head views the target's buffer: no copy of the weights.
     embed.tensor[0].fill_(3.0)
     assert torch.equal(drafter.head.embed[0], embed.tensor[0])
