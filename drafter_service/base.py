@@ -397,6 +397,10 @@ class Drafter(ABC):
 
     def _check_tokens(self, token_ids: Sequence[int], count: int) -> torch.Tensor:
         """Checked on the host (ids in a device tensor are read back once), then moved to the device."""
+        values = self._check_token_values(token_ids, count)
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _check_token_values(self, token_ids: Sequence[int], count: int) -> list[int]:
         if isinstance(token_ids, torch.Tensor):
             if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
                 raise InvalidRequest("token_ids must be a 1-D integer tensor or a list of ints")
@@ -409,7 +413,7 @@ class Drafter(ABC):
             raise InvalidRequest(f"{len(values)} token ids for {count} rows")
         if count and (min(values) < 0 or max(values) >= self.spec.vocab_size):
             raise InvalidRequest(f"token ids must lie in 0..{self.spec.vocab_size - 1}")
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        return values
 
     def _check_span(self, state: SequenceState, base_pos: int, count: int, verb: str) -> None:
         if isinstance(base_pos, bool) or not isinstance(base_pos, int) or base_pos < 0:
@@ -438,7 +442,7 @@ class Drafter(ABC):
         n = request.num_drafts
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.spec.max_drafts:
             raise InvalidRequest(f"num_drafts must be in 0..{self.spec.max_drafts}, got {n!r}")
-        self._check_tokens([request.last_token], 1)
+        self._check_token_values([request.last_token], 1)
         if request.position != state.next_pos:
             raise StateConflict(
                 f"sequence {request.seq_id}: propose at position {request.position}, "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -87,9 +88,8 @@ class _ProposeBuffers:
         dec = model.cfg.decoder
         kv = (batch, length, dec.num_hidden_layers, dec.num_key_value_heads, dec.head_dim)
         self.model, self.head, self.table = model, head, table
-        self.anchors = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
-        self.positions = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B] context rows held
+        self.meta = torch.zeros(3, batch, dtype=torch.long, device=device)  # one copy per step fills all three
+        self.anchors, self.positions, self.lengths = self.meta  # [B] each; lengths: context rows held
         self.k = torch.zeros(kv, dtype=dtype, device=device)  # [B, N, layers, Hkv, D]
         self.v = torch.zeros(kv, dtype=dtype, device=device)
         self.pos = torch.zeros(batch, length, dtype=torch.long, device=device)  # [B, N]
@@ -140,11 +140,8 @@ class ProposeGraphs:
             buffers = _ProposeBuffers(self.model, head, self.table, *key, self.device, self.dtype)
             self._runs[key] = (buffers, _Replayable(buffers.run, self.pool, self.use_graphs))
         buffers, run = self._runs[key]
-        host = torch.tensor([anchors, positions, lengths], dtype=torch.long)
-        for static, value in zip((buffers.anchors, buffers.positions, buffers.lengths), host):
-            static[:batch].copy_(value, non_blocking=True)
-        if batch < key[0]:
-            buffers.lengths[batch:].fill_(0)  # padding sequences see no context
+        pad = [0] * (key[0] - batch)  # padding sequences see no context
+        buffers.meta.copy_(torch.tensor([anchors + pad, positions + pad, lengths + pad]), non_blocking=True)
         _gather_contexts(contexts, lengths, key[1], buffers)
         drafts, logp = run()
         return drafts[:batch], logp[:batch]
@@ -153,7 +150,8 @@ class ProposeGraphs:
 def _gather_contexts(contexts: Sequence, lengths: list[int], width: int, buffers: _ProposeBuffers) -> None:
     """Every sequence's context rows into the padded buffers: one concatenation and one scatter per
     column for the whole batch (rows past a sequence's length keep stale values; they are masked)."""
-    dest = torch.cat([torch.arange(n) + b * width for b, n in enumerate(lengths)]).to(buffers.k.device, non_blocking=True)
+    dest = np.concatenate([np.arange(b * width, b * width + n) for b, n in enumerate(lengths)])
+    dest = torch.from_numpy(dest).to(buffers.k.device, non_blocking=True)
     for name, static in (("k", buffers.k), ("v", buffers.v), ("pos", buffers.pos)):
         parts = [c[name] for c in contexts]
         rows = parts[0] if len(parts) == 1 else torch.cat(parts)

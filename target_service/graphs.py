@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
 from specsplit.kernels.activation import silu_mul
@@ -83,37 +84,45 @@ class StaticForward:
         self.model, self.cache, self.capture, self.fused = model, cache, capture, fused
         self.batch, self.query_len = batch, query_len
         device = cache.device
-        scratch_slot = scratch_block * cache.block_size
-        self.token_ids = torch.zeros(batch * query_len, dtype=torch.int64, device=device)  # [B * Q]
-        self.positions = torch.zeros(batch, query_len, dtype=torch.int64, device=device)  # [B, Q]
-        self.slots = torch.full((batch * query_len,), scratch_slot, dtype=torch.int64, device=device)  # [B * Q]
+        self.scratch_slot, self.scratch_block = scratch_block * cache.block_size, scratch_block
+        # Every per-step input in two buffers, so a step is two host-to-device copies (from pinned
+        # staging on a GPU): int64 rows tokens / positions / cache slots / output rows, and the tables.
+        self.inputs = torch.zeros(4, batch * query_len, dtype=torch.int64, device=device)  # [4, B * Q]
         self.block_tables = torch.full((batch, max_blocks), scratch_block, dtype=torch.int32, device=device)
-        self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
+        self.token_ids, self.slots, self.rows = self.inputs[0], self.inputs[2], self.inputs[3]  # [B * Q] each
+        self.positions = self.inputs[1].view(batch, query_len)  # [B, Q]
+        pinned = device.type == "cuda"
+        self._host_inputs = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pinned)
+        self._host_tables = torch.zeros(self.block_tables.shape, dtype=torch.int32, pin_memory=pinned)
+        self._copied = torch.cuda.Event() if pinned else None
         self.output: ForwardOutput | None = None
 
     def load(self, step: StepBatch) -> torch.Tensor:
         """Copy a step into the buffers; returns the rows of [B * Q] that hold its tokens, in order."""
-        cache, q = self.cache, self.query_len
-        tokens = torch.zeros(self.batch, q, dtype=torch.int64)
-        positions = torch.zeros(self.batch, q, dtype=torch.int64)
-        slots = torch.full((self.batch, q), self.scratch_slot, dtype=torch.int64)
-        tables = torch.full(self.block_tables.shape, self.scratch_block, dtype=torch.int32)
-        rows = []
+        if self._copied is not None:
+            self._copied.synchronize()  # the staging buffers' previous copies are done
+        q, block_size = self.query_len, self.cache.block_size
+        inputs, tables = self._host_inputs.numpy(), self._host_tables.numpy()
+        tokens, positions, slots, rows = (row.reshape(self.batch, q) for row in inputs)
+        tokens[:], positions[:], slots[:], tables[:] = 0, 0, self.scratch_slot, self.scratch_block
+        count = 0
         for b, (seq_id, ids, start) in enumerate(zip(step.seq_ids, step.tokens, step.starts)):
             n = len(ids)
-            blocks = cache.blocks(seq_id)
-            tokens[b, :n] = torch.tensor(ids)
+            blocks = np.asarray(self.cache.blocks(seq_id))
+            span = np.arange(start, start + n)
+            tokens[b, :n] = ids
             # Padding queries of a real sequence sit at its last position (they read only its own
             # keys) but write to the scratch slot.
-            positions[b] = torch.arange(start, start + q).clamp(max=start + n - 1)
-            span = torch.arange(start, start + n)
-            slots[b, :n] = torch.tensor(blocks)[span // cache.block_size] * cache.block_size + span % cache.block_size
-            tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-            rows.extend(range(b * q, b * q + n))
-        for buffer, host in ((self.token_ids, tokens), (self.positions, positions), (self.slots, slots),
-                             (self.block_tables, tables)):
-            buffer.copy_(host.view(buffer.shape), non_blocking=True)
-        return torch.tensor(rows, dtype=torch.int64).to(self.slots.device, non_blocking=True)
+            positions[b] = np.minimum(np.arange(start, start + q), start + n - 1)
+            slots[b, :n] = blocks[span // block_size] * block_size + span % block_size
+            tables[b, :len(blocks)] = blocks
+            inputs[3, count:count + n] = np.arange(b * q, b * q + n)
+            count += n
+        self.inputs.copy_(self._host_inputs, non_blocking=True)
+        self.block_tables.copy_(self._host_tables, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return self.rows[:count]
 
     def run(self) -> ForwardOutput:
         return self._run_fused() if self.fused is not None else self._run_modules()
