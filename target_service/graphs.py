@@ -91,6 +91,7 @@ class StaticForward:
         self.block_tables = torch.full((batch, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.token_ids, self.slots, self.rows = self.inputs[0], self.inputs[2], self.inputs[3]  # [B * Q] each
         self.positions = self.inputs[1].view(batch, query_len)  # [B, Q]
+        self.slots.fill_(self.scratch_slot)  # the capture's warm-up run writes K/V: only ever to scratch
         pinned = device.type == "cuda"
         self._host_inputs = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pinned)
         self._host_tables = torch.zeros(self.block_tables.shape, dtype=torch.int32, pin_memory=pinned)

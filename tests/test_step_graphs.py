@@ -83,6 +83,19 @@ def test_padding_never_touches_real_sequences(tiny_llama_dir):
     assert torch.equal(cache.v_pool[:, cache.blocks(1)], before_v[:, cache.blocks(1)])
 
 
+def test_capture_warm_up_writes_only_scratch(tiny_llama_dir):
+    """Capturing runs every bucket on its initial buffers, after sequences may already hold KV."""
+    model = load_target(tiny_llama_dir)
+    (_, cache), _ = prefilled_pair(model, [7, 5])
+    graphs = StepGraphs(model, cache, CaptureSpec(), max_batch=4, query_lens=(1, 8), max_len=64, use_graphs=False)
+    before = cache.k_pool.clone()
+    for fwd in graphs.forwards.values():
+        fwd.run()  # what `capture` runs before recording
+    scratch = cache.blocks(-1)[0]
+    others = [b for b in range(cache.num_blocks) if b != scratch]
+    assert torch.equal(cache.k_pool[:, others], before[:, others])
+
+
 def test_buckets_and_refusals(tiny_llama_dir):
     assert batch_buckets(1) == [1] and batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(12) == [1, 2, 4, 8, 12]
     model = load_target(tiny_llama_dir)
