@@ -71,7 +71,8 @@ class Session:
     # ---- buffers and the target head ------------------------------------------------------------
 
     def register(self, descriptors: Sequence[BufferDescriptor]) -> None:
-        """Map all the buffers or none; head buffers (re)bind the target head."""
+        """Open all the buffers or none; head buffers (re)bind the target head. Registering consumes the
+        segments' names (shared.transport), so a target whose head is refused here registers fresh ones."""
         self.importer.register(descriptors)
         if any(d.role is not BufferRole.ROWS for d in descriptors):
             try:
@@ -112,7 +113,8 @@ class Session:
                 f"buffer {descriptor.buffer_id} ({descriptor.role.value}) is [{descriptor.rows}, {descriptor.cols}], "
                 f"the drafter needs [{spec.vocab_size}, {spec.hidden_size}]"
             )
-        # A view on the drafter's GPU (CUDA IPC) is used in place; host rows for a GPU drafter are copied once.
+        # A view on the drafter's GPU (CUDA IPC) is used in place; shared-memory rows arrive as a copy (the
+        # importer never maps a client's file), moved to a GPU drafter once.
         return self.importer.whole(descriptor.buffer_id).to(self.device)
 
     def _bind_head(self) -> None:

@@ -16,21 +16,44 @@ allocations, which torch's caching allocator does not guarantee), with an interp
 owner records after writing; the importer's stream waits on it before reading. cupy is imported
 only on CUDA paths. The importer must finish reading a step's rows before it answers the step: the
 owner reuses the slots once it has the answer.
+
+The importer (the drafter) treats every descriptor as a stranger's (issue 9):
+- It never maps a client's segment. The owner can shrink its file at any time, and a read of a mapping
+  past the new end is a SIGBUS that kills the whole drafter. Rows are copied out with pread into a fresh
+  tensor instead (the drafter copied what it kept anyway); the generation is one 8-byte pread per
+  reference, and a short read refuses that reference (FAILED_PRECONDITION). Sealed memfds would make a
+  mapping safe, but they travel as file descriptors (SCM_RIGHTS), which gRPC cannot carry.
+- It opens a name with O_NOFOLLOW | O_RDONLY | O_NONBLOCK and takes only a regular file of its own user,
+  writable by no one else, with a single link; of a refused file it tells nothing (not its size).
+- The owner writes 16 random bytes (the token) into the header at creation and sends them only in its
+  descriptor. Names and sizes are visible to everyone in /dev/shm, the header only to the owner's user,
+  which the drafter shares: so the token is compared (in constant time) before anything else of the
+  segment is believed or told. A segment (device, inode) is registered on one connection at a time.
+- Registering consumes the names: once every descriptor of a registration is open, the importer unlinks
+  them (its file descriptors keep the memory alive, and the owner its mapping). A target SIGKILLed after
+  attaching leaves nothing in /dev/shm, and nobody can open its segments afterwards. A target killed
+  between creating its segments and registering them still leaves those behind.
+- A CUDA IPC view is sized by the allocation the handle opened (cuMemGetAddressRange), never by the
+  descriptor alone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import functools
+import hmac
 import mmap
 import os
 import re
 import secrets
 import socket
+import stat
+import sys
 import threading
 import weakref
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,11 +64,16 @@ _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the he
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "specsplit-"  # every segment we create starts with this (leftovers are easy to find)
-_SHM_NAME = re.compile(r"specsplit-[0-9]+-[0-9a-f]{16}")  # refuse anything else: no path tricks
+_SHM_NAME = re.compile(r"specsplit-[0-9]{1,10}-[0-9a-f]{16}")  # refuse anything else: no path tricks
 HEADER_BYTES = 64  # keeps the rows 64-byte aligned after the header
-# Header: int64 words [magic, layout, generation, rows, cols, dtype code, 0, 0].
-_MAGIC, _LAYOUT = 0x5353_5242_5546_0001, 1
+# Header: int64 words [magic, layout, generation, rows, cols, dtype code], then the 16-byte token.
+_MAGIC, _LAYOUT = 0x5353_5242_5546_0001, 2
 _GEN = 2  # the word the owner bumps and the importer checks
+TOKEN_BYTES = 16
+_TOKEN_AT = HEADER_BYTES - TOKEN_BYTES  # after the six words
+IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
+# The importer's open: never through a symlink, never for writing, never blocking on a FIFO.
+_IMPORT_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 class UnknownBuffer(InvalidRequest):
@@ -83,6 +111,7 @@ class BufferDescriptor:
     mem_handle: bytes = b""  # CUDA_IPC: cudaIpcMemHandle_t
     event_handle: bytes = b""  # CUDA_IPC: cudaIpcEventHandle_t of the owner's write event
     role: BufferRole = BufferRole.ROWS
+    token: bytes = field(default=b"", repr=False)  # the segment header's random bytes; a secret of the owner's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _enum(BufferKind, self.kind, "buffer kind"))
@@ -97,6 +126,10 @@ class BufferDescriptor:
             raise InvalidRequest(f"buffer {self.buffer_id}: CUDA_IPC needs device_uuid, mem_handle and event_handle")
         if self.kind is BufferKind.SHM and any(cuda_fields):
             raise InvalidRequest(f"buffer {self.buffer_id}: an SHM buffer carries no device or CUDA handles")
+        if self.kind is BufferKind.CUDA_IPC and {len(self.mem_handle), len(self.event_handle)} != {IPC_HANDLE_BYTES}:
+            raise InvalidRequest(f"buffer {self.buffer_id}: CUDA IPC handles are {IPC_HANDLE_BYTES} bytes each")
+        if len(self.token) not in (0, TOKEN_BYTES):  # empty: built by hand, refused when registered
+            raise InvalidRequest(f"buffer {self.buffer_id}: a segment token is {TOKEN_BYTES} bytes")
 
     @property
     def nbytes(self) -> int:
@@ -239,7 +272,7 @@ def choose_mode(local_host_id: str, peer_host_id: str, local_device_uuid: str, p
     return "shm"
 
 
-# --- shared-memory segments --------------------------------------------------------------------
+# --- shared-memory segments: the owner's side ----------------------------------------------------
 
 
 def _shm_path(name: str) -> str:
@@ -248,63 +281,162 @@ def _shm_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-def _shm_create(nbytes: int) -> tuple[str, torch.Tensor]:
-    """A fresh segment of nbytes → (name, [nbytes] uint8 view). The caller must unlink the name."""
+def _shm_create(nbytes: int) -> tuple[str, torch.Tensor, tuple[int, int]]:
+    """A fresh segment of nbytes → (name, [nbytes] uint8 view, (device, inode)). The caller must unlink it."""
     name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     path = _shm_path(name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, nbytes)
+        info = os.fstat(fd)
         segment = mmap.mmap(fd, nbytes)
     except BaseException:
         os.unlink(path)
         raise
     finally:
         os.close(fd)
-    return name, torch.frombuffer(segment, dtype=torch.uint8)  # the view keeps the mapping alive
+    return name, torch.frombuffer(segment, dtype=torch.uint8), (info.st_dev, info.st_ino)  # the view keeps the mapping
 
 
-def _shm_open(name: str, min_bytes: int) -> torch.Tensor:
-    """Map an existing segment → [size] uint8 view. Never creates one (torch.from_file would)."""
-    path = _shm_path(name)
+def _unlink_if(path: str, key: tuple[int, int]) -> None:
+    """Unlink path if it still names the file `key` (the importer may have unlinked it, and the name be taken since)."""
     try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError as err:
-        raise InvalidRequest(f"cannot open shared-memory segment {name!r}: {err.strerror}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size < min_bytes:
-            raise InvalidRequest(f"shared-memory segment {name!r} has {size} bytes, needs {min_bytes}")
-        segment = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    return torch.frombuffer(segment, dtype=torch.uint8)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
+        info = os.stat(path, follow_symlinks=False)
+        if (info.st_dev, info.st_ino) == key:
+            os.unlink(path)
+    except OSError:  # gone already, or not ours to remove
         pass
 
 
-def _write_header(raw: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+def _write_header(raw: torch.Tensor, rows: int, cols: int, dtype: torch.dtype, token: bytes) -> torch.Tensor:
     """Stamp a fresh segment's first 64 bytes; returns the [8] int64 header view (generation 1)."""
     header = raw[:HEADER_BYTES].view(torch.int64)
-    header.copy_(torch.tensor([_MAGIC, _LAYOUT, 1, rows, cols, _DTYPE_CODES[dtype], 0, 0]))
+    header[: _TOKEN_AT // 8].copy_(torch.tensor([_MAGIC, _LAYOUT, 1, rows, cols, _DTYPE_CODES[dtype]]))
+    raw[_TOKEN_AT:HEADER_BYTES].copy_(torch.frombuffer(bytearray(token), dtype=torch.uint8))
     return header
 
 
-def _read_header(raw: torch.Tensor, descriptor: BufferDescriptor) -> torch.Tensor:
-    """The [8] int64 header view, after checking it describes the same buffer as the descriptor."""
-    header = raw[:HEADER_BYTES].view(torch.int64)
-    want = [_MAGIC, _LAYOUT, None, descriptor.rows, descriptor.cols, _DTYPE_CODES[descriptor.dtype]]
-    got = header[: len(want)].tolist()
-    if any(w is not None and w != g for w, g in zip(want, got, strict=True)):
+# --- shared-memory segments: the importer's side -------------------------------------------------
+
+
+class _Claims:
+    """Segments (device, inode) registered on some connection of this process: each on one at a time."""
+
+    def __init__(self) -> None:
+        self._held: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple[int, int], descriptor: BufferDescriptor) -> None:
+        with self._lock:
+            if key in self._held:
+                raise AlreadyExists(f"buffer {descriptor.buffer_id}: segment {descriptor.name!r} is registered already")
+            self._held.add(key)
+
+    def drop(self, key: tuple[int, int]) -> None:
+        with self._lock:
+            self._held.discard(key)
+
+
+_CLAIMS = _Claims()  # process-wide, like the files it keeps apart
+
+
+def _close_segment(fd: int, key: tuple[int, int]) -> None:
+    os.close(fd)
+    _CLAIMS.drop(key)
+
+
+class _Segment:
+    """A segment another process created, opened read-only and never mapped (see the module docstring).
+
+    The file descriptor closes (and the claim drops) when the last reference goes, so a read in flight
+    never meets a closed, or reused, descriptor.
+    """
+
+    def __init__(self, name: str, fd: int, key: tuple[int, int]) -> None:
+        self.name, self.fd, self.key = name, fd, key
+        self._closer = weakref.finalize(self, _close_segment, fd, key)
+
+    def close(self) -> None:
+        self._closer()
+
+    def unlink_name(self) -> None:
+        _unlink_if(os.path.join(SHM_DIR, self.name), self.key)
+
+    def read_into(self, buffer, offset: int) -> None:
+        """Fill the writable `buffer` from byte `offset` of the file; a file shrunk below it is refused."""
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(view):
+            try:
+                got = os.preadv(self.fd, [view[done:]], offset + done)
+            except OSError as err:
+                raise StateConflict(f"segment {self.name!r} cannot be read: {err.strerror}") from None
+            if got == 0:
+                raise StateConflict(f"segment {self.name!r} shrank below its registered size since it was registered")
+            done += got
+
+    def generation(self) -> int:
+        word = bytearray(8)
+        self.read_into(word, _GEN * 8)
+        return int.from_bytes(word, sys.byteorder, signed=True)  # the owner wrote it as a native int64
+
+    def read_rows(self, descriptor: BufferDescriptor, row_offset: int, rows: int) -> torch.Tensor:
+        """A fresh [rows, cols] tensor with the rows row_offset.. as the file holds them now."""
+        out = torch.empty(rows, descriptor.cols, dtype=descriptor.dtype)
+        row_bytes = descriptor.cols * descriptor.dtype.itemsize
+        self.read_into(out.view(-1).view(torch.uint8).numpy(), HEADER_BYTES + row_offset * row_bytes)
+        return out
+
+
+def _open_segment(descriptor: BufferDescriptor, data_bytes: int) -> _Segment:
+    """Open and check the descriptor's segment: its header and then data_bytes of rows."""
+    name = descriptor.name
+    try:
+        fd = os.open(_shm_path(name), _IMPORT_OPEN)
+    except OSError as err:
+        raise InvalidRequest(f"cannot open shared-memory segment {name!r}: {err.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        _check_file(descriptor, info)
+        header = os.pread(fd, HEADER_BYTES, 0)
+        _check_header(descriptor, header, info.st_size, data_bytes)
+        key = (info.st_dev, info.st_ino)
+        _CLAIMS.take(key, descriptor)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _Segment(name, fd, key)
+
+
+def _check_file(descriptor: BufferDescriptor, info: os.stat_result) -> None:
+    """Only what an exporter of this user makes: nothing here may tell the caller about other files."""
+    mine = stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_nlink == 1
+    if not mine or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise InvalidRequest(
+            f"buffer {descriptor.buffer_id}: {descriptor.name!r} is not a segment this service takes (a regular "
+            "file of its own user with one name, writable by no one else)"
+        )
+
+
+def _check_header(descriptor: BufferDescriptor, header: bytes, file_bytes: int, data_bytes: int) -> None:
+    """The token first: only a caller that proved it created the segment learns why it does not fit."""
+    if len(header) < HEADER_BYTES or not hmac.compare_digest(header[_TOKEN_AT:], descriptor.token):
+        raise InvalidRequest(
+            f"buffer {descriptor.buffer_id}: segment {descriptor.name!r} was not created for this descriptor "
+            "(its header token differs)"
+        )
+    words = torch.frombuffer(bytearray(header[:_TOKEN_AT]), dtype=torch.int64).tolist()
+    magic, layout, _, rows, cols, dtype_code = words
+    want = (_MAGIC, _LAYOUT, descriptor.rows, descriptor.cols, _DTYPE_CODES[descriptor.dtype])
+    if (magic, layout, rows, cols, dtype_code) != want:
         raise InvalidRequest(
             f"buffer {descriptor.buffer_id}: segment {descriptor.name!r} does not hold the described rows"
         )
-    return header
+    if file_bytes < HEADER_BYTES + data_bytes:
+        raise InvalidRequest(
+            f"buffer {descriptor.buffer_id}: segment {descriptor.name!r} has {file_bytes} bytes, "
+            f"its rows need {HEADER_BYTES + data_bytes}"
+        )
 
 
 # --- CUDA (cupy, imported lazily) ---------------------------------------------------------------
@@ -351,22 +483,63 @@ class _CudaExport:
             cp.cuda.runtime.eventRecord(self.event.ptr, stream.cuda_stream)
 
 
-class _IpcMapping:
-    """An opened IPC allocation; closed when the last tensor viewing it is gone."""
+AllocationRange = Callable[[int], tuple[int, int]]  # device pointer → (base, size) of its allocation
 
-    def __init__(self, mem_handle: bytes, device_index: int) -> None:
+
+@functools.cache
+def _cu_mem_get_address_range():
+    function = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+    function.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    function.restype = ctypes.c_int
+    return function
+
+
+def cuda_allocation_range(ptr: int) -> tuple[int, int]:
+    """(base, size) of the device allocation holding ptr (driver API; its device's context is current)."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    result = _cu_mem_get_address_range()(ctypes.byref(base), ctypes.byref(size), ptr)
+    if result != 0:
+        raise InvalidRequest(f"the CUDA driver cannot size the allocation behind an IPC handle (CUresult {result})")
+    return base.value, size.value
+
+
+def _check_fits_allocation(descriptor: BufferDescriptor, ptr: int, base: int, size: int) -> None:
+    """Refuse a descriptor whose rows would run past the allocation [base, base + size) its handle opened."""
+    if not base <= ptr < base + size or descriptor.nbytes > size - (ptr - base):
+        raise InvalidRequest(
+            f"buffer {descriptor.buffer_id}: {descriptor.rows} x {descriptor.cols} {descriptor.dtype} rows do not "
+            "fit the device allocation its handle names"
+        )
+
+
+class _IpcMapping:
+    """An opened IPC allocation and its true extent; closed when the last tensor viewing it is gone."""
+
+    def __init__(self, mem_handle: bytes, device_index: int, allocation_range: AllocationRange) -> None:
         cp = _cupy()
         self.device_index = device_index
         with cp.cuda.Device(device_index):
             self.ptr = cp.cuda.runtime.ipcOpenMemHandle(mem_handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            try:  # right after the open, on this thread: the driver query finds the device's context current
+                self.base, self.size = allocation_range(self.ptr)
+            except BaseException:
+                self.close()
+                raise
 
-    def __del__(self) -> None:
+    def close(self) -> None:
+        """Unmap now (a handle is opened once per process at a time); idempotent."""
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr is None:
+            return
         try:
             cp = _cupy()
             with cp.cuda.Device(self.device_index):
-                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+                cp.cuda.runtime.ipcCloseMemHandle(ptr)
         except Exception:  # interpreter shutdown: the driver releases the mapping with the process
             pass
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class _IpcEvent:
@@ -392,14 +565,21 @@ class _IpcEvent:
             pass
 
 
-def _open_cuda(descriptor: BufferDescriptor) -> tuple[torch.Tensor, _IpcEvent]:
+def _open_cuda(
+    descriptor: BufferDescriptor, allocation_range: AllocationRange = cuda_allocation_range
+) -> tuple[torch.Tensor, _IpcEvent]:
     index = local_device_index(descriptor.device_uuid)
     if index is None:
         raise InvalidRequest(
             f"buffer {descriptor.buffer_id}: GPU {descriptor.device_uuid} is not visible here; send rows inline"
         )
     cp = _cupy()
-    mapping = _IpcMapping(descriptor.mem_handle, index)
+    mapping = _IpcMapping(descriptor.mem_handle, index, allocation_range)
+    try:
+        _check_fits_allocation(descriptor, mapping.ptr, mapping.base, mapping.size)
+    except BaseException:
+        mapping.close()  # now: the same handle may be opened again only once this mapping is closed
+        raise
     with cp.cuda.Device(index):
         memory = cp.cuda.UnownedMemory(mapping.ptr, descriptor.nbytes, mapping, index)
         array = cp.ndarray((descriptor.nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(memory, 0))
@@ -417,16 +597,15 @@ class RowBuffer:
     last bump, so a forgotten record cannot turn into a silent race.
     """
 
-    def __init__(
-        self, descriptor: BufferDescriptor, tensor: torch.Tensor, header: torch.Tensor, cuda: _CudaExport | None
-    ) -> None:
+    def __init__(self, descriptor: BufferDescriptor, tensor: torch.Tensor, header: torch.Tensor,
+                 cuda: _CudaExport | None, segment_key: tuple[int, int]) -> None:
         self.descriptor = descriptor
         self.tensor = tensor  # [rows, cols]
         self._header = header  # [8] int64 in shared memory; word _GEN is the generation
         self._cuda = cuda
         self._recorded = cuda is None  # host writes are complete when they return
         self._released = False
-        self._finalizer = weakref.finalize(self, _unlink_quietly, os.path.join(SHM_DIR, descriptor.name))
+        self._finalizer = weakref.finalize(self, _unlink_if, os.path.join(SHM_DIR, descriptor.name), segment_key)
 
     @property
     def buffer_id(self) -> int:
@@ -475,14 +654,15 @@ class RowBuffer:
 
     def _release(self) -> None:
         self._released = True
-        self._finalizer()  # unlink the name now; mappings (ours, the importer's) stay valid until dropped
+        self._finalizer()  # unlink the name now (unless registering did); the memory lives while anyone holds it
 
 
 class BufferExporter:
     """Creates and owns the buffers one process shares; unlinks every segment on release/close.
 
-    Segments are also unlinked when a RowBuffer is garbage-collected or the interpreter exits
-    normally; a killed process leaves `specsplit-<pid>-*` files in /dev/shm behind.
+    The importer unlinks a segment's name when it registers it; segments never registered are unlinked
+    on release/close, when a RowBuffer is garbage-collected or the interpreter exits normally. Only a
+    process killed between creating a segment and registering it leaves its `specsplit-<pid>-*` file.
     """
 
     def __init__(self) -> None:
@@ -517,17 +697,20 @@ class BufferExporter:
         return buffer
 
     def _create_shm(self, buffer_id: int, rows: int, cols: int, dtype: torch.dtype, role: BufferRole) -> RowBuffer:
-        name, raw = _shm_create(HEADER_BYTES + _nbytes(rows, cols, dtype))
-        descriptor = BufferDescriptor(buffer_id, BufferKind.SHM, name, dtype, rows, cols, self.host_id, role=role)
-        header = _write_header(raw, rows, cols, dtype)
+        name, raw, key = _shm_create(HEADER_BYTES + _nbytes(rows, cols, dtype))
+        token = secrets.token_bytes(TOKEN_BYTES)
+        descriptor = BufferDescriptor(buffer_id, BufferKind.SHM, name, dtype, rows, cols, self.host_id, role=role,
+                                      token=token)
+        header = _write_header(raw, rows, cols, dtype, token)
         tensor = raw[HEADER_BYTES:].view(dtype).view(rows, cols)
-        return RowBuffer(descriptor, tensor, header, None)
+        return RowBuffer(descriptor, tensor, header, None, key)
 
     def _create_cuda(
         self, buffer_id: int, rows: int, cols: int, dtype: torch.dtype, index: int, role: BufferRole
     ) -> RowBuffer:
         cuda = _CudaExport(_nbytes(rows, cols, dtype), index)
-        name, raw = _shm_create(HEADER_BYTES)  # the generation lives on the host, readable without a sync
+        name, raw, key = _shm_create(HEADER_BYTES)  # the generation lives on the host, readable without a sync
+        token = secrets.token_bytes(TOKEN_BYTES)
         descriptor = BufferDescriptor(
             buffer_id,
             BufferKind.CUDA_IPC,
@@ -540,10 +723,11 @@ class BufferExporter:
             mem_handle=cuda.mem_handle,
             event_handle=cuda.event_handle,
             role=role,
+            token=token,
         )
         tensor = _cuda_view(cuda.array, index, descriptor)
         tensor.zero_()
-        return RowBuffer(descriptor, tensor, _write_header(raw, rows, cols, dtype), cuda)
+        return RowBuffer(descriptor, tensor, _write_header(raw, rows, cols, dtype, token), cuda, key)
 
     def export_existing(self, tensor: torch.Tensor, role: BufferRole) -> RowBuffer:
         """Share a tensor the owner already has (the target's embedding / LM head) by copying it once.
@@ -599,13 +783,13 @@ class BufferExporter:
 @dataclass
 class _Imported:
     descriptor: BufferDescriptor
-    tensor: torch.Tensor  # [rows, cols] view of the owner's memory
-    header: torch.Tensor  # [8] int64 view of the owner's header
-    event: _IpcEvent | None  # CUDA: the owner's write event
+    segment: _Segment  # SHM: header + rows; CUDA_IPC: the header alone
+    tensor: torch.Tensor | None = None  # CUDA_IPC: [rows, cols] view of the owner's device memory
+    event: _IpcEvent | None = None  # CUDA_IPC: the owner's write event
 
 
 class BufferImporter:
-    """The importing side of one connection: maps descriptors once, resolves references per step."""
+    """The importing side of one connection: opens descriptors once, resolves references per step."""
 
     def __init__(self, local_host_id: str | None = None) -> None:
         self.host_id = host_id() if local_host_id is None else local_host_id
@@ -613,30 +797,40 @@ class BufferImporter:
         self._lock = threading.Lock()
 
     def register(self, descriptors: Iterable[BufferDescriptor]) -> None:
-        """Map every descriptor, or none of them when one fails."""
+        """Open every descriptor, or none of them when one fails; then their names are unlinked."""
         descriptors = list(descriptors)
         ids = [d.buffer_id for d in descriptors]
         with self._lock:
             taken = [i for i in ids if i in self._buffers]
         if taken or len(set(ids)) != len(ids):
             raise AlreadyExists(f"buffer ids already registered or repeated: {sorted(set(taken) or ids)}")
-        opened = {d.buffer_id: self._open(d) for d in descriptors}
-        with self._lock:
-            if any(i in self._buffers for i in opened):
-                raise AlreadyExists(f"buffer ids registered concurrently: {sorted(opened)}")
-            self._buffers.update(opened)
+        opened: dict[int, _Imported] = {}
+        try:
+            for d in descriptors:
+                opened[d.buffer_id] = self._open(d)
+            with self._lock:
+                if any(i in self._buffers for i in opened):
+                    raise AlreadyExists(f"buffer ids registered concurrently: {sorted(opened)}")
+                self._buffers.update(opened)
+        except BaseException:
+            for imported in opened.values():
+                imported.segment.close()
+            raise
+        for imported in opened.values():
+            imported.segment.unlink_name()
 
     def _open(self, descriptor: BufferDescriptor) -> _Imported:
         if descriptor.host_id != self.host_id:
             raise InvalidRequest(f"buffer {descriptor.buffer_id} lives on another host or namespace; send rows inline")
         if descriptor.kind is BufferKind.SHM:
-            raw = _shm_open(descriptor.name, HEADER_BYTES + descriptor.nbytes)
-            header = _read_header(raw, descriptor)
-            rows = raw[HEADER_BYTES : HEADER_BYTES + descriptor.nbytes].view(descriptor.dtype)
-            return _Imported(descriptor, rows.view(descriptor.rows, descriptor.cols), header, None)
-        header = _read_header(_shm_open(descriptor.name, HEADER_BYTES), descriptor)
-        tensor, event = _open_cuda(descriptor)
-        return _Imported(descriptor, tensor, header, event)
+            return _Imported(descriptor, _open_segment(descriptor, descriptor.nbytes))
+        segment = _open_segment(descriptor, 0)
+        try:
+            tensor, event = _open_cuda(descriptor)
+        except BaseException:
+            segment.close()
+            raise
+        return _Imported(descriptor, segment, tensor, event)
 
     def _get(self, buffer_id: int) -> _Imported:
         with self._lock:
@@ -661,7 +855,7 @@ class BufferImporter:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> torch.Tensor:
-        """RowRef → a [rows, cols] view of the registered buffer; InlineRows → a decoded tensor.
+        """RowRef → [rows, cols]: a copy of shared-memory rows, a view of CUDA IPC rows; InlineRows → decoded.
 
         cols/dtype, when given, are what the caller expects. A CUDA view is ordered after the
         owner's recorded writes on the current stream. `device` applies to inline rows only.
@@ -672,29 +866,32 @@ class BufferImporter:
         imported = self._get(source.buffer_id)
         described = imported.descriptor
         _check_expected(f"buffer {source.buffer_id}", described.cols, described.dtype, cols, dtype)
-        end = source.row_offset + source.rows
-        if end > described.rows:
+        # Each side stays within the operands' range, as a C or int64 version of this check must.
+        if source.rows > described.rows or source.row_offset > described.rows - source.rows:
             raise InvalidRequest(
-                f"rows {source.row_offset}..{end} lie outside buffer {source.buffer_id} of {described.rows} rows"
+                f"{source.rows} rows from row {source.row_offset} lie outside buffer {source.buffer_id} "
+                f"of {described.rows} rows"
             )
-        current = int(imported.header[_GEN])
+        current = imported.segment.generation()
         if source.generation != current:
             raise StateConflict(
                 f"buffer {source.buffer_id} is at generation {current}; reference to {source.generation} is stale"
             )
-        if imported.event is not None:
-            imported.event.wait()
-        return imported.tensor[source.row_offset : end]
+        if imported.tensor is None:
+            return imported.segment.read_rows(described, source.row_offset, source.rows)
+        imported.event.wait()
+        return imported.tensor[source.row_offset : source.row_offset + source.rows]
 
     def whole(self, buffer_id: int) -> torch.Tensor:
-        """The full [rows, cols] view of a buffer written once (embedding, LM head)."""
+        """The full [rows, cols] buffer written once (embedding, LM head): a copy (SHM) or a view (CUDA IPC)."""
         imported = self._get(buffer_id)
-        if imported.event is not None:
-            imported.event.wait()
+        if imported.tensor is None:
+            return imported.segment.read_rows(imported.descriptor, 0, imported.descriptor.rows)
+        imported.event.wait()
         return imported.tensor
 
     def release(self, buffer_ids: Iterable[int]) -> None:
-        """Forget buffers; views already handed out stay valid until dropped."""
+        """Forget buffers; a segment closes once no read in flight holds it, CUDA views stay valid until dropped."""
         buffer_ids = list(buffer_ids)
         for buffer_id in buffer_ids:
             self._get(buffer_id)

@@ -145,6 +145,7 @@ def descriptor_to_proto(d: BufferDescriptor) -> common_pb2.BufferDescriptor:
         host_id=d.host_id,
         event_handle=d.event_handle,
         role=_ROLE[d.role],
+        token=d.token,
     )
 
 
@@ -161,6 +162,7 @@ def descriptor_from_proto(pb: common_pb2.BufferDescriptor) -> BufferDescriptor:
         mem_handle=pb.mem_handle,
         event_handle=pb.event_handle,
         role=_from_proto(_ROLE, pb.role, "buffer role"),
+        token=pb.token,
     )
 
 

@@ -496,9 +496,11 @@ def test_target_head_is_bound_from_registered_buffers(env):
     client.call("RegisterBuffers", drafter_pb2.RegisterBuffersRequest(
         buffers=[wire.descriptor_to_proto(b.describe()) for b in (embed, lm_head)]))
     same(propose_unary(client, req), twin.propose(req), twin)
-    # The bound head views the target's buffer: no copy of the weights.
+    # Over shared memory the drafter copies the head once at registration: it never maps a client's file
+    # (one that shrinks would kill it with SIGBUS); over CUDA IPC it views the target's buffer in place.
     embed.tensor[0].fill_(3.0)
-    assert torch.equal(drafter.head.embed[0], embed.tensor[0])
+    assert torch.equal(drafter.head.embed[1], true_head.embed[1])
+    assert not torch.equal(drafter.head.embed[0], embed.tensor[0])
 
     client.call("ReleaseBuffers", drafter_pb2.ReleaseBuffersRequest(buffer_ids=[embed.buffer_id, lm_head.buffer_id]))
     assert client.code("Propose", wire.propose_to_proto(req)) == "FAILED_PRECONDITION"

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
+import secrets
+import stat
 
 import pytest
 import torch
 
+from specsplit.shared import transport
 from specsplit.shared.errors import AlreadyExists, InvalidRequest, StateConflict
 from specsplit.shared.transport import (
     SHM_DIR,
     SHM_PREFIX,
+    TOKEN_BYTES,
     BufferDescriptor,
     BufferExporter,
     BufferImporter,
@@ -137,16 +142,17 @@ def test_stale_generation_is_refused_after_the_owner_reuses_slots(child):
     child.ask("release", descriptor.buffer_id)
 
 
-def test_released_buffer_is_unlinked_but_mapped_views_stay_valid(child):
+def test_registering_consumes_the_name_and_the_rows_stay_readable(child):
     descriptor, ref = child.ask("create", 2, 2, torch.float32)
+    assert descriptor.name in _segments()
     importer = BufferImporter()
     importer.register([descriptor])
-    view = importer.resolve(ref)
-    child.ask("release", descriptor.buffer_id)
-    assert descriptor.name not in _segments()
-    torch.testing.assert_close(view, _pattern(2, 2, 1), rtol=0, atol=0)  # the mapping outlives the name
-    with pytest.raises(InvalidRequest, match="cannot open"):  # a new connection cannot map it
+    assert descriptor.name not in _segments()  # a SIGKILLed owner leaves nothing behind from here on
+    with pytest.raises(InvalidRequest, match="cannot open"):  # and nobody else can open it
         BufferImporter().register([descriptor])
+    torch.testing.assert_close(importer.resolve(ref), _pattern(2, 2, 1), rtol=0, atol=0)
+    child.ask("release", descriptor.buffer_id)  # the owner unlinks nothing that is not its file
+    torch.testing.assert_close(importer.resolve(ref), _pattern(2, 2, 1), rtol=0, atol=0)  # the fd keeps the memory
 
 
 def test_child_leaves_no_segments_on_close_or_on_normal_exit():
@@ -190,7 +196,8 @@ def test_unknown_and_released_buffers_are_refused(pair):
     assert issubclass(UnknownBuffer, InvalidRequest)
 
 
-@pytest.mark.parametrize("offset, rows", [(-1, 2), (0, 0), (0, -3), (7, 2), (8, 1), (0, 9)])
+@pytest.mark.parametrize("offset, rows", [(-1, 2), (0, 0), (0, -3), (7, 2), (8, 1), (0, 9), (2**63 - 1, 1),
+                                          (1, 2**31 - 1), (2**63 - 1, 2**63 - 1), (-(2**63), 2**63 - 1)])
 def test_rows_outside_the_buffer_are_refused(pair, offset, rows):
     _, buffer, importer = pair
     with pytest.raises(InvalidRequest):
@@ -220,14 +227,15 @@ def test_registration_is_checked_and_all_or_nothing(pair):
         importer.register([buffer.describe()])
     other = exporter.create(2, 2)
     good = other.describe()
-    bad = BufferDescriptor(99, BufferKind.SHM, good.name, torch.float32, 1, 2, good.host_id)  # rows disagree
-    too_big = BufferDescriptor(98, BufferKind.SHM, good.name, torch.float32, 3, 2, good.host_id)
+    bad = dataclasses.replace(good, buffer_id=99, rows=1)  # rows disagree with the header
     fresh = BufferImporter()
     with pytest.raises(InvalidRequest, match="does not hold"):
         fresh.register([good, bad])
-    assert len(fresh) == 0  # the good one was not kept either
-    with pytest.raises(InvalidRequest, match="needs"):
-        fresh.register([too_big])
+    assert len(fresh) == 0 and good.name in _segments()  # the good one was neither kept nor consumed
+    other._header[3] = 3  # the owner's header claims more rows than its file holds
+    with pytest.raises(InvalidRequest, match="rows need"):
+        fresh.register([dataclasses.replace(good, rows=3)])
+    other._header[3] = 2
     far = BufferDescriptor(good.buffer_id, BufferKind.SHM, good.name, torch.float32, 2, 2, "elsewhere")
     with pytest.raises(InvalidRequest, match="another host"):
         fresh.register([far])
@@ -253,6 +261,9 @@ def test_descriptors_and_refs_validate_their_fields():
         dict(kind="nvlink"),
         dict(mem_handle=b"x"),
         dict(kind=BufferKind.CUDA_IPC),
+        dict(kind=BufferKind.CUDA_IPC, device_uuid="GPU-1", mem_handle=b"m" * 63, event_handle=b"e" * 64),
+        dict(kind=BufferKind.CUDA_IPC, device_uuid="GPU-1", mem_handle=b"m" * 64, event_handle=b"e" * 65),
+        dict(token=b"t" * (TOKEN_BYTES - 1)),
     ):
         fields = dict(buffer_id=1, kind=BufferKind.SHM, name=name, dtype=torch.float32, rows=1, cols=1, host_id=host)
         with pytest.raises(InvalidRequest):
@@ -260,6 +271,64 @@ def test_descriptors_and_refs_validate_their_fields():
     for args in ((0, 0, 1, 1), (1, -1, 1, 1), (1, 0, 0, 1), (1, 0, 1, -1)):
         with pytest.raises(InvalidRequest):
             RowRef(*args)
+
+
+@pytest.mark.parametrize("token", [b"", bytes(TOKEN_BYTES), secrets.token_bytes(TOKEN_BYTES)])
+def test_only_the_token_in_the_segments_header_registers_it(pair, token):
+    exporter, _, _ = pair
+    good = exporter.create(2, 2).describe()
+    with pytest.raises(InvalidRequest, match="token"):
+        BufferImporter().register([dataclasses.replace(good, token=token)])
+    assert good.name in _segments()  # a refused registration consumes nothing
+    with BufferImporter() as importer:
+        importer.register([good])
+
+
+def test_a_segment_is_registered_on_one_connection_at_a_time(pair, monkeypatch):
+    exporter, _, _ = pair
+    good = exporter.create(2, 2).describe()
+    monkeypatch.setattr(transport._Segment, "unlink_name", lambda self: None)  # as if two raced to open it
+    first, second = BufferImporter(), BufferImporter()
+    first.register([good])
+    with pytest.raises(AlreadyExists, match="registered already"):
+        second.register([good])
+    with pytest.raises(AlreadyExists, match="registered already"):  # nor twice on one connection
+        first.register([dataclasses.replace(good, buffer_id=good.buffer_id + 50)])
+    first.release([good.buffer_id])  # closed once no read holds it: free again
+    second.register([good])
+    second.close()
+
+
+def test_only_regular_single_link_files_of_our_user_register(pair):
+    exporter, _, _ = pair
+    buffer = exporter.create(2, 2)
+    path = os.path.join(SHM_DIR, buffer.descriptor.name)
+    alias = f"{SHM_PREFIX}1-{secrets.token_hex(8)}"
+    os.link(path, os.path.join(SHM_DIR, alias))  # a second name: the segment is no longer the owner's alone
+    try:
+        for name in (alias, buffer.descriptor.name):
+            with pytest.raises(InvalidRequest, match="not a segment this service takes"):
+                BufferImporter().register([dataclasses.replace(buffer.describe(), name=name)])
+    finally:
+        os.unlink(os.path.join(SHM_DIR, alias))
+    os.symlink(path, os.path.join(SHM_DIR, alias))
+    try:
+        with pytest.raises(InvalidRequest, match="cannot open"):
+            BufferImporter().register([dataclasses.replace(buffer.describe(), name=alias)])
+    finally:
+        os.unlink(os.path.join(SHM_DIR, alias))
+    os.chmod(path, 0o620)
+    with pytest.raises(InvalidRequest, match="not a segment this service takes"):
+        BufferImporter().register([buffer.describe()])
+
+
+def test_exported_segments_are_private_files_of_their_owner(pair):
+    exporter, buffer, _ = pair
+    other = exporter.create(1, 1)
+    info = os.lstat(os.path.join(SHM_DIR, other.descriptor.name))
+    assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+    assert len(other.descriptor.token) == TOKEN_BYTES and other.descriptor.token != buffer.descriptor.token
+    assert other.descriptor.token.hex() not in repr(other.descriptor)  # a secret stays out of logs
 
 
 def test_exporter_generation_cycle(pair):
@@ -404,6 +473,43 @@ def test_cuda_ipc_refuses_an_invisible_gpu(gpu_child):
     with pytest.raises(InvalidRequest, match="not visible"):
         BufferImporter().register([ghost])
     gpu_child.ask("release", descriptor.buffer_id)
+
+
+def _cuda_descriptor(rows: int, cols: int) -> BufferDescriptor:
+    return BufferDescriptor(1, BufferKind.CUDA_IPC, "specsplit-1-0123456789abcdef", torch.float32, rows, cols, "h",
+                            device_uuid="GPU-1", mem_handle=bytes(64), event_handle=bytes(64))
+
+
+@pytest.mark.parametrize("ptr, base, size, fits", [
+    (4096, 4096, 64, True),  # the whole allocation
+    (4096, 4096, 63, False),  # one byte short
+    (4096 + 16, 4096, 80, True),  # a view inside the allocation
+    (4096 + 16, 4096, 79, False),
+    (4096, 8192, 1 << 20, False),  # below the allocation
+    (4096 + 64, 4096, 64, False),  # just past it
+])
+def test_a_cuda_view_must_fit_the_allocation_its_handle_opened(ptr, base, size, fits):
+    descriptor = _cuda_descriptor(4, 4)  # 64 bytes; (base, size) stand for the driver's answer
+    if fits:
+        transport._check_fits_allocation(descriptor, ptr, base, size)
+    else:
+        with pytest.raises(InvalidRequest, match="do not fit"):
+            transport._check_fits_allocation(descriptor, ptr, base, size)
+    with pytest.raises(InvalidRequest, match="do not fit"):  # a size no allocation has
+        transport._check_fits_allocation(_cuda_descriptor(2**61, 2**20), ptr, base, size)
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_refuses_a_handle_declared_larger_than_its_allocation(gpu_child):
+    small, _ = gpu_child.ask("create", 2, 4, torch.float32)
+    large, _ = gpu_child.ask("create", 1024, 1024, torch.float32)  # 4 MiB: past any rounding of 32 bytes
+    liar = dataclasses.replace(large, mem_handle=small.mem_handle, event_handle=small.event_handle)
+    with pytest.raises(InvalidRequest, match="do not fit"):
+        BufferImporter().register([liar])
+    with BufferImporter() as importer:  # the truthful descriptors still register
+        importer.register([small, large])
+    gpu_child.ask("release", small.buffer_id)
+    gpu_child.ask("release", large.buffer_id)
 
 
 @pytest.mark.gpu

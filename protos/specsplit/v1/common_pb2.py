@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/specsplit/v1/common.proto\x12\x0cspecsplit.v1\"Z\n\nInlineRows\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\x0c\n\x04rows\x18\x03 \x01(\x05\x12\x0c\n\x04\x63ols\x18\x04 \x01(\x05\"\x89\x01\n\x06RowRef\x12\x11\n\tbuffer_id\x18\x01 \x01(\x03\x12\x12\n\nrow_offset\x18\x02 \x01(\x03\x12\x0c\n\x04rows\x18\x03 \x01(\x05\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12*\n\x06inline\x18\x05 \x01(\x0b\x32\x18.specsplit.v1.InlineRowsH\x00\x42\n\n\x08\x66\x61llback\"\x93\x02\n\x10\x42ufferDescriptor\x12\x11\n\tbuffer_id\x18\x01 \x01(\x03\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.specsplit.v1.BufferKind\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x12\n\nmem_handle\x18\x04 \x01(\x0c\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\x0c\n\x04rows\x18\x06 \x01(\x03\x12\x0c\n\x04\x63ols\x18\x07 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x08 \x01(\t\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x14\n\x0c\x65vent_handle\x18\n \x01(\x0c\x12&\n\x04role\x18\x0b \x01(\x0e\x32\x18.specsplit.v1.BufferRole\"\x18\n\x07\x42itmask\x12\r\n\x05words\x18\x01 \x01(\x0c\"\xb5\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03*Z\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44RAFTER_KIND_DFLASH\x10\x01\x12\x14\n\x10\x44RAFTER_KIND_MTP\x10\x02*h\n\x0b\x46\x65\x61tureKind\x12\x1c\n\x18\x46\x45\x41TURE_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x46\x45\x41TURE_KIND_LAYER_CONCAT\x10\x01\x12\x1c\n\x18\x46\x45\x41TURE_KIND_LAST_HIDDEN\x10\x02*X\n\nBufferKind\x12\x1b\n\x17\x42UFFER_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x42UFFER_KIND_SHM\x10\x01\x12\x18\n\x14\x42UFFER_KIND_CUDA_IPC\x10\x02*d\n\nBufferRole\x12\x14\n\x10\x42UFFER_ROLE_ROWS\x10\x00\x12 \n\x1c\x42UFFER_ROLE_TARGET_EMBEDDING\x10\x01\x12\x1e\n\x1a\x42UFFER_ROLE_TARGET_LM_HEAD\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/specsplit/v1/common.proto\x12\x0cspecsplit.v1\"Z\n\nInlineRows\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\x0c\n\x04rows\x18\x03 \x01(\x05\x12\x0c\n\x04\x63ols\x18\x04 \x01(\x05\"\x89\x01\n\x06RowRef\x12\x11\n\tbuffer_id\x18\x01 \x01(\x03\x12\x12\n\nrow_offset\x18\x02 \x01(\x03\x12\x0c\n\x04rows\x18\x03 \x01(\x05\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12*\n\x06inline\x18\x05 \x01(\x0b\x32\x18.specsplit.v1.InlineRowsH\x00\x42\n\n\x08\x66\x61llback\"\xa2\x02\n\x10\x42ufferDescriptor\x12\x11\n\tbuffer_id\x18\x01 \x01(\x03\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.specsplit.v1.BufferKind\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x12\n\nmem_handle\x18\x04 \x01(\x0c\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\x0c\n\x04rows\x18\x06 \x01(\x03\x12\x0c\n\x04\x63ols\x18\x07 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x08 \x01(\t\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x14\n\x0c\x65vent_handle\x18\n \x01(\x0c\x12&\n\x04role\x18\x0b \x01(\x0e\x32\x18.specsplit.v1.BufferRole\x12\r\n\x05token\x18\x0c \x01(\x0c\"\x18\n\x07\x42itmask\x12\r\n\x05words\x18\x01 \x01(\x0c\"\xb5\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03*Z\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44RAFTER_KIND_DFLASH\x10\x01\x12\x14\n\x10\x44RAFTER_KIND_MTP\x10\x02*h\n\x0b\x46\x65\x61tureKind\x12\x1c\n\x18\x46\x45\x41TURE_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x46\x45\x41TURE_KIND_LAYER_CONCAT\x10\x01\x12\x1c\n\x18\x46\x45\x41TURE_KIND_LAST_HIDDEN\x10\x02*X\n\nBufferKind\x12\x1b\n\x17\x42UFFER_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x42UFFER_KIND_SHM\x10\x01\x12\x18\n\x14\x42UFFER_KIND_CUDA_IPC\x10\x02*d\n\nBufferRole\x12\x14\n\x10\x42UFFER_ROLE_ROWS\x10\x00\x12 \n\x1c\x42UFFER_ROLE_TARGET_EMBEDDING\x10\x01\x12\x1e\n\x1a\x42UFFER_ROLE_TARGET_LM_HEAD\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.protos.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=770
-  _globals['_DTYPE']._serialized_end=858
-  _globals['_DRAFTERKIND']._serialized_start=860
-  _globals['_DRAFTERKIND']._serialized_end=950
-  _globals['_FEATUREKIND']._serialized_start=952
-  _globals['_FEATUREKIND']._serialized_end=1056
-  _globals['_BUFFERKIND']._serialized_start=1058
-  _globals['_BUFFERKIND']._serialized_end=1146
-  _globals['_BUFFERROLE']._serialized_start=1148
-  _globals['_BUFFERROLE']._serialized_end=1248
+  _globals['_DTYPE']._serialized_start=785
+  _globals['_DTYPE']._serialized_end=873
+  _globals['_DRAFTERKIND']._serialized_start=875
+  _globals['_DRAFTERKIND']._serialized_end=965
+  _globals['_FEATUREKIND']._serialized_start=967
+  _globals['_FEATUREKIND']._serialized_end=1071
+  _globals['_BUFFERKIND']._serialized_start=1073
+  _globals['_BUFFERKIND']._serialized_end=1161
+  _globals['_BUFFERROLE']._serialized_start=1163
+  _globals['_BUFFERROLE']._serialized_end=1263
   _globals['_INLINEROWS']._serialized_start=50
   _globals['_INLINEROWS']._serialized_end=140
   _globals['_ROWREF']._serialized_start=143
   _globals['_ROWREF']._serialized_end=280
   _globals['_BUFFERDESCRIPTOR']._serialized_start=283
-  _globals['_BUFFERDESCRIPTOR']._serialized_end=558
-  _globals['_BITMASK']._serialized_start=560
-  _globals['_BITMASK']._serialized_end=584
-  _globals['_SAMPLINGPARAMS']._serialized_start=587
-  _globals['_SAMPLINGPARAMS']._serialized_end=768
+  _globals['_BUFFERDESCRIPTOR']._serialized_end=573
+  _globals['_BITMASK']._serialized_start=575
+  _globals['_BITMASK']._serialized_end=599
+  _globals['_SAMPLINGPARAMS']._serialized_start=602
+  _globals['_SAMPLINGPARAMS']._serialized_end=783
 # @@protoc_insertion_point(module_scope)

@@ -81,7 +81,7 @@ class RowRef(_message.Message):
     def __init__(self, buffer_id: _Optional[int] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ..., generation: _Optional[int] = ..., inline: _Optional[_Union[InlineRows, _Mapping]] = ...) -> None: ...
 
 class BufferDescriptor(_message.Message):
-    __slots__ = ("buffer_id", "kind", "name", "mem_handle", "dtype", "rows", "cols", "device_uuid", "host_id", "event_handle", "role")
+    __slots__ = ("buffer_id", "kind", "name", "mem_handle", "dtype", "rows", "cols", "device_uuid", "host_id", "event_handle", "role", "token")
     BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class BufferDescriptor(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     buffer_id: int
     kind: BufferKind
     name: str
@@ -104,7 +105,8 @@ class BufferDescriptor(_message.Message):
     host_id: str
     event_handle: bytes
     role: BufferRole
-    def __init__(self, buffer_id: _Optional[int] = ..., kind: _Optional[_Union[BufferKind, str]] = ..., name: _Optional[str] = ..., mem_handle: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., device_uuid: _Optional[str] = ..., host_id: _Optional[str] = ..., event_handle: _Optional[bytes] = ..., role: _Optional[_Union[BufferRole, str]] = ...) -> None: ...
+    token: bytes
+    def __init__(self, buffer_id: _Optional[int] = ..., kind: _Optional[_Union[BufferKind, str]] = ..., name: _Optional[str] = ..., mem_handle: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., device_uuid: _Optional[str] = ..., host_id: _Optional[str] = ..., event_handle: _Optional[bytes] = ..., role: _Optional[_Union[BufferRole, str]] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class Bitmask(_message.Message):
     __slots__ = ("words",)

@@ -125,7 +125,8 @@ class DrafterServiceServicer:
 
     def RegisterBuffers(self, request, context):
         """Map buffers the target owns (feature rows, or its embedding and LM head on one GPU) once per
-        connection; later RowRefs name them by buffer_id.
+        connection; later RowRefs name them by buffer_id. Each descriptor's token must match its segment's
+        header; the drafter then holds the segments open and unlinks their names, so a segment registers once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
