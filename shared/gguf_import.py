@@ -7,9 +7,11 @@ import json
 import os
 import re
 import shutil
+import sys
+import time
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -45,16 +47,26 @@ LAYER_TENSOR_NAMES = {
 }
 
 
+Progress = Callable[[str], None]  # told one line per conversion stage
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("SPECSPLIT_CACHE") or Path.home() / ".cache" / "specsplit")
 
 
 def default_target_dir() -> Path:
-    """The embedded SmolLM2-135M-Instruct as an HF-format folder, converted on first use."""
+    """The embedded SmolLM2-135M-Instruct as an HF-format folder, converted on first use.
+
+    The first conversion takes seconds to minutes, so it reports its progress on stderr.
+    """
     out_dir = cache_root() / DEFAULT_SUBDIR
     if is_converted(out_dir):
         return out_dir
-    return convert_gguf(locate_default_gguf(), out_dir)
+    return convert_gguf(locate_default_gguf(), out_dir, progress=to_stderr)
+
+
+def to_stderr(line: str) -> None:
+    print(f"specsplit: {line}", file=sys.stderr, flush=True)
 
 
 def locate_default_gguf() -> Path:
@@ -74,7 +86,7 @@ def is_converted(out_dir: Path) -> bool:
     return all((out_dir / name).is_file() for name in OUTPUT_FILES)
 
 
-def convert_gguf(gguf_path: Path | str, out_dir: Path | str) -> Path:
+def convert_gguf(gguf_path: Path | str, out_dir: Path | str, progress: Progress = lambda line: None) -> Path:
     """Write config.json, float32 model.safetensors, tokenizer.json and tokenizer_config.json to `out_dir`.
 
     Converts into a temp dir beside `out_dir` and renames it, so a folder that exists is complete;
@@ -83,13 +95,16 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str) -> Path:
     out_dir = Path(out_dir)
     if is_converted(out_dir):
         return out_dir
+    started = time.perf_counter()
+    progress(f"converting {gguf_path} into {out_dir} (once; later runs reuse it)")
     reader = _open(Path(gguf_path))
     tmp = temp_dir_beside(out_dir)
     try:
-        _convert_into(reader, tmp)
+        _convert_into(reader, tmp, progress)
         _publish(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    progress(f"converted in {time.perf_counter() - started:.1f} s")
     return out_dir
 
 
@@ -104,12 +119,19 @@ def _open(path: Path) -> Any:
         raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from None
 
 
-def _convert_into(reader: Any, folder: Path) -> None:
+def _convert_into(reader: Any, folder: Path, progress: Progress) -> None:
     meta = GGUFMeta(reader)
     tensor_names = {t.name for t in reader.tensors}
     config = meta.model_config(tie_word_embeddings="output.weight" not in tensor_names)
-    tensors = {hf_tensor_name(t.name): _dequantized(t, config) for t in reader.tensors}
+    tensors = {}
+    total = len(reader.tensors)
+    for n, tensor in enumerate(reader.tensors, 1):
+        tensors[hf_tensor_name(tensor.name)] = _dequantized(tensor, config)
+        if n == total or n % max(1, total // 10) == 0:  # about ten lines, not one per tensor
+            progress(f"tensors dequantized {n}/{total}")
+    progress("writing model.safetensors (float32)")
     write_checkpoint(folder, meta.hf_config(config), tensors, torch.float32)
+    progress("writing the tokenizer")
     build_tokenizer(meta).save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(meta.tokenizer_config(), indent=2) + "\n")
 

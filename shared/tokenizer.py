@@ -71,6 +71,10 @@ class Tokenizer:
     def stream(self, skip_special_tokens: bool = False) -> "TextStream":
         return TextStream(self, skip_special_tokens)
 
+    def output_stream(self) -> "TextStream":
+        """Generated text as a reader sees it: special tokens (`<|im_end|>`) stay in the token ids, not the text."""
+        return TextStream(self, skip_special_tokens=True)
+
 
 class TextStream:
     """Text deltas of a token stream; a multi-byte character split across tokens comes out whole, once."""

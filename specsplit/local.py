@@ -102,5 +102,5 @@ def load_local(setup: LocalSetup, config: EngineConfig = EngineConfig()) -> tupl
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
     tokenizer = Tokenizer.from_dir(folder)
     drafter = make_drafter(setup.drafter, model, setup)
-    engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids, text_stream=tokenizer.stream)
+    engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids, text_stream=tokenizer.output_stream)
     return engine, tokenizer

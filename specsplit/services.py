@@ -94,7 +94,8 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
         proposer = RemoteProposer(settings.drafter_address, device=setup.device, dtype=setup.torch_dtype,
                                   timeout=settings.drafter_timeout, max_batch=settings.engine.max_batch,
                                   head=(model.embed_weight, model.lm_head_weight))
-    engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids, text_stream=tokenizer.stream)
+    engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids,
+                    text_stream=tokenizer.output_stream)
     loop = EngineLoop(engine)
     servicer = TargetServicer(loop, tokenizer, model_name=folder.name, max_streams=settings.max_streams)
     return loop, serve_target_rpc(servicer, list(settings.listen))

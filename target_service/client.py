@@ -71,6 +71,8 @@ def wait_healthy(address: str, timeout: float = 60.0, service: str = "",
                     return
             except grpc.RpcError:
                 pass
+            if not alive():
+                raise RuntimeError(f"{address}: the server's process exited before it became healthy")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{address} did not become healthy within {timeout:.0f} s")
             time.sleep(0.1)

@@ -1,0 +1,156 @@
+"""The command line explains itself: defaults in every help text, help for a bare command, refused flags, clean text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from specsplit.cli import build_parser, main
+from specsplit.pair import ServiceSpec, spawn
+from specsplit.shared.tokenizer import TextStream, Tokenizer
+
+# Flags (store_true) and required options have no default to show; one of --local/--server is required.
+NO_DEFAULT = {"--server"}
+
+BLOCK_PYTEST = """
+import sys
+
+class NoPytest:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("pytest", "_pytest"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+        return None
+
+sys.meta_path.insert(0, NoPytest())
+"""
+
+
+def run_python(code: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_entry_points_import_without_pytest():
+    ok = run_python(BLOCK_PYTEST + "import specsplit.pair, specsplit.cli, specsplit.demo\n"
+                    "specsplit.cli.build_parser()\n")
+    assert ok.returncode == 0, ok.stderr
+    blocked = run_python(BLOCK_PYTEST + "import specsplit.harness\n")  # the blocker does block
+    assert blocked.returncode != 0 and "No module named 'pytest'" in blocked.stderr
+
+
+def all_parsers(parser: argparse.ArgumentParser, name: str = "specsplit"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from all_parsers(sub, f"{name} {sub_name}")
+
+
+def option_entries(help_text: str) -> dict[str, str]:
+    """Each option's entry in a help text, its wrapped lines joined: {"--max-tokens": "... (default: 64)"}."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in help_text.splitlines():
+        match = re.match(r"^  (--?[\w-]+)", line)
+        if match:
+            current = match.group(1)
+            entries[current] = line
+        elif current and line.startswith("    "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return {flag: " ".join(text.split()) for flag, text in entries.items()}
+
+
+def test_every_option_of_every_command_shows_its_default():
+    checked = 0
+    for name, parser in all_parsers(build_parser()):
+        entries = option_entries(parser.format_help())
+        for action in parser._actions:
+            flag = action.option_strings[0] if action.option_strings else None
+            if flag is None or action.nargs == 0 or action.required or flag in NO_DEFAULT:
+                continue
+            assert "(default" in entries[flag], f"{name} {flag}: {entries[flag]}"
+            checked += 1
+    assert checked > 60
+
+
+@pytest.mark.parametrize("command, flag, unit", [
+    ("target serve", "--drafter-timeout", "seconds"), ("target serve", "--drain-seconds", "seconds"),
+    ("drafter serve", "--drain-seconds", "seconds"), ("target serve", "--kv-blocks", "blocks of 16 tokens"),
+    ("target serve", "--max-batch", "sequences"), ("target serve", "--num-drafts", "draft tokens"),
+    ("target serve", "--device", "cuda:N"), ("demo", "--seed", "(default: 0)"),
+    ("init-drafter", "--block-size", "(default: 16)"), ("train-drafter", "--pool-gb", "GiB"),
+])
+def test_help_names_units(command, flag, unit):
+    parser = dict(all_parsers(build_parser()))[f"specsplit {command}"]
+    assert unit in option_entries(parser.format_help())[flag]
+
+
+def test_top_level_help_says_what_it_does_and_documents_the_cache():
+    text = build_parser().format_help()
+    assert "speculative decoding" in text and "specsplit demo" in text
+    assert "SPECSPLIT_CACHE" in text and "~/.cache/specsplit" in text
+
+
+@pytest.mark.parametrize("argv, usage", [(["drafter"], "usage: specsplit drafter"),
+                                         (["target"], "usage: specsplit target"), ([], "usage: specsplit")])
+def test_a_command_without_its_subcommand_prints_its_help(argv, usage, capsys):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith(usage) and "serve" in out and "required" not in out + err
+
+
+@pytest.mark.parametrize("flag, value", [("--target", "default"), ("--drafter", "dflash"), ("--device", "cpu"),
+                                         ("--dtype", "float32"), ("--dev", "cuda")])
+def test_generate_server_refuses_what_the_server_chose(flag, value, capsys):
+    argv = ["generate", "--server", "unix:/nonexistent/target.sock", "--prompt", "Hi", flag, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot be used with --server" in err and "the target service chose" in err
+    assert (flag if flag != "--dev" else "--device") in err
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_output_stream_leaves_special_tokens_out_of_the_text(smollm2_dir, native):
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    ids = tokenizer.encode("Hi <|im_end|>\n<|im_start|>assistant\nÜnïcödé 🤖 done<|im_end|>")
+    stream = TextStream(tokenizer, skip_special_tokens=True, native=native)
+    text = "".join(stream.push(i) for i in ids) + stream.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True) == "Hi \nassistant\nÜnïcödé 🤖 done"
+    assert tokenizer.output_stream().skip_special_tokens
+
+
+def generate_json(argv: list[str], capsys) -> dict:
+    assert main(["generate", *argv, "--chat", "--prompt", "Say hello.", "--max-tokens", "48", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_generated_text_has_no_special_tokens_but_token_ids_keep_them(smollm2_dir, tmp_path, capsys):
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    local = generate_json(["--local"], capsys)
+    with spawn(ServiceSpec(drafter="none"), tmp_path) as services:
+        remote = generate_json(["--server", services.target_address], capsys)
+    for result in (local, remote):
+        assert result["token_ids"][-1] in tokenizer.eos_token_ids  # the model ended its turn
+        assert result["text"] == tokenizer.decode(result["token_ids"], skip_special_tokens=True)
+        assert "<|" not in result["text"] and result["text"]
+    assert local["token_ids"] == remote["token_ids"]
+
+
+@pytest.mark.slow
+def test_first_conversion_reports_progress_on_stderr(tmp_path):
+    env = dict(os.environ, SPECSPLIT_CACHE=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "specsplit", "convert-default"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "smollm2-135m-instruct")
+    assert "converting" in done.stderr and "converted in" in done.stderr
+    counts = re.findall(r"tensors dequantized (\d+)/(\d+)", done.stderr)
+    assert 5 <= len(counts) <= 12 and counts[-1][0] == counts[-1][1]
