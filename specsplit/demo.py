@@ -82,9 +82,9 @@ def one_thread_per_process() -> int:
     """Unless OMP_NUM_THREADS says otherwise, one intra-op thread here and in the services (they inherit it).
 
     On a CPU the drafter and target processes take turns on the same cores, and OpenMP workers that
-    spin-wait for a core another process holds made steps up to 30 times slower on a busy 2-core machine,
-    at random: measurements that decide nothing. One thread each kept them steady there, and the target
-    alone as fast (18 tok/s) as two threads at their best.
+    spin-wait for a core another process holds made generation 6 to 16 times slower at random on a busy
+    2-core machine (two threads: target alone 2.8 tok/s, two drafts 0.7; one thread: 17.9 and 11.4),
+    measurements that decide nothing. Two threads at their best were no faster than one (18.6 tok/s).
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
