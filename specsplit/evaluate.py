@@ -6,6 +6,11 @@ Terms: τ = generated tokens / target steps, the engine's own figure (its prefil
 j+1 drafts were all accepted, so it never rises with j. Both runs (speculative and target-only) use
 the same prompts, model and engine settings in one process; with greedy decoding their outputs must
 match token for token, and every mismatch is counted.
+
+Teacher forcing (DFlash, greedy): every generated token of the target-only run as an anchor, the
+training forward's block drafts scored against the continuation (what the training loss sees). It
+differs from the real run only in where anchors fall (every token, not just bonus tokens), so a large
+gap between the two means training and inference disagree on what a block sees or predicts.
 """
 
 from __future__ import annotations
@@ -18,12 +23,18 @@ from typing import Sequence
 
 import torch
 
+from specsplit.drafter_service.base import DraftVocab
+from specsplit.drafter_service.dflash import DFlashDrafter, DFlashModel
+from specsplit.drafter_service.heads import TargetHead
+from specsplit.drafter_service.training import dflash_block_hidden
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.proposer import Proposal, ProposeRequest, Proposer
 from specsplit.shared.sampling import SamplingParams
+from specsplit.target_service.dense import capture_features
 from specsplit.target_service.engine import Engine, EngineConfig
-from specsplit.target_service.model import TargetModel
+from specsplit.target_service.model import CaptureSpec, TargetModel
 from specsplit.target_service.sequence import Request, RequestStats
+from specsplit.train import block_targets
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,9 @@ def run_engine(model: TargetModel, proposer: Proposer | None, prompts: Sequence[
 
 def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPrompt], settings: EvalSettings, *,
              eos_ids: Sequence[int] = ()) -> dict:
-    """Run the prompts with the drafter and without (after one short warm-up of each); the report."""
+    """Run the prompts with the drafter and without (after one short warm-up of each); the report, with
+    teacher-forced acceptance on the target-only outputs when the drafter is an in-process DFlash one
+    and decoding is greedy."""
     if not prompts:
         raise InvalidRequest("no prompts to evaluate")
     recorder = AcceptanceRecorder(proposer)
@@ -121,7 +134,55 @@ def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPromp
     recorder.records.clear()
     base = run_engine(model, None, prompts, settings, eos_ids)
     spec = run_engine(model, recorder, prompts, settings, eos_ids)
-    return report(prompts, spec, base, recorder.records, proposer.spec.max_drafts, settings)
+    rep = report(prompts, spec, base, recorder.records, proposer.spec.max_drafts, settings)
+    if isinstance(proposer, DFlashDrafter) and settings.temperature == 0.0:
+        rep["teacher_forced"] = teacher_forced(model, proposer.model, proposer.head, [p.ids for p in prompts],
+                                               base.tokens)
+    return rep
+
+
+# ---- teacher forcing ----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def anchor_matches(drafter: DFlashModel, head: TargetHead, rows: torch.Tensor, tokens: torch.Tensor, length: int,
+                   anchors: Sequence[int], *, chunk: int = 32) -> list[int]:
+    """Per anchor index a of one sequence (tokens [S] real up to `length`, the target's feature rows
+    [S, feature_dim]): how many leading drafts of the training forward's block at a equal x_{a+1}, ...
+    — what greedy verification accepts when the sequence is the target's greedy continuation."""
+    gamma = drafter.cfg.block_size
+    vocab = DraftVocab(drafter.d2t, head.vocab_size)
+    positions = torch.arange(tokens.shape[0], device=tokens.device)[None]
+    valid, lengths = positions < length, torch.tensor([length], device=tokens.device)
+    out = []
+    for start in range(0, len(anchors), chunk):
+        index = torch.tensor(list(anchors[start:start + chunk]), device=tokens.device)[None]  # [1, N]
+        hidden = dflash_block_hidden(drafter, head, rows[None], tokens[None], positions, valid, index)
+        drafts = vocab.to_target(drafter.logits(hidden[0, :, 1:], head).argmax(-1))  # [N, γ-1]
+        targets, ok = block_targets(tokens[None], lengths, index, torch.ones_like(index, dtype=torch.bool), gamma)
+        hits = (drafts == targets[0, :, 1:].to(drafts.device)) & ok[0, :, 1:].to(drafts.device)
+        out += hits.long().cumprod(1).sum(1).tolist()
+    return out
+
+
+def teacher_forced(target: TargetModel, drafter: DFlashModel, head: TargetHead, prompts: Sequence[Sequence[int]],
+                   continuations: Sequence[Sequence[int]]) -> dict:
+    """Acceptance by draft position with teacher forcing over the greedy `continuations` of `prompts`:
+    every generated token with one after it is an anchor offered γ-1 drafts (`position_acceptance`'s
+    records); tau_excl_prefill = 1 + their sum, the tokens per step a verify of every block would give."""
+    gamma = drafter.cfg.block_size
+    sequences = [list(p) + list(c) for p, c in zip(prompts, continuations)]
+    device = target.embed_weight.device
+    width = max(map(len, sequences))
+    tokens = torch.tensor([s + [0] * (width - len(s)) for s in sequences], dtype=torch.long, device=device)
+    lengths = torch.tensor([len(s) for s in sequences], device=device)
+    rows = capture_features(target, tokens, lengths, CaptureSpec(layer_ids=drafter.cfg.target_layer_ids))
+    records = []
+    for b, (prompt, seq) in enumerate(zip(prompts, sequences)):
+        matches = anchor_matches(drafter, head, rows[b], tokens[b], len(seq), range(len(prompt), len(seq) - 1))
+        records += [(gamma - 1, m) for m in matches]
+    accept = position_acceptance(records, gamma - 1)
+    return {"anchors": len(records), "tau_excl_prefill": 1 + sum(accept), "position_acceptance": accept}
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -174,6 +235,11 @@ def format_report(rep: dict) -> str:
         lines.append(f"{name:<22}" + "".join(f"{fmt.format(f[key]):>10}" for f in figures))
     lines.append(f"acceptance rate {rep['acceptance_rate']:.3f} over {rep['proposals']} proposals; by draft position:")
     lines.append("  " + "  ".join(f"{j + 1}:{a:.3f}" for j, a in enumerate(rep["position_acceptance"])))
+    forced = rep.get("teacher_forced")
+    if forced is not None:
+        lines.append(f"teacher forced: tau excl. prefill {forced['tau_excl_prefill']:.3f} over {forced['anchors']} "
+                     "anchors; by draft position:")
+        lines.append("  " + "  ".join(f"{j + 1}:{a:.3f}" for j, a in enumerate(forced["position_acceptance"])))
     tps = rep["tokens_per_s"]
     lines.append(f"tokens/s: speculative {tps['speculative']:.1f}, target-only {tps['target_only']:.1f}, "
                  f"speedup {tps['speedup']:.2f}x")

@@ -247,16 +247,27 @@ def weighted_ce(hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tens
     return loss, accuracy.detach()
 
 
+def block_targets(tokens: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, real: torch.Tensor,
+                  gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels of the blocks anchored at sequence indices anchors [B, N]: row k of a block is labelled
+    x_{a+k}, the token at the row's own position (unshifted: inference's draft k is row k, verified
+    against the target's token at p+k). Returns targets and whether each is a real draft label, [B, N, γ]
+    (row 0, the anchor, never is)."""
+    k = torch.arange(gamma, device=anchors.device)
+    index = anchors[:, :, None] + k  # [B, N, γ]
+    ok = real[:, :, None] & (index < lengths[:, None, None]) & (k >= 1)
+    targets = tokens.gather(1, index.clamp(max=tokens.shape[1] - 1).flatten(1)).view_as(index)
+    return targets, ok
+
+
 def dflash_loss(model: DFlashModel, head: TargetHead, batch: Batch, cfg: TrainConfig,
                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Block k of an anchor a predicts x_{a+k}, k = 1..γ-1, weighted exp(-(k-1)/w) where a+k is real."""
     gamma = model.cfg.block_size
     anchors, real = sample_anchors(batch, cfg.anchors, gen)
     hidden = dflash_block_hidden(model, head, batch.rows, batch.tokens, batch.positions, batch.valid, anchors)
+    targets, ok = block_targets(batch.tokens, batch.lengths, anchors, real, gamma)
     k = torch.arange(gamma, device=anchors.device)
-    index = anchors[:, :, None] + k  # [B, N, γ]
-    ok = real[:, :, None] & (index < batch.lengths[:, None, None]) & (k >= 1)
-    targets = batch.tokens.gather(1, index.clamp(max=batch.tokens.shape[1] - 1).flatten(1)).view_as(index)
     weights = ok * torch.exp(-(k - 1).clamp(min=0) / cfg.decay)
     return weighted_ce(hidden, targets, weights, model, head)
 
