@@ -1,15 +1,26 @@
-"""Session fixtures: the converted default model and tiny random HF checkpoints of each supported family."""
+"""Session fixtures: the default model (converted, loaded, served) once per run, and tiny random HF
+checkpoints of each supported family plus one that speaks the default model's tokenizer."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+# One intra-op thread in this process and in every service it spawns (they inherit the variable).
+# Tests run a pytest process and two services at once on CI machines of 2 cores shared with other
+# jobs; OpenMP workers that spin-wait for cores they do not get made a 135M-model decode step 30x
+# slower there (3 s instead of 0.1 s). Set OMP_NUM_THREADS yourself to override.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
             bos_token_id=1, eos_token_id=2)
+CHAT_VOCAB = 49152  # the default model's tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +29,43 @@ def smollm2_dir() -> Path:
     from specsplit.shared.gguf_import import default_target_dir
 
     return default_target_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """The default model in float32, loaded once: engines share it read-only (each has its own KV cache)."""
+    from specsplit.target_service.model import load_target
+
+    return load_target(smollm2_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from specsplit.shared.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def specsplit_services(tmp_path_factory):
+    """One drafter + target pair (the shipped DFlash drafter, default model) for the whole run: overrides
+    the plugin's pair per module, so the services start once. Tests must leave it serving."""
+    from specsplit.harness import ServiceSpec, spawn
+
+    services = spawn(ServiceSpec(), tmp_path_factory.mktemp("specsplit"))
+    yield services
+    services.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A random tiny Llama with the default model's vocabulary and tokenizer: text in, text out, at a
+    fraction of the cost, for tests of the engine, services and failover that real weights prove
+    nothing in (they only make each step slower)."""
+    folder = write_tiny(tmp_path_factory.mktemp("tiny_chat"), "chat")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, folder / name)
+    return folder
 
 
 def write_tiny(folder: Path, family: str) -> Path:
@@ -51,6 +99,9 @@ def _tiny_config(family: str):
         return "Qwen2ForCausalLM", transformers.Qwen2Config(**TINY, tie_word_embeddings=False)
     if family == "mistral":  # every layer slides
         return "MistralForCausalLM", transformers.MistralConfig(**TINY, tie_word_embeddings=False, sliding_window=6)
+    if family == "chat":  # the default model's vocabulary, room for long generations
+        chat = {**TINY, "vocab_size": CHAT_VOCAB, "max_position_embeddings": 4096}
+        return "LlamaForCausalLM", transformers.LlamaConfig(**chat, tie_word_embeddings=True)
     raise ValueError(family)
 
 

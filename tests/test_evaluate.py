@@ -62,11 +62,13 @@ def test_position_acceptance_counts_prefixes():
     assert position_acceptance([], 2) == [0.0, 0.0]
 
 
-def test_cli_evaluates_the_default_target(smollm2_dir, tmp_path, capsys):
+def test_cli_evaluates_a_target_on_text_prompts(tiny_chat_dir, tmp_path, capsys):
+    """The command's wiring (text prompts, the target's tokenizer, a named drafter); a tiny target that
+    speaks the default model's tokenizer does it at a fraction of the default model's load time."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"kind": "chat", "text": "Name a color."}\n{"kind": "code", "text": "def add(a, b):"}\n')
-    assert main(["eval-acceptance", "--drafter", "random-mtp", "--prompts", str(prompts), "--max-tokens", "3",
-                 "--batch", "2", "--json"]) == 0
+    assert main(["eval-acceptance", "--target", str(tiny_chat_dir), "--drafter", "random-mtp", "--prompts",
+                 str(prompts), "--max-tokens", "3", "--batch", "2", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["prompts"] == 2 and rep["mismatches"] == 0 and rep["drafter"] == "random-mtp"
     assert rep["steps"] + rep["accepted"] == rep["generated"] <= 6

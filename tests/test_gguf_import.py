@@ -275,6 +275,7 @@ def test_text_stream_flush_shows_a_cut_character_as_a_plain_decode_does(tokenize
     assert stream.flush() == ""
 
 
+@pytest.mark.slow  # transformers dequantizes the whole GGUF in Python (~15 s on 2 cores)
 def test_smollm2_logits_match_transformers_gguf_loading(smollm2_dir, gguf_path, tokenizer):
     ids = torch.tensor(tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a haiku about 42 apples."}])))

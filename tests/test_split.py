@@ -1,4 +1,8 @@
-"""The split: drafter and target as separate processes over gRPC equal the in-process engine."""
+"""The split: drafter and target as separate processes over gRPC equal the in-process engine.
+
+The default model is served once per run (`specsplit_services`, tests/conftest.py) and loaded once
+in this process (`smollm2`); failover and process hygiene run on a tiny random target.
+"""
 
 from __future__ import annotations
 
@@ -14,23 +18,25 @@ import pytest
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.sampling import SamplingParams
 from specsplit.harness import ServiceSpec, spawn
-from specsplit.local import LocalSetup, load_local
+from specsplit.local import LocalSetup, make_drafter
+from specsplit.target_service.engine import Engine
 from specsplit.target_service.sequence import Request
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    ", "A short poem about the sea:\n"]
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
 
 
-def local_tokens(drafter: str, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
-    engine, tokenizer = load_local(LocalSetup(drafter=drafter, seed=0))
+def local_tokens(model, tokenizer, drafter: str, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    """In-process greedy tokens, the drafter wired as `generate --local --drafter` wires it."""
+    engine = Engine(model, make_drafter(drafter, model, LocalSetup(drafter=drafter, seed=0)))
     reqs = [Request(str(i), tokenizer.encode(p), params) for i, p in enumerate(prompts)]
     events = engine.generate(reqs)
     return [[t for e in events[str(i)] for t in e.token_ids] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
-def target_only():
-    return local_tokens("none")
+def target_only(smollm2, smollm2_tokenizer):
+    return local_tokens(smollm2, smollm2_tokenizer, "none")
 
 
 def concurrently(client, prompts, params):
@@ -47,13 +53,19 @@ def concurrently(client, prompts, params):
     return results
 
 
-@pytest.mark.parametrize("kind", ["dflash", "random-mtp"])
-def test_services_equal_local_and_target_only(kind, specsplit_factory, target_only):
-    services = specsplit_factory(ServiceSpec(drafter=kind))
+@pytest.mark.parametrize("kind", ["dflash", pytest.param("random-mtp", marks=pytest.mark.slow)])
+def test_services_equal_local_and_target_only(kind, request, specsplit_factory, smollm2, smollm2_tokenizer,
+                                              target_only):
+    """The default run's end-to-end check: the shipped DFlash drafter and the default model, each in its
+    own spawned service, are lossless."""
+    if kind == "dflash":
+        services = request.getfixturevalue("specsplit_services")  # the session's pair serves exactly this
+    else:
+        services = specsplit_factory(ServiceSpec(drafter=kind))
     client = services.client()
     single = [client.generate(p, GREEDY) for p in PROMPTS]
     together = concurrently(client, PROMPTS, GREEDY)
-    local = local_tokens(kind)
+    local = local_tokens(smollm2, smollm2_tokenizer, kind)
     for i in range(len(PROMPTS)):
         assert single[i]["token_ids"] == target_only[i] == local[i]
         assert together[i]["token_ids"] == target_only[i]
@@ -94,15 +106,18 @@ def test_bad_generate_requests_get_invalid_argument(specsplit_services):
     assert client.generate("hi", SamplingParams(max_tokens=2))["token_ids"]  # still serving
 
 
-def test_sigkill_of_the_drafter_mid_stream_changes_nothing(specsplit_factory, target_only):
-    services = specsplit_factory(ServiceSpec(drafter="random-mtp"))
+def test_sigkill_of_the_drafter_mid_stream_changes_nothing(specsplit_factory, tiny_chat_dir):
+    services = specsplit_factory(ServiceSpec(target=str(tiny_chat_dir), drafter="random-mtp"))
     client = services.client()
+    long = SamplingParams(max_tokens=150, ignore_eos=True)  # still running when the drafter dies
+    target_only = [client.generate(PROMPTS[0], GREEDY, speculative=False)["token_ids"],
+                   client.generate(PROMPTS[2], long, speculative=False)["token_ids"]]
     tokens = []
-    for i, chunk in enumerate(client.stream(PROMPTS[2], GREEDY)):
+    for i, chunk in enumerate(client.stream(PROMPTS[2], long)):
         tokens += chunk.token_ids
         if i == 2:
             services.kill_drafter(signal.SIGKILL)
-    assert tokens == target_only[2]
+    assert tokens == target_only[1]
     # The drafter comes back: the target re-attaches and speculates again, output unchanged.
     services.start_drafter()
     for _ in range(20):
@@ -126,8 +141,8 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_harness_leaves_no_process_behind(tmp_path):
-    with spawn(ServiceSpec(drafter="random-dflash"), tmp_path) as services:
+def test_harness_leaves_no_process_behind(tmp_path, tiny_chat_dir):
+    with spawn(ServiceSpec(target=str(tiny_chat_dir), drafter="random-dflash"), tmp_path) as services:
         assert len(_processes_mentioning(str(tmp_path))) == 2
         assert services.client().generate("Hi", SamplingParams(max_tokens=2))["token_ids"]
     assert _processes_mentioning(str(tmp_path)) == []
