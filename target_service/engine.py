@@ -48,7 +48,7 @@ class EngineConfig:
 
 
 def capture_for(proposer: Proposer | None) -> CaptureSpec:
-    if proposer is None:
+    if proposer is None or proposer.spec is None:  # a remote drafter that has not answered yet
         return CaptureSpec()
     spec = proposer.spec
     if spec.feature is FeatureKind.LAYER_CONCAT:
@@ -77,10 +77,13 @@ class Engine:
         self.cache = model.new_cache(config.kv_blocks + use_graphs, config.kv_block_size)
         self.capture = capture_for(proposer)
         self.graphs = self._capture_graphs() if use_graphs else None
-        self.drafter_ok = proposer is not None
+        self.drafter_ok = proposer is not None and proposer.spec is not None
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        # Issue 9: set by the EngineLoop to its cancel inbox, so a long prefill stops between chunks.
+        self.is_cancelled: Callable[[str], bool] = lambda request_id: False
+        self._spec = proposer.spec if proposer is not None else None  # the spec capture and graphs follow
 
     def _capture_graphs(self) -> StepGraphs:
         drafts = self._max_drafts()
@@ -89,7 +92,7 @@ class Engine:
                           query_lens=(1, drafts + 1), max_len=min(longest, self.config.kv_blocks * self.config.kv_block_size))
 
     def _max_drafts(self) -> int:
-        if self.proposer is None:
+        if self.proposer is None or self.proposer.spec is None:
             return 0
         wanted = self.config.num_drafts if self.config.num_drafts is not None else self.proposer.spec.max_drafts
         return min(wanted, self.proposer.spec.max_drafts)
@@ -163,9 +166,13 @@ class Engine:
                                  f"({request.params.max_tokens}) exceeds the context length {limit}")
         if self._blocks_for(budget) > self.config.kv_blocks:
             raise CapacityExceeded(f"a {budget}-token request does not fit the KV cache")
+        # Issue 9: a stop id outside the vocabulary can never match; it is a malformed request.
+        if any(not 0 <= t < vocab for t in request.params.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
 
     def _blocks_for(self, tokens: int) -> int:
-        extra = (self.proposer.spec.max_drafts + 1) if self.proposer is not None else 1
+        spec = self.proposer.spec if self.proposer is not None else None
+        extra = (spec.max_drafts + 1) if spec is not None else 1
         return -(-(tokens + extra) // self.config.kv_block_size)
 
     def _admit(self) -> list[StepEvent]:
@@ -178,14 +185,21 @@ class Engine:
             self.waiting.popleft()
             self.running[seq.request.request_id] = seq
             self.cache.allocate(seq.seq_id)
-            events.append(self._prefill(seq))
+            event = self._prefill(seq)
+            if event is not None:
+                events.append(event)
         return events
 
-    def _prefill(self, seq: Sequence) -> StepEvent:
+    def _prefill(self, seq: Sequence) -> StepEvent | None:
+        """The prompt's forward, in chunks; None when the request was cancelled between two chunks."""
         prompt = seq.request.prompt_ids
         chunk = self.config.prefill_chunk
         rows = []
         for start in range(0, len(prompt), chunk):
+            if start and self.is_cancelled(seq.request.request_id):  # issue 9: stop a long prefill early
+                seq.finish_reason = FinishReason.CANCELLED
+                self._release(seq)
+                return None
             ids = prompt[start:start + chunk]
             out = self._forward([seq.seq_id], [ids], [start], logits_last_only=True)
             rows.append(self._features(out))
@@ -341,10 +355,23 @@ class Engine:
         if available is None or not available():
             return
         self.drafter_ok = True
+        if self._spec is None:
+            self._adopt_spec(seqs)
         for seq in seqs:
             if self._speculating(seq):
                 self._forget(seq)
                 self._attach(seq, seq.tokens[:-1], self._recapture(seq))
+
+    def _adopt_spec(self, seqs: list[Sequence]) -> None:
+        """Issue 9: a drafter that was down when the engine started answered for the first time; capture
+        what it needs from now on. Sequences already running reserved KV blocks for no drafts, so they
+        finish without speculation (as if the drafter had refused them)."""
+        self._spec = self.proposer.spec
+        self.capture = capture_for(self.proposer)
+        if self.graphs is not None:
+            self.graphs = self._capture_graphs()
+        for seq in seqs:
+            seq.drafter_refused = True
 
     def _forget(self, seq: Sequence) -> None:
         """Drop whatever a drafter that came back may still hold for `seq` (usually nothing)."""

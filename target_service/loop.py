@@ -19,7 +19,8 @@ class EngineLoop:
     Only the loop's thread touches the engine's queues. `submit` and `cancel` leave their
     request in an inbox and return at once, so a cancel never waits behind a busy engine: the
     consumer gets `None` immediately and the engine frees the sequence (both sides) before its
-    next step. A failed step does not hang clients: every in-flight request receives the exception.
+    next step, or between two chunks of its prefill when the cancel arrives during one. A failed
+    step does not hang clients: every in-flight request receives the exception.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -29,6 +30,7 @@ class EngineLoop:
         self._admissions: list[Request] = []
         self._cancels: list[str] = []
         self._stopped = False
+        engine.is_cancelled = self._is_cancelled
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -60,6 +62,11 @@ class EngineLoop:
                 self._cancels.append(request_id)
                 self._work.notify()
         stream.put(None)
+
+    def _is_cancelled(self, request_id: str) -> bool:
+        """Read by the engine thread between prefill chunks: a long prompt stops when its client goes."""
+        with self._work:
+            return request_id in self._cancels
 
     @property
     def busy(self) -> bool:
