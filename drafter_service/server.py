@@ -3,33 +3,40 @@
 Each handler only converts (protobuf → domain object → Session call → protobuf); exceptions become
 status codes in one place (`shared.status.rpc_errors`). A target identifies itself with the
 `x-specsplit-client` metadata on every call; its Session lives until its Step stream ends (or
-`DrafterServer.close`), and then everything it held is freed.
+`DrafterServer.close`), and then everything it held is freed. Nothing proves a caller is a target, so
+what connections may hold is capped (`DrafterLimits`), and a connection without a Step stream is freed
+once idle, by a reaper thread, whether or not anyone else calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import grpc
 import torch
 
 from specsplit.drafter_service.heads import TargetHead
+from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.session import Session
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import wire
 from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest
 from specsplit.shared.proposer import Proposer
 from specsplit.shared.serving import CLIENT_HEADER, SPARE_THREADS, Served, start_server
-from specsplit.shared.status import rpc_errors
+from specsplit.shared.status import Throttle, rpc_errors
 from specsplit.shared.transport import device_uuid, host_id
 
+__all__ = ["CLIENT_HEADER", "SERVICE_NAME", "DrafterLimits", "DrafterServer", "serve"]
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specsplit.v1.DrafterService"
+_evictions = Throttle(per_minute=6)  # a caller inventing client ids at will must not flood the log
 
 
 def client_id(context: grpc.ServicerContext) -> str:
@@ -52,23 +59,23 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
     """DrafterService over `proposer`, shared by every connected target.
 
     `head` is the target head to use for clients that register none (loaded from the target checkpoint);
-    `device` is where the drafter runs (inline rows are decoded there).
+    `device` is where the drafter runs (inline rows are decoded there). `limits`, with any field
+    overridden by keyword (`max_targets=1`), caps what callers may hold.
     """
 
     def __init__(self, proposer: Proposer, *, head: TargetHead | None, device: torch.device | str,
-                 max_targets: int = 8, idle_seconds: float = 600.0) -> None:
-        if max_targets < 1:
-            raise InvalidRequest(f"max_targets must be at least 1, got {max_targets}")
+                 limits: DrafterLimits = DrafterLimits(), **overrides) -> None:
+        self.limits = dataclasses.replace(limits, **overrides)
         self.proposer = proposer
-        self.max_targets = max_targets  # open Step streams; each holds a server thread
-        # A connection with no Step stream and no call for this long is presumed gone (a target that
-        # died between registering buffers and opening its stream): its state is freed.
-        self.idle_seconds = idle_seconds
+        self.max_targets = self.limits.max_targets  # open Step streams; each holds a server thread
         self.head = head
         self.device = torch.device(device)
         self._lock = threading.RLock()  # one drafter, one GPU stream: every call is serialized
         self._sessions: dict[str, Session] = {}
         self._seq_ids = itertools.count()
+        self._closed = threading.Event()
+        threading.Thread(target=_reap_idle, args=(weakref.ref(self), self._closed, self.limits.idle_seconds),
+                         name="drafter-idle-reaper", daemon=True).start()
 
     # ---- sessions -------------------------------------------------------------------------------
 
@@ -83,32 +90,49 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             yield session
 
     def _sweep_idle(self) -> None:
+        """Free connections without a Step stream and no call for idle_seconds (a target that died
+        between registering buffers and opening its stream, or a one-off caller)."""
         now = time.monotonic()
         for session in list(self._sessions.values()):
-            if not session.streaming and now - session.last_call > self.idle_seconds:
+            if not session.streaming and now - session.last_call > self.limits.idle_seconds:
                 log.info("client %s made no call for %.0f s and has no Step stream: freeing it",
                          session.client_id, now - session.last_call)
                 self._end(session)
 
-    def _get_or_create(self, client: str) -> Session:
+    def _get_or_create(self, client: str, *, streaming: bool = False) -> Session:
         session = self._sessions.get(client)
         if session is None:
+            if not streaming:
+                self._make_room_for_a_session()
             session = Session(self.proposer, client_id=client, new_seq_id=lambda: next(self._seq_ids),
-                              head=self.head, device=self.device)
+                              head=self.head, device=self.device, limits=self.limits)
             self._sessions[client] = session
         return session
 
-    def _end(self, session: Session) -> None:
+    def _make_room_for_a_session(self) -> None:
+        """At --max-sessions connections without a Step stream, the least recently used one is freed:
+        refusing instead would let a stranger who keeps calling lock every new target out."""
+        idle = [s for s in self._sessions.values() if not s.streaming]
+        if len(idle) >= self.limits.max_sessions:
+            oldest = min(idle, key=lambda s: s.last_call)
+            skipped = _evictions.admit()
+            if skipped is not None:
+                log.info("client %s, without a Step stream, is the least recently used of %d (--max-sessions): "
+                         "freeing it%s", oldest.client_id, len(idle), f" ({skipped} more not logged)" if skipped else "")
+            self._end(oldest, quiet=True)
+
+    def _end(self, session: Session, *, quiet: bool = False) -> None:
         """Free everything the session holds (idempotent; called when its Step stream ends)."""
         with self._lock:
             if self._sessions.get(session.client_id) is session:
                 del self._sessions[session.client_id]
-            if not session.closed:
+            if not session.closed and not quiet:
                 log.info("client %s disconnected: freeing %d sequences", session.client_id, session.num_sequences)
             session.close()
 
     def close(self) -> None:
         """Free every session's sequences, carried KVs and buffer mappings."""
+        self._closed.set()
         with self._lock:
             for session in list(self._sessions.values()):
                 self._end(session)
@@ -245,9 +269,20 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                     self._end(session)
                 raise CapacityExceeded(f"the drafter serves its limit of {self.max_targets} targets "
                                        "(--max-targets)")
-            session = self._get_or_create(client)
+            session = self._get_or_create(client, streaming=True)
             session.streaming = True
             return session
+
+
+def _reap_idle(server_ref: "weakref.ref[DrafterServer]", closed: threading.Event, idle_seconds: float) -> None:
+    """Sweep idle stream-less connections a few times per idle period, until the server is closed or gone."""
+    while not closed.wait(min(idle_seconds / 3, 5.0)):
+        server = server_ref()
+        if server is None:
+            return
+        with server._lock:
+            server._sweep_idle()
+        del server
 
 
 def serve(server_obj: DrafterServer, listen: list[str]) -> Served:
@@ -257,4 +292,5 @@ def serve(server_obj: DrafterServer, listen: list[str]) -> Served:
     register = lambda server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(server_obj, server)  # noqa: E731
     # Busy while a target is connected: its requests in flight still want drafts.
     return start_server(register, listen, SERVICE_NAME, max_workers=server_obj.max_targets + SPARE_THREADS,
-                        busy=lambda: server_obj.num_streams > 0)
+                        busy=lambda: server_obj.num_streams > 0,
+                        max_message_bytes=server_obj.limits.message_bytes(server_obj.proposer.spec))

@@ -4,7 +4,9 @@ Every target names sequences from 0, so a session maps the client's seq ids to d
 ids; a client can only reach the sequences and carried-KV handles it created. Rows arrive as
 references into buffers the session registered (or inline) and are resolved here, so the drafter
 only ever sees tensors. The drafter copies what it keeps, and every read is finished before a call
-returns: the target reuses its row slots as soon as it has the answer.
+returns: the target reuses its row slots as soon as it has the answer. A session holds at most what
+`DrafterLimits` lets one connection hold, and its errors name the client's sequence ids, never the
+drafter-wide ones.
 
 Not thread-safe: the server serializes every call into the shared drafter with one lock.
 """
@@ -12,7 +14,9 @@ Not thread-safe: the server serializes every call into the shared drafter with o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -20,33 +24,61 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from specsplit.drafter_service.heads import TargetHead
+from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.shared.errors import (
     AlreadyExists,
+    CapacityExceeded,
     InvalidRequest,
     SpecsplitError,
     StateConflict,
     UnknownSequence,
 )
 from specsplit.shared.proposer import CarriedKV, Proposal, Proposer, ProposeRequest
-from specsplit.shared.transport import BufferDescriptor, BufferImporter, BufferRole, RowSource
+from specsplit.shared.transport import BufferDescriptor, BufferImporter, BufferKind, BufferRole, InlineRows, RowSource
 from specsplit.shared.wire import RowsOp, SeqError, SeqStep, StepBatch, StepResult
 
 log = logging.getLogger(__name__)
+_SEQUENCE = re.compile(r"\bsequence (\d+)\b")
+
+
+def _in_client_ids(verb):
+    """Errors out of `verb` name the client's sequence ids: the drafter raised them with its own."""
+
+    @functools.wraps(verb)
+    def wrapped(self: "Session", *args, **kwargs):
+        try:
+            return verb(self, *args, **kwargs)
+        except SpecsplitError as err:
+            if not getattr(err, "in_client_ids", False):  # verbs nest: rewrite once
+                err.args = (self._client_ids(str(err)), *err.args[1:])
+                _client_named(err)
+            raise
+
+    return wrapped
+
+
+def _client_named(err: SpecsplitError) -> SpecsplitError:
+    """Mark an error whose message already names the client's ids."""
+    err.in_client_ids = True
+    return err
 
 
 class Session:
     """A client's sequences and buffers over the shared `proposer` (all ids here are the client's)."""
 
     def __init__(self, proposer: Proposer, *, client_id: str, new_seq_id: Callable[[], int],
-                 head: TargetHead | None, device: torch.device) -> None:
+                 head: TargetHead | None, device: torch.device, limits: DrafterLimits = DrafterLimits()) -> None:
         self.proposer, self.client_id = proposer, client_id
         self.device = torch.device(device)
+        self.limits = limits
         self.importer = BufferImporter()
         self._new_seq_id = new_seq_id  # drafter-wide unique ids, shared by all sessions
         self._default_head = head  # the server's own head, used until this client registers one
         self._head: TargetHead | None = None  # views into the client's TARGET_EMBEDDING / LM_HEAD buffers
         self._seqs: dict[int, int] = {}  # client seq id → drafter seq id
-        self._handles: set[int] = set()  # carried-KV handles this client owns
+        self._handles: dict[int, int] = {}  # carried-KV handle this client owns → rows it holds
+        self._reserved: dict[int, int] = {}  # client seq id → context rows its budget may come to hold
+        self._buffer_bytes: dict[int, int] = {}  # registered buffer id → bytes
         self.streaming = False  # a Step stream is open (one per client at a time)
         self.last_call = time.monotonic()  # of a unary call (the server frees long-idle sessions without a stream)
         self.closed = False
@@ -57,34 +89,67 @@ class Session:
         try:
             return self._seqs[seq_id]
         except KeyError:
-            raise UnknownSequence(f"sequence {seq_id} is not allocated on this connection") from None
+            raise _client_named(UnknownSequence(f"sequence {seq_id} is not allocated on this connection")) from None
 
     def _own_handle(self, handle: int) -> int:
         if handle not in self._handles:
             raise UnknownSequence(f"no carried drafter KV under handle {handle} on this connection")
         return handle
 
+    def _client_ids(self, message: str) -> str:
+        clients = {internal: client for client, internal in self._seqs.items()}
+        return _SEQUENCE.sub(lambda m: f"sequence {clients.get(int(m[1]), '?')}", message)
+
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)
+
+    # ---- what one connection may hold (DrafterLimits) -------------------------------------------
+
+    def _check_room(self, extra_rows: int, entries: int = 1) -> None:
+        """Room for `entries` more sequences or carried KVs that may hold `extra_rows` more context rows."""
+        held = len(self._seqs) + len(self._handles)
+        if held + entries > self.limits.max_sequences:
+            raise CapacityExceeded(f"this connection holds its limit of {self.limits.max_sequences} sequences "
+                                   "and carried KVs (--max-sequences)")
+        rows = sum(self._reserved.values()) + sum(self._handles.values())
+        if rows + extra_rows > self.limits.max_rows:
+            raise CapacityExceeded(f"{extra_rows} more context rows would pass this connection's limit of "
+                                   f"{self.limits.max_rows} (--max-rows; {rows} held or reserved)")
+
+    def _check_buffers(self, descriptors: Sequence[BufferDescriptor]) -> None:
+        if len(self._buffer_bytes) + len(descriptors) > self.limits.max_buffers:
+            raise CapacityExceeded(f"a connection registers at most {self.limits.max_buffers} buffers at once")
+        total = sum(self._buffer_bytes.values()) + sum(d.nbytes for d in descriptors)
+        if total > self.limits.buffer_bytes:
+            raise CapacityExceeded(f"registering {total} buffer bytes would pass this connection's limit of "
+                                   f"{self.limits.max_buffer_mib:g} MiB (--max-buffer-mib)")
 
     # ---- buffers and the target head ------------------------------------------------------------
 
     def register(self, descriptors: Sequence[BufferDescriptor]) -> None:
         """Open all the buffers or none; head buffers (re)bind the target head. Registering consumes the
         segments' names (shared.transport), so a target whose head is refused here registers fresh ones."""
-        self.importer.register(descriptors)
+        self.importer.register(descriptors)  # each descriptor is checked first: a bad one is INVALID_ARGUMENT
+        try:
+            self._check_buffers(descriptors)
+        except CapacityExceeded:
+            self.importer.release(d.buffer_id for d in descriptors)
+            raise
+        self._buffer_bytes.update((d.buffer_id, d.nbytes) for d in descriptors)
         if any(d.role is not BufferRole.ROWS for d in descriptors):
             try:
                 self._head = self._head_from_buffers()
             except Exception:
-                self.importer.release(d.buffer_id for d in descriptors)
+                self.release(d.buffer_id for d in descriptors)
                 raise
 
     def release(self, buffer_ids: Iterable[int]) -> None:
         buffer_ids = list(buffer_ids)
         roles = {self.importer.descriptor(i).role for i in buffer_ids}
         self.importer.release(buffer_ids)
+        for buffer_id in buffer_ids:
+            self._buffer_bytes.pop(buffer_id, None)
         if roles - {BufferRole.ROWS}:
             try:
                 self._head = self._head_from_buffers()
@@ -130,8 +195,20 @@ class Session:
     # ---- rows ----------------------------------------------------------------------------------
 
     def _rows(self, source: RowSource) -> torch.Tensor:
-        """[rows, feature_dim]: a view of a registered buffer, or the decoded inline rows."""
-        return self.importer.resolve(source, cols=self.proposer.spec.feature_dim, device=self.device)
+        """[rows, feature_dim]: a view of a registered buffer, or the decoded inline rows.
+
+        Rows that reach the host anyway (inline, or copied out of shared memory) must be finite: a NaN
+        row would poison the sequence's drafts. CUDA IPC rows are not checked, since reading a flag
+        back from the GPU would cost every step a device sync.
+        """
+        on_host = isinstance(source, InlineRows) or self.importer.descriptor(source.buffer_id).kind is BufferKind.SHM
+        rows = self.importer.resolve(source, cols=self.proposer.spec.feature_dim,
+                                     device=None if on_host else self.device)
+        if on_host:
+            if not bool(torch.isfinite(rows).all()):
+                raise InvalidRequest("feature rows must be finite (a row holds NaN or infinity)")
+            rows = rows.to(self.device)
+        return rows
 
     def _finish_reads(self) -> None:
         """Wait for queued copies out of the target's buffers before the target may reuse them."""
@@ -140,13 +217,18 @@ class Session:
 
     # ---- verbs ---------------------------------------------------------------------------------
 
+    @_in_client_ids
     def alloc(self, seq_id: int, budget_tokens: int) -> None:
         if seq_id in self._seqs:
-            raise AlreadyExists(f"sequence {seq_id} is already allocated on this connection")
+            raise _client_named(AlreadyExists(f"sequence {seq_id} is already allocated on this connection"))
+        rows = self.limits.rows_reserved(self.proposer.spec, budget_tokens)
+        self._check_room(rows)
         internal = self._new_seq_id()
         self.proposer.alloc(internal, budget_tokens)
         self._seqs[seq_id] = internal
+        self._reserved[seq_id] = rows
 
+    @_in_client_ids
     def prefill(self, seq_id: int, op: RowsOp) -> int:
         internal = self._internal(seq_id)
         try:
@@ -154,6 +236,7 @@ class Session:
         finally:
             self._finish_reads()
 
+    @_in_client_ids
     def apply(self, step: SeqStep) -> int:
         """One sequence's operations, in the wire's order: catchup, stash, commit, trim, free.
         Returns the rows the catch-up appended (0 without one)."""
@@ -176,10 +259,13 @@ class Session:
             self.free(step.seq_id)
         return appended
 
+    @_in_client_ids
     def free(self, seq_id: int) -> None:
         self.proposer.free(self._internal(seq_id))
         del self._seqs[seq_id]
+        del self._reserved[seq_id]
 
+    @_in_client_ids
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
         """Batched drafts, at most spec.max_batch sequences per drafter call."""
         internal = [dataclasses.replace(r, seq_id=self._internal(r.seq_id)) for r in requests]
@@ -190,20 +276,30 @@ class Session:
             out += self.proposer.propose(internal[i:i + width])
         return out
 
+    @_in_client_ids
     def take_kv(self, seq_id: int) -> CarriedKV:
-        carried = self.proposer.take_kv(self._internal(seq_id))
-        self._handles.add(carried.handle)
+        internal = self._internal(seq_id)
+        self._check_room(0)
+        carried = self.proposer.take_kv(internal)
+        self._handles[carried.handle] = carried.rows
+        try:
+            self._check_room(0, entries=0)  # the rows moved out; the sequence may now fill its budget again
+        except CapacityExceeded:
+            self.install_kv(seq_id, carried.handle)  # the sequence is fresh: put them back
+            raise
         return carried
 
+    @_in_client_ids
     def install_kv(self, seq_id: int, handle: int) -> CarriedKV:
         internal = self._internal(seq_id)
         carried = self.proposer.install_kv(internal, self._own_handle(handle))
-        self._handles.discard(handle)
+        del self._handles[handle]
         return carried
 
+    @_in_client_ids
     def free_kv(self, handle: int) -> None:
         self.proposer.free_kv(self._own_handle(handle))
-        self._handles.discard(handle)
+        del self._handles[handle]
 
     # ---- one engine step -----------------------------------------------------------------------
 
@@ -271,6 +367,8 @@ class Session:
             _quietly(f"free carried KV {handle}", self.proposer.free_kv, handle)
         self._seqs.clear()
         self._handles.clear()
+        self._reserved.clear()
+        self._buffer_bytes.clear()
         if self._head is not None and getattr(self.proposer, "head", None) is self._head:
             self.proposer.head = self._default_head  # drop our views so the mappings can close
         self._head = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent import futures
 from typing import Callable
@@ -10,14 +11,39 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.status import Throttle
 
 # Every call from a target to a drafter names the connecting target (its session on the drafter).
 CLIENT_HEADER = "x-specsplit-client"
+# What a client accepts from the server it chose to call (drafts with sampled distributions can be large).
 _MESSAGE_LIMITS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
-CHANNEL_OPTIONS = list(_MESSAGE_LIMITS)  # inline rows between hosts can be large
+CHANNEL_OPTIONS = list(_MESSAGE_LIMITS)
+# A target's channel to its drafter: a dead or frozen (SIGSTOPped) drafter is found within about 2 s,
+# even mid-step, by HTTP/2 pings; a lost connection is retried within a second or two, not minutes.
+# (grpc.http2.ping_timeout_ms is what bounds the wait for a ping's answer in grpc >= 1.6x; without it a
+# SIGSTOPped peer held a stream for as long as it stayed stopped.) A connection counts as up only once
+# the peer's HTTP/2 SETTINGS arrived, so a stopped drafter's socket, though it accepts, is never "ready".
+PEER_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.keepalive_time_ms", 1_000), ("grpc.keepalive_timeout_ms", 1_000), ("grpc.http2.ping_timeout_ms", 1_000),
+    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_sent_ping_interval_without_data_ms", 1_000), ("grpc.http2.min_time_between_pings_ms", 1_000),
+    ("grpc.initial_reconnect_backoff_ms", 1_000), ("grpc.min_reconnect_backoff_ms", 1_000),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
 # Server threads kept beyond the long-lived streams a service admits: unary calls and health checks.
 SPARE_THREADS = 8
-SERVER_OPTIONS = _MESSAGE_LIMITS + [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
+DEFAULT_MESSAGE_BYTES = 4 << 20  # a target's Generate request: a prompt of at most a context of text
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Messages past `max_message_bytes` are refused (RESOURCE_EXHAUSTED) before they are parsed. The
+    server pings idle clients (a vanished target is found) and lets clients ping it every second."""
+    return [
+        ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.http2.ping_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 500), ("grpc.http2.min_ping_interval_without_data_ms", 500),
+    ]
 
 
 def grpc_target(address: str) -> str:
@@ -56,12 +82,14 @@ class Served:
 
 
 def start_server(register: Callable[[grpc.Server], None], listen: list[str], service_name: str, *,
-                 max_workers: int, busy: Callable[[], bool]) -> Served:
+                 max_workers: int, busy: Callable[[], bool], max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> Served:
     """Bind every address (insecure), register the servicer and grpc.health.v1, start, mark SERVING.
 
     The caller drains or stops the returned server.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    _quiet_malformed_messages()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         options=server_options(max_message_bytes))
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -76,3 +104,31 @@ def start_server(register: Callable[[grpc.Server], None], listen: list[str], ser
     for name in ("", service_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Served(server, health_servicer, busy)
+
+
+class _MalformedMessages(logging.Filter):
+    """grpc logs a full traceback for every request it cannot parse, and a stranger can send those at
+    will: each becomes one line, at most a few a minute (the next line counts those left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.throttle = Throttle(per_minute=6)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Exception deserializing"):
+            return True
+        skipped = self.throttle.admit()
+        if skipped is None:
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.msg = "refused a malformed message (%s)" + (f"; {skipped} more not logged" if skipped else "")
+        record.args = (str(error).replace("\n", " ") or "unparsable",)
+        return True
+
+
+def _quiet_malformed_messages() -> None:
+    grpc_log = logging.getLogger("grpc._common")
+    if not any(isinstance(f, _MalformedMessages) for f in grpc_log.filters):
+        grpc_log.addFilter(_MalformedMessages())

@@ -5,6 +5,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
+import time
+from collections import deque
 
 import grpc
 
@@ -13,10 +16,39 @@ from specsplit.shared.errors import SpecsplitError
 log = logging.getLogger(__name__)
 
 
+class Throttle:
+    """At most `per_minute` log lines a minute: callers can make a service log at will."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._sent: deque[float] = deque()
+        self._skipped = 0
+        self._lock = threading.Lock()
+
+    def admit(self) -> int | None:
+        """None: leave this line out; otherwise how many were left out since the last line logged."""
+        now = time.monotonic()
+        with self._lock:
+            while self._sent and now - self._sent[0] > 60.0:
+                self._sent.popleft()
+            if len(self._sent) >= self.per_minute:
+                self._skipped += 1
+                return None
+            self._sent.append(now)
+            skipped, self._skipped = self._skipped, 0
+            return skipped
+
+
+_unexpected = Throttle(per_minute=10)
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, SpecsplitError):
         return grpc.StatusCode[exc.grpc_code], str(exc)
-    log.exception("unexpected error in an RPC handler", exc_info=exc)
+    skipped = _unexpected.admit()
+    if skipped is not None:  # a bug: keep its traceback, but a caller that found it cannot flood the log
+        log.error("unexpected error in an RPC handler%s", f" ({skipped} more not logged)" if skipped else "",
+                  exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -49,6 +50,18 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of input text one token stands for (162 for SmolLM2's
+        vocabulary, whose longest entry stands for 81), so a text of more than n * max_token_bytes
+        bytes encodes to more than n tokens, which a server can tell before paying for the encode.
+
+        A vocabulary entry's spelling is never shorter than the text it matches (byte-level "Ġ" is 2
+        bytes for a 1-byte space, "<0x41>" 6 for 1); a normalizer can shrink text before it is matched,
+        at most 4 to 1 (NFKC maps the 4-byte "𝐀" to "A"), so the bound is 4 times larger then."""
+        longest = max(len(token.encode()) for token in self.backend.get_vocab(with_added_tokens=True))
+        return longest * (1 if self.backend.normalizer is None else 4)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special-token markup in `text` (`<|im_start|>`) becomes its single id."""

@@ -166,12 +166,25 @@ def log_to_stderr() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
+def watch_parent() -> None:
+    """Under `specsplit up` / `demo` (specsplit.pair): stop when the process that started us is gone."""
+    from specsplit.lifeline import watch_from_env
+
+    watch_from_env()
+
+
 def cmd_drafter_serve(args: argparse.Namespace) -> None:
     log_to_stderr()
+    watch_parent()
+    from specsplit.drafter_service.limits import DrafterLimits
     from specsplit.services import DrafterSettings, start_drafter, wait_for_signal
 
+    limits = DrafterLimits(max_targets=args.max_targets, max_sessions=args.max_sessions,
+                           idle_seconds=args.session_idle_seconds, max_sequences=args.max_sequences,
+                           max_rows=args.max_rows, max_buffer_mib=args.max_buffer_mib,
+                           max_message_mib=args.max_message_mib)
     server_obj, server = start_drafter(DrafterSettings(tuple(args.listen), setup_from(args, args.drafter),
-                                                       head=args.head, max_targets=args.max_targets))
+                                                       head=args.head, limits=limits))
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
     server.drain(args.drain_seconds)  # a target still connected keeps its Step stream until then
@@ -180,13 +193,15 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
 
 def cmd_target_serve(args: argparse.Namespace) -> None:
     log_to_stderr()
+    watch_parent()
     from specsplit.services import TargetSettings, start_target, wait_for_signal
     from specsplit.target_service.engine import EngineConfig
 
     drafter = None if args.drafter in (None, "none") else args.drafter
     engine = EngineConfig(max_batch=args.max_batch, num_drafts=args.num_drafts, kv_blocks=args.kv_blocks)
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
-                              drafter_timeout=args.drafter_timeout, max_streams=args.max_streams)
+                              drafter_timeout=args.drafter_timeout, max_streams=args.max_streams,
+                              max_message_bytes=int(args.max_message_mib * (1 << 20)))
     loop, server = start_target(settings)
     print(f"target serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
@@ -234,6 +249,22 @@ def add_service_parsers(sub) -> None:
                     help="where the target's embedding/LM head come from (auto: shared buffers on CUDA)")
     ds.add_argument("--max-targets", type=int, default=8,
                     help="targets connected at once; one more is refused with RESOURCE_EXHAUSTED")
+    ds.add_argument("--max-sessions", type=int, default=8,
+                    help="connections without a Step stream held at once (a target holds one while it attaches; "
+                         "one-off callers); past it the least recently used is freed")
+    ds.add_argument("--session-idle-seconds", type=float, default=30.0,
+                    help="a connection without a Step stream is freed after this long without a call")
+    ds.add_argument("--max-sequences", type=int, default=256,
+                    help="sequences plus carried drafter KVs one connection may hold; more are refused with "
+                         "RESOURCE_EXHAUSTED (the target then decodes that sequence without speculation)")
+    ds.add_argument("--max-rows", type=int, default=65536,
+                    help="context rows one connection's sequences may hold, each reserving min(its token budget, "
+                         "the drafter's window) at allocation; more are refused with RESOURCE_EXHAUSTED")
+    ds.add_argument("--max-buffer-mib", type=float, default=4096.0,
+                    help="MiB of row and head buffers one connection may register")
+    ds.add_argument("--max-message-mib", type=float, default=None,
+                    help="largest message accepted, in MiB (default: twice a Step of the drafter's widest batch "
+                         "with inline float32 rows, at least 16)")
     ds.set_defaults(func=cmd_drafter_serve)
 
     target_parser = add_command(sub, "target", "the target service")
@@ -249,10 +280,15 @@ def add_service_parsers(sub) -> None:
                          "the shipped DFlash, 4 for MTP); `specsplit demo` measures which is fastest here")
     ts.add_argument("--kv-blocks", type=int, default=2048, help="KV cache size, in blocks of 16 tokens")
     ts.add_argument("--drafter-timeout", type=float, default=60.0,
-                    help="seconds a drafter call may take before the target decodes without it")
+                    help="seconds a drafter call may take before the target decodes without it; a Step answer "
+                         "gets less once steps were measured (20x the p99 of recent round trips, at least 1 s), "
+                         "and a dead or stopped drafter is found by keepalive pings within about 2 s")
     ts.add_argument("--max-streams", type=int, default=64,
                     help="Generate streams open at once (requests past --max-batch wait in the engine's "
                          "queue); one more is refused with RESOURCE_EXHAUSTED")
+    ts.add_argument("--max-message-mib", type=float, default=4.0,
+                    help="largest Generate request accepted, in MiB; a larger one is refused with "
+                         "RESOURCE_EXHAUSTED before it is read")
     ts.set_defaults(func=cmd_target_serve)
 
     for name, func, text in (

@@ -1,12 +1,14 @@
 """A drafter + target service pair as subprocesses on unix sockets: spawn, wait for health, hand out clients.
 
 Used by `specsplit up` / `specsplit demo` and by the pytest fixtures in `specsplit.harness`; it imports
-nothing test-only, so the command line works without pytest installed.
+nothing test-only, so the command line works without pytest installed. The services never outlive the
+process that spawned them (`specsplit.lifeline`), and a folder `spawn` made is removed when they stop.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specsplit.lifeline import Lifeline
 from specsplit.shared.gguf_import import default_target_dir
 from specsplit.target_service.client import TargetClient, wait_healthy
 
@@ -46,17 +49,26 @@ class Services:
     drafter_address: str | None = None
     target_address: str = ""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    owns_workdir: bool = False  # spawn() made it: removed on stop, or by the services if this process dies
+    lifeline: Lifeline | None = None  # made with the first service, cut on stop
 
-    def start(self) -> "Services":
+    def __post_init__(self) -> None:
         if self.spec.drafter != "none":
             self.drafter_address = f"unix:{self.workdir}/drafter.sock"
-            self.start_drafter()
         self.target_address = f"unix:{self.workdir}/target.sock"
+
+    def start(self) -> "Services":
+        if self.drafter_address:
+            self.start_drafter()
+        self.start_target()
+        return self
+
+    def start_target(self) -> None:
+        """The target alone; it serves without speculation until its drafter (if any) answers."""
         drafter = ["--drafter", self.drafter_address] if self.drafter_address else []
         self._spawn("target", ["target", "serve", "--listen", self.target_address, *drafter,
                                *_common(self.spec), *self.spec.target_args])
         self._wait("target", self.target_address)
-        return self
 
     def start_drafter(self) -> None:
         self._spawn("drafter", ["drafter", "serve", "--listen", self.drafter_address,
@@ -71,10 +83,13 @@ class Services:
             raise RuntimeError(f"{exc}\n--- {name}.log ---\n{self.log(name)[-4000:]}") from None
 
     def _spawn(self, name: str, args: list[str]) -> None:
+        if self.lifeline is None:
+            self.lifeline = Lifeline(self.workdir if self.owns_workdir else None)
         log = open(self.workdir / f"{name}.log", "ab")
         with log:
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", "specsplit", *args], stdout=log,
-                                                stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "specsplit", *args], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, pass_fds=self.lifeline.pass_fds, env={**os.environ, **self.lifeline.child_env()})
 
     def client(self) -> TargetClient:
         return TargetClient(self.target_address)
@@ -99,6 +114,11 @@ class Services:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.lifeline is not None:
+            self.lifeline.close()
+            self.lifeline = None
+        if self.owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> "Services":
         return self  # spawn() has started it
@@ -109,11 +129,11 @@ class Services:
 
 def spawn(spec: ServiceSpec = ServiceSpec(), workdir: str | os.PathLike | None = None) -> Services:
     """Start a service pair; use as a context manager (or call stop())."""
-    folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="specsplit-"))
-    folder.mkdir(parents=True, exist_ok=True)
     if spec.target == "default":
         default_target_dir()  # converted here, once, so its progress shows on this terminal, not in a service log
-    services = Services(spec, folder)
+    folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="specsplit-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    services = Services(spec, folder, owns_workdir=workdir is None)
     try:
         return services.start()
     except BaseException:

@@ -8,10 +8,11 @@ import threading
 from dataclasses import dataclass
 
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.server import DrafterServer, serve as serve_drafter_rpc
 from specsplit.shared.checkpoint import load_config, load_state_dict
 from specsplit.shared.errors import InvalidRequest
-from specsplit.shared.serving import Served
+from specsplit.shared.serving import DEFAULT_MESSAGE_BYTES, Served
 from specsplit.shared.tokenizer import Tokenizer
 from specsplit.local import LocalSetup, build_drafter, target_dir
 from specsplit.target_service.drafter_client import RemoteProposer
@@ -28,13 +29,11 @@ class DrafterSettings:
     listen: tuple[str, ...]
     setup: LocalSetup  # target (for its geometry and head), drafter, device, dtype, seed
     head: str = "auto"  # auto | checkpoint | target: where the drafter's embedding and LM head come from
-    max_targets: int = 8  # targets connected at once (each keeps a Step stream open)
+    limits: DrafterLimits = DrafterLimits()  # what callers may hold (--max-targets, --max-sessions, ...)
 
     def __post_init__(self) -> None:
         if self.head not in ("auto", "checkpoint", "target"):
             raise InvalidRequest("--head must be auto, checkpoint or target")
-        if self.max_targets < 1:
-            raise InvalidRequest("--max-targets must be at least 1")
         if not self.listen:
             raise InvalidRequest("give at least one --listen address")
 
@@ -52,12 +51,15 @@ class TargetSettings:
     engine: EngineConfig = EngineConfig()
     drafter_timeout: float = 60.0
     max_streams: int = 64  # Generate streams open at once; more are refused with RESOURCE_EXHAUSTED
+    max_message_bytes: int = DEFAULT_MESSAGE_BYTES  # largest Generate request accepted
 
     def __post_init__(self) -> None:
         if not self.listen:
             raise InvalidRequest("give at least one --listen address")
         if self.max_streams < 1:
             raise InvalidRequest("--max-streams must be at least 1")
+        if self.max_message_bytes < 1:
+            raise InvalidRequest("--max-message-mib must be positive")
 
 
 def checkpoint_head(folder, dtype, device) -> TargetHead:
@@ -76,7 +78,7 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
     drafter = build_drafter(setup.drafter, info, head, setup)
     if drafter is None:
         raise InvalidRequest("a drafter service needs a drafter: --drafter none is not one")
-    return DrafterServer(drafter, head=head, device=setup.device, max_targets=settings.max_targets)
+    return DrafterServer(drafter, head=head, device=setup.device, limits=settings.limits)
 
 
 def start_drafter(settings: DrafterSettings) -> tuple[DrafterServer, Served]:
@@ -90,7 +92,7 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
     tokenizer = Tokenizer.from_dir(folder)
     proposer = None
-    if settings.drafter_address:
+    if settings.drafter_address:  # a drafter that is down now is attached when it answers
         proposer = RemoteProposer(settings.drafter_address, device=setup.device, dtype=setup.torch_dtype,
                                   timeout=settings.drafter_timeout, max_batch=settings.engine.max_batch,
                                   head=(model.embed_weight, model.lm_head_weight))
@@ -98,12 +100,12 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
                     text_stream=tokenizer.output_stream)
     loop = EngineLoop(engine)
     servicer = TargetServicer(loop, tokenizer, model_name=folder.name, max_streams=settings.max_streams)
-    return loop, serve_target_rpc(servicer, list(settings.listen))
+    return loop, serve_target_rpc(servicer, list(settings.listen), max_message_bytes=settings.max_message_bytes)
 
 
 def wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM."""
+    """Block until SIGINT, SIGTERM or SIGHUP (the terminal went away)."""
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()

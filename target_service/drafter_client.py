@@ -6,10 +6,17 @@ never travel as bytes on one host: they are copied into a buffer registered once
 (CUDA IPC on one GPU, POSIX shared memory on a CPU host) and referenced by (buffer, offset, rows,
 generation); between hosts they travel inline. Any transport failure raises DrafterUnavailable, and
 `available()` reconnects with backoff, so the engine can re-attach.
+
+A drafter that is down when the target starts is no reason not to serve: `spec` stays None until one
+first answers, and `available()` attaches it then. Nothing the engine thread waits on can stall for
+long: whether a drafter is up is watched by a channel that connects in the background, a dead or
+frozen drafter is found by HTTP/2 pings within about 2 s, and each Step answer has a deadline drawn
+from the round trips measured so far (`step_deadline`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -24,7 +31,7 @@ import torch
 
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import wire
-from specsplit.shared.serving import CHANNEL_OPTIONS, CLIENT_HEADER, grpc_target
+from specsplit.shared.serving import CLIENT_HEADER, PEER_CHANNEL_OPTIONS, grpc_target
 from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError
 from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest
 from specsplit.shared.transport import (
@@ -33,10 +40,28 @@ from specsplit.shared.transport import (
 
 log = logging.getLogger(__name__)
 
+ATTACH_WAIT = 2.0  # seconds each call of a re-attach may take: the engine loop waits on it
+# A Step answer's deadline: STEP_DEADLINE_FACTOR x the p99 of the last STEP_DEADLINE_SAMPLES round trips,
+# at least STEP_DEADLINE_FLOOR (a GPU drafter's first step at a new batch size captures a graph), at most
+# the --drafter-timeout; until STEP_DEADLINE_MIN_SAMPLES steps were measured, the --drafter-timeout.
+STEP_DEADLINE_FACTOR = 20
+STEP_DEADLINE_FLOOR = 1.0
+STEP_DEADLINE_SAMPLES = 200
+STEP_DEADLINE_MIN_SAMPLES = 20
+INLINE_PREFILL_BYTES = 8 << 20  # inline prompt rows per PrefillDrafter call: the drafter caps message sizes
+
 
 def _error_from_rpc(exc: grpc.RpcError) -> SpecsplitError:
     code = exc.code().name if exc.code() is not None else "UNAVAILABLE"
     return wire.error_from_status(code, f"drafter {code}: {exc.details()}")
+
+
+def _reason(exc: BaseException, wait: float) -> str:
+    if isinstance(exc, grpc.FutureTimeoutError):
+        return f"nothing answered within {wait:g} s"
+    if isinstance(exc, grpc.RpcError):
+        return str(_error_from_rpc(exc))
+    return str(exc) or type(exc).__name__
 
 
 @dataclass
@@ -115,16 +140,50 @@ class _Connection:
     head_buffers: list = field(default_factory=list)
     allocated: set[int] = field(default_factory=set)  # seq ids this connection's drafter session holds
     dead: bool = False  # the Step stream ended: the drafter has dropped (or never had) this session
+    error: SpecsplitError | None = None  # why the Step stream ended, when the drafter said
 
     def close(self) -> None:
         self.outbox.put(None)
-        self.channel.close()
+        _close_channel(self.channel)
         if self.exporter is not None:
             self.exporter.close()
 
 
+def _close_channel(channel: grpc.Channel) -> None:
+    """Close a channel once grpc's connectivity poller (channel_ready_future, _Probe) has let go of it:
+    it checks every 0.2 s, and closing under it raises in its thread."""
+    timer = threading.Timer(0.5, channel.close)
+    timer.daemon = True
+    timer.start()
+
+
+class _Probe:
+    """A channel to the drafter that keeps (re)connecting in the background: asking whether a drafter
+    is up never blocks, so a target whose drafter is absent or stopped keeps decoding at full speed."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
+        self._state: grpc.ChannelConnectivity | None = None
+        self.channel.subscribe(self._seen, try_to_connect=True)
+
+    def _seen(self, state: grpc.ChannelConnectivity) -> None:
+        self._state = state
+
+    @property
+    def up(self) -> bool:
+        return self._state is grpc.ChannelConnectivity.READY
+
+    def take(self) -> grpc.Channel:
+        """The connected channel, now the caller's."""
+        self.channel.unsubscribe(self._seen)
+        return self.channel
+
+    def close(self) -> None:
+        _close_channel(self.take())
+
+
 class RemoteProposer:
-    """The drafter service as a `shared.proposer.Proposer`."""
+    """The drafter service as a `shared.proposer.Proposer`; `spec` is None until a drafter first answers."""
 
     def __init__(self, address: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -135,37 +194,52 @@ class RemoteProposer:
         self.max_batch = max_batch
         self.mode = "inline"
         self.link = LinkStats()
+        self.last_error = ""  # why no drafter is attached now ("" while one is)
         self._conn: _Connection | None = None
         self._pending: dict[int, _Pending] = {}
         self._step_id = 0
         self._retry_at = 0.0
         self._backoff = 0.5
-        self.spec: DrafterSpec = self._connect()
+        self._probe: _Probe | None = None
+        self.spec: DrafterSpec | None = None
+        try:
+            self.spec = self._connect(grpc.insecure_channel(self.address, options=PEER_CHANNEL_OPTIONS),
+                                      ready_wait=ATTACH_WAIT, call_wait=timeout)
+        except DrafterUnavailable as exc:
+            self._disconnect()
+            self._note_unavailable(exc)
 
     # ---- connection ------------------------------------------------------------------------------
 
-    def _connect(self, ready_timeout: float | None = None) -> DrafterSpec:
-        channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+    def _connect(self, channel: grpc.Channel, *, ready_wait: float, call_wait: float) -> DrafterSpec:
+        """Attach over `channel`: describe, register buffers, open the Step stream and see it answer."""
         conn = _Connection(channel, drafter_pb2_grpc.DrafterServiceStub(channel),
                            ((CLIENT_HEADER, uuid.uuid4().hex),))
         try:
-            wait = ready_timeout or self.timeout  # every call of the attach: a hung drafter must not hold it
-            grpc.channel_ready_future(channel).result(timeout=wait)
+            grpc.channel_ready_future(channel).result(timeout=ready_wait)
             desc = wire.description_from_proto(
-                conn.stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=wait, metadata=conn.metadata))
-            self._setup_transport(conn, desc, wait)
+                conn.stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=call_wait, metadata=conn.metadata))
+            self._setup_transport(conn, desc, call_wait)
         except (grpc.RpcError, grpc.FutureTimeoutError, SpecsplitError, OSError) as exc:  # OSError: shared memory
             conn.close()  # the channel and any buffers already exported
-            raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: {exc}") from None
+            raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: "
+                                     f"{_reason(exc, ready_wait)}") from None
         responses = conn.stub.Step(iter(conn.outbox.get, None), metadata=conn.metadata)
         threading.Thread(target=self._read, args=(responses, conn), daemon=True).start()
         self._conn, self._pending = conn, {}
         try:
-            self._flush([], timeout=wait)  # the stream opens lazily: did the drafter take it (--max-targets)?
-        except SpecsplitError as exc:  # _flush has disconnected
+            self._flush([], timeout=call_wait)  # the stream opens lazily: did the drafter take it (--max-targets)?
+        except SpecsplitError as exc:  # _flush has disconnected; exc is the drafter's reason when it gave one
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: {exc}") from None
         log.info("drafter at %s attached (%s rows, %s)", self.address, self.mode, desc.spec.kind.value)
         return desc.spec
+
+    def _note_unavailable(self, exc: Exception) -> None:
+        """Log why the drafter is not attached, at WARNING when the reason is new."""
+        reason = str(exc)
+        level = logging.WARNING if reason != self.last_error else logging.INFO
+        log.log(level, "%s; decoding without speculation until it attaches", reason)
+        self.last_error = reason
 
     def _setup_transport(self, conn: _Connection, desc: wire.DrafterDescription, wait: float) -> None:
         spec = desc.spec
@@ -196,6 +270,7 @@ class RemoteProposer:
             for response in responses:
                 conn.inbox.put(response)
         except grpc.RpcError as exc:
+            conn.error = _error_from_rpc(exc)
             conn.inbox.put(exc)
         # Unary calls on this channel could now reach a restarted drafter under this session's id,
         # which it does not know (or would open afresh): the connection is over.
@@ -211,28 +286,38 @@ class RemoteProposer:
         self._backoff = min(self._backoff * 2, 5.0)
 
     def available(self) -> bool:
-        """Whether the drafter can be used; reconnects (with backoff) after a failure."""
+        """Whether the drafter can be used; re-attaches (with backoff) once a drafter is up again. Never
+        waits for one: only a drafter whose connection is up gets an attach (each call <= ATTACH_WAIT)."""
         if self._conn is not None and not self._conn.dead:
             return True
         if self._conn is not None:
             self._disconnect()
         if time.monotonic() < self._retry_at:
             return False
+        if self._probe is None:
+            self._probe = _Probe(self.address)
+        if not self._probe.up:
+            return False
+        channel, self._probe = self._probe.take(), None
         try:
-            spec = self._connect(ready_timeout=2.0)  # the engine loop waits on this: keep it short
+            spec = self._connect(channel, ready_wait=ATTACH_WAIT, call_wait=ATTACH_WAIT)
         except DrafterUnavailable as exc:
-            log.info("drafter still unavailable: %s", exc)
             self._disconnect()
+            self._note_unavailable(exc)
             return False
-        if spec != self.spec:
-            log.warning("the drafter came back with a different spec; not re-attaching")
+        if self.spec is not None and spec != self.spec:
             self._disconnect()
+            self._note_unavailable(DrafterUnavailable(f"the drafter at {self.address} came back with a different "
+                                                      "spec; not re-attaching"))
             return False
-        self._backoff = 0.5
+        self.spec, self.last_error, self._backoff = spec, "", 0.5
         return True
 
     def close(self) -> None:
         self._disconnect()
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
 
     def reset(self) -> None:
         """Drop the connection: the drafter frees everything this target held there; `available()`
@@ -242,9 +327,13 @@ class RemoteProposer:
 
     def _live(self) -> _Connection:
         if self._conn is not None and self._conn.dead:
+            cause = self._conn.error
             self._disconnect()
+            # The drafter's reason when it gave one (e.g. RESOURCE_EXHAUSTED: it serves --max-targets targets).
+            raise type(cause)(str(cause)) if cause is not None else DrafterUnavailable(
+                "the drafter closed the step stream")
         if self._conn is None:
-            raise DrafterUnavailable("the drafter is disconnected")
+            raise DrafterUnavailable(self.last_error or "the drafter is disconnected")
         return self._conn
 
     def _unary(self, method: str, request):
@@ -267,8 +356,15 @@ class RemoteProposer:
     def prefill(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, start_pos: int = 0) -> int:
         self._send_queued(seq_id)
         conn = self._live()
-        if conn.bulk.buffer is not None and rows.shape[0] > conn.bulk.buffer.tensor.shape[0]:
+        if conn.bulk.buffer is None:  # inline: in pieces the drafter's message cap lets through
+            step = max(1, INLINE_PREFILL_BYTES // (rows.shape[1] * self.dtype.itemsize))
+            return sum(self._prefill_part(conn, seq_id, token_ids[i:i + step], rows[i:i + step], start_pos + i)
+                       for i in range(0, rows.shape[0], step))
+        if rows.shape[0] > conn.bulk.buffer.tensor.shape[0]:
             self._grow_bulk(conn, rows.shape[0])
+        return self._prefill_part(conn, seq_id, token_ids, rows, start_pos)
+
+    def _prefill_part(self, conn: _Connection, seq_id: int, token_ids, rows: torch.Tensor, start_pos: int) -> int:
         staged = conn.bulk.put(rows)
         conn.bulk.seal()
         op = wire.RowsOp(tuple(token_ids), conn.bulk.source(staged, rows.shape[0]), start_pos)
@@ -362,7 +458,7 @@ class RemoteProposer:
         self._pending = {}
         started = time.perf_counter()
         conn.outbox.put(wire.step_to_proto(batch))
-        result = self._receive(conn, timeout or self.timeout)
+        result = self._receive(conn, timeout or self.step_deadline())
         self.link.step_seconds.append(time.perf_counter() - started)
         if result.errors:
             # The drafter's state for this client no longer matches the target's: drop the connection
@@ -380,11 +476,23 @@ class RemoteProposer:
             stash = conn.step.source(*p.stash) if p.stash is not None else None
             yield wire.SeqStep(seq_id, catchup=catchup, stash=stash, commit=p.commit, trim=p.trim, free=p.free)
 
+    def step_deadline(self) -> float:
+        """Seconds the next Step answer may take (see STEP_DEADLINE_FACTOR): a drafter that stopped
+        answering is given up on after a few of its usual step times, not after --drafter-timeout."""
+        recent = sorted(itertools.islice(reversed(self.link.step_seconds), STEP_DEADLINE_SAMPLES))
+        if len(recent) < STEP_DEADLINE_MIN_SAMPLES:
+            return self.timeout
+        p99 = recent[min(len(recent) - 1, int(0.99 * len(recent)))]
+        return min(self.timeout, max(STEP_DEADLINE_FLOOR, STEP_DEADLINE_FACTOR * p99))
+
     def _receive(self, conn: _Connection, timeout: float) -> wire.StepResult:
         try:
             item = conn.inbox.get(timeout=timeout)
         except queue.Empty:
-            item = DrafterUnavailable(f"no step answer within {timeout:.0f} s")
+            # Counted as a round trip: a drafter that has become slower for good raises its own deadline
+            # after a few misses instead of being detached and re-attached at every step.
+            self.link.step_seconds.append(timeout)
+            item = DrafterUnavailable(f"no step answer within {timeout:.1f} s")
         if isinstance(item, grpc.RpcError):
             item = _error_from_rpc(item)
         if isinstance(item, Exception):

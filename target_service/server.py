@@ -8,7 +8,7 @@ import uuid
 from specsplit.protos.v1 import target_pb2_grpc
 from specsplit.shared import wire
 from specsplit.shared.errors import CapacityExceeded, InvalidRequest
-from specsplit.shared.serving import SPARE_THREADS, Served, start_server
+from specsplit.shared.serving import DEFAULT_MESSAGE_BYTES, SPARE_THREADS, Served, start_server
 from specsplit.shared.status import rpc_errors
 from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service.loop import EngineLoop
@@ -35,8 +35,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self._streams = threading.BoundedSemaphore(max_streams)
         self._open = 0  # Generate handlers running (a stream is over when its handler returns)
         self._open_lock = threading.Lock()
+        # A prompt that cannot fit the context is refused before it is encoded (a 20 MB prompt once cost
+        # 34 s of CPU to learn that); the bound never refuses a prompt that fits, see Tokenizer.max_token_bytes.
+        self.context_length = loop.engine.model.config.max_position_embeddings
+        self.max_prompt_bytes = self.context_length * tokenizer.max_token_bytes
 
     def _request(self, call: wire.GenerateCall) -> Request:
+        self._check_prompt_size(call.prompt)
         if isinstance(call.prompt, str):
             text = call.prompt
             if call.chat:
@@ -47,6 +52,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not prompt_ids:
             raise InvalidRequest("the prompt encodes to no tokens")
         return Request(call.request_id or uuid.uuid4().hex, prompt_ids, call.sampling, call.speculative)
+
+    def _check_prompt_size(self, prompt: str | tuple[int, ...]) -> None:
+        if isinstance(prompt, str):
+            size = len(prompt.encode("utf-8", "surrogatepass"))
+            if size > self.max_prompt_bytes:
+                raise InvalidRequest(f"the prompt's {size} bytes are more than {self.context_length} tokens "
+                                     f"(the context length) can spell ({self.max_prompt_bytes} bytes at most)")
+        elif len(prompt) > self.context_length:
+            raise InvalidRequest(f"the prompt's {len(prompt)} tokens exceed the context length {self.context_length}")
 
     @rpc_errors
     def Generate(self, request, context):
@@ -97,9 +111,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         ))
 
 
-def serve(servicer: TargetServicer, listen: list[str]) -> Served:
+def serve(servicer: TargetServicer, listen: list[str], *, max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> Served:
     """Serve on every address (host:port or unix:PATH) with grpc.health.v1; the caller drains or stops it.
-    Threads: one per stream the servicer admits, and spares for Describe and health checks."""
+    Threads: one per stream the servicer admits, and spares for Describe and health checks. Requests
+    past `max_message_bytes` are refused with RESOURCE_EXHAUSTED before they are parsed."""
     register = lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)  # noqa: E731
     return start_server(register, listen, SERVICE_NAME, max_workers=servicer.max_streams + SPARE_THREADS,
-                        busy=lambda: servicer.busy)
+                        busy=lambda: servicer.busy, max_message_bytes=max_message_bytes)

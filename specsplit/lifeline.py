@@ -1,0 +1,72 @@
+"""A service spawned by another process exits when that process dies, however it dies (SIGKILL included).
+
+The parent keeps the write end of a pipe; each service it spawns gets the read end (named in the
+SPECSPLIT_LIFELINE environment variable, `FD` or `FD:FOLDER`) and a thread that blocks reading it. The
+kernel closes the write end when the parent dies, the read returns end-of-file, and the service
+removes the parent's scratch folder (when the parent made one) and stops as on SIGTERM. Services run in sessions of their own, so no terminal
+hangup reaches them; without this they outlived a killed `specsplit up`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import threading
+
+log = logging.getLogger(__name__)
+ENV = "SPECSPLIT_LIFELINE"
+
+
+class Lifeline:
+    """The parent's side: the pipe, and the arguments that hand its read end to a child."""
+
+    def __init__(self, folder: str | os.PathLike | None = None) -> None:
+        self._read, self._write = os.pipe()  # neither inherited, except as `pass_fds` names it
+        self.folder = folder  # removed by the children when the parent dies
+
+    @property
+    def pass_fds(self) -> tuple[int]:
+        return (self._read,)
+
+    def child_env(self) -> dict[str, str]:
+        folder = f":{os.fspath(self.folder)}" if self.folder is not None else ""
+        return {ENV: f"{self._read}{folder}"}
+
+    def close(self) -> None:
+        """Cut the line: children still running see their parent gone."""
+        for fd in (self._read, self._write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._read = self._write = -1
+
+
+def watch(fd: int, folder: str | None = None) -> None:
+    """In the child: when the parent is gone, remove `folder` and SIGTERM this process (it drains)."""
+
+    def wait() -> None:
+        while True:
+            try:
+                if os.read(fd, 1) == b"":
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        log.warning("the process that started this service is gone: stopping")
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="lifeline", daemon=True).start()
+
+
+def watch_from_env() -> None:
+    """`watch` the line SPECSPLIT_LIFELINE names, if any (it is not passed on to our own children)."""
+    value = os.environ.pop(ENV, None)
+    if value:
+        fd, _, folder = value.partition(":")
+        watch(int(fd), folder or None)

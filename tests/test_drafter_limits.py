@@ -1,0 +1,237 @@
+"""Issue 9 on the drafter service: a stranger cannot squat it (every connection is capped, idle ones are
+reclaimed), cannot poison it with NaN rows or oversized messages, and its errors speak the client's ids.
+
+The drafter is served in this process on a unix socket (a tiny seeded DFlash, tests/test_drafter_server.py)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import time
+
+import grpc
+import pytest
+import torch
+
+from specsplit.drafter_service import server as drafter_server
+from specsplit.drafter_service.server import CLIENT_HEADER, DrafterServer, serve
+from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
+from specsplit.shared import wire
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.proposer import ProposeRequest
+from specsplit.shared.transport import BufferExporter, encode_inline
+from tests.test_drafter_server import BUDGET, FEATURE_DIM, make_drafter
+
+
+class Peer:
+    """A caller under its own client id (nothing proves it is a target)."""
+
+    def __init__(self, channel: grpc.Channel, name: str | None = None) -> None:
+        self.stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        self.name = name or secrets.token_hex(6)
+        self.metadata = ((CLIENT_HEADER, self.name),)
+
+    def call(self, method: str, request):
+        return getattr(self.stub, method)(request, metadata=self.metadata, timeout=20)
+
+    def status(self, method: str, request) -> tuple[str, str]:
+        try:
+            self.call(method, request)
+        except grpc.RpcError as err:
+            return err.code().name, err.details() or ""
+        return "OK", ""
+
+    def alloc(self, seq_id: int, budget: int = BUDGET) -> tuple[str, str]:
+        return self.status("AllocState", wire.alloc_to_proto(seq_id, budget))
+
+    def prefill(self, seq_id: int, rows: torch.Tensor, start: int = 0) -> tuple[str, str]:
+        op = wire.RowsOp(tuple(1 + i % 90 for i in range(rows.shape[0])), encode_inline(rows), start)
+        return self.status("PrefillDrafter", wire.prefill_to_proto(seq_id, op))
+
+    def open_stream(self):
+        outbox: queue.Queue = queue.Queue()
+        responses = self.stub.Step(iter(outbox.get, None), metadata=self.metadata)
+        outbox.put(wire.step_to_proto(wire.StepBatch(1)))
+        return outbox, responses
+
+
+@pytest.fixture
+def served(tmp_path):
+    """start(**limits) → (DrafterServer, channel); everything is stopped at the end."""
+    made = []
+
+    def start(**limits):
+        drafter = make_drafter()
+        server_obj = DrafterServer(drafter, head=drafter.head, device="cpu", **limits)
+        address = f"unix:{tmp_path}/d{len(made)}.sock"
+        server = serve(server_obj, [address])
+        channel = grpc.insecure_channel(address)
+        made.append((server, server_obj, channel))
+        return server_obj, channel
+
+    yield start
+    for server, server_obj, channel in made:
+        channel.close()
+        server.stop(None)
+        server_obj.close()
+
+
+def rows(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, FEATURE_DIM, generator=torch.Generator().manual_seed(seed))
+
+
+# --- finding 4: squatting -------------------------------------------------------------------------
+
+
+def test_sessions_without_a_step_stream_are_capped(served):
+    server_obj, channel = served(max_sessions=3)
+    peers = [Peer(channel) for _ in range(3)]
+    for i, peer in enumerate(peers):
+        assert peer.alloc(0) == ("OK", "")
+        assert peer.prefill(0, rows(2 + i)) == ("OK", "")
+    assert peers[0].prefill(0, rows(1), start=2) == ("OK", "")  # used last: peers[1] is now the oldest
+    newcomer = Peer(channel)
+    assert newcomer.alloc(0) == ("OK", "")
+    assert server_obj.num_sessions == 3 and len(server_obj.proposer.store) == 3
+    code, details = peers[1].prefill(0, rows(1), start=3)  # its state was freed for the newcomer
+    assert code == "NOT_FOUND"
+    # Targets with a Step stream are not counted, and never freed for a stream-less caller.
+    target = Peer(channel, "target")
+    outbox, responses = target.open_stream()
+    assert next(responses).step_id == 1
+    for _ in range(4):
+        assert Peer(channel).alloc(0) == ("OK", "")
+    assert server_obj.num_streams == 1 and server_obj.num_sessions == 4
+    outbox.put(None)
+
+
+def test_sequences_rows_and_buffer_bytes_per_connection_are_capped(served):
+    _, channel = served(max_sequences=2, max_rows=3 * BUDGET // 2, max_buffer_mib=1)
+    many = Peer(channel)
+    assert many.alloc(0, 8) == ("OK", "") and many.alloc(1, 8) == ("OK", "")
+    code, details = many.alloc(2, 8)
+    assert code == "RESOURCE_EXHAUSTED" and "--max-sequences" in details
+    assert many.status("FreeState", drafter_pb2.FreeStateRequest(seq_id=1)) == ("OK", "")
+    assert many.prefill(0, rows(4)) == ("OK", "")
+    # A carried KV still holds its rows: it counts as a sequence until installed or freed.
+    assert many.status("TakeDrafterKV", drafter_pb2.TakeDrafterKVRequest(seq_id=0)) == ("OK", "")
+    code, details = many.alloc(1, 8)
+    assert code == "RESOURCE_EXHAUSTED" and "--max-sequences" in details
+
+    peer = Peer(channel)  # rows: each sequence reserves what its budget lets it hold
+    assert peer.alloc(0) == ("OK", "")
+    code, details = peer.alloc(1)
+    assert code == "RESOURCE_EXHAUSTED" and "--max-rows" in details
+    assert peer.alloc(1, BUDGET // 2) == ("OK", "")
+    assert peer.status("FreeState", drafter_pb2.FreeStateRequest(seq_id=0)) == ("OK", "")
+    assert peer.alloc(0, BUDGET) == ("OK", "")  # freeing gives room back
+
+    with BufferExporter() as exporter:
+        small, large = exporter.create(16, FEATURE_DIM), exporter.create((1 << 20) // (4 * FEATURE_DIM) + 1, FEATURE_DIM)
+        register = lambda *b: peer.status("RegisterBuffers", drafter_pb2.RegisterBuffersRequest(  # noqa: E731
+            buffers=[wire.descriptor_to_proto(x.describe()) for x in b]))
+        code, details = register(large)
+        assert code == "RESOURCE_EXHAUSTED" and "--max-buffer-mib" in details
+        assert register(small) == ("OK", "")
+
+
+def test_the_caps_are_validated():
+    with pytest.raises(InvalidRequest):
+        drafter_server.DrafterLimits(max_sessions=0)
+    with pytest.raises(InvalidRequest):
+        drafter_server.DrafterLimits(idle_seconds=0)
+    with pytest.raises(InvalidRequest):
+        drafter_server.DrafterLimits(max_rows=-1)
+
+
+def test_an_idle_stream_less_session_is_reclaimed_without_another_call(served):
+    server_obj, channel = served(idle_seconds=0.3)
+    peer = Peer(channel)
+    assert peer.alloc(0) == ("OK", "") and peer.prefill(0, rows(8)) == ("OK", "")
+    assert len(server_obj.proposer.store) == 1
+    deadline = time.monotonic() + 5
+    while server_obj.num_sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server_obj.num_sessions == 0 and len(server_obj.proposer.store) == 0
+
+
+def test_the_default_idle_time_is_short():
+    assert drafter_server.DrafterLimits().idle_seconds <= 60
+
+
+# --- finding 6: message size ------------------------------------------------------------------------
+
+
+def test_messages_past_the_cap_are_refused_before_they_are_read(served):
+    _, channel = served(max_message_mib=1)
+    peer = Peer(channel)
+    assert peer.alloc(0, 4096) == ("OK", "")
+    big = rows((1 << 20) // (4 * FEATURE_DIM) + 1)
+    code, _ = peer.prefill(0, big)
+    assert code == "RESOURCE_EXHAUSTED"
+    assert peer.prefill(0, big[:100]) == ("OK", "")
+
+
+def test_the_default_message_cap_fits_a_step_of_the_widest_batch_but_not_256_mib():
+    drafter = make_drafter()
+    limits = drafter_server.DrafterLimits()
+    step_rows = drafter.spec.max_batch * (drafter.spec.max_drafts + 1)
+    assert step_rows * FEATURE_DIM * 4 < limits.message_bytes(drafter.spec) < 256 << 20
+
+
+# --- finding 10: NaN rows, internal ids, malformed messages ---------------------------------------------
+
+
+def test_rows_that_are_not_finite_are_refused(served):
+    _, channel = served()
+    peer = Peer(channel)
+    assert peer.alloc(0) == ("OK", "")
+    for bad in (float("nan"), float("inf")):
+        poisoned = rows(4)
+        poisoned[2, 5] = bad
+        code, details = peer.prefill(0, poisoned)
+        assert code == "INVALID_ARGUMENT" and "finite" in details
+    with BufferExporter() as exporter:  # rows by reference into shared memory: checked the same way
+        buffer = exporter.create(8, FEATURE_DIM)
+        assert peer.status("RegisterBuffers", drafter_pb2.RegisterBuffersRequest(
+            buffers=[wire.descriptor_to_proto(buffer.describe())]))[0] == "OK"
+        buffer.bump()
+        buffer.tensor[:4] = rows(4)
+        buffer.tensor[1, 0] = float("nan")
+        code, details = peer.status("Stash", wire.stash_to_proto(0, buffer.ref(0, 4)))
+        assert code == "INVALID_ARGUMENT" and "finite" in details
+    assert peer.prefill(0, rows(4)) == ("OK", "")
+    proposal = wire.proposals_from_proto(peer.call("Propose", wire.propose_to_proto(
+        [ProposeRequest(0, 5, 4, 3, want_confidence=True)])))[0]
+    assert all(c == c for c in proposal.confidence)  # no NaN got in
+
+
+def test_errors_name_the_clients_sequence_ids(served):
+    _, channel = served()
+    first, second = Peer(channel), Peer(channel)
+    for seq_id in range(5):  # the second client's ids map to other drafter-wide ids
+        assert first.alloc(seq_id) == ("OK", "")
+    assert second.alloc(0) == ("OK", "") and second.prefill(0, rows(3)) == ("OK", "")
+    code, details = second.status("Commit", wire.commit_to_proto(0, wire.CommitOp(1, 3, (4,))))
+    assert code == "FAILED_PRECONDITION" and details == "sequence 0: commit without a stash"
+    code, details = second.status("Propose", wire.propose_to_proto([ProposeRequest(0, 5, 7, 3)]))
+    assert code == "FAILED_PRECONDITION" and details.startswith("sequence 0: propose at position 7")
+
+
+def test_malformed_messages_log_one_line_each_rate_limited(served, caplog, monkeypatch):
+    _, channel = served()
+    from specsplit.shared.status import Throttle
+
+    for quiet in logging.getLogger("grpc._common").filters:  # a budget of its own, whatever ran before
+        monkeypatch.setattr(quiet, "throttle", Throttle(per_minute=6), raising=False)
+    raw = channel.unary_unary("/specsplit.v1.DrafterService/AllocState")
+    metadata = ((CLIENT_HEADER, "junk"),)
+    with caplog.at_level(logging.INFO):
+        for _ in range(50):
+            with pytest.raises(grpc.RpcError):
+                raw(b"\xff\xff\xff", metadata=metadata, timeout=10)
+    records = [r for r in caplog.records if "malformed" in r.getMessage() or "deserializ" in r.getMessage()]
+    assert 1 <= len(records) <= 10
+    assert all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
+    assert Peer(channel).alloc(0) == ("OK", "")  # still serving
