@@ -29,9 +29,10 @@ from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import wire
 from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest
 from specsplit.shared.proposer import Proposer
+from specsplit.shared.security import ServerSecurity
 from specsplit.shared.serving import CLIENT_HEADER, SPARE_THREADS, Served, start_server
 from specsplit.shared.status import Throttle, rpc_errors
-from specsplit.shared.transport import device_uuid, host_id
+from specsplit.shared.transport import device_uuid, host_id, identity_digest
 
 __all__ = ["CLIENT_HEADER", "SERVICE_NAME", "DrafterLimits", "DrafterServer", "serve"]
 log = logging.getLogger(__name__)
@@ -152,9 +153,12 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
 
     @rpc_errors
     def Describe(self, request, context):
-        client_id(context)
+        # Host and GPU identities are answered salted with the caller's own client id: a target on the
+        # same host (and GPU) computes the same digests; anyone else learns nothing it can reuse.
+        client = client_id(context)
         description = wire.DrafterDescription(
-            spec=self.proposer.spec, host_id=host_id(), device_uuid=device_uuid(self.device),
+            spec=self.proposer.spec, host_id=identity_digest(client, host_id()),
+            device_uuid=identity_digest(client, device_uuid(self.device)),
             needs_target_head=self.head is None,
         )
         return wire.description_to_proto(description)
@@ -285,7 +289,7 @@ def _reap_idle(server_ref: "weakref.ref[DrafterServer]", closed: threading.Event
         del server
 
 
-def serve(server_obj: DrafterServer, listen: list[str]) -> Served:
+def serve(server_obj: DrafterServer, listen: list[str], security: ServerSecurity = ServerSecurity()) -> Served:
     """Serve on every address with grpc.health.v1. Each open Step stream holds a thread (at most
     max_targets of them, plus spares for unary calls and health checks); keepalive pings
     (shared.serving) find a target that vanished without closing its socket."""
@@ -293,4 +297,4 @@ def serve(server_obj: DrafterServer, listen: list[str]) -> Served:
     # Busy while a target is connected: its requests in flight still want drafts.
     return start_server(register, listen, SERVICE_NAME, max_workers=server_obj.max_targets + SPARE_THREADS,
                         busy=lambda: server_obj.num_streams > 0,
-                        max_message_bytes=server_obj.limits.message_bytes(server_obj.proposer.spec))
+                        max_message_bytes=server_obj.limits.message_bytes(server_obj.proposer.spec), security=security)

@@ -52,3 +52,9 @@ class DrafterUnavailable(SpecsplitError):
     """The drafter could not be reached or failed; the target decodes without speculation."""
 
     grpc_code = "UNAVAILABLE"
+
+
+class Unauthenticated(SpecsplitError):
+    """The call carried no valid auth token (shared.security)."""
+
+    grpc_code = "UNAUTHENTICATED"

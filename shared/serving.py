@@ -11,7 +11,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.security import ServerSecurity, TokenAuth, is_unix, private_socket_dir
 from specsplit.shared.status import Throttle
+
+log = logging.getLogger(__name__)
 
 # Every call from a target to a drafter names the connecting target (its session on the drafter).
 CLIENT_HEADER = "x-specsplit-client"
@@ -82,28 +85,47 @@ class Served:
 
 
 def start_server(register: Callable[[grpc.Server], None], listen: list[str], service_name: str, *,
-                 max_workers: int, busy: Callable[[], bool], max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> Served:
-    """Bind every address (insecure), register the servicer and grpc.health.v1, start, mark SERVING.
+                 max_workers: int, busy: Callable[[], bool], max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+                 security: ServerSecurity = ServerSecurity()) -> Served:
+    """Bind every address, register the servicer and grpc.health.v1, start, mark SERVING.
 
-    The caller drains or stops the returned server.
+    With a token every call but health checks must carry it; TLS (when configured) covers the TCP
+    addresses, and a unix socket lives in a folder only this user may open. The caller drains or
+    stops the returned server.
     """
     _quiet_malformed_messages()
+    interceptors = [TokenAuth(security.token)] if security.token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=server_options(max_message_bytes))
+                         options=server_options(max_message_bytes), interceptors=interceptors)
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for address in listen:
-        try:
-            port = server.add_insecure_port(grpc_target(address))
-        except RuntimeError as err:
-            raise InvalidRequest(f"cannot listen on {address!r}: {err}") from None
-        if port == 0:
-            raise InvalidRequest(f"cannot listen on {address!r}")
+        _bind(server, address, security)
     server.start()
     for name in ("", service_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Served(server, health_servicer, busy)
+
+
+def _bind(server: grpc.Server, address: str, security: ServerSecurity) -> None:
+    target = grpc_target(address)
+    if is_unix(target):
+        private_socket_dir(target)
+    elif security.token is None:
+        log.warning("%s: no auth token (--auth-token-file or $SPECSPLIT_AUTH_TOKEN): anyone who can reach "
+                    "this port can use the service", address)
+    elif security.tls is None:
+        log.warning("%s: no TLS (--tls-cert, --tls-key): the token travels in clear", address)
+    try:
+        if security.tls is not None and not is_unix(target):
+            port = server.add_secure_port(target, security.tls.credentials())
+        else:
+            port = server.add_insecure_port(target)
+    except RuntimeError as err:
+        raise InvalidRequest(f"cannot listen on {address!r}: {err}") from None
+    if port == 0:
+        raise InvalidRequest(f"cannot listen on {address!r}")
 
 
 class _MalformedMessages(logging.Filter):

@@ -42,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import functools
+import hashlib
 import hmac
 import mmap
 import os
@@ -238,6 +239,15 @@ def host_id() -> str:
     if not os.path.isdir(SHM_DIR):
         return ""
     return "/".join([socket.gethostname(), boot, *namespaces])
+
+
+def identity_digest(salt: str, identity: str) -> str:
+    """`identity` (a host_id or device_uuid) as a drafter's Describe answers it: salted with the
+    caller's client id, so equal identities compare equal and the raw one is never sent. Empty stays
+    empty (no shared memory, or the CPU)."""
+    if not identity:
+        return ""
+    return hashlib.sha256(f"{salt}\0{identity}".encode()).hexdigest()
 
 
 def device_uuid(device: torch.device | str) -> str:

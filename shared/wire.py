@@ -27,6 +27,7 @@ from specsplit.shared.errors import (
     InvalidRequest,
     SpecsplitError,
     StateConflict,
+    Unauthenticated,
     UnknownSequence,
 )
 from specsplit.shared.proposer import CarriedKV, DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest
@@ -73,6 +74,7 @@ _ERROR_BY_STATUS: dict[str, type[SpecsplitError]] = {
     "FAILED_PRECONDITION": StateConflict,
     "ALREADY_EXISTS": AlreadyExists,
     "RESOURCE_EXHAUSTED": CapacityExceeded,
+    "UNAUTHENTICATED": Unauthenticated,
 }
 
 

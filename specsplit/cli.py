@@ -121,7 +121,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         from specsplit.remote import generate_remote
 
         token_ids, text, stats = generate_remote(args.server, args.prompt, sampling_from(args),
-                                                 chat=args.chat, speculative=not args.no_speculation)
+                                                 chat=args.chat, speculative=not args.no_speculation,
+                                                 security=client_security(args, args.tls_ca))
         print_result(args, token_ids, text, stats)
         return
     from specsplit.local import LocalSetup, load_local
@@ -162,6 +163,24 @@ def setup_from(args: argparse.Namespace, drafter: str):
     return LocalSetup(target=args.target, drafter=drafter, device=args.device, dtype=args.dtype, seed=args.seed)
 
 
+def server_security(args: argparse.Namespace):
+    """--auth-token-file (else $SPECSPLIT_AUTH_TOKEN) and --tls-cert/--tls-key/--tls-client-ca."""
+    from specsplit.shared.security import ServerSecurity, ServerTLS, load_token
+
+    if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_client_ca and not args.tls_cert):
+        raise InvalidRequest("--tls-cert and --tls-key go together (and --tls-client-ca needs them)")
+    tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    return ServerSecurity(load_token(args.auth_token_file), tls)
+
+
+def client_security(args: argparse.Namespace, ca: str | None = None):
+    """The token (as for a server) and TLS toward a service: TLS when a CA or a client certificate is given."""
+    from specsplit.shared.security import ClientSecurity, ClientTLS, load_token
+
+    tls = ClientTLS(ca, args.tls_cert, args.tls_key) if ca or args.tls_cert else None
+    return ClientSecurity(load_token(args.auth_token_file), tls)
+
+
 def log_to_stderr() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -184,7 +203,8 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
                            max_rows=args.max_rows, max_buffer_mib=args.max_buffer_mib,
                            max_message_mib=args.max_message_mib)
     server_obj, server = start_drafter(DrafterSettings(tuple(args.listen), setup_from(args, args.drafter),
-                                                       head=args.head, limits=limits))
+                                                       head=args.head, limits=limits,
+                                                       security=server_security(args)))
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
     server.drain(args.drain_seconds)  # a target still connected keeps its Step stream until then
@@ -201,12 +221,21 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
     engine = EngineConfig(max_batch=args.max_batch, num_drafts=args.num_drafts, kv_blocks=args.kv_blocks)
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
                               drafter_timeout=args.drafter_timeout, max_streams=args.max_streams,
-                              max_message_bytes=int(args.max_message_mib * (1 << 20)))
+                              max_message_bytes=int(args.max_message_mib * (1 << 20)),
+                              security=server_security(args), drafter_security=drafter_security(args))
     loop, server = start_target(settings)
     print(f"target serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
     server.drain(args.drain_seconds)  # streams in flight finish (or are cancelled at the deadline)
     loop.stop()
+
+
+def drafter_security(args: argparse.Namespace):
+    """The target toward its drafter: the same token; TLS with --drafter-tls-ca, presenting --tls-cert/--tls-key."""
+    from specsplit.shared.security import ClientSecurity, ClientTLS, load_token
+
+    tls = ClientTLS(args.drafter_tls_ca, args.tls_cert, args.tls_key) if args.drafter_tls_ca else None
+    return ClientSecurity(load_token(args.auth_token_file), tls)
 
 
 def cmd_up(args: argparse.Namespace) -> None:
@@ -236,6 +265,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-seconds", type=float, default=25.0,
                    help="on SIGTERM/SIGINT: report NOT_SERVING, refuse new calls and give calls in flight "
                         "this many seconds to finish; keep it below the pod's grace period")
+    p.add_argument("--auth-token-file", default=None, metavar="PATH",
+                   help="every call but grpc.health.v1 must carry 'authorization: Bearer <the file's text>'; "
+                        "the file must not be accessible by group or others (default: $SPECSPLIT_AUTH_TOKEN; "
+                        "neither: no authentication)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain for TCP addresses "
+                   "(default: none, plain TCP; unix sockets never use TLS)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the --tls-cert private key (default: none)")
+    p.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                   help="require TCP clients to present a certificate signed by this CA (mutual TLS) "
+                        "(default: none, TLS without client certificates)")
 
 
 def add_service_parsers(sub) -> None:
@@ -274,6 +313,9 @@ def add_service_parsers(sub) -> None:
     add_serve_args(ts)
     ts.add_argument("--drafter", default=None, metavar="ADDR",
                     help="drafter service address, or none (default: none, the target decodes alone)")
+    ts.add_argument("--drafter-tls-ca", default=None, metavar="PEM",
+                    help="reach a TCP --drafter over TLS, trusting this CA, presenting --tls-cert/--tls-key "
+                         "when given (the auth token sent is this service's own) (default: plain TCP)")
     ts.add_argument("--max-batch", type=int, default=16, help="sequences decoded together in one forward")
     ts.add_argument("--num-drafts", type=int, default=None,
                     help="draft tokens verified per step, per sequence (default: the drafter's most: 15 for "
@@ -378,6 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "dtype, so --target, --drafter, --device and --dtype are refused")
     add_model_args(gen)
     add_sampling_args(gen)
+    gen.add_argument("--auth-token-file", default=None, metavar="PATH",
+                     help="with --server: send the token in this file (default: $SPECSPLIT_AUTH_TOKEN, or none)")
+    gen.add_argument("--tls-ca", default=None, metavar="PEM",
+                     help="with --server: TLS to a TCP address, trusting this CA (default: plain TCP)")
+    gen.add_argument("--tls-cert", default=None, metavar="PEM",
+                     help="with --server: the client certificate for a server that requires one (implies TLS) "
+                          "(default: none)")
+    gen.add_argument("--tls-key", default=None, metavar="PEM", help="the --tls-cert private key (default: none)")
     gen.set_defaults(func=cmd_generate, given=frozenset())
 
     init = add_command(sub, "init-drafter", "write a randomly initialised drafter checkpoint for a target")

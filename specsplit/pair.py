@@ -18,6 +18,7 @@ from pathlib import Path
 
 from specsplit.lifeline import Lifeline
 from specsplit.shared.gguf_import import default_target_dir
+from specsplit.shared.security import TOKEN_ENV, ClientSecurity
 from specsplit.target_service.client import TargetClient, wait_healthy
 
 
@@ -32,6 +33,7 @@ class ServiceSpec:
     drafter_args: tuple[str, ...] = ()
     startup_timeout: float = 180.0
     drain_seconds: float = 5.0  # how long a SIGTERMed service lets calls in flight finish
+    auth_token: str | None = None  # both services require it (and the target sends it to its drafter)
 
 
 def _common(spec: ServiceSpec) -> list[str]:
@@ -86,13 +88,16 @@ class Services:
         if self.lifeline is None:
             self.lifeline = Lifeline(self.workdir if self.owns_workdir else None)
         log = open(self.workdir / f"{name}.log", "ab")
+        # The token travels in the environment, not argv (which `ps` shows anyone); none inherited.
+        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+        env.update(self.lifeline.child_env(), **({TOKEN_ENV: self.spec.auth_token} if self.spec.auth_token else {}))
         with log:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "specsplit", *args], stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, pass_fds=self.lifeline.pass_fds, env={**os.environ, **self.lifeline.child_env()})
+                start_new_session=True, pass_fds=self.lifeline.pass_fds, env=env)
 
     def client(self) -> TargetClient:
-        return TargetClient(self.target_address)
+        return TargetClient(self.target_address, security=ClientSecurity(self.spec.auth_token))
 
     def kill_drafter(self, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop("drafter")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.security import ClientSecurity
 from specsplit.target_service.client import TargetClient
 
 
 def generate_remote(address: str, prompt: str, params: SamplingParams, *, chat: bool,
-                    speculative: bool) -> tuple[list[int], str, dict]:
-    client = TargetClient(address)
+                    speculative: bool, security: ClientSecurity = ClientSecurity()) -> tuple[list[int], str, dict]:
+    client = TargetClient(address, security=security)
     try:
         result = client.generate(prompt, params, chat=chat, speculative=speculative)
     finally:

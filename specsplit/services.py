@@ -12,6 +12,7 @@ from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.server import DrafterServer, serve as serve_drafter_rpc
 from specsplit.shared.checkpoint import load_config, load_state_dict
 from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.security import ClientSecurity, ServerSecurity
 from specsplit.shared.serving import DEFAULT_MESSAGE_BYTES, Served
 from specsplit.shared.tokenizer import Tokenizer
 from specsplit.local import LocalSetup, build_drafter, target_dir
@@ -30,6 +31,7 @@ class DrafterSettings:
     setup: LocalSetup  # target (for its geometry and head), drafter, device, dtype, seed
     head: str = "auto"  # auto | checkpoint | target: where the drafter's embedding and LM head come from
     limits: DrafterLimits = DrafterLimits()  # what callers may hold (--max-targets, --max-sessions, ...)
+    security: ServerSecurity = ServerSecurity()  # token and TLS its callers need (--auth-token-file, --tls-*)
 
     def __post_init__(self) -> None:
         if self.head not in ("auto", "checkpoint", "target"):
@@ -52,6 +54,8 @@ class TargetSettings:
     drafter_timeout: float = 60.0
     max_streams: int = 64  # Generate streams open at once; more are refused with RESOURCE_EXHAUSTED
     max_message_bytes: int = DEFAULT_MESSAGE_BYTES  # largest Generate request accepted
+    security: ServerSecurity = ServerSecurity()  # token and TLS its callers need (--auth-token-file, --tls-*)
+    drafter_security: ClientSecurity = ClientSecurity()  # what it presents to its drafter (the same token)
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -83,7 +87,7 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
 
 def start_drafter(settings: DrafterSettings) -> tuple[DrafterServer, Served]:
     server_obj = build_drafter_server(settings)
-    return server_obj, serve_drafter_rpc(server_obj, list(settings.listen))
+    return server_obj, serve_drafter_rpc(server_obj, list(settings.listen), settings.security)
 
 
 def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
@@ -95,12 +99,14 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
     if settings.drafter_address:  # a drafter that is down now is attached when it answers
         proposer = RemoteProposer(settings.drafter_address, device=setup.device, dtype=setup.torch_dtype,
                                   timeout=settings.drafter_timeout, max_batch=settings.engine.max_batch,
-                                  head=(model.embed_weight, model.lm_head_weight))
+                                  head=(model.embed_weight, model.lm_head_weight),
+                                  security=settings.drafter_security)
     engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids,
                     text_stream=tokenizer.output_stream)
     loop = EngineLoop(engine)
     servicer = TargetServicer(loop, tokenizer, model_name=folder.name, max_streams=settings.max_streams)
-    return loop, serve_target_rpc(servicer, list(settings.listen), max_message_bytes=settings.max_message_bytes)
+    return loop, serve_target_rpc(servicer, list(settings.listen), max_message_bytes=settings.max_message_bytes,
+                                  security=settings.security)
 
 
 def wait_for_signal() -> None:

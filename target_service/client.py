@@ -12,14 +12,16 @@ from specsplit.protos.v1 import target_pb2, target_pb2_grpc
 from specsplit.shared import wire
 from specsplit.shared.errors import SpecsplitError
 from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.security import ClientSecurity, ClientTLS, open_channel
 from specsplit.shared.serving import CHANNEL_OPTIONS, grpc_target
 
 
 class TargetClient:
-    def __init__(self, address: str, *, timeout: float = 600.0) -> None:
+    def __init__(self, address: str, *, timeout: float = 600.0, security: ClientSecurity = ClientSecurity()) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(grpc_target(address), options=CHANNEL_OPTIONS)
+        self.metadata = security.metadata
+        self.channel = open_channel(grpc_target(address), CHANNEL_OPTIONS, security.tls)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
 
     def stream(self, prompt: str | list[int], sampling: SamplingParams = SamplingParams(), *,
@@ -28,7 +30,8 @@ class TargetClient:
         call = wire.GenerateCall(prompt if isinstance(prompt, str) else tuple(prompt), sampling, chat,
                                  speculative, request_id)
         try:
-            for pb in self.stub.Generate(wire.generate_to_proto(call), timeout=self.timeout):
+            for pb in self.stub.Generate(wire.generate_to_proto(call), timeout=self.timeout,
+                                         metadata=self.metadata):
                 yield wire.chunk_from_proto(pb)
         except grpc.RpcError as exc:
             raise wire.error_from_status(exc.code().name, exc.details() or exc.code().name) from None
@@ -48,7 +51,7 @@ class TargetClient:
         }
 
     def describe(self) -> wire.TargetDescription:
-        pb = self.stub.Describe(target_pb2.DescribeTargetRequest(), timeout=self.timeout)
+        pb = self.stub.Describe(target_pb2.DescribeTargetRequest(), timeout=self.timeout, metadata=self.metadata)
         return wire.target_description_from_proto(pb)
 
     def close(self) -> None:
@@ -56,13 +59,13 @@ class TargetClient:
 
 
 def wait_healthy(address: str, timeout: float = 60.0, service: str = "",
-                 alive: Callable[[], bool] = lambda: True) -> None:
-    """Block until the server at `address` answers SERVING (any specsplit service).
+                 alive: Callable[[], bool] = lambda: True, tls: ClientTLS | None = None) -> None:
+    """Block until the server at `address` answers SERVING (any specsplit service; health needs no token).
 
     `alive` lets a caller that spawned the server stop waiting as soon as the process died.
     """
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(grpc_target(address)) as channel:
+    with open_channel(grpc_target(address), [], tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

@@ -31,11 +31,13 @@ import torch
 
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import wire
+from specsplit.shared.security import ClientSecurity, ClientTLS, open_channel
 from specsplit.shared.serving import CLIENT_HEADER, PEER_CHANNEL_OPTIONS, grpc_target
 from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError
 from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest
 from specsplit.shared.transport import (
     BufferExporter, BufferRole, RowBuffer, choose_mode, device_uuid, encode_inline, host_id,
+    identity_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -161,8 +163,8 @@ class _Probe:
     """A channel to the drafter that keeps (re)connecting in the background: asking whether a drafter
     is up never blocks, so a target whose drafter is absent or stopped keeps decoding at full speed."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
+    def __init__(self, address: str, tls: ClientTLS | None) -> None:
+        self.channel = open_channel(address, PEER_CHANNEL_OPTIONS, tls)
         self._state: grpc.ChannelConnectivity | None = None
         self.channel.subscribe(self._seen, try_to_connect=True)
 
@@ -187,8 +189,10 @@ class RemoteProposer:
 
     def __init__(self, address: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 max_batch: int = 64) -> None:  # max_batch: the engine's widest step
+                 max_batch: int = 64, security: ClientSecurity = ClientSecurity()) -> None:
+        # max_batch: the engine's widest step; security: the drafter's token and TLS (shared.security)
         self.address = grpc_target(address)
+        self.security = security
         self.device, self.dtype, self.timeout = torch.device(device), dtype, timeout
         self.head = head  # (embedding, lm_head) shared with a drafter on the same GPU
         self.max_batch = max_batch
@@ -203,7 +207,7 @@ class RemoteProposer:
         self._probe: _Probe | None = None
         self.spec: DrafterSpec | None = None
         try:
-            self.spec = self._connect(grpc.insecure_channel(self.address, options=PEER_CHANNEL_OPTIONS),
+            self.spec = self._connect(open_channel(self.address, PEER_CHANNEL_OPTIONS, security.tls),
                                       ready_wait=ATTACH_WAIT, call_wait=timeout)
         except DrafterUnavailable as exc:
             self._disconnect()
@@ -213,13 +217,14 @@ class RemoteProposer:
 
     def _connect(self, channel: grpc.Channel, *, ready_wait: float, call_wait: float) -> DrafterSpec:
         """Attach over `channel`: describe, register buffers, open the Step stream and see it answer."""
+        client = uuid.uuid4().hex
         conn = _Connection(channel, drafter_pb2_grpc.DrafterServiceStub(channel),
-                           ((CLIENT_HEADER, uuid.uuid4().hex),))
+                           ((CLIENT_HEADER, client), *self.security.metadata))
         try:
             grpc.channel_ready_future(channel).result(timeout=ready_wait)
             desc = wire.description_from_proto(
                 conn.stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=call_wait, metadata=conn.metadata))
-            self._setup_transport(conn, desc, call_wait)
+            self._setup_transport(conn, desc, client, call_wait)
         except (grpc.RpcError, grpc.FutureTimeoutError, SpecsplitError, OSError) as exc:  # OSError: shared memory
             conn.close()  # the channel and any buffers already exported
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: "
@@ -241,9 +246,11 @@ class RemoteProposer:
         log.log(level, "%s; decoding without speculation until it attaches", reason)
         self.last_error = reason
 
-    def _setup_transport(self, conn: _Connection, desc: wire.DrafterDescription, wait: float) -> None:
+    def _setup_transport(self, conn: _Connection, desc: wire.DrafterDescription, client: str, wait: float) -> None:
         spec = desc.spec
-        self.mode = choose_mode(host_id(), desc.host_id, device_uuid(self.device), desc.device_uuid)
+        # The drafter answers identities salted with our client id (drafter_service.server.Describe).
+        self.mode = choose_mode(identity_digest(client, host_id()), desc.host_id,
+                                identity_digest(client, device_uuid(self.device)), desc.device_uuid)
         if desc.needs_target_head and (self.mode != "cuda_ipc" or self.head is None):
             raise DrafterUnavailable(f"the drafter wants the target's embedding and LM head, which can only be "
                                      f"shared on one GPU (rows travel by {self.mode} here); start it with --head checkpoint")
@@ -295,7 +302,7 @@ class RemoteProposer:
         if time.monotonic() < self._retry_at:
             return False
         if self._probe is None:
-            self._probe = _Probe(self.address)
+            self._probe = _Probe(self.address, self.security.tls)
         if not self._probe.up:
             return False
         channel, self._probe = self._probe.take(), None

@@ -8,6 +8,7 @@ import uuid
 from specsplit.protos.v1 import target_pb2_grpc
 from specsplit.shared import wire
 from specsplit.shared.errors import CapacityExceeded, InvalidRequest
+from specsplit.shared.security import ServerSecurity
 from specsplit.shared.serving import DEFAULT_MESSAGE_BYTES, SPARE_THREADS, Served, start_server
 from specsplit.shared.status import rpc_errors
 from specsplit.shared.tokenizer import Tokenizer
@@ -111,10 +112,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         ))
 
 
-def serve(servicer: TargetServicer, listen: list[str], *, max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> Served:
+def serve(servicer: TargetServicer, listen: list[str], *, max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+          security: ServerSecurity = ServerSecurity()) -> Served:
     """Serve on every address (host:port or unix:PATH) with grpc.health.v1; the caller drains or stops it.
     Threads: one per stream the servicer admits, and spares for Describe and health checks. Requests
     past `max_message_bytes` are refused with RESOURCE_EXHAUSTED before they are parsed."""
     register = lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)  # noqa: E731
     return start_server(register, listen, SERVICE_NAME, max_workers=servicer.max_streams + SPARE_THREADS,
-                        busy=lambda: servicer.busy, max_message_bytes=max_message_bytes)
+                        busy=lambda: servicer.busy, max_message_bytes=max_message_bytes, security=security)

@@ -27,7 +27,7 @@ BIN = DEPLOY / "bin"
 # Each overlay against the oldest Kubernetes it says it needs, 1.34 and the newest kubernetes-validate knows.
 OLDEST = {"gpu": "1.34", "cpu": "1.29", "gpu-legacy": "1.27"}
 CLIENT_PORT = 50051
-DRAFTER_SOCKET = "unix:/sockets/drafter.sock"
+DRAFTER_SOCKET = "unix:/sockets/drafter/drafter.sock"
 VARIABLE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 

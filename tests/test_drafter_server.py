@@ -19,7 +19,7 @@ from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import wire
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.proposer import ProposeRequest, bool_to_bitmask
-from specsplit.shared.transport import BufferExporter, BufferRole, RowRef, encode_inline, host_id
+from specsplit.shared.transport import BufferExporter, BufferRole, RowRef, encode_inline, host_id, identity_digest
 from tests.rounding import conf_atol
 
 INFO = TargetInfo(hidden_size=32, vocab_size=97, num_hidden_layers=6, num_attention_heads=4,
@@ -247,7 +247,9 @@ def test_describe(env):
     client = env.client("target-a")
     desc = wire.description_from_proto(client.call("Describe", drafter_pb2.DescribeDrafterRequest()))
     assert desc.spec == env.drafter.spec
-    assert desc.host_id == host_id() and desc.device_uuid == "" and not desc.needs_target_head
+    # The host identity is answered salted with the caller's id: comparable, never revealed.
+    assert desc.host_id == identity_digest("target-a", host_id()) and host_id() not in desc.host_id
+    assert desc.device_uuid == "" and not desc.needs_target_head
 
 
 def test_health_check_answers_serving(env):
