@@ -156,10 +156,11 @@ def private_socket_dir(address: str) -> None:
     info = folder.stat()
     if info.st_uid != os.getuid():
         raise InvalidRequest(f"cannot listen on {address}: its folder {folder} belongs to another user "
-                             f"(uid {info.st_uid}); use a folder of your own")
+                             f"(uid {info.st_uid}): put the socket in a folder of your own (a missing folder is made 0700)")
     if info.st_mode & 0o022:
         raise InvalidRequest(f"cannot listen on {address}: its folder {folder} is writable by group or others "
-                             f"(mode {stat.S_IMODE(info.st_mode):o}); chmod go-w {folder}, or use a private folder")
+                             f"(mode {stat.S_IMODE(info.st_mode):o}): put the socket in a folder only you can write "
+                             "(a missing folder is made 0700)")
 
 
 def _read(path: str) -> bytes:
