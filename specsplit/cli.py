@@ -218,7 +218,8 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
     from specsplit.target_service.engine import EngineConfig
 
     drafter = None if args.drafter in (None, "none") else args.drafter
-    engine = EngineConfig(max_batch=args.max_batch, num_drafts=args.num_drafts, kv_blocks=args.kv_blocks)
+    engine = EngineConfig(max_batch=args.max_batch, num_drafts=args.num_drafts, kv_blocks=args.kv_blocks,
+                          cuda_graphs=args.cuda_graphs)
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
                               drafter_timeout=args.drafter_timeout, max_streams=args.max_streams,
                               max_message_bytes=int(args.max_message_mib * (1 << 20)),
@@ -321,6 +322,9 @@ def add_service_parsers(sub) -> None:
                     help="draft tokens verified per step, per sequence (default: the drafter's most: 15 for "
                          "the shipped DFlash, 4 for MTP); `specsplit demo` measures which is fastest here")
     ts.add_argument("--kv-blocks", type=int, default=2048, help="KV cache size, in blocks of 16 tokens")
+    ts.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="on a GPU, replay decode/verify steps as CUDA graphs captured at start "
+                         "(default: on; --no-cuda-graphs runs them eagerly, much slower, for debugging)")
     ts.add_argument("--drafter-timeout", type=float, default=60.0,
                     help="seconds a drafter call may take before the target decodes without it; a Step answer "
                          "gets less once steps were measured (20x the p99 of recent round trips, at least 1 s), "
