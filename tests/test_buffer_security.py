@@ -17,11 +17,12 @@ import grpc
 import pytest
 import torch
 
-from specsplit.drafter_service.server import CLIENT_HEADER, DrafterServer, serve
-from specsplit.protos.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specsplit.drafter_service.server import DrafterServer, serve
+from specsplit.protos.v1 import common_pb2, drafter_pb2
 from specsplit.shared import wire
 from specsplit.shared.proposer import ProposeRequest
 from specsplit.shared.transport import HEADER_BYTES, SHM_DIR, SHM_PREFIX, BufferExporter, encode_inline
+from tests.drafter_peer import DrafterPeer
 from tests.test_drafter_server import BUDGET, FEATURE_DIM, make_drafter
 
 TIMEOUT = 60  # seconds a spawned process may take to start (it imports torch)
@@ -92,24 +93,12 @@ def drafter(spawned):
     return spawned()
 
 
-class Peer:
+class Peer(DrafterPeer):
     """One process connecting to the drafter: its client id and the segments it created itself."""
 
     def __init__(self, drafter: SpawnedDrafter, name: str | None = None) -> None:
-        self.stub = drafter_pb2_grpc.DrafterServiceStub(drafter.channel)
-        self.metadata = ((CLIENT_HEADER, name or secrets.token_hex(8)),)
+        super().__init__(drafter.channel, name)
         self.exporter = BufferExporter()
-
-    def call(self, method: str, request):
-        return getattr(self.stub, method)(request, metadata=self.metadata, timeout=20)
-
-    def status(self, method: str, request) -> tuple[str, str]:
-        """(status code name, details) of one call; ("OK", "") when it succeeded."""
-        try:
-            self.call(method, request)
-        except grpc.RpcError as err:
-            return err.code().name, err.details() or ""
-        return "OK", ""
 
     def register(self, *descriptors) -> tuple[str, str]:
         protos = [d if not dataclasses.is_dataclass(d) else wire.descriptor_to_proto(d) for d in descriptors]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import secrets
 import time
 
 import grpc
@@ -16,31 +15,17 @@ import torch
 
 from specsplit.drafter_service import server as drafter_server
 from specsplit.drafter_service.server import CLIENT_HEADER, DrafterServer, serve
-from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
+from specsplit.protos.v1 import drafter_pb2
 from specsplit.shared import wire
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.proposer import ProposeRequest
 from specsplit.shared.transport import BufferExporter, encode_inline
+from tests.drafter_peer import DrafterPeer
 from tests.test_drafter_server import BUDGET, FEATURE_DIM, make_drafter
 
 
-class Peer:
-    """A caller under its own client id (nothing proves it is a target)."""
-
-    def __init__(self, channel: grpc.Channel, name: str | None = None) -> None:
-        self.stub = drafter_pb2_grpc.DrafterServiceStub(channel)
-        self.name = name or secrets.token_hex(6)
-        self.metadata = ((CLIENT_HEADER, self.name),)
-
-    def call(self, method: str, request):
-        return getattr(self.stub, method)(request, metadata=self.metadata, timeout=20)
-
-    def status(self, method: str, request) -> tuple[str, str]:
-        try:
-            self.call(method, request)
-        except grpc.RpcError as err:
-            return err.code().name, err.details() or ""
-        return "OK", ""
+class Peer(DrafterPeer):
+    """A caller under its own client id (nothing proves it is a target), with the verbs the caps bound."""
 
     def alloc(self, seq_id: int, budget: int = BUDGET) -> tuple[str, str]:
         return self.status("AllocState", wire.alloc_to_proto(seq_id, budget))
