@@ -411,8 +411,18 @@ def add_training_parsers(sub) -> None:
     ev.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specsplit")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="specsplit", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"specsplit {_version()}")
     parser.set_defaults(func=show_help(parser))
     sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
 

@@ -98,6 +98,15 @@ def test_top_level_help_says_what_it_does_and_documents_the_cache():
     assert "SPECSPLIT_CACHE" in text and "~/.cache/specsplit" in text
 
 
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"specsplit {version('specsplit')}"
+
+
 @pytest.mark.parametrize("argv, usage", [(["drafter"], "usage: specsplit drafter"),
                                          (["target"], "usage: specsplit target"), ([], "usage: specsplit")])
 def test_a_command_without_its_subcommand_prints_its_help(argv, usage, capsys):
