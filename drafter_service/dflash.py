@@ -274,6 +274,11 @@ class DFlashDrafter(Drafter):
                                             window=self.spec.window, device=self.device, dtype=self.dtype,
                                             use_graphs=use_graphs, pool=pool)
 
+    def forget_head(self, head: TargetHead) -> None:
+        """A target that leaves takes its head: drop the graphs made over it."""
+        if self.propose_graphs is not None:
+            self.propose_graphs.forget(head)
+
     def new_state(self, budget: int) -> DFlashState:
         dec = self.model.cfg.decoder
         kv = ((dec.num_hidden_layers, dec.num_key_value_heads, dec.head_dim), self.dtype)

@@ -116,35 +116,41 @@ class ProposeGraphs:
     def __init__(self, model, table: torch.Tensor | None, *, max_batch: int, window: int,
                  device: torch.device, dtype: torch.dtype, use_graphs: bool, pool) -> None:
         self.model, self.table = model, table
-        self._head_key: tuple | None = None
         self.device, self.dtype = device, dtype
         self.batches = batch_buckets(max_batch)
         self.lengths = length_buckets(window)
         self.use_graphs, self.pool = use_graphs, pool
-        self._runs: dict[tuple[int, int], tuple[_ProposeBuffers, _Replayable]] = {}
+        # Graphs read the target head by address, so each head (each connected target's, on one GPU)
+        # has its own: head key -> (batch bucket, length bucket) -> buffers and their graph.
+        self._runs: dict[tuple, dict[tuple[int, int], tuple[_ProposeBuffers, _Replayable]]] = {}
 
     def fits(self, batch: int, length: int) -> bool:
         return batch <= self.batches[-1] and length <= self.lengths[-1]
+
+    def forget(self, head: TargetHead) -> None:
+        """Drop the graphs (and buffers) made for `head`, so its mappings can close."""
+        self._runs.pop(_head_key(head), None)
 
     def __call__(self, head: TargetHead, anchors: list[int], positions: list[int],
                  contexts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
         """contexts: each sequence's `Rows` (columns k, v, pos). Returns drafts and log-probs [B, γ-1]
         on the device, for the first len(anchors) rows."""
-        head_key = (head.embed.data_ptr(), head.lm_head.data_ptr(), tuple(head.embed.shape))
-        if head_key != self._head_key:  # graphs read the head by address: a new head needs new graphs
-            self._runs.clear()
-            self._head_key = head_key
+        runs = self._runs.setdefault(_head_key(head), {})
         batch, lengths = len(anchors), [len(c) for c in contexts]
         key = (bucket_for(batch, self.batches), bucket_for(max(lengths), self.lengths))
-        if key not in self._runs:
+        if key not in runs:
             buffers = _ProposeBuffers(self.model, head, self.table, *key, self.device, self.dtype)
-            self._runs[key] = (buffers, _Replayable(buffers.run, self.pool, self.use_graphs))
-        buffers, run = self._runs[key]
+            runs[key] = (buffers, _Replayable(buffers.run, self.pool, self.use_graphs))
+        buffers, run = runs[key]
         pad = [0] * (key[0] - batch)  # padding sequences see no context
         buffers.meta.copy_(torch.tensor([anchors + pad, positions + pad, lengths + pad]), non_blocking=True)
         _gather_contexts(contexts, lengths, key[1], buffers)
         drafts, logp = run()
         return drafts[:batch], logp[:batch]
+
+
+def _head_key(head: TargetHead) -> tuple:
+    return tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (head.embed, head.lm_head))
 
 
 def _gather_contexts(contexts: Sequence, lengths: list[int], width: int, buffers: _ProposeBuffers) -> None:

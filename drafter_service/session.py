@@ -369,8 +369,12 @@ class Session:
         self._handles.clear()
         self._reserved.clear()
         self._buffer_bytes.clear()
-        if self._head is not None and getattr(self.proposer, "head", None) is self._head:
-            self.proposer.head = self._default_head  # drop our views so the mappings can close
+        if self._head is not None:
+            if getattr(self.proposer, "head", None) is self._head:
+                self.proposer.head = self._default_head  # drop our views so the mappings can close
+            forget = getattr(self.proposer, "forget_head", None)  # graphs captured over our head too
+            if forget is not None:
+                forget(self._head)
         self._head = None
         self.importer.close()
 

@@ -70,6 +70,31 @@ def test_bitmask_requests_take_the_eager_path():
     assert set(proposal.tokens) <= {5, 9}
 
 
+def test_each_target_head_keeps_its_own_graphs_until_it_leaves():
+    """A drafter serving two targets binds each one's head before its propose: alternating heads must
+    not throw away (and on a GPU re-capture) the other's graphs, and a head that leaves is forgotten."""
+    from dataclasses import replace
+
+    drafter = make()
+    drafter.use_static_forwards(use_graphs=False)
+    first = drafter.head
+    second = replace(first, embed=first.embed.clone(), lm_head=first.lm_head.clone())
+    drafter.alloc(0, 64)
+    drafter.prefill(0, [1, 2, 3], torch.randn(3, drafter.spec.feature_dim))
+    graphs = drafter.propose_graphs
+    proposals = []
+    for head in (first, second, first, second):
+        drafter.head = head
+        proposals.append(drafter.propose([ProposeRequest(0, 3, 3, 4)])[0].tokens)
+        built = {key: dict(runs) for key, runs in graphs._runs.items()}
+    assert len(built) == 2 and all(len(runs) == 1 for runs in built.values())
+    assert proposals[0] == proposals[1] == proposals[2] == proposals[3]  # equal weights, equal drafts
+    drafter.propose([ProposeRequest(0, 3, 3, 4)])
+    assert {k: dict(r) for k, r in graphs._runs.items()} == built  # nothing was rebuilt
+    drafter.forget_head(first)
+    assert len(graphs._runs) == 1
+
+
 def test_length_buckets():
     assert length_buckets(4096) == [64, 128, 256, 512, 1024, 2048, 4096]
     assert length_buckets(12) == [12] and length_buckets(100, smallest=16) == [16, 32, 64, 100]
@@ -84,7 +109,8 @@ def test_cuda_graphs_equal_eager(window):
     eager.propose_graphs = eager.context_graphs = None
     want, want_ctx = drive(eager, [7, 30, 3], steps=8)
     got, got_ctx = drive(graphed, [7, 30, 3], steps=8)
-    assert graphed.propose_graphs._runs and all(run.graph is not None for _, run in graphed.propose_graphs._runs.values())
+    runs = [run for per_head in graphed.propose_graphs._runs.values() for _, run in per_head.values()]
+    assert runs and all(run.graph is not None for run in runs)
     for a, b in zip(want, got):
         assert [p.tokens for p in a] == [p.tokens for p in b]
     for a, b in zip(want_ctx, got_ctx):
