@@ -28,6 +28,7 @@ from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.loop import EngineLoop
 from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
+from tests.test_cancellation import wait_until
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -57,15 +58,6 @@ def stop(pair) -> None:
     server_obj, served = pair
     served.stop(None).wait()
     server_obj.close()
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 # --- finding 6: oversized requests ------------------------------------------------------------------
