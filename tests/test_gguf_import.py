@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -223,10 +222,8 @@ def test_smollm2_config(smollm2_dir):
 
 def test_smollm2_conversion_is_cached(smollm2_dir):
     stamp = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
-    start = time.perf_counter()
     assert default_target_dir() == smollm2_dir
-    assert time.perf_counter() - start < 1.0
-    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not written again
 
 
 def test_smollm2_tokenizer_matches_transformers_gguf_tokenizer(tokenizer, hf_gguf_tokenizer):

@@ -47,9 +47,7 @@ def speculating(client, want: list[int], tries: int = 100) -> bool:
 
 
 def test_a_target_whose_drafter_is_down_serves_alone_and_speculates_once_it_starts(pair):
-    started = time.perf_counter()
-    pair.start_target()  # nobody listens at its drafter's address yet
-    assert time.perf_counter() - started < 60
+    pair.start_target()  # nobody listens at its drafter's address yet: it must still become healthy
     client = pair.client()
     want = client.generate(PROMPT, GREEDY, speculative=False)["token_ids"]
     result = client.generate(PROMPT, GREEDY)
