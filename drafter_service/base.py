@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.drafter_service.store import SequenceStore, check_id
 from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
+from specsplit.shared.layers import masked_sdpa
 from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest, bitmask_to_bool
 
 # Column name -> (shape of one row, dtype).
@@ -127,7 +127,7 @@ def batched_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
     qh = q.transpose(1, 2)  # [B, Hq, Tq, D]
     kh = k.transpose(1, 2).repeat_interleave(groups, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[:, None], scale=scale)
+    out = masked_sdpa(qh, kh, vh, visible[:, None], scale)
     return out.transpose(1, 2)
 
 
