@@ -9,6 +9,7 @@ scripted TargetService on the same gRPC stack.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from concurrent import futures
@@ -16,6 +17,7 @@ from concurrent import futures
 import grpc
 import pytest
 
+from specsplit.cli import main
 from specsplit.client import AsyncClient, Client, Generation, Retry, ServiceError
 from specsplit.local import LocalSetup
 from specsplit.protos.v1 import target_pb2, target_pb2_grpc
@@ -251,6 +253,27 @@ def test_asyncio_deadline_and_retry(scripted):
     err, result = asyncio.run(main())
     assert err.code is grpc.StatusCode.DEADLINE_EXCEEDED and stalled.calls == 1
     assert result.token_ids == [7, 8] and flaky.calls == 2
+
+
+def test_cli_generate_server_streams_through_the_client(served, client, capsys):
+    argv = ["generate", "--server", served[0], "--prompt", "Count to ten:", "--max-tokens", "12", "--ignore-eos",
+            "--timeout", "120"]
+    expected = client.generate("Count to ten:", SamplingParams(max_tokens=12, ignore_eos=True))
+    assert main([*argv, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["token_ids"] == expected.token_ids and printed["text"] == expected.text
+    assert printed["stats"]["steps"] == expected.stats.steps
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == expected.text + "\n" and "[12 tokens," in err
+
+
+def test_cli_generate_server_reports_the_status_of_a_failed_call(tmp_path, capsys):
+    argv = ["generate", "--server", f"unix:{tmp_path}/nothing.sock", "--prompt", "Hi", "--timeout", "1"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("specsplit: error: UNAVAILABLE: ")
+    assert main([*argv[:-1], "-5"]) == 2
+    assert "timeout must be a number of seconds > 0" in capsys.readouterr().err
 
 
 class Scripted(target_pb2_grpc.TargetServiceServicer):
