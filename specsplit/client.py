@@ -260,7 +260,10 @@ class Stream(Iterator[GenerateChunk]):
         with self._lock:
             if self._cancelled.is_set():
                 raise self._finish(self._attempts.cancelled())
-            timeout = self._attempts.next_timeout()
+            try:
+                timeout = self._attempts.next_timeout()
+            except ServiceError as final:
+                raise self._finish(final) from None
             self._call = self._stub.Generate(self._request, timeout=timeout, metadata=self._settings.metadata)
             return self._call
 
