@@ -24,9 +24,10 @@ from specsplit.protos.v1 import target_pb2, target_pb2_grpc
 from specsplit.services import TargetSettings, start_target
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.sampling import SamplingParams
-from specsplit.shared.security import ServerSecurity
+from specsplit.shared.security import ClientTLS, ServerSecurity, ServerTLS
 from specsplit.target_service.engine import EngineConfig
 from tests.test_cancellation import wait_until
+from tests.test_security import free_port, write_pki
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
 FAST_RETRY = Retry(attempts=40, initial_backoff=0.05, max_backoff=0.5)
@@ -198,6 +199,39 @@ def test_the_token_is_sent_and_a_wrong_one_is_not_retried(tmp_path, tiny_chat_di
             with pytest.raises(ServiceError) as info:
                 c.generate("Hi")
         assert info.value.code is grpc.StatusCode.UNAUTHENTICATED and info.value.attempts == 1
+    finally:
+        server.stop(grace=1).wait()
+        loop.stop()
+
+
+def test_mutual_tls_on_tcp_from_the_client_and_the_cli(tmp_path, tiny_chat_dir, capsys):
+    pytest.importorskip("cryptography", reason="the throwaway CA needs the `cryptography` package")
+    pki = write_pki(tmp_path)
+    address = f"127.0.0.1:{free_port()}"
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    token.chmod(0o600)
+    tls = ServerTLS(pki["server.crt"], pki["server.key"], pki["ca.crt"])
+    loop, server = serve_tiny(address, tiny_chat_dir, security=ServerSecurity("s3cret", tls))
+    try:
+        mutual = ClientTLS(pki["ca.crt"], pki["client.crt"], pki["client.key"])
+        with Client(address, token="s3cret", tls=mutual, timeout=60) as c:
+            assert len(c.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True)).token_ids) == 3
+
+        async def over_tls() -> Generation:
+            async with AsyncClient(address, token="s3cret", tls=mutual, timeout=60) as c:
+                return await c.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True))
+
+        assert len(asyncio.run(over_tls()).token_ids) == 3
+        with Client(address, token="s3cret", tls=ClientTLS(pki["ca.crt"]), retry=Retry(attempts=1), timeout=60) as c:
+            with pytest.raises(ServiceError) as info:  # no client certificate: the handshake fails
+                c.generate("Hi")
+        assert info.value.code is grpc.StatusCode.UNAVAILABLE
+        argv = ["generate", "--server", address, "--prompt", "Hi", "--max-tokens", "3", "--ignore-eos", "--json",
+                "--auth-token-file", str(token), "--tls-ca", pki["ca.crt"], "--tls-cert", pki["client.crt"],
+                "--tls-key", pki["client.key"], "--timeout", "60"]
+        assert main(argv) == 0
+        assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
     finally:
         server.stop(grace=1).wait()
         loop.stop()
