@@ -303,7 +303,7 @@ class AsyncClient:
     """The asyncio twin of `Client` (grpc.aio); create and use it inside one running event loop.
 
     Cancelling the task that iterates a stream (or awaits `generate`) cancels the call, and the
-    server frees the sequence; so does `aclose()` on the stream or leaving its `async with` block.
+    server frees the sequence; so does `aclose()` on the stream (`async with contextlib.aclosing(...)`).
     """
 
     def __init__(self, address: str, *, token: str | None = None, tls: ClientTLS | None = None,

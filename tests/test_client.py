@@ -251,7 +251,7 @@ def test_asyncio_client_streams_the_same_tokens(served, client):
     assert whole.text == expected.text and chunks[-1].finish_reason == "length"
 
 
-def test_cancelling_the_asyncio_task_cancels_the_call_and_frees_the_sequence(served, aborted):
+def test_cancelling_the_asyncio_task_or_closing_its_stream_frees_the_sequence(served, aborted):
     address, loop = served
 
     async def main() -> None:
@@ -268,9 +268,15 @@ def test_cancelling_the_asyncio_task_cancels_the_call_and_frees_the_sequence(ser
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            assert await asyncio.to_thread(wait_until, lambda: aborted == [("task", True)])
+
+            stream = c.stream("Count from one to a thousand:", LONG, request_id="aclose")
+            await anext(stream)
+            await stream.aclose()
+            assert await asyncio.to_thread(wait_until, lambda: aborted[1:] == [("aclose", True)])
 
     asyncio.run(main())
-    assert wait_until(lambda: aborted == [("task", True)]) and not loop.engine.running
+    assert not loop.engine.running
 
 
 def test_asyncio_deadline_and_retry(scripted):
