@@ -146,13 +146,19 @@ def _request(prompt: Prompt, sampling: SamplingParams | None, chat: bool, specul
              request_id: str) -> target_pb2.GenerateRequest:
     """Checked here, before any call: a bad argument raises InvalidRequest at once."""
     if not isinstance(prompt, str):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequest("a prompt is text or a sequence of integer token ids")
+        if not isinstance(prompt, Sequence) or not all(_is_token_id(t) for t in prompt):
+            raise InvalidRequest("a prompt is text or a sequence of token ids (integers in [0, 2^31))")
         prompt = tuple(prompt)
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise InvalidRequest(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if not (isinstance(chat, bool) and isinstance(speculative, bool) and isinstance(request_id, str)):
+        raise InvalidRequest("chat and speculative must be booleans, request_id a string")
     call = wire.GenerateCall(prompt, sampling or SamplingParams(), chat, speculative, request_id)
     return wire.generate_to_proto(call)
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31  # an int32 on the wire
 
 
 def _check_timeout(timeout: float | None) -> float | None:

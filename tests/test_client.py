@@ -102,10 +102,13 @@ def test_cancel_from_another_thread_ends_the_stream_with_cancelled(client, serve
 
 
 def test_bad_arguments_are_refused_before_any_call(client):
-    for prompt, sampling in (("", None), ([], None), (["a"], None), ([1, -2], None),
-                             ("Hi", SamplingParams(max_tokens=2).__dict__)):
+    for prompt, sampling in (("", None), ([], None), (["a"], None), ([1, -2], None), ([2**40], None), (5, None),
+                             (None, None), ("Hi", SamplingParams(max_tokens=2).__dict__)):
         with pytest.raises(InvalidRequest):
             client.stream(prompt, sampling)
+    for kwargs in (dict(chat="yes"), dict(speculative=None), dict(request_id=7)):
+        with pytest.raises(InvalidRequest):
+            client.stream("Hi", **kwargs)
     with pytest.raises(InvalidRequest):
         client.stream([1, 2], chat=True)  # a chat template needs text
     for timeout in (0, -1, float("nan"), "5"):
