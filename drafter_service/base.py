@@ -262,6 +262,7 @@ class Drafter(ABC):
         self.store: SequenceStore = SequenceStore()
         self.staging = HostStaging(device)  # per-step ints to the device without a host stall
         self._deferred: list[Append] | None = None  # inside `batched_appends`
+        self._borrowed: list[tuple[SequenceState, torch.Tensor]] = []  # stashes that still hold callers' rows
 
     # -- model math, per kind --
 
@@ -285,7 +286,10 @@ class Drafter(ABC):
     @contextmanager
     def batched_appends(self) -> Iterator[None]:
         """Inside the block, rows that commit/catchup would append wait, and enter their states in one
-        `append_rows_batch` when it ends (per sequence in call order, so the result is the same)."""
+        `append_rows_batch` when it ends (per sequence in call order, so the result is the same).
+
+        The caller's contract: row tensors it passes inside the block stay valid until the block ends
+        (they are borrowed, not copied, until then)."""
         if not self.defers_appends or self._deferred is not None:
             yield
             return
@@ -294,16 +298,22 @@ class Drafter(ABC):
             yield
         finally:
             appends, self._deferred = self._deferred, None
-            if appends:
-                self.append_rows_batch(appends)
+            borrowed, self._borrowed = self._borrowed, []
+            try:
+                if appends:
+                    with torch.no_grad():  # borrowed rows may be inference tensors
+                        self.append_rows_batch(appends)
+            finally:
+                for state, rows in borrowed:  # stashed but not committed in the block: now a copy
+                    if state.stash is rows:
+                        state.stash = rows.clone()
 
-    def _enter_rows(self, state: SequenceState, tokens: list[int], rows: torch.Tensor, base_pos: int,
-                    *, borrowed: bool) -> None:
-        """`borrowed` rows belong to the caller (a registered buffer): a deferred append keeps a copy."""
+    def _enter_rows(self, state: SequenceState, tokens: list[int], rows: torch.Tensor, base_pos: int) -> None:
+        """Now, or at the end of the batched block (the rows stay valid until then, see `batched_appends`)."""
         if self._deferred is None:
             self.append_rows(state, tokens, rows, base_pos)
         else:
-            self._deferred.append(Append(state, tokens, rows.clone() if borrowed else rows, base_pos))
+            self._deferred.append(Append(state, tokens, rows, base_pos))
 
     @abstractmethod
     def drop_speculative(self, state: SequenceState) -> None:
@@ -337,7 +347,7 @@ class Drafter(ABC):
         tokens = self._check_tokens(token_ids, rows.shape[0])
         self._check_span(state, base_pos, rows.shape[0], verb)
         if rows.shape[0]:
-            self._enter_rows(state, tokens, rows, base_pos, borrowed=True)
+            self._enter_rows(state, tokens, rows, base_pos)
             state.next_pos = base_pos + rows.shape[0]
         return rows.shape[0]
 
@@ -346,7 +356,14 @@ class Drafter(ABC):
         rows = self._check_rows(rows)
         if not 1 <= rows.shape[0] <= self.spec.max_drafts + 1:
             raise InvalidRequest(f"stash takes 1..{self.spec.max_drafts + 1} rows, got {rows.shape[0]}")
-        state.stash = rows.clone()  # the caller reuses its verify buffer
+        if self._deferred is not None:
+            # Inside a batched block the caller's rows stay valid until it ends (a verify's output, a
+            # step message's buffer): borrow them, since most are committed before then; the block's
+            # end copies those that were not.
+            state.stash = rows
+            self._borrowed.append((state, rows))
+        else:
+            state.stash = rows.clone()  # the caller reuses its verify buffer
 
     @torch.no_grad()
     def commit(self, seq_id: int, num_rows: int, base_pos: int, token_ids: Sequence[int]) -> None:
@@ -359,7 +376,7 @@ class Drafter(ABC):
             raise StateConflict(f"sequence {seq_id}: commit of {num_rows} rows, {state.stash.shape[0]} stashed")
         tokens = self._check_tokens(token_ids, num_rows)
         self._check_span(state, base_pos, num_rows, "commit")
-        self._enter_rows(state, tokens, state.stash[:num_rows], base_pos, borrowed=False)  # the stash is a copy
+        self._enter_rows(state, tokens, state.stash[:num_rows], base_pos)
         state.next_pos = base_pos + num_rows
         state.stash = None
 
