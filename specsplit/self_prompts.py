@@ -46,7 +46,7 @@ def clean_question(text: str) -> str | None:
 
 def write_questions(sample: Sampler, tokenizer: Tokenizer, rows: int, batch: int, *, seed: int,
                     max_tokens: int = 64, temperature: float = 1.0, banned: frozenset[str] = frozenset(),
-                    deadline: Callable[[], bool] = lambda: False) -> list[Prompt]:
+                    openers: Sequence[str] = OPENERS, deadline: Callable[[], bool] = lambda: False) -> list[Prompt]:
     """Up to `rows` sampled questions, `batch` at a time, deduplicated; none held out or in `banned`."""
     rng = random.Random(seed)
     prefix = user_prefix(tokenizer)
@@ -55,9 +55,9 @@ def write_questions(sample: Sampler, tokenizer: Tokenizer, rows: int, batch: int
     for start in range(0, rows, batch):
         if start and deadline():
             break
-        openers = [rng.choice(OPENERS) for _ in range(min(batch, rows - start))]
-        prompts = [tokenizer.encode(prefix + opener) for opener in openers]
-        for opener, (ids, ended) in zip(openers, sample(prompts, max_tokens, temperature)):
+        chosen = [rng.choice(openers) for _ in range(min(batch, rows - start))]
+        prompts = [tokenizer.encode(prefix + opener) for opener in chosen]
+        for opener, (ids, ended) in zip(chosen, sample(prompts, max_tokens, temperature)):
             text = clean_question(opener + tokenizer.decode(ids)) if ended else None
             norm = " ".join(text.lower().split()) if text else ""
             if text and norm not in seen and not is_heldout(text):

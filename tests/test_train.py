@@ -15,7 +15,7 @@ from specsplit.shared.proposer import ProposeRequest
 from specsplit.shared.sampling import SamplingParams
 from specsplit import train_data
 from specsplit.local import target_head, target_info
-from specsplit.train import TrainConfig, capture_for_model, save_drafter, train_drafter
+from specsplit.train import TrainConfig, capture_for_model, new_drafter, save_drafter, train_drafter
 from specsplit.target_service.dense import capture_features, generate
 from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
@@ -174,6 +174,25 @@ def test_config_is_validated():
         TrainConfig(kind="dflash", steps=1, block_size=1)
     assert TrainConfig(steps=1, block_size=16).decay == 7.0
     assert TrainConfig(steps=1, block_size=8).decay == 4.0
+    for bad in ({"ce_weight": 0.0, "kl_weight": 0.0}, {"kl_weight": -1.0}, {"target_layers": ()},
+                {"target_layers": (1, 2), "num_target_layers": 2}, {"num_target_layers": 0}):
+        with pytest.raises(InvalidRequest):
+            TrainConfig(steps=1, **bad)
+
+
+def test_target_layers_are_chosen_as_asked_and_kept_from_init(llama, tmp_path):
+    info, device = target_info(llama), torch.device("cpu")
+    assert TrainConfig(steps=1, layers=2).target_layer_ids(30) == (1, 27)  # the shipped drafter's
+    assert TrainConfig(steps=1, num_target_layers=5).target_layer_ids(30) == (1, 8, 14, 20, 27)
+    model = new_drafter(TrainConfig(steps=1, layers=1, target_layers=(0, 2)), info, device, None)
+    assert model.cfg.target_layer_ids == (0, 2) and model.cfg.feature_dim == 2 * info.hidden_size
+    with pytest.raises(InvalidRequest):
+        new_drafter(TrainConfig(steps=1, target_layers=(0, 9)), info, device, None)  # the tiny llama has 3
+    folder = save_drafter(model, tmp_path / "d")
+    again = new_drafter(TrainConfig(steps=1, layers=5, num_target_layers=3), info, device, folder)
+    assert again.cfg.target_layer_ids == (0, 2) and len(again.layers) == 1  # the checkpoint decides
+    with pytest.raises(InvalidRequest):
+        new_drafter(TrainConfig(steps=1, target_layers=(1, 2)), info, device, folder)
 
 
 def test_heldout_prompts_are_never_trained_on():
