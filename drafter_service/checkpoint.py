@@ -57,12 +57,13 @@ def _save(folder: str | Path, model: DrafterModel, config: dict, max_file_bytes:
     dtype = next(model.parameters()).dtype
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if len(shards) == 1:
-        save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
-        return folder
-    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    names = [WEIGHTS] if len(shards) == 1 else \
+        [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     for name, shard in zip(names, shards):
         save_file({k: tensors[k] for k in shard}, str(folder / name), metadata={"format": "pt"})
+        (folder / name).chmod(0o644)  # safetensors creates it 0600
+    if len(shards) == 1:
+        return folder
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
              "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

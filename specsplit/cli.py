@@ -357,7 +357,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
                       mtp_steps=args.mtp_steps, seq_len=args.seq_len, lr=args.lr, loss_decay=args.loss_decay,
                       steps=args.steps, minutes=minutes, gen_batch=args.gen_batch, gen_fraction=args.gen_fraction,
                       pool_gb=args.pool_gb, sampled_fraction=args.sampled_fraction, self_prompts=args.self_prompts,
-                      ce_weight=args.ce_weight, kl_weight=args.kl_weight, seed=args.seed, log_every=args.log_every)
+                      ce_weight=args.ce_weight, kl_weight=args.kl_weight, gen_graphs=not args.no_gen_graphs,
+                      seed=args.seed, log_every=args.log_every)
     run(cfg, target=args.target, out=args.out, device=args.device, init=args.init,
         log=lambda line: print(line, flush=True))
 
@@ -405,6 +406,8 @@ def add_training_parsers(sub) -> None:
                                "chained session gives new data)"),
             ("--log-every", int, 50, "optimizer steps between progress lines")):
         tr.add_argument(flag, type=kind, default=default, help=text)
+    tr.add_argument("--no-gen-graphs", action="store_true",
+                    help="generate with eager decode steps instead of CUDA graphs (slower; for diagnosis)")
     tr.set_defaults(func=cmd_train_drafter)
 
     ev = add_command(sub, "eval-acceptance", "τ and acceptance of a drafter on held-out prompts, and speedup")

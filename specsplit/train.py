@@ -54,6 +54,7 @@ class TrainConfig:
     seq_len: int = 256  # tokens the target generates per prompt
     max_prompt_tokens: int = 192
     gen_batch: int = 1024  # sequences generated together (decode is launch-bound: wide batches are cheap)
+    gen_graphs: bool = True  # on CUDA, decode steps replay captured graphs (False: eager, for diagnosis)
     sampled_fraction: float = 0.25  # prompts that also get a sampled continuation
     temperature: float = 0.7
     self_prompts: int = 16384  # rows the target samples questions in (about half survive the filters)
@@ -106,7 +107,11 @@ class TrainConfig:
                 raise InvalidRequest(f"--target-layers {self.target_layers} must be distinct layers of "
                                      f"0..{num_hidden_layers - 1}")
             return self.target_layers
-        return build_target_layer_ids(num_hidden_layers, self.num_target_layers or self.layers)
+        chosen = build_target_layer_ids(num_hidden_layers, self.num_target_layers or self.layers)
+        if len(set(chosen)) != len(chosen) or not all(0 <= i < num_hidden_layers for i in chosen):
+            raise InvalidRequest(f"{len(chosen)} target layers do not spread over {num_hidden_layers}; "
+                                 "give --target-layers")
+        return chosen
 
     @property
     def decay(self) -> float:
@@ -241,7 +246,8 @@ def fit_prompt(ids: list[int], max_tokens: int, keep_tail: bool) -> list[int] | 
 
 def new_decoder(target: TargetModel, cfg: TrainConfig) -> DenseDecoder:
     """One decoder for every generation of a run, so its CUDA graphs are captured once."""
-    return DenseDecoder(target, cfg.gen_batch, cfg.max_prompt_tokens + cfg.seq_len)
+    return DenseDecoder(target, cfg.gen_batch, cfg.max_prompt_tokens + cfg.seq_len,
+                        use_graphs=cfg.gen_graphs and target.embed_weight.device.type == "cuda")
 
 
 def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: CaptureSpec, cfg: TrainConfig,
@@ -553,8 +559,10 @@ def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: st
     del decoder
     saved = save_drafter(result.model, out)
     size = sum(f.stat().st_size for f in saved.glob("*.safetensors"))
-    log(f"saved {saved} ({size / 2**20:.1f} MiB); {len(result.losses)} steps on {result.pool_size} sequences; "
-        f"final loss {sum(result.losses[-20:]) / len(result.losses[-20:]):.4f}; total {clock.elapsed():.0f}s")
+    epochs = len(result.losses) * cfg.batch / result.pool_size
+    log(f"saved {saved} ({size / 2**20:.1f} MiB); {len(result.losses)} steps on {result.pool_size} sequences "
+        f"({epochs:.1f} epochs); final loss {sum(result.losses[-20:]) / len(result.losses[-20:]):.4f}; "
+        f"total {clock.elapsed():.0f}s")
     return saved
 
 
@@ -573,6 +581,7 @@ def session_prompts(cfg: TrainConfig, target: TargetModel, tokenizer, decoder: D
     eos = set(tokenizer.eos_token_ids)
 
     def sample(rows, max_tokens, temperature):
+        max_tokens = min(max_tokens, decoder.width - max(map(len, rows)))  # the decoder's cache is the bound
         out = generate(target, rows, max_tokens, temperature=temperature, generator=gen,
                        eos_ids=tokenizer.eos_token_ids, decoder=decoder)
         done = []

@@ -277,7 +277,8 @@ def test_large_drafters_are_saved_in_shards_that_load_exactly(tmp_path):
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     assert all((tmp_path / f).stat().st_size <= limit + 4096 for f in files)  # + the safetensors header
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(drafter.model.state_dict()) and set(index["weight_map"].values()) == set(files)
+    assert set(index["weight_map"]) == set(drafter.model.state_dict())
+    assert set(index["weight_map"].values()) == set(files)
     loaded = load_drafter(tmp_path, HEAD, target_info=INFO, dtype=torch.float32, device="cpu")
     assert same_weights(loaded, drafter) and drafts(loaded) == drafts(drafter)
     (tmp_path / files[-1]).unlink()

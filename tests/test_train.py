@@ -203,3 +203,23 @@ def test_heldout_prompts_are_never_trained_on():
     assert training and not any(train_data.is_heldout(p.key) for p in training)
     assert not {p.text for p in heldout} & {p.text for p in training}
     assert not {p.key for p in heldout if p.kind == "code"} & {p.key for p in training}
+
+
+@pytest.mark.slow
+def test_the_command_writes_questions_trains_and_saves(tiny_chat_dir, tmp_path, monkeypatch):
+    """The whole `train-drafter` path on a tiny model with the real tokenizer: offline prompts, the
+    target's own questions (a random model writes none that pass the filters), generation within the
+    time budget, training, a checkpoint that loads."""
+    from specsplit.train import run
+
+    lines = []
+    cfg = TrainConfig(layers=1, target_layers=(0, 2), block_size=4, batch=8, anchors=4, seq_len=8,
+                      max_prompt_tokens=32, gen_batch=64, self_prompts=64, minutes=0.5, log_every=10, pool_gb=0.1)
+    folder = run(cfg, target=str(tiny_chat_dir), out=tmp_path / "d", device="cpu", log=lines.append)
+    text = "\n".join(lines)
+    for needle in ("offline training prompts (seed 0)", "questions written by the target from 64 samples",
+                   "training prompts within 32 tokens", "target layers [0, 2]", "generated tokens", "epochs"):
+        assert needle in text
+    target = load_target(tiny_chat_dir)
+    drafter = load_drafter(folder, target_head(target), target_info=target_info(target))
+    assert drafter.model.cfg.target_layer_ids == (0, 2)
