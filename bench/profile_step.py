@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--stacks", action="store_true",
+                    help="also list host->device and device->host copies and syncs by the Python line that made them")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     setup = LocalSetup(drafter=args.drafter, device="cuda", dtype="bfloat16", seed=0)
@@ -46,7 +48,7 @@ def main() -> None:
     for _ in range(10):  # prefill, captures of the buckets in use
         engine.step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stacks) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
@@ -58,12 +60,35 @@ def main() -> None:
              f"{len(kernels) / args.steps:.0f} kernels/step",
              prof.key_averages().table(sort_by="device_time_total", row_limit=15),
              prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)]
+    if args.stacks:
+        lines.append(copy_sites(prof, args.steps))
     text = "\n".join(lines)
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"profile-{args.drafter}-b{args.batch}.txt"), "w") as f:
             f.write(text)
+
+
+COPY_OPS = ("aten::copy_", "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::tolist")
+
+
+def copy_sites(prof, steps: int) -> str:
+    """Per step: copies and host reads grouped by the innermost line of our code on their stack."""
+    sites: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.name not in COPY_OPS or not e.stack:
+            continue
+        ours = [f for f in e.stack if "specsplit" in f or "/target_service/" in f or "/drafter_service/" in f
+                or "/shared/" in f]
+        key = f"{e.name} @ {ours[0] if ours else e.stack[0]}"
+        entry = sites.setdefault(key, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.cpu_time_total
+    rows = sorted(sites.items(), key=lambda kv: -kv[1][1])
+    out = ["copies and host reads per step, by call site (count/step, host us/step):"]
+    out += [f"{n / steps:6.1f} {us / steps:9.1f}  {site}" for site, (n, us) in rows[:40]]
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.drafter_service.store import SequenceStore, check_id
 from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
+from specsplit.shared.layers import masked_sdpa
 from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest, bitmask_to_bool
+from specsplit.shared.staging import HostStaging, to_host
 
 # Column name -> (shape of one row, dtype).
 Schema = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -127,7 +128,7 @@ def batched_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
     qh = q.transpose(1, 2)  # [B, Hq, Tq, D]
     kh = k.transpose(1, 2).repeat_interleave(groups, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[:, None], scale=scale)
+    out = masked_sdpa(qh, kh, vh, visible[:, None], scale)
     return out.transpose(1, 2)
 
 
@@ -179,8 +180,8 @@ def batch_allowed(allowed: Sequence[torch.Tensor | None], size: int, device: tor
 
 
 def proposals(tokens: torch.Tensor, logp: torch.Tensor, batch: Sequence["Draft"]) -> list[Proposal]:
-    """tokens/logp [B, n] → one Proposal per request, cut to its num_drafts."""
-    tokens, logp = tokens.tolist(), logp.tolist()
+    """tokens/logp [B, n] → one Proposal per request, cut to its num_drafts (one wait for the device)."""
+    tokens, logp = to_host(tokens, logp)
     return [
         Proposal(tokens=tokens[i][:d.request.num_drafts],
                  confidence=logp[i][:d.request.num_drafts] if d.request.want_confidence else None)
@@ -211,7 +212,7 @@ class Append:
     """Committed rows [n, feature_dim] with their tokens [n] at positions base_pos.. for one sequence."""
 
     state: SequenceState
-    tokens: torch.Tensor
+    tokens: list[int]  # checked ids, on the host: a kind that needs them on the device moves them
     rows: torch.Tensor
     base_pos: int
 
@@ -235,6 +236,7 @@ class Drafter(ABC):
         self.spec, self.head, self.vocab = spec, head, vocab
         self.dtype, self.device = dtype, device
         self.store: SequenceStore = SequenceStore()
+        self.staging = HostStaging(device)  # per-step ints to the device without a host stall
         self._deferred: list[Append] | None = None  # inside `batched_appends`
 
     # -- model math, per kind --
@@ -244,7 +246,7 @@ class Drafter(ABC):
         """Empty state for a sequence that may commit positions 0..budget-1."""
 
     @abstractmethod
-    def append_rows(self, state: SequenceState, tokens: torch.Tensor, rows: torch.Tensor, base_pos: int) -> None:
+    def append_rows(self, state: SequenceState, tokens: list[int], rows: torch.Tensor, base_pos: int) -> None:
         """Take committed rows [n, feature_dim] with their tokens [n] at positions base_pos.."""
 
     def append_rows_batch(self, appends: Sequence["Append"]) -> None:
@@ -271,7 +273,7 @@ class Drafter(ABC):
             if appends:
                 self.append_rows_batch(appends)
 
-    def _enter_rows(self, state: SequenceState, tokens: torch.Tensor, rows: torch.Tensor, base_pos: int,
+    def _enter_rows(self, state: SequenceState, tokens: list[int], rows: torch.Tensor, base_pos: int,
                     *, borrowed: bool) -> None:
         """`borrowed` rows belong to the caller (a registered buffer): a deferred append keeps a copy."""
         if self._deferred is None:
@@ -395,12 +397,8 @@ class Drafter(ABC):
             raise InvalidRequest(f"rows must be {self.dtype}, got {rows.dtype}")
         return rows.detach().to(self.device)
 
-    def _check_tokens(self, token_ids: Sequence[int], count: int) -> torch.Tensor:
-        """Checked on the host (ids in a device tensor are read back once), then moved to the device."""
-        values = self._check_token_values(token_ids, count)
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-
-    def _check_token_values(self, token_ids: Sequence[int], count: int) -> list[int]:
+    def _check_tokens(self, token_ids: Sequence[int], count: int) -> list[int]:
+        """Checked on the host (ids in a device tensor are read back once); they stay there."""
         if isinstance(token_ids, torch.Tensor):
             if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
                 raise InvalidRequest("token_ids must be a 1-D integer tensor or a list of ints")
@@ -442,7 +440,7 @@ class Drafter(ABC):
         n = request.num_drafts
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.spec.max_drafts:
             raise InvalidRequest(f"num_drafts must be in 0..{self.spec.max_drafts}, got {n!r}")
-        self._check_token_values([request.last_token], 1)
+        self._check_tokens([request.last_token], 1)
         if request.position != state.next_pos:
             raise StateConflict(
                 f"sequence {request.seq_id}: propose at position {request.position}, "

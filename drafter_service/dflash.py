@@ -272,7 +272,7 @@ class DFlashDrafter(Drafter):
         self.context_graphs = ContextGraphs(self.model, max_rows=rows, use_graphs=use_graphs, pool=pool)
         self.propose_graphs = ProposeGraphs(self.model, self.vocab.table, max_batch=self.spec.max_batch,
                                             window=self.spec.window, device=self.device, dtype=self.dtype,
-                                            use_graphs=use_graphs, pool=pool)
+                                            use_graphs=use_graphs, pool=pool, staging=self.staging)
 
     def forget_head(self, head: TargetHead) -> None:
         """A target that leaves takes its head: drop the graphs made over it."""
@@ -287,7 +287,7 @@ class DFlashDrafter(Drafter):
 
     defers_appends = True  # a context row's features depend on that row alone
 
-    def append_rows(self, state: DFlashState, tokens: torch.Tensor, rows: torch.Tensor, base_pos: int) -> None:
+    def append_rows(self, state: DFlashState, tokens: list[int], rows: torch.Tensor, base_pos: int) -> None:
         self.append_rows_batch([Append(state, tokens, rows, base_pos)])
 
     def append_rows_batch(self, appends: Sequence[Append]) -> None:
@@ -298,7 +298,7 @@ class DFlashDrafter(Drafter):
             n, keep = a.rows.shape[0], min(a.rows.shape[0], a.state.ctx.limit)
             kept.append(a.rows[n - keep:])
             spans.append(range(a.base_pos + n - keep, a.base_pos + n))
-        pos = torch.tensor([p for span in spans for p in span], dtype=torch.long).to(self.device, non_blocking=True)
+        pos = self.staging.put([p for span in spans for p in span])
         rows = torch.cat(kept) if len(kept) > 1 else kept[0]
         graphs = self.context_graphs
         feat, k, v = (graphs if graphs is not None and graphs.fits(rows.shape[0]) else self.model.context)(rows, pos)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture
+from specsplit.shared.staging import HostStaging
 
 MIN_CONTEXT_BUCKET = 64
 
@@ -114,8 +115,8 @@ class ProposeGraphs:
     """The block forward for up to `max_batch` sequences with up to `window` context rows each."""
 
     def __init__(self, model, table: torch.Tensor | None, *, max_batch: int, window: int,
-                 device: torch.device, dtype: torch.dtype, use_graphs: bool, pool) -> None:
-        self.model, self.table = model, table
+                 device: torch.device, dtype: torch.dtype, use_graphs: bool, pool, staging: HostStaging) -> None:
+        self.model, self.table, self.staging = model, table, staging
         self.device, self.dtype = device, dtype
         self.batches = batch_buckets(max_batch)
         self.lengths = length_buckets(window)
@@ -143,8 +144,8 @@ class ProposeGraphs:
             runs[key] = (buffers, _Replayable(buffers.run, self.pool, self.use_graphs))
         buffers, run = runs[key]
         pad = [0] * (key[0] - batch)  # padding sequences see no context
-        buffers.meta.copy_(torch.tensor([anchors + pad, positions + pad, lengths + pad]), non_blocking=True)
-        _gather_contexts(contexts, lengths, key[1], buffers)
+        buffers.meta.copy_(self.staging.put([anchors + pad, positions + pad, lengths + pad]))
+        _gather_contexts(contexts, lengths, key[1], buffers, self.staging)
         drafts, logp = run()
         return drafts[:batch], logp[:batch]
 
@@ -153,11 +154,12 @@ def _head_key(head: TargetHead) -> tuple:
     return tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (head.embed, head.lm_head))
 
 
-def _gather_contexts(contexts: Sequence, lengths: list[int], width: int, buffers: _ProposeBuffers) -> None:
+def _gather_contexts(contexts: Sequence, lengths: list[int], width: int, buffers: _ProposeBuffers,
+                     staging: HostStaging) -> None:
     """Every sequence's context rows into the padded buffers: one concatenation and one scatter per
     column for the whole batch (rows past a sequence's length keep stale values; they are masked)."""
     dest = np.concatenate([np.arange(b * width, b * width + n) for b, n in enumerate(lengths)])
-    dest = torch.from_numpy(dest).to(buffers.k.device, non_blocking=True)
+    dest = staging.put(dest)
     for name, static in (("k", buffers.k), ("v", buffers.v), ("pos", buffers.pos)):
         parts = [c[name] for c in contexts]
         rows = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -210,8 +210,8 @@ class MTPDrafter(Drafter):
             pending=Rows({"h": ((dec.hidden_size,), self.dtype), "tok": ((), torch.long)}, self.device),
         )
 
-    def append_rows(self, state: MTPState, tokens: torch.Tensor, rows: torch.Tensor, base_pos: int) -> None:
-        state.pending.append(h=rows, tok=tokens)
+    def append_rows(self, state: MTPState, tokens: list[int], rows: torch.Tensor, base_pos: int) -> None:
+        state.pending.append(h=rows, tok=self.staging.put(tokens))
 
     def drop_speculative(self, state: MTPState) -> None:
         state.kv.truncate(state.exact)
