@@ -163,7 +163,7 @@ class Batch:
     starts: torch.Tensor  # [B] index of the first generated token
     lengths: torch.Tensor  # [B] real tokens
     rows: torch.Tensor  # [B, S, feature_dim] the target's feature rows
-    final: torch.Tensor | None  # [B, S, hidden] the target's final-normed last hidden rows (KL only)
+    final: torch.Tensor | None = None  # [B, S, hidden] the target's final-normed last hidden rows (KL only)
 
 
 class Pool:
