@@ -34,7 +34,7 @@ from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.mtp import MTPModel
 from specsplit.drafter_service.training import dflash_block_hidden, mtp_step_outputs
 from specsplit.shared.errors import InvalidRequest
-from specsplit.target_service.dense import DenseDecoder, Generated, capture_rows, generate
+from specsplit.target_service.dense import DenseDecoder, Generated, generate
 from specsplit.target_service.model import CaptureSpec, TargetModel
 
 MAX_FILE_BYTES = 25 * 1024 * 1024
@@ -263,8 +263,8 @@ def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: Captu
     log(f"pool: room for {capacity} sequences ({capacity * per_seq / 2**30:.1f} GiB) of {sum(map(len, batches))} "
         f"planned; features {feature_dim}{f' + final {final_dim}' if final_dim else ''} per token")
     decoder = decoder or new_decoder(target, cfg)
+    decoder.set_capture(capture, final=final_dim > 0)  # rows kept while decoding: no second pass
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    spec = CaptureSpec(capture.layer_ids, last_hidden=capture.last_hidden or final_dim > 0)
     tokens, start = 0, clock.elapsed()
     for i, jobs in enumerate(batches):
         if pool.size >= pool.capacity or (i > 0 and clock.gen_over()):
@@ -272,8 +272,7 @@ def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: Captu
         temperature = jobs[0].temperature
         out = generate(target, [j.prompt for j in jobs], cfg.seq_len, temperature=temperature, generator=gen,
                        eos_ids=eos_ids, decoder=decoder)
-        rows, final = _pool_rows(target, out, capture, spec, final_dim > 0)
-        pool.add(out, rows, final)
+        pool.add(out, out.features, out.final)
         tokens += int((out.lengths - out.prompt_lengths).sum())
         if i < 3 or (i + 1) % 10 == 0:
             log(f"gen batch {i + 1}/{len(batches)} ({'greedy' if temperature == 0 else f'T={temperature}'}, "
@@ -282,14 +281,6 @@ def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: Captu
     if pool.size == 0:
         raise InvalidRequest("no training sequences were generated")
     return pool
-
-
-def _pool_rows(target: TargetModel, out: Generated, capture: CaptureSpec, spec: CaptureSpec,
-               final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The drafter's feature rows of the generated sequences, and the target's final-normed last hidden rows."""
-    got = capture_rows(target, out.tokens, out.lengths, spec, chunk=256)
-    rows = got.layer_features if capture.layer_ids else got.last_hidden
-    return rows, target.model.norm(got.last_hidden) if final else None
 
 
 # ---- losses -------------------------------------------------------------------------------------

@@ -146,6 +146,10 @@ class Generated:
     tokens: torch.Tensor  # [B, max prompt + max_new_tokens] int64, zero after each row's end
     prompt_lengths: torch.Tensor  # [B] int64
     lengths: torch.Tensor  # [B] int64: prompt + generated, through the first EOS when there is one
+    # With a capturing decoder, rows packed like the tokens; column lengths[b]-1 (the last token, never
+    # fed back) and those after it hold no rows of this sequence.
+    features: torch.Tensor | None = None  # [B, S, feature] see `DenseDecoder.set_capture`
+    final: torch.Tensor | None = None  # [B, S, hidden]
 
     def rows(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths.tolist())]
@@ -178,6 +182,9 @@ class DenseDecoder:
     tensor and the keys are a fixed width rounded up to `bucket` columns; columns not yet written are
     invalid, hence masked, so a step attends to exactly the keys it would attend to in eager mode.
     One decoder serves many `generate` calls of up to `batch` rows: `reset` forgets the sequences.
+
+    With `set_capture`, prefill and every step also keep each column's feature rows (and the target's
+    final-normed last hidden row), so generated sequences need no second pass to be captured.
     """
 
     def __init__(self, model: TargetModel, batch: int, width: int, *, bucket: int = 64,
@@ -191,6 +198,26 @@ class DenseDecoder:
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # key width -> graph, its logits
+        self.capture, self.features, self.final = CaptureSpec(), None, None
+
+    def set_capture(self, capture: CaptureSpec, final: bool) -> None:
+        """Keep the rows `capture` names ([B, width, feature], as `capture_features` returns them) and,
+        when `final`, the final-normed last hidden rows [B, width, hidden] of every column from now on."""
+        capture.validate(self.model.config.num_hidden_layers)
+        cfg, weight = self.model.config, self.model.embed_weight
+        dim = cfg.hidden_size * (len(capture.layer_ids) or 1)
+        wanted = bool(capture.layer_ids) or capture.last_hidden
+        self.capture = CaptureSpec(capture.layer_ids, last_hidden=capture.last_hidden or final)
+        self.features = weight.new_zeros((self.batch, self.width, dim)) if wanted else None
+        self.final = weight.new_zeros((self.batch, self.width, cfg.hidden_size)) if final else None
+        self.graphs.clear()  # they were captured without the copies
+
+    def _keep(self, out: DenseOutput, columns: torch.Tensor) -> None:
+        """Copy a forward's captured rows into `columns` [T] of the row buffers."""
+        if self.features is not None:
+            self.features.index_copy_(1, columns, out.layer_features if self.capture.layer_ids else out.last_hidden)
+        if self.final is not None:
+            self.final.index_copy_(1, columns, self.model.model.norm(out.last_hidden))
 
     def reset(self) -> None:
         self.cache.valid.zero_()
@@ -200,7 +227,10 @@ class DenseDecoder:
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Prompts [B, P] into columns 0..P-1 (eager); logits [B, vocab] float32 of their last column."""
         self.reset()
-        return dense_forward(self.model, ids, positions, valid, cache=self.cache, last_logits=True).logits
+        out = dense_forward(self.model, ids, positions, valid, cache=self.cache, capture=self.capture,
+                            last_logits=True)
+        self._keep(out, torch.arange(ids.shape[1], device=out.logits.device))
+        return out.logits
 
     def step(self, token: torch.Tensor, pos: torch.Tensor, column: int) -> torch.Tensor:
         """token/pos [B] into `column` of every row → logits [B, vocab] float32 (a static buffer on CUDA:
@@ -226,7 +256,9 @@ class DenseDecoder:
         q_valid = torch.ones_like(self.pos, dtype=torch.bool)
         masks = _masks(self.model, self.pos, q_valid, cache.pos[:, :keys], cache.valid[:, :keys])
         plan = _Keys(cache, 0, masks, column=self.column, width=keys)
-        return _layers(self.model, plan, self.token, self.pos, CaptureSpec(), last_logits=True).logits
+        out = _layers(self.model, plan, self.token, self.pos, self.capture, last_logits=True)
+        self._keep(out, self.column)
+        return out.logits
 
 
 @torch.no_grad()
@@ -267,18 +299,28 @@ def generate(model: TargetModel, prompts: Sequence[Sequence[int]], max_new_token
             break
         logits = decoder.step(token, next_pos + step, width + step)
     packed = _pack(ids, valid, out, count)
-    return Generated(packed.tokens[:count_real], packed.prompt_lengths[:count_real], packed.lengths[:count_real])
+    index = _packing(valid, packed.tokens.shape[1])
+    features, final = (None if t is None else t[:count_real, :index.shape[1]].gather(
+        1, index[:count_real, :, None].expand(-1, -1, t.shape[2])) for t in (decoder.features, decoder.final))
+    return Generated(packed.tokens[:count_real], packed.prompt_lengths[:count_real], packed.lengths[:count_real],
+                     features, final)
 
 
 def _pack(prompt_ids: torch.Tensor, prompt_valid: torch.Tensor, new: torch.Tensor, count: torch.Tensor) -> Generated:
     """Left-padded prompts + continuations → rows packed to the left, zero after each row's end."""
     prompt_lengths = prompt_valid.sum(1)
     full = torch.cat([prompt_ids, new], 1)  # [B, P + G]
-    pads = prompt_ids.shape[1] - prompt_lengths
     cols = torch.arange(full.shape[1], device=full.device)[None, :]
-    packed = full.gather(1, (cols + pads[:, None]).clamp(max=full.shape[1] - 1))
+    packed = full.gather(1, _packing(prompt_valid, full.shape[1]))
     lengths = prompt_lengths + count
     return Generated(packed.masked_fill(cols >= lengths[:, None], 0), prompt_lengths, lengths)
+
+
+def _packing(prompt_valid: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] the left-padded column each packed column reads (prompts right-aligned in prompt_valid)."""
+    pads = prompt_valid.shape[1] - prompt_valid.sum(1)
+    cols = torch.arange(width, device=prompt_valid.device)[None, :]
+    return (cols + pads[:, None]).clamp(max=width - 1)
 
 
 @torch.no_grad()

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specsplit.shared.errors import InvalidRequest
-from specsplit.target_service.dense import DenseDecoder, dense_forward, generate, left_pad
-from specsplit.target_service.model import load_target
+from specsplit.target_service.dense import DenseDecoder, capture_rows, dense_forward, generate, left_pad
+from specsplit.target_service.model import CaptureSpec, load_target
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]
 
@@ -40,3 +40,20 @@ def test_a_reused_decoder_equals_a_fresh_one(qwen3):
         generate(qwen3, PROMPTS * 2, 4, decoder=decoder)  # more rows than the decoder holds
     with pytest.raises(InvalidRequest):
         generate(qwen3, PROMPTS, 11, decoder=decoder)  # wider than its cache
+
+
+@pytest.mark.parametrize("capture", [CaptureSpec(layer_ids=(2, 0)), CaptureSpec(last_hidden=True)])
+def test_rows_kept_while_decoding_equal_a_second_pass(qwen3, capture):
+    decoder = DenseDecoder(qwen3, 4, 13 + 9, bucket=8)
+    generate(qwen3, [[7, 7, 7, 7]] * 4, 9, decoder=decoder)  # leaves stale rows behind
+    decoder.set_capture(capture, final=True)
+    out = generate(qwen3, PROMPTS, 9, temperature=1.0, generator=torch.Generator().manual_seed(3), decoder=decoder)
+    fresh = DenseDecoder(qwen3, 4, 13 + 9)  # as many rows: the same random draws
+    assert out.rows() == generate(qwen3, PROMPTS, 9, temperature=1.0, generator=torch.Generator().manual_seed(3),
+                                  decoder=fresh).rows()
+    again = capture_rows(qwen3, out.tokens, out.lengths, CaptureSpec(capture.layer_ids, last_hidden=True))
+    features = again.layer_features if capture.layer_ids else again.last_hidden
+    for b, n in enumerate(out.lengths.tolist()):  # every row but the last token's, which is never fed back
+        torch.testing.assert_close(out.features[b, :n - 1], features[b, :n - 1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.final[b, :n - 1], qwen3.model.norm(again.last_hidden[b, :n - 1]),
+                                   atol=1e-4, rtol=1e-4)

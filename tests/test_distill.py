@@ -12,10 +12,9 @@ from specsplit.drafter_service.checkpoint import random_drafter
 from specsplit.drafter_service.training import dflash_block_hidden, mtp_step_outputs
 from specsplit.local import target_head, target_info
 from specsplit.shared.errors import InvalidRequest
-from specsplit.target_service.dense import dense_forward, generate
-from specsplit.target_service.model import CaptureSpec, load_target
-from specsplit.train import (Batch, Pool, TrainConfig, _pool_rows, capture_for_model, dflash_loss, mtp_loss,
-                             sample_anchors)
+from specsplit.target_service.dense import DenseDecoder, dense_forward, generate
+from specsplit.target_service.model import load_target
+from specsplit.train import Batch, Pool, TrainConfig, capture_for_model, dflash_loss, mtp_loss, sample_anchors
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]
 
@@ -27,13 +26,14 @@ def llama(tiny_llama_dir):
 
 def pooled(target, model, temperature=0.0):
     """A Batch of every generated sequence, as the training loop reads it from the pool."""
-    out = generate(target, PROMPTS, 12, temperature=temperature, generator=torch.Generator().manual_seed(0))
-    capture = capture_for_model(model)
-    spec = CaptureSpec(capture.layer_ids, last_hidden=True)
-    rows, final = _pool_rows(target, out, capture, spec, final=True)
+    decoder = DenseDecoder(target, len(PROMPTS), 13 + 12)
+    decoder.set_capture(capture_for_model(model), final=True)
+    out = generate(target, PROMPTS, 12, temperature=temperature, generator=torch.Generator().manual_seed(0),
+                   decoder=decoder)
     hidden = target.config.hidden_size
-    pool = Pool(len(PROMPTS), out.tokens.shape[1], rows.shape[2], hidden, rows.dtype, rows.device)
-    pool.add(out, rows, final)
+    pool = Pool(len(PROMPTS), out.tokens.shape[1], out.features.shape[2], hidden, out.features.dtype,
+                out.features.device)
+    pool.add(out, out.features, out.final)
     return pool.batch(torch.arange(len(PROMPTS)))
 
 
