@@ -251,7 +251,7 @@ def new_decoder(target: TargetModel, cfg: TrainConfig) -> DenseDecoder:
 
 
 def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: CaptureSpec, cfg: TrainConfig,
-               clock: Clock, eos_ids: Sequence[int], log: Log, decoder: DenseDecoder | None = None) -> Pool:
+               clock: Clock, eos_ids: Sequence[int], log: Log) -> Pool:
     device = target.embed_weight.device
     hidden = target.config.hidden_size
     feature_dim = hidden * (len(capture.layer_ids) or 1)
@@ -262,7 +262,7 @@ def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: Captu
     pool = Pool(capacity, width, feature_dim, final_dim, target.embed_weight.dtype, device)
     log(f"pool: room for {capacity} sequences ({capacity * per_seq / 2**30:.1f} GiB) of {sum(map(len, batches))} "
         f"planned; features {feature_dim}{f' + final {final_dim}' if final_dim else ''} per token")
-    decoder = decoder or new_decoder(target, cfg)
+    decoder = new_decoder(target, cfg)  # its cache and graphs are freed when this returns
     decoder.set_capture(capture, final=final_dim > 0)  # rows kept while decoding: no second pass
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     tokens, start = 0, clock.elapsed()
@@ -421,8 +421,7 @@ def checkpoint_bytes(model: DrafterModel) -> int:
 
 def train_drafter(cfg: TrainConfig, target: TargetModel, prompts: Sequence[list[int]], *,
                   samples: Sequence[float] | None = None, eos_ids: Sequence[int] = (),
-                  init: str | Path | None = None, log: Log = print, clock: Clock | None = None,
-                  decoder: DenseDecoder | None = None) -> TrainResult:
+                  init: str | Path | None = None, log: Log = print, clock: Clock | None = None) -> TrainResult:
     """Generate the pool from `prompts` (token ids within max_prompt_tokens; `samples` sampled continuations
     each, cfg.sampled_fraction by default), then train."""
     clock = clock or Clock(cfg.minutes, cfg.gen_fraction)
@@ -434,10 +433,9 @@ def train_drafter(cfg: TrainConfig, target: TargetModel, prompts: Sequence[list[
     log(f"drafter: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters"
         + (f", target layers {list(model.cfg.target_layer_ids)}" if isinstance(model, DFlashModel) else ""))
     samples = [cfg.sampled_fraction] * len(prompts) if samples is None else samples
-    pool = build_pool(target, plan_jobs(prompts, samples, cfg), capture, cfg, clock, eos_ids, log, decoder)
-    del decoder  # the generation cache is not needed while training
+    pool = build_pool(target, plan_jobs(prompts, samples, cfg), capture, cfg, clock, eos_ids, log)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # the generation cache is gone; training's buffers are shaped differently
     log(f"pool: {pool.size} sequences, {pool.generated_tokens()} generated tokens, "
         f"{int(pool.host_lengths[:pool.size].sum())} tokens in all, {clock.elapsed():.0f}s")
     losses, accs = _optimize(model, head, pool, cfg, clock, log)
@@ -538,16 +536,13 @@ def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: st
     model = load_target(folder, dtype=dtype, device=device)
     tokenizer = Tokenizer.from_dir(folder)
     log(f"target {folder} on {device} ({dtype}); {clock.elapsed():.0f}s")
-    decoder = new_decoder(model, cfg)
-    prompts = session_prompts(cfg, model, tokenizer, decoder, clock, log)
+    prompts = session_prompts(cfg, model, tokenizer, clock, log)
     fitted = [(fit_prompt(p.encode(tokenizer), cfg.max_prompt_tokens, p.kind == "code"), p.kind) for p in prompts]
     ids = [i for i, _ in fitted if i]
     log(f"{len(ids)} training prompts within {cfg.max_prompt_tokens} tokens "
         f"({sum(1 for i, k in fitted if i and k == 'chat')} chat, {sum(1 for i, k in fitted if i and k == 'code')} "
         f"code); {clock.elapsed():.0f}s")
-    result = train_drafter(cfg, model, ids, eos_ids=tokenizer.eos_token_ids, init=init, log=log, clock=clock,
-                           decoder=decoder)
-    del decoder
+    result = train_drafter(cfg, model, ids, eos_ids=tokenizer.eos_token_ids, init=init, log=log, clock=clock)
     saved = save_drafter(result.model, out)
     size = sum(f.stat().st_size for f in saved.glob("*.safetensors"))
     epochs = len(result.losses) * cfg.batch / result.pool_size
@@ -557,8 +552,7 @@ def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: st
     return saved
 
 
-def session_prompts(cfg: TrainConfig, target: TargetModel, tokenizer, decoder: DenseDecoder, clock: Clock,
-                    log: Log) -> list:
+def session_prompts(cfg: TrainConfig, target: TargetModel, tokenizer, clock: Clock, log: Log) -> list:
     """The offline training prompts drawn with cfg.seed, and the questions the target writes this session."""
     from specsplit.self_prompts import write_questions
     from specsplit.train_data import HELDOUT_PATH, read_prompts, training_prompts
@@ -570,6 +564,7 @@ def session_prompts(cfg: TrainConfig, target: TargetModel, tokenizer, decoder: D
     banned = frozenset(p.text for p in read_prompts(HELDOUT_PATH))
     gen = torch.Generator(device=target.embed_weight.device).manual_seed(cfg.seed + 7)
     eos = set(tokenizer.eos_token_ids)
+    decoder = new_decoder(target, cfg)
 
     def sample(rows, max_tokens, temperature):
         max_tokens = min(max_tokens, decoder.width - max(map(len, rows)))  # the decoder's cache is the bound
