@@ -223,3 +223,12 @@ def test_the_command_writes_questions_trains_and_saves(tiny_chat_dir, tmp_path, 
     target = load_target(tiny_chat_dir)
     drafter = load_drafter(folder, target_head(target), target_info=target_info(target))
     assert drafter.model.cfg.target_layer_ids == (0, 2)
+
+
+def test_a_later_sessions_seed_draws_new_prompts():
+    files = train_data.stdlib_files()[:30]
+    code = [{p.text for p in train_data.code_prefixes(files, 2, seed, per_kchars=1.0)} for seed in (0, 1)]
+    math_ = [{p.text for p in train_data.word_problems(300, seed)} for seed in (0, 1)]
+    for first, second in (code, math_):
+        assert len(first) > 50 and len(first & second) < 0.2 * len(first)
+    assert len(train_data.code_prefixes(files, 2, 0, per_kchars=3.0)) > len(code[0])  # more per character
