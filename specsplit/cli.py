@@ -351,7 +351,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
     from specsplit.train import TrainConfig, run
 
     minutes = 7.0 if args.minutes is None and args.steps is None else args.minutes
-    target_layers = tuple(int(i) for i in args.target_layers.split(",")) if args.target_layers else None
+    try:
+        target_layers = tuple(int(i) for i in args.target_layers.split(",")) if args.target_layers else None
+    except ValueError:
+        raise InvalidRequest(f"--target-layers must be comma-separated integers, got {args.target_layers!r}") from None
     cfg = TrainConfig(kind=args.kind, layers=args.layers, block_size=args.block_size, target_layers=target_layers,
                       num_target_layers=args.num_target_layers, batch=args.batch, anchors=args.anchors,
                       mtp_steps=args.mtp_steps, seq_len=args.seq_len, lr=args.lr, loss_decay=args.loss_decay,
