@@ -391,8 +391,10 @@ def add_training_parsers(sub) -> None:
     for flag, kind, default, text in (
             ("--layers", int, 2, "DFlash decoder layers"),
             ("--block-size", int, 16, "DFlash block size γ, in tokens"),
-            ("--target-layers", str, None, "DFlash: comma-separated target layers read as features, e.g. 1,8,14,20,27"),
-            ("--num-target-layers", int, None, "DFlash: that many target layers spread over depth (default: --layers)"),
+            ("--target-layers", str, None, "DFlash: comma-separated target layers read as features, e.g. "
+                                           "1,8,14,20,27 (default: --num-target-layers spread over depth)"),
+            ("--num-target-layers", int, None, "DFlash: that many target layers spread over depth (default: --layers; "
+                                               "with --init, the checkpoint's)"),
             ("--batch", int, 32, "sequences per optimizer step"), ("--anchors", int, 32, "DFlash blocks per sequence"),
             ("--mtp-steps", int, 3, "MTP chained steps trained"),
             ("--seq-len", int, 256, "tokens generated per prompt"),
