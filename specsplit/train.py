@@ -167,53 +167,70 @@ class Batch:
 
 
 class Pool:
-    """Generated sequences, their feature rows and (for distillation) the target's final-normed last
-    hidden rows, preallocated on the device."""
+    """Generated sequences back to back, flat over tokens, with their feature rows and (for distillation)
+    the target's final-normed last hidden rows, preallocated on the device. Flat storage keeps only
+    real tokens: a chat answer that ends after 80 tokens takes 80 rows, not the longest sequence's."""
 
-    def __init__(self, capacity: int, width: int, feature_dim: int, final_dim: int, dtype: torch.dtype,
+    def __init__(self, tokens: int, sequences: int, feature_dim: int, final_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.tokens = torch.zeros((capacity, width), dtype=torch.long, device=device)
-        # Left uninitialised (a large pool need not be written twice); `add` writes every column.
-        self.rows = torch.empty((capacity, width, feature_dim), dtype=dtype, device=device)
-        self.final = torch.empty((capacity, width, final_dim), dtype=dtype, device=device) if final_dim else None
-        self.starts = torch.zeros(capacity, dtype=torch.long, device=device)
-        self.lengths = torch.zeros(capacity, dtype=torch.long, device=device)
-        self.host_lengths = torch.zeros(capacity, dtype=torch.long)  # batch widths without a device read
-        self.size = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.tokens.shape[0]
+        self.tokens = torch.zeros(tokens, dtype=torch.long, device=device)
+        # Left uninitialised (a large pool need not be written twice); `add` writes every row it counts.
+        self.rows = torch.empty((tokens, feature_dim), dtype=dtype, device=device)
+        self.final = torch.empty((tokens, final_dim), dtype=dtype, device=device) if final_dim else None
+        self.offsets = torch.zeros(sequences, dtype=torch.long, device=device)  # first token of each sequence
+        self.starts = torch.zeros(sequences, dtype=torch.long, device=device)  # its first generated index
+        self.lengths = torch.zeros(sequences, dtype=torch.long, device=device)
+        self.host_lengths = torch.zeros(sequences, dtype=torch.long)  # batch widths without a device read
+        self.size = 0  # sequences
+        self.used = 0  # tokens
 
     @staticmethod
-    def bytes_per_sequence(width: int, feature_dim: int, final_dim: int, element_size: int) -> int:
-        return width * ((feature_dim + final_dim) * element_size + 8)
+    def bytes_per_token(feature_dim: int, final_dim: int, element_size: int) -> int:
+        return (feature_dim + final_dim) * element_size + 8
+
+    def room(self) -> tuple[int, int]:
+        """Free (tokens, sequences)."""
+        return self.tokens.numel() - self.used, self.offsets.numel() - self.size
 
     def add(self, gen: Generated, rows: torch.Tensor, final: torch.Tensor | None) -> int:
-        """Keep the sequences with at least two generated tokens, as many as fit; returns how many."""
-        keep = (gen.lengths - gen.prompt_lengths >= 2).nonzero().squeeze(1)[: self.capacity - self.size]
-        n, width = keep.numel(), gen.tokens.shape[1]
-        span = slice(self.size, self.size + n)
-        self.tokens[span, :width] = gen.tokens[keep]
-        self.rows[span, :width] = rows[keep]
-        self.rows[span, width:] = 0  # read as (masked) context when a longer row shares a batch
+        """Keep the sequences with at least two generated tokens, as many as fit in order; returns how many.
+
+        rows/final [B, S, ...] are packed like gen.tokens [B, S]."""
+        keep = (gen.lengths - gen.prompt_lengths >= 2).nonzero().squeeze(1)
+        free_tokens, free_seqs = self.room()
+        host = gen.lengths[keep].cpu()
+        keep = keep[: min(int((host.cumsum(0) <= free_tokens).sum()), free_seqs)]
+        n, host = keep.numel(), host[: keep.numel()]
+        if n == 0:
+            return 0
+        lengths = gen.lengths[keep]
+        real = torch.arange(gen.tokens.shape[1], device=lengths.device)[None, :] < lengths[:, None]  # [n, S]
+        span, total = slice(self.size, self.size + n), int(host.sum())
+        flat = slice(self.used, self.used + total)
+        self.tokens[flat] = gen.tokens[keep][real]
+        self.rows[flat] = rows[keep][real]
         if self.final is not None:
-            self.final[span, :width] = final[keep]
-            self.final[span, width:] = 0
-        self.starts[span], self.lengths[span] = gen.prompt_lengths[keep], gen.lengths[keep]
-        self.host_lengths[span] = gen.lengths[keep].cpu()
-        self.size += n
+            self.final[flat] = final[keep][real]
+        self.offsets[span] = self.used + torch.cumsum(lengths, 0) - lengths
+        self.starts[span], self.lengths[span], self.host_lengths[span] = gen.prompt_lengths[keep], lengths, host
+        self.size, self.used = self.size + n, self.used + total
         return n
 
     def batch(self, index: torch.Tensor) -> Batch:
-        """The sequences at pool rows `index` (a CPU tensor), cut to the longest of them."""
+        """The sequences at pool rows `index` (a CPU tensor) in [B, S] form, S their longest; token ids and
+        rows are 0 past each one's end."""
         width = int(self.host_lengths[index].max())
         index = index.to(self.tokens.device)
         lengths = self.lengths[index]
         cols = torch.arange(width, device=index.device)[None, :]
-        return Batch(self.tokens[index, :width], cols.expand(index.numel(), -1), cols < lengths[:, None],
-                     self.starts[index], lengths, self.rows[index, :width],
-                     None if self.final is None else self.final[index, :width])
+        valid = cols < lengths[:, None]
+        at = self.offsets[index][:, None] + torch.minimum(cols, lengths[:, None] - 1)  # [B, S], in its own span
+
+        def take(flat: torch.Tensor) -> torch.Tensor:
+            return flat[at].masked_fill(~valid.view(*valid.shape, *[1] * (flat.dim() - 1)), 0)
+
+        return Batch(take(self.tokens), cols.expand(index.numel(), -1), valid, self.starts[index], lengths,
+                     take(self.rows), None if self.final is None else take(self.final))
 
     def generated_tokens(self) -> int:
         return int((self.lengths - self.starts)[:self.size].sum())
@@ -256,18 +273,18 @@ def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: Captu
     hidden = target.config.hidden_size
     feature_dim = hidden * (len(capture.layer_ids) or 1)
     final_dim = hidden if cfg.kl_weight > 0 else 0
-    width = cfg.max_prompt_tokens + cfg.seq_len
-    per_seq = Pool.bytes_per_sequence(width, feature_dim, final_dim, target.embed_weight.element_size())
-    capacity = min(sum(map(len, batches)), int(cfg.pool_gb * 2**30 // per_seq))
-    pool = Pool(capacity, width, feature_dim, final_dim, target.embed_weight.dtype, device)
-    log(f"pool: room for {capacity} sequences ({capacity * per_seq / 2**30:.1f} GiB) of {sum(map(len, batches))} "
-        f"planned; features {feature_dim}{f' + final {final_dim}' if final_dim else ''} per token")
+    per_token = Pool.bytes_per_token(feature_dim, final_dim, target.embed_weight.element_size())
+    planned = sum(map(len, batches))
+    capacity = min(planned * (cfg.max_prompt_tokens + cfg.seq_len), int(cfg.pool_gb * 2**30 // per_token))
+    pool = Pool(capacity, planned, feature_dim, final_dim, target.embed_weight.dtype, device)
+    log(f"pool: room for {capacity} tokens ({capacity * per_token / 2**30:.1f} GiB) of {planned} planned sequences; "
+        f"features {feature_dim}{f' + final {final_dim}' if final_dim else ''} per token")
     decoder = new_decoder(target, cfg)  # its cache and graphs are freed when this returns
     decoder.set_capture(capture, final=final_dim > 0)  # rows kept while decoding: no second pass
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     tokens, start = 0, clock.elapsed()
     for i, jobs in enumerate(batches):
-        if pool.size >= pool.capacity or (i > 0 and clock.gen_over()):
+        if pool.room()[0] < cfg.max_prompt_tokens + cfg.seq_len or (i > 0 and clock.gen_over()):
             break
         temperature = jobs[0].temperature
         out = generate(target, [j.prompt for j in jobs], cfg.seq_len, temperature=temperature, generator=gen,

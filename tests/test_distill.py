@@ -31,7 +31,7 @@ def pooled(target, model, temperature=0.0):
     out = generate(target, PROMPTS, 12, temperature=temperature, generator=torch.Generator().manual_seed(0),
                    decoder=decoder)
     hidden = target.config.hidden_size
-    pool = Pool(len(PROMPTS), out.tokens.shape[1], out.features.shape[2], hidden, out.features.dtype,
+    pool = Pool(out.tokens.numel(), len(PROMPTS), out.features.shape[2], hidden, out.features.dtype,
                 out.features.device)
     pool.add(out, out.features, out.final)
     return pool.batch(torch.arange(len(PROMPTS)))

@@ -15,8 +15,8 @@ from specsplit.shared.proposer import ProposeRequest
 from specsplit.shared.sampling import SamplingParams
 from specsplit import train_data
 from specsplit.local import target_head, target_info
-from specsplit.train import TrainConfig, capture_for_model, new_drafter, save_drafter, train_drafter
-from specsplit.target_service.dense import capture_features, generate
+from specsplit.train import Pool, TrainConfig, capture_for_model, new_drafter, save_drafter, train_drafter
+from specsplit.target_service.dense import Generated, capture_features, generate
 from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
 from specsplit.target_service.sequence import Request
@@ -232,3 +232,29 @@ def test_a_later_sessions_seed_draws_new_prompts():
     for first, second in (code, math_):
         assert len(first) > 50 and len(first & second) < 0.2 * len(first)
     assert len(train_data.code_prefixes(files, 2, 0, per_kchars=3.0)) > len(code[0])  # more per character
+
+
+def test_the_pool_stores_sequences_back_to_back_and_returns_them_padded():
+    """Two batches of different widths; the second fits only in part. Every sequence comes back as it
+    went in, zero past its end, whatever batch it shares."""
+    gen = torch.Generator().manual_seed(0)
+
+    def made(lengths, prompt, width):
+        lengths = torch.tensor(lengths)
+        cols = torch.arange(width)[None, :]
+        tokens = torch.randint(1, 100, (len(lengths), width), generator=gen).masked_fill(cols >= lengths[:, None], 0)
+        rows = torch.randn(len(lengths), width, 3, generator=gen)
+        return Generated(tokens, torch.full_like(lengths, prompt), lengths), rows, rows[..., :2] * 2
+
+    first, second = made([5, 9, 3, 4], 2, 9), made([12, 5, 7, 5], 3, 12)  # 3: one generated token, left out
+    pool = Pool(18 + 17, 10, 3, 2, torch.float32, torch.device("cpu"))
+    assert pool.add(*first) == 3 and pool.add(*second) == 2 and pool.room() == (0, 5)  # 12 + 5; then 7 does not fit
+    kept = [(*first, 0), (*first, 1), (*first, 3), (*second, 0), (*second, 1)]
+    seqs = [kept[k] for k in (4, 0, 3, 1, 2)]
+    batch = pool.batch(torch.tensor([4, 0, 3, 1, 2]))
+    for i, (g, rows, final, b) in enumerate(seqs):
+        n, width = int(g.lengths[b]), batch.tokens.shape[1]
+        assert width == 12 and batch.lengths[i] == n and batch.starts[i] == g.prompt_lengths[b]
+        assert batch.tokens[i, :n].tolist() == g.tokens[b, :n].tolist() and not batch.tokens[i, n:].any()
+        assert torch.equal(batch.rows[i, :n], rows[b, :n]) and not batch.rows[i, n:].any()
+        assert torch.equal(batch.final[i, :n], final[b, :n]) and batch.valid[i].sum() == n
