@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import traceback
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
 from specsplit.local import LocalSetup, make_drafter, target_dir
@@ -42,13 +44,18 @@ def main() -> None:
     drafter = None if args.drafter == "none" else make_drafter(args.drafter, model, setup)
     engine = Engine(model, drafter, EngineConfig(max_batch=args.batch))
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
-    params = SamplingParams(max_tokens=4 * args.steps + 64, ignore_eos=True)
+    params = SamplingParams(max_tokens=48 * args.steps + 64, ignore_eos=True)  # three stretches of steps
     for i in range(args.batch):
         engine.add(Request(f"r{i}", prompt, params))
     for _ in range(10):  # prefill, captures of the buckets in use
         engine.step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stacks) as prof:
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    unprofiled = (time.perf_counter() - start) / args.steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
@@ -56,12 +63,13 @@ def main() -> None:
         wall = (time.perf_counter() - start) / args.steps
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / args.steps  # ms
-    lines = [f"drafter {args.drafter}, batch {args.batch}: wall {wall * 1e3:.3f} ms/step, GPU busy {busy:.3f} ms/step, "
+    lines = [f"drafter {args.drafter}, batch {args.batch}: wall {unprofiled * 1e3:.3f} ms/step unprofiled, "
+             f"{wall * 1e3:.3f} profiled, GPU busy {busy:.3f} ms/step, "
              f"{len(kernels) / args.steps:.0f} kernels/step",
              prof.key_averages().table(sort_by="device_time_total", row_limit=15),
              prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)]
     if args.stacks:
-        lines.append(copy_sites(prof, args.steps))
+        lines.append(copy_sites(engine, args.steps))
     text = "\n".join(lines)
     print(text)
     if args.out:
@@ -70,24 +78,50 @@ def main() -> None:
             f.write(text)
 
 
-COPY_OPS = ("aten::copy_", "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::tolist")
+class HostDeviceSites(TorchFunctionMode):
+    """Counts the Python calls that move data between host and device or read the device, by the
+    innermost line of our code that made them (the profiler's own stacks come back empty here)."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        kind = None
+        if name in self.READS and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+            kind = "device->host"
+        elif name in ("tensor", "as_tensor") and "cuda" in str(kwargs.get("device", "")):
+            kind = "host->device (pageable)"
+        elif name in ("to", "cuda", "copy_") and args and isinstance(args[0], torch.Tensor):
+            other = args[1] if len(args) > 1 else kwargs.get("device")
+            src_cuda = args[0].is_cuda if name != "copy_" else (isinstance(other, torch.Tensor) and other.is_cuda)
+            dst_cuda = (name == "cuda" or "cuda" in str(other)) if name != "copy_" else args[0].is_cuda
+            if src_cuda != dst_cuda:
+                pinned = (args[0] if name != "copy_" else other).is_pinned() if not src_cuda else False
+                kind = f"host->device ({'pinned' if pinned else 'pageable'})" if dst_cuda else "device->host"
+        if kind is not None:
+            frame = next((f for f in reversed(traceback.extract_stack()[:-1])
+                          if any(part in f.filename for part in ("_service/", "/shared/", "specsplit/"))), None)
+            where = f"{frame.filename.rsplit('/', 2)[-2]}/{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}" \
+                if frame else "?"
+            key = f"{kind:26} {name:10} {where}"
+            self.sites[key] = self.sites.get(key, 0) + 1
+        return func(*args, **kwargs)
 
 
-def copy_sites(prof, steps: int) -> str:
-    """Per step: copies and host reads grouped by the innermost line of our code on their stack."""
-    sites: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.name not in COPY_OPS or not e.stack:
-            continue
-        ours = [f for f in e.stack if "specsplit" in f or "/target_service/" in f or "/drafter_service/" in f
-                or "/shared/" in f]
-        key = f"{e.name} @ {ours[0] if ours else e.stack[0]}"
-        entry = sites.setdefault(key, [0, 0.0])
-        entry[0] += 1
-        entry[1] += e.cpu_time_total
-    rows = sorted(sites.items(), key=lambda kv: -kv[1][1])
-    out = ["copies and host reads per step, by call site (count/step, host us/step):"]
-    out += [f"{n / steps:6.1f} {us / steps:9.1f}  {site}" for site, (n, us) in rows[:40]]
+def copy_sites(engine, steps: int) -> str:
+    mode = HostDeviceSites()
+    with mode:
+        for _ in range(steps):
+            engine.step()
+    torch.cuda.synchronize()
+    rows = sorted(mode.sites.items(), key=lambda kv: -kv[1])
+    out = ["host<->device transfers and device reads per step, by call site:"]
+    out += [f"{n / steps:6.2f}  {site}" for site, n in rows[:40]]
     return "\n".join(out)
 
 

@@ -36,11 +36,72 @@ PROMPTS = [
 ]
 
 
+class StepTimes:
+    """Host wall time per decode step, split by phase, from timers around the engine's own methods:
+    verify = the target's forward and acceptance (which reads the device back), draft = propose,
+    commit = telling the drafter what was accepted (stash/commit/trim or catch-up, and the batched
+    context forward in-process). In the split, draft is the Step round trip carrying the commits."""
+
+    PHASES = {"_verify_forward": "verify", "_sample": "verify", "_propose": "draft", "_after_verify": "commit",
+              "_batched_appends": "commit"}
+
+    def __init__(self, engine: Engine) -> None:
+        self.total = {"step": 0.0, "verify": 0.0, "draft": 0.0, "commit": 0.0}
+        self.steps = 0
+        self.inside = False  # prefill samples too: only time phases inside a decode step
+        for name, phase in self.PHASES.items():
+            setattr(engine, name, self._timed(getattr(engine, name), phase))
+        step = engine._decode_step
+
+        def decode_step(seqs):
+            started, self.inside = time.perf_counter(), True
+            try:
+                return step(seqs)
+            finally:
+                self.inside = False
+                self.total["step"] += time.perf_counter() - started
+                self.steps += 1
+
+        engine._decode_step = decode_step
+
+    def _timed(self, fn, phase: str):
+        if phase == "commit" and fn.__name__ == "_batched_appends":  # a context manager: time its exit
+            def block():
+                cm = fn()
+
+                class Timed:
+                    def __enter__(_):
+                        return cm.__enter__()
+
+                    def __exit__(_, *exc):
+                        started = time.perf_counter()
+                        try:
+                            return cm.__exit__(*exc)
+                        finally:
+                            self.total["commit"] += (time.perf_counter() - started) * self.inside
+                return Timed()
+            return block
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[phase] += (time.perf_counter() - started) * self.inside
+        return timed
+
+    def per_step_ms(self) -> dict[str, float]:
+        out = {k: 1e3 * v / max(self.steps, 1) for k, v in self.total.items()}
+        out["other_host"] = out["step"] - out["verify"] - out["draft"] - out["commit"]
+        return out
+
+
 def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: int, tag: str):
     reqs = [Request(f"{tag}{i}", tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])),
                     SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for i, p in enumerate(prompts)]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    timer = StepTimes(engine)
     started = time.perf_counter()
     events = engine.generate(reqs)
     elapsed = time.perf_counter() - started
@@ -48,7 +109,8 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
     stats = [events[r.request_id][-1].stats for r in reqs]
     generated = sum(len(t) for t in tokens)
     return tokens, {"tokens_per_s": generated / elapsed, "seconds": elapsed, "generated": generated,
-                    "tau": sum(s.generated for s in stats) / sum(s.steps for s in stats)}
+                    "tau": sum(s.generated for s in stats) / sum(s.steps for s in stats),
+                    "per_step_ms": timer.per_step_ms()}
 
 
 def main() -> None:
@@ -97,6 +159,10 @@ def main() -> None:
                 "requests_differing_from_target_only": sum(a != b for a, b in zip(base_tokens, local_tokens)),
                 "services_equal_in_process": split_tokens == local_tokens,
                 "step_round_trip_p50_ms": 1e3 * statistics.median(steps) if steps else None,
+                # What the split adds to each step's drafter phases (round trip, serialisation, the
+                # second process's GPU context) over the same drafter work in-process.
+                "control_plane_exposed_ms": (split["per_step_ms"]["draft"] + split["per_step_ms"]["commit"])
+                - (local["per_step_ms"]["draft"] + local["per_step_ms"]["commit"]),
                 "hidden_row_bytes_over_grpc": remote.link.inline_row_bytes - bytes_before,
             }
             print(json.dumps({f"batch_{batch}": results[f"batch_{batch}"]}), flush=True)

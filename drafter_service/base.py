@@ -9,7 +9,7 @@ bad input the same way and a failed call never changes state.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
@@ -53,16 +53,40 @@ class Rows:
         return next(iter(self._cols.values())).shape[0]
 
     def append(self, **new: torch.Tensor) -> None:
+        Rows.append_many([(self, new)])
+
+    @staticmethod
+    def append_many(appends: Sequence[tuple["Rows", dict[str, torch.Tensor]]]) -> None:
+        """`append` for several Rows at once: the copies of each column go out as one multi-tensor
+        copy instead of one small copy per Rows (a step appends to every sequence of the batch)."""
+        copies: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+        def flush() -> None:  # before a buffer moves its rows, the copies into it must have landed
+            for dsts, srcs in copies.values():
+                torch._foreach_copy_(dsts, srcs)
+            copies.clear()
+
+        for rows, new in appends:
+            for name, (dst, src) in rows._reserve(new, flush).items():
+                pair = copies.setdefault(name, ([], []))
+                pair[0].append(dst)
+                pair[1].append(src)
+        flush()
+
+    def _reserve(self, new: dict[str, torch.Tensor], before_move: Callable[[], None]
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Make room for the new rows (calling `before_move` first if rows must move) and advance the
+        end; returns (destination view, source) per column."""
         n = next(iter(new.values())).shape[0]
         if self.limit is not None and n > self.limit:
             new, n = {name: value[n - self.limit:] for name, value in new.items()}, self.limit
         if self.limit is not None:
             self._start += max(0, len(self) + n - self.limit)
         if self._end + n > self._capacity:
+            before_move()
             self._make_room(n)
-        for name, value in new.items():
-            self._cols[name][self._end:self._end + n] = value
-        self._end += n
+        start, self._end = self._end, self._end + n
+        return {name: (self._cols[name][start:start + n], value) for name, value in new.items()}
 
     def _make_room(self, n: int) -> None:
         live, need = len(self), len(self) + n

@@ -9,9 +9,9 @@ import sys
 import uuid
 
 from specsplit.shared.errors import InvalidRequest, SpecsplitError
-from specsplit.shared.sampling import SamplingParams
 
-# Kept here (not imported from specsplit.local) so `specsplit --help` loads no model code.
+# Kept here (not imported from specsplit.local) so `specsplit --help` and `--version` load no model code
+# (nor torch: this module imports only what argument parsing needs; commands import their work).
 DRAFTER_HELP = "none | dflash | mtp (trained for the default target) | random-dflash | random-mtp | a folder"
 DTYPES = ["float32", "bfloat16", "float16"]
 DESCRIPTION = """\
@@ -95,35 +95,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (default: float32 on the CPU, bfloat16 on CUDA)")
 
 
-def sampling_from(args: argparse.Namespace) -> SamplingParams:
+def sampling_from(args: argparse.Namespace):
+    from specsplit.shared.sampling import SamplingParams
+
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos,
     )
 
 
-def print_result(args: argparse.Namespace, token_ids: list[int], text: str, stats: dict) -> None:
+def print_result(args: argparse.Namespace, token_ids: list[int], text: str, stats: dict, *,
+                 text_printed: bool = False) -> None:
     if args.json:
         print(json.dumps({"token_ids": token_ids, "text": text, "stats": stats}))
         return
-    print(text)
+    print("" if text_printed else text)
     print(f"[{len(token_ids)} tokens, {stats['steps']} steps, drafted {stats['drafted']}, "
           f"accepted {stats['accepted']}, tau {stats['tau']:.2f}]", file=sys.stderr)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     if args.server:
-        refused = [flag for flag in SERVER_CHOSEN if flag in args.given]
-        if refused:
-            raise InvalidRequest(f"{', '.join(refused)} cannot be used with --server: the target service chose "
-                                 "its model, drafter, device and dtype when it started (see `specsplit target "
-                                 "serve --help`); drop them, or use --local")
-        from specsplit.remote import generate_remote
-
-        token_ids, text, stats = generate_remote(args.server, args.prompt, sampling_from(args),
-                                                 chat=args.chat, speculative=not args.no_speculation,
-                                                 security=client_security(args, args.tls_ca))
-        print_result(args, token_ids, text, stats)
+        generate_remote(args)
         return
     from specsplit.local import LocalSetup, load_local
     from specsplit.target_service.sequence import Request
@@ -137,6 +130,31 @@ def cmd_generate(args: argparse.Namespace) -> None:
     events = engine.generate([request])[request.request_id]
     token_ids = [t for e in events for t in e.token_ids]
     print_result(args, token_ids, "".join(e.text_delta for e in events), events[-1].stats.as_dict())
+
+
+def generate_remote(args: argparse.Namespace) -> None:
+    """`generate --server`: one request through specsplit.client; without --json the text is printed as
+    it arrives, and Ctrl-C cancels the call (the server frees the sequence)."""
+    refused = [flag for flag in SERVER_CHOSEN if flag in args.given]
+    if refused:
+        raise InvalidRequest(f"{', '.join(refused)} cannot be used with --server: the target service chose "
+                             "its model, drafter, device and dtype when it started (see `specsplit target "
+                             "serve --help`); drop them, or use --local")
+    from specsplit.client import Client, Generation
+
+    security = client_security(args, args.tls_ca)
+    chunks = []
+    with Client(args.server, token=security.token, tls=security.tls, timeout=args.timeout) as client:
+        with client.stream(args.prompt, sampling_from(args), chat=args.chat,
+                           speculative=not args.no_speculation) as stream:
+            for chunk in stream:
+                chunks.append(chunk)
+                if not args.json:
+                    print(chunk.text, end="", flush=True)
+    result = Generation.from_chunks(chunks)
+    stats = {"steps": result.stats.steps, "drafted": result.stats.drafted, "accepted": result.stats.accepted,
+             "tau": round(result.stats.tau, 4)}
+    print_result(args, result.token_ids, result.text, stats, text_printed=True)
 
 
 def cmd_init_drafter(args: argparse.Namespace) -> None:
@@ -460,6 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --server: the client certificate for a server that requires one (implies TLS) "
                           "(default: none)")
     gen.add_argument("--tls-key", default=None, metavar="PEM", help="the --tls-cert private key (default: none)")
+    gen.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="with --server: the call's deadline, retries included; past it the call fails with "
+                          "DEADLINE_EXCEEDED (default: none). A server that answers UNAVAILABLE before the first "
+                          "token is retried up to 4 times with backoff, never after a token arrived")
     gen.set_defaults(func=cmd_generate, given=frozenset())
 
     init = add_command(sub, "init-drafter", "write a randomly initialised drafter checkpoint for a target")
