@@ -47,7 +47,7 @@ def client_id(context: grpc.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_HEADER and value:
             client = value if isinstance(value, str) else value.decode()
-            logs.set_fields(client_id=client)  # the call's log scope (shared.metrics.CallObserver)
+            logs.set_fields(client_id=client)  # on this call's log lines (shared.logs)
             return client
     raise InvalidRequest(f"every call needs the {CLIENT_HEADER!r} metadata naming the connecting target")
 
@@ -103,7 +103,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         for session in list(self._sessions.values()):
             if not session.streaming and now - session.last_call > self.limits.idle_seconds:
                 log.info("client %s made no call for %.0f s and has no Step stream: freeing it",
-                         session.client_id, now - session.last_call)
+                         session.client_id, now - session.last_call, extra=logs.fields(client_id=session.client_id))
                 self._end(session)
 
     def _get_or_create(self, client: str, *, streaming: bool = False) -> Session:
@@ -125,7 +125,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             skipped = _evictions.admit()
             if skipped is not None:
                 log.info("client %s, without a Step stream, is the least recently used of %d (--max-sessions): "
-                         "freeing it%s", oldest.client_id, len(idle), f" ({skipped} more not logged)" if skipped else "")
+                         "freeing it%s", oldest.client_id, len(idle), f" ({skipped} more not logged)" if skipped else "",
+                         extra=logs.fields(client_id=oldest.client_id))
             self._end(oldest, quiet=True)
 
     def _end(self, session: Session, *, quiet: bool = False) -> None:
@@ -134,7 +135,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             if self._sessions.get(session.client_id) is session:
                 del self._sessions[session.client_id]
             if not session.closed and not quiet:
-                log.info("client %s disconnected: freeing %d sequences", session.client_id, session.num_sequences)
+                log.info("client %s disconnected: freeing %d sequences", session.client_id, session.num_sequences,
+                         extra=logs.fields(client_id=session.client_id))
             session.close()
 
     def close(self) -> None:

@@ -1,14 +1,13 @@
 """Service logs: text or JSON lines, carrying the request, sequence and client ids of the call they belong to.
 
-A field reaches a record from `extra=` (`log.info(..., extra=fields(seq_id=3))`) or from the calling
-thread's log scope: every gRPC call runs in a fresh scope (`shared.metrics.CallObserver`), and a
-handler adds what it learns (`set_fields(request_id=...)`), so every line the call logs, the status
-mapping's included, carries it, and nothing outlives the call.
+A field reaches a record from `extra=` (`log.info(..., extra=fields(seq_id=3))`) or from the current
+log scope, a context variable: gRPC runs every call in a `contextvars.Context` of its own, so what a
+handler adds there (`set_fields(request_id=...)`) is on every line the call logs, the status mapping's
+included, and on no other call's (tests/test_logs.py holds grpc to that).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
@@ -16,7 +15,6 @@ import re
 import sys
 import uuid
 from contextvars import ContextVar
-from typing import Iterator
 
 from specsplit.shared.errors import InvalidRequest
 
@@ -27,16 +25,6 @@ REQUEST_ID_HEADER = "x-request-id"
 # A caller's request id lands in logs and response headers: bounded, and nothing that could break a line.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:+/=-]{1,128}")
 _scope: ContextVar[dict] = ContextVar("specsplit_log_fields", default={})
-
-
-@contextlib.contextmanager
-def scope(**values) -> Iterator[None]:
-    """Fields set inside (these, and any `set_fields` adds) are dropped on leaving."""
-    token = _scope.set({**_scope.get(), **values})
-    try:
-        yield
-    finally:
-        _scope.reset(token)
 
 
 def set_fields(**values) -> None:

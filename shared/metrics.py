@@ -1,5 +1,5 @@
 """Prometheus metrics both services share: a registry per server, its HTTP endpoint, and every call counted
-by method and status code (in a fresh log scope, see `shared.logs`).
+by method and status code.
 
 Each server owns its `CollectorRegistry` (never the process-global one), so several servers in one
 process (tests, the in-process demo) keep apart. What a service counts on its hot path are plain
@@ -17,7 +17,6 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, GCCollector, ProcessCollector, start_http_server
 from prometheus_client.utils import floatToGoString
 
-from specsplit.shared import logs
 from specsplit.shared.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -51,8 +50,8 @@ def _final_code(context: grpc.ServicerContext, error: BaseException | None) -> s
 
 
 class CallObserver(grpc.ServerInterceptor):
-    """Runs each call in a fresh log scope and counts it by method and final status code. Only methods
-    the server serves are counted, so a caller cannot invent label values."""
+    """Counts each call by method and final status code. Only methods the server serves are counted, so
+    a caller cannot invent label values."""
 
     def __init__(self, calls: Counter) -> None:
         self.calls = calls
@@ -70,13 +69,13 @@ class CallObserver(grpc.ServerInterceptor):
 
     def _answered(self, behaviour: Callable, method: str) -> Callable:
         def answered(request, context):
-            with logs.scope(), self._observed(method, context):
+            with self._observed(method, context):
                 return behaviour(request, context)
         return answered
 
     def _streamed(self, behaviour: Callable, method: str) -> Callable:
         def streamed(request, context):
-            with logs.scope(), self._observed(method, context):
+            with self._observed(method, context):
                 yield from behaviour(request, context)
         return streamed
 

@@ -103,8 +103,8 @@ def start_server(register: Callable[[grpc.Server], None], listen: list[str], ser
 
     With a token every call but health checks must carry it; TLS (when configured) covers the TCP
     addresses, and a unix socket lives in a folder only this user may open. With `metrics` every call
-    is counted (refused ones too) in a log scope of its own, and with `metrics_address` they are served
-    over HTTP. The caller drains or stops the returned server.
+    is counted (refused ones too), and with `metrics_address` the metrics are served over HTTP. The
+    caller drains or stops the returned server.
     """
     _quiet_malformed_messages()
     interceptors = [metrics.observer] if metrics is not None else []

@@ -103,7 +103,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         The request id (the caller's, or a new one) is sent first, in the initial metadata."""
         call = wire.generate_from_proto(request)
         request_id = logs.request_id(context.invocation_metadata(), call.request_id)
-        logs.set_fields(request_id=request_id)  # the call's log scope (shared.metrics.CallObserver)
+        logs.set_fields(request_id=request_id)  # on this call's log lines (shared.logs)
         context.send_initial_metadata(((logs.REQUEST_ID_HEADER, request_id),))
         req = self._request(call, request_id)
         events = self.loop.submit(req)

@@ -3,6 +3,7 @@ request causes; the id is the caller's (x-request-id, checked) or a new one, and
 
 from __future__ import annotations
 
+import contextvars
 import io
 import json
 import logging
@@ -28,13 +29,21 @@ def record(message: str = "hello %s", args: tuple = ("world",), **extra) -> logg
     return made
 
 
+def in_a_call(function, **values):
+    """Run `function` as a gRPC call's handler runs: in a context of its own, having set these fields."""
+    def call():
+        logs.set_fields(**values)
+        return function()
+
+    return contextvars.copy_context().run(call)
+
+
 def test_a_json_line_has_time_level_logger_message_and_the_ids_known():
-    with logs.scope(request_id="r-1"):
-        line = json.loads(logs.JsonFormatter().format(record(seq_id=7)))
+    line = json.loads(in_a_call(lambda: logs.JsonFormatter().format(record(seq_id=7)), request_id="r-1"))
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line.pop("time"))
     assert line == {"level": "WARNING", "logger": "specsplit.test", "message": "hello world",
                     "request_id": "r-1", "seq_id": 7}
-    assert "request_id" not in json.loads(logs.JsonFormatter().format(record()))  # the scope has ended
+    assert "request_id" not in json.loads(logs.JsonFormatter().format(record()))  # only in that context
 
 
 def test_a_json_line_carries_the_exception_and_stays_one_line():
@@ -50,8 +59,8 @@ def test_a_json_line_carries_the_exception_and_stays_one_line():
 
 
 def test_text_lines_append_the_ids_known():
-    with logs.scope(client_id="c9"):
-        assert logs.TextFormatter().format(record()).endswith("hello world [client_id=c9]")
+    assert in_a_call(lambda: logs.TextFormatter().format(record()), client_id="c9").endswith(
+        "hello world [client_id=c9]")
     assert logs.TextFormatter().format(record()).endswith("WARNING hello world")
 
 
@@ -142,3 +151,38 @@ def test_configure_rejects_unknown_formats_and_levels():
         logs.configure("xml")
     with pytest.raises(InvalidRequest, match="log level"):
         logs.configure("json", "LOUD")
+
+
+def test_each_call_logs_in_a_context_of_its_own(json_lines, tmp_path):
+    """What a handler adds to its call's log fields is on that call's lines only, even when the next call
+    runs on the same server thread (gRPC gives each call a contextvars.Context); and the call is counted
+    by its status code."""
+    from concurrent import futures
+
+    from specsplit.shared.metrics import ServiceMetrics
+
+    said = logging.getLogger("specsplit.test.echo")
+
+    def say(request: bytes, context) -> bytes:
+        if request:
+            logs.set_fields(request_id=request.decode())
+        said.info("saying %r", request)
+        return request
+
+    metrics = ServiceMetrics("specsplit_test")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), interceptors=[metrics.observer])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "test.Echo", {"Say": grpc.unary_unary_rpc_method_handler(say)})])
+    server.add_insecure_port(f"unix:{tmp_path}/echo.sock")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"unix:{tmp_path}/echo.sock") as channel:
+            echo = channel.unary_unary("/test.Echo/Say")
+            assert echo(b"first-call", timeout=30) == b"first-call"
+            assert echo(b"", timeout=30) == b""
+    finally:
+        server.stop(None).wait()
+    lines = [line for line in json_lines() if line["logger"] == "specsplit.test.echo"]
+    assert [line.get("request_id") for line in lines] == ["first-call", None]
+    assert metrics.registry.get_sample_value("specsplit_test_rpcs_total",
+                                             {"method": "/test.Echo/Say", "code": "OK"}) == 2

@@ -215,3 +215,41 @@ def test_metrics_address_is_checked_and_a_taken_port_is_a_clear_error(pair):
     metrics = ServiceMetrics("specsplit_test")
     with pytest.raises(InvalidRequest, match=f"cannot serve metrics on 127.0.0.1:{target_port}"):
         metrics.expose(MetricsAddress("127.0.0.1", target_port))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_spawned_services_serve_metrics_and_json_logs_from_flags_and_environment(
+        specsplit_factory, tiny_chat_dir, monkeypatch):
+    """The command line end to end: --metrics-port on each, SPECSPLIT_LOG_FORMAT=json for both (inherited)."""
+    import json
+
+    from specsplit.harness import ServiceSpec
+
+    monkeypatch.setenv("SPECSPLIT_LOG_FORMAT", "json")
+    ports = {"target": free_port(), "drafter": free_port()}
+    services = specsplit_factory(ServiceSpec(
+        target=str(tiny_chat_dir), drafter="random-dflash", startup_timeout=300,
+        target_args=("--metrics-port", str(ports["target"])), drafter_args=("--metrics-port", str(ports["drafter"]))))
+    client = services.client()
+    call = client.stub.Generate(wire.generate_to_proto(wire.GenerateCall("Hello", GREEDY)), timeout=120,
+                                metadata=(("x-request-id", "spawned-1"),))
+    assert list(call)[-1].finish_reason and dict(call.initial_metadata())["x-request-id"] == "spawned-1"
+    client.close()
+    target, drafter_samples = scrape(ports["target"]), scrape(ports["drafter"])
+    assert value(target, "specsplit_target_requests_total", outcome="length") == 1
+    assert value(target, "specsplit_target_tokens_total") == 12
+    assert value(drafter_samples, "specsplit_drafter_draft_tokens_total") == value(
+        target, "specsplit_target_verified_drafts_sum") > 0
+    services.stop()  # the target first: the drafter logs its disconnect
+    logged = {name: [json.loads(line) for line in services.log(name).splitlines() if line.startswith("{")]
+              for name in ("target", "drafter")}
+    assert any(line.get("request_id") == "spawned-1" and "finished" in line["message"] for line in logged["target"])
+    assert any(line.get("client_id") and "disconnected" in line["message"] for line in logged["drafter"])
