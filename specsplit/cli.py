@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import uuid
 
+from specsplit.options import ENV_PREFIX, Append, env_defaults, resolve_env
 from specsplit.shared import logs
 from specsplit.shared.errors import InvalidRequest, SpecsplitError
 from specsplit.shared.sampling import SamplingParams
@@ -30,7 +30,6 @@ environment:
                    (default: ~/.cache/specsplit)"""
 # Options that pick what a target service runs: a --server request cannot change them.
 SERVER_CHOSEN = ("--target", "--drafter", "--device", "--dtype")
-ENV_PREFIX = "SPECSPLIT_"
 SERVE_EPILOG = f"""\
 environment:
   Every option --NAME-OF-OPTION can also be set by ${ENV_PREFIX}NAME_OF_OPTION (e.g. --max-batch by
@@ -38,7 +37,6 @@ environment:
   yes/no or on/off). A flag given wins over its variable, which wins over the default shown.
   {ENV_PREFIX}AUTH_TOKEN  the token itself, when neither --auth-token-file nor {ENV_PREFIX}AUTH_TOKEN_FILE is set
   {ENV_PREFIX}CACHE       where the default target is converted (default: ~/.cache/specsplit)"""
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -65,72 +63,6 @@ class Given(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         setattr(namespace, self.dest, values)
         namespace.given = getattr(namespace, "given", frozenset()) | {self.option_strings[0]}
-
-
-class Append(argparse.Action):
-    """action="append", except that a flag given replaces (not extends) a value from the environment."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        items = getattr(namespace, self.dest, None)
-        setattr(namespace, self.dest, (items if isinstance(items, list) else []) + [values])
-
-
-class FromEnv:
-    """An option's default read from its environment variable; `value` parses it as the flag would be,
-    after the command line (a flag given replaces it)."""
-
-    def __init__(self, action: argparse.Action, variable: str, raw: str) -> None:
-        self.action, self.variable, self.raw = action, variable, raw
-
-    def __str__(self) -> str:  # what --help shows as the default
-        return f"{self.raw} from ${self.variable}"
-
-    def value(self):
-        if self.action.nargs == 0:  # a switch: --cuda-graphs/--no-cuda-graphs, store_true
-            word = self.raw.strip().lower()
-            if word not in _TRUE + _FALSE:
-                raise InvalidRequest(f"${self.variable}={self.raw!r}: expected one of {', '.join(_TRUE + _FALSE)}")
-            return word in _TRUE
-        if isinstance(self.action, Append):
-            return [self._one(part.strip()) for part in self.raw.split(",") if part.strip()]
-        return self._one(self.raw)
-
-    def _one(self, text: str):
-        kind = self.action.type
-        try:
-            value = kind(text) if kind is not None else text
-        except (TypeError, ValueError):
-            raise InvalidRequest(f"${self.variable}={text!r}: not a valid {getattr(kind, '__name__', kind)} "
-                                 f"(for {self.action.option_strings[0]})") from None
-        if self.action.choices is not None and value not in self.action.choices:
-            raise InvalidRequest(f"${self.variable}={text!r}: expected one of {', '.join(map(str, self.action.choices))}")
-        return value
-
-
-def env_variable(action: argparse.Action) -> str:
-    """--max-batch → SPECSPLIT_MAX_BATCH."""
-    flag = next(o for o in action.option_strings if o.startswith("--"))
-    return ENV_PREFIX + flag[2:].upper().replace("-", "_")
-
-
-def env_defaults(parser: argparse.ArgumentParser) -> None:
-    """flag > $SPECSPLIT_<FLAG> > default, for every option of `parser` (a serve command): a variable
-    set now becomes the option's default, parsed by `resolve_env` once the command line is read."""
-    for action in parser._actions:
-        if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
-            continue
-        if isinstance(action, argparse._AppendAction):
-            raise TypeError(f"{action.option_strings[0]}: use cli.Append, which a flag replaces an environment value")
-        variable = env_variable(action)
-        if variable in os.environ:
-            action.default = FromEnv(action, variable, os.environ[variable])
-            action.required = False
-
-
-def resolve_env(args: argparse.Namespace) -> None:
-    for name, value in vars(args).items():
-        if isinstance(value, FromEnv):
-            setattr(args, name, value.value())
 
 
 def show_help(parser: argparse.ArgumentParser):

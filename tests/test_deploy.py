@@ -216,7 +216,8 @@ def test_drafter_listens_only_on_the_pod_socket_and_only_the_client_port_is_open
 def test_each_service_serves_metrics_on_its_declared_port_and_logs_json(overlay, rendered, monkeypatch):
     """The ConfigMap reaches the services as environment variables too (flag > $SPECSPLIT_<FLAG> >
     default): parsed as the container would run, each binds its metrics port on every interface."""
-    from specsplit.cli import build_parser, resolve_env
+    from specsplit.cli import build_parser
+    from specsplit.options import resolve_env
 
     docs = documents(rendered[overlay])
     values = config(docs)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specsplit.cli import build_parser, main, resolve_env
+from specsplit.cli import build_parser, main
+from specsplit.options import resolve_env
 
 SERVE = {"target": ["target", "serve"], "drafter": ["drafter", "serve"]}
 
