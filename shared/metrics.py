@@ -2,7 +2,7 @@
 by method and status code.
 
 Each server owns its `CollectorRegistry` (never the process-global one), so several servers in one
-process (tests, the in-process demo) keep apart. What a service counts on its hot path are plain
+process (tests) keep apart. What a service counts on its hot path are plain
 integers read at scrape time (`target_service.counters`): no lock and no device sync per step.
 """
 
