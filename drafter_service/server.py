@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -24,10 +25,12 @@ import torch
 
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.drafter_service.limits import DrafterLimits
+from specsplit.drafter_service.metrics import DrafterMetrics
 from specsplit.drafter_service.session import Session
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
-from specsplit.shared import wire
+from specsplit.shared import logs, wire
 from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest
+from specsplit.shared.metrics import MetricsAddress
 from specsplit.shared.proposer import Proposer
 from specsplit.shared.security import ServerSecurity
 from specsplit.shared.serving import CLIENT_HEADER, SPARE_THREADS, Served, start_server
@@ -43,7 +46,9 @@ _evictions = Throttle(per_minute=6)  # a caller inventing client ids at will mus
 def client_id(context: grpc.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_HEADER and value:
-            return value if isinstance(value, str) else value.decode()
+            client = value if isinstance(value, str) else value.decode()
+            logs.set_fields(client_id=client)  # on this call's log lines (shared.logs)
+            return client
     raise InvalidRequest(f"every call needs the {CLIENT_HEADER!r} metadata naming the connecting target")
 
 
@@ -75,6 +80,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self._sessions: dict[str, Session] = {}
         self._seq_ids = itertools.count()
         self._closed = threading.Event()
+        self.metrics = DrafterMetrics(functools.partial(_sessions_now, weakref.ref(self)))
         threading.Thread(target=_reap_idle, args=(weakref.ref(self), self._closed, self.limits.idle_seconds),
                          name="drafter-idle-reaper", daemon=True).start()
 
@@ -97,7 +103,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         for session in list(self._sessions.values()):
             if not session.streaming and now - session.last_call > self.limits.idle_seconds:
                 log.info("client %s made no call for %.0f s and has no Step stream: freeing it",
-                         session.client_id, now - session.last_call)
+                         session.client_id, now - session.last_call, extra=logs.fields(client_id=session.client_id))
                 self._end(session)
 
     def _get_or_create(self, client: str, *, streaming: bool = False) -> Session:
@@ -119,7 +125,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             skipped = _evictions.admit()
             if skipped is not None:
                 log.info("client %s, without a Step stream, is the least recently used of %d (--max-sessions): "
-                         "freeing it%s", oldest.client_id, len(idle), f" ({skipped} more not logged)" if skipped else "")
+                         "freeing it%s", oldest.client_id, len(idle), f" ({skipped} more not logged)" if skipped else "",
+                         extra=logs.fields(client_id=oldest.client_id))
             self._end(oldest, quiet=True)
 
     def _end(self, session: Session, *, quiet: bool = False) -> None:
@@ -128,7 +135,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             if self._sessions.get(session.client_id) is session:
                 del self._sessions[session.client_id]
             if not session.closed and not quiet:
-                log.info("client %s disconnected: freeing %d sequences", session.client_id, session.num_sequences)
+                log.info("client %s disconnected: freeing %d sequences", session.client_id, session.num_sequences,
+                         extra=logs.fields(client_id=session.client_id))
             session.close()
 
     def close(self) -> None:
@@ -197,6 +205,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         requests = wire.propose_from_proto(request)
         with self._session(context) as session:
             proposals = session.propose(requests)
+        self.metrics.proposed(proposals)
         return wire.proposals_to_proto(requests, proposals)
 
     def _apply(self, request, context) -> int:
@@ -255,9 +264,11 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         context.add_callback(lambda: self._end(session))
         try:
             for request in _until_cancelled(request_iterator, context):
+                started = time.perf_counter()
                 batch, errors = wire.step_from_proto(request)
                 with self._lock:
                     result = session.step(batch, errors)
+                self.metrics.answered(result, time.perf_counter() - started)
                 yield wire.step_result_to_proto(result)
         finally:
             self._end(session)
@@ -278,6 +289,13 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             return session
 
 
+def _sessions_now(server_ref: "weakref.ref[DrafterServer]") -> list[Session]:
+    """The server's sessions, for a metrics scrape: one copy of the dict, never the drafter lock (a
+    scrape must not wait behind a step); a weak reference, so the metrics keep no server alive."""
+    server = server_ref()
+    return list(server._sessions.values()) if server is not None else []
+
+
 def _reap_idle(server_ref: "weakref.ref[DrafterServer]", closed: threading.Event, idle_seconds: float) -> None:
     """Sweep idle stream-less connections a few times per idle period, until the server is closed or gone."""
     while not closed.wait(min(idle_seconds / 3, 5.0)):
@@ -289,12 +307,15 @@ def _reap_idle(server_ref: "weakref.ref[DrafterServer]", closed: threading.Event
         del server
 
 
-def serve(server_obj: DrafterServer, listen: list[str], security: ServerSecurity = ServerSecurity()) -> Served:
-    """Serve on every address with grpc.health.v1. Each open Step stream holds a thread (at most
-    max_targets of them, plus spares for unary calls and health checks); keepalive pings
-    (shared.serving) find a target that vanished without closing its socket."""
+def serve(server_obj: DrafterServer, listen: list[str], security: ServerSecurity = ServerSecurity(),
+          metrics: MetricsAddress | None = None) -> Served:
+    """Serve on every address with grpc.health.v1 and reflection, and the server's metrics at `metrics`
+    (None: not over HTTP). Each open Step stream holds a thread (at most max_targets of them, plus
+    spares for unary calls and health checks); keepalive pings (shared.serving) find a target that
+    vanished without closing its socket."""
     register = lambda server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(server_obj, server)  # noqa: E731
     # Busy while a target is connected: its requests in flight still want drafts.
     return start_server(register, listen, SERVICE_NAME, max_workers=server_obj.max_targets + SPARE_THREADS,
                         busy=lambda: server_obj.num_streams > 0,
-                        max_message_bytes=server_obj.limits.message_bytes(server_obj.proposer.spec), security=security)
+                        max_message_bytes=server_obj.limits.message_bytes(server_obj.proposer.spec), security=security,
+                        metrics=server_obj.metrics, metrics_address=metrics)

@@ -20,6 +20,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import NamedTuple
 
 import torch
 
@@ -63,6 +64,15 @@ def _client_named(err: SpecsplitError) -> SpecsplitError:
     return err
 
 
+class Usage(NamedTuple):
+    """What one connection holds (for metrics)."""
+
+    sequences: int
+    carried_kvs: int
+    buffers: int
+    buffer_bytes: int
+
+
 class Session:
     """A client's sequences and buffers over the shared `proposer` (all ids here are the client's)."""
 
@@ -103,6 +113,11 @@ class Session:
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)
+
+    def usage(self) -> Usage:
+        """Safe without the drafter lock: each count reads one dict once (a scrape must not wait on a step)."""
+        buffer_bytes = list(self._buffer_bytes.values())
+        return Usage(len(self._seqs), len(self._handles), len(buffer_bytes), sum(buffer_bytes))
 
     # ---- what one connection may hold (DrafterLimits) -------------------------------------------
 
@@ -386,7 +401,7 @@ def _batched_appends(proposer: Proposer) -> AbstractContextManager:
 
 def _seq_error(seq_id: int, err: Exception) -> SeqError:
     if not isinstance(err, SpecsplitError):  # a bug, not a bad request: keep the traceback
-        log.exception("sequence %d failed unexpectedly", seq_id, exc_info=err)
+        log.exception("sequence %d failed unexpectedly", seq_id, exc_info=err, extra={"seq_id": seq_id})
     return SeqError.from_exception(seq_id, err)
 
 

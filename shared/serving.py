@@ -1,4 +1,5 @@
-"""gRPC plumbing both services share: addresses, channel/server options, health, the client header."""
+"""gRPC plumbing both services share: addresses, channel/server options, health, reflection, metrics, the
+client header."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.metrics import MetricsAddress, ServiceMetrics
 from specsplit.shared.security import ServerSecurity, TokenAuth, is_unix, private_socket_dir
 from specsplit.shared.status import Throttle
 
@@ -66,10 +69,11 @@ class Served:
     """
 
     def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer,
-                 busy: Callable[[], bool]) -> None:
+                 busy: Callable[[], bool], metrics: ServiceMetrics | None = None) -> None:
         self.server = server
         self._health = health_servicer
         self._busy = busy
+        self._metrics = metrics  # its HTTP endpoint answers until the server has stopped
 
     def drain(self, grace: float) -> None:
         self._health.enter_graceful_shutdown()
@@ -78,34 +82,53 @@ class Served:
         while self._busy() and not stopped.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
         self.server.stop(None).wait()
+        self._close_metrics()
 
     def stop(self, grace: float | None = None):
         """grpc.Server.stop: returns an event set once the server has stopped."""
-        return self.server.stop(grace)
+        stopped = self.server.stop(grace)
+        self._close_metrics()
+        return stopped
+
+    def _close_metrics(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
 
 
 def start_server(register: Callable[[grpc.Server], None], listen: list[str], service_name: str, *,
                  max_workers: int, busy: Callable[[], bool], max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
-                 security: ServerSecurity = ServerSecurity()) -> Served:
-    """Bind every address, register the servicer and grpc.health.v1, start, mark SERVING.
+                 security: ServerSecurity = ServerSecurity(), metrics: ServiceMetrics | None = None,
+                 metrics_address: MetricsAddress | None = None) -> Served:
+    """Bind every address, register the servicer, grpc.health.v1 and server reflection, start, mark SERVING.
 
     With a token every call but health checks must carry it; TLS (when configured) covers the TCP
-    addresses, and a unix socket lives in a folder only this user may open. The caller drains or
-    stops the returned server.
+    addresses, and a unix socket lives in a folder only this user may open. With `metrics` every call
+    is counted (refused ones too), and with `metrics_address` the metrics are served over HTTP. The
+    caller drains or stops the returned server.
     """
     _quiet_malformed_messages()
-    interceptors = [TokenAuth(security.token)] if security.token else []
+    interceptors = [metrics.observer] if metrics is not None else []
+    interceptors += [TokenAuth(security.token)] if security.token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=server_options(max_message_bytes), interceptors=interceptors)
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for address in listen:
-        _bind(server, address, security)
+    # Reflection lists and describes the services (grpcurl, Postman); with a token it needs the token too.
+    reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if metrics is not None and metrics_address is not None:
+        metrics.expose(metrics_address)
+    try:
+        for address in listen:
+            _bind(server, address, security)
+    except BaseException:
+        if metrics is not None:
+            metrics.close()
+        raise
     server.start()
     for name in ("", service_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return Served(server, health_servicer, busy)
+    return Served(server, health_servicer, busy, metrics)
 
 
 def _bind(server: grpc.Server, address: str, security: ServerSecurity) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import uuid
 
+from specsplit.options import ENV_PREFIX, Append, env_defaults, resolve_env
+from specsplit.shared import logs
 from specsplit.shared.errors import InvalidRequest, SpecsplitError
 
 # Kept here (not imported from specsplit.local) so `specsplit --help` and `--version` load no model code
@@ -29,6 +30,13 @@ environment:
                    (default: ~/.cache/specsplit)"""
 # Options that pick what a target service runs: a --server request cannot change them.
 SERVER_CHOSEN = ("--target", "--drafter", "--device", "--dtype")
+SERVE_EPILOG = f"""\
+environment:
+  Every option --NAME-OF-OPTION can also be set by ${ENV_PREFIX}NAME_OF_OPTION (e.g. --max-batch by
+  {ENV_PREFIX}MAX_BATCH, --listen by a comma-separated {ENV_PREFIX}LISTEN, a switch by 1/0, true/false,
+  yes/no or on/off). A flag given wins over its variable, which wins over the default shown.
+  {ENV_PREFIX}AUTH_TOKEN  the token itself, when neither --auth-token-file nor {ENV_PREFIX}AUTH_TOKEN_FILE is set
+  {ENV_PREFIX}CACHE       where the default target is converted (default: ~/.cache/specsplit)"""
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -199,8 +207,13 @@ def client_security(args: argparse.Namespace, ca: str | None = None):
     return ClientSecurity(load_token(args.auth_token_file), tls)
 
 
-def log_to_stderr() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def metrics_address(args: argparse.Namespace):
+    """--metrics-host and --metrics-port (0: no metrics endpoint)."""
+    from specsplit.shared.metrics import MetricsAddress
+
+    if args.metrics_port == 0:
+        return None
+    return MetricsAddress(args.metrics_host, args.metrics_port)
 
 
 def watch_parent() -> None:
@@ -211,7 +224,7 @@ def watch_parent() -> None:
 
 
 def cmd_drafter_serve(args: argparse.Namespace) -> None:
-    log_to_stderr()
+    logs.configure(args.log_format, args.log_level)
     watch_parent()
     from specsplit.drafter_service.limits import DrafterLimits
     from specsplit.services import DrafterSettings, start_drafter, wait_for_signal
@@ -222,7 +235,8 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
                            max_message_mib=args.max_message_mib)
     server_obj, server = start_drafter(DrafterSettings(tuple(args.listen), setup_from(args, args.drafter),
                                                        head=args.head, limits=limits,
-                                                       security=server_security(args)))
+                                                       security=server_security(args),
+                                                       metrics=metrics_address(args)))
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
     server.drain(args.drain_seconds)  # a target still connected keeps its Step stream until then
@@ -230,7 +244,7 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_target_serve(args: argparse.Namespace) -> None:
-    log_to_stderr()
+    logs.configure(args.log_format, args.log_level)
     watch_parent()
     from specsplit.services import TargetSettings, start_target, wait_for_signal
     from specsplit.target_service.engine import EngineConfig
@@ -241,7 +255,8 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
                               drafter_timeout=args.drafter_timeout, max_streams=args.max_streams,
                               max_message_bytes=int(args.max_message_mib * (1 << 20)),
-                              security=server_security(args), drafter_security=drafter_security(args))
+                              security=server_security(args), drafter_security=drafter_security(args),
+                              metrics=metrics_address(args))
     loop, server = start_target(settings)
     print(f"target serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
@@ -274,7 +289,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", action="append", required=True, metavar="ADDR",
+    p.epilog = SERVE_EPILOG
+    p.add_argument("--listen", action=Append, required=True, metavar="ADDR",
                    help="host:port or unix:PATH (repeatable)")
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint folder")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -294,6 +310,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-client-ca", default=None, metavar="PEM",
                    help="require TCP clients to present a certificate signed by this CA (mutual TLS) "
                         "(default: none, TLS without client certificates)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (no token, no TLS); 0: off")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="the address the metrics endpoint binds: 0.0.0.0 or :: for every interface (in a pod)")
+    p.add_argument("--log-format", default="text", choices=logs.FORMATS,
+                   help="text lines, or one JSON object a line (time, level, logger, message, request_id, "
+                        "seq_id, client_id)")
+    p.add_argument("--log-level", default="INFO", choices=logs.LEVELS, help="the least severe level logged")
 
 
 def add_service_parsers(sub) -> None:
@@ -324,6 +348,7 @@ def add_service_parsers(sub) -> None:
                     help="largest message accepted, in MiB (default: twice a Step of the drafter's widest batch "
                          "with inline float32 rows, at least 16)")
     ds.set_defaults(func=cmd_drafter_serve)
+    env_defaults(ds)
 
     target_parser = add_command(sub, "target", "the target service")
     target_parser.set_defaults(func=show_help(target_parser))
@@ -354,6 +379,7 @@ def add_service_parsers(sub) -> None:
                     help="largest Generate request accepted, in MiB; a larger one is refused with "
                          "RESOURCE_EXHAUSTED before it is read")
     ts.set_defaults(func=cmd_target_serve)
+    env_defaults(ts)
 
     for name, func, text in (
             ("up", cmd_up, "start both services on the default model; print their addresses"),
@@ -505,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        resolve_env(args)
         return args.func(args) or 0
     except SpecsplitError as exc:
         print(f"specsplit: error: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.server import DrafterServer, serve as serve_drafter_rpc
 from specsplit.shared.checkpoint import load_config, load_state_dict
 from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.metrics import MetricsAddress
 from specsplit.shared.security import ClientSecurity, ServerSecurity
 from specsplit.shared.serving import DEFAULT_MESSAGE_BYTES, Served
 from specsplit.shared.tokenizer import Tokenizer
@@ -32,6 +33,7 @@ class DrafterSettings:
     head: str = "auto"  # auto | checkpoint | target: where the drafter's embedding and LM head come from
     limits: DrafterLimits = DrafterLimits()  # what callers may hold (--max-targets, --max-sessions, ...)
     security: ServerSecurity = ServerSecurity()  # token and TLS its callers need (--auth-token-file, --tls-*)
+    metrics: MetricsAddress | None = None  # where Prometheus scrapes it (--metrics-host/--metrics-port); None: off
 
     def __post_init__(self) -> None:
         if self.head not in ("auto", "checkpoint", "target"):
@@ -56,6 +58,7 @@ class TargetSettings:
     max_message_bytes: int = DEFAULT_MESSAGE_BYTES  # largest Generate request accepted
     security: ServerSecurity = ServerSecurity()  # token and TLS its callers need (--auth-token-file, --tls-*)
     drafter_security: ClientSecurity = ClientSecurity()  # what it presents to its drafter (the same token)
+    metrics: MetricsAddress | None = None  # where Prometheus scrapes it (--metrics-host/--metrics-port); None: off
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -87,7 +90,7 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
 
 def start_drafter(settings: DrafterSettings) -> tuple[DrafterServer, Served]:
     server_obj = build_drafter_server(settings)
-    return server_obj, serve_drafter_rpc(server_obj, list(settings.listen), settings.security)
+    return server_obj, serve_drafter_rpc(server_obj, list(settings.listen), settings.security, settings.metrics)
 
 
 def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
@@ -106,7 +109,7 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
     loop = EngineLoop(engine)
     servicer = TargetServicer(loop, tokenizer, model_name=folder.name, max_streams=settings.max_streams)
     return loop, serve_target_rpc(servicer, list(settings.listen), max_message_bytes=settings.max_message_bytes,
-                                  security=settings.security)
+                                  security=settings.security, metrics=settings.metrics)
 
 
 def wait_for_signal() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,10 +20,12 @@ from typing import Callable, Iterable
 import torch
 
 from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
+from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
 from specsplit.shared.verify import verify_sampled
+from specsplit.target_service.counters import EngineCounters
 from specsplit.target_service.graphs import StepBatch, StepGraphs
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, TargetModel
 from specsplit.target_service.sequence import FinishReason, Request, Sequence, StepEvent
@@ -81,6 +84,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.counters = EngineCounters()  # read by target_service.metrics at scrape time
         # Issue 9: set by the EngineLoop to its cancel inbox, so a long prefill stops between chunks.
         self.is_cancelled: Callable[[str], bool] = lambda request_id: False
         self._spec = proposer.spec if proposer is not None else None  # the spec capture and graphs follow
@@ -205,6 +209,7 @@ class Engine:
             rows.append(self._features(out))
         first = self._sample([seq], out.logits, [[]])[0]
         seq.stats.steps += 1
+        self.counters.prefills += 1
         if self._speculating(seq):
             self._attach(seq, prompt, torch.cat(rows))
         return self._emit(seq, first)
@@ -218,8 +223,10 @@ class Engine:
         drafts = self._propose(seqs)
         inputs = [[s.tokens[-1]] + d for s, d in zip(seqs, drafts)]
         starts = [s.last_position for s in seqs]
+        started = time.perf_counter()
         out = self._verify_forward([s.seq_id for s in seqs], inputs, starts)
-        accepted_tokens = self._sample(seqs, out.logits, drafts)
+        accepted_tokens = self._sample(seqs, out.logits, drafts)  # host lists: the device is done
+        verified = time.perf_counter()
         features = self._features(out)
         offset = 0
         with self._batched_appends():
@@ -231,8 +238,15 @@ class Engine:
                 seq.stats.steps += 1
                 seq.stats.drafted += len(draft)
                 seq.stats.accepted += num_accepted
+                self.counters.verified(len(draft), num_accepted)
                 self._after_verify(seq, draft, num_accepted, rows, start)
+        self._count_step(started, verified)
         return [self._emit(seq, new_tokens) for seq, new_tokens in zip(seqs, accepted_tokens)]
+
+    def _count_step(self, started: float, verified: float) -> None:
+        self.counters.steps += 1
+        self.counters.verify.observe(verified - started)
+        self.counters.control.observe(time.perf_counter() - verified)
 
     @contextmanager
     def _batched_appends(self):
@@ -264,7 +278,9 @@ class Engine:
                 index.append(i)
         if not requests:
             return drafts
-        proposals = self._drafter_call(self.proposer.propose, requests)
+        started = time.perf_counter()
+        proposals = self._drafter_call(self.proposer.propose, requests)  # drafts come back as host lists
+        self.counters.propose.observe(time.perf_counter() - started)
         if proposals is _FAILED:
             return drafts
         vocab = self.model.config.vocab_size
@@ -318,6 +334,7 @@ class Engine:
     def _detach(self) -> None:
         """Stop trusting the drafter's state: a remote drafter's connection is dropped (it frees
         everything this engine held there; re-attach rebuilds it), an in-process one is told to free."""
+        self.counters.fallbacks += self.drafter_ok  # once per outage, however many verbs then fail
         self.drafter_ok = False
         attached = [s for s in self.running.values() if s.drafter_attached]
         for seq in self.running.values():
@@ -336,13 +353,16 @@ class Engine:
         except (InvalidRequest, CapacityExceeded, StateConflict) as exc:
             # This sequence is what the drafter refuses, not the drafter: the others keep speculating.
             log.warning("the drafter refused sequence %s (%s: %s); decoding it without speculation",
-                        seq.request.request_id, type(exc).__name__, exc)
+                        seq.request.request_id, type(exc).__name__, exc,
+                        extra=fields(request_id=seq.request.request_id, seq_id=seq.seq_id))
+            self.counters.refusals += 1
             seq.drafter_refused = True
             self._forget(seq)
             return
         except Exception as exc:  # noqa: BLE001 - by design: a drafter fault must not fail requests
             log.warning("drafter failed attaching %s (%s: %s); continuing without speculation",
-                        seq.request.request_id, type(exc).__name__, exc)
+                        seq.request.request_id, type(exc).__name__, exc,
+                        extra=fields(request_id=seq.request.request_id, seq_id=seq.seq_id))
             self._detach()
             return
         seq.drafter_attached = True
@@ -355,6 +375,7 @@ class Engine:
         if available is None or not available():
             return
         self.drafter_ok = True
+        self.counters.reattaches += 1
         if self._spec is None:
             self._adopt_spec(seqs)
         for seq in seqs:
@@ -427,7 +448,8 @@ class Engine:
 
     def _emit(self, seq: Sequence, new_tokens: list[int]) -> StepEvent:
         kept = seq.accept(new_tokens)
-        delta = self._text_delta(seq, kept)
+        delta = self._text_delta(seq, kept)  # may drop tokens past a stop string
+        self.counters.tokens += len(kept)
         event = StepEvent(seq.request.request_id, kept, delta, seq.finish_reason, seq.stats)
         if seq.finish_reason is not None:
             self._release(seq)

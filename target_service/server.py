@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import threading
-import uuid
 
 from specsplit.protos.v1 import target_pb2_grpc
-from specsplit.shared import wire
-from specsplit.shared.errors import CapacityExceeded, InvalidRequest
+from specsplit.shared import logs, wire
+from specsplit.shared.errors import CapacityExceeded, InvalidRequest, SpecsplitError
+from specsplit.shared.metrics import MetricsAddress
 from specsplit.shared.security import ServerSecurity
 from specsplit.shared.serving import DEFAULT_MESSAGE_BYTES, SPARE_THREADS, Served, start_server
 from specsplit.shared.status import rpc_errors
 from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service.loop import EngineLoop
+from specsplit.target_service.metrics import TargetMetrics
 from specsplit.target_service.sequence import Request, StepEvent
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = "specsplit.v1.TargetService"
 
 
@@ -40,8 +43,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         # 34 s of CPU to learn that); the bound never refuses a prompt that fits, see Tokenizer.max_token_bytes.
         self.context_length = loop.engine.model.config.max_position_embeddings
         self.max_prompt_bytes = self.context_length * tokenizer.max_token_bytes
+        self.metrics = TargetMetrics(loop.engine, open_streams=lambda: self._open)
 
-    def _request(self, call: wire.GenerateCall) -> Request:
+    def _request(self, call: wire.GenerateCall, request_id: str) -> Request:
         self._check_prompt_size(call.prompt)
         if isinstance(call.prompt, str):
             text = call.prompt
@@ -52,7 +56,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             prompt_ids = list(call.prompt)
         if not prompt_ids:
             raise InvalidRequest("the prompt encodes to no tokens")
-        return Request(call.request_id or uuid.uuid4().hex, prompt_ids, call.sampling, call.speculative)
+        return Request(request_id, prompt_ids, call.sampling, call.speculative)
 
     def _check_prompt_size(self, prompt: str | tuple[int, ...]) -> None:
         if isinstance(prompt, str):
@@ -65,13 +69,24 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     def Generate(self, request, context):
+        outcome = "cancelled"  # unless the stream ends otherwise: the client went away mid-stream
+        try:
+            outcome = yield from self._admitted(request, context)
+        except Exception as exc:
+            outcome = exc.grpc_code.lower() if isinstance(exc, SpecsplitError) else "internal"
+            raise
+        finally:
+            self.metrics.requests.labels(outcome).inc()
+
+    def _admitted(self, request, context):
+        """The stream, within --max-streams; returns how it ended."""
         if not self._streams.acquire(blocking=False):
             raise CapacityExceeded(f"the target is serving its limit of {self.max_streams} streams "
                                    "(--max-streams); retry later")
         with self._open_lock:
             self._open += 1
         try:
-            yield from self._generate(request, context)
+            return (yield from self._generate(request, context))
         finally:
             with self._open_lock:
                 self._open -= 1
@@ -84,13 +99,22 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return self._open > 0
 
     def _generate(self, request, context):
-        req = self._request(wire.generate_from_proto(request))
+        """The stream's chunks; returns the finish reason, or "cancelled" when the client went away.
+        The request id (the caller's, or a new one) is sent first, in the initial metadata."""
+        call = wire.generate_from_proto(request)
+        request_id = logs.request_id(context.invocation_metadata(), call.request_id)
+        logs.set_fields(request_id=request_id)  # on this call's log lines (shared.logs)
+        context.send_initial_metadata(((logs.REQUEST_ID_HEADER, request_id),))
+        req = self._request(call, request_id)
         events = self.loop.submit(req)
         context.add_callback(lambda: self.loop.cancel(req.request_id))
+        log.info("generating: %d prompt tokens, at most %d new, speculative %s", len(req.prompt_ids),
+                 req.params.max_tokens, req.speculative)
         while True:
             event = events.get()
             if event is None:  # cancelled: the client is gone
-                return
+                log.info("cancelled by the client")
+                return "cancelled"
             if isinstance(event, Exception):
                 raise event
             final = event.finish_reason is not None
@@ -98,7 +122,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                        _stats(event) if final else None)
             yield wire.chunk_to_proto(chunk)
             if final:
-                return
+                s = event.stats
+                log.info("finished (%s): %d tokens in %d steps, tau %.2f, %d of %d drafts accepted",
+                         event.finish_reason.value, s.generated, s.steps, s.tau, s.accepted, s.drafted)
+                return event.finish_reason.value
 
     @rpc_errors
     def Describe(self, request, context):
@@ -113,10 +140,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
 
 def serve(servicer: TargetServicer, listen: list[str], *, max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
-          security: ServerSecurity = ServerSecurity()) -> Served:
-    """Serve on every address (host:port or unix:PATH) with grpc.health.v1; the caller drains or stops it.
+          security: ServerSecurity = ServerSecurity(), metrics: MetricsAddress | None = None) -> Served:
+    """Serve on every address (host:port or unix:PATH) with grpc.health.v1 and reflection, and the
+    servicer's metrics at `metrics` (None: not over HTTP); the caller drains or stops it.
     Threads: one per stream the servicer admits, and spares for Describe and health checks. Requests
     past `max_message_bytes` are refused with RESOURCE_EXHAUSTED before they are parsed."""
     register = lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)  # noqa: E731
     return start_server(register, listen, SERVICE_NAME, max_workers=servicer.max_streams + SPARE_THREADS,
-                        busy=lambda: servicer.busy, max_message_bytes=max_message_bytes, security=security)
+                        busy=lambda: servicer.busy, max_message_bytes=max_message_bytes, security=security,
+                        metrics=servicer.metrics, metrics_address=metrics)

@@ -27,6 +27,7 @@ BIN = DEPLOY / "bin"
 # Each overlay against the oldest Kubernetes it says it needs, 1.34 and the newest kubernetes-validate knows.
 OLDEST = {"gpu": "1.34", "cpu": "1.29", "gpu-legacy": "1.27"}
 CLIENT_PORT = 50051
+METRICS_PORTS = {"target": 9464, "drafter": 9465}  # Prometheus scrapes these, from the monitoring namespace only
 DRAFTER_SOCKET = "unix:/sockets/drafter/drafter.sock"
 VARIABLE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -193,17 +194,41 @@ def test_service_flags_parse_with_the_cli(overlay, rendered):
 def test_drafter_listens_only_on_the_pod_socket_and_only_the_client_port_is_open(overlay, rendered):
     docs = documents(rendered[overlay])
     commands = service_commands(pod_spec(docs))
-    assert flag_values(commands["drafter"], "--listen") == [DRAFTER_SOCKET]  # no TCP port at all
+    assert flag_values(commands["drafter"], "--listen") == [DRAFTER_SOCKET]  # no gRPC TCP port at all
     assert flag_values(commands["target"], "--drafter") == [DRAFTER_SOCKET]
     assert flag_values(commands["target"], "--listen") == [f"0.0.0.0:{CLIENT_PORT}"]
-    ports = [p for c in all_containers(pod_spec(docs)) for p in c.get("ports", [])]
-    assert [p["containerPort"] for p in ports] == [CLIENT_PORT]
+    ports = {p["name"]: p["containerPort"] for c in all_containers(pod_spec(docs)) for p in c.get("ports", [])}
+    assert ports == {"grpc": CLIENT_PORT, "metrics": METRICS_PORTS["target"],
+                     "drafter-metrics": METRICS_PORTS["drafter"]}
     policy = one(docs, "NetworkPolicy")["spec"]
-    assert policy["ingress"] == [{"ports": [{"protocol": "TCP", "port": CLIENT_PORT}]}]
+    client, scrape = policy["ingress"]
+    assert client == {"ports": [{"protocol": "TCP", "port": CLIENT_PORT}]}  # from anywhere
+    assert scrape["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                               "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    assert sorted(p["port"] for p in scrape["ports"]) == sorted(METRICS_PORTS.values())
     assert policy["egress"] == [] and set(policy["policyTypes"]) == {"Ingress", "Egress"}
     services = [doc for doc in docs if doc["kind"] == "Service"]
     assert {p["port"] for s in services for p in s["spec"]["ports"]} == {CLIENT_PORT}
     assert any(s["spec"].get("clusterIP") == "None" for s in services)  # for client-side round robin
+
+
+@pytest.mark.parametrize("overlay", list(OLDEST))
+def test_each_service_serves_metrics_on_its_declared_port_and_logs_json(overlay, rendered, monkeypatch):
+    """The ConfigMap reaches the services as environment variables too (flag > $SPECSPLIT_<FLAG> >
+    default): parsed as the container would run, each binds its metrics port on every interface."""
+    from specsplit.cli import build_parser
+    from specsplit.options import resolve_env
+
+    docs = documents(rendered[overlay])
+    values = config(docs)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    declared = {p["containerPort"] for c in all_containers(pod_spec(docs)) for p in c.get("ports", [])}
+    for name, args in service_commands(pod_spec(docs)).items():
+        parsed = build_parser().parse_args([VARIABLE.sub(lambda m: values[m[1]], arg) for arg in args])
+        resolve_env(parsed)
+        assert (parsed.metrics_host, parsed.metrics_port) == ("0.0.0.0", METRICS_PORTS[name]), name
+        assert parsed.metrics_port in declared and parsed.log_format == "json", name
 
 
 @pytest.mark.parametrize("overlay", list(OLDEST))

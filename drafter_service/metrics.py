@@ -1,0 +1,69 @@
+"""The drafter service's Prometheus metrics: what its sessions hold (read at scrape time, without the drafter
+lock, so a scrape never waits behind a step), its steps and proposals, and the errors it answers."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from specsplit.shared.metrics import ServiceMetrics
+from specsplit.shared.wire import SeqError, StepResult
+
+PREFIX = "specsplit_drafter"
+# Seconds a Step message takes here (lock wait included): a GPU step is well under a millisecond.
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class DrafterMetrics(ServiceMetrics):
+    """`sessions` returns the server's sessions now (a copy: the collector never holds the drafter lock)."""
+
+    def __init__(self, sessions: Callable[[], list]) -> None:
+        super().__init__(PREFIX)
+        self.steps = Histogram(f"{PREFIX}_step_seconds", "seconds to answer one Step message (the drafter lock's "
+                               "wait included)", buckets=STEP_BUCKETS, registry=self.registry)
+        self.proposals = Counter(f"{PREFIX}_proposals", "sequences drafts were proposed for", registry=self.registry)
+        self.draft_tokens = Counter(f"{PREFIX}_draft_tokens", "draft tokens proposed", registry=self.registry)
+        self.sequence_errors = Counter(f"{PREFIX}_sequence_errors", "sequences refused or failed inside a Step "
+                                       "answer (the stream itself goes on), by status code", ["code"],
+                                       registry=self.registry)
+        self.registry.register(_SessionCollector(sessions))
+
+    def answered(self, result: StepResult, seconds: float) -> None:
+        """One Step message answered in `seconds`."""
+        self.steps.observe(seconds)
+        self.proposed(result.proposals.values())
+        self.failed(result.errors)
+
+    def proposed(self, proposals: Iterable) -> None:
+        proposals = list(proposals)
+        if proposals:
+            self.proposals.inc(len(proposals))
+            self.draft_tokens.inc(sum(len(p.tokens) for p in proposals))
+
+    def failed(self, errors: Iterable[SeqError]) -> None:
+        for error in errors:
+            self.sequence_errors.labels(error.code).inc()
+
+
+class _SessionCollector(Collector):
+    def __init__(self, sessions: Callable[[], list]) -> None:
+        self.sessions = sessions
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        sessions = self.sessions()
+        connected = GaugeMetricFamily(f"{PREFIX}_sessions", "connections held: with an open Step stream (a "
+                                      "connected target) or without one", labels=["stream"])
+        streaming = sum(s.streaming for s in sessions)
+        connected.add_metric(["open"], streaming)
+        connected.add_metric(["none"], len(sessions) - streaming)
+        yield connected
+        usage = [s.usage() for s in sessions]
+        for name, documentation in (
+                ("sequences", "sequences held, all connections"),
+                ("carried_kvs", "carried drafter KVs held (taken, not yet installed or freed)"),
+                ("buffers", "registered row and head buffers"),
+                ("buffer_bytes", "bytes of the registered buffers")):
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", documentation, value=sum(getattr(u, name) for u in usage))
