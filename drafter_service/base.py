@@ -9,7 +9,7 @@ bad input the same way and a failed call never changes state.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
@@ -53,16 +53,40 @@ class Rows:
         return next(iter(self._cols.values())).shape[0]
 
     def append(self, **new: torch.Tensor) -> None:
+        Rows.append_many([(self, new)])
+
+    @staticmethod
+    def append_many(appends: Sequence[tuple["Rows", dict[str, torch.Tensor]]]) -> None:
+        """`append` for several Rows at once: the copies of each column go out as one multi-tensor
+        copy instead of one small copy per Rows (a step appends to every sequence of the batch)."""
+        copies: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+        def flush() -> None:  # before a buffer moves its rows, the copies into it must have landed
+            for dsts, srcs in copies.values():
+                torch._foreach_copy_(dsts, srcs)
+            copies.clear()
+
+        for rows, new in appends:
+            for name, (dst, src) in rows._reserve(new, flush).items():
+                pair = copies.setdefault(name, ([], []))
+                pair[0].append(dst)
+                pair[1].append(src)
+        flush()
+
+    def _reserve(self, new: dict[str, torch.Tensor], before_move: Callable[[], None]
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Make room for the new rows (calling `before_move` first if rows must move) and advance the
+        end; returns (destination view, source) per column."""
         n = next(iter(new.values())).shape[0]
         if self.limit is not None and n > self.limit:
             new, n = {name: value[n - self.limit:] for name, value in new.items()}, self.limit
         if self.limit is not None:
             self._start += max(0, len(self) + n - self.limit)
         if self._end + n > self._capacity:
+            before_move()
             self._make_room(n)
-        for name, value in new.items():
-            self._cols[name][self._end:self._end + n] = value
-        self._end += n
+        start, self._end = self._end, self._end + n
+        return {name: (self._cols[name][start:start + n], value) for name, value in new.items()}
 
     def _make_room(self, n: int) -> None:
         live, need = len(self), len(self) + n
@@ -238,6 +262,7 @@ class Drafter(ABC):
         self.store: SequenceStore = SequenceStore()
         self.staging = HostStaging(device)  # per-step ints to the device without a host stall
         self._deferred: list[Append] | None = None  # inside `batched_appends`
+        self._borrowed: list[tuple[SequenceState, torch.Tensor]] = []  # stashes that still hold callers' rows
 
     # -- model math, per kind --
 
@@ -261,7 +286,10 @@ class Drafter(ABC):
     @contextmanager
     def batched_appends(self) -> Iterator[None]:
         """Inside the block, rows that commit/catchup would append wait, and enter their states in one
-        `append_rows_batch` when it ends (per sequence in call order, so the result is the same)."""
+        `append_rows_batch` when it ends (per sequence in call order, so the result is the same).
+
+        The caller's contract: row tensors it passes inside the block stay valid until the block ends
+        (they are borrowed, not copied, until then)."""
         if not self.defers_appends or self._deferred is not None:
             yield
             return
@@ -270,16 +298,22 @@ class Drafter(ABC):
             yield
         finally:
             appends, self._deferred = self._deferred, None
-            if appends:
-                self.append_rows_batch(appends)
+            borrowed, self._borrowed = self._borrowed, []
+            try:
+                if appends:
+                    with torch.no_grad():  # borrowed rows may be inference tensors
+                        self.append_rows_batch(appends)
+            finally:
+                for state, rows in borrowed:  # stashed but not committed in the block: now a copy
+                    if state.stash is rows:
+                        state.stash = rows.clone()
 
-    def _enter_rows(self, state: SequenceState, tokens: list[int], rows: torch.Tensor, base_pos: int,
-                    *, borrowed: bool) -> None:
-        """`borrowed` rows belong to the caller (a registered buffer): a deferred append keeps a copy."""
+    def _enter_rows(self, state: SequenceState, tokens: list[int], rows: torch.Tensor, base_pos: int) -> None:
+        """Now, or at the end of the batched block (the rows stay valid until then, see `batched_appends`)."""
         if self._deferred is None:
             self.append_rows(state, tokens, rows, base_pos)
         else:
-            self._deferred.append(Append(state, tokens, rows.clone() if borrowed else rows, base_pos))
+            self._deferred.append(Append(state, tokens, rows, base_pos))
 
     @abstractmethod
     def drop_speculative(self, state: SequenceState) -> None:
@@ -313,7 +347,7 @@ class Drafter(ABC):
         tokens = self._check_tokens(token_ids, rows.shape[0])
         self._check_span(state, base_pos, rows.shape[0], verb)
         if rows.shape[0]:
-            self._enter_rows(state, tokens, rows, base_pos, borrowed=True)
+            self._enter_rows(state, tokens, rows, base_pos)
             state.next_pos = base_pos + rows.shape[0]
         return rows.shape[0]
 
@@ -322,7 +356,14 @@ class Drafter(ABC):
         rows = self._check_rows(rows)
         if not 1 <= rows.shape[0] <= self.spec.max_drafts + 1:
             raise InvalidRequest(f"stash takes 1..{self.spec.max_drafts + 1} rows, got {rows.shape[0]}")
-        state.stash = rows.clone()  # the caller reuses its verify buffer
+        if self._deferred is not None:
+            # Inside a batched block the caller's rows stay valid until it ends (a verify's output, a
+            # step message's buffer): borrow them, since most are committed before then; the block's
+            # end copies those that were not.
+            state.stash = rows
+            self._borrowed.append((state, rows))
+        else:
+            state.stash = rows.clone()  # the caller reuses its verify buffer
 
     @torch.no_grad()
     def commit(self, seq_id: int, num_rows: int, base_pos: int, token_ids: Sequence[int]) -> None:
@@ -335,7 +376,7 @@ class Drafter(ABC):
             raise StateConflict(f"sequence {seq_id}: commit of {num_rows} rows, {state.stash.shape[0]} stashed")
         tokens = self._check_tokens(token_ids, num_rows)
         self._check_span(state, base_pos, num_rows, "commit")
-        self._enter_rows(state, tokens, state.stash[:num_rows], base_pos, borrowed=False)  # the stash is a copy
+        self._enter_rows(state, tokens, state.stash[:num_rows], base_pos)
         state.next_pos = base_pos + num_rows
         state.stash = None
 

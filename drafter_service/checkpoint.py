@@ -1,6 +1,7 @@
 """Drafter checkpoints: z-lab DFlash and DeepSeek-V3-style MTP folders, loaded, saved or made at random.
 
-A folder holds config.json and model.safetensors (any *.safetensors files are read). The kind is
+A folder holds config.json and model.safetensors (any *.safetensors files are read), or HF-style
+shards listed by model.safetensors.index.json when one file would be too large. The kind is
 read from the config: `dflash_config` → DFlash, `num_nextn_predict_layers` → MTP. Neither kind stores
 an embedding or LM head of its own (they use the target's, `TargetHead`), except an optional draft
 vocabulary: `lm_head.weight` [draft_vocab, hidden] with `d2t` (int64, target = draft + d2t[draft]).
@@ -19,6 +20,7 @@ from torch import nn
 from specsplit.drafter_service.dflash import DFlashConfig, DFlashDrafter, DFlashModel, build_target_layer_ids
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.mtp import MTPConfig, MTPDrafter, MTPModel
+from specsplit.shared.checkpoint import INDEX_FILE, load_state_dict
 from specsplit.shared.config import read_config_json
 from specsplit.shared.errors import CheckpointError, InvalidRequest
 from specsplit.shared.layers import RMSNorm, RotaryEmbedding
@@ -33,25 +35,55 @@ AnyDrafter = DFlashDrafter | MTPDrafter
 # ---- save ---------------------------------------------------------------------------------------
 
 
-def save_dflash(folder: str | Path, drafter: DFlashDrafter | DFlashModel) -> Path:
+def save_dflash(folder: str | Path, drafter: DFlashDrafter | DFlashModel, *, max_file_bytes: int | None = None) -> Path:
     model = drafter.model if isinstance(drafter, DFlashDrafter) else drafter
-    return _save(folder, model, model.cfg.to_hf())
+    return _save(folder, model, model.cfg.to_hf(), max_file_bytes)
 
 
-def save_mtp(folder: str | Path, drafter: MTPDrafter | MTPModel) -> Path:
+def save_mtp(folder: str | Path, drafter: MTPDrafter | MTPModel, *, max_file_bytes: int | None = None) -> Path:
     model = drafter.model if isinstance(drafter, MTPDrafter) else drafter
-    return _save(folder, model, model.cfg.to_hf())
+    return _save(folder, model, model.cfg.to_hf(), max_file_bytes)
 
 
-def _save(folder: str | Path, model: DrafterModel, config: dict) -> Path:
+def _save(folder: str | Path, model: DrafterModel, config: dict, max_file_bytes: int | None = None) -> Path:
+    """config.json and the weights: one model.safetensors, or shards of at most `max_file_bytes` of
+    tensor data each (model-0000k-of-0000n.safetensors + model.safetensors.index.json, HF's names)."""
     folder = Path(folder)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    shards = _shards(tensors, max_file_bytes)
     folder.mkdir(parents=True, exist_ok=True)
+    for old in [*folder.glob("*.safetensors"), folder / INDEX_FILE]:  # a stale file would be read too
+        old.unlink(missing_ok=True)
     dtype = next(model.parameters()).dtype
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    names = [WEIGHTS] if len(shards) == 1 else \
+        [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    for name, shard in zip(names, shards):
+        save_file({k: tensors[k] for k in shard}, str(folder / name), metadata={"format": "pt"})
+        (folder / name).chmod(0o644)  # safetensors creates it 0600
+    if len(shards) == 1:
+        return folder
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return folder
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
+    """Tensor names in stored order, cut into runs of at most `max_bytes` (None: one run)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if max_bytes is not None and nbytes > max_bytes:
+            raise InvalidRequest(f"tensor {name} alone is {nbytes} bytes, over the {max_bytes}-byte file limit")
+        if max_bytes is not None and shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
 
 
 # ---- load ---------------------------------------------------------------------------------------
@@ -92,6 +124,8 @@ def load_drafter(folder: str | Path, head: TargetHead, *, target_info: TargetInf
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    if (folder / INDEX_FILE).is_file() and not (folder / WEIGHTS).is_file():
+        return load_state_dict(folder)  # the shards the index names, each tensor where it says
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: no *.safetensors weights")

@@ -302,11 +302,12 @@ class DFlashDrafter(Drafter):
         rows = torch.cat(kept) if len(kept) > 1 else kept[0]
         graphs = self.context_graphs
         feat, k, v = (graphs if graphs is not None and graphs.fits(rows.shape[0]) else self.model.context)(rows, pos)
-        start = 0
+        start, items = 0, []
         for a, span in zip(appends, spans):
             end = start + len(span)
-            a.state.ctx.append(feat=feat[start:end], k=k[start:end], v=v[start:end], pos=pos[start:end])
+            items.append((a.state.ctx, dict(feat=feat[start:end], k=k[start:end], v=v[start:end], pos=pos[start:end])))
             start = end
+        Rows.append_many(items)
 
     def drop_speculative(self, state: DFlashState) -> None:
         """DFlash keeps nothing speculative: proposes never write the context."""

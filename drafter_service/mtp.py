@@ -277,8 +277,8 @@ class MTPDrafter(Drafter):
         cache = CachedKV(k=pad_rows([s.kv["k"] for s in states]), v=pad_rows([s.kv["v"] for s in states]),
                          pos=cache_pos, valid=valid_rows(cached, cache_pos.shape[1], self.device))
         out, k, v = self.model.extend(x, pos, lengths, cache)
-        for state, k_s, v_s, pos_s in zip(states, k.split(lengths), v.split(lengths), pos.split(lengths)):
-            state.kv.append(k=k_s, v=v_s, pos=pos_s)
+        Rows.append_many([(state.kv, dict(k=k_s, v=v_s, pos=pos_s))
+                          for state, k_s, v_s, pos_s in zip(states, k.split(lengths), v.split(lengths), pos.split(lengths))])
         return out
 
     def _pick(self, hidden: torch.Tensor, batch: Sequence[Draft]) -> tuple[torch.Tensor, torch.Tensor]:

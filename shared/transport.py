@@ -796,6 +796,16 @@ class _Imported:
     segment: _Segment  # SHM: header + rows; CUDA_IPC: the header alone
     tensor: torch.Tensor | None = None  # CUDA_IPC: [rows, cols] view of the owner's device memory
     event: _IpcEvent | None = None  # CUDA_IPC: the owner's write event
+    waited: tuple[int, int] | None = None  # (generation, stream) the last wait on `event` covered
+
+    def order_after_writes(self, generation: int) -> None:
+        """Make the current stream wait for the owner's writes of `generation`, once per generation and
+        stream: the owner records once per generation (bump, write, record), so a step that resolves many
+        references into one buffer needs one wait, not one per sequence."""
+        stream = torch.cuda.current_stream(self.event.device_index).cuda_stream
+        if self.waited != (generation, stream):
+            self.event.wait()
+            self.waited = (generation, stream)
 
 
 class BufferImporter:
@@ -889,7 +899,7 @@ class BufferImporter:
             )
         if imported.tensor is None:
             return imported.segment.read_rows(described, source.row_offset, source.rows)
-        imported.event.wait()
+        imported.order_after_writes(current)
         return imported.tensor[source.row_offset : source.row_offset + source.rows]
 
     def whole(self, buffer_id: int) -> torch.Tensor:
@@ -897,7 +907,7 @@ class BufferImporter:
         imported = self._get(buffer_id)
         if imported.tensor is None:
             return imported.segment.read_rows(imported.descriptor, 0, imported.descriptor.rows)
-        imported.event.wait()
+        imported.order_after_writes(imported.segment.generation())
         return imported.tensor
 
     def release(self, buffer_ids: Iterable[int]) -> None:

@@ -369,10 +369,17 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
     from specsplit.train import TrainConfig, run
 
     minutes = 7.0 if args.minutes is None and args.steps is None else args.minutes
-    cfg = TrainConfig(kind=args.kind, layers=args.layers, block_size=args.block_size, batch=args.batch,
-                      anchors=args.anchors, mtp_steps=args.mtp_steps, seq_len=args.seq_len, lr=args.lr,
-                      loss_decay=args.loss_decay, steps=args.steps, minutes=minutes, gen_batch=args.gen_batch,
-                      gen_fraction=args.gen_fraction, pool_gb=args.pool_gb, seed=args.seed, log_every=args.log_every)
+    try:
+        target_layers = tuple(int(i) for i in args.target_layers.split(",")) if args.target_layers else None
+    except ValueError:
+        raise InvalidRequest(f"--target-layers must be comma-separated integers, got {args.target_layers!r}") from None
+    cfg = TrainConfig(kind=args.kind, layers=args.layers, block_size=args.block_size, target_layers=target_layers,
+                      num_target_layers=args.num_target_layers, batch=args.batch, anchors=args.anchors,
+                      mtp_steps=args.mtp_steps, seq_len=args.seq_len, lr=args.lr, loss_decay=args.loss_decay,
+                      steps=args.steps, minutes=minutes, gen_batch=args.gen_batch, gen_fraction=args.gen_fraction,
+                      pool_gb=args.pool_gb, sampled_fraction=args.sampled_fraction, self_prompts=args.self_prompts,
+                      ce_weight=args.ce_weight, kl_weight=args.kl_weight, gen_graphs=not args.no_gen_graphs,
+                      seed=args.seed, log_every=args.log_every)
     run(cfg, target=args.target, out=args.out, device=args.device, init=args.init,
         log=lambda line: print(line, flush=True))
 
@@ -402,17 +409,28 @@ def add_training_parsers(sub) -> None:
     for flag, kind, default, text in (
             ("--layers", int, 2, "DFlash decoder layers"),
             ("--block-size", int, 16, "DFlash block size γ, in tokens"),
+            ("--target-layers", str, None, "DFlash: comma-separated target layers read as features, e.g. "
+                                           "1,8,14,20,27 (default: --num-target-layers spread over depth)"),
+            ("--num-target-layers", int, None, "DFlash: that many target layers spread over depth (default: --layers; "
+                                               "with --init, the checkpoint's)"),
             ("--batch", int, 32, "sequences per optimizer step"), ("--anchors", int, 32, "DFlash blocks per sequence"),
             ("--mtp-steps", int, 3, "MTP chained steps trained"),
             ("--seq-len", int, 256, "tokens generated per prompt"),
             ("--lr", float, 6e-4, "peak learning rate"),
             ("--loss-decay", float, None, "w in exp(-(k-1)/w) (default: 1 + 3γ/8 for DFlash, 2 for MTP)"),
             ("--gen-batch", int, 1024, "sequences generated at once"),
-            ("--gen-fraction", float, 0.3, "share of --minutes spent generating, at most"),
-            ("--pool-gb", float, 32.0, "device memory for feature rows, in GiB"),
-            ("--seed", int, 0, "seeds weights, data order and generation"),
+            ("--gen-fraction", float, 0.35, "share of --minutes spent generating, at most"),
+            ("--pool-gb", float, 48.0, "device memory for feature rows, in GiB"),
+            ("--sampled-fraction", float, 0.25, "prompts that also get a continuation sampled at T=0.7"),
+            ("--self-prompts", int, 16384, "rows in which the target writes questions of its own (0: none)"),
+            ("--ce-weight", float, 0.2, "weight of CE on the target's tokens"),
+            ("--kl-weight", float, 1.0, "weight of KL(target ‖ drafter) on the target's distribution"),
+            ("--seed", int, 0, "seeds weights, data order, generation and the drawn prompts (a new seed per "
+                               "chained session gives new data)"),
             ("--log-every", int, 50, "optimizer steps between progress lines")):
         tr.add_argument(flag, type=kind, default=default, help=text)
+    tr.add_argument("--no-gen-graphs", action="store_true",
+                    help="generate with eager decode steps instead of CUDA graphs (slower; for diagnosis)")
     tr.set_defaults(func=cmd_train_drafter)
 
     ev = add_command(sub, "eval-acceptance", "τ and acceptance of a drafter on held-out prompts, and speedup")

@@ -1,10 +1,14 @@
 """Train a DFlash or MTP drafter online against its frozen target, on the target's own continuations.
 
-Recipe: (1) the target continues training prompts in large dense batches (greedy, plus a share
-sampled at a temperature) and the finished sequences are run through it once more to capture the
-drafter's feature rows, building a pool on the device; (2) epochs over the pool, each batch with
-fresh random anchors, AdamW with warmup and a cosine decay, bf16 autocast on CUDA over float32
-master weights, gradients clipped; (3) the drafter is saved in bfloat16 in the loader's format.
+Recipe: (0) the target writes questions of its own from the chat prefix of a user turn
+(`self_prompts`), which join the offline prompts; (1) the target continues training prompts in large
+dense batches (greedy, plus a share sampled at a temperature) and the finished sequences are run
+through it once more to capture the drafter's feature rows and the target's own final-normed last
+hidden rows (its next-token distribution, for distillation), building a pool on the device; (2)
+epochs over the pool, each batch with fresh random anchors, loss = ce_weight·CE on the target's
+tokens + kl_weight·KL(target ‖ drafter) at temperature 1, AdamW with warmup and a cosine decay over
+the whole training time, bf16 autocast on CUDA over float32 master weights, gradients clipped; (3)
+the drafter is saved in bfloat16 in the loader's format, in shards of at most 25 MiB.
 
 Terms: γ is the DFlash block size; an anchor is the committed token a block starts from (inference
 calls it the bonus token); the loss weight of a block's draft k is exp(-(k-1)/w) (w = `loss_decay`).
@@ -24,17 +28,16 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from specsplit.drafter_service.checkpoint import WEIGHTS, DrafterModel, load_model, random_model, save_dflash, save_mtp
-from specsplit.drafter_service.dflash import DFlashModel
+from specsplit.drafter_service.checkpoint import DrafterModel, load_model, random_model, save_dflash, save_mtp
+from specsplit.drafter_service.dflash import DFlashModel, build_target_layer_ids
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.mtp import MTPModel
 from specsplit.drafter_service.training import dflash_block_hidden, mtp_step_outputs
 from specsplit.shared.errors import InvalidRequest
-from specsplit.target_service.dense import Generated, capture_features, generate
+from specsplit.target_service.dense import DenseDecoder, Generated, generate
 from specsplit.target_service.model import CaptureSpec, TargetModel
 
 MAX_FILE_BYTES = 25 * 1024 * 1024
-CHAT_SAMPLES = 2.0  # sampled continuations per chat prompt, besides the greedy one
 Log = Callable[[str], None]
 
 
@@ -43,14 +46,20 @@ class TrainConfig:
     kind: str = "dflash"  # dflash | mtp
     layers: int = 2  # DFlash decoder layers (MTP has one)
     block_size: int = 16  # γ
+    target_layers: tuple[int, ...] | None = None  # DFlash feature layers of the target; None: see below
+    num_target_layers: int | None = None  # that many spread over depth (z-lab's rule); None: one per layer
     batch: int = 32  # sequences per optimizer step
     anchors: int = 32  # DFlash blocks per sequence per step
     mtp_steps: int = 3  # MTP chained steps trained (teacher-forced)
     seq_len: int = 256  # tokens the target generates per prompt
     max_prompt_tokens: int = 192
     gen_batch: int = 1024  # sequences generated together (decode is launch-bound: wide batches are cheap)
-    sampled_fraction: float = 0.4  # prompts that also get a sampled continuation
+    gen_graphs: bool = True  # on CUDA, decode steps replay captured graphs (False: eager, for diagnosis)
+    sampled_fraction: float = 0.25  # prompts that also get a sampled continuation
     temperature: float = 0.7
+    self_prompts: int = 16384  # rows the target samples questions in (about 3 in 4 survive the filters)
+    ce_weight: float = 0.2  # CE on the target's token
+    kl_weight: float = 1.0  # KL(target ‖ drafter) on the target's distribution, temperature 1
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
     warmup: float = 0.04  # share of training spent warming up
@@ -58,8 +67,8 @@ class TrainConfig:
     loss_decay: float | None = None  # w; None: 1 + 3γ/8 for DFlash (7 at γ=16), 2 for MTP
     steps: int | None = None
     minutes: float | None = None  # wall-time bound for everything, generation included
-    gen_fraction: float = 0.3  # of `minutes`, the most spent generating
-    pool_gb: float = 32.0  # device memory for the feature pool
+    gen_fraction: float = 0.35  # of `minutes`, the most spent generating
+    pool_gb: float = 48.0  # device memory for the feature pool
     seed: int = 0
     log_every: int = 50
 
@@ -80,6 +89,29 @@ class TrainConfig:
             raise InvalidRequest("sampled_fraction must lie in [0, 1], gen_fraction in (0, 1), warmup in [0, 1)")
         if self.lr <= 0 or self.temperature <= 0 or self.pool_gb <= 0:
             raise InvalidRequest("lr, temperature and pool_gb must be positive")
+        if self.ce_weight < 0 or self.kl_weight < 0 or self.ce_weight + self.kl_weight == 0 or self.self_prompts < 0:
+            raise InvalidRequest("ce_weight and kl_weight must be ≥ 0, not both 0; self_prompts ≥ 0")
+        if self.target_layers is not None and self.num_target_layers is not None:
+            raise InvalidRequest("give --target-layers or --num-target-layers, not both")
+        if self.target_layers is not None:
+            object.__setattr__(self, "target_layers", tuple(int(i) for i in self.target_layers))
+        if (self.target_layers is not None and not self.target_layers) or \
+                (self.num_target_layers is not None and self.num_target_layers < 1):
+            raise InvalidRequest("a DFlash drafter needs at least one target layer")
+
+    def target_layer_ids(self, num_hidden_layers: int) -> tuple[int, ...]:
+        """The target layers a fresh DFlash drafter reads: as given, or spread over depth."""
+        if self.target_layers is not None:
+            bad = [i for i in self.target_layers if not 0 <= i < num_hidden_layers]
+            if bad or len(set(self.target_layers)) != len(self.target_layers):
+                raise InvalidRequest(f"--target-layers {self.target_layers} must be distinct layers of "
+                                     f"0..{num_hidden_layers - 1}")
+            return self.target_layers
+        chosen = build_target_layer_ids(num_hidden_layers, self.num_target_layers or self.layers)
+        if len(set(chosen)) != len(chosen) or not all(0 <= i < num_hidden_layers for i in chosen):
+            raise InvalidRequest(f"{len(chosen)} target layers do not spread over {num_hidden_layers}; "
+                                 "give --target-layers")
+        return chosen
 
     @property
     def decay(self) -> float:
@@ -100,8 +132,12 @@ class Clock:
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
+    def gen_budget(self) -> float:
+        """Seconds from the start by which generation must stop (inf without a wall-time bound)."""
+        return math.inf if self.minutes is None else self.minutes * 60 * self.gen_fraction
+
     def gen_over(self) -> bool:
-        return self.minutes is not None and self.elapsed() > self.minutes * 60 * self.gen_fraction
+        return self.elapsed() > self.gen_budget()
 
     def train_seconds(self) -> float | None:
         """Seconds training may take from now, or None without a wall-time bound."""
@@ -127,45 +163,77 @@ class Batch:
     starts: torch.Tensor  # [B] index of the first generated token
     lengths: torch.Tensor  # [B] real tokens
     rows: torch.Tensor  # [B, S, feature_dim] the target's feature rows
+    final: torch.Tensor | None = None  # [B, S, hidden] the target's final-normed last hidden rows (KL only)
 
 
 class Pool:
-    """Generated sequences and their feature rows, preallocated on the device."""
+    """Generated sequences back to back, flat over tokens, with their feature rows and (for distillation)
+    the target's final-normed last hidden rows, preallocated on the device. Flat storage keeps only
+    real tokens: a chat answer that ends after 80 tokens takes 80 rows, not the longest sequence's."""
 
-    def __init__(self, capacity: int, width: int, feature_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.tokens = torch.zeros((capacity, width), dtype=torch.long, device=device)
-        # Left uninitialised (a large pool need not be written twice); `add` writes every column.
-        self.rows = torch.empty((capacity, width, feature_dim), dtype=dtype, device=device)
-        self.starts = torch.zeros(capacity, dtype=torch.long, device=device)
-        self.lengths = torch.zeros(capacity, dtype=torch.long, device=device)
-        self.host_lengths = torch.zeros(capacity, dtype=torch.long)  # batch widths without a device read
-        self.size = 0
+    def __init__(self, tokens: int, sequences: int, feature_dim: int, final_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.tokens = torch.zeros(tokens, dtype=torch.long, device=device)
+        # Left uninitialised (a large pool need not be written twice); `add` writes every row it counts.
+        self.rows = torch.empty((tokens, feature_dim), dtype=dtype, device=device)
+        self.final = torch.empty((tokens, final_dim), dtype=dtype, device=device) if final_dim else None
+        self.offsets = torch.zeros(sequences, dtype=torch.long, device=device)  # first token of each sequence
+        self.starts = torch.zeros(sequences, dtype=torch.long, device=device)  # its first generated index
+        self.lengths = torch.zeros(sequences, dtype=torch.long, device=device)
+        self.host_lengths = torch.zeros(sequences, dtype=torch.long)  # batch widths without a device read
+        self.size = 0  # sequences
+        self.used = 0  # tokens
 
-    @property
-    def capacity(self) -> int:
-        return self.tokens.shape[0]
+    @staticmethod
+    def bytes_per_token(feature_dim: int, final_dim: int, element_size: int) -> int:
+        return (feature_dim + final_dim) * element_size + 8
 
-    def add(self, gen: Generated, rows: torch.Tensor) -> int:
-        """Keep the sequences with at least two generated tokens, as many as fit; returns how many."""
-        keep = (gen.lengths - gen.prompt_lengths >= 2).nonzero().squeeze(1)[: self.capacity - self.size]
-        n, width = keep.numel(), gen.tokens.shape[1]
-        span = slice(self.size, self.size + n)
-        self.tokens[span, :width] = gen.tokens[keep]
-        self.rows[span, :width] = rows[keep]
-        self.rows[span, width:] = 0  # read as (masked) context when a longer row shares a batch
-        self.starts[span], self.lengths[span] = gen.prompt_lengths[keep], gen.lengths[keep]
-        self.host_lengths[span] = gen.lengths[keep].cpu()
-        self.size += n
+    def room(self) -> tuple[int, int]:
+        """Free (tokens, sequences)."""
+        return self.tokens.numel() - self.used, self.offsets.numel() - self.size
+
+    def add(self, gen: Generated, rows: torch.Tensor, final: torch.Tensor | None) -> int:
+        """Keep the sequences with at least two generated tokens, as many as fit in order; returns how many.
+
+        rows/final [B, S, ...] are packed like gen.tokens [B, S]."""
+        keep = (gen.lengths - gen.prompt_lengths >= 2).nonzero().squeeze(1)
+        free_tokens, free_seqs = self.room()
+        host = gen.lengths[keep].cpu()
+        keep = keep[: min(int((host.cumsum(0) <= free_tokens).sum()), free_seqs)]
+        n, host = keep.numel(), host[: keep.numel()]
+        if n == 0:
+            return 0
+        lengths = gen.lengths[keep]
+        real = torch.arange(gen.tokens.shape[1], device=lengths.device)[None, :] < lengths[:, None]  # [n, S]
+        span, total = slice(self.size, self.size + n), int(host.sum())
+        flat = slice(self.used, self.used + total)
+        self.tokens[flat] = gen.tokens[keep][real]
+        self.rows[flat] = rows[keep][real]
+        if self.final is not None:
+            self.final[flat] = final[keep][real]
+        self.offsets[span] = self.used + torch.cumsum(lengths, 0) - lengths
+        self.starts[span], self.lengths[span], self.host_lengths[span] = gen.prompt_lengths[keep], lengths, host
+        self.size, self.used = self.size + n, self.used + total
         return n
 
     def batch(self, index: torch.Tensor) -> Batch:
-        """The sequences at pool rows `index` (a CPU tensor), cut to the longest of them."""
+        """The sequences at pool rows `index` (a CPU tensor) in [B, S] form, S their longest; token ids and
+        rows are 0 past each one's end."""
         width = int(self.host_lengths[index].max())
         index = index.to(self.tokens.device)
         lengths = self.lengths[index]
         cols = torch.arange(width, device=index.device)[None, :]
-        return Batch(self.tokens[index, :width], cols.expand(index.numel(), -1), cols < lengths[:, None],
-                     self.starts[index], lengths, self.rows[index, :width])
+        valid = cols < lengths[:, None]
+        at = self.offsets[index][:, None] + torch.minimum(cols, lengths[:, None] - 1)  # [B, S], in its own span
+
+        def take(flat: torch.Tensor) -> torch.Tensor:
+            return flat[at].masked_fill(~valid.view(*valid.shape, *[1] * (flat.dim() - 1)), 0)
+
+        return Batch(take(self.tokens), cols.expand(index.numel(), -1), valid, self.starts[index], lengths,
+                     take(self.rows), None if self.final is None else take(self.final))
+
+    def generated_tokens(self) -> int:
+        return int((self.lengths - self.starts)[:self.size].sum())
 
 
 def plan_jobs(prompts: Sequence[list[int]], samples: Sequence[float], cfg: TrainConfig) -> list[list[Job]]:
@@ -193,27 +261,40 @@ def fit_prompt(ids: list[int], max_tokens: int, keep_tail: bool) -> list[int] | 
     return ids[-max_tokens:] if keep_tail else None
 
 
+def new_decoder(target: TargetModel, cfg: TrainConfig) -> DenseDecoder:
+    """One decoder for every generation of a run, so its CUDA graphs are captured once."""
+    return DenseDecoder(target, cfg.gen_batch, cfg.max_prompt_tokens + cfg.seq_len,
+                        use_graphs=cfg.gen_graphs and target.embed_weight.device.type == "cuda")
+
+
 def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: CaptureSpec, cfg: TrainConfig,
                clock: Clock, eos_ids: Sequence[int], log: Log) -> Pool:
     device = target.embed_weight.device
-    feature_dim = target.config.hidden_size * (len(capture.layer_ids) or 1)
-    width = cfg.max_prompt_tokens + cfg.seq_len
-    per_row = width * feature_dim * target.embed_weight.element_size()
-    capacity = min(sum(map(len, batches)), int(cfg.pool_gb * 2**30 // per_row))
-    pool = Pool(capacity, width, feature_dim, target.embed_weight.dtype, device)
+    hidden = target.config.hidden_size
+    feature_dim = hidden * (len(capture.layer_ids) or 1)
+    final_dim = hidden if cfg.kl_weight > 0 else 0
+    per_token = Pool.bytes_per_token(feature_dim, final_dim, target.embed_weight.element_size())
+    planned = sum(map(len, batches))
+    capacity = min(planned * (cfg.max_prompt_tokens + cfg.seq_len), int(cfg.pool_gb * 2**30 // per_token))
+    pool = Pool(capacity, planned, feature_dim, final_dim, target.embed_weight.dtype, device)
+    log(f"pool: room for {capacity} tokens ({capacity * per_token / 2**30:.1f} GiB) of {planned} planned sequences; "
+        f"features {feature_dim}{f' + final {final_dim}' if final_dim else ''} per token")
+    decoder = new_decoder(target, cfg)  # its cache and graphs are freed when this returns
+    decoder.set_capture(capture, final=final_dim > 0)  # rows kept while decoding: no second pass
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    tokens = 0
+    tokens, start = 0, clock.elapsed()
     for i, jobs in enumerate(batches):
-        if pool.size >= pool.capacity or (i > 0 and clock.gen_over()):
+        if pool.room()[0] < cfg.max_prompt_tokens + cfg.seq_len or (i > 0 and clock.gen_over()):
             break
         temperature = jobs[0].temperature
         out = generate(target, [j.prompt for j in jobs], cfg.seq_len, temperature=temperature, generator=gen,
-                       eos_ids=eos_ids)
-        pool.add(out, capture_features(target, out.tokens, out.lengths, capture))
+                       eos_ids=eos_ids, decoder=decoder)
+        pool.add(out, out.features, out.final)
         tokens += int((out.lengths - out.prompt_lengths).sum())
-        log(f"gen batch {i + 1}/{len(batches)} ({'greedy' if temperature == 0 else f'T={temperature}'}, "
-            f"{len(jobs)} seqs): pool {pool.size}, {tokens} generated tokens, "
-            f"{tokens / clock.elapsed():.0f} tok/s, {clock.elapsed():.0f}s")
+        if i < 3 or (i + 1) % 10 == 0:
+            log(f"gen batch {i + 1}/{len(batches)} ({'greedy' if temperature == 0 else f'T={temperature}'}, "
+                f"{len(jobs)} seqs): pool {pool.size}, {tokens} generated tokens, "
+                f"{tokens / max(clock.elapsed() - start, 1e-9):.0f} tok/s, {clock.elapsed():.0f}s")
     if pool.size == 0:
         raise InvalidRequest("no training sequences were generated")
     return pool
@@ -236,15 +317,35 @@ def sample_anchors(batch: Batch, count: int, gen: torch.Generator) -> tuple[torc
     return order.masked_fill(~real, 0), real
 
 
-def weighted_ce(hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, model: DrafterModel,
-                head: TargetHead) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss and accuracy over the rows with weight > 0; logits only for those rows."""
+def distill_loss(hidden: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor | None, weights: torch.Tensor,
+                 model: DrafterModel, head: TargetHead, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ w·(ce_weight·CE(x) + kl_weight·KL(p ‖ q)) / Σ w over the rows with weight > 0, and the drafter's
+    greedy accuracy there. q is the drafter's distribution from `hidden`, x the target's token, p the
+    target's distribution for it: softmax(lm_head(teacher row)), the target's final-normed last hidden
+    row at the position before x. Logits only for the weighted rows."""
     chosen = weights > 0
-    logits = model.logits(hidden[chosen], head)  # [R, vocab]
+    logits = model.logits(hidden[chosen], head)  # [R, vocab] float32
     w, y = weights[chosen], targets[chosen]
-    loss = (F.cross_entropy(logits, y, reduction="none") * w).sum() / w.sum().clamp(min=1e-6)
+    log_q = F.log_softmax(logits, -1)
+    per_row = cfg.ce_weight * F.nll_loss(log_q, y, reduction="none") if cfg.ce_weight > 0 else 0.0
+    if cfg.kl_weight > 0:
+        if teacher is None:
+            raise InvalidRequest("KL distillation needs the target's final hidden rows in the pool")
+        with torch.no_grad():
+            log_p = F.log_softmax(F.linear(teacher[chosen].to(head.lm_head.dtype), head.lm_head).float(), -1)
+        per_row = per_row + cfg.kl_weight * F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+    loss = (per_row * w).sum() / w.sum().clamp(min=1e-6)
     accuracy = (logits.argmax(-1) == y).float().mean() if y.numel() else logits.new_zeros(())
     return loss, accuracy.detach()
+
+
+def teacher_rows(final: torch.Tensor | None, label_index: torch.Tensor) -> torch.Tensor | None:
+    """final [B, S, hidden] at label_index - 1, the row that predicts each label → [*label_index.shape, hidden]."""
+    if final is None:
+        return None
+    index = (label_index - 1).clamp(0, final.shape[1] - 1).reshape(final.shape[0], -1)
+    rows = final.gather(1, index[:, :, None].expand(-1, -1, final.shape[2]))
+    return rows.view(*label_index.shape, final.shape[2])
 
 
 def block_targets(tokens: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, real: torch.Tensor,
@@ -269,7 +370,8 @@ def dflash_loss(model: DFlashModel, head: TargetHead, batch: Batch, cfg: TrainCo
     targets, ok = block_targets(batch.tokens, batch.lengths, anchors, real, gamma)
     k = torch.arange(gamma, device=anchors.device)
     weights = ok * torch.exp(-(k - 1).clamp(min=0) / cfg.decay)
-    return weighted_ce(hidden, targets, weights, model, head)
+    teacher = teacher_rows(batch.final, anchors[:, :, None] + k)
+    return distill_loss(hidden, targets, teacher, weights, model, head, cfg)
 
 
 def mtp_loss(model: MTPModel, head: TargetHead, batch: Batch, cfg: TrainConfig,
@@ -277,14 +379,17 @@ def mtp_loss(model: MTPModel, head: TargetHead, batch: Batch, cfg: TrainConfig,
     """Step s at sequence index i predicts x_{i+s}, weighted exp(-(s-1)/w) where it is a generated token."""
     outs = mtp_step_outputs(model, head, batch.rows, batch.tokens, batch.positions, batch.valid, cfg.mtp_steps)
     index = torch.arange(1, batch.tokens.shape[1], device=batch.tokens.device)[None, :]  # i = r + 1
-    hidden, targets, weights = [], [], []
+    hidden, targets, weights, labels = [], [], [], []
     for step, out in enumerate(outs, 1):
         label = index + step
         ok = (label < batch.lengths[:, None]) & (label >= batch.starts[:, None])
         hidden.append(out)
+        labels.append(label.expand_as(ok))
         targets.append(batch.tokens.gather(1, label.clamp(max=batch.tokens.shape[1] - 1).expand_as(ok)))
         weights.append(ok * math.exp(-(step - 1) / cfg.decay))
-    return weighted_ce(torch.cat(hidden, 1), torch.cat(targets, 1), torch.cat(weights, 1), model, head)
+    teacher = teacher_rows(batch.final, torch.cat(labels, 1))
+    return distill_loss(torch.cat(hidden, 1), torch.cat(targets, 1), teacher, torch.cat(weights, 1), model, head,
+                        cfg)
 
 
 # ---- the optimizer loop -------------------------------------------------------------------------
@@ -307,26 +412,28 @@ class TrainResult:
 
 
 def new_drafter(cfg: TrainConfig, info: TargetInfo, device: torch.device, init: str | Path | None) -> DrafterModel:
-    """A float32 drafter to train: fresh and seeded, or read from `init`."""
+    """A float32 drafter to train: fresh and seeded, or read from `init` (which fixes its shape)."""
     if init is None:
-        model = random_model(cfg.kind, info, seed=cfg.seed, num_layers=cfg.layers if cfg.kind == "dflash" else 1,
-                             block_size=cfg.block_size, dtype=torch.float32, device=device)
+        dflash = cfg.kind == "dflash"
+        model = random_model(cfg.kind, info, seed=cfg.seed, num_layers=cfg.layers if dflash else 1,
+                             block_size=cfg.block_size, dtype=torch.float32, device=device,
+                             **({"target_layer_ids": cfg.target_layer_ids(info.num_hidden_layers)} if dflash else {}))
     else:
         model = load_model(init, target_info=info, dtype=torch.float32, device=device)
         if isinstance(model, DFlashModel) != (cfg.kind == "dflash"):
             raise InvalidRequest(f"--init {init} is not a {cfg.kind} drafter")
-    check_size(model)
+        if isinstance(model, DFlashModel) and cfg.target_layers not in (None, model.cfg.target_layer_ids):
+            raise InvalidRequest(f"--init {init} reads target layers {model.cfg.target_layer_ids}, "
+                                 f"not {cfg.target_layers}")
+    if cfg.kl_weight > 0 and model.d2t is not None:
+        raise InvalidRequest("KL distillation needs a drafter over the target's whole vocabulary (no d2t)")
     return model.train().requires_grad_(True)
 
 
-def check_size(model: DrafterModel) -> int:
-    """Bytes of the bfloat16 checkpoint; refuses one over the 25 MB a weights file may hold."""
-    size = sum(t.numel() * 2 if t.is_floating_point() else t.numel() * t.element_size()
+def checkpoint_bytes(model: DrafterModel) -> int:
+    """Bytes of the bfloat16 checkpoint's tensors."""
+    return sum(t.numel() * 2 if t.is_floating_point() else t.numel() * t.element_size()
                for t in model.state_dict().values())
-    if size > MAX_FILE_BYTES:
-        raise InvalidRequest(f"the drafter would be {size / 2**20:.1f} MiB in bfloat16, over the 25 MiB limit; "
-                             "use fewer layers")
-    return size
 
 
 def train_drafter(cfg: TrainConfig, target: TargetModel, prompts: Sequence[list[int]], *,
@@ -340,10 +447,14 @@ def train_drafter(cfg: TrainConfig, target: TargetModel, prompts: Sequence[list[
     info, head = TargetInfo.from_config(target.config), TargetHead(target.embed_weight, target.lm_head_weight)
     model = new_drafter(cfg, info, device, init)
     capture = capture_for_model(model)
+    log(f"drafter: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters"
+        + (f", target layers {list(model.cfg.target_layer_ids)}" if isinstance(model, DFlashModel) else ""))
     samples = [cfg.sampled_fraction] * len(prompts) if samples is None else samples
     pool = build_pool(target, plan_jobs(prompts, samples, cfg), capture, cfg, clock, eos_ids, log)
-    log(f"pool: {pool.size} sequences, {int((pool.lengths - pool.starts)[:pool.size].sum())} generated tokens, "
-        f"{clock.elapsed():.0f}s")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the generation cache is gone; training's buffers are shaped differently
+    log(f"pool: {pool.size} sequences, {pool.generated_tokens()} generated tokens, "
+        f"{int(pool.host_lengths[:pool.size].sum())} tokens in all, {clock.elapsed():.0f}s")
     losses, accs = _optimize(model, head, pool, cfg, clock, log)
     return TrainResult(model.eval(), losses, accs, pool.size)
 
@@ -415,13 +526,13 @@ def _epochs(size: int, batch: int, seed: int):
 
 
 def save_drafter(model: DrafterModel, out: str | Path) -> Path:
-    """The drafter in bfloat16, in the folder format `load_drafter` reads."""
-    check_size(model)
+    """The drafter in bfloat16, in the folder format `load_drafter` reads, in shards when over 25 MiB."""
     half = copy.deepcopy(model).to(torch.bfloat16)
-    folder = save_dflash(out, half) if isinstance(half, DFlashModel) else save_mtp(out, half)
-    size = (folder / WEIGHTS).stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise InvalidRequest(f"{folder / WEIGHTS} is {size / 2**20:.1f} MiB, over the 25 MiB limit")
+    save = save_dflash if isinstance(half, DFlashModel) else save_mtp
+    folder = save(out, half, max_file_bytes=MAX_FILE_BYTES - 2**20)  # room for each file's header
+    too_big = [f.name for f in folder.glob("*.safetensors") if f.stat().st_size > MAX_FILE_BYTES]
+    if too_big:
+        raise InvalidRequest(f"{folder}: {too_big[0]} is over the 25 MiB a weights file may hold")
     return folder
 
 
@@ -430,10 +541,10 @@ def save_drafter(model: DrafterModel, out: str | Path) -> Path:
 
 def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: str | None = None,
         log: Log = print) -> Path:
-    """`specsplit train-drafter`: load the target and the training prompts, train, save."""
+    """`specsplit train-drafter`: load the target and the training prompts, have the target write more,
+    train, save."""
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.local import target_dir
-    from specsplit.train_data import training_prompts
     from specsplit.target_service.model import load_target
 
     clock = Clock(cfg.minutes, cfg.gen_fraction)
@@ -441,16 +552,49 @@ def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: st
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = load_target(folder, dtype=dtype, device=device)
     tokenizer = Tokenizer.from_dir(folder)
-    prompts = training_prompts(cfg.seed)
+    log(f"target {folder} on {device} ({dtype}); {clock.elapsed():.0f}s")
+    prompts = session_prompts(cfg, model, tokenizer, clock, log)
     fitted = [(fit_prompt(p.encode(tokenizer), cfg.max_prompt_tokens, p.kind == "code"), p.kind) for p in prompts]
     ids = [i for i, _ in fitted if i]
-    # Chat prompts are fewer than code prefixes, so each also gets sampled answers for variety.
-    samples = [CHAT_SAMPLES if kind == "chat" else cfg.sampled_fraction for i, kind in fitted if i]
-    log(f"target {folder} on {device} ({dtype}); {len(ids)} training prompts; {clock.elapsed():.0f}s")
-    result = train_drafter(cfg, model, ids, samples=samples, eos_ids=tokenizer.eos_token_ids, init=init, log=log,
-                           clock=clock)
+    log(f"{len(ids)} training prompts within {cfg.max_prompt_tokens} tokens "
+        f"({sum(1 for i, k in fitted if i and k == 'chat')} chat, {sum(1 for i, k in fitted if i and k == 'code')} "
+        f"code); {clock.elapsed():.0f}s")
+    result = train_drafter(cfg, model, ids, eos_ids=tokenizer.eos_token_ids, init=init, log=log, clock=clock)
     saved = save_drafter(result.model, out)
-    size = (saved / WEIGHTS).stat().st_size
-    log(f"saved {saved} ({size / 2**20:.1f} MiB); {len(result.losses)} steps on {result.pool_size} sequences; "
-        f"final loss {sum(result.losses[-20:]) / len(result.losses[-20:]):.4f}; total {clock.elapsed():.0f}s")
+    size = sum(f.stat().st_size for f in saved.glob("*.safetensors"))
+    epochs = len(result.losses) * cfg.batch / result.pool_size
+    log(f"saved {saved} ({size / 2**20:.1f} MiB); {len(result.losses)} steps on {result.pool_size} sequences "
+        f"({epochs:.1f} epochs); final loss {sum(result.losses[-20:]) / len(result.losses[-20:]):.4f}; "
+        f"total {clock.elapsed():.0f}s")
     return saved
+
+
+def session_prompts(cfg: TrainConfig, target: TargetModel, tokenizer, clock: Clock, log: Log) -> list:
+    """The offline training prompts drawn with cfg.seed, and the questions the target writes this session."""
+    from specsplit.self_prompts import write_questions
+    from specsplit.train_data import HELDOUT_PATH, read_prompts, training_prompts
+
+    prompts = training_prompts(cfg.seed)
+    log(f"{len(prompts)} offline training prompts (seed {cfg.seed}); {clock.elapsed():.0f}s")
+    if cfg.self_prompts == 0:
+        return prompts
+    banned = frozenset(p.text for p in read_prompts(HELDOUT_PATH))
+    gen = torch.Generator(device=target.embed_weight.device).manual_seed(cfg.seed + 7)
+    eos = set(tokenizer.eos_token_ids)
+    decoder = new_decoder(target, cfg)
+
+    def sample(rows, max_tokens, temperature):
+        max_tokens = min(max_tokens, decoder.width - max(map(len, rows)))  # the decoder's cache is the bound
+        out = generate(target, rows, max_tokens, temperature=temperature, generator=gen,
+                       eos_ids=tokenizer.eos_token_ids, decoder=decoder)
+        done = []
+        for row, start, end in zip(out.tokens.tolist(), out.prompt_lengths.tolist(), out.lengths.tolist()):
+            new = row[start:end]
+            ended = bool(new) and new[-1] in eos
+            done.append((new[:-1] if ended else new, ended))
+        return done
+
+    questions = write_questions(sample, tokenizer, cfg.self_prompts, cfg.gen_batch, seed=cfg.seed, banned=banned,
+                                deadline=lambda: clock.elapsed() > 0.25 * clock.gen_budget())
+    log(f"{len(questions)} questions written by the target from {cfg.self_prompts} samples; {clock.elapsed():.0f}s")
+    return prompts + questions

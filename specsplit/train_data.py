@@ -68,13 +68,23 @@ TOPICS = ("photosynthesis", "gravity", "the French Revolution", "plate tectonics
           "black holes", "the human brain", "the Industrial Revolution", "magnetism", "vaccines",
           "the Cold War", "ocean currents", "the periodic table", "renewable energy", "ancient Egypt",
           "the stock market", "probability", "cryptography", "the water cycle", "sound waves",
-          "the Byzantine Empire", "genetics", "compilers", "interest rates", "the Moon landing")
+          "the Byzantine Empire", "genetics", "compilers", "interest rates", "the Moon landing",
+          "inflation", "the Roman Republic", "neural networks", "recursion", "hash tables", "the Renaissance",
+          "supply and demand", "evolution", "the theory of relativity", "sleep", "the internet", "rainforests",
+          "the Great Depression", "earthquakes", "databases", "the Ottoman Empire", "operating systems",
+          "nutrition", "the solar system", "democracy", "bacteria", "sorting algorithms", "game theory",
+          "the Scientific Revolution", "linear algebra", "photography", "jazz", "coral reefs", "tides",
+          "version control", "public key encryption", "the Mongol Empire", "batteries", "glaciers")
 THINGS = ("a lighthouse", "a rainy afternoon", "an old library", "a lost umbrella", "the first snow",
           "a city at night", "a cup of tea", "a mountain lake", "a busy market", "a paper boat",
           "a forgotten garden", "a thunderstorm", "a train station", "a village bakery", "a comet")
 ACTIVITIES = ("learn to swim", "write a novel", "grow herbs indoors", "start a podcast", "learn chess",
               "repair a bike chain", "make sourdough bread", "plan a road trip", "paint with watercolors",
-              "learn touch typing", "organize a community event", "build a birdhouse", "learn to juggle")
+              "learn touch typing", "organize a community event", "build a birdhouse", "learn to juggle",
+              "prepare for a job interview", "save money on groceries", "train for a 5k run", "learn Spanish",
+              "write a cover letter", "set up a home network", "keep a plant alive", "study for an exam",
+              "give a good presentation", "start running", "learn to draw", "negotiate a salary",
+              "brew better coffee", "write unit tests", "read more books", "cook rice perfectly")
 TASKS = ("reverses the words in a sentence", "finds the second largest number in a list",
          "counts the lines in a file", "checks whether brackets in a string are balanced",
          "converts a Roman numeral to an integer", "returns the intersection of two lists",
@@ -82,7 +92,13 @@ TASKS = ("reverses the words in a sentence", "finds the second largest number in
          "groups a list of words by their first letter", "parses a query string into a dictionary",
          "rotates a list by k positions", "returns all permutations of a string",
          "computes a running average", "finds the longest word in a sentence",
-         "transposes a matrix", "checks whether a year is a leap year")
+         "transposes a matrix", "checks whether a year is a leap year",
+         "merges two sorted lists", "removes duplicates while keeping order", "flattens a nested list",
+         "checks whether a string is a palindrome", "counts word frequencies in a text",
+         "implements binary search", "converts Celsius to Fahrenheit", "validates an email address",
+         "computes the nth Fibonacci number", "finds all prime numbers below n", "reads a CSV file",
+         "chunks a list into pieces of size n", "computes the median of a list", "implements a stack",
+         "formats a number with thousands separators", "finds the most common element in a list")
 LANGUAGES = ("Python", "JavaScript", "Go", "Rust", "C", "Java")
 TEMPLATES = (
     ("Explain {} to a beginner.", TOPICS), ("Give me three surprising facts about {}.", TOPICS),
@@ -91,12 +107,19 @@ TEMPLATES = (
     ("Describe {} in three sentences.", THINGS), ("Write a short story that begins with {}.", THINGS),
     ("How do I {}?", ACTIVITIES), ("What do I need to {}? Give me a checklist.", ACTIVITIES),
     ("What are common mistakes when people try to {}?", ACTIVITIES),
+    ("Write an outline for an essay about {}.", TOPICS), ("What are the pros and cons of {}?", TOPICS),
+    ("Explain {} with an analogy.", TOPICS), ("What questions do experts still debate about {}?", TOPICS),
+    ("Write a haiku about {}.", THINGS), ("Write a limerick about {}.", THINGS),
+    ("Give me a step-by-step plan to {} in a month.", ACTIVITIES), ("Why is it hard to {}?", ACTIVITIES),
 )
 
 
 def templated_instructions() -> list[Prompt]:
     texts = [template.format(x) for template, subjects in TEMPLATES for x in subjects]
     texts += [f"Write a {lang} function that {task}." for lang in LANGUAGES for task in TASKS]
+    texts += [f"Explain how to write a {lang} function that {task}, then show it." for lang in LANGUAGES[:2]
+              for task in TASKS]
+    texts += [f"Compare {a} and {b}." for a, b in zip(TOPICS, TOPICS[1:] + TOPICS[:1])]
     return [Prompt("chat", t, t) for t in texts]
 
 
@@ -109,8 +132,21 @@ WORD_PROBLEMS = (
     "A jacket costs ${a} and is discounted by {b}%. What is the new price?",
     "{name} reads {b} pages a day. How many days to finish a {a}-page book?",
     "A tank holds {a} liters and drains {b} liters per minute. How long until it is empty?",
+    "{name} buys {b} notebooks at ${c} each and pays with ${a}. How much change is left?",
+    "A recipe needs {b} eggs for {c} people. How many eggs for {a} people?",
+    "A train leaves at {c}:00 and travels {a} km at {b} km per hour. When does it arrive?",
+    "{name} saves ${b} a week. How many weeks until {name} has ${a}?",
+    "A rectangle has a perimeter of {a} cm and a width of {b} cm. What is its length and area?",
+    "There are {a} students and {b} buses. How many students ride each bus if they are shared evenly?",
+    "{name} scored {a}, {b} and {c} points in three games. What is the average score?",
+    "A shirt costs ${b}, and a pair of shoes costs {c} times as much. What do {a} shirts and one pair cost?",
+    "What is {b}% of {a}, and what is {a} increased by {c}%?",
+    "Solve for x: {b}x + {c} = {a}.",
+    "A bag has {b} red and {c} blue marbles. What is the probability of drawing a red one?",
+    "{name} runs {b} km each day for {c} days, then {a} m more. How far is that in total?",
 )
-NAMES = ("Ava", "Ben", "Chen", "Dina", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena")
+NAMES = ("Ava", "Ben", "Chen", "Dina", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena", "Mateo",
+         "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tomas", "Uma", "Vera", "Wei", "Yusuf", "Zoe")
 
 
 def word_problems(count: int, seed: int) -> list[Prompt]:
@@ -142,14 +178,15 @@ def stdlib_files() -> list[tuple[str, str]]:
     return files
 
 
-def code_prefixes(files: Sequence[tuple[str, str]], per_file: int, seed: int, *,
+def code_prefixes(files: Sequence[tuple[str, str]], per_file: int, seed: int, *, per_kchars: float = 0.0,
                   min_chars: int = 160, max_chars: int = 560) -> list[Prompt]:
-    """Up to `per_file` prefixes per file: whole lines from a random line on, `min_chars..max_chars` long."""
+    """Up to `per_file` prefixes per file, plus `per_kchars` per 1000 characters of it: whole lines from a
+    random line on, `min_chars..max_chars` long."""
     rng = random.Random(seed)
     out = []
     for rel, source in files:
         lines = source.splitlines(keepends=True)
-        for _ in range(per_file if len(lines) > 20 else 0):
+        for _ in range(per_file + int(len(source) * per_kchars / 1000) if len(lines) > 20 else 0):
             text = _lines_from(lines, rng.randrange(len(lines) - 10), rng.randint(min_chars, max_chars))
             if len(text) >= min_chars // 2 and text.strip():
                 out.append(Prompt("code", text, rel))
@@ -205,11 +242,14 @@ def _short_functions(source: str, max_lines: int) -> tuple[list[str], str | None
 # ---- the split ----------------------------------------------------------------------------------
 
 
-def all_prompts(seed: int = 0, *, code_per_file: int = 12, requests_per_file: int = 4,
-                word_problem_count: int = 800) -> list[Prompt]:
+def all_prompts(seed: int = 0, *, code_per_file: int = 12, code_per_kchars: float = 3.0,
+                requests_per_file: int = 40, word_problem_count: int = 12000) -> list[Prompt]:
+    """Every offline prompt; `seed` draws the code prefixes, requests and word problems, so a later
+    session's seed gives different ones."""
     files = stdlib_files()
     return (written_instructions() + templated_instructions() + word_problems(word_problem_count, seed)
-            + code_requests(files, requests_per_file, seed) + code_prefixes(files, code_per_file, seed))
+            + code_requests(files, requests_per_file, seed)
+            + code_prefixes(files, code_per_file, seed, per_kchars=code_per_kchars))
 
 
 def training_prompts(seed: int = 0, **sizes: int) -> list[Prompt]:

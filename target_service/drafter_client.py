@@ -84,6 +84,7 @@ class RowStager:
         self.buffer: RowBuffer | None = exporter.create(rows, cols, dtype, device) if exporter else None
         self.cursor = 0
         self.fresh = True  # the next put starts a new generation
+        self._copies: list[tuple[int, torch.Tensor]] = []  # (offset, rows) to write when sealed
 
     def put(self, rows: torch.Tensor) -> int | torch.Tensor:
         """Stage rows; returns their offset (shared buffer) or the rows themselves (inline)."""
@@ -97,14 +98,20 @@ class RowStager:
         if self.cursor + rows.shape[0] > self.buffer.tensor.shape[0]:
             raise DrafterUnavailable("staging buffer overflow")  # sized from the spec; a bug if hit
         offset = self.cursor
-        self.buffer.tensor[offset:offset + rows.shape[0]].copy_(rows)
+        self._copies.append((offset, rows))  # written at seal(): the caller's rows stay valid until then
         self.cursor += rows.shape[0]
         return offset
 
     def seal(self) -> None:
-        """The staged writes are complete (CUDA: record the interprocess event); next put reuses."""
+        """Write the staged rows (CUDA: then record the interprocess event); the next put reuses the buffer.
+
+        Rows staged back to back from one tensor (each sequence's slice of one verify's output) go out as
+        one copy."""
         if self.buffer is not None and not self.fresh:
+            for offset, rows in _coalesce(self._copies):
+                self.buffer.tensor[offset:offset + rows.shape[0]].copy_(rows)
             self.buffer.record()
+        self._copies = []
         self.fresh = True
 
     def source(self, staged: int | torch.Tensor, rows: int):
@@ -113,6 +120,24 @@ class RowStager:
             self.stats.inline_row_bytes += len(inline.data)
             return inline
         return self.buffer.ref(staged, rows)
+
+
+def _coalesce(copies: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """Merge copies whose destinations and sources both continue the previous one's (same storage,
+    same row stride), so a step's slices of one tensor become one copy."""
+    merged: list[tuple[int, torch.Tensor]] = []
+    for offset, rows in copies:
+        if merged:
+            start, prev = merged[-1]
+            if (offset == start + prev.shape[0] and rows.dtype == prev.dtype and rows.device == prev.device
+                    and rows.stride() == prev.stride() and rows.shape[1:] == prev.shape[1:]
+                    and rows.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+                    and rows.storage_offset() == prev.storage_offset() + prev.shape[0] * prev.stride(0)):
+                merged[-1] = (start, prev.as_strided((prev.shape[0] + rows.shape[0], *prev.shape[1:]),
+                                                     prev.stride(), prev.storage_offset()))
+                continue
+        merged.append((offset, rows))
+    return merged
 
 
 _OP_ORDER = ("catchup", "stash", "commit", "trim", "free")  # the order a SeqStep is applied in

@@ -411,6 +411,37 @@ def test_stash_copies_the_callers_rows():
     assert_matches(drafter, 0, history, 9, GAMMA - 1)
 
 
+def test_rows_borrowed_in_a_batched_block_are_copied_when_it_ends():
+    # Inside batched_appends a stash borrows the caller's rows (valid until the block ends): one that is
+    # committed in the block is used before then; one left stashed is copied as the block ends, so the
+    # caller may overwrite its buffer afterwards.
+    drafter = make()
+    history = History(drafter, 8)
+    for seq in (0, 1):
+        drafter.alloc(seq, 50)
+    rows = history.fresh(4)
+    for seq in (0, 1):
+        drafter.prefill(seq, [1] * 4, rows)
+    history.add(rows, 0)
+    buffer = history.fresh(2 * GAMMA)
+    kept = buffer.clone()
+    with drafter.batched_appends():
+        drafter.stash(0, buffer[:GAMMA])
+        drafter.commit(0, 3, 4, [1, 2, 3])
+        drafter.trim(0, 2)
+        drafter.stash(1, buffer[GAMMA:])
+    buffer.zero_()  # the caller reuses its buffer once the block has ended
+    drafter.commit(1, 2, 4, [1, 2])
+    both = History(drafter, 8)
+    both.add(rows, 0)
+    both.add(kept[:3], 4)
+    assert_matches(drafter, 0, both, 9, GAMMA - 1)
+    other = History(drafter, 8)
+    other.add(rows, 0)
+    other.add(kept[GAMMA:GAMMA + 2], 4)
+    assert_matches(drafter, 1, other, 8, GAMMA - 1)
+
+
 def snapshot(drafter: DFlashDrafter, seq: int):
     state = drafter.store.get(seq)
     stash = None if state.stash is None else state.stash.clone()

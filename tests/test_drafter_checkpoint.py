@@ -266,3 +266,23 @@ def test_bad_mtp_checkpoint_is_refused(tmp_path, name, damage, needle):
     damage(tmp_path)
     with pytest.raises(CheckpointError, match=needle):
         load_drafter(tmp_path, HEAD, target_info=INFO)
+
+
+def test_large_drafters_are_saved_in_shards_that_load_exactly(tmp_path):
+    drafter = random_drafter("dflash", INFO, HEAD, seed=5, num_layers=3, block_size=6)
+    save_dflash(tmp_path, drafter)  # first one file, then shards over it: the old file must go
+    limit = max(t.numel() * t.element_size() for t in drafter.model.state_dict().values())
+    save_dflash(tmp_path, drafter, max_file_bytes=limit)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert all((tmp_path / f).stat().st_size <= limit + 4096 for f in files)  # + the safetensors header
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(drafter.model.state_dict())
+    assert set(index["weight_map"].values()) == set(files)
+    loaded = load_drafter(tmp_path, HEAD, target_info=INFO, dtype=torch.float32, device="cpu")
+    assert same_weights(loaded, drafter) and drafts(loaded) == drafts(drafter)
+    (tmp_path / files[-1]).unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        load_drafter(tmp_path, HEAD, target_info=INFO)
+    with pytest.raises(InvalidRequest, match="alone"):
+        save_dflash(tmp_path, drafter, max_file_bytes=limit - 1)

@@ -15,8 +15,8 @@ from specsplit.shared.proposer import ProposeRequest
 from specsplit.shared.sampling import SamplingParams
 from specsplit import train_data
 from specsplit.local import target_head, target_info
-from specsplit.train import TrainConfig, capture_for_model, save_drafter, train_drafter
-from specsplit.target_service.dense import capture_features, generate
+from specsplit.train import Pool, TrainConfig, capture_for_model, new_drafter, save_drafter, train_drafter
+from specsplit.target_service.dense import Generated, capture_features, generate
 from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
 from specsplit.target_service.sequence import Request
@@ -174,6 +174,25 @@ def test_config_is_validated():
         TrainConfig(kind="dflash", steps=1, block_size=1)
     assert TrainConfig(steps=1, block_size=16).decay == 7.0
     assert TrainConfig(steps=1, block_size=8).decay == 4.0
+    for bad in ({"ce_weight": 0.0, "kl_weight": 0.0}, {"kl_weight": -1.0}, {"target_layers": ()},
+                {"target_layers": (1, 2), "num_target_layers": 2}, {"num_target_layers": 0}):
+        with pytest.raises(InvalidRequest):
+            TrainConfig(steps=1, **bad)
+
+
+def test_target_layers_are_chosen_as_asked_and_kept_from_init(llama, tmp_path):
+    info, device = target_info(llama), torch.device("cpu")
+    assert TrainConfig(steps=1, layers=2).target_layer_ids(30) == (1, 27)  # the shipped drafter's
+    assert TrainConfig(steps=1, num_target_layers=5).target_layer_ids(30) == (1, 8, 14, 20, 27)
+    model = new_drafter(TrainConfig(steps=1, layers=1, target_layers=(0, 2)), info, device, None)
+    assert model.cfg.target_layer_ids == (0, 2) and model.cfg.feature_dim == 2 * info.hidden_size
+    with pytest.raises(InvalidRequest):
+        new_drafter(TrainConfig(steps=1, target_layers=(0, 9)), info, device, None)  # the tiny llama has 3
+    folder = save_drafter(model, tmp_path / "d")
+    again = new_drafter(TrainConfig(steps=1, layers=5, num_target_layers=3), info, device, folder)
+    assert again.cfg.target_layer_ids == (0, 2) and len(again.layers) == 1  # the checkpoint decides
+    with pytest.raises(InvalidRequest):
+        new_drafter(TrainConfig(steps=1, target_layers=(1, 2)), info, device, folder)
 
 
 def test_heldout_prompts_are_never_trained_on():
@@ -184,3 +203,58 @@ def test_heldout_prompts_are_never_trained_on():
     assert training and not any(train_data.is_heldout(p.key) for p in training)
     assert not {p.text for p in heldout} & {p.text for p in training}
     assert not {p.key for p in heldout if p.kind == "code"} & {p.key for p in training}
+
+
+@pytest.mark.slow
+def test_the_command_writes_questions_trains_and_saves(tiny_chat_dir, tmp_path, monkeypatch):
+    """The whole `train-drafter` path on a tiny model with the real tokenizer: offline prompts, the
+    target's own questions (a random model writes none that pass the filters), generation within the
+    time budget, training, a checkpoint that loads."""
+    from specsplit.train import run
+
+    lines = []
+    cfg = TrainConfig(layers=1, target_layers=(0, 2), block_size=4, batch=8, anchors=4, seq_len=8,
+                      max_prompt_tokens=32, gen_batch=64, self_prompts=64, minutes=0.5, log_every=10, pool_gb=0.1)
+    folder = run(cfg, target=str(tiny_chat_dir), out=tmp_path / "d", device="cpu", log=lines.append)
+    text = "\n".join(lines)
+    for needle in ("offline training prompts (seed 0)", "questions written by the target from 64 samples",
+                   "training prompts within 32 tokens", "target layers [0, 2]", "generated tokens", "epochs"):
+        assert needle in text
+    target = load_target(tiny_chat_dir)
+    drafter = load_drafter(folder, target_head(target), target_info=target_info(target))
+    assert drafter.model.cfg.target_layer_ids == (0, 2)
+
+
+def test_a_later_sessions_seed_draws_new_prompts():
+    files = train_data.stdlib_files()[:30]
+    code = [{p.text for p in train_data.code_prefixes(files, 2, seed, per_kchars=1.0)} for seed in (0, 1)]
+    math_ = [{p.text for p in train_data.word_problems(300, seed)} for seed in (0, 1)]
+    for first, second in (code, math_):
+        assert len(first) > 50 and len(first & second) < 0.2 * len(first)
+    assert len(train_data.code_prefixes(files, 2, 0, per_kchars=3.0)) > len(code[0])  # more per character
+
+
+def test_the_pool_stores_sequences_back_to_back_and_returns_them_padded():
+    """Two batches of different widths; the second fits only in part. Every sequence comes back as it
+    went in, zero past its end, whatever batch it shares."""
+    gen = torch.Generator().manual_seed(0)
+
+    def made(lengths, prompt, width):
+        lengths = torch.tensor(lengths)
+        cols = torch.arange(width)[None, :]
+        tokens = torch.randint(1, 100, (len(lengths), width), generator=gen).masked_fill(cols >= lengths[:, None], 0)
+        rows = torch.randn(len(lengths), width, 3, generator=gen)
+        return Generated(tokens, torch.full_like(lengths, prompt), lengths), rows, rows[..., :2] * 2
+
+    first, second = made([5, 9, 3, 4], 2, 9), made([12, 5, 7, 5], 3, 12)  # 3: one generated token, left out
+    pool = Pool(18 + 17, 10, 3, 2, torch.float32, torch.device("cpu"))
+    assert pool.add(*first) == 3 and pool.add(*second) == 2 and pool.room() == (0, 5)  # 12 + 5; then 7 does not fit
+    kept = [(*first, 0), (*first, 1), (*first, 3), (*second, 0), (*second, 1)]
+    seqs = [kept[k] for k in (4, 0, 3, 1, 2)]
+    batch = pool.batch(torch.tensor([4, 0, 3, 1, 2]))
+    for i, (g, rows, final, b) in enumerate(seqs):
+        n, width = int(g.lengths[b]), batch.tokens.shape[1]
+        assert width == 12 and batch.lengths[i] == n and batch.starts[i] == g.prompt_lengths[b]
+        assert batch.tokens[i, :n].tolist() == g.tokens[b, :n].tolist() and not batch.tokens[i, n:].any()
+        assert torch.equal(batch.rows[i, :n], rows[b, :n]) and not batch.rows[i, n:].any()
+        assert torch.equal(batch.final[i, :n], final[b, :n]) and batch.valid[i].sum() == n
