@@ -22,7 +22,7 @@ import torch
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.tokenizer import Tokenizer
 from specsplit.local import LocalSetup, make_drafter, target_dir
-from specsplit.target_service.client import wait_healthy
+from specsplit.shared.serving import wait_healthy
 from specsplit.target_service.drafter_client import RemoteProposer
 from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.model import load_target

@@ -30,12 +30,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from specsplit.shared.drafter_kind import DrafterKind  # also imported from here by both services
 from specsplit.shared.errors import InvalidRequest
-
-
-class DrafterKind(str, enum.Enum):
-    DFLASH = "dflash"
-    MTP = "mtp"
 
 
 class FeatureKind(str, enum.Enum):

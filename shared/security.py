@@ -1,4 +1,5 @@
-"""Who may call a service: the bearer token, mutual TLS on TCP, and the private folder of a unix socket."""
+"""Who may call a service: the bearer token, mutual TLS on TCP, and the private folder of a unix socket;
+and how a client opens its channel (needs grpcio only, so the Python client can use it)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ TOKEN_ENV = "SPECSPLIT_AUTH_TOKEN"
 AUTH_HEADER = "authorization"
 # Probes (kubelet grpc probes, deploy/bin/health_probe.py) carry no token: health answers anyone.
 UNAUTHENTICATED_PREFIX = "/grpc.health.v1.Health/"
+# What a client accepts from the server it chose to call (drafts with sampled distributions can be large).
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 
 
 def load_token(path: str | os.PathLike | None) -> str | None:
@@ -134,6 +137,13 @@ class ClientSecurity:
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return auth_metadata(self.token)
+
+
+def grpc_target(address: str) -> str:
+    """ADDR as the CLI takes it (host:port or unix:PATH) → a gRPC channel target."""
+    if ":" in address:  # host:port, [v6]:port or unix:PATH
+        return address
+    raise InvalidRequest(f"address {address!r}: expected host:port or unix:PATH")
 
 
 def is_unix(target: str) -> bool:

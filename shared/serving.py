@@ -14,16 +14,23 @@ from grpc_reflection.v1alpha import reflection
 
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.metrics import MetricsAddress, ServiceMetrics
-from specsplit.shared.security import ServerSecurity, TokenAuth, is_unix, private_socket_dir
+# CHANNEL_OPTIONS and grpc_target live with open_channel (torch- and grpc_health-free for the Python client).
+from specsplit.shared.security import (  # noqa: F401 (re-exported)
+    CHANNEL_OPTIONS,
+    ClientTLS,
+    ServerSecurity,
+    TokenAuth,
+    grpc_target,
+    is_unix,
+    open_channel,
+    private_socket_dir,
+)
 from specsplit.shared.status import Throttle
 
 log = logging.getLogger(__name__)
 
 # Every call from a target to a drafter names the connecting target (its session on the drafter).
 CLIENT_HEADER = "x-specsplit-client"
-# What a client accepts from the server it chose to call (drafts with sampled distributions can be large).
-_MESSAGE_LIMITS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
-CHANNEL_OPTIONS = list(_MESSAGE_LIMITS)
 # A target's channel to its drafter: a dead or frozen (SIGSTOPped) drafter is found within about 2 s,
 # even mid-step, by HTTP/2 pings; a lost connection is retried within a second or two, not minutes.
 # (grpc.http2.ping_timeout_ms is what bounds the wait for a ping's answer in grpc >= 1.6x; without it a
@@ -50,13 +57,6 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 500), ("grpc.http2.min_ping_interval_without_data_ms", 500),
     ]
-
-
-def grpc_target(address: str) -> str:
-    """ADDR as the CLI takes it (host:port or unix:PATH) → a gRPC channel target."""
-    if ":" in address:  # host:port, [v6]:port or unix:PATH
-        return address
-    raise InvalidRequest(f"address {address!r}: expected host:port or unix:PATH")
 
 
 class Served:
@@ -177,3 +177,26 @@ def _quiet_malformed_messages() -> None:
     grpc_log = logging.getLogger("grpc._common")
     if not any(isinstance(f, _MalformedMessages) for f in grpc_log.filters):
         grpc_log.addFilter(_MalformedMessages())
+
+
+def wait_healthy(address: str, timeout: float = 60.0, service: str = "",
+                 alive: Callable[[], bool] = lambda: True, tls: ClientTLS | None = None) -> None:
+    """Block until the server at `address` answers SERVING (any specsplit service; health needs no token).
+
+    `alive` lets a caller that spawned the server stop waiting as soon as the process died.
+    """
+    deadline = time.monotonic() + timeout
+    with open_channel(grpc_target(address), [], tls) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if not alive():
+                raise RuntimeError(f"{address}: the server's process exited before it became healthy")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} did not become healthy within {timeout:.0f} s")
+            time.sleep(0.1)

@@ -5,6 +5,9 @@ server answered UNAVAILABLE **only while no response has arrived**: once a chunk
 retry would generate (and stream) that output a second time, so the error is raised instead.
 Every failed call raises `ServiceError`, which carries the gRPC status code.
 
+Only torch-free modules are imported: an app needs grpcio and protobuf, not torch (tests/test_client.py
+runs it with torch and numpy unimportable).
+
     with Client("127.0.0.1:50051") as client:
         for chunk in client.stream("The capital of France is", SamplingParams(max_tokens=32)):
             print(chunk.text, end="", flush=True)
@@ -24,13 +27,14 @@ from dataclasses import dataclass
 import grpc
 
 from specsplit.protos.v1 import target_pb2, target_pb2_grpc
-from specsplit.shared import wire
+from specsplit.shared import generation
 from specsplit.shared.errors import InvalidRequest, SpecsplitError
-from specsplit.shared.sampling import SamplingParams
-from specsplit.shared.security import ClientTLS, auth_metadata, is_unix, open_channel
-from specsplit.shared.serving import CHANNEL_OPTIONS, grpc_target
-from specsplit.shared.wire import GenerateChunk, GenerationStats, TargetDescription
+from specsplit.shared.generation import GenerateChunk, GenerationStats, TargetDescription
+from specsplit.shared.sampling_params import SamplingParams
+from specsplit.shared.security import CHANNEL_OPTIONS, ClientTLS, auth_metadata, grpc_target, is_unix, open_channel
 
+__all__ = ["AsyncClient", "Client", "ClientTLS", "GenerateChunk", "Generation", "GenerationStats", "Retry",
+           "SamplingParams", "ServiceError", "Stream", "TargetDescription"]
 log = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
 
@@ -153,8 +157,8 @@ def _request(prompt: Prompt, sampling: SamplingParams | None, chat: bool, specul
         raise InvalidRequest(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     if not (isinstance(chat, bool) and isinstance(speculative, bool) and isinstance(request_id, str)):
         raise InvalidRequest("chat and speculative must be booleans, request_id a string")
-    call = wire.GenerateCall(prompt, sampling or SamplingParams(), chat, speculative, request_id)
-    return wire.generate_to_proto(call)
+    call = generation.GenerateCall(prompt, sampling or SamplingParams(), chat, speculative, request_id)
+    return generation.generate_to_proto(call)
 
 
 def _is_token_id(value: object) -> bool:
@@ -221,7 +225,7 @@ class Client:
                                         metadata=self._settings.metadata)
         except grpc.RpcError as err:
             raise ServiceError(err.code(), err.details() or err.code().name) from None
-        return wire.target_description_from_proto(reply)
+        return generation.target_description_from_proto(reply)
 
     def close(self) -> None:
         self._channel.close()
@@ -259,7 +263,7 @@ class Stream(Iterator[GenerateChunk]):
                 self._pause(err)
                 continue
             self._attempts.received = True
-            return wire.chunk_from_proto(reply)
+            return generation.chunk_from_proto(reply)
         raise StopIteration
 
     def _start(self):
@@ -335,7 +339,7 @@ class AsyncClient:
             try:
                 async for reply in call:
                     attempts.received = True
-                    yield wire.chunk_from_proto(reply)
+                    yield generation.chunk_from_proto(reply)
                 return
             except grpc.RpcError as err:
                 pause = attempts.pause_after(err)
@@ -358,7 +362,7 @@ class AsyncClient:
                                               metadata=self._settings.metadata)
         except grpc.RpcError as err:
             raise ServiceError(err.code(), err.details() or err.code().name) from None
-        return wire.target_description_from_proto(reply)
+        return generation.target_description_from_proto(reply)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from specsplit.calibrate import Calibration, calibrate_local
+from specsplit.client import Client
 from specsplit.local import LocalSetup
 from specsplit.pair import ServiceSpec, spawn
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.sampling import SamplingParams
-from specsplit.target_service.client import TargetClient
 
 PROMPTS = [
     "What is speculative decoding, in two sentences?",
@@ -110,13 +110,13 @@ def choice_line(calibration: Calibration) -> str:
             "step, the fastest draft length, to show it side by side with the target alone.")
 
 
-def warm_up(client: TargetClient) -> None:
+def warm_up(client: Client) -> None:
     """The first request of each mode pays one-off costs (the drafter's attach, first forwards): keep them out."""
     for speculative in (True, False):
         client.generate("Hi", SamplingParams(max_tokens=4), chat=True, speculative=speculative)
 
 
-def run_prompt(client: TargetClient, prompt: str) -> tuple[Pass, Pass]:
+def run_prompt(client: Client, prompt: str) -> tuple[Pass, Pass]:
     print(f"> {prompt}", flush=True)
     fast = timed(client, prompt, speculative=True, echo=True)
     alone = timed(client, prompt, speculative=False, echo=False)
@@ -124,7 +124,7 @@ def run_prompt(client: TargetClient, prompt: str) -> tuple[Pass, Pass]:
     return fast, alone
 
 
-def timed(client: TargetClient, prompt: str, *, speculative: bool, echo: bool) -> Pass:
+def timed(client: Client, prompt: str, *, speculative: bool, echo: bool) -> Pass:
     started = time.perf_counter()
     token_ids: list[int] = []
     for chunk in client.stream(prompt, SamplingParams(max_tokens=MAX_TOKENS), chat=True, speculative=speculative):

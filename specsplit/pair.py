@@ -16,10 +16,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specsplit.client import Client, Retry
 from specsplit.lifeline import Lifeline
 from specsplit.shared.gguf_import import default_target_dir
-from specsplit.shared.security import TOKEN_ENV, ClientSecurity
-from specsplit.target_service.client import TargetClient, wait_healthy
+from specsplit.shared.security import TOKEN_ENV
+from specsplit.shared.serving import wait_healthy
 
 
 @dataclass(frozen=True)  # used as a default argument: must not be mutable
@@ -96,8 +97,9 @@ class Services:
                 [sys.executable, "-m", "specsplit", *args], stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, pass_fds=self.lifeline.pass_fds, env=env)
 
-    def client(self) -> TargetClient:
-        return TargetClient(self.target_address, security=ClientSecurity(self.spec.auth_token))
+    def client(self, *, timeout: float | None = 600.0, retry: Retry = Retry()) -> Client:
+        """A `specsplit.client.Client` of the target that sends the pair's token; close it when done."""
+        return Client(self.target_address, token=self.spec.auth_token, timeout=timeout, retry=retry)
 
     def kill_drafter(self, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop("drafter")

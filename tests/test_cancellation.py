@@ -12,16 +12,31 @@ import time
 import grpc
 import pytest
 
+from specsplit.client import Client
+from specsplit.local import LocalSetup
+from specsplit.protos.v1 import target_pb2_grpc
+from specsplit.services import DrafterSettings, TargetSettings, start_drafter, start_target
 from specsplit.shared import wire
 from specsplit.shared.sampling import SamplingParams
-from specsplit.local import LocalSetup
-from specsplit.services import DrafterSettings, TargetSettings, start_drafter, start_target
-from specsplit.target_service.client import TargetClient
 from specsplit.target_service.engine import EngineConfig
 from specsplit.target_service.sequence import FinishReason
 
 
 PROMPT = "Count from one to a thousand:"
+
+
+class RawClient(Client):
+    """A `Client` that also holds a raw stub and channel, for calls whose protocol-level outcome a test
+    reads (a cancelled call, a refused stream, health) where the Client would check or retry first."""
+
+    def __init__(self, address: str, timeout: float = 120.0) -> None:
+        super().__init__(address, timeout=timeout)
+        self.channel = grpc.insecure_channel(address)
+        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+        super().close()
 
 
 @pytest.fixture
@@ -37,7 +52,9 @@ def started_pair(tmp_path, target: str, **target_settings):
         DrafterSettings((drafter_addr,), LocalSetup(target=target, drafter="random-dflash")))
     loop, target_server = start_target(TargetSettings((target_addr,), LocalSetup(target=target), drafter_addr,
                                                       EngineConfig(), **target_settings))
-    yield drafter_obj, loop, TargetClient(target_addr), target_server, drafter_server
+    client = RawClient(target_addr)
+    yield drafter_obj, loop, client, target_server, drafter_server
+    client.close()
     target_server.stop(grace=1).wait()
     loop.stop()
     drafter_server.stop(grace=1).wait()
@@ -65,12 +82,12 @@ def test_cancelled_stream_frees_target_and_drafter_state(pair):
         list(call)
     assert wait_until(lambda: not loop.engine.running and len(drafter_obj.proposer.store) == 0)
     # The service keeps serving.
-    assert client.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True))["token_ids"]
+    assert client.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True)).token_ids
 
 
 def test_a_free_rides_on_the_next_step_and_flush_sends_it(pair):
     drafter_obj, loop, client, _ = pair
-    assert client.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True))["token_ids"]
+    assert client.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True)).token_ids
     assert wait_until(lambda: len(drafter_obj.proposer.store) == 0)  # the last free went out at once
     proposer, store = loop.engine.proposer, drafter_obj.proposer.store  # the engine is idle now
     steps = len(proposer.link.step_seconds)
@@ -105,7 +122,7 @@ def test_drain_finishes_streams_in_flight_and_refuses_new_ones(pair):
     assert not draining.is_alive() and not loop.engine.running
 
 
-def _refused(client: TargetClient) -> bool:
+def _refused(client: RawClient) -> bool:
     try:
         list(client.stub.Generate(wire.generate_to_proto(wire.GenerateCall("Hi", SamplingParams(max_tokens=1))),
                                   timeout=5))
@@ -131,7 +148,7 @@ def test_streams_past_max_streams_are_refused_at_once(tmp_path, tiny_chat_dir):
         assert reply.status == health_pb2.HealthCheckResponse.SERVING  # spare threads answer while full
         call.cancel()
         assert wait_until(lambda: not loop.busy)
-        assert client.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True))["token_ids"]
+        assert client.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True)).token_ids
     finally:
         next(pair, None)
 
@@ -185,7 +202,7 @@ def test_a_drafter_restart_mid_request_resumes_speculation_for_it(restartable_de
     restartable = restartable_default
     client = restartable.client
     params = SamplingParams(max_tokens=160, ignore_eos=True)
-    reference = client.generate(PROMPT, params, speculative=False)["token_ids"]
+    reference = client.generate(PROMPT, params, speculative=False).token_ids
     stream = client.stream(PROMPT, params)
     tokens = list(next(stream).token_ids)
     new = restartable.restart_drafter()
@@ -202,11 +219,11 @@ def test_a_drafter_restart_while_idle_leaves_no_orphan_state(restartable):
     the new drafter under the old connection's id (it would hold the request's state until swept)."""
     client, loop = restartable.client, restartable.loop
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    reference = client.generate(PROMPT, params, speculative=False)["token_ids"]
-    assert client.generate(PROMPT, params)["token_ids"] == reference
+    reference = client.generate(PROMPT, params, speculative=False).token_ids
+    assert client.generate(PROMPT, params).token_ids == reference
     new = restartable.restart_drafter()
     time.sleep(1.0)  # the old stream's end has reached the target
-    assert client.generate(PROMPT, params)["token_ids"] == reference
+    assert client.generate(PROMPT, params).token_ids == reference
     assert wait_until(lambda: not loop.busy and len(new.proposer.store) == 0)
     assert new.num_sessions == new.num_streams  # every session on the new drafter has its stream
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import subprocess
+import sys
 import threading
 from concurrent import futures
 
@@ -120,6 +122,59 @@ def test_bad_arguments_are_refused_before_any_call(client):
             Retry(**retry)
     with pytest.raises(InvalidRequest):
         Client("no-port-here")
+
+
+# What an app that installed only grpcio and protobuf lacks: importing any of it raises ImportError.
+BLOCKED = ("torch", "numpy", "safetensors", "tokenizers", "grpc_health", "specsplit.target_service",
+           "specsplit.drafter_service", "specsplit.kernels")
+WITHOUT_TORCH = """
+import asyncio, importlib.abc, json, sys
+
+blocked = tuple(sys.argv[2].split(","))
+preloaded = [m for m in sys.modules if m.startswith(blocked)]
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name in blocked or name.startswith(tuple(b + "." for b in blocked)):
+            raise ModuleNotFoundError(f"{name} is not installed here", name=name)
+
+sys.meta_path.insert(0, Block())
+try:
+    import specsplit.shared.wire  # noqa: F401 (needs torch: proves the block bites)
+    bites = False
+except ModuleNotFoundError:
+    bites = True
+from specsplit.client import AsyncClient, Client, SamplingParams
+
+params = SamplingParams(max_tokens=6, ignore_eos=True)
+with Client(sys.argv[1], timeout=120) as client:
+    streamed = [t for chunk in client.stream("Count to ten:", params) for t in chunk.token_ids]
+    whole = client.generate("Count to ten:", params)
+    vocab = client.describe().vocab_size
+
+async def main():
+    async with AsyncClient(sys.argv[1], timeout=120) as client:
+        return (await client.generate([5, 6, 7], params)).token_ids
+
+print(json.dumps({"bites": bites, "preloaded": preloaded, "streamed": streamed, "whole": whole.token_ids,
+                  "vocab": vocab, "async": asyncio.run(main()),
+                  "loaded": sorted(m for m in sys.modules if m.startswith(blocked))}))
+"""
+
+
+def test_the_client_needs_neither_torch_nor_numpy_nor_the_services(served, client):
+    """An app that installs grpcio and protobuf (no torch, numpy, grpcio-health-checking or specsplit's
+    services) imports specsplit.client and streams, generates and describes through it, blocking and asyncio."""
+    run = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, served[0], ",".join(BLOCKED)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout)
+    assert seen["bites"] and seen["preloaded"] == [] and seen["loaded"] == []
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = client.generate("Count to ten:", params).token_ids
+    assert seen["streamed"] == seen["whole"] == expected and len(expected) == 6
+    assert seen["async"] == client.generate([5, 6, 7], params).token_ids
+    assert seen["vocab"] == client.describe().vocab_size
 
 
 def test_a_request_the_server_refuses_raises_its_status_code(client):

@@ -39,8 +39,8 @@ def speculating(client, want: list[int], tries: int = 100) -> bool:
     """Generate until a request drafts (the target re-attaches on its own), every output equal to `want`."""
     for _ in range(tries):
         result = client.generate(PROMPT, GREEDY)
-        assert result["token_ids"] == want
-        if result["stats"]["drafted"] > 0:
+        assert result.token_ids == want
+        if result.stats.drafted > 0:
             return True
         time.sleep(0.2)
     return False
@@ -49,9 +49,9 @@ def speculating(client, want: list[int], tries: int = 100) -> bool:
 def test_a_target_whose_drafter_is_down_serves_alone_and_speculates_once_it_starts(pair):
     pair.start_target()  # nobody listens at its drafter's address yet: it must still become healthy
     client = pair.client()
-    want = client.generate(PROMPT, GREEDY, speculative=False)["token_ids"]
+    want = client.generate(PROMPT, GREEDY, speculative=False).token_ids
     result = client.generate(PROMPT, GREEDY)
-    assert result["token_ids"] == want and result["stats"]["drafted"] == 0
+    assert result.token_ids == want and result.stats.drafted == 0
     assert "decoding without speculation until it attaches" in pair.log("target")
     pair.start_drafter()
     assert speculating(client, want)
@@ -63,10 +63,10 @@ def test_a_frozen_drafter_is_detected_within_seconds_and_reattached_once_it_thaw
     if "drafter" not in pair.procs:
         pair.start_drafter()
     client = pair.client()
-    want = client.generate(PROMPT, GREEDY, speculative=False)["token_ids"]
+    want = client.generate(PROMPT, GREEDY, speculative=False).token_ids
     assert speculating(client, want)
     long = SamplingParams(max_tokens=300, ignore_eos=True)
-    want_long = client.generate(PROMPT, long, speculative=False)["token_ids"]
+    want_long = client.generate(PROMPT, long, speculative=False).token_ids
     drafter = pair.procs["drafter"].pid
     tokens, gaps, last = [], [], time.perf_counter()
     try:

@@ -12,16 +12,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specsplit.client import Client, Retry, ServiceError
 from specsplit.local import LocalSetup
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from specsplit.services import DrafterSettings, TargetSettings, start_drafter, start_target
-from specsplit.shared.errors import InvalidRequest, SpecsplitError, Unauthenticated
+from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.security import (
     TOKEN_ENV, ClientSecurity, ClientTLS, ServerSecurity, ServerTLS, load_token, private_socket_dir,
 )
 from specsplit.shared.serving import CLIENT_HEADER, start_server
-from specsplit.target_service.client import TargetClient
 from specsplit.target_service.engine import EngineConfig
 
 TOKEN = "s3cret-token-for-tests"
@@ -142,8 +142,9 @@ def test_the_target_refuses_calls_without_the_token(secured, metadata):
         stub = target_pb2_grpc.TargetServiceStub(channel)
         unauthenticated(lambda: stub.Describe(target_pb2.DescribeTargetRequest(), metadata=metadata, timeout=10))
         unauthenticated(lambda: list(stub.Generate(target_pb2.GenerateRequest(), metadata=metadata, timeout=10)))
-    with pytest.raises(Unauthenticated):
-        TargetClient(target_addr, security=ClientSecurity("wrong")).generate(PROMPT)
+    with Client(target_addr, token="wrong", timeout=60) as client, pytest.raises(ServiceError) as info:
+        client.generate(PROMPT)
+    assert info.value.code is grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_health_answers_without_a_token(secured):
@@ -155,13 +156,10 @@ def test_health_answers_without_a_token(secured):
 
 def test_the_right_token_generates_through_both_services(secured):
     _, target_addr = secured
-    client = TargetClient(target_addr, security=ClientSecurity(TOKEN))
-    try:
+    with Client(target_addr, token=TOKEN, timeout=120) as client:
         result = client.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
-    finally:
-        client.close()
-    assert len(result["token_ids"]) == 12
-    assert result["stats"]["drafted"] > 0  # the target reached its drafter with the token
+    assert len(result.token_ids) == 12
+    assert result.stats.drafted > 0  # the target reached its drafter with the token
 
 
 def test_generate_server_sends_the_token_file(secured, tmp_path, capsys, monkeypatch):
@@ -187,12 +185,12 @@ def test_a_spawned_pair_shares_its_token(tmp_path, tiny_chat_dir, monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "not-the-pair-token")
     spec = ServiceSpec(target=str(tiny_chat_dir), drafter="random-dflash", auth_token=TOKEN, startup_timeout=120)
     with spawn(spec, tmp_path / "pair") as services:
-        client = services.client()
-        result = client.generate(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True))
-        client.close()
-        assert result["stats"]["drafted"] > 0
-        with pytest.raises(Unauthenticated):
-            TargetClient(services.target_address).generate(PROMPT)
+        with services.client() as client:
+            result = client.generate(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert result.stats.drafted > 0
+        with Client(services.target_address, timeout=60) as client, pytest.raises(ServiceError) as info:
+            client.generate(PROMPT)
+        assert info.value.code is grpc.StatusCode.UNAUTHENTICATED
 
 
 # ---- mutual TLS on TCP --------------------------------------------------------------------------
@@ -214,15 +212,13 @@ def test_mutual_tls_on_tcp(tmp_path, tiny_chat_dir):
         security=ServerSecurity(TOKEN, ServerTLS(files["server.crt"], files["server.key"], files["ca.crt"]))))
     try:
         mutual = ClientTLS(files["ca.crt"], files["client.crt"], files["client.key"])
-        client = TargetClient(address, timeout=20, security=ClientSecurity(TOKEN, mutual))
-        assert len(client.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))["token_ids"]) == 4
-        client.close()
-        for refused in (ClientSecurity(TOKEN, ClientTLS(files["ca.crt"])),  # no client certificate
-                        ClientSecurity(TOKEN)):  # plain TCP
-            client = TargetClient(address, timeout=5, security=refused)
-            with pytest.raises(SpecsplitError):
-                client.generate(PROMPT, SamplingParams(max_tokens=2))
-            client.close()
+        with Client(address, token=TOKEN, tls=mutual, timeout=20) as client:
+            assert len(client.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)).token_ids) == 4
+        for refused in (ClientTLS(files["ca.crt"]), None):  # no client certificate; plain TCP
+            with Client(address, token=TOKEN, tls=refused, timeout=5, retry=Retry(attempts=1)) as client:
+                with pytest.raises(ServiceError) as info:
+                    client.generate(PROMPT, SamplingParams(max_tokens=2))
+            assert info.value.code is grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(grace=1).wait()
         loop.stop()

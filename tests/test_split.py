@@ -13,12 +13,13 @@ import subprocess
 import sys
 import threading
 
+import grpc
 import pytest
 
-from specsplit.shared.errors import InvalidRequest
-from specsplit.shared.sampling import SamplingParams
+from specsplit.client import ServiceError
 from specsplit.harness import ServiceSpec, spawn
 from specsplit.local import LocalSetup, make_drafter
+from specsplit.shared.sampling import SamplingParams
 from specsplit.target_service.engine import Engine
 from specsplit.target_service.sequence import Request
 
@@ -67,9 +68,9 @@ def test_services_equal_local_and_target_only(kind, request, specsplit_factory, 
     together = concurrently(client, PROMPTS, GREEDY)
     local = local_tokens(smollm2, smollm2_tokenizer, kind)
     for i in range(len(PROMPTS)):
-        assert single[i]["token_ids"] == target_only[i] == local[i]
-        assert together[i]["token_ids"] == target_only[i]
-        assert single[i]["stats"]["drafted"] > 0
+        assert single[i].token_ids == target_only[i] == local[i]
+        assert together[i].token_ids == target_only[i]
+        assert single[i].stats.drafted > 0
     assert client.describe().drafter_kind.value == kind.removeprefix("random-")
 
 
@@ -78,10 +79,10 @@ def test_sampling_through_services_is_seeded(specsplit_services):
     params = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=11, ignore_eos=True)
     first = client.generate(PROMPTS[0], params)
     again = client.generate(PROMPTS[0], params)
-    assert first["token_ids"] == again["token_ids"]
+    assert first.token_ids == again.token_ids
     other = client.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=12,
                                                        ignore_eos=True))
-    assert other["token_ids"] != first["token_ids"]
+    assert other.token_ids != first.token_ids
 
 
 def test_cli_server_prints_the_same_json_as_local(specsplit_services):
@@ -99,19 +100,19 @@ def test_cli_server_prints_the_same_json_as_local(specsplit_services):
 
 def test_bad_generate_requests_get_invalid_argument(specsplit_services):
     client = specsplit_services.client()
-    with pytest.raises(InvalidRequest):
-        client.generate([10**8], GREEDY)
-    with pytest.raises(InvalidRequest):
-        client.generate("hi", SamplingParams(max_tokens=10**7))
-    assert client.generate("hi", SamplingParams(max_tokens=2))["token_ids"]  # still serving
+    for prompt, params in (([10**8], GREEDY), ("hi", SamplingParams(max_tokens=10**7))):
+        with pytest.raises(ServiceError) as info:
+            client.generate(prompt, params)
+        assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert client.generate("hi", SamplingParams(max_tokens=2)).token_ids  # still serving
 
 
 def test_sigkill_of_the_drafter_mid_stream_changes_nothing(specsplit_factory, tiny_chat_dir):
     services = specsplit_factory(ServiceSpec(target=str(tiny_chat_dir), drafter="random-mtp"))
     client = services.client()
     long = SamplingParams(max_tokens=150, ignore_eos=True)  # still running when the drafter dies
-    target_only = [client.generate(PROMPTS[0], GREEDY, speculative=False)["token_ids"],
-                   client.generate(PROMPTS[2], long, speculative=False)["token_ids"]]
+    target_only = [client.generate(PROMPTS[0], GREEDY, speculative=False).token_ids,
+                   client.generate(PROMPTS[2], long, speculative=False).token_ids]
     tokens = []
     for i, chunk in enumerate(client.stream(PROMPTS[2], long)):
         tokens += chunk.token_ids
@@ -122,10 +123,10 @@ def test_sigkill_of_the_drafter_mid_stream_changes_nothing(specsplit_factory, ti
     services.start_drafter()
     for _ in range(20):
         result = client.generate(PROMPTS[0], GREEDY)
-        assert result["token_ids"] == target_only[0]
-        if result["stats"]["drafted"] > 0:
+        assert result.token_ids == target_only[0]
+        if result.stats.drafted > 0:
             break
-    assert result["stats"]["drafted"] > 0
+    assert result.stats.drafted > 0
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -144,5 +145,5 @@ def _processes_mentioning(text: str) -> list[int]:
 def test_harness_leaves_no_process_behind(tmp_path, tiny_chat_dir):
     with spawn(ServiceSpec(target=str(tiny_chat_dir), drafter="random-dflash"), tmp_path) as services:
         assert len(_processes_mentioning(str(tmp_path))) == 2
-        assert services.client().generate("Hi", SamplingParams(max_tokens=2))["token_ids"]
+        assert services.client().generate("Hi", SamplingParams(max_tokens=2)).token_ids
     assert _processes_mentioning(str(tmp_path)) == []

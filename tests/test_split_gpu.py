@@ -29,6 +29,6 @@ def test_cuda_ipc_split_equals_in_process(kind, specsplit_factory):
     remote = [client.generate(p, GREEDY) for p in PROMPTS]
     target_only, local = local_tokens("none"), local_tokens(kind)
     for i in range(len(PROMPTS)):
-        assert remote[i]["token_ids"] == local[i] == target_only[i]
-        assert remote[i]["stats"]["drafted"] > 0
+        assert remote[i].token_ids == local[i] == target_only[i]
+        assert remote[i].stats.drafted > 0
     assert "cuda_ipc" in services.log("target")

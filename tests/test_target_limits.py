@@ -15,21 +15,21 @@ import grpc
 import pytest
 import torch
 
+from specsplit.client import ServiceError
 from specsplit.drafter_service.server import CLIENT_HEADER
 from specsplit.local import LocalSetup
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.services import DrafterSettings, TargetSettings, start_drafter, start_target
 from specsplit.shared import wire
-from specsplit.shared.errors import DrafterUnavailable, InvalidRequest
+from specsplit.shared.errors import DrafterUnavailable
 from specsplit.shared.sampling import SamplingParams
 from specsplit.target_service import drafter_client
-from specsplit.target_service.client import TargetClient
 from specsplit.target_service.drafter_client import RemoteProposer
 from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.loop import EngineLoop
 from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
-from tests.test_cancellation import wait_until
+from tests.test_cancellation import RawClient, wait_until
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -40,7 +40,7 @@ def target(tmp_path_factory, tiny_chat_dir):
     address = f"unix:{tmp_path_factory.mktemp('target')}/t.sock"
     loop, server = start_target(TargetSettings((address,), LocalSetup(target=str(tiny_chat_dir)), None,
                                                EngineConfig()))
-    client = TargetClient(address, timeout=120)
+    client = RawClient(address)
     yield loop, client
     client.close()
     server.stop(None).wait()
@@ -80,12 +80,12 @@ def test_a_prompt_longer_than_the_context_can_spell_is_refused_before_it_is_enco
     monkeypatch.setattr(Tokenizer, "encode", lambda self, text, *a: (servicer_tokenizer_calls.append(len(text)),
                                                                       encode(self, text, *a))[1])
     context = loop.engine.model.config.max_position_embeddings
-    with pytest.raises(InvalidRequest, match="context length"):
+    with pytest.raises(ServiceError, match="INVALID_ARGUMENT: .*context length"):
         client.generate("x" * (context * 200), GREEDY)  # ~0.8 MB: under the message cap
-    with pytest.raises(InvalidRequest, match="context length"):
+    with pytest.raises(ServiceError, match="INVALID_ARGUMENT: .*context length"):
         client.generate([5] * (context + 1), GREEDY)
     assert not [n for n in servicer_tokenizer_calls if n > context * 100]  # never encoded
-    assert client.generate("Hello", GREEDY)["token_ids"]
+    assert client.generate("Hello", GREEDY).token_ids
 
 
 @pytest.mark.parametrize("text", [" " * 5000, "\n" + " " * 4000, "#" * 3000, "=" * 2000 + "-" * 2000,
@@ -97,9 +97,9 @@ def test_no_text_is_shorter_in_tokens_than_the_byte_bound_says(smollm2_tokenizer
 
 def test_stop_token_ids_outside_the_vocabulary_are_refused(target):
     _, client = target
-    with pytest.raises(InvalidRequest, match="stop_token_ids"):
+    with pytest.raises(ServiceError, match="INVALID_ARGUMENT: .*stop_token_ids"):
         client.generate("Hello", SamplingParams(max_tokens=4, stop_token_ids=(49152,)))
-    assert client.generate("Hello", SamplingParams(max_tokens=4, stop_token_ids=(49151,)))["token_ids"]
+    assert client.generate("Hello", SamplingParams(max_tokens=4, stop_token_ids=(49151,))).token_ids
 
 
 def test_a_cancelled_prompt_stops_its_prefill_between_chunks(tiny_llama_dir):
