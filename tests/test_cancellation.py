@@ -12,9 +12,8 @@ import time
 import grpc
 import pytest
 
-from specsplit.client import Client
+from tests.raw_client import RawClient
 from specsplit.local import LocalSetup
-from specsplit.protos.v1 import target_pb2_grpc
 from specsplit.services import DrafterSettings, TargetSettings, start_drafter, start_target
 from specsplit.shared import wire
 from specsplit.shared.sampling import SamplingParams
@@ -23,20 +22,6 @@ from specsplit.target_service.sequence import FinishReason
 
 
 PROMPT = "Count from one to a thousand:"
-
-
-class RawClient(Client):
-    """A `Client` that also holds a raw stub and channel, for calls whose protocol-level outcome a test
-    reads (a cancelled call, a refused stream, health) where the Client would check or retry first."""
-
-    def __init__(self, address: str, timeout: float = 120.0) -> None:
-        super().__init__(address, timeout=timeout)
-        self.channel = grpc.insecure_channel(address)
-        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
-
-    def close(self) -> None:
-        self.channel.close()
-        super().close()
 
 
 @pytest.fixture

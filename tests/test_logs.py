@@ -17,7 +17,7 @@ from specsplit.services import TargetSettings, start_target
 from specsplit.shared import logs, wire
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.sampling import SamplingParams
-from specsplit.target_service.client import TargetClient
+from tests.raw_client import RawClient
 from specsplit.target_service.engine import EngineConfig
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -94,7 +94,7 @@ def target(tmp_path_factory, tiny_chat_dir):
     address = f"unix:{tmp_path_factory.mktemp('logs')}/t.sock"
     loop, server = start_target(TargetSettings((address,), LocalSetup(target=str(tiny_chat_dir)), None,
                                                EngineConfig()))
-    client = TargetClient(address, timeout=120)
+    client = RawClient(address, timeout=120)
     yield client
     client.close()
     server.stop(None).wait()
@@ -116,7 +116,7 @@ def json_lines():
     root.setLevel(level)
 
 
-def generate(client: TargetClient, metadata=(), request_id: str = ""):
+def generate(client: RawClient, metadata=(), request_id: str = ""):
     """(initial metadata, chunks) of one Generate call."""
     call = client.stub.Generate(wire.generate_to_proto(wire.GenerateCall("Hello", GREEDY, request_id=request_id)),
                                 timeout=120, metadata=metadata)

@@ -17,10 +17,11 @@ from specsplit.local import LocalSetup
 from specsplit.protos.v1 import drafter_pb2_grpc
 from specsplit.services import DrafterSettings, TargetSettings, start_drafter, start_target
 from specsplit.shared import wire
+from specsplit.client import ServiceError
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.metrics import MetricsAddress
 from specsplit.shared.sampling import SamplingParams
-from specsplit.target_service.client import TargetClient
+from tests.raw_client import RawClient
 from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.metrics import TargetMetrics
 from specsplit.target_service.model import load_target
@@ -58,7 +59,7 @@ def pair(tmp_path_factory, tiny_chat_dir):
     loop, target_served = start_target(TargetSettings(
         (target_address,), LocalSetup(target=str(tiny_chat_dir)), drafter_address, EngineConfig(max_batch=4),
         metrics=LOCAL))
-    client = TargetClient(target_address, timeout=120)
+    client = RawClient(target_address, timeout=120)
     yield drafter_obj, client, drafter_address, target_served._metrics.port, drafter_obj.metrics.port
     client.close()
     target_served.stop(None).wait()
@@ -80,21 +81,21 @@ def test_a_request_moves_the_target_and_drafter_counters_consistently(pair):
 
     t = lambda name, **labels: moved(before_t, after_t, f"specsplit_target_{name}", **labels)  # noqa: E731
     d = lambda name, **labels: moved(before_d, after_d, f"specsplit_drafter_{name}", **labels)  # noqa: E731
-    stats = result["stats"]
+    stats = result.stats
     assert t("requests_total", outcome="length") == 1
     assert t("rpcs_total", method="/specsplit.v1.TargetService/Generate", code="OK") == 1
-    assert t("tokens_total") == len(result["token_ids"]) == 12
+    assert t("tokens_total") == len(result.token_ids) == 12
     assert t("prefills_total") == 1
     # One sequence: every batched step is one verify of it; τ's parts are the request's own stats.
-    assert t("steps_total") == t("accepted_drafts_count") == t("verified_drafts_count") == stats["steps"] - 1
-    assert t("verified_drafts_sum") == stats["drafted"] > 0
-    assert t("accepted_drafts_sum") == stats["accepted"]
+    assert t("steps_total") == t("accepted_drafts_count") == t("verified_drafts_count") == stats.steps - 1
+    assert t("verified_drafts_sum") == stats.drafted > 0
+    assert t("accepted_drafts_sum") == stats.accepted
     assert 1 + t("accepted_drafts_sum") / t("accepted_drafts_count") == pytest.approx(
-        (stats["tau"] * stats["steps"] - 1) / (stats["steps"] - 1), rel=1e-3)
+        (stats.tau * stats.steps - 1) / (stats.steps - 1), rel=1e-3)
     # Per draft position: summed over positions they are the drafts verified and accepted.
     positions = range(1, 17)
-    assert sum(t("draft_position_proposed_total", position=str(p)) for p in positions) == stats["drafted"]
-    assert sum(t("draft_position_accepted_total", position=str(p)) for p in positions) == stats["accepted"]
+    assert sum(t("draft_position_proposed_total", position=str(p)) for p in positions) == stats.drafted
+    assert sum(t("draft_position_accepted_total", position=str(p)) for p in positions) == stats.accepted
     # A step with no drafts (the last token is decoded serially) counts at no position.
     proposing = t("steps_total") - t("verified_drafts_bucket", le="0.0")
     assert t("draft_position_proposed_total", position="1") == proposing > 0
@@ -103,7 +104,7 @@ def test_a_request_moves_the_target_and_drafter_counters_consistently(pair):
     assert value(after_t, "specsplit_target_drafter_attached") == 1
     assert value(after_t, "specsplit_target_sequences", state="running") == 0
     # The drafter proposed every draft the target verified, one Step message per step (and the free).
-    assert d("draft_tokens_total") == stats["drafted"]
+    assert d("draft_tokens_total") == stats.drafted
     assert d("proposals_total") == proposing
     assert d("step_seconds_count") >= proposing
     assert d("rpcs_total", method="/specsplit.v1.DrafterService/AllocState", code="OK") == 1
@@ -116,8 +117,9 @@ def test_a_request_moves_the_target_and_drafter_counters_consistently(pair):
 def test_refused_calls_are_counted_by_status_code(pair):
     _, client, drafter_address, target_port, drafter_port = pair
     before_t, before_d = scrape(target_port), scrape(drafter_port)
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(ServiceError) as refused:
         client.generate("hello", GREEDY, request_id="not an id\n")  # a space and a newline
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
     with grpc.insecure_channel(drafter_address) as channel:  # no client header: INVALID_ARGUMENT
         with pytest.raises(grpc.RpcError) as info:
             drafter_pb2_grpc.DrafterServiceStub(channel).AllocState(wire.alloc_to_proto(0, 8), timeout=30)
@@ -239,7 +241,7 @@ def test_spawned_services_serve_metrics_and_json_logs_from_flags_and_environment
     services = specsplit_factory(ServiceSpec(
         target=str(tiny_chat_dir), drafter="random-dflash", startup_timeout=300,
         target_args=("--metrics-port", str(ports["target"])), drafter_args=("--metrics-port", str(ports["drafter"]))))
-    client = services.client()
+    client = RawClient(services.target_address)
     call = client.stub.Generate(wire.generate_to_proto(wire.GenerateCall("Hello", GREEDY)), timeout=120,
                                 metadata=(("x-request-id", "spawned-1"),))
     assert list(call)[-1].finish_reason and dict(call.initial_metadata())["x-request-id"] == "spawned-1"
