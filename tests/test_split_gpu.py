@@ -15,9 +15,9 @@ PROMPTS = ["The capital of France is", "def add(a, b):\n    ", "A short poem abo
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
 
 
-def local_tokens(drafter: str) -> list[list[int]]:
+def local_tokens(drafter: str, params: SamplingParams = GREEDY) -> list[list[int]]:
     engine, tokenizer = load_local(LocalSetup(drafter=drafter, device="cuda", dtype="float32", seed=0))
-    reqs = [Request(str(i), tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
+    reqs = [Request(str(i), tokenizer.encode(p), params) for i, p in enumerate(PROMPTS)]
     events = engine.generate(reqs)
     return [[t for e in events[str(i)] for t in e.token_ids] for i in range(len(PROMPTS))]
 
