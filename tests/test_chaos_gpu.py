@@ -5,27 +5,18 @@ IPC buffers back to zero) and serving the next target."""
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 import torch
 
 from specsplit.harness import ServiceSpec
 from specsplit.shared.sampling import SamplingParams
+from tests.test_cancellation import wait_until
 from tests.test_metrics import free_port, scrape, value
 from tests.test_split_gpu import PROMPTS, local_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 LONG = SamplingParams(max_tokens=64, ignore_eos=True)
-
-
-def wait_for(predicate, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def drafter_holds(port: int) -> dict[str, float]:
@@ -50,15 +41,15 @@ def test_sigkill_of_either_side_over_cuda_ipc(specsplit_factory):
                 services.kill_drafter(signal.SIGKILL)
         assert tokens == want[trial]
         services.start_drafter()
-        assert wait_for(lambda: (r := client.generate(PROMPTS[0], LONG)).token_ids == want[0] and r.stats.drafted > 0)
+        assert wait_until(lambda: (r := client.generate(PROMPTS[0], LONG)).token_ids == want[0] and r.stats.drafted > 0, 60)
         client.close()
     assert drafter_holds(port)["buffers"] > 0  # the target's step, bulk and head buffers are registered
     target = services.procs.pop("target")  # the target dies: the drafter must let go of all of it
     target.send_signal(signal.SIGKILL)
     target.wait(timeout=30)
-    assert wait_for(lambda: drafter_holds(port) == {"streams": 0, "sessions": 0, "sequences": 0, "buffers": 0,
-                                                    "buffer_bytes": 0}), drafter_holds(port)
+    assert wait_until(lambda: drafter_holds(port) == {"streams": 0, "sessions": 0, "sequences": 0, "buffers": 0,
+                                                    "buffer_bytes": 0}, 60), drafter_holds(port)
     services.start_target()  # and serves the next target over CUDA IPC, tokens unchanged
     client = services.client()
-    assert wait_for(lambda: (r := client.generate(PROMPTS[1], LONG)).token_ids == want[1] and r.stats.drafted > 0)
+    assert wait_until(lambda: (r := client.generate(PROMPTS[1], LONG)).token_ids == want[1] and r.stats.drafted > 0, 60)
     client.close()
