@@ -232,7 +232,7 @@ class MTPDrafter(Drafter):
         for state, n in zip(states, lengths):  # all but the anchor's row are exact
             state.exact += n - 1
             state.pending.drop_front(n - 1)
-        last = out[torch.tensor(lengths, device=out.device).cumsum(0) - 1]  # [B, hidden] at the anchors
+        last = out[self.staging.put(lengths).cumsum(0) - 1]  # [B, hidden] at the anchors
         tokens, logps = self._autoregress(batch, last)
         return [Proposal(tokens=t, confidence=c if d.request.want_confidence else None)
                 for t, c, d in zip(tokens, logps, batch)]
@@ -250,9 +250,9 @@ class MTPDrafter(Drafter):
             keep = [j for j, i in enumerate(live) if batch[i].request.num_drafts > step]
             if not keep:
                 break
-            live, sel = [live[j] for j in keep], torch.tensor(keep, device=ids.device)
+            live, sel = [live[j] for j in keep], self.staging.put(keep)
             x = self.model.inputs(ids[sel], last[sel], self.head)
-            pos = torch.tensor([batch[i].request.position + step for i in live], device=self.device)
+            pos = self.staging.put([batch[i].request.position + step for i in live])
             last = self._extend([batch[i].state for i in live], x, pos, [1] * len(live))
         return tokens, logps
 
@@ -263,7 +263,7 @@ class MTPDrafter(Drafter):
             pending, anchor = d.state.pending, d.request.position
             n = len(pending)
             hidden.append(pending["h"])
-            tokens.append(torch.cat([pending["tok"][1:], torch.tensor([d.request.last_token], device=self.device)]))
+            tokens.append(torch.cat([pending["tok"][1:], self.staging.put([d.request.last_token])]))
             positions.append(torch.arange(anchor - n + 1, anchor + 1, device=self.device))
             lengths.append(n)
         x = self.model.inputs(torch.cat(tokens), torch.cat(hidden), self.head)

@@ -3,8 +3,9 @@
 Every target names sequences from 0, so a session maps the client's seq ids to drafter-wide unique
 ids; a client can only reach the sequences and carried-KV handles it created. Rows arrive as
 references into buffers the session registered (or inline) and are resolved here, so the drafter
-only ever sees tensors. The drafter copies what it keeps, and every read is finished before a call
-returns: the target reuses its row slots as soon as it has the answer. A session holds at most what
+only ever sees tensors. The drafter copies what it keeps (within a step it may read the rows until the
+step's batched block ends), and every read is finished before a call returns: the target reuses its
+row slots as soon as it has the answer. A session holds at most what
 `DrafterLimits` lets one connection hold, and its errors name the client's sequence ids, never the
 drafter-wide ones.
 
@@ -86,6 +87,7 @@ class Session:
         self._default_head = head  # the server's own head, used until this client registers one
         self._head: TargetHead | None = None  # views into the client's TARGET_EMBEDDING / LM_HEAD buffers
         self._seqs: dict[int, int] = {}  # client seq id → drafter seq id
+        self._in_step = False  # inside step(): row reads are waited on once, after the batched block
         self._handles: dict[int, int] = {}  # carried-KV handle this client owns → rows it holds
         self._reserved: dict[int, int] = {}  # client seq id → context rows its budget may come to hold
         self._buffer_bytes: dict[int, int] = {}  # registered buffer id → bytes
@@ -264,7 +266,8 @@ class Session:
             if step.stash is not None:
                 self.proposer.stash(internal, self._rows(step.stash))
         finally:
-            self._finish_reads()
+            if not self._in_step:  # a step waits once, after its batched block has read every row
+                self._finish_reads()
         if step.commit is not None:
             c = step.commit
             self.proposer.commit(internal, c.num_rows, c.base_pos, c.token_ids)
@@ -323,11 +326,20 @@ class Session:
         others go on. `errors` are the sequences the wire already refused (left out of `batch`)."""
         self.register(batch.register)
         errors = list(errors)
-        with _batched_appends(self.proposer):  # every sequence's committed rows in one forward
-            for seq_step in batch.seqs:
-                error = self._apply_isolated(seq_step)
-                if error is not None:
-                    errors.append(error)
+        self._in_step = True
+        try:
+            # Every sequence's committed rows in one forward. Inside the block the drafter borrows the
+            # rows (views of the target's buffers) until the block ends, so the wait for its reads
+            # comes after it: before anything is released and before the answer lets the target
+            # write its buffers again, whatever failed.
+            with _batched_appends(self.proposer):
+                for seq_step in batch.seqs:
+                    error = self._apply_isolated(seq_step)
+                    if error is not None:
+                        errors.append(error)
+        finally:
+            self._in_step = False
+            self._finish_reads()
         failed = {e.seq_id for e in errors}
         proposals, propose_errors = self._propose_isolated([r for r in batch.proposes if r.seq_id not in failed])
         if batch.release:

@@ -637,9 +637,15 @@ class RowBuffer:
         return generation
 
     def record(self, stream: torch.cuda.Stream | None = None) -> None:
-        """CUDA: record the interprocess event on `stream` (default: current) after the writes."""
+        """CUDA: record the interprocess event on `stream` (default: current) after the writes.
+
+        Once per generation: an importer waits on the event once per generation it reads, so writes
+        after a record need a new generation (`bump()`), never a second record."""
         self._check_live()
         if self._cuda is not None:
+            if self._recorded:
+                raise StateConflict(f"buffer {self.buffer_id}: generation {self.generation} is already recorded; "
+                                    "bump() before writing again")
             self._cuda.record(stream)
         self._recorded = True
 

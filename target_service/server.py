@@ -69,24 +69,24 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     def Generate(self, request, context):
-        outcome = "cancelled"  # unless the stream ends otherwise: the client went away mid-stream
+        ended = ["cancelled"]  # unless the stream ends otherwise: the client went away mid-stream
         try:
-            outcome = yield from self._admitted(request, context)
+            yield from self._admitted(request, context, ended)
         except Exception as exc:
-            outcome = exc.grpc_code.lower() if isinstance(exc, SpecsplitError) else "internal"
+            ended[0] = exc.grpc_code.lower() if isinstance(exc, SpecsplitError) else "internal"
             raise
         finally:
-            self.metrics.requests.labels(outcome).inc()
+            self.metrics.requests.labels(ended[0]).inc()
 
-    def _admitted(self, request, context):
-        """The stream, within --max-streams; returns how it ended."""
+    def _admitted(self, request, context, ended: list[str]):
+        """The stream, within --max-streams; `ended[0]` says how it ended."""
         if not self._streams.acquire(blocking=False):
             raise CapacityExceeded(f"the target is serving its limit of {self.max_streams} streams "
                                    "(--max-streams); retry later")
         with self._open_lock:
             self._open += 1
         try:
-            return (yield from self._generate(request, context))
+            yield from self._generate(request, context, ended)
         finally:
             with self._open_lock:
                 self._open -= 1
@@ -98,9 +98,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         with self._open_lock:
             return self._open > 0
 
-    def _generate(self, request, context):
-        """The stream's chunks; returns the finish reason, or "cancelled" when the client went away.
-        The request id (the caller's, or a new one) is sent first, in the initial metadata."""
+    def _generate(self, request, context, ended: list[str]):
+        """The stream's chunks; `ended[0]` becomes the finish reason before the last chunk is sent (a client
+        that leaves after the last chunk has its request counted as finished), and stays "cancelled" when
+        the client went away first. The request id (the caller's, or a new one) is sent first, in the
+        initial metadata."""
         call = wire.generate_from_proto(request)
         request_id = logs.request_id(context.invocation_metadata(), call.request_id)
         logs.set_fields(request_id=request_id)  # on this call's log lines (shared.logs)
@@ -114,18 +116,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             event = events.get()
             if event is None:  # cancelled: the client is gone
                 log.info("cancelled by the client")
-                return "cancelled"
+                return
             if isinstance(event, Exception):
                 raise event
             final = event.finish_reason is not None
             chunk = wire.GenerateChunk(tuple(event.token_ids), event.text_delta, event.finish_reason,
                                        _stats(event) if final else None)
-            yield wire.chunk_to_proto(chunk)
             if final:
+                ended[0] = event.finish_reason.value
                 s = event.stats
                 log.info("finished (%s): %d tokens in %d steps, tau %.2f, %d of %d drafts accepted",
                          event.finish_reason.value, s.generated, s.steps, s.tau, s.accepted, s.drafted)
-                return event.finish_reason.value
+            yield wire.chunk_to_proto(chunk)
+            if final:
+                return
 
     @rpc_errors
     def Describe(self, request, context):

@@ -524,3 +524,21 @@ def test_cuda_export_existing_and_record_discipline():
             buffer.ref(0, 1)  # a CUDA write must be recorded before it is referenced
         buffer.record()
         assert buffer.ref(0, 1).generation == 2
+
+
+@pytest.mark.gpu
+def test_a_cuda_buffer_is_recorded_once_per_generation():
+    # Importers wait on the event once per generation they read, so a second record (writes after the
+    # first) must come with a new generation.
+    _need_cuda_ipc()
+    exporter = BufferExporter()
+    try:
+        buffer = exporter.create(4, 8, torch.float32, "cuda:0")
+        buffer.bump()
+        buffer.record()
+        with pytest.raises(StateConflict, match="already recorded"):
+            buffer.record()
+        buffer.bump()
+        buffer.record()
+    finally:
+        exporter.close()
