@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import tempfile
 import threading
 import time
@@ -31,6 +32,7 @@ import pytest
 from specsplit.local import LocalSetup
 from specsplit.services import TargetSettings, start_target
 from specsplit.shared import wire
+from specsplit.shared.errors import SpecsplitError
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.transport import SHM_DIR, SHM_PREFIX
 from specsplit.target_service.client import TargetClient, wait_healthy
@@ -384,7 +386,7 @@ def test_a_target_killed_mid_generation_leaves_nothing_on_the_drafter(spawned_ta
     assert during["buffers"] > before["buffers"] and during["shm_fds"] > before["shm_fds"]
     os.kill(pid, signal.SIGKILL)
     services.procs.pop("target").wait(30)
-    with pytest.raises(grpc.RpcError):
+    with pytest.raises(SpecsplitError):  # the client's domain error for the UNAVAILABLE stream
         list(stream)
     assert wait_until(lambda: zygote.stats() == before, timeout=15), (zygote.stats(), before)
     leftovers = _segments_of(pid)
@@ -404,18 +406,20 @@ def _rss_mib(pid: int) -> float:
 
 @pytest.mark.slow
 def test_sixty_four_streams_soak_with_flat_memory(spawned_target, zygote, tiny_chat_dir):
-    """64 concurrent streams for two minutes; RSS of both services, segments and live sequences sampled."""
+    """64 concurrent streams for 150 s; RSS of both services, segments and live sequences sampled."""
     services = spawned_target("--max-batch", "32")
     client = services.client()
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     reference = {p: client.generate(p, params, speculative=False)["token_ids"] for p in PROMPTS}
     target_pid = services.procs["target"].pid
-    load = Load(client, reference, seed=7, cancel_rate=0.1).start(64)
+    # No cancellations here (the chaos test has them): a stream cancelled holds its --max-streams slot until
+    # its handler sees it, so a 65th stream opened at once is refused, as it should be, with RESOURCE_EXHAUSTED.
+    load = Load(client, reference, seed=7, cancel_rate=0).start(64)
     samples = []
     started = time.monotonic()
     try:
-        while time.monotonic() - started < 120:
-            time.sleep(10)
+        while time.monotonic() - started < 150:
+            time.sleep(5)
             held = zygote.stats()
             samples.append((round(time.monotonic() - started), _rss_mib(target_pid), _rss_mib(zygote.pid),
                             len(_segments_of(target_pid)) + len(_shm_fds(str(target_pid))), held["sequences"],
@@ -425,17 +429,25 @@ def test_sixty_four_streams_soak_with_flat_memory(spawned_target, zygote, tiny_c
     print("\n   s  target MiB  drafter MiB  target shm  drafter seqs  completed")
     for s, t, d, shm, seqs, done in samples:
         print(f"{s:4d}  {t:10.1f}  {d:11.1f}  {shm:10d}  {seqs:12d}  {done:9d}")
+    print(f"completed {load.completed} (speculated {load.speculated}), cancelled {load.cancelled}, "
+          f"wrong {len(load.wrong)}, errors {len(load.errors)}")
     assert not load.wrong and not load.errors, (load.wrong[:2], load.errors[:3])
     assert load.speculated > 0
-    # Warm-up (the first 30 s): allocator arenas, the KV cache's pages and the drafter's per-batch
-    # buffers grow to their high-water mark. After it, a leak of one 4 KiB page per request would add
-    # 4 MiB per thousand requests, and far more than that for a leaked KV block or row tensor; 16 MiB
-    # is above what malloc's arenas move by between samples here, and below any per-request leak over
-    # the thousands of requests that run after warm-up.
-    steady = [s for s in samples if s[0] > 30]
+    # Warm-up (the first 60 s): allocator arenas, the KV cache's pages and the drafter's per-batch
+    # buffers grow to their high-water mark, in steps (the drafter once rose 20 MiB at 30 s, the first
+    # time its batch was that wide, and stayed flat after). After it, the median of the last three
+    # samples against the first three: a single sample may catch a step's transient working set (a
+    # batch of long prompts in prefill once showed +90 MiB for one sample, gone at the next), which a
+    # median ignores and a leak does not. 16 MiB is above what malloc's arenas moved by here once warm
+    # (under 6 MiB); with the ~250 requests that complete after warm-up on a busy 2-core machine it
+    # catches a leak of 64 KiB or more per request, which a leaked sequence's drafter window, KV blocks
+    # or row tensors all exceed. Leaks of whole sequences, segments or registrations are counted exactly
+    # (the shm and sequence columns, and the chaos test's end state).
+    steady = [s for s in samples if s[0] > 60]
     for column, name in ((1, "target"), (2, "drafter")):
         values = [s[column] for s in steady]
-        assert max(values) - values[0] < 16, f"{name} RSS drifted: {values}"
+        drift = statistics.median(values[-3:]) - statistics.median(values[:3])
+        assert drift < 16, f"{name} RSS drifted {drift:.1f} MiB: {values}"
     assert len({s[3] for s in steady}) == 1, "the target's shared-memory segments changed in number"
     after = zygote.stats()
     assert wait_until(lambda: zygote.stats()["sequences"] == 0, timeout=30), after
