@@ -305,8 +305,9 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         preferring one that holds no sequences: nothing proves a stream is a target, and an idle
         stranger must not keep a real target out. An evicted target re-attaches on its next request."""
         now = time.monotonic()
-        quiet = [(self._sessions[c].num_sequences > 0, s.last_work, c) for c, s in self._streams.items()
-                 if now - s.last_work >= self.limits.reclaim_stream_seconds and c in self._sessions]
+        streaming = {c: s for c, s in self._sessions.items() if s.streaming}
+        quiet = [(streaming[c].num_sequences > 0, s.last_work, c) for c, s in self._streams.items()
+                 if c in streaming and now - s.last_work >= self.limits.reclaim_stream_seconds]
         if not quiet:
             return False
         _, last_work, client = min(quiet)
