@@ -40,7 +40,8 @@ from specsplit.target_service.engine import EngineConfig
 from tests.test_cancellation import wait_until
 
 PROMPTS = ["Count from one to a thousand:", "Hi", "Write a poem about the sea. " * 3, "The capital of France is",
-           "List the planets, one per line, with their moons and their distances from the sun. " * 8]
+           "List the planets, one per line, with their moons and their distances from the sun. " * 8,
+           "Summarize: " + "the quick brown fox jumps over the lazy dog, " * 250]  # ~2,500 tokens: a long prefill
 MAX_TOKENS = 28
 START_TIMEOUT = 120  # the warm parent imports torch and builds the drafter once
 
@@ -59,13 +60,16 @@ def _zygote_main(conn, target: str, address: str) -> None:
     head = checkpoint_head(folder, setup.torch_dtype, setup.device)
     drafter = build_drafter(setup.drafter, TargetInfo.from_config(load_config(folder)), head, setup)
     children: dict[int, object] = {}
+    deaths: dict[str, int] = {}  # how the drafters it forked ended: only our SIGKILLs are expected
     conn.send("ready")
     while True:
         try:
             command, *args = conn.recv()
         except EOFError:
             return
-        _reap(children)
+        _reap(children, deaths)
+        if command == "deaths":
+            conn.send(dict(deaths))
         if command == "fork":
             mine, theirs = mp.Pipe()
             pid = os.fork()
@@ -86,11 +90,13 @@ def _zygote_main(conn, target: str, address: str) -> None:
                 conn.send(None)
 
 
-def _reap(children: dict) -> None:
+def _reap(children: dict, deaths: dict) -> None:
     for pid in list(children):
-        done, _ = os.waitpid(pid, os.WNOHANG)
+        done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             children.pop(pid).close()
+            cause = signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+            deaths[cause] = deaths.get(cause, 0) + 1
 
 
 def _drafter_child(conn, drafter, head, address: str) -> None:
@@ -153,6 +159,11 @@ class Zygote:
 
     def stats(self) -> dict:
         self.conn.send(("stats", self.pid))
+        return self.conn.recv()
+
+    def deaths(self) -> dict:
+        """How the drafters that ended did (reaped by the parent): {"SIGKILL": n, ...}."""
+        self.conn.send(("deaths",))
         return self.conn.recv()
 
     def kill(self) -> None:
@@ -242,17 +253,19 @@ class Load:
             prompt = rng.choice(PROMPTS)
             cancel_after = rng.choice([0, 0, 1, 2, 5]) if rng.random() < self.cancel_rate else None
             try:
-                self._one(prompt, cancel_after)
+                self._one(prompt, cancel_after, rng.uniform(0, 0.05))
             except grpc.RpcError as err:
                 with self._lock:
                     self.errors.append(f"{err.code().name}: {err.details()}")
 
-    def _one(self, prompt: str, cancel_after: int | None) -> None:
-        """cancel_after chunks: 0 cancels before the first arrives (the prompt is still in prefill)."""
+    def _one(self, prompt: str, cancel_after: int | None, delay: float) -> None:
+        """cancel_after chunks: 0 cancels `delay` seconds after the call, before its first chunk (while
+        the request is queued or its prompt in prefill)."""
         request = wire.generate_to_proto(wire.GenerateCall(prompt, SamplingParams(max_tokens=MAX_TOKENS,
                                                                                   ignore_eos=True)))
         call = self.client.stub.Generate(request, timeout=120)
         if cancel_after == 0:
+            time.sleep(delay)
             call.cancel()
         tokens, drafted = [], 0
         try:
@@ -284,6 +297,8 @@ def settle(loop, client, zygote, reference) -> dict:
     """Once the load is over: the engine idle, the target re-attached and speculating, and what the
     drafter holds then (only the target's own connection: its stream and its two row buffers)."""
     assert wait_until(lambda: not loop.busy and not loop.engine.running, timeout=60)
+    cache = loop.engine.cache
+    assert cache.num_free_blocks == cache.num_blocks  # every KV block of every request came back
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     for _ in range(100):
         result = client.generate(PROMPTS[0], params)
@@ -291,7 +306,8 @@ def settle(loop, client, zygote, reference) -> dict:
         if result["stats"]["drafted"] > 0:
             break
         time.sleep(0.2)
-    assert result["stats"]["drafted"] > 0, "the target never re-attached"
+    assert result["stats"]["drafted"] > 0, (f"the target never re-attached: {loop.engine.proposer.last_error!r}; "
+                                            f"drafter {zygote.pid} holds {zygote.stats()}; ended: {zygote.deaths()}")
     wait_until(lambda: zygote.stats()["sequences"] == 0, timeout=10)
     return zygote.stats()
 
@@ -314,9 +330,11 @@ def run_chaos(target, zygote, *, faults: int, seed: int, clients: int = 4) -> di
         load.stop()
     seconds = time.monotonic() - started
     held = settle(loop, client, zygote, reference)
-    table = {**zygote.faults, "seconds": round(seconds), "completed": load.completed, "speculated": load.speculated,
+    deaths = zygote.deaths()  # settling took seconds: every drafter killed has been reaped by now
+    table = {**zygote.faults, "drafters ended": deaths, "seconds": round(seconds), "completed": load.completed, "speculated": load.speculated,
              "cancelled": load.cancelled, "wrong": len(load.wrong), "errors": len(load.errors), **held}
     print(f"\nchaos: {table}")
+    assert set(deaths) <= {"SIGKILL"}, deaths  # no drafter died of anything but our kills
     assert not load.wrong, load.wrong[:3]
     assert not load.errors, load.errors[:5]
     assert load.completed > faults // 2 and load.speculated > 0

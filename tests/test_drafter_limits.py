@@ -105,16 +105,22 @@ def test_sessions_without_a_step_stream_are_capped(served):
 def test_quiet_step_streams_under_made_up_names_cannot_lock_a_target_out(served):
     """Streams that opened and then did no work hold --max-targets only until a newcomer needs a slot
     and they have been quiet for `reclaim_stream_seconds`; a stream at work keeps its slot."""
+    _, patient = served(max_targets=2, reclaim_stream_seconds=3600)
+    held = [Peer(patient).open_stream() for _ in range(2)]
+    assert [next(responses).step_id for _, responses in held] == [1, 1]
+    code, details = Peer(patient).open_stream_status()  # streams quiet for less than that keep their slots
+    assert code == "RESOURCE_EXHAUSTED" and "--max-targets" in details
+    for outbox, _ in held:
+        outbox.put(None)
+
     server_obj, channel = served(max_targets=2, reclaim_stream_seconds=0.2)
-    worker = Peer(channel, "worker")
-    w_outbox, w_responses = worker.open_stream()
-    assert next(w_responses).step_id == 1
     squatter = Peer(channel, "squatter")
     s_outbox, s_responses = squatter.open_stream()
     assert next(s_responses).step_id == 1
-    code, details = Peer(channel).open_stream_status()  # both streams are fresh: nobody is evicted
-    assert code == "RESOURCE_EXHAUSTED" and "--max-targets" in details
-    time.sleep(0.3)
+    worker = Peer(channel, "worker")
+    w_outbox, w_responses = worker.open_stream()
+    assert next(w_responses).step_id == 1
+    time.sleep(0.3)  # both are past the threshold now; the worker then works, the squatter never does
     w_outbox.put(wire.step_to_proto(wire.StepBatch(2, proposes=(ProposeRequest(0, 5, 0, 3),))))  # work
     assert next(w_responses).step_id == 2
     target = Peer(channel, "target")
