@@ -469,3 +469,42 @@ def test_sixty_four_streams_soak_with_flat_memory(spawned_target, zygote, tiny_c
     assert len({s[3] for s in steady}) == 1, "the target's shared-memory segments changed in number"
     after = zygote.stats()
     assert wait_until(lambda: zygote.stats()["sequences"] == 0, timeout=30), after
+
+
+# --- found by the chaos run: a target that lost its drafter between probing and attaching -----------
+
+
+def test_a_drafter_lost_after_the_probe_connected_is_still_reattached(tmp_path):
+    """The target's probe channel connected to a drafter that died before the target attached through
+    it; a third drafter then came up. A gRPC channel whose connection drops goes IDLE and does not
+    reconnect by itself: the probe must ask again, or the target decodes alone forever (the chaos
+    run above once ended so: 'the target never re-attached')."""
+    from specsplit.drafter_service.server import DrafterServer, serve
+    from specsplit.target_service.drafter_client import RemoteProposer
+    from tests.test_drafter_server import make_drafter
+
+    address = f"unix:{tmp_path}/d.sock"
+
+    def drafter():
+        obj = make_drafter()
+        server_obj = DrafterServer(obj, head=obj.head, device="cpu")
+        return server_obj, serve(server_obj, [address])
+
+    first = drafter()
+    proposer = RemoteProposer(address, max_batch=2)
+    try:
+        assert proposer.available()
+        first[1].stop(None).wait()
+        proposer.reset()
+        assert wait_until(lambda: proposer.available() is False and proposer._probe is not None)  # probing
+        second = drafter()
+        assert wait_until(lambda: proposer._probe.up, timeout=20)  # connected, not yet taken by an attach
+        second[1].stop(None).wait()
+        assert wait_until(lambda: not proposer._probe.up, timeout=10)
+        third = drafter()
+        try:
+            assert wait_until(proposer.available, timeout=20)
+        finally:
+            third[1].stop(None).wait()
+    finally:
+        proposer.close()
