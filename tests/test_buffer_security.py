@@ -461,7 +461,9 @@ def test_unregistering_in_use_twice_or_for_another_connection_is_refused_or_harm
     peer.alloc(0)
     assert theirs.buffer_id != buffer.buffer_id
     assert peer.stash(buffer.ref(0, 2)) == ("OK", "")
-    release = lambda who, *ids: who.status("ReleaseBuffers", drafter_pb2.ReleaseBuffersRequest(buffer_ids=ids))  # noqa: E731
+    def release(who: Peer, *ids: int) -> tuple[str, str]:
+        return who.status("ReleaseBuffers", drafter_pb2.ReleaseBuffersRequest(buffer_ids=ids))
+
     assert release(peer, buffer.buffer_id) == ("OK", "")  # while its rows are stashed
     assert peer.status("Commit", wire.commit_to_proto(0, wire.CommitOp(2, 0, (5, 6)))) == ("OK", "")
     code, details = peer.stash(buffer.ref(2, 2))

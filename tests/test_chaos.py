@@ -35,7 +35,7 @@ from specsplit.shared import wire
 from specsplit.shared.errors import SpecsplitError
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.transport import SHM_DIR, SHM_PREFIX
-from specsplit.target_service.client import TargetClient, wait_healthy
+from specsplit.target_service.client import TargetClient
 from specsplit.target_service.engine import EngineConfig
 from tests.test_cancellation import wait_until
 
@@ -95,7 +95,8 @@ def _reap(children: dict, deaths: dict) -> None:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             children.pop(pid).close()
-            cause = signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+            signaled = os.WIFSIGNALED(status)
+            cause = signal.Signals(os.WTERMSIG(status)).name if signaled else f"exit {os.WEXITSTATUS(status)}"
             deaths[cause] = deaths.get(cause, 0) + 1
 
 
@@ -331,8 +332,9 @@ def run_chaos(target, zygote, *, faults: int, seed: int, clients: int = 4) -> di
     seconds = time.monotonic() - started
     held = settle(loop, client, zygote, reference)
     deaths = zygote.deaths()  # settling took seconds: every drafter killed has been reaped by now
-    table = {**zygote.faults, "drafters ended": deaths, "seconds": round(seconds), "completed": load.completed, "speculated": load.speculated,
-             "cancelled": load.cancelled, "wrong": len(load.wrong), "errors": len(load.errors), **held}
+    table = {**zygote.faults, "drafters ended": deaths, "seconds": round(seconds), "completed": load.completed,
+             "speculated": load.speculated, "cancelled": load.cancelled, "wrong": len(load.wrong),
+             "errors": len(load.errors), **held}
     print(f"\nchaos: {table}")
     assert set(deaths) <= {"SIGKILL"}, deaths  # no drafter died of anything but our kills
     assert not load.wrong, load.wrong[:3]
