@@ -1,7 +1,8 @@
 """What one drafter service lets its callers hold: nothing proves a caller is a target, so every cap is explicit.
 
 A connection is one client id (the `x-specsplit-client` metadata). The worst a stranger can make the
-drafter hold is bounded: (max_targets + max_sessions) connections, each within the per-connection caps.
+drafter hold is bounded: (max_targets + max_sessions) connections, each within the per-connection caps;
+and a stranger's idle streams cannot keep a target out for longer than `reclaim_stream_seconds`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ MIN_MESSAGE_BYTES = 16 * MIB
 @dataclass(frozen=True)
 class DrafterLimits:
     max_targets: int = 8  # connections with an open Step stream (each holds a server thread)
+    # At --max-targets, a stream that carried no work (sequence steps, proposals, buffers, unary calls)
+    # for this long gives its slot to a newcomer: without auth, streams opened under made-up names and
+    # left idle would otherwise lock every real target out. The one it evicts, if a target, re-attaches.
+    reclaim_stream_seconds: float = 10.0
     # Connections without a Step stream: a target holds one only while it attaches (register, then
     # open its stream). Past this many, the least recently used is freed for the newcomer.
     max_sessions: int = 8
@@ -39,7 +44,8 @@ class DrafterLimits:
         for flag, value in counts.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequest(f"{flag} must be a positive integer, got {value!r}")
-        sizes = {"--session-idle-seconds": self.idle_seconds, "--max-buffer-mib": self.max_buffer_mib,
+        sizes = {"--session-idle-seconds": self.idle_seconds, "reclaim_stream_seconds": self.reclaim_stream_seconds,
+                 "--max-buffer-mib": self.max_buffer_mib,
                  "--max-message-mib": 1.0 if self.max_message_mib is None else self.max_message_mib}
         for flag, value in sizes.items():
             if not value > 0:

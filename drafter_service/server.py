@@ -4,8 +4,9 @@ Each handler only converts (protobuf → domain object → Session call → prot
 status codes in one place (`shared.status.rpc_errors`). A target identifies itself with the
 `x-specsplit-client` metadata on every call; its Session lives until its Step stream ends (or
 `DrafterServer.close`), and then everything it held is freed. Nothing proves a caller is a target, so
-what connections may hold is capped (`DrafterLimits`), and a connection without a Step stream is freed
-once idle, by a reaper thread, whether or not anyone else calls.
+what connections may hold is capped (`DrafterLimits`), a connection without a Step stream is freed
+once idle, by a reaper thread, whether or not anyone else calls, and a Step stream that does no work
+gives its slot to a newcomer once the drafter is full.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ def _until_cancelled(requests: Iterator, context: grpc.ServicerContext) -> Itera
             raise
 
 
+@dataclasses.dataclass
+class _Stream:
+    """An open Step stream: its call (to end it if evicted) and when it last carried work."""
+
+    context: grpc.ServicerContext
+    last_work: float = dataclasses.field(default_factory=time.monotonic)
+
+
 class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
     """DrafterService over `proposer`, shared by every connected target.
 
@@ -78,6 +87,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self.device = torch.device(device)
         self._lock = threading.RLock()  # one drafter, one GPU stream: every call is serialized
         self._sessions: dict[str, Session] = {}
+        self._streams: dict[str, _Stream] = {}  # client id → its open Step stream
         self._seq_ids = itertools.count()
         self._closed = threading.Event()
         self.metrics = DrafterMetrics(functools.partial(_sessions_now, weakref.ref(self)))
@@ -94,6 +104,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             self._sweep_idle()
             session = self._get_or_create(client)
             session.last_call = time.monotonic()
+            if client in self._streams:
+                self._streams[client].last_work = session.last_call
             yield session
 
     def _sweep_idle(self) -> None:
@@ -260,33 +272,65 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
 
     @rpc_errors
     def Step(self, request_iterator, context):
-        session = self._open_stream(client_id(context))
-        context.add_callback(lambda: self._end(session))
+        session, stream = self._open_stream(client_id(context), context)
+        context.add_callback(lambda: self._end_stream(session, stream))
         try:
             for request in _until_cancelled(request_iterator, context):
                 started = time.perf_counter()
                 batch, errors = wire.step_from_proto(request)
                 with self._lock:
+                    if session.closed:  # evicted, or the server closed, while this message was read
+                        return
+                    if batch.seqs or batch.proposes or batch.register or batch.release:
+                        stream.last_work = time.monotonic()
                     result = session.step(batch, errors)
                 self.metrics.answered(result, time.perf_counter() - started)
                 yield wire.step_result_to_proto(result)
         finally:
+            self._end_stream(session, stream)
+
+    def _end_stream(self, session: Session, stream: _Stream) -> None:
+        with self._lock:
+            if self._streams.get(session.client_id) is stream:
+                del self._streams[session.client_id]
             self._end(session)
 
-    def _open_stream(self, client: str) -> Session:
+    def _open_stream(self, client: str, context: grpc.ServicerContext) -> tuple[Session, _Stream]:
         with self._lock:
             self._sweep_idle()
             session = self._sessions.get(client)
             if session is not None and session.streaming:
                 raise AlreadyExists(f"client {client} already has an open Step stream")
-            if self.num_streams >= self.max_targets:
+            if self.num_streams >= self.max_targets and not self._reclaim_a_quiet_stream():
                 if session is not None:  # what it registered before asking is freed: it will retry afresh
                     self._end(session)
                 raise CapacityExceeded(f"the drafter serves its limit of {self.max_targets} targets "
                                        "(--max-targets)")
             session = self._get_or_create(client, streaming=True)
             session.streaming = True
-            return session
+            self._streams[client] = stream = _Stream(context)
+            return session, stream
+
+    def _reclaim_a_quiet_stream(self) -> bool:
+        """End the stream that did no work for longest, if that is at least reclaim_stream_seconds,
+        preferring one that holds no sequences: nothing proves a stream is a target, and an idle
+        stranger must not keep a real target out. An evicted target re-attaches on its next request."""
+        now = time.monotonic()
+        streaming = {c: s for c, s in self._sessions.items() if s.streaming}
+        quiet = [(streaming[c].num_sequences > 0, s.last_work, c) for c, s in self._streams.items()
+                 if c in streaming and now - s.last_work >= self.limits.reclaim_stream_seconds]
+        if not quiet:
+            return False
+        _, last_work, client = min(quiet)
+        stream = self._streams.pop(client)
+        skipped = _evictions.admit()
+        if skipped is not None:
+            log.info("the drafter serves --max-targets targets: ending the Step stream of client %s, without work "
+                     "for %.0f s, for a newcomer%s", client, now - last_work,
+                     f" ({skipped} more not logged)" if skipped else "")
+        self._end(self._sessions[client], quiet=True)
+        stream.context.cancel()
+        return True
 
 
 def _sessions_now(server_ref: "weakref.ref[DrafterServer]") -> list[Session]:

@@ -25,7 +25,7 @@ from specsplit.shared.security import (  # noqa: F401 (re-exported)
     open_channel,
     private_socket_dir,
 )
-from specsplit.shared.status import Throttle
+from specsplit.shared.status import Throttle, lenient
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def start_server(register: Callable[[grpc.Server], None], listen: list[str], ser
     interceptors += [TokenAuth(security.token)] if security.token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=server_options(max_message_bytes), interceptors=interceptors)
-    register(server)
+    register(_LenientParsing(server))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Reflection lists and describes the services (grpcurl, Postman); with a token it needs the token too.
@@ -149,6 +149,24 @@ def _bind(server: grpc.Server, address: str, security: ServerSecurity) -> None:
         raise InvalidRequest(f"cannot listen on {address!r}: {err}") from None
     if port == 0:
         raise InvalidRequest(f"cannot listen on {address!r}")
+
+
+class _LenientParsing:
+    """The server as a generated `add_*Servicer_to_server` sees it: each method's request deserializer
+    is wrapped by `shared.status.lenient`, so bytes that do not parse reach the handler, which refuses
+    them with INVALID_ARGUMENT, instead of gRPC answering INTERNAL."""
+
+    def __init__(self, server: grpc.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # generated code adds the same methods again below, where their deserializers can be wrapped
+
+    def add_registered_method_handlers(self, service: str, method_handlers: dict) -> None:
+        wrapped = {name: handler._replace(request_deserializer=lenient(handler.request_deserializer))
+                   for name, handler in method_handlers.items()}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
+        self._server.add_registered_method_handlers(service, wrapped)
 
 
 class _MalformedMessages(logging.Filter):

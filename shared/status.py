@@ -8,10 +8,11 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 import grpc
 
-from specsplit.shared.errors import SpecsplitError
+from specsplit.shared.errors import InvalidRequest, SpecsplitError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,37 @@ class Throttle:
 
 
 _unexpected = Throttle(per_minute=10)
+_malformed = Throttle(per_minute=6)
+
+
+class Malformed:
+    """A request whose bytes are not a message of the method's type, as `lenient` hands it on: the
+    handler refuses it with INVALID_ARGUMENT (gRPC itself would answer INTERNAL, the code of a bug).
+    A handler that reads a stream of requests meets it as an item: any attribute raises the same."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def error(self) -> InvalidRequest:
+        return InvalidRequest(f"malformed request: {self.reason}")
+
+    def __getattr__(self, name: str):
+        raise self.error()
+
+
+def lenient(deserializer: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    """`deserializer` that answers unparsable bytes with a `Malformed` (one log line, rate-limited)."""
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or whatever a parser raises
+            reason = str(exc).replace("\n", " ") or "unparsable"
+            skipped = _malformed.admit()
+            if skipped is not None:
+                log.warning("refused a malformed message (%s)%s", reason,
+                            f"; {skipped} more not logged" if skipped else "")
+            return Malformed(reason)
+    return parse
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -63,6 +95,8 @@ def rpc_errors(handler):
         @functools.wraps(handler)
         def streaming(self, request, context):
             try:
+                if isinstance(request, Malformed):
+                    raise request.error()
                 yield from handler(self, request, context)
             except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
                 _abort(context, exc)
@@ -71,6 +105,8 @@ def rpc_errors(handler):
     @functools.wraps(handler)
     def unary(self, request, context):
         try:
+            if isinstance(request, Malformed):
+                raise request.error()
             return handler(self, request, context)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
             _abort(context, exc)

@@ -198,6 +198,12 @@ class _Probe:
 
     @property
     def up(self) -> bool:
+        if self._state is grpc.ChannelConnectivity.IDLE:
+            # Connected once, and that drafter went away before an attach took the channel: a channel
+            # whose connection drops goes IDLE and never reconnects by itself. Ask it to, again.
+            self.channel.unsubscribe(self._seen)
+            self._state = None
+            self.channel.subscribe(self._seen, try_to_connect=True)
         return self._state is grpc.ChannelConnectivity.READY
 
     def take(self) -> grpc.Channel:

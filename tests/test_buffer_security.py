@@ -446,3 +446,31 @@ def test_a_buffer_released_in_a_step_serves_that_step_and_is_unknown_after(peers
         requests.put(None)
         assert list(responses) == []
 
+
+
+def test_unregistering_in_use_twice_or_for_another_connection_is_refused_or_harmless(peers):
+    """Triton's unregister cases: a buffer released while its rows sit in a sequence's stash (they were
+    copied: the commit goes on; the buffer's references are refused after), released twice, and a release
+    naming another connection's buffer (refused; the owner's buffer keeps serving)."""
+    bystander = Bystander(peers())
+    owner, peer = peers(), peers()
+    owner.buffer(8)
+    theirs = owner.buffer(8)
+    owner.alloc(0)
+    buffer = peer.buffer(8)
+    peer.alloc(0)
+    assert theirs.buffer_id != buffer.buffer_id
+    assert peer.stash(buffer.ref(0, 2)) == ("OK", "")
+    def release(who: Peer, *ids: int) -> tuple[str, str]:
+        return who.status("ReleaseBuffers", drafter_pb2.ReleaseBuffersRequest(buffer_ids=ids))
+
+    assert release(peer, buffer.buffer_id) == ("OK", "")  # while its rows are stashed
+    assert peer.status("Commit", wire.commit_to_proto(0, wire.CommitOp(2, 0, (5, 6)))) == ("OK", "")
+    code, details = peer.stash(buffer.ref(2, 2))
+    assert code == "INVALID_ARGUMENT" and "not registered" in details
+    code, details = release(peer, buffer.buffer_id)  # twice
+    assert code == "INVALID_ARGUMENT", details
+    code, details = release(peer, theirs.buffer_id)  # the owner's id: unknown on this connection
+    assert code == "INVALID_ARGUMENT", details
+    assert owner.stash(theirs.ref(0, 2)) == ("OK", "")
+    bystander.unharmed()

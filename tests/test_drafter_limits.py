@@ -40,6 +40,17 @@ class Peer(DrafterPeer):
         outbox.put(wire.step_to_proto(wire.StepBatch(1)))
         return outbox, responses
 
+    def open_stream_status(self) -> tuple[str, str]:
+        """(status code name, details) of opening a Step stream; ("OK", "") when the drafter took it."""
+        outbox, responses = self.open_stream()
+        try:
+            next(responses)
+        except grpc.RpcError as err:
+            return err.code().name, err.details() or ""
+        finally:
+            outbox.put(None)
+        return "OK", ""
+
 
 @pytest.fixture
 def served(tmp_path):
@@ -89,6 +100,40 @@ def test_sessions_without_a_step_stream_are_capped(served):
         assert Peer(channel).alloc(0) == ("OK", "")
     assert server_obj.num_streams == 1 and server_obj.num_sessions == 4
     outbox.put(None)
+
+
+def test_quiet_step_streams_under_made_up_names_cannot_lock_a_target_out(served):
+    """Streams that opened and then did no work hold --max-targets only until a newcomer needs a slot
+    and they have been quiet for `reclaim_stream_seconds`; a stream at work keeps its slot."""
+    _, patient = served(max_targets=2, reclaim_stream_seconds=3600)
+    held = [Peer(patient).open_stream() for _ in range(2)]
+    assert [next(responses).step_id for _, responses in held] == [1, 1]
+    code, details = Peer(patient).open_stream_status()  # streams quiet for less than that keep their slots
+    assert code == "RESOURCE_EXHAUSTED" and "--max-targets" in details
+    for outbox, _ in held:
+        outbox.put(None)
+
+    server_obj, channel = served(max_targets=2, reclaim_stream_seconds=0.2)
+    squatter = Peer(channel, "squatter")
+    s_outbox, s_responses = squatter.open_stream()
+    assert next(s_responses).step_id == 1
+    worker = Peer(channel, "worker")
+    w_outbox, w_responses = worker.open_stream()
+    assert next(w_responses).step_id == 1
+    time.sleep(0.3)  # both are past the threshold now; the worker then works, the squatter never does
+    w_outbox.put(wire.step_to_proto(wire.StepBatch(2, proposes=(ProposeRequest(0, 5, 0, 3),))))  # work
+    assert next(w_responses).step_id == 2
+    target = Peer(channel, "target")
+    t_outbox, t_responses = target.open_stream()
+    assert next(t_responses).step_id == 1  # the squatter's slot was given to it
+    with pytest.raises(grpc.RpcError) as ended:
+        next(s_responses)
+    assert ended.value.code() is grpc.StatusCode.CANCELLED
+    assert server_obj.num_streams == 2 and "squatter" not in server_obj._sessions
+    w_outbox.put(wire.step_to_proto(wire.StepBatch(3)))
+    assert next(w_responses).step_id == 3  # the worker was never touched
+    for outbox in (w_outbox, t_outbox, s_outbox):
+        outbox.put(None)
 
 
 def test_sequences_rows_and_buffer_bytes_per_connection_are_capped(served):
@@ -208,8 +253,9 @@ def test_malformed_messages_log_one_line_each_rate_limited(served, caplog, monke
     _, channel = served()
     from specsplit.shared.status import Throttle
 
-    for quiet in logging.getLogger("grpc._common").filters:  # a budget of its own, whatever ran before
-        monkeypatch.setattr(quiet, "throttle", Throttle(per_minute=6), raising=False)
+    from specsplit.shared import status
+
+    monkeypatch.setattr(status, "_malformed", Throttle(per_minute=6))  # a budget of its own, whatever ran before
     raw = channel.unary_unary("/specsplit.v1.DrafterService/AllocState")
     metadata = ((CLIENT_HEADER, "junk"),)
     with caplog.at_level(logging.INFO):
