@@ -35,8 +35,8 @@ from specsplit.shared import wire
 from specsplit.shared.errors import SpecsplitError
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.transport import SHM_DIR, SHM_PREFIX
-from specsplit.target_service.client import TargetClient
 from specsplit.target_service.engine import EngineConfig
+from tests.raw_client import RawClient
 from tests.test_cancellation import wait_until
 
 PROMPTS = ["Count from one to a thousand:", "Hi", "Write a poem about the sea. " * 3, "The capital of France is",
@@ -208,9 +208,9 @@ def target(tiny_chat_dir, folder, zygote):
     address = f"unix:{folder}/t.sock"
     loop, served = start_target(TargetSettings((address,), LocalSetup(target=str(tiny_chat_dir)), zygote.address,
                                                EngineConfig(), drafter_timeout=30))
-    client = TargetClient(address)
+    client = RawClient(address)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    reference = {p: client.generate(p, params, speculative=False)["token_ids"] for p in PROMPTS}
+    reference = {p: client.generate(p, params, speculative=False).token_ids for p in PROMPTS}
     yield loop, client, reference
     served.stop(None).wait()
     loop.stop()
@@ -227,7 +227,7 @@ def _our_segments() -> list[str]:
 class Load:
     """Client threads looping requests until stopped; every completed one is checked against target-only."""
 
-    client: TargetClient
+    client: RawClient
     reference: dict
     seed: int
     cancel_rate: float = 0.25
@@ -303,11 +303,11 @@ def settle(loop, client, zygote, reference) -> dict:
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     for _ in range(100):
         result = client.generate(PROMPTS[0], params)
-        assert result["token_ids"] == reference[PROMPTS[0]]
-        if result["stats"]["drafted"] > 0:
+        assert result.token_ids == reference[PROMPTS[0]]
+        if result.stats.drafted > 0:
             break
         time.sleep(0.2)
-    assert result["stats"]["drafted"] > 0, (f"the target never re-attached: {loop.engine.proposer.last_error!r}; "
+    assert result.stats.drafted > 0, (f"the target never re-attached: {loop.engine.proposer.last_error!r}; "
                                             f"drafter {zygote.pid} holds {zygote.stats()}; ended: {zygote.deaths()}")
     wait_until(lambda: zygote.stats()["sequences"] == 0, timeout=10)
     return zygote.stats()
@@ -396,7 +396,7 @@ def test_a_target_killed_mid_generation_leaves_nothing_on_the_drafter(spawned_ta
     client = services.client()
     params = SamplingParams(max_tokens=2000, ignore_eos=True)
     for _ in range(50):  # until it speculates: it has attached
-        if client.generate(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))["stats"]["drafted"]:
+        if client.generate(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True)).stats.drafted:
             break
     stream = client.stream(PROMPTS[4], params)
     for _ in range(3):
@@ -430,7 +430,7 @@ def test_sixty_four_streams_soak_with_flat_memory(spawned_target, zygote, tiny_c
     services = spawned_target("--max-batch", "32")
     client = services.client()
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    reference = {p: client.generate(p, params, speculative=False)["token_ids"] for p in PROMPTS}
+    reference = {p: client.generate(p, params, speculative=False).token_ids for p in PROMPTS}
     target_pid = services.procs["target"].pid
     # No cancellations here (the chaos test has them): a stream cancelled holds its --max-streams slot until
     # its handler sees it, so a 65th stream opened at once is refused, as it should be, with RESOURCE_EXHAUSTED.

@@ -386,9 +386,9 @@ def run_target_fuzz(drafter_obj, loop, client, messages: int, raw: int, seed: in
     print(f"\n{tally.total} messages fuzzed at the target:\n{tally.table()}")
     assert not tally.bad, tally.bad[:20]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    want = client.generate("Count from one to ten:", params, speculative=False)["token_ids"]
+    want = client.generate("Count from one to ten:", params, speculative=False).token_ids
     got = client.generate("Count from one to ten:", params)
-    assert got["token_ids"] == want and got["stats"]["drafted"] > 0  # still speculating, still lossless
+    assert got.token_ids == want and got.stats.drafted > 0  # still speculating, still lossless
     return tally
 
 
