@@ -428,7 +428,7 @@ def _rss_mib(pid: int) -> float:
 def test_sixty_four_streams_soak_with_flat_memory(spawned_target, zygote, tiny_chat_dir):
     """64 concurrent streams for 150 s; RSS of both services, segments and live sequences sampled."""
     services = spawned_target("--max-batch", "32")
-    client = services.client()
+    client = RawClient(services.target_address)  # the load drives the raw stub
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     reference = {p: client.generate(p, params, speculative=False).token_ids for p in PROMPTS}
     target_pid = services.procs["target"].pid
