@@ -44,7 +44,7 @@ class DrafterLimits:
         for flag, value in counts.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequest(f"{flag} must be a positive integer, got {value!r}")
-        sizes = {"--session-idle-seconds": self.idle_seconds, "reclaim_stream_seconds": self.reclaim_stream_seconds,
+        sizes = {"--session-idle-seconds": self.idle_seconds, "--reclaim-stream-seconds": self.reclaim_stream_seconds,
                  "--max-buffer-mib": self.max_buffer_mib,
                  "--max-message-mib": 1.0 if self.max_message_mib is None else self.max_message_mib}
         for flag, value in sizes.items():

@@ -229,7 +229,8 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
     from specsplit.drafter_service.limits import DrafterLimits
     from specsplit.services import DrafterSettings, start_drafter, wait_for_signal
 
-    limits = DrafterLimits(max_targets=args.max_targets, max_sessions=args.max_sessions,
+    limits = DrafterLimits(max_targets=args.max_targets, reclaim_stream_seconds=args.reclaim_stream_seconds,
+                           max_sessions=args.max_sessions,
                            idle_seconds=args.session_idle_seconds, max_sequences=args.max_sequences,
                            max_rows=args.max_rows, max_buffer_mib=args.max_buffer_mib,
                            max_message_mib=args.max_message_mib)
@@ -331,6 +332,9 @@ def add_service_parsers(sub) -> None:
                     help="where the target's embedding/LM head come from (auto: shared buffers on CUDA)")
     ds.add_argument("--max-targets", type=int, default=8,
                     help="targets connected at once; one more is refused with RESOURCE_EXHAUSTED")
+    ds.add_argument("--reclaim-stream-seconds", type=float, default=10.0,
+                    help="when --max-targets are connected, a Step stream that carried no work for this long "
+                         "gives its slot to a newcomer (an idle stream cannot lock a target out)")
     ds.add_argument("--max-sessions", type=int, default=8,
                     help="connections without a Step stream held at once (a target holds one while it attaches; "
                          "one-off callers); past it the least recently used is freed")

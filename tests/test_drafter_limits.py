@@ -22,6 +22,7 @@ from specsplit.shared.proposer import ProposeRequest
 from specsplit.shared.transport import BufferExporter, encode_inline
 from tests.drafter_peer import DrafterPeer
 from tests.test_drafter_server import BUDGET, FEATURE_DIM, make_drafter
+from tests.test_env import SERVE, parse
 
 
 class Peer(DrafterPeer):
@@ -173,6 +174,16 @@ def test_the_caps_are_validated():
         drafter_server.DrafterLimits(idle_seconds=0)
     with pytest.raises(InvalidRequest):
         drafter_server.DrafterLimits(max_rows=-1)
+    with pytest.raises(InvalidRequest, match="--reclaim-stream-seconds"):
+        drafter_server.DrafterLimits(reclaim_stream_seconds=0)
+
+
+def test_reclaim_stream_seconds_comes_from_the_flag_or_the_environment(monkeypatch):
+    assert parse(monkeypatch, SERVE["drafter"] + ["--listen", "unix:/x"]).reclaim_stream_seconds == 10.0
+    assert parse(monkeypatch, SERVE["drafter"] + ["--listen", "unix:/x"],
+                 SPECSPLIT_RECLAIM_STREAM_SECONDS="2.5").reclaim_stream_seconds == 2.5
+    assert parse(monkeypatch, SERVE["drafter"] + ["--listen", "unix:/x", "--reclaim-stream-seconds", "1"],
+                 SPECSPLIT_RECLAIM_STREAM_SECONDS="2.5").reclaim_stream_seconds == 1.0
 
 
 def test_an_idle_stream_less_session_is_reclaimed_without_another_call(served):
