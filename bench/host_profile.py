@@ -1,0 +1,129 @@
+"""Where the host's time goes in a decode step: cProfile of the engine's steps, per step.
+
+    python bench/host_profile.py --device cuda --batch 1 16 [--split] [--out DIR]
+
+GPU kernels in a step are short (a graph-captured verify of the default model is ~1 ms), so the host's
+Python between two launches is what a step waits on. This lists the functions with the most own time
+per step (µs) and the cumulative time of the engine's phases. With `--split` the engine speaks to a
+drafter service over the Step stream (the service itself is profiled separately, e.g. with py-spy:
+its pid is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from specsplit.local import LocalSetup, make_drafter, target_dir
+from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.serving import wait_healthy
+from specsplit.shared.tokenizer import Tokenizer
+from specsplit.target_service.engine import Engine, EngineConfig
+from specsplit.target_service.model import load_target
+from specsplit.target_service.sequence import Request
+
+PROMPT = "Explain how a hash map works, with an example in Python."
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int, device: str) -> str:
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
+    params = SamplingParams(max_tokens=16 * (2 * steps + 40), ignore_eos=True)
+    for i in range(batch):
+        engine.add(Request(f"r{i}", prompt, params))
+    for _ in range(20):  # prefill, graph captures of the buckets in use
+        engine.step()
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    wall = (time.perf_counter() - started) / steps
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    prof.disable()
+    for request_id in list(engine.running):
+        engine.abort(request_id)
+    stats = pstats.Stats(prof)
+    total = sum(v[2] for v in stats.stats.values())  # own time, all functions
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])
+    out = [f"batch {batch}: {wall * 1e3:.3f} ms/step unprofiled; profiled own time {total / steps * 1e6:.0f} µs/step",
+           f"{'own µs/step':>12} {'cum µs/step':>12} {'calls/step':>10}  function"]
+    for (path, line, name), (_, ncalls, own, cum, _) in rows[:45]:
+        where = "/".join(path.rsplit("/", 2)[-2:]) if path != "~" else "builtin"
+        out.append(f"{own / steps * 1e6:12.1f} {cum / steps * 1e6:12.1f} {ncalls / steps:10.1f}  {where}:{line} {name}")
+    phases = {"_decode_step", "_propose", "_verify_forward", "_sample", "_after_verify", "_emit", "_admit",
+              "_maybe_reattach", "forward", "load", "step_call", "_drafter_call", "propose", "__exit__"}
+    out.append("engine phases (cumulative µs/step):")
+    for (path, line, name), (_, ncalls, own, cum, _) in sorted(stats.stats.items(), key=lambda kv: -kv[1][3]):
+        if name in phases and ("specsplit" in path or "_service" in path or "/shared/" in path):
+            where = "/".join(path.rsplit("/", 2)[-2:])
+            out.append(f"{cum / steps * 1e6:12.1f}  {where}:{line} {name} ({ncalls / steps:.1f} calls/step)")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--drafter", default="dflash")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--split", action="store_true", help="profile the target side of the split too")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    setup = LocalSetup(drafter=args.drafter, device=args.device, seed=0)
+    folder = target_dir("default")
+    model = load_target(folder, dtype=setup.torch_dtype, device=args.device)
+    tokenizer = Tokenizer.from_dir(folder)
+    local = make_drafter(args.drafter, model, setup)
+    texts = []
+    for batch in args.batch:
+        text = "in-process " + profile_engine(Engine(model, local, EngineConfig(max_batch=batch)), tokenizer, batch,
+                                              args.steps, args.device)
+        print(text, flush=True)
+        texts.append(text)
+    if args.split:
+        from specsplit.target_service.drafter_client import RemoteProposer
+
+        sock = f"unix:{tempfile.mkdtemp(prefix='specsplit-prof-')}/drafter.sock"
+        proc = subprocess.Popen([sys.executable, "-m", "specsplit", "drafter", "serve", "--listen", sock,
+                                 "--drafter", args.drafter, "--device", args.device, "--seed", "0"])
+        print(f"drafter service pid {proc.pid}", flush=True)
+        try:
+            wait_healthy(sock, 300)
+            remote = RemoteProposer(sock, device=args.device, dtype=setup.torch_dtype,
+                                    head=(model.embed_weight, model.lm_head_weight))
+            for batch in args.batch:
+                text = "services " + profile_engine(Engine(model, remote, EngineConfig(max_batch=batch)), tokenizer,
+                                                    batch, args.steps, args.device)
+                print(text, flush=True)
+                texts.append(text)
+            remote.close()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
+            f.write("\n\n".join(texts))
+
+
+if __name__ == "__main__":
+    main()
