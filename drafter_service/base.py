@@ -399,6 +399,24 @@ class Drafter(ABC):
             out += [next(drafted) if d.request.num_drafts > 0 else Proposal(tokens=[]) for d in chunk]
         return out
 
+    @torch.no_grad()
+    def propose_on_device(self, requests: Sequence[ProposeRequest]) -> torch.Tensor | None:
+        """Drafts left on the device, for an in-process engine that feeds them to its verify forward
+        without waiting for them: [len(requests), n >= max_drafts] target ids, request i's in row i[:num_drafts].
+
+        The tensor is valid until the next propose. None when this batch needs the host path (a bitmask,
+        confidences, a request for no drafts, a batch wider than one forward, or a kind or size with no
+        device path); the caller then calls `propose`. Checks and errors are `propose`'s."""
+        if not 0 < len(requests) <= self.spec.max_batch or any(
+                not isinstance(r, ProposeRequest) or r.bitmask is not None or r.want_confidence or r.num_drafts == 0
+                for r in requests):
+            return None
+        return self.draft_on_device(self._check_requests(requests))
+
+    def draft_on_device(self, batch: Sequence[Draft]) -> torch.Tensor | None:
+        """`draft`'s token ids [B, n >= max_drafts] left on the device, or None where a kind has no such path."""
+        return None
+
     def free(self, seq_id: int) -> None:
         self.store.pop(seq_id)
 

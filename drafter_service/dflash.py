@@ -315,13 +315,24 @@ class DFlashDrafter(Drafter):
     def fit_budget(self, state: DFlashState, budget: int) -> None:
         state.ctx.relimit(min(self.spec.window, budget))
 
-    def draft(self, batch: Sequence[Draft]) -> list[Proposal]:
+    def _graph_draft(self, batch: Sequence[Draft]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Drafts and log-probabilities [B, γ-1] on the device from the static block forward, or None
+        when the batch does not fit it (a bitmask, a size past the buckets, a head on another device)."""
         graphs = self.propose_graphs
-        if graphs is not None and all(d.allowed is None for d in batch) and self.head.embed.device == self.device \
-                and graphs.fits(len(batch), max(len(d.state.ctx) for d in batch)):
-            ids, logp = graphs(self.head, [d.request.last_token for d in batch],
-                               [d.request.position for d in batch], [d.state.ctx for d in batch])
-            return proposals(ids, logp, batch)
+        if graphs is None or any(d.allowed is not None for d in batch) or self.head.embed.device != self.device \
+                or not graphs.fits(len(batch), max(len(d.state.ctx) for d in batch)):
+            return None
+        return graphs(self.head, [d.request.last_token for d in batch], [d.request.position for d in batch],
+                      [d.state.ctx for d in batch])
+
+    def draft_on_device(self, batch: Sequence[Draft]) -> torch.Tensor | None:
+        drafted = self._graph_draft(batch)
+        return None if drafted is None else drafted[0]
+
+    def draft(self, batch: Sequence[Draft]) -> list[Proposal]:
+        drafted = self._graph_draft(batch)
+        if drafted is not None:
+            return proposals(*drafted, batch)
         anchors = torch.tensor([d.request.last_token for d in batch])
         positions = torch.tensor([d.request.position for d in batch], device=self.device)
         block = self.model.embed_block(anchors, self.head)

@@ -79,6 +79,7 @@ def verify_sampled(
     draft_probs: Sequence[torch.Tensor | None] | None = None,  # [num_seqs] of [k_i, V] or None (one-hot)
     *,
     per_sequence: bool = False,
+    target_argmax: Sequence[int] | None = None,  # argmax of every logits row, when the caller has it already
 ) -> VerifyResult:
     """Speculative sampling for the batch; greedy requests use greedy acceptance.
 
@@ -91,7 +92,9 @@ def verify_sampled(
     tokens: list[list[int]] = [[] for _ in bounds]
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        argmax = target_logits.argmax(dim=-1).tolist()
+        argmax = target_logits.argmax(dim=-1).tolist() if target_argmax is None else list(target_argmax)
+        if len(argmax) != target_logits.shape[0]:
+            raise InvalidRequest(f"{len(argmax)} argmax values for {target_logits.shape[0]} logits rows")
         for i in greedy:
             start, end = bounds[i]
             tokens[i] = _greedy_tokens(list(draft_tokens[i]), argmax[start:end])

@@ -26,7 +26,8 @@ from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
 from specsplit.shared.verify import verify_sampled
 from specsplit.target_service.counters import EngineCounters
-from specsplit.target_service.graphs import StepBatch, StepGraphs
+from specsplit.shared.staging import to_host
+from specsplit.target_service.graphs import DeviceDrafts, StepBatch, StepGraphs
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, TargetModel
 from specsplit.target_service.sequence import FinishReason, Request, Sequence, StepEvent
 
@@ -220,12 +221,15 @@ class Engine:
         return self.drafter_ok and seq.request.speculative and not seq.drafter_refused
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
-        drafts = self._propose(seqs)
+        drafts, on_device = self._propose(seqs)
         inputs = [[s.tokens[-1]] + d for s, d in zip(seqs, drafts)]
         starts = [s.last_position for s in seqs]
         started = time.perf_counter()
-        out = self._verify_forward([s.seq_id for s in seqs], inputs, starts)
-        accepted_tokens = self._sample(seqs, out.logits, drafts)  # host lists: the device is done
+        out = self._verify_forward([s.seq_id for s in seqs], inputs, starts, on_device)
+        argmax = None
+        if on_device is not None:  # one wait for the drafts and the verify's greedy picks together
+            drafts, argmax = self._read_drafts(drafts, on_device, out.logits)
+        accepted_tokens = self._sample(seqs, out.logits, drafts, argmax)  # host lists: the device is done
         verified = time.perf_counter()
         features = self._features(out)
         offset = 0
@@ -268,7 +272,9 @@ class Engine:
                             "speculation", type(exc).__name__, exc)
                 self._detach()
 
-    def _propose(self, seqs: list[Sequence]) -> list[list[int]]:
+    def _propose(self, seqs: list[Sequence]) -> tuple[list[list[int]], DeviceDrafts | None]:
+        """Each sequence's drafts, as host lists or, from an in-process drafter that can leave them on the
+        device, as placeholders of the right length plus the device tensor that fills them in."""
         drafts: list[list[int]] = [[] for _ in seqs]
         requests, index = [], []
         for i, seq in enumerate(seqs):
@@ -277,12 +283,18 @@ class Engine:
                 requests.append(ProposeRequest(seq.seq_id, seq.tokens[-1], seq.last_position, k))
                 index.append(i)
         if not requests:
-            return drafts
+            return drafts, None
         started = time.perf_counter()
+        on_device = self._propose_on_device(seqs, requests, index)
+        if on_device is not None:
+            self.counters.propose.observe(time.perf_counter() - started)
+            for i, k in zip(index, on_device.counts):
+                drafts[i] = [0] * k  # placeholders: the verify reads the drafts from the device
+            return drafts, on_device
         proposals = self._drafter_call(self.proposer.propose, requests)  # drafts come back as host lists
         self.counters.propose.observe(time.perf_counter() - started)
         if proposals is _FAILED:
-            return drafts
+            return drafts, None
         vocab = self.model.config.vocab_size
         for request, proposal in zip(requests, proposals):
             tokens = proposal.tokens
@@ -292,10 +304,33 @@ class Engine:
                             "id outside [0, %d)); continuing without speculation", request.seq_id, len(tokens),
                             request.num_drafts, vocab)
                 self._detach()
-                return [[] for _ in seqs]
+                return [[] for _ in seqs], None
         for i, proposal in zip(index, proposals):
             drafts[i] = list(proposal.tokens)
-        return drafts
+        return drafts, None
+
+    def _propose_on_device(self, seqs: list[Sequence], requests: list[ProposeRequest],
+                           index: list[int]) -> DeviceDrafts | None:
+        """Drafts that stay on the device until the verify has used them (in-process drafters with a
+        captured propose, when the step fits a captured verify). Their ids need no check here: they
+        come from our own drafter's argmax over the target vocabulary (its draft-to-target map is
+        checked when the checkpoint loads), never from a peer."""
+        propose = getattr(self.proposer, "propose_on_device", None)
+        if propose is None or self.graphs is None or self.graphs.bucket(len(seqs), self._max_drafts() + 1) is None:
+            return None
+        tokens = self._drafter_call(propose, requests)
+        if tokens is None or tokens is _FAILED:
+            return None
+        return DeviceDrafts(tokens, index, [r.num_drafts for r in requests])
+
+    def _read_drafts(self, drafts: list[list[int]], on_device: DeviceDrafts,
+                     logits: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+        """The drafts the verify used, and its rows' argmax, with one wait for the device."""
+        tokens, argmax = to_host(on_device.tokens, logits.argmax(dim=-1))
+        drafts = list(drafts)
+        for row, i, k in zip(tokens, on_device.seqs, on_device.counts):
+            drafts[i] = row[:k]
+        return drafts, argmax
 
     def _num_drafts(self, seq: Sequence) -> int:
         limit = self.model.config.max_position_embeddings - len(seq.tokens) - 1
@@ -427,10 +462,11 @@ class Engine:
         with torch.inference_mode():
             return self.model(batch, self.cache, self.capture)
 
-    def _verify_forward(self, seq_ids, inputs, starts):
-        """Decode/verify rows: a captured graph when one fits the batch, the eager forward otherwise."""
+    def _verify_forward(self, seq_ids, inputs, starts, on_device: DeviceDrafts | None = None):
+        """Decode/verify rows: a captured graph when one fits the batch, the eager forward otherwise
+        (device drafts only ever come with a batch that fits, see `_propose_on_device`)."""
         if self.graphs is not None and self.graphs.bucket(len(inputs), max(map(len, inputs))) is not None:
-            return self.graphs.forward(StepBatch(list(seq_ids), inputs, starts))
+            return self.graphs.forward(StepBatch(list(seq_ids), inputs, starts), on_device)
         return self._forward(seq_ids, inputs, starts, logits_last_only=False)
 
     def _features(self, out) -> torch.Tensor | None:
@@ -438,11 +474,12 @@ class Engine:
             return out.layer_features
         return out.last_hidden if self.capture.last_hidden else None
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],
+                argmax: list[int] | None = None) -> list[list[int]]:
         sizes = torch.tensor([0] + [len(d) + 1 for d in drafts], dtype=torch.int64)
         result = verify_sampled(
             drafts, logits, torch.cumsum(sizes, 0),
-            [s.request.params for s in seqs], [s.generator for s in seqs],
+            [s.request.params for s in seqs], [s.generator for s in seqs], target_argmax=argmax,
         )
         return result.tokens
 

@@ -76,6 +76,17 @@ class StepBatch:
     starts: list[int]  # [B] position of each sequence's first token
 
 
+@dataclass(frozen=True)
+class DeviceDrafts:
+    """A step's drafts still on the device (an in-process drafter's output, fed to the verify without a
+    round trip through the host): the step's sequence `seqs[i]` takes `tokens[i, :counts[i]]` as its
+    drafts, and its token list in the `StepBatch` holds that many placeholders after its last token."""
+
+    tokens: torch.Tensor  # [R, n] int64 target ids
+    seqs: list[int]  # [R] index in the step of the sequence each row drafts for
+    counts: list[int]  # [R] drafts taken from each row
+
+
 class StaticForward:
     """The decode/verify forward as fixed-shape tensor ops over buffers of one bucket (B x Q tokens)."""
 
@@ -87,7 +98,8 @@ class StaticForward:
         self.scratch_slot, self.scratch_block = scratch_block * cache.block_size, scratch_block
         # Every per-step input in two buffers, so a step is two host-to-device copies (from pinned
         # staging on a GPU): int64 rows tokens / positions / cache slots / output rows, and the tables.
-        self.inputs = torch.zeros(4, batch * query_len, dtype=torch.int64, device=device)  # [4, B * Q]
+        # Rows 4 and 5 are not read by the forward: where device drafts go in the token row, and from where.
+        self.inputs = torch.zeros(6, batch * query_len, dtype=torch.int64, device=device)  # [6, B * Q]
         self.block_tables = torch.full((batch, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.token_ids, self.slots, self.rows = self.inputs[0], self.inputs[2], self.inputs[3]  # [B * Q] each
         self.positions = self.inputs[1].view(batch, query_len)  # [B, Q]
@@ -98,13 +110,14 @@ class StaticForward:
         self._copied = torch.cuda.Event() if pinned else None
         self.output: ForwardOutput | None = None
 
-    def load(self, step: StepBatch) -> torch.Tensor:
-        """Copy a step into the buffers; returns the rows of [B * Q] that hold its tokens, in order."""
+    def load(self, step: StepBatch, drafts: DeviceDrafts | None = None) -> torch.Tensor:
+        """Copy a step into the buffers (device drafts over their placeholders); returns the rows of
+        [B * Q] that hold its tokens, in order."""
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers' previous copies are done
         q, block_size = self.query_len, self.cache.block_size
         inputs, tables = self._host_inputs.numpy(), self._host_tables.numpy()
-        tokens, positions, slots, rows = (row.reshape(self.batch, q) for row in inputs)
+        tokens, positions, slots, rows = (row.reshape(self.batch, q) for row in inputs[:4])
         tokens[:], positions[:], slots[:], tables[:] = 0, 0, self.scratch_slot, self.scratch_block
         count = 0
         for b, (seq_id, ids, start) in enumerate(zip(step.seq_ids, step.tokens, step.starts)):
@@ -119,11 +132,25 @@ class StaticForward:
             tables[b, :len(blocks)] = blocks
             inputs[3, count:count + n] = np.arange(b * q, b * q + n)
             count += n
+        placed = self._place_drafts(drafts, inputs) if drafts is not None else 0
         self.inputs.copy_(self._host_inputs, non_blocking=True)
         self.block_tables.copy_(self._host_tables, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if placed:
+            dest, src = self.inputs[4, :placed], self.inputs[5, :placed]
+            self.token_ids.index_copy_(0, dest, drafts.tokens.reshape(-1).index_select(0, src).to(torch.int64))
         return self.rows[:count]
+
+    def _place_drafts(self, drafts: DeviceDrafts, inputs: np.ndarray) -> int:
+        """Rows 4/5 of the host inputs: token-row slots of each draft and its index in drafts.tokens."""
+        q, width = self.query_len, drafts.tokens.shape[1]
+        dest = [np.arange(b * q + 1, b * q + 1 + k) for b, k in zip(drafts.seqs, drafts.counts)]
+        src = [np.arange(r * width, r * width + k) for r, k in enumerate(drafts.counts)]
+        placed = sum(drafts.counts)
+        if placed:
+            inputs[4, :placed], inputs[5, :placed] = np.concatenate(dest), np.concatenate(src)
+        return placed
 
     def run(self) -> ForwardOutput:
         return self._run_fused() if self.fused is not None else self._run_modules()
@@ -223,8 +250,10 @@ class StepGraphs:
         b, q = bucket_for(num_seqs, self.batches), bucket_for(query_len, list(self.query_lens))
         return None if b is None or q is None else (b, q)
 
-    def forward(self, step: StepBatch) -> ForwardOutput:
-        """The step's outputs, rows in token order (as `TargetModel.forward` returns them)."""
+    def forward(self, step: StepBatch, drafts: DeviceDrafts | None = None) -> ForwardOutput:
+        """The step's outputs, rows in token order (as `TargetModel.forward` returns them). With `drafts`,
+        their tokens replace the step's placeholders on the device, in stream order after the drafter's
+        forward (so the host need not wait for it)."""
         lengths = [len(t) for t in step.tokens]
         key = self.bucket(len(lengths), max(lengths))
         if key is None or min(lengths) == 0:
@@ -234,7 +263,7 @@ class StepGraphs:
             raise InvalidRequest(f"position {max(last)} lies past the {self.max_blocks} blocks a step can address")
         self.cache.reserve_batch(step.seq_ids, step.starts, [x + 1 for x in last])
         fwd = self.forwards[key]
-        rows = fwd.load(step)
+        rows = fwd.load(step, drafts)
         graph = self.graphs.get(key)
         if graph is None:
             with torch.inference_mode():

@@ -48,5 +48,26 @@ class OracleDrafter:
         self.proposed += len(tokens)
         return Proposal(tokens=tokens)
 
+    # The engine must see the oracle's drafts, not the inner drafter's device ones (see DeviceOracle).
+    propose_on_device = None
+
     def __getattr__(self, name):  # stash, commit, trim, catchup, free, take/install/free_kv
         return getattr(self.inner, name)
+
+
+class DeviceOracle(OracleDrafter):
+    """The oracle's drafts handed over as an in-process drafter hands them over on a GPU: a device
+    tensor [B, max_drafts] whose rows run past each request's num_drafts with junk the engine must not
+    read (here: vocab - 1). `device_steps` counts the proposes that went this way."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.device_steps = 0
+
+    def propose_on_device(self, requests: Sequence[ProposeRequest]):
+        import torch
+
+        rows = [p.tokens + [self.spec.vocab_size - 1] * (self.spec.max_drafts - len(p.tokens))
+                for p in self.propose(requests)]
+        self.device_steps += 1
+        return torch.tensor(rows, dtype=torch.int64)

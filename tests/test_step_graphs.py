@@ -180,3 +180,72 @@ def test_engine_on_static_steps_is_lossless(tiny_chat_dir):
     stats = [evs[-1].stats for evs in events.values()]
     assert all(0 < s.accepted < s.drafted for s in stats)
     assert run(None, static=True)[0] == reference  # target-only decode (Q = 1) too
+
+
+def test_engine_with_device_drafts_is_lossless(tiny_chat_dir):
+    """Drafts that reach the verify on the device (an in-process drafter's, without a host round trip)
+    give the target-only tokens: each sequence reads only its own row and only its num_drafts tokens,
+    through partial accepts, sequences with no drafts beside ones with drafts, and a shrinking batch."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+    from tests.oracle import DeviceOracle
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time", "Hello"]
+    reqs = lambda: [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=10 + 7 * i, ignore_eos=True),  # noqa: E731
+                            speculative=i != 3) for i, p in enumerate(prompts)]
+
+    def run(proposer):
+        engine = Engine(target, proposer, EngineConfig(max_batch=4))
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4,
+                                   query_lens=(1, engine._max_drafts() + 1), max_len=256, use_graphs=False)
+        events = engine.generate(reqs())
+        return {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()}, events
+
+    reference, _ = run(None)
+    inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                           block_size=8, max_drafts=6)
+    oracle = DeviceOracle(inner, {tuple(r.prompt_ids): r.prompt_ids + reference[r.request_id] for r in reqs()},
+                          mistake_rate=0.15)
+    tokens, events = run(oracle)
+    assert tokens == reference
+    assert oracle.device_steps > 0
+    stats = {rid: evs[-1].stats for rid, evs in events.items()}
+    assert stats["r3"].drafted == 0  # the non-speculative request rode along with placeholders of none
+    assert all(0 < s.accepted < s.drafted for rid, s in stats.items() if rid != "r3")
+
+
+def test_engine_with_a_static_dflash_drafter_drafts_on_the_device(tiny_chat_dir):
+    """The DFlash drafter's static propose (its CUDA graph's code, here without capture) hands its drafts
+    over on the device, and the output is still target-only's."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    reqs = [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=16, ignore_eos=True))
+            for i, p in enumerate(["The capital of France is", "Once upon a time"])]
+    drafter = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                             block_size=8, max_drafts=6)
+    drafter.use_static_forwards(use_graphs=False)
+    used = []
+    on_device = drafter.propose_on_device
+    drafter.propose_on_device = lambda requests: used.append(on_device(requests)) or used[-1]
+
+    def run(proposer):
+        engine = Engine(target, proposer, EngineConfig(max_batch=2))
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=2,
+                                   query_lens=(1, engine._max_drafts() + 1), max_len=256, use_graphs=False)
+        return {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine.generate(reqs).items()}
+
+    assert run(drafter) == run(None)
+    assert used and all(t is not None and t.shape[1] >= 6 for t in used)

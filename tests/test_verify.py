@@ -78,6 +78,20 @@ def test_greedy_params_in_verify_sampled_use_greedy_acceptance(drafts, argmax, e
 
 
 @pytest.mark.parametrize("drafts, argmax, expected", GREEDY_CASES)
+def test_greedy_acceptance_from_an_argmax_the_caller_read(drafts, argmax, expected):
+    """The engine reads the argmax back with the drafts in one wait; greedy acceptance follows it, not
+    the logits (given a different argmax, different tokens), and a wrong count is refused."""
+    logits, cu_rows = logits_with_argmax(argmax)
+    flat = [a for row in argmax for a in row]
+    generators = [make_generator(0, "cpu") for _ in drafts]
+    assert verify_sampled(drafts, logits, cu_rows, SamplingParams(), generators, target_argmax=flat).tokens == expected
+    shifted = [a + 1 for a in flat]  # every sequence's first emitted token then changes
+    assert verify_sampled(drafts, logits, cu_rows, SamplingParams(), generators, target_argmax=shifted).tokens != expected
+    with pytest.raises(InvalidRequest, match="argmax values"):
+        verify_sampled(drafts, logits, cu_rows, SamplingParams(), generators, target_argmax=flat[:-1])
+
+
+@pytest.mark.parametrize("drafts, argmax, expected", GREEDY_CASES)
 def test_batched_greedy_table(drafts, argmax, expected):
     logits, cu_rows = logits_with_argmax(argmax)
     flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
