@@ -89,6 +89,8 @@ class Engine:
         # Issue 9: set by the EngineLoop to its cancel inbox, so a long prefill stops between chunks.
         self.is_cancelled: Callable[[str], bool] = lambda request_id: False
         self._spec = proposer.spec if proposer is not None else None  # the spec capture and graphs follow
+        # Drafts launched at the end of a step for the next (see _prefetch_drafts): (requests, drafts).
+        self._prefetched: tuple[list[ProposeRequest], DeviceDrafts] | None = None
 
     def _capture_graphs(self) -> StepGraphs:
         drafts = self._max_drafts()
@@ -245,7 +247,11 @@ class Engine:
                 self.counters.verified(len(draft), num_accepted)
                 self._after_verify(seq, draft, num_accepted, rows, start)
         self._count_step(started, verified)
-        return [self._emit(seq, new_tokens) for seq, new_tokens in zip(seqs, accepted_tokens)]
+        kept = [seq.accept(new_tokens) for seq, new_tokens in zip(seqs, accepted_tokens)]
+        # The next step's drafts can be computed now: the drafter runs on the GPU while the host
+        # detokenizes, emits and starts the next step.
+        self._prefetch_drafts(seqs)
+        return [self._emit(seq, new_tokens, k) for seq, new_tokens, k in zip(seqs, accepted_tokens, kept)]
 
     def _count_step(self, started: float, verified: float) -> None:
         self.counters.steps += 1
@@ -276,16 +282,12 @@ class Engine:
         """Each sequence's drafts, as host lists or, from an in-process drafter that can leave them on the
         device, as placeholders of the right length plus the device tensor that fills them in."""
         drafts: list[list[int]] = [[] for _ in seqs]
-        requests, index = [], []
-        for i, seq in enumerate(seqs):
-            k = self._num_drafts(seq) if seq.drafter_attached else 0
-            if k > 0:
-                requests.append(ProposeRequest(seq.seq_id, seq.tokens[-1], seq.last_position, k))
-                index.append(i)
+        requests, index = self._propose_requests(seqs)
         if not requests:
+            self._prefetched = None
             return drafts, None
         started = time.perf_counter()
-        on_device = self._propose_on_device(seqs, requests, index)
+        on_device = self._take_prefetched(requests, index) or self._propose_on_device(seqs, requests, index)
         if on_device is not None:
             self.counters.propose.observe(time.perf_counter() - started)
             for i, k in zip(index, on_device.counts):
@@ -309,6 +311,50 @@ class Engine:
             drafts[i] = list(proposal.tokens)
         return drafts, None
 
+    def _propose_requests(self, seqs: list[Sequence]) -> tuple[list[ProposeRequest], list[int]]:
+        """The step's propose requests, and the index in `seqs` of each one's sequence."""
+        requests, index = [], []
+        for i, seq in enumerate(seqs):
+            k = self._num_drafts(seq) if seq.drafter_attached else 0
+            if k > 0:
+                requests.append(ProposeRequest(seq.seq_id, seq.tokens[-1], seq.last_position, k))
+                index.append(i)
+        return requests, index
+
+    def _prefetch_drafts(self, seqs: list[Sequence]) -> None:
+        """Launch the next step's propose for the sequences that go on, right after this step's rows
+        were committed. Only device drafts are prefetched: such a propose changes no drafter state (the
+        in-process DFlash drafter's is a pure read of the context), so drafts nobody takes are dropped."""
+        self._prefetched = None
+        live = [s for s in seqs if s.finish_reason is None]
+        if not live or not self.drafter_ok or self.graphs is None \
+                or getattr(self.proposer, "propose_on_device", None) is None:
+            return
+        requests, index = self._propose_requests(live)
+        if requests:
+            started = time.perf_counter()
+            on_device = self._propose_on_device(live, requests, index)
+            self.counters.propose.observe(time.perf_counter() - started)
+            if on_device is not None:
+                self._prefetched = (requests, on_device)
+
+    def _take_prefetched(self, requests: list[ProposeRequest], index: list[int]) -> DeviceDrafts | None:
+        """The prefetched drafts, when every request of this step was prefetched exactly as it stands
+        (the same anchor token, position and count); otherwise None and they are dropped."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is None or not self.drafter_ok:
+            return None
+        earlier, on_device = prefetched
+        row_of = {r.seq_id: (row, r) for row, r in zip(on_device.rows, earlier)}
+        rows = []
+        for r in requests:
+            hit = row_of.get(r.seq_id)
+            if hit is None or (hit[1].last_token, hit[1].position, hit[1].num_drafts) != \
+                    (r.last_token, r.position, r.num_drafts):
+                return None
+            rows.append(hit[0])
+        return DeviceDrafts(on_device.tokens, index, [r.num_drafts for r in requests], rows)
+
     def _propose_on_device(self, seqs: list[Sequence], requests: list[ProposeRequest],
                            index: list[int]) -> DeviceDrafts | None:
         """Drafts that stay on the device until the verify has used them (in-process drafters with a
@@ -321,15 +367,15 @@ class Engine:
         tokens = self._drafter_call(propose, requests)
         if tokens is None or tokens is _FAILED:
             return None
-        return DeviceDrafts(tokens, index, [r.num_drafts for r in requests])
+        return DeviceDrafts(tokens, index, [r.num_drafts for r in requests], list(range(len(requests))))
 
     def _read_drafts(self, drafts: list[list[int]], on_device: DeviceDrafts,
                      logits: torch.Tensor) -> tuple[list[list[int]], list[int]]:
         """The drafts the verify used, and its rows' argmax, with one wait for the device."""
         tokens, argmax = to_host(on_device.tokens, logits.argmax(dim=-1))
         drafts = list(drafts)
-        for row, i, k in zip(tokens, on_device.seqs, on_device.counts):
-            drafts[i] = row[:k]
+        for i, k, row in zip(on_device.seqs, on_device.counts, on_device.rows):
+            drafts[i] = tokens[row][:k]
         return drafts, argmax
 
     def _num_drafts(self, seq: Sequence) -> int:
@@ -371,6 +417,7 @@ class Engine:
         everything this engine held there; re-attach rebuilds it), an in-process one is told to free."""
         self.counters.fallbacks += self.drafter_ok  # once per outage, however many verbs then fail
         self.drafter_ok = False
+        self._prefetched = None
         attached = [s for s in self.running.values() if s.drafter_attached]
         for seq in self.running.values():
             seq.drafter_attached = False
@@ -467,6 +514,11 @@ class Engine:
         (device drafts only ever come with a batch that fits, see `_propose_on_device`)."""
         if self.graphs is not None and self.graphs.bucket(len(inputs), max(map(len, inputs))) is not None:
             return self.graphs.forward(StepBatch(list(seq_ids), inputs, starts), on_device)
+        if on_device is not None:  # not reached while _propose_on_device checks the bucket; kept exact anyway
+            tokens = on_device.tokens.tolist()
+            inputs = [list(ids) for ids in inputs]
+            for i, k, row in zip(on_device.seqs, on_device.counts, on_device.rows):
+                inputs[i][1:] = tokens[row][:k]
         return self._forward(seq_ids, inputs, starts, logits_last_only=False)
 
     def _features(self, out) -> torch.Tensor | None:
@@ -483,8 +535,9 @@ class Engine:
         )
         return result.tokens
 
-    def _emit(self, seq: Sequence, new_tokens: list[int]) -> StepEvent:
-        kept = seq.accept(new_tokens)
+    def _emit(self, seq: Sequence, new_tokens: list[int], kept: list[int] | None = None) -> StepEvent:
+        """The step's event for `seq` (`kept`: what `seq.accept(new_tokens)` kept, when already called)."""
+        kept = seq.accept(new_tokens) if kept is None else kept
         delta = self._text_delta(seq, kept)  # may drop tokens past a stop string
         self.counters.tokens += len(kept)
         event = StepEvent(seq.request.request_id, kept, delta, seq.finish_reason, seq.stats)

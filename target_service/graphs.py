@@ -79,12 +79,13 @@ class StepBatch:
 @dataclass(frozen=True)
 class DeviceDrafts:
     """A step's drafts still on the device (an in-process drafter's output, fed to the verify without a
-    round trip through the host): the step's sequence `seqs[i]` takes `tokens[i, :counts[i]]` as its
-    drafts, and its token list in the `StepBatch` holds that many placeholders after its last token."""
+    round trip through the host): the step's sequence `seqs[i]` takes `tokens[rows[i], :counts[i]]` as
+    its drafts, and its token list in the `StepBatch` holds that many placeholders after its last token."""
 
     tokens: torch.Tensor  # [R, n] int64 target ids
-    seqs: list[int]  # [R] index in the step of the sequence each row drafts for
-    counts: list[int]  # [R] drafts taken from each row
+    seqs: list[int]  # index in the step of each sequence that has drafts
+    counts: list[int]  # its number of drafts
+    rows: list[int]  # its row of `tokens`
 
 
 class StaticForward:
@@ -146,7 +147,7 @@ class StaticForward:
         """Rows 4/5 of the host inputs: token-row slots of each draft and its index in drafts.tokens."""
         q, width = self.query_len, drafts.tokens.shape[1]
         dest = [np.arange(b * q + 1, b * q + 1 + k) for b, k in zip(drafts.seqs, drafts.counts)]
-        src = [np.arange(r * width, r * width + k) for r, k in enumerate(drafts.counts)]
+        src = [np.arange(r * width, r * width + k) for r, k in zip(drafts.rows, drafts.counts)]
         placed = sum(drafts.counts)
         if placed:
             inputs[4, :placed], inputs[5, :placed] = np.concatenate(dest), np.concatenate(src)

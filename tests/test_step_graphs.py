@@ -182,10 +182,13 @@ def test_engine_on_static_steps_is_lossless(tiny_chat_dir):
     assert run(None, static=True)[0] == reference  # target-only decode (Q = 1) too
 
 
-def test_engine_with_device_drafts_is_lossless(tiny_chat_dir):
+@pytest.mark.parametrize("max_batch", [4, 2])
+def test_engine_with_device_drafts_is_lossless(tiny_chat_dir, max_batch):
     """Drafts that reach the verify on the device (an in-process drafter's, without a host round trip)
     give the target-only tokens: each sequence reads only its own row and only its num_drafts tokens,
-    through partial accepts, sequences with no drafts beside ones with drafts, and a shrinking batch."""
+    through partial accepts, sequences with no drafts beside ones with drafts, and a shrinking batch;
+    drafts prefetched at the end of a step are taken when the next step asks exactly for them and
+    dropped when it does not (a request admitted in between: max_batch 2 admits while others run)."""
     from specsplit.drafter_service.checkpoint import random_drafter
     from specsplit.local import target_head, target_info
     from specsplit.shared.sampling import SamplingParams
@@ -200,10 +203,22 @@ def test_engine_with_device_drafts_is_lossless(tiny_chat_dir):
     reqs = lambda: [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=10 + 7 * i, ignore_eos=True),  # noqa: E731
                             speculative=i != 3) for i, p in enumerate(prompts)]
 
-    def run(proposer):
-        engine = Engine(target, proposer, EngineConfig(max_batch=4))
-        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4,
+    taken = []
+
+    def run(proposer, prefetch=True):
+        engine = Engine(target, proposer, EngineConfig(max_batch=max_batch))
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=max_batch,
                                    query_lens=(1, engine._max_drafts() + 1), max_len=256, use_graphs=False)
+        if not prefetch:
+            engine._prefetch_drafts = lambda seqs: None
+        take = engine._take_prefetched
+
+        def counted(*args):
+            drafts = take(*args)
+            taken.append(drafts is not None)
+            return drafts
+
+        engine._take_prefetched = counted
         events = engine.generate(reqs())
         return {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()}, events
 
@@ -212,9 +227,19 @@ def test_engine_with_device_drafts_is_lossless(tiny_chat_dir):
                            block_size=8, max_drafts=6)
     oracle = DeviceOracle(inner, {tuple(r.prompt_ids): r.prompt_ids + reference[r.request_id] for r in reqs()},
                           mistake_rate=0.15)
+    taken.clear()
     tokens, events = run(oracle)
     assert tokens == reference
     assert oracle.device_steps > 0
+    # All four start together: only the first decode step has nothing prefetched. Two at a time: each
+    # admission brings a sequence nobody prefetched for.
+    assert taken.count(False) == 1 if max_batch == 4 else taken.count(True) > taken.count(False) > 1
+    # Output is lossless whatever the drafts, so check the drafts themselves: the oracle's depend only on
+    # (sequence, position), so prefetched ones must be accepted exactly as freshly proposed ones.
+    unprefetched = run(oracle, prefetch=False)[1]
+    count = lambda evs: {rid: (e[-1].stats.drafted, e[-1].stats.accepted, e[-1].stats.steps)  # noqa: E731
+                         for rid, e in evs.items()}
+    assert count(events) == count(unprefetched)
     stats = {rid: evs[-1].stats for rid, evs in events.items()}
     assert stats["r3"].drafted == 0  # the non-speculative request rode along with placeholders of none
     assert all(0 < s.accepted < s.drafted for rid, s in stats.items() if rid != "r3")
