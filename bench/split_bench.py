@@ -40,10 +40,13 @@ class StepTimes:
     """Host wall time per decode step, split by phase, from timers around the engine's own methods:
     verify = the target's forward and acceptance (which reads the device back), draft = propose,
     commit = telling the drafter what was accepted (stash/commit/trim or catch-up, and the batched
-    context forward in-process). In the split, draft is the Step round trip carrying the commits."""
+    context forward in-process). In the split, draft is the Step round trip carrying the commits.
+    In-process with device drafts, draft is only the host's launch of the propose (its GPU time is
+    waited for in verify's read-back, `_read_drafts`), and a propose prefetched at the end of a step
+    counts as draft too."""
 
-    PHASES = {"_verify_forward": "verify", "_sample": "verify", "_propose": "draft", "_after_verify": "commit",
-              "_batched_appends": "commit"}
+    PHASES = {"_verify_forward": "verify", "_sample": "verify", "_read_drafts": "verify", "_propose": "draft",
+              "_prefetch_drafts": "draft", "_after_verify": "commit", "_batched_appends": "commit"}
 
     def __init__(self, engine: Engine) -> None:
         self.total = {"step": 0.0, "verify": 0.0, "draft": 0.0, "commit": 0.0}
