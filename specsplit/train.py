@@ -556,9 +556,10 @@ def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: st
     prompts = session_prompts(cfg, model, tokenizer, clock, log)
     fitted = [(fit_prompt(p.encode(tokenizer), cfg.max_prompt_tokens, p.kind == "code"), p.kind) for p in prompts]
     ids = [i for i, _ in fitted if i]
-    log(f"{len(ids)} training prompts within {cfg.max_prompt_tokens} tokens "
-        f"({sum(1 for i, k in fitted if i and k == 'chat')} chat, {sum(1 for i, k in fitted if i and k == 'code')} "
-        f"code); {clock.elapsed():.0f}s")
+    from specsplit.train_data import KINDS
+
+    kinds = ", ".join(f"{sum(1 for i, k in fitted if i and k == kind)} {kind}" for kind in KINDS)
+    log(f"{len(ids)} training prompts within {cfg.max_prompt_tokens} tokens ({kinds}); {clock.elapsed():.0f}s")
     result = train_drafter(cfg, model, ids, eos_ids=tokenizer.eos_token_ids, init=init, log=log, clock=clock)
     saved = save_drafter(result.model, out)
     size = sum(f.stat().st_size for f in saved.glob("*.safetensors"))

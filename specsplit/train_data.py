@@ -5,7 +5,9 @@ plus templated ones and math word problems with drawn numbers), chat requests ab
 standard-library code (explain / document / test this function, summarise this docstring), and raw
 code prefixes from the standard library for the target to continue. A prompt is held out when the
 hash of its key falls in the held-out bucket: the text for a written or templated instruction, the
-source file for anything made from code, so no file feeds both sides.
+source file for anything made from code, so no file feeds both sides, and the template for a word
+problem (numbers drawn into a held-out template are never trained on). A few word-problem templates
+are held out by name (`HELDOUT_WORD_PROBLEMS`), so the math kind always has held-out prompts.
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ DATA_DIR = Path(__file__).parent / "data"
 INSTRUCTIONS_PATH = DATA_DIR / "instructions.txt"
 HELDOUT_PATH = DATA_DIR / "heldout_prompts.jsonl"
 HELDOUT_PERCENT = 10  # share of keys held out
-KINDS = ("chat", "code")
+KINDS = ("chat", "code", "math")  # math: a word problem, sent through the chat template as chat is
+HELDOUT_KEY_PREFIX = "held-out "  # keys held out by name, whatever their hash
 SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo",
                 "__pycache__", "encodings", "ensurepip", "pydoc_data"}
 
 
 @dataclass(frozen=True)
 class Prompt:
-    kind: str  # chat: a user message for the chat template | code: raw text for the target to continue
+    kind: str  # chat, math: a user message for the chat template | code: raw text for the target to continue
     text: str
     key: str  # what the held-out split hashes
 
@@ -45,13 +48,14 @@ class Prompt:
             raise InvalidRequest("a prompt needs text")
 
     def encode(self, tokenizer: Tokenizer) -> list[int]:
-        if self.kind == "chat":
+        if self.kind != "code":
             return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": self.text}]))
         return tokenizer.encode(self.text)
 
 
 def is_heldout(key: str) -> bool:
-    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100 < HELDOUT_PERCENT
+    return key.startswith(HELDOUT_KEY_PREFIX) or int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100 \
+        < HELDOUT_PERCENT
 
 
 # ---- written and templated instructions ---------------------------------------------------------
@@ -145,19 +149,32 @@ WORD_PROBLEMS = (
     "A bag has {b} red and {c} blue marbles. What is the probability of drawing a red one?",
     "{name} runs {b} km each day for {c} days, then {a} m more. How far is that in total?",
 )
+# Held out by name: only ever in the held-out set (their keys carry HELDOUT_KEY_PREFIX).
+HELDOUT_WORD_PROBLEMS = (
+    "{name} plants {a} seeds in rows of {b}. How many full rows are there, and how many seeds are left over?",
+    "A library has {a} books and lends out {c}% of them in a week. How many books are still on the shelves?",
+    "A bottle holds {b} cups of juice. {name} pours {c} cups for each of {b} friends. Is there enough? Explain.",
+    "A bike shop rents bikes for ${b} an hour plus a ${c} fee. What does {name} pay for {a} minutes?",
+    "{name} walks {b} km in {c} minutes. At that pace, how long does a {a} km hike take?",
+    "Two numbers add up to {a} and differ by {b}. What are the numbers?",
+)
 NAMES = ("Ava", "Ben", "Chen", "Dina", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena", "Mateo",
          "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tomas", "Uma", "Vera", "Wei", "Yusuf", "Zoe")
 
 
-def word_problems(count: int, seed: int) -> list[Prompt]:
+def word_problems(count: int, seed: int, *, heldout_templates: bool = False) -> list[Prompt]:
+    """Word problems with drawn numbers (kind math), keyed by their template: the held-out split is by
+    template. `heldout_templates` draws from HELDOUT_WORD_PROBLEMS instead."""
     rng = random.Random(seed)
-    texts = []
+    templates, prefix = ((HELDOUT_WORD_PROBLEMS, HELDOUT_KEY_PREFIX + "word problem") if heldout_templates
+                         else (WORD_PROBLEMS, "word problem"))
+    problems: dict[str, str] = {}
     for _ in range(count):
-        template = rng.choice(WORD_PROBLEMS)
-        text = template.format(name=rng.choice(NAMES), a=rng.randint(20, 480), b=rng.randint(2, 40),
-                               c=rng.randint(2, 19))
-        texts.append(text + rng.choice(("", " Show your work.", " Explain each step.")))
-    return [Prompt("chat", t, t) for t in dict.fromkeys(texts)]
+        index = rng.randrange(len(templates))
+        text = templates[index].format(name=rng.choice(NAMES), a=rng.randint(20, 480), b=rng.randint(2, 40),
+                                       c=rng.randint(2, 19))
+        problems.setdefault(text + rng.choice(("", " Show your work.", " Explain each step.")), f"{prefix} {index}")
+    return [Prompt("math", text, key) for text, key in problems.items()]
 
 
 # ---- the standard library as a code source ------------------------------------------------------
@@ -258,15 +275,20 @@ def training_prompts(seed: int = 0, **sizes: int) -> list[Prompt]:
     return [p for p in all_prompts(seed, **sizes) if not is_heldout(p.key) and p.text not in banned]
 
 
-def heldout_prompts(*, written: int = 24, templated: int = 8, requests: int = 8, code: int = 24,
+def heldout_prompts(*, written: int = 24, templated: int = 8, requests: int = 8, code: int = 24, math: int = 16,
                     seed: int = 0) -> list[Prompt]:
-    """A deterministic held-out set: 40 chat prompts of three sources and 24 code prefixes by default."""
+    """A deterministic held-out set: by default 40 chat prompts of three sources, 24 code prefixes and 16
+    word problems (kind math) from held-out templates. (Before math was a kind, the templated chat
+    source drew word problems too, as chat prompts held out by their text; they stay so.)"""
     files = [f for f in stdlib_files() if is_heldout(f[0])]
+    chat_problems = [Prompt("chat", p.text, p.text) for p in word_problems(600, seed)]
     sources = (
         (written_instructions(), written),
-        (templated_instructions() + word_problems(600, seed), templated),
+        (templated_instructions() + chat_problems, templated),
         (code_requests(files, 1, seed), requests),
         (code_prefixes(files, 1, seed, min_chars=200, max_chars=480), code),
+        # Only templates no checkpoint trained on (until math was a kind, word problems were split by text).
+        (word_problems(200, seed, heldout_templates=True), math),
     )
     rng = random.Random(seed)
     out: list[Prompt] = []
@@ -298,6 +320,15 @@ def read_prompts(path: Path | str, limit: int | None = None) -> list[Prompt]:
     return prompts[:limit] if limit is not None else prompts
 
 
-if __name__ == "__main__":  # regenerate the held-out file: python -m specsplit.train_data
-    write_prompts(HELDOUT_PATH, heldout_prompts())
+def add_kind(path: Path, prompts: Iterable[Prompt]) -> None:
+    """Append a new kind's prompts to the held-out file, keeping the prompts already there: the file is
+    the held-out set of record (its chat and code prompts were drawn by an earlier version of these
+    sources, and every τ reported so far was measured on them)."""
+    kept = read_prompts(path)
+    new = [p for p in prompts if p.kind not in {k.kind for k in kept}]
+    write_prompts(path, kept + new)
+
+
+if __name__ == "__main__":  # add missing kinds to the held-out file: python -m specsplit.train_data
+    add_kind(HELDOUT_PATH, heldout_prompts())
     print(HELDOUT_PATH)

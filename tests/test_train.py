@@ -197,12 +197,38 @@ def test_target_layers_are_chosen_as_asked_and_kept_from_init(llama, tmp_path):
 
 def test_heldout_prompts_are_never_trained_on():
     heldout = train_data.read_prompts(train_data.HELDOUT_PATH)
-    assert len(heldout) == 64 and {p.kind for p in heldout} == {"chat", "code"}
+    assert len(heldout) == 80 and [p.kind for p in heldout].count("math") == 16
+    assert {p.kind for p in heldout} == set(train_data.KINDS) == {"chat", "code", "math"}
     assert all(train_data.is_heldout(p.key) for p in heldout)
-    training = train_data.training_prompts(0, code_per_file=2, requests_per_file=1, word_problem_count=100)
+    training = train_data.training_prompts(0, code_per_file=2, requests_per_file=1, word_problem_count=400)
     assert training and not any(train_data.is_heldout(p.key) for p in training)
     assert not {p.text for p in heldout} & {p.text for p in training}
-    assert not {p.key for p in heldout if p.kind == "code"} & {p.key for p in training}
+    assert not {p.key for p in heldout if p.kind in ("code", "math")} & {p.key for p in training}
+
+
+def test_word_problems_are_held_out_by_template():
+    """A held-out template's problems never reach training, whatever numbers are drawn into them; the
+    held-out file's math prompts come only from templates no checkpoint was trained on."""
+    trained = train_data.training_prompts(3, code_per_file=1, requests_per_file=1, word_problem_count=2000)
+    templates = {p.key for p in trained if p.kind == "math"}
+    assert templates and not any(train_data.is_heldout(t) for t in templates)
+    assert all(p.key.startswith(train_data.HELDOUT_KEY_PREFIX) for p in train_data.read_prompts(
+        train_data.HELDOUT_PATH) if p.kind == "math")
+    held = train_data.word_problems(50, 0, heldout_templates=True)
+    assert held and all(train_data.is_heldout(p.key) and p.kind == "math" for p in held)
+    assert not {p.key for p in held} & templates
+
+
+def test_adding_a_kind_keeps_the_held_out_prompts_of_record(tmp_path):
+    path = tmp_path / "heldout.jsonl"
+    record = [train_data.Prompt("chat", "Name a color.", "Name a color."), train_data.Prompt("code", "def f():", "x.py")]
+    train_data.write_prompts(path, record)
+    drawn = [train_data.Prompt("chat", "Another question?", "Another question?")] + \
+        train_data.word_problems(3, 0, heldout_templates=True)
+    train_data.add_kind(path, drawn)
+    assert train_data.read_prompts(path) == record + drawn[1:]
+    train_data.add_kind(path, drawn)  # nothing new the second time
+    assert train_data.read_prompts(path) == record + drawn[1:]
 
 
 @pytest.mark.slow
