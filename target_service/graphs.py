@@ -254,7 +254,8 @@ class StepGraphs:
     def forward(self, step: StepBatch, drafts: DeviceDrafts | None = None) -> ForwardOutput:
         """The step's outputs, rows in token order (as `TargetModel.forward` returns them). With `drafts`,
         their tokens replace the step's placeholders on the device, in stream order after the drafter's
-        forward (so the host need not wait for it)."""
+        forward (so the host need not wait for it). A step that fills its bucket gets the graph's own
+        logits buffer (no copy), valid until the next forward of that bucket."""
         lengths = [len(t) for t in step.tokens]
         key = self.bucket(len(lengths), max(lengths))
         if key is None or min(lengths) == 0:
@@ -273,7 +274,10 @@ class StepGraphs:
             graph.replay()
             out = fwd.output
         pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
-        return ForwardOutput(pick(out.logits), pick(out.layer_features), pick(out.last_hidden))
+        # Without padding the logits are in token order already: no copy of [B * Q, vocab] floats. Feature
+        # rows are always copied: a drafter may hold them past the next forward (a stash not yet sent).
+        logits = out.logits if rows.numel() == fwd.batch * fwd.query_len else pick(out.logits)
+        return ForwardOutput(logits, pick(out.layer_features), pick(out.last_hidden))
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
