@@ -39,7 +39,7 @@ def drive(drafter, lengths: list[int], steps: int, seed: int = 0):
                 drafter.trim(i, accepted)
                 pos[i] += accepted + 1
                 last[i] = int(torch.randint(0, 97, (1,), generator=gen))
-    contexts = [{n: drafter.store.get(i).ctx[n].clone() for n in ("feat", "k", "v", "pos")} for i in range(len(lengths))]
+    contexts = [dict(zip(("pos", "k", "v"), drafter.held(drafter.store.get(i)))) for i in range(len(lengths))]
     return history, contexts
 
 
