@@ -32,9 +32,9 @@ def roughen(model: nn.Module, seed: int) -> None:
                 m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=gen))
 
 
-def make(seed: int = 0, **kw) -> DFlashDrafter:
+def make(seed: int = 0, info: TargetInfo = INFO, **kw) -> DFlashDrafter:
     kw.setdefault("num_layers", 2)
-    drafter = random_drafter("dflash", INFO, seed=seed, block_size=GAMMA, **kw)
+    drafter = random_drafter("dflash", info, seed=seed, block_size=GAMMA, **kw)
     roughen(drafter.model, seed)
     return drafter
 
