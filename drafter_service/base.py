@@ -32,8 +32,7 @@ class Rows:
     """Named columns sharing one row axis, oldest first.
 
     Appends are amortised O(1): live rows sit in [start, end) of a buffer about twice the limit and
-    are compacted to the front only when the end is reached. Past `limit` rows the oldest fall off,
-    which is the DFlash window slide.
+    are compacted to the front only when the end is reached. Past `limit` rows the oldest fall off.
     """
 
     def __init__(self, schema: Schema, device: torch.device, limit: int | None = None) -> None:

@@ -404,7 +404,11 @@ class DFlashDrafter(Drafter):
     def append_rows_batch(self, appends: Sequence[Append]) -> None:
         """One context forward for every sequence's new rows, written into their pool slots. Only rows
         still in the window once all of a sequence's appends are in are computed: it keeps the forward
-        short, and two of its rows never share a slot."""
+        short, and two of its rows never share a slot. A sequence freed (or its KV taken and freed)
+        inside a batched block has released its ring: its rows go with it."""
+        appends = [a for a in appends if a.state.ring]
+        if not appends:
+            return
         ends = {id(a.state): a.base_pos + a.rows.shape[0] for a in appends}  # the last append's end wins
         kept, positions, slots = [], [], []
         for a in appends:

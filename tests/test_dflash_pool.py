@@ -156,3 +156,16 @@ def test_sliding_layers_take_the_paged_path_when_their_window_fits():
     wide = make(window=12, layer_types=("sliding_attention", "full_attention"), sliding_window=14)
     wide.use_static_forwards(use_graphs=False)
     assert wide.propose_graphs is None and wide.context_graphs is not None
+
+
+def test_a_sequence_freed_inside_a_batched_block_takes_its_rows_with_it():
+    drafter = make(window=12)
+    histories: dict[int, History] = {}
+    start(drafter, histories, 0, 100, 4)
+    start(drafter, histories, 1, 100, 4)
+    with drafter.batched_appends():
+        step(drafter, 0, histories[0], 2)
+        step(drafter, 1, histories[1], 3)
+        drafter.free(0)
+    del histories[0]
+    check_batch(drafter, histories)
