@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.drafter_service.store import SequenceStore, check_id
-from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
+from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest, StateConflict
 from specsplit.shared.layers import masked_sdpa
 from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest, bitmask_to_bool
 from specsplit.shared.staging import HostStaging, to_host
@@ -32,8 +32,7 @@ class Rows:
     """Named columns sharing one row axis, oldest first.
 
     Appends are amortised O(1): live rows sit in [start, end) of a buffer about twice the limit and
-    are compacted to the front only when the end is reached. Past `limit` rows the oldest fall off,
-    which is the DFlash window slide.
+    are compacted to the front only when the end is reached. Past `limit` rows the oldest fall off.
     """
 
     def __init__(self, schema: Schema, device: torch.device, limit: int | None = None) -> None:
@@ -319,8 +318,12 @@ class Drafter(ABC):
     def drop_speculative(self, state: SequenceState) -> None:
         """Forget state built from drafts (trim, take_kv)."""
 
-    def fit_budget(self, state: SequenceState, budget: int) -> None:
-        """Adapt carried state to the budget of the sequence it is installed into."""
+    def fit_budget(self, state: SequenceState, fresh: SequenceState) -> None:
+        """Adapt carried state to the sequence it is installed into, whose fresh state (released after)
+        it replaces; it must not fail, since the install is then under way."""
+
+    def release(self, state: SequenceState) -> None:
+        """Give back what a state holds outside itself (pool blocks); it is never used again."""
 
     @abstractmethod
     def draft(self, batch: Sequence[Draft]) -> list[Proposal]:
@@ -332,7 +335,12 @@ class Drafter(ABC):
         check_id(seq_id, "seq_id")
         if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 1:
             raise InvalidRequest(f"budget_tokens must be a positive integer, got {budget_tokens!r}")
-        self.store.add(seq_id, self.new_state(budget_tokens))
+        state = self.new_state(budget_tokens)
+        try:
+            self.store.add(seq_id, state)
+        except AlreadyExists:
+            self.release(state)
+            raise
 
     def prefill(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, start_pos: int = 0) -> int:
         return self._append(seq_id, token_ids, rows, start_pos, "prefill")
@@ -418,13 +426,14 @@ class Drafter(ABC):
         return None
 
     def free(self, seq_id: int) -> None:
-        self.store.pop(seq_id)
+        self.release(self.store.pop(seq_id))
 
     def take_kv(self, seq_id: int) -> CarriedKV:
         state = self.store.get(seq_id)
+        fresh = self.new_state(state.budget)  # first: if it cannot be had, nothing has changed
         state.stash = None
         self.drop_speculative(state)
-        self.store.replace(seq_id, self.new_state(state.budget))
+        self.store.replace(seq_id, fresh)
         return CarriedKV(self.store.park(state), state.rows_held, state.next_pos - 1)
 
     def install_kv(self, seq_id: int, handle: int) -> CarriedKV:
@@ -438,13 +447,14 @@ class Drafter(ABC):
                 f"of {state.budget} tokens"
             )
         self.store.unpark(handle)
-        self.fit_budget(carried, state.budget)
+        self.fit_budget(carried, state)
         carried.budget = state.budget
         self.store.replace(seq_id, carried)
+        self.release(state)
         return CarriedKV(handle, carried.rows_held, carried.next_pos - 1)
 
     def free_kv(self, handle: int) -> None:
-        self.store.unpark(handle)
+        self.release(self.store.unpark(handle))
 
     # -- checks --
 

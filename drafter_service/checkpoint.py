@@ -190,9 +190,10 @@ def _finish(model: DrafterModel, dtype: torch.dtype, device: str | torch.device)
     return model
 
 
-def _wrap(model: DrafterModel, head: TargetHead, *, window: int, max_batch: int, max_drafts: int) -> AnyDrafter:
+def _wrap(model: DrafterModel, head: TargetHead, *, window: int, max_batch: int, max_drafts: int,
+          pool_blocks: int | None = None) -> AnyDrafter:
     if isinstance(model, DFlashModel):
-        return DFlashDrafter(model, head, window=window, max_batch=max_batch)
+        return DFlashDrafter(model, head, window=window, max_batch=max_batch, pool_blocks=pool_blocks)
     return MTPDrafter(model, head, max_drafts=max_drafts, max_batch=max_batch)
 
 
@@ -230,13 +231,14 @@ def random_model(kind: str | DrafterKind, target_info: TargetInfo, *, seed: int,
 def random_drafter(kind: str | DrafterKind, target_info: TargetInfo, head: TargetHead | None = None, *,
                    seed: int, num_layers: int = 1, block_size: int = 16, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu", window: int = 4096, max_batch: int = 64,
-                   max_drafts: int = 4, **model_args) -> AnyDrafter:
-    """A ready random drafter; without a head it gets a seeded random stand-in (`TargetHead.random`)."""
+                   max_drafts: int = 4, pool_blocks: int | None = None, **model_args) -> AnyDrafter:
+    """A ready random drafter; without a head it gets a seeded random stand-in (`TargetHead.random`).
+    `pool_blocks` sizes a DFlash drafter's context pool (`DFlashDrafter`)."""
     model = random_model(kind, target_info, seed=seed, num_layers=num_layers, block_size=block_size,
                          dtype=dtype, device=device, **model_args)
     if head is None:
         head = TargetHead.random(target_info, seed=seed, dtype=dtype, device=device)
-    return _wrap(model, head, window=window, max_batch=max_batch, max_drafts=max_drafts)
+    return _wrap(model, head, window=window, max_batch=max_batch, max_drafts=max_drafts, pool_blocks=pool_blocks)
 
 
 def write_random_drafter(folder: str | Path, kind: str | DrafterKind, target_info: TargetInfo, seed: int, *,

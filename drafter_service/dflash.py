@@ -7,25 +7,28 @@ keys/values are [k_norm(k_proj(c)) ; block keys] and [v_proj(c) ; block values],
 layer, RoPE at each row's stamped position. Attention is non-causal, except in `sliding_attention`
 layers (causal with the window). Drafts are the argmax of the block rows 1..γ-1, unshifted.
 
-Context K/V depend only on c, so they are computed once per row when it is committed and cached per
-layer; a propose runs only the γ block rows.
+Context K/V depend only on c, so they are computed once per row when it is committed and written
+into a paged pool (`context_pool`); a propose runs only the γ block rows, which read the pool in place.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specsplit.drafter_service.base import (
-    Append, Draft, Drafter, DraftVocab, Rows, SequenceState, batch_allowed, batched_attention, pad_rows, pick,
-    proposals, valid_rows, visibility,
+    Append, Draft, Drafter, DraftVocab, SequenceState, batch_allowed, batched_attention, pad_rows, pick, proposals,
+    valid_rows, visibility,
 )
+from specsplit.drafter_service.context_pool import ContextPool, ring_size
 from specsplit.drafter_service.graphs import ContextGraphs, ProposeGraphs
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.kernels.paged_attention import paged_attention
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.errors import CheckpointError
 from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer
@@ -152,12 +155,28 @@ class DFlashConfig:
 
 @dataclass(frozen=True)
 class BlockContext:
-    """The batch's cached context, padded to the longest."""
+    """The batch's cached context, padded to the longest (the eager reference's input)."""
 
     k: torch.Tensor  # [B, N, layers, Hkv, D]
     v: torch.Tensor  # [B, N, layers, Hkv, D]
     pos: torch.Tensor  # [B, N] stamped positions
     valid: torch.Tensor  # [B, N] False on padding
+
+
+@dataclass(frozen=True)
+class PagedContext:
+    """The batch's context where it lies, in the pool (the propose forward's input).
+
+    Positions are read through `tables` relative to `base`: a sequence's table is its ring repeated, so
+    shifting every position by a multiple of the ring's period changes no slot, and the shift keeps
+    them within the table however long the sequence has run.
+    """
+
+    k_pool: torch.Tensor  # [layers, blocks, block_size, Hkv, D]
+    v_pool: torch.Tensor  # [layers, blocks, block_size, Hkv, D]
+    tables: torch.Tensor  # [B, width] int32: each sequence's ring, repeated
+    base: torch.Tensor  # [B] a multiple of the ring's period, at most the oldest visible position
+    window: int  # context rows a block sees: positions p - window .. p - 1
 
 
 class DFlashModel(nn.Module):
@@ -176,12 +195,12 @@ class DFlashModel(nn.Module):
         self.lm_head = nn.Linear(dec.hidden_size, vocab, bias=False) if vocab else None
         self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long) if vocab else None)
 
-    def context(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Committed rows [n, feature_dim] at positions [n] → features [n, hidden], K and V [n, layers, Hkv, D]."""
+    def context(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed rows [n, feature_dim] at positions [n] → K and V [layers, n, Hkv, D]."""
         feat = self.hidden_norm(self.fc(rows))
         cos, sin = self.rotary_emb(positions, feat.dtype)
         kv = [layer.self_attn.key_value(feat, cos, sin) for layer in self.layers]
-        return feat, torch.stack([k for k, _ in kv], 1), torch.stack([v for _, v in kv], 1)
+        return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
     def embed_block(self, anchors: torch.Tensor, head: TargetHead) -> torch.Tensor:
         """anchors [B] → [B, γ, hidden]: embeddings of [anchor, mask × (γ-1)]."""
@@ -202,6 +221,27 @@ class DFlashModel(nn.Module):
             window = self.cfg.decoder.layer_window(i)
             visible = visibility(q_pos, k_pos, k_valid, causal=window is not None, window=window)
             x = layer(x, _block_mixer(ctx.k[:, :, i], ctx.v[:, :, i], cos, sin, visible, batch))
+        return self.norm(x).view(batch, gamma, hidden)
+
+    def block_hidden_paged(self, block: torch.Tensor, positions: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
+        """`block_hidden` reading the context in place: each layer writes the block's K/V into the slots
+        of positions p..p+γ-1 (past the committed context; the next commit overwrites them) and attends
+        over the pool. Graph-shaped: no host sync, shapes fixed by the batch."""
+        batch, gamma, hidden = block.shape
+        q_pos = positions[:, None] + torch.arange(gamma, device=positions.device)  # [B, γ]
+        cos, sin = self.rotary_emb(q_pos.reshape(-1), block.dtype)
+        local = q_pos - ctx.base[:, None]  # [B, γ] positions as the tables index them
+        size = ctx.k_pool.shape[2]
+        slots = ctx.tables.gather(1, local // size).long() * size + local % size
+        # The block is non-causal: every query masks as the block's last position, so it sees the whole
+        # block and the `window` context rows before it. RoPE still uses each row's own position.
+        last = local[:, -1:].expand(-1, gamma)
+        x = block.reshape(batch * gamma, hidden)
+        for i, layer in enumerate(self.layers):
+            sliding = self.cfg.decoder.layer_window(i)
+            mask_pos, window = (last, ctx.window + gamma) if sliding is None else (local, sliding)
+            mix = _paged_mixer(ctx.k_pool[i], ctx.v_pool[i], ctx.tables, slots.view(-1), mask_pos, window, cos, sin)
+            x = layer(x, mix)
         return self.norm(x).view(batch, gamma, hidden)
 
     def logits(self, hidden: torch.Tensor, head: TargetHead) -> torch.Tensor:
@@ -229,20 +269,47 @@ def _block_mixer(ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor, si
     return mix
 
 
+def _paged_mixer(k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
+                 mask_pos: torch.Tensor, window: int, cos: torch.Tensor, sin: torch.Tensor) -> TokenMixer:
+    """Block queries attend their sequence's pool slots. k/v_pool [blocks, block_size, Hkv, D] of one
+    layer, slots [B·γ] the block rows' own, mask_pos [B, γ] the position each query masks as."""
+
+    def mix(attn: SelfAttention, x: torch.Tensor) -> torch.Tensor:
+        q = attn.query(x, cos, sin)
+        k, v = attn.key_value(x, cos, sin)
+        k_pool.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        v_pool.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        q = q.view(*mask_pos.shape, *q.shape[1:])  # [B, γ, Hq, D]
+        out = paged_attention(q, k_pool, v_pool, tables, mask_pos, attn.scale, window)
+        return attn.output(out.reshape(-1, *out.shape[2:]))
+
+    return mix
+
+
 @dataclass
 class DFlashState(SequenceState):
-    ctx: Rows | None = None  # feat, k, v, pos of the newest committed rows, at most the window
+    window: int = 0  # W = min(spec.window, budget): the newest W committed rows are visible
+    ring: list[int] = field(default_factory=list)  # pool blocks; logical block j lives in ring[j % len(ring)]
+    table: torch.Tensor | None = None  # [DFlashDrafter.table_width] int32 on the device: the ring, repeated
 
     @property
     def rows_held(self) -> int:
-        return len(self.ctx)
+        return min(self.next_pos, self.window)
+
+    def held_positions(self) -> np.ndarray:
+        return np.arange(self.next_pos - self.rows_held, self.next_pos)
 
 
 class DFlashDrafter(Drafter):
-    """A DFlash model behind the Proposer verbs; context K/V cached per sequence in a sliding window."""
+    """A DFlash model behind the Proposer verbs; context K/V in a paged pool, a window's ring per sequence.
+
+    `pool_blocks` sizes the pool (blocks of 16 positions); the default holds `max_batch` sequences at the
+    full window. An alloc the pool cannot serve raises CapacityExceeded, which a target takes as "decode
+    this sequence without drafts".
+    """
 
     def __init__(self, model: DFlashModel, head: TargetHead, *, window: int = 4096, max_batch: int = 64,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, pool_blocks: int | None = None) -> None:
         cfg = model.cfg
         if head.hidden_size != cfg.decoder.hidden_size or head.vocab_size != cfg.decoder.vocab_size:
             raise CheckpointError(f"target head [{head.vocab_size}, {head.hidden_size}] does not fit a drafter "
@@ -259,6 +326,14 @@ class DFlashDrafter(Drafter):
         super().__init__(spec, head, DraftVocab(model.d2t, cfg.decoder.vocab_size),
                          dtype=weight.dtype, device=weight.device)
         self.model = model
+        dec = cfg.decoder
+        if pool_blocks is None:
+            pool_blocks = max_batch * ring_size(window, cfg.block_size)
+        self.pool = ContextPool(pool_blocks,
+                                layers=dec.num_hidden_layers, kv_heads=dec.num_key_value_heads,
+                                head_dim=dec.head_dim, dtype=self.dtype, device=self.device)
+        # Two periods of the longest ring: positions shifted below one period (see `_base`) stay within it.
+        self.table_width = 2 * self.pool.ring_size(window, cfg.block_size)
         self.context_graphs: ContextGraphs | None = None
         self.propose_graphs: ProposeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
@@ -269,61 +344,113 @@ class DFlashDrafter(Drafter):
         (captured per size bucket on first use). Without graphs it is the CPU test of the same code."""
         pool = torch.cuda.graph_pool_handle() if use_graphs else None
         rows = self.spec.max_batch * self.spec.block_size
-        self.context_graphs = ContextGraphs(self.model, max_rows=rows, use_graphs=use_graphs, pool=pool)
-        self.propose_graphs = ProposeGraphs(self.model, self.vocab.table, max_batch=self.spec.max_batch,
-                                            window=self.spec.window, device=self.device, dtype=self.dtype,
-                                            use_graphs=use_graphs, pool=pool, staging=self.staging)
+        self.context_graphs = ContextGraphs(self.model, self.pool, max_rows=rows, use_graphs=use_graphs, pool=pool)
+        if self.pages_fit():
+            scratch = torch.full((self.table_width,), self.pool.scratch, dtype=torch.int32, device=self.device)
+            self.propose_graphs = ProposeGraphs(self.model, self.vocab.table, self.pool, scratch,
+                                                max_batch=self.spec.max_batch, window=self.spec.window,
+                                                use_graphs=use_graphs, pool=pool, staging=self.staging)
+
+    def pages_fit(self) -> bool:
+        """Whether the paged block forward equals `block_hidden` for this model: a sliding layer wider
+        than the ctx window would see positions that slid out of it (they stay in the ring a while),
+        and the Triton kernel needs a power-of-two head_dim of at least 16."""
+        dec = self.model.cfg.decoder
+        windows = [dec.layer_window(i) for i in range(dec.num_hidden_layers)]
+        if any(w is not None and w > self.spec.window + 1 for w in windows):
+            return False
+        dim = dec.head_dim
+        return self.device.type != "cuda" or (dim >= 16 and dim & (dim - 1) == 0)
 
     def forget_head(self, head: TargetHead) -> None:
         """A target that leaves takes its head: drop the graphs made over it."""
         if self.propose_graphs is not None:
             self.propose_graphs.forget(head)
 
-    def new_state(self, budget: int) -> DFlashState:
-        dec = self.model.cfg.decoder
-        kv = ((dec.num_hidden_layers, dec.num_key_value_heads, dec.head_dim), self.dtype)
-        schema = {"feat": ((dec.hidden_size,), self.dtype), "k": kv, "v": kv, "pos": ((), torch.long)}
-        return DFlashState(budget, ctx=Rows(schema, self.device, limit=min(self.spec.window, budget)))
+    # -- the pool --
 
-    defers_appends = True  # a context row's features depend on that row alone
+    def new_state(self, budget: int) -> DFlashState:
+        window = min(self.spec.window, budget)
+        ring = self.pool.take(self.pool.ring_size(window, self.spec.block_size))
+        return DFlashState(budget, window=window, ring=ring, table=self._table(ring))
+
+    def release(self, state: DFlashState) -> None:
+        self.pool.give(state.ring)
+        state.ring, state.table = [], None
+
+    def _table(self, ring: list[int]) -> torch.Tensor:
+        return self.staging.put([ring[i % len(ring)] for i in range(self.table_width)]).to(torch.int32)
+
+    def _base(self, state: DFlashState, position: int) -> int:
+        """The largest multiple of the ring's period at or below the oldest position a block at
+        `position` sees: relative to it, the block's positions stay below two periods."""
+        period = len(state.ring) * self.pool.block_size
+        return max(position - self.spec.window, 0) // period * period
+
+    def held(self, state: DFlashState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The visible context, read from the pool: positions [n], K and V [n, layers, Hkv, D]."""
+        positions = state.held_positions()
+        pos, slots = self.staging.put([positions, self.pool.slots(state.ring, positions)])
+        k, v = self.pool.read(slots)
+        return pos, k.transpose(0, 1), v.transpose(0, 1)
+
+    # -- verbs' model math --
+
+    defers_appends = True  # a context row's K/V depend on that row alone
 
     def append_rows(self, state: DFlashState, tokens: list[int], rows: torch.Tensor, base_pos: int) -> None:
         self.append_rows_batch([Append(state, tokens, rows, base_pos)])
 
     def append_rows_batch(self, appends: Sequence[Append]) -> None:
-        """One context forward for every sequence's new rows; rows that would slide straight out of a
-        window are never computed."""
-        kept, spans = [], []
+        """One context forward for every sequence's new rows, written into their pool slots. Only rows
+        still in the window once all of a sequence's appends are in are computed: it keeps the forward
+        short, and two of its rows never share a slot. A sequence freed (or its KV taken and freed)
+        inside a batched block has released its ring: its rows go with it."""
+        appends = [a for a in appends if a.state.ring]
+        if not appends:
+            return
+        ends = {id(a.state): a.base_pos + a.rows.shape[0] for a in appends}  # the last append's end wins
+        kept, positions, slots = [], [], []
         for a in appends:
-            n, keep = a.rows.shape[0], min(a.rows.shape[0], a.state.ctx.limit)
-            kept.append(a.rows[n - keep:])
-            spans.append(range(a.base_pos + n - keep, a.base_pos + n))
-        pos = self.staging.put([p for span in spans for p in span])
+            first = max(a.base_pos, ends[id(a.state)] - a.state.window)
+            span = np.arange(first, a.base_pos + a.rows.shape[0])
+            if span.size:
+                kept.append(a.rows[first - a.base_pos:])
+                positions.append(span)
+                slots.append(self.pool.slots(a.state.ring, span))
+        pos, slot = self.staging.put([np.concatenate(positions), np.concatenate(slots)])
         rows = torch.cat(kept) if len(kept) > 1 else kept[0]
         graphs = self.context_graphs
-        feat, k, v = (graphs if graphs is not None and graphs.fits(rows.shape[0]) else self.model.context)(rows, pos)
-        start, items = 0, []
-        for a, span in zip(appends, spans):
-            end = start + len(span)
-            items.append((a.state.ctx, dict(feat=feat[start:end], k=k[start:end], v=v[start:end], pos=pos[start:end])))
-            start = end
-        Rows.append_many(items)
+        if graphs is not None and graphs.fits(rows.shape[0]):
+            graphs(rows, pos, slot)
+        else:
+            self.pool.write(slot, *self.model.context(rows, pos))
 
     def drop_speculative(self, state: DFlashState) -> None:
-        """DFlash keeps nothing speculative: proposes never write the context."""
+        """DFlash keeps nothing speculative: a propose's block K/V lie past the committed positions."""
 
-    def fit_budget(self, state: DFlashState, budget: int) -> None:
-        state.ctx.relimit(min(self.spec.window, budget))
+    def fit_budget(self, state: DFlashState, fresh: DFlashState) -> None:
+        """A ring too small for the new window gives way to the fresh state's, sized for it: the held
+        rows move there, and the fresh state (released by the caller) leaves with the small ring."""
+        window = min(self.spec.window, fresh.budget)
+        if self.pool.ring_size(window, self.spec.block_size) > len(state.ring):
+            positions = state.held_positions()
+            src, dst = self.staging.put([self.pool.slots(state.ring, positions), self.pool.slots(fresh.ring, positions)])
+            self.pool.write(dst, *self.pool.read(src))
+            state.ring, fresh.ring = fresh.ring, state.ring
+            state.table, fresh.table = fresh.table, state.table
+        state.window = window
 
     def _graph_draft(self, batch: Sequence[Draft]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Drafts and log-probabilities [B, γ-1] on the device from the static block forward, or None
-        when the batch does not fit it (a bitmask, a size past the buckets, a head on another device)."""
+        when the batch does not take it (a bitmask, a head on another device, no static forwards)."""
         graphs = self.propose_graphs
-        if graphs is None or any(d.allowed is not None for d in batch) or self.head.embed.device != self.device \
-                or not graphs.fits(len(batch), max(len(d.state.ctx) for d in batch)):
+        if graphs is None or any(d.allowed is not None for d in batch) or self.head.embed.device != self.device:
             return None
-        return graphs(self.head, [d.request.last_token for d in batch], [d.request.position for d in batch],
-                      [d.state.ctx for d in batch])
+        states = [d.state for d in batch]
+        positions = [d.request.position for d in batch]
+        return graphs(self.head, [d.request.last_token for d in batch], positions,
+                      [self._base(s, p) for s, p in zip(states, positions)], [s.table for s in states])
 
     def draft_on_device(self, batch: Sequence[Draft]) -> torch.Tensor | None:
         drafted = self._graph_draft(batch)
@@ -344,9 +471,10 @@ class DFlashDrafter(Drafter):
         return proposals(self.vocab.to_target(ids), logp, batch)
 
     def _context(self, states: Sequence[DFlashState]) -> BlockContext:
-        lengths = [len(s.ctx) for s in states]
-        pos = pad_rows([s.ctx["pos"] for s in states])
+        """The eager reference's context: each sequence's visible rows gathered out of the pool."""
+        held = [self.held(s) for s in states]
+        pos = pad_rows([p for p, _, _ in held])
         return BlockContext(
-            k=pad_rows([s.ctx["k"] for s in states]), v=pad_rows([s.ctx["v"] for s in states]),
-            pos=pos, valid=valid_rows(lengths, pos.shape[1], self.device),
+            k=pad_rows([k for _, k, _ in held]), v=pad_rows([v for _, _, v in held]),
+            pos=pos, valid=valid_rows([s.rows_held for s in states], pos.shape[1], self.device),
         )

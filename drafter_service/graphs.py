@@ -1,32 +1,33 @@
 """CUDA graphs of the DFlash drafter's two per-step forwards, captured lazily per size bucket.
 
-- The context forward (committed rows → features and per-layer K/V), bucketed on the step's row count.
-- The block forward that proposes: [anchor, mask × (γ-1)] over each sequence's cached context, bucketed
-  on batch size and context length. Each step gathers the batch's contexts into the bucket's padded
-  buffers (one copy per column for the whole batch), replays, and reads the drafts back once.
+- The context forward (committed rows → per-layer K/V written into their pool slots), bucketed on the
+  step's row count.
+- The block forward that proposes: [anchor, mask × (γ-1)] over each sequence's context, read in place
+  from the pool through its block table; bucketed on batch size alone, since every table has the same
+  width. A step copies anchors, positions and bases (one staged copy) and the batch's tables (one
+  stack) into the bucket's buffers, replays, and reads the drafts back once: O(batch), whatever the
+  contexts' lengths.
 
-Padding is masked by construction: padded context rows are invalid keys, padded sequences' outputs
-are dropped, padded rows of the context forward are computed and ignored. A request with a grammar
-bitmask takes the eager path. On a CPU the same static functions run without capture (`use_graphs=False`),
-which is how they are tested against the eager drafter there.
+Padding is harmless by construction: padded rows of the context forward and padded sequences of the
+block forward write their K/V into the pool's scratch block, and their outputs are dropped. A request
+with a grammar bitmask takes the eager path. On a CPU the same static functions run without capture
+(`use_graphs=False`), which is how they are tested against the eager drafter there.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specsplit.drafter_service.context_pool import ContextPool
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture
 from specsplit.shared.staging import HostStaging
 
-MIN_CONTEXT_BUCKET = 64
 
-
-def length_buckets(limit: int, smallest: int = MIN_CONTEXT_BUCKET) -> list[int]:
+def length_buckets(limit: int, smallest: int = 64) -> list[int]:
     """Powers of two from `smallest` below `limit`, then `limit`."""
     sizes = []
     size = smallest
@@ -54,114 +55,102 @@ class _Replayable:
 
 
 class ContextGraphs:
-    """`DFlashModel.context` for up to `max_rows` rows at once."""
+    """`DFlashModel.context` for up to `max_rows` rows at once, writing K/V into the pool."""
 
-    def __init__(self, model, *, max_rows: int, use_graphs: bool, pool) -> None:
-        self.model = model
+    def __init__(self, model, context_pool: ContextPool, *, max_rows: int, use_graphs: bool, pool) -> None:
+        self.model, self.context_pool = model, context_pool
         self.buckets = length_buckets(max_rows, smallest=16)
         self.use_graphs, self.pool = use_graphs, pool
-        self._runs: dict[int, tuple[torch.Tensor, torch.Tensor, _Replayable]] = {}
+        self._runs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Replayable]] = {}
 
     def fits(self, rows: int) -> bool:
         return rows <= self.buckets[-1]
 
-    def __call__(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """rows [n, feature_dim], positions [n] → feat [n, hidden], k/v [n, layers, Hkv, D] (views of
-        static outputs: valid until the next call)."""
+    def __call__(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """rows [n, feature_dim] at positions [n] → their K/V into pool `slots` [n] (distinct)."""
         n = rows.shape[0]
         size = bucket_for(n, self.buckets)
         if size not in self._runs:
             static_rows = torch.zeros((size, rows.shape[1]), dtype=rows.dtype, device=rows.device)
             static_pos = torch.zeros(size, dtype=torch.long, device=rows.device)
-            run = _Replayable(lambda: self.model.context(static_rows, static_pos), self.pool, self.use_graphs)
-            self._runs[size] = (static_rows, static_pos, run)
-        static_rows, static_pos, run = self._runs[size]
+            static_slots = torch.zeros(size, dtype=torch.long, device=rows.device)
+            write = self.context_pool.write
+            run = _Replayable(lambda: write(static_slots, *self.model.context(static_rows, static_pos)),
+                              self.pool, self.use_graphs)
+            self._runs[size] = (static_rows, static_pos, static_slots, run)
+        static_rows, static_pos, static_slots, run = self._runs[size]
         static_rows[:n].copy_(rows)
         static_pos[:n].copy_(positions)
-        return tuple(t[:n] for t in run())
+        # Rows past n are a previous step's: written again where they were, they could land on a slot
+        # since reused, so they go to scratch.
+        static_slots.fill_(self.context_pool.scratch * self.context_pool.block_size)
+        static_slots[:n].copy_(slots)
+        run()
 
 
 class _ProposeBuffers:
-    """Static inputs of one (batch, context length) bucket and the block forward over them."""
+    """Static inputs of one batch bucket and the paged block forward over them."""
 
-    def __init__(self, model, head: TargetHead, table: torch.Tensor | None, batch: int, length: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        dec = model.cfg.decoder
-        kv = (batch, length, dec.num_hidden_layers, dec.num_key_value_heads, dec.head_dim)
-        self.model, self.head, self.table = model, head, table
+    def __init__(self, model, head: TargetHead, table: torch.Tensor | None, context_pool: ContextPool,
+                 batch: int, width: int, window: int) -> None:
+        device = context_pool.k.device
+        self.model, self.head, self.table, self.context_pool, self.window = model, head, table, context_pool, window
         self.meta = torch.zeros(3, batch, dtype=torch.long, device=device)  # one copy per step fills all three
-        self.anchors, self.positions, self.lengths = self.meta  # [B] each; lengths: context rows held
-        self.k = torch.zeros(kv, dtype=dtype, device=device)  # [B, N, layers, Hkv, D]
-        self.v = torch.zeros(kv, dtype=dtype, device=device)
-        self.pos = torch.zeros(batch, length, dtype=torch.long, device=device)  # [B, N]
+        self.anchors, self.positions, self.bases = self.meta  # [B] each
+        self.tables = torch.full((batch, width), context_pool.scratch, dtype=torch.int32, device=device)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts (target ids) and their log-probabilities, [B, γ-1] each."""
-        from specsplit.drafter_service.dflash import BlockContext  # dflash imports this module
+        from specsplit.drafter_service.dflash import PagedContext  # dflash imports this module
 
-        cfg = self.model.cfg
+        cfg, pool = self.model.cfg, self.context_pool
         ids = torch.full((self.anchors.shape[0], cfg.block_size), cfg.mask_token_id, dtype=torch.long,
                          device=self.anchors.device)
         ids[:, 0] = self.anchors
-        block = (F.embedding(ids, self.head.embed) * cfg.input_embedding_scale).to(self.k.dtype)
-        valid = torch.arange(self.pos.shape[1], device=self.pos.device)[None, :] < self.lengths[:, None]
-        hidden = self.model.block_hidden(block, self.positions, BlockContext(self.k, self.v, self.pos, valid))
+        block = (F.embedding(ids, self.head.embed) * cfg.input_embedding_scale).to(pool.k.dtype)
+        context = PagedContext(pool.k, pool.v, self.tables, self.bases, self.window)
+        hidden = self.model.block_hidden_paged(block, self.positions, context)
         scores = torch.log_softmax(self.model.logits(hidden[:, 1:], self.head), dim=-1).max(dim=-1)
         drafts = scores.indices if self.table is None else self.table[scores.indices]
         return drafts, scores.values
 
 
 class ProposeGraphs:
-    """The block forward for up to `max_batch` sequences with up to `window` context rows each."""
+    """The paged block forward for up to `max_batch` sequences."""
 
-    def __init__(self, model, table: torch.Tensor | None, *, max_batch: int, window: int,
-                 device: torch.device, dtype: torch.dtype, use_graphs: bool, pool, staging: HostStaging) -> None:
-        self.model, self.table, self.staging = model, table, staging
-        self.device, self.dtype = device, dtype
+    def __init__(self, model, table: torch.Tensor | None, context_pool: ContextPool, scratch_table: torch.Tensor,
+                 *, max_batch: int, window: int, use_graphs: bool, pool, staging: HostStaging) -> None:
+        self.model, self.table, self.context_pool, self.staging = model, table, context_pool, staging
+        self.scratch_table = scratch_table  # [width] int32: a padded sequence's, all scratch
         self.batches = batch_buckets(max_batch)
-        self.lengths = length_buckets(window)
+        self.window = window
         self.use_graphs, self.pool = use_graphs, pool
         # Graphs read the target head by address, so each head (each connected target's, on one GPU)
-        # has its own: head key -> (batch bucket, length bucket) -> buffers and their graph.
-        self._runs: dict[tuple, dict[tuple[int, int], tuple[_ProposeBuffers, _Replayable]]] = {}
-
-    def fits(self, batch: int, length: int) -> bool:
-        return batch <= self.batches[-1] and length <= self.lengths[-1]
+        # has its own: head key -> batch bucket -> buffers and their graph.
+        self._runs: dict[tuple, dict[int, tuple[_ProposeBuffers, _Replayable]]] = {}
 
     def forget(self, head: TargetHead) -> None:
         """Drop the graphs (and buffers) made for `head`, so its mappings can close."""
         self._runs.pop(_head_key(head), None)
 
-    def __call__(self, head: TargetHead, anchors: list[int], positions: list[int],
-                 contexts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
-        """contexts: each sequence's `Rows` (columns k, v, pos). Returns drafts and log-probs [B, γ-1]
-        on the device, for the first len(anchors) rows."""
+    def __call__(self, head: TargetHead, anchors: list[int], positions: list[int], bases: list[int],
+                 tables: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence per anchor, at `positions`, its table relative to `bases` (see `PagedContext`).
+        Returns drafts and log-probs [B, γ-1] on the device."""
         runs = self._runs.setdefault(_head_key(head), {})
-        batch, lengths = len(anchors), [len(c) for c in contexts]
-        key = (bucket_for(batch, self.batches), bucket_for(max(lengths), self.lengths))
-        if key not in runs:
-            buffers = _ProposeBuffers(self.model, head, self.table, *key, self.device, self.dtype)
-            runs[key] = (buffers, _Replayable(buffers.run, self.pool, self.use_graphs))
-        buffers, run = runs[key]
-        pad = [0] * (key[0] - batch)  # padding sequences see no context
-        buffers.meta.copy_(self.staging.put([anchors + pad, positions + pad, lengths + pad]))
-        _gather_contexts(contexts, lengths, key[1], buffers, self.staging)
+        batch = len(anchors)
+        size = bucket_for(batch, self.batches)
+        if size not in runs:
+            buffers = _ProposeBuffers(self.model, head, self.table, self.context_pool, size,
+                                      self.scratch_table.shape[0], self.window)
+            runs[size] = (buffers, _Replayable(buffers.run, self.pool, self.use_graphs))
+        buffers, run = runs[size]
+        pad = size - batch  # padded sequences sit at position 0 of the scratch table
+        buffers.meta.copy_(self.staging.put([anchors + [0] * pad, positions + [0] * pad, bases + [0] * pad]))
+        torch.stack([*tables, *[self.scratch_table] * pad], out=buffers.tables)
         drafts, logp = run()
         return drafts[:batch], logp[:batch]
 
 
 def _head_key(head: TargetHead) -> tuple:
     return tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (head.embed, head.lm_head))
-
-
-def _gather_contexts(contexts: Sequence, lengths: list[int], width: int, buffers: _ProposeBuffers,
-                     staging: HostStaging) -> None:
-    """Every sequence's context rows into the padded buffers: one concatenation and one scatter per
-    column for the whole batch (rows past a sequence's length keep stale values; they are masked)."""
-    dest = np.concatenate([np.arange(b * width, b * width + n) for b, n in enumerate(lengths)])
-    dest = staging.put(dest)
-    for name, static in (("k", buffers.k), ("v", buffers.v), ("pos", buffers.pos)):
-        parts = [c[name] for c in contexts]
-        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
-        static.view(-1, *static.shape[2:]).index_copy_(0, dest, rows)
-

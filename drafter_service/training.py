@@ -65,8 +65,8 @@ def dflash_block_hidden(model: DFlashModel, head: TargetHead, rows: torch.Tensor
     _check_rows(rows, tokens, positions, valid, cfg.feature_dim)
     batch, width, _ = rows.shape
     blocks, gamma = anchors.shape[1], cfg.block_size
-    _, ctx_k, ctx_v = model.context(rows.reshape(batch * width, -1), positions.reshape(-1))
-    ctx_k, ctx_v = (t.view(batch, width, *t.shape[1:]) for t in (ctx_k, ctx_v))  # [B, S, layers, Hkv, D]
+    ctx_k, ctx_v = model.context(rows.reshape(batch * width, -1), positions.reshape(-1))
+    ctx_k, ctx_v = (t.view(t.shape[0], batch, width, *t.shape[2:]) for t in (ctx_k, ctx_v))  # [layers, B, S, Hkv, D]
     anchor_pos = positions.gather(1, anchors)  # [B, N]
     block = model.embed_block(tokens.gather(1, anchors).reshape(-1), head)  # [B·N, γ, hidden]
     q_pos = (anchor_pos[:, :, None] + torch.arange(gamma, device=anchors.device)).reshape(-1)
@@ -75,7 +75,7 @@ def dflash_block_hidden(model: DFlashModel, head: TargetHead, rows: torch.Tensor
     windows = [cfg.decoder.layer_window(i) for i in range(len(model.layers))]
     masks = {w: dflash_visibility(positions, valid, anchor_pos, gamma, w) for w in set(windows)}
     for i, layer in enumerate(model.layers):
-        x = layer(x, _block_mixer(ctx_k[:, :, i], ctx_v[:, :, i], cos, sin, masks[windows[i]], batch))
+        x = layer(x, _block_mixer(ctx_k[i], ctx_v[i], cos, sin, masks[windows[i]], batch))
     return model.norm(x).view(batch, blocks, gamma, -1)
 
 

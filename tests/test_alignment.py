@@ -295,7 +295,7 @@ def test_b_inference_context_is_the_committed_rows_before_the_anchor(qwen3, sequ
     anchor = ANCHORS[1]
     drafter.alloc(0, 64)
     drafter.prefill(0, gen.tokens[B, :anchor].tolist(), rows[B, :anchor])
-    assert drafter.store.get(0).ctx["pos"].tolist() == list(range(anchor))
+    assert drafter.held(drafter.store.get(0))[0].tolist() == list(range(anchor))
     for wrong in (anchor - 1, anchor + 1):  # the anchor's row committed already, or a gap before it
         with pytest.raises(StateConflict):
             drafter.propose([ProposeRequest(0, int(gen.tokens[B, wrong]), wrong, GAMMA - 1)])

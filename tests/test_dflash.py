@@ -32,9 +32,9 @@ def roughen(model: nn.Module, seed: int) -> None:
                 m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=gen))
 
 
-def make(seed: int = 0, **kw) -> DFlashDrafter:
+def make(seed: int = 0, info: TargetInfo = INFO, **kw) -> DFlashDrafter:
     kw.setdefault("num_layers", 2)
-    drafter = random_drafter("dflash", INFO, seed=seed, block_size=GAMMA, **kw)
+    drafter = random_drafter("dflash", info, seed=seed, block_size=GAMMA, **kw)
     roughen(drafter.model, seed)
     return drafter
 
@@ -211,14 +211,15 @@ def test_window_slides_keeping_stamped_positions():
     for accept in (3, 1, 4, 0, 2, 4, 4):
         step(drafter, 0, history, accept)
         assert_matches(drafter, 0, history, 17 + accept, GAMMA - 1, window=window)
-    assert drafter.store.get(0).rows_held == window
-    assert drafter.store.get(0).ctx["pos"].tolist() == history.positions[-window:]
+    state = drafter.store.get(0)
+    assert state.rows_held == window
+    assert drafter.held(state)[0].tolist() == history.positions[-window:]
 
 
 def test_window_is_sized_by_budget_and_budget_is_enforced():
     drafter = make(window=64)
     drafter.alloc(0, 8)
-    assert drafter.store.get(0).ctx.limit == 8
+    assert drafter.store.get(0).window == 8
     drafter.prefill(0, [1] * 6, torch.randn(6, drafter.spec.feature_dim))
     with pytest.raises(CapacityExceeded):
         drafter.catchup(0, [1] * 3, torch.randn(3, drafter.spec.feature_dim), 6)
@@ -264,13 +265,14 @@ def test_batched_appends_equal_one_at_a_time_and_the_reference():
     for accepts in ((2, 0, 4), (4, 4, 1), (0, 3, 2)):
         verified = {s: histories[s].fresh(GAMMA) for s in histories}
         catchup = histories[2].fresh(1)
+        pool = drafter.pool.k.clone()
         with drafter.batched_appends():
             for d_seq, accept in zip(histories, accepts):
                 drafter.stash(d_seq, verified[d_seq])
                 drafter.commit(d_seq, accept + 1, histories[d_seq].next_pos, [3] * (accept + 1))
                 drafter.trim(d_seq, accept)
             drafter.catchup(2, [4], catchup, histories[2].next_pos + accepts[2] + 1)
-            assert drafter.store.get(0).rows_held == twin.store.get(0).rows_held  # nothing entered yet
+            assert torch.equal(drafter.pool.k, pool)  # nothing entered yet
         for d_seq, accept in zip(histories, accepts):
             twin.stash(d_seq, verified[d_seq])
             twin.commit(d_seq, accept + 1, histories[d_seq].next_pos, [3] * (accept + 1))
@@ -280,10 +282,10 @@ def test_batched_appends_equal_one_at_a_time_and_the_reference():
         histories[2].add(catchup, histories[2].next_pos)
         for seq in histories:
             got, alone = snapshot(drafter, seq), snapshot(twin, seq)
-            assert got[0] == alone[0] and torch.equal(got[2][3], alone[2][3])  # next_pos, stamped positions
-            # Context features, keys, values: rows entered in one forward or one call at a time go
-            # through the fc's 64-term sums, its norm, the k/v projection and k-norm in other orders.
-            for x, y in zip(got[2][:3], alone[2][:3]):
+            assert got[0] == alone[0] and torch.equal(got[2][0], alone[2][0])  # next_pos, stamped positions
+            # Context keys, values: rows entered in one forward or one call at a time go through the
+            # fc's 64-term sums, its norm, the k/v projection and k-norm in other orders.
+            for x, y in zip(got[2][1:], alone[2][1:]):
                 atol = network_atol(y.abs().max().item(), drafter.spec.feature_dim, depth=4)
                 torch.testing.assert_close(x, y, atol=atol, rtol=0)
             assert_matches(drafter, seq, histories[seq], 11, GAMMA - 1, window=window)
@@ -445,7 +447,7 @@ def test_rows_borrowed_in_a_batched_block_are_copied_when_it_ends():
 def snapshot(drafter: DFlashDrafter, seq: int):
     state = drafter.store.get(seq)
     stash = None if state.stash is None else state.stash.clone()
-    return state.next_pos, stash, [state.ctx[c].clone() for c in ("feat", "k", "v", "pos")]
+    return state.next_pos, stash, [t.clone() for t in drafter.held(state)]
 
 
 def assert_same(a, b):

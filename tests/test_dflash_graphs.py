@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.testing import assert_close
 
 from specsplit.drafter_service.graphs import length_buckets
 from specsplit.shared.proposer import ProposeRequest
-from tests.test_dflash import make
+from tests.test_dflash import INFO, make
 
 # Both paths are float32 over the same weights; the static one pads contexts to a bucket (masked keys)
 # and rows to a bucket, so only reduction order differs: 1e-5 on log-probabilities of magnitude ~1-10.
@@ -39,7 +41,7 @@ def drive(drafter, lengths: list[int], steps: int, seed: int = 0):
                 drafter.trim(i, accepted)
                 pos[i] += accepted + 1
                 last[i] = int(torch.randint(0, 97, (1,), generator=gen))
-    contexts = [{n: drafter.store.get(i).ctx[n].clone() for n in ("feat", "k", "v", "pos")} for i in range(len(lengths))]
+    contexts = [dict(zip(("pos", "k", "v"), drafter.held(drafter.store.get(i)))) for i in range(len(lengths))]
     return history, contexts
 
 
@@ -73,8 +75,6 @@ def test_bitmask_requests_take_the_eager_path():
 def test_each_target_head_keeps_its_own_graphs_until_it_leaves():
     """A drafter serving two targets binds each one's head before its propose: alternating heads must
     not throw away (and on a GPU re-capture) the other's graphs, and a head that leaves is forgotten."""
-    from dataclasses import replace
-
     drafter = make()
     drafter.use_static_forwards(use_graphs=False)
     first = drafter.head
@@ -100,19 +100,30 @@ def test_length_buckets():
     assert length_buckets(12) == [12] and length_buckets(100, smallest=16) == [16, 32, 64, 100]
 
 
+# The Triton paged-attention kernel needs a power-of-two head_dim of at least 16.
+INFO16 = replace(INFO, head_dim=16)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("use_graphs", [True, False])
 @pytest.mark.parametrize("window", [4096, 12])
-def test_cuda_graphs_equal_eager(window):
-    eager, graphed = make(window=window, device="cuda"), make(window=window, device="cuda")
-    assert graphed.propose_graphs is not None  # on by default on a GPU
+def test_triton_paged_forwards_equal_eager(window, use_graphs):
+    """On a GPU the paged block forward runs the Triton kernel, replayed from a graph or not (which
+    isolates the kernel from the capture); the eager drafter attends with SDPA over gathered rows."""
+    eager, paged = make(window=window, device="cuda", info=INFO16), make(window=window, device="cuda", info=INFO16)
+    assert paged.propose_graphs is not None  # on by default on a GPU
+    if not use_graphs:
+        paged.use_static_forwards(use_graphs=False)
     eager.propose_graphs = eager.context_graphs = None
     want, want_ctx = drive(eager, [7, 30, 3], steps=8)
-    got, got_ctx = drive(graphed, [7, 30, 3], steps=8)
-    runs = [run for per_head in graphed.propose_graphs._runs.values() for _, run in per_head.values()]
-    assert runs and all(run.graph is not None for run in runs)
+    got, got_ctx = drive(paged, [7, 30, 3], steps=8)
+    runs = [run for per_head in paged.propose_graphs._runs.values() for _, run in per_head.values()]
+    assert runs and all((run.graph is not None) == use_graphs for run in runs)
     for a, b in zip(want, got):
         assert [p.tokens for p in a] == [p.tokens for p in b]
+        assert_close(torch.tensor([p.confidence for p in b]), torch.tensor([p.confidence for p in a]),
+                     atol=1e-4, rtol=0)
     for a, b in zip(want_ctx, got_ctx):
         for name in a:
             assert_close(b[name], a[name], atol=1e-4, rtol=0)
