@@ -388,6 +388,29 @@ class Drafter(ABC):
         state.next_pos = base_pos + num_rows
         state.stash = None
 
+    @torch.no_grad()
+    def commit_verified(self, seq_id: int, rows: torch.Tensor, num_accepted: int, base_pos: int,
+                        token_ids: Sequence[int]) -> None:
+        """`stash(rows)`, `commit(num_accepted + 1, base_pos, token_ids)` and `trim(num_accepted)` in one
+        call, for an in-process engine after a verify of len(rows) - 1 drafts: the same checks (all made
+        before anything changes) and the same result, with one lookup and no stash."""
+        state = self.store.get(seq_id)
+        rows = self._check_rows(rows)
+        if not 1 <= rows.shape[0] <= self.spec.max_drafts + 1:
+            raise InvalidRequest(f"stash takes 1..{self.spec.max_drafts + 1} rows, got {rows.shape[0]}")
+        if isinstance(num_accepted, bool) or not isinstance(num_accepted, int) \
+                or not 0 <= num_accepted < rows.shape[0]:
+            raise InvalidRequest(f"num_accepted must be in 0..{rows.shape[0] - 1}, got {num_accepted!r}")
+        count = num_accepted + 1
+        tokens = self._check_tokens(token_ids, count)
+        self._check_span(state, base_pos, count, "commit")
+        state.stash = None
+        # Inside a batched block the rows are borrowed until it ends (see `batched_appends`), outside it
+        # they enter now: either way they need no copy.
+        self._enter_rows(state, tokens, rows[:count], base_pos)
+        state.next_pos = base_pos + count
+        self.drop_speculative(state)
+
     def trim(self, seq_id: int, num_accepted: int) -> None:
         state = self.store.get(seq_id)
         if isinstance(num_accepted, bool) or not isinstance(num_accepted, int) \

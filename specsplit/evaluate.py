@@ -79,10 +79,27 @@ class AcceptanceRecorder:
             self.offered[request.seq_id] = len(proposal.tokens)
         return proposals
 
+    def propose_on_device(self, requests: Sequence[ProposeRequest]):
+        """The engine's fast path, kept (this measures its speed): device drafts are always num_drafts."""
+        drafts = self.inner.propose_on_device(requests) if hasattr(type(self.inner), "propose_on_device") else None
+        if drafts is not None:
+            for request in requests:
+                self.offered[request.seq_id] = request.num_drafts
+        return drafts
+
     def trim(self, seq_id: int, num_accepted: int) -> None:
         # The engine trims once per verified proposal with drafts, after commit.
         self.records.append((self.offered.pop(seq_id, 0), num_accepted))
         self.inner.trim(seq_id, num_accepted)
+
+    def commit_verified(self, seq_id: int, rows, num_accepted: int, base_pos: int, token_ids) -> None:
+        if not hasattr(type(self.inner), "commit_verified"):  # the plain verbs, as the engine would call them
+            self.inner.stash(seq_id, rows)
+            self.inner.commit(seq_id, num_accepted + 1, base_pos, token_ids)
+            self.trim(seq_id, num_accepted)
+            return
+        self.records.append((self.offered.pop(seq_id, 0), num_accepted))
+        self.inner.commit_verified(seq_id, rows, num_accepted, base_pos, token_ids)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)

@@ -328,7 +328,7 @@ class Engine:
         self._prefetched = None
         live = [s for s in seqs if s.finish_reason is None]
         if not live or not self.drafter_ok or self.graphs is None \
-                or getattr(self.proposer, "propose_on_device", None) is None:
+                or _capability(self.proposer, "propose_on_device") is None:
             return
         requests, index = self._propose_requests(live)
         if requests:
@@ -361,7 +361,7 @@ class Engine:
         captured propose, when the step fits a captured verify). Their ids need no check here: they
         come from our own drafter's argmax over the target vocabulary (its draft-to-target map is
         checked when the checkpoint loads), never from a peer."""
-        propose = getattr(self.proposer, "propose_on_device", None)
+        propose = _capability(self.proposer, "propose_on_device")
         if propose is None or self.graphs is None or self.graphs.bucket(len(seqs), self._max_drafts() + 1) is None:
             return None
         tokens = self._drafter_call(propose, requests)
@@ -383,12 +383,17 @@ class Engine:
         return max(0, min(self._max_drafts(), seq.remaining - 1, limit))
 
     def _after_verify(self, seq, draft, num_accepted, rows, start) -> None:
-        """Tell the drafter what was accepted: stash + commit + trim, or catch-up for serial rows."""
+        """Tell the drafter what was accepted: stash + commit + trim (one call to an in-process drafter
+        that has it), or catch-up for serial rows."""
         if not seq.drafter_attached:
             return
         committed = [seq.tokens[-1]] + draft[:num_accepted]
         if not draft:
             self._drafter_call(self.proposer.catchup, seq.seq_id, committed, rows[:1], start)
+            return
+        verified = _capability(self.proposer, "commit_verified")
+        if verified is not None:
+            self._drafter_call(verified, seq.seq_id, rows, num_accepted, start, committed)
             return
         for verb, args in (
             (self.proposer.stash, (seq.seq_id, rows)),
@@ -597,6 +602,15 @@ class Engine:
             flush = getattr(self.proposer, "flush", None)
             if flush is not None and not any(s.drafter_attached for s in self.running.values()):
                 self._drafter_call(flush)
+
+
+def _capability(proposer, name: str):
+    """An optional fast path of an in-process proposer (`propose_on_device`, `commit_verified`), bound, or
+    None. Looked up on the class: a pass-through wrapper that intercepts the plain verbs (and forwards
+    the rest by `__getattr__`) must not have its interception bypassed; it gets the plain verbs."""
+    if getattr(type(proposer), name, None) is None:
+        return None
+    return getattr(proposer, name)
 
 
 def _first_stop(text: str, stops: list[str], start: int) -> int | None:

@@ -48,9 +48,6 @@ class OracleDrafter:
         self.proposed += len(tokens)
         return Proposal(tokens=tokens)
 
-    # The engine must see the oracle's drafts, not the inner drafter's device ones (see DeviceOracle).
-    propose_on_device = None
-
     def __getattr__(self, name):  # stash, commit, trim, catchup, free, take/install/free_kv
         return getattr(self.inner, name)
 

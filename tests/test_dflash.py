@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -473,6 +475,17 @@ BAD_CALLS = [
     ("commit without stash", lambda d: d.commit(0, 1, 4, [1]), StateConflict),
     ("commit zero rows", lambda d: d.commit(0, 0, 4, []), InvalidRequest),
     ("trim too many", lambda d: d.trim(0, GAMMA), InvalidRequest),
+    ("verified too many rows", lambda d: d.commit_verified(0, torch.randn(GAMMA + 1, F_DIM), 0, 4, [1]),
+     InvalidRequest),
+    ("verified wrong width", lambda d: d.commit_verified(0, torch.randn(2, 5), 0, 4, [1]), InvalidRequest),
+    ("verified accepts all rows", lambda d: d.commit_verified(0, torch.randn(3, F_DIM), 3, 4, [1] * 4),
+     InvalidRequest),
+    ("verified negative", lambda d: d.commit_verified(0, torch.randn(3, F_DIM), -1, 4, []), InvalidRequest),
+    ("verified gap", lambda d: d.commit_verified(0, torch.randn(3, F_DIM), 1, 5, [1, 2]), StateConflict),
+    ("verified token count", lambda d: d.commit_verified(0, torch.randn(3, F_DIM), 1, 4, [1]), InvalidRequest),
+    ("verified token range", lambda d: d.commit_verified(0, torch.randn(3, F_DIM), 1, 4, [1, 97]),
+     InvalidRequest),
+    ("verified unknown", lambda d: d.commit_verified(9, torch.randn(2, F_DIM), 0, 0, [1]), UnknownSequence),
     ("propose too many drafts", lambda d: propose_one(d, 0, 1, 4, GAMMA), InvalidRequest),
     ("propose wrong position", lambda d: propose_one(d, 0, 1, 5, 2), StateConflict),
     ("propose anchor out of vocab", lambda d: propose_one(d, 0, 97, 4, 2), InvalidRequest),
@@ -508,6 +521,37 @@ def test_bad_calls_raise_and_change_nothing(name, call, error):
     for s, snap in zip((0, 1), before):
         assert_same(snapshot(drafter, s), snap)
     assert_matches(drafter, 1, history, 6, GAMMA - 1)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_commit_verified_is_stash_commit_trim(batched):
+    """The in-process engine's one call after a verify leaves the drafter as the three verbs do (held
+    rows, next position, drafts after it), inside a batched block or not."""
+    pair = [make(), make()]
+    history = History(pair[0], 11)
+    for d in pair:
+        d.alloc(0, 60)
+    rows = history.fresh(5)
+    for d in pair:
+        d.prefill(0, [1] * 5, rows)
+    history.add(rows, 0)
+    position = 5
+    for accepted in (2, 0, GAMMA - 1, 4):
+        verify = history.fresh(GAMMA)
+        tokens = [3] * (accepted + 1)
+        three, one = pair
+        with (three.batched_appends() if batched else nullcontext()):
+            three.stash(0, verify)
+            three.commit(0, accepted + 1, position, tokens)
+            three.trim(0, accepted)
+        with (one.batched_appends() if batched else nullcontext()):
+            one.commit_verified(0, verify, accepted, position, tokens)
+        history.add(verify[:accepted + 1], position)
+        position += accepted + 1
+        assert_same(snapshot(one, 0), snapshot(three, 0))
+        assert snapshot(one, 0)[1] is None  # nothing left stashed
+        assert propose_one(one, 0, 2, position, GAMMA - 1) == propose_one(three, 0, 2, position, GAMMA - 1)
+    assert_matches(pair[1], 0, history, 7, GAMMA - 1)
 
 
 def test_failed_commits_keep_the_stash_and_a_valid_commit_follows():
