@@ -49,7 +49,8 @@ def _save(folder: str | Path, model: DrafterModel, config: dict, max_file_bytes:
     """config.json and the weights: one model.safetensors, or shards of at most `max_file_bytes` of
     tensor data each (model-0000k-of-0000n.safetensors + model.safetensors.index.json, HF's names)."""
     folder = Path(folder)
-    tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    # A copy of each: weights may be views of one tensor (fused projections), which safetensors refuses.
+    tensors = {name: t.detach().cpu().clone().contiguous() for name, t in model.state_dict().items()}
     shards = _shards(tensors, max_file_bytes)
     folder.mkdir(parents=True, exist_ok=True)
     for old in [*folder.glob("*.safetensors"), folder / INDEX_FILE]:  # a stale file would be read too

@@ -29,8 +29,10 @@ from specsplit.drafter_service.context_pool import ContextPool, ring_size
 from specsplit.drafter_service.graphs import ContextGraphs, ProposeGraphs
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.kernels.paged_attention import paged_attention
+from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.errors import CheckpointError
+from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
 from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer
 from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal
 
@@ -223,10 +225,12 @@ class DFlashModel(nn.Module):
             x = layer(x, _block_mixer(ctx.k[:, :, i], ctx.v[:, :, i], cos, sin, visible, batch))
         return self.norm(x).view(batch, gamma, hidden)
 
-    def block_hidden_paged(self, block: torch.Tensor, positions: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
+    def block_hidden_paged(self, block: torch.Tensor, positions: torch.Tensor, ctx: PagedContext,
+                           fused: Sequence[FusedWeights] | None = None) -> torch.Tensor:
         """`block_hidden` reading the context in place: each layer writes the block's K/V into the slots
         of positions p..p+γ-1 (past the committed context; the next commit overwrites them) and attends
-        over the pool. Graph-shaped: no host sync, shapes fixed by the batch."""
+        over the pool. Graph-shaped: no host sync, shapes fixed by the batch. With `fused` (the layers'
+        concatenated projections) the layers run as `shared.fused` layers: about ten launches each."""
         batch, gamma, hidden = block.shape
         q_pos = positions[:, None] + torch.arange(gamma, device=positions.device)  # [B, γ]
         cos, sin = self.rotary_emb(q_pos.reshape(-1), block.dtype)
@@ -237,12 +241,33 @@ class DFlashModel(nn.Module):
         # block and the `window` context rows before it. RoPE still uses each row's own position.
         last = local[:, -1:].expand(-1, gamma)
         x = block.reshape(batch * gamma, hidden)
+        if fused is not None:
+            return self._fused_layers(x, cos, sin, slots.view(-1), local, last, ctx, fused).view(batch, gamma, hidden)
         for i, layer in enumerate(self.layers):
             sliding = self.cfg.decoder.layer_window(i)
             mask_pos, window = (last, ctx.window + gamma) if sliding is None else (local, sliding)
             mix = _paged_mixer(ctx.k_pool[i], ctx.v_pool[i], ctx.tables, slots.view(-1), mask_pos, window, cos, sin)
             x = layer(x, mix)
         return self.norm(x).view(batch, gamma, hidden)
+
+    def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                      local: torch.Tensor, last: torch.Tensor, ctx: PagedContext,
+                      fused: Sequence[FusedWeights]) -> torch.Tensor:
+        """`block_hidden_paged`'s layers, fused; returns the final-normed hidden [B·γ, hidden]."""
+        dec, gamma = self.cfg.decoder, local.shape[1]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            sliding = dec.layer_window(i)
+            mask_pos, window = (last, ctx.window + gamma) if sliding is None else (local, sliding)
+            q = rope_and_cache_write(q, k, v, cos, sin, ctx.k_pool[i], ctx.v_pool[i], slots)
+            return paged_attention(q.view(*local.shape, *q.shape[1:]), ctx.k_pool[i], ctx.v_pool[i], ctx.tables,
+                                   mask_pos, self.layers[i].self_attn.scale, window).flatten(0, 1)
+
+        h, residual = first_norm(dec, self.layers, x), x
+        for i, (layer, weights) in enumerate(zip(self.layers, fused)):
+            h, residual = fused_layer(dec, i, layer, weights, h, residual, attend,
+                                      next_norm_weight(self.layers, self.norm, i))
+        return h
 
     def logits(self, hidden: torch.Tensor, head: TargetHead) -> torch.Tensor:
         """Draft-vocabulary logits (float32), scaled and soft-capped as the reference's compute_logits."""
@@ -349,7 +374,8 @@ class DFlashDrafter(Drafter):
             scratch = torch.full((self.table_width,), self.pool.scratch, dtype=torch.int32, device=self.device)
             self.propose_graphs = ProposeGraphs(self.model, self.vocab.table, self.pool, scratch,
                                                 max_batch=self.spec.max_batch, window=self.spec.window,
-                                                use_graphs=use_graphs, pool=pool, staging=self.staging)
+                                                use_graphs=use_graphs, pool=pool, staging=self.staging,
+                                                fused=fuse_projections(self.model, self.model.layers))
 
     def pages_fit(self) -> bool:
         """Whether the paged block forward equals `block_hidden` for this model: a sliding layer wider

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from specsplit.drafter_service.context_pool import ContextPool
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture
+from specsplit.shared.fused import FusedWeights
 from specsplit.shared.staging import HostStaging
 
 
@@ -92,9 +93,10 @@ class _ProposeBuffers:
     """Static inputs of one batch bucket and the paged block forward over them."""
 
     def __init__(self, model, head: TargetHead, table: torch.Tensor | None, context_pool: ContextPool,
-                 batch: int, width: int, window: int) -> None:
+                 batch: int, width: int, window: int, fused: list[FusedWeights] | None) -> None:
         device = context_pool.k.device
         self.model, self.head, self.table, self.context_pool, self.window = model, head, table, context_pool, window
+        self.fused = fused
         self.meta = torch.zeros(3, batch, dtype=torch.long, device=device)  # one copy per step fills all three
         self.anchors, self.positions, self.bases = self.meta  # [B] each
         self.tables = torch.full((batch, width), context_pool.scratch, dtype=torch.int32, device=device)
@@ -109,7 +111,7 @@ class _ProposeBuffers:
         ids[:, 0] = self.anchors
         block = (F.embedding(ids, self.head.embed) * cfg.input_embedding_scale).to(pool.k.dtype)
         context = PagedContext(pool.k, pool.v, self.tables, self.bases, self.window)
-        hidden = self.model.block_hidden_paged(block, self.positions, context)
+        hidden = self.model.block_hidden_paged(block, self.positions, context, self.fused)
         scores = torch.log_softmax(self.model.logits(hidden[:, 1:], self.head), dim=-1).max(dim=-1)
         drafts = scores.indices if self.table is None else self.table[scores.indices]
         return drafts, scores.values
@@ -119,8 +121,10 @@ class ProposeGraphs:
     """The paged block forward for up to `max_batch` sequences."""
 
     def __init__(self, model, table: torch.Tensor | None, context_pool: ContextPool, scratch_table: torch.Tensor,
-                 *, max_batch: int, window: int, use_graphs: bool, pool, staging: HostStaging) -> None:
+                 *, max_batch: int, window: int, use_graphs: bool, pool, staging: HostStaging,
+                 fused: list[FusedWeights] | None = None) -> None:
         self.model, self.table, self.context_pool, self.staging = model, table, context_pool, staging
+        self.fused = fused  # the layers' concatenated projections: the block forward runs fused layers
         self.scratch_table = scratch_table  # [width] int32: a padded sequence's, all scratch
         self.batches = batch_buckets(max_batch)
         self.window = window
@@ -142,7 +146,7 @@ class ProposeGraphs:
         size = bucket_for(batch, self.batches)
         if size not in runs:
             buffers = _ProposeBuffers(self.model, head, self.table, self.context_pool, size,
-                                      self.scratch_table.shape[0], self.window)
+                                      self.scratch_table.shape[0], self.window, self.fused)
             runs[size] = (buffers, _Replayable(buffers.run, self.pool, self.use_graphs))
         buffers, run = runs[size]
         pad = size - batch  # padded sequences sit at position 0 of the scratch table

@@ -18,53 +18,16 @@ from functools import partial
 import numpy as np
 import torch
 
-from specsplit.kernels.activation import silu_mul
-from specsplit.kernels.norm import add_rms_norm, rms_norm
 from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture
 from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
 from specsplit.shared.layers import SelfAttention
 from specsplit.target_service.kv_cache import PagedKVCache
 from specsplit.target_service.model import CaptureSpec, ForwardOutput, TargetModel
 
 _SCRATCH = -1  # the cache sequence id holding the scratch block padding tokens write to
-
-
-@dataclass(frozen=True)
-class FusedWeights:
-    """One layer's projections concatenated, so each is one GEMM; the modules' own weights become views
-    of these (no second copy; the eager forward reads the same memory)."""
-
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-
-
-def fuse_projections(model: TargetModel) -> list[FusedWeights]:
-    """The model's fused projections, made on first use (the same list for every later caller)."""
-    if getattr(model, "fused_projections", None) is None:
-        model.fused_projections = [
-            FusedWeights(
-                qkv=_concat_into_views([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                                        layer.self_attn.v_proj.weight]),
-                qkv_bias=(None if layer.self_attn.q_proj.bias is None else _concat_into_views(
-                    [layer.self_attn.q_proj.bias, layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias])),
-                gate_up=_concat_into_views([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
-            )
-            for layer in model.model.layers
-        ]
-    return model.fused_projections
-
-
-def _concat_into_views(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """cat(params) along dim 0, after which each parameter is a view of its rows of the result."""
-    whole = torch.cat([p.data for p in params])
-    offset = 0
-    for p in params:
-        p.data = whole[offset:offset + p.shape[0]]
-        offset += p.shape[0]
-    return whole
 
 
 @dataclass(frozen=True)
@@ -177,30 +140,23 @@ class StaticForward:
         return self.output
 
     def _run_fused(self) -> ForwardOutput:
-        """One GEMM for q/k/v and one for gate/up, the residual add fused into each RMSNorm, RoPE fused
-        with the cache write: about ten launches a layer."""
+        """The fused layers (`shared.fused`: about ten launches a layer), attending causally over the
+        KV cache through the block tables."""
         cfg, stack = self.model.config, self.model.model
         positions = self.positions.view(-1)
         residual = stack.embed_tokens(self.token_ids)  # [B * Q, hidden]
         cos, sin = stack.rotary_emb(positions, residual.dtype)
-        h = rms_norm(residual, stack.layers[0].input_layernorm.weight, cfg.rms_norm_eps)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q = rope_and_cache_write(q, k, v, cos, sin, self.cache.k_pool[i], self.cache.v_pool[i], self.slots)
+            return paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[i],
+                                   self.cache.v_pool[i], self.block_tables, self.positions,
+                                   stack.layers[i].self_attn.scale, cfg.layer_window(i)).flatten(0, 1)
+
+        h = first_norm(cfg, stack.layers, residual)
         captured = {}
         for i, (layer, w) in enumerate(zip(stack.layers, self.fused)):
-            attn = layer.self_attn
-            qkv = torch.nn.functional.linear(h, w.qkv, w.qkv_bias)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q, k, v = (t.view(t.shape[0], -1, cfg.head_dim) for t in (q, k, v))
-            if attn.q_norm is not None:
-                q, k = rms_norm(q, attn.q_norm.weight, cfg.rms_norm_eps), rms_norm(k, attn.k_norm.weight, cfg.rms_norm_eps)
-            q = rope_and_cache_write(q, k, v, cos, sin, self.cache.k_pool[i], self.cache.v_pool[i], self.slots)
-            out = paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[i],
-                                  self.cache.v_pool[i], self.block_tables, self.positions, attn.scale,
-                                  cfg.layer_window(i))
-            h, residual = add_rms_norm(attn.o_proj(out.reshape(q.shape[0], -1)), residual,
-                                       layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-            mlp_out = layer.mlp.down_proj(silu_mul(torch.nn.functional.linear(h, w.gate_up)))
-            following = stack.layers[i + 1].input_layernorm if i + 1 < len(stack.layers) else stack.norm
-            h, residual = add_rms_norm(mlp_out, residual, following.weight, cfg.rms_norm_eps)
+            h, residual = fused_layer(cfg, i, layer, w, h, residual, attend, next_norm_weight(stack.layers, stack.norm, i))
             if i in self.capture.layer_ids:
                 captured[i] = residual  # the layer's output
         layers = self.capture.layer_ids
@@ -240,7 +196,7 @@ class StepGraphs:
         self.max_blocks = cache.blocks_for(max_len)
         self.query_lens = tuple(sorted(set(query_lens)))
         self.batches = batch_buckets(max_batch)
-        weights = fuse_projections(model) if fused else None
+        weights = fuse_projections(model, model.model.layers) if fused else None
         self.forwards = {(b, q): StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block, weights)
                          for b in self.batches for q in self.query_lens}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
