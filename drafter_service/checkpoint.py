@@ -118,10 +118,11 @@ def load_model(folder: str | Path, *, target_info: TargetInfo, dtype: torch.dtyp
 
 def load_drafter(folder: str | Path, head: TargetHead, *, target_info: TargetInfo,
                  dtype: torch.dtype | None = None, device: str | torch.device = "cpu", window: int = 4096,
-                 max_batch: int = 64, max_drafts: int = 4) -> AnyDrafter:
-    """A ready drafter from a checkpoint folder. `max_drafts` applies to MTP (DFlash drafts γ-1)."""
+                 max_batch: int = 64, max_drafts: int = 4, pool_blocks: int | None = None) -> AnyDrafter:
+    """A ready drafter from a checkpoint folder. `max_drafts` applies to MTP (DFlash drafts γ-1),
+    `pool_blocks` to DFlash (its context pool; None: `DFlashDrafter`'s default)."""
     return _wrap(load_model(folder, target_info=target_info, dtype=dtype, device=device), head,
-                 window=window, max_batch=max_batch, max_drafts=max_drafts)
+                 window=window, max_batch=max_batch, max_drafts=max_drafts, pool_blocks=pool_blocks)
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:

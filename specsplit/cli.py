@@ -237,7 +237,8 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
     server_obj, server = start_drafter(DrafterSettings(tuple(args.listen), setup_from(args, args.drafter),
                                                        head=args.head, limits=limits,
                                                        security=server_security(args),
-                                                       metrics=metrics_address(args)))
+                                                       metrics=metrics_address(args),
+                                                       context_pool_rows=args.context_pool_rows))
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
     server.drain(args.drain_seconds)  # a target still connected keeps its Step stream until then
@@ -346,6 +347,11 @@ def add_service_parsers(sub) -> None:
     ds.add_argument("--max-rows", type=int, default=65536,
                     help="context rows one connection's sequences may hold, each reserving min(its token budget, "
                          "the drafter's window) at allocation; more are refused with RESOURCE_EXHAUSTED")
+    ds.add_argument("--context-pool-rows", type=int, default=None,
+                    help="DFlash: context rows the drafter holds for all connections at once, allocated at start "
+                         "(default: the widest batch at the full window: 64 x 4112 for the shipped drafter); "
+                         "a sequence that finds no room is refused with RESOURCE_EXHAUSTED and decoded "
+                         "without speculation")
     ds.add_argument("--max-buffer-mib", type=float, default=4096.0,
                     help="MiB of row and head buffers one connection may register")
     ds.add_argument("--max-message-mib", type=float, default=None,

@@ -9,6 +9,7 @@ import torch
 
 from specsplit import drafter_service
 from specsplit.drafter_service.checkpoint import load_drafter, random_drafter
+from specsplit.drafter_service.context_pool import BLOCK_SIZE
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.gguf_import import default_target_dir
@@ -81,15 +82,21 @@ def target_head(model: TargetModel) -> TargetHead:
     return TargetHead(embed=model.embed_weight, lm_head=model.lm_head_weight)
 
 
-def build_drafter(spec: str, info: TargetInfo, head: TargetHead | None, setup: LocalSetup) -> Proposer | None:
-    """The drafter `--drafter` names; head None gives a seeded stand-in until the target shares its own."""
+def build_drafter(spec: str, info: TargetInfo, head: TargetHead | None, setup: LocalSetup, *,
+                  pool_rows: int | None = None) -> Proposer | None:
+    """The drafter `--drafter` names; head None gives a seeded stand-in until the target shares its own.
+    `pool_rows` sizes a DFlash drafter's context pool (None: its default)."""
     choice = resolve_drafter(spec)
     if choice is None:
         return None
     kw = dict(dtype=setup.torch_dtype, device=setup.device)
+    if pool_rows is not None:
+        if pool_rows < 1:
+            raise InvalidRequest(f"--context-pool-rows must be positive, got {pool_rows}")
+        kw["pool_blocks"] = -(-pool_rows // BLOCK_SIZE)
     if choice.random_kind is not None:
         return random_drafter(choice.random_kind, info, head, seed=setup.seed, **kw)
-    head = head if head is not None else TargetHead.random(info, seed=0, **kw)
+    head = head if head is not None else TargetHead.random(info, seed=0, dtype=kw["dtype"], device=kw["device"])
     return load_drafter(choice.folder, head, target_info=info, **kw)
 
 

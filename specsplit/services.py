@@ -34,6 +34,7 @@ class DrafterSettings:
     limits: DrafterLimits = DrafterLimits()  # what callers may hold (--max-targets, --max-sessions, ...)
     security: ServerSecurity = ServerSecurity()  # token and TLS its callers need (--auth-token-file, --tls-*)
     metrics: MetricsAddress | None = None  # where Prometheus scrapes it (--metrics-host/--metrics-port); None: off
+    context_pool_rows: int | None = None  # DFlash context rows held for all connections (None: the default)
 
     def __post_init__(self) -> None:
         if self.head not in ("auto", "checkpoint", "target"):
@@ -82,7 +83,7 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
     folder = target_dir(setup.target)
     info = TargetInfo.from_config(load_config(folder))
     head = checkpoint_head(folder, setup.torch_dtype, setup.device) if settings.head_from_checkpoint else None
-    drafter = build_drafter(setup.drafter, info, head, setup)
+    drafter = build_drafter(setup.drafter, info, head, setup, pool_rows=settings.context_pool_rows)
     if drafter is None:
         raise InvalidRequest("a drafter service needs a drafter: --drafter none is not one")
     return DrafterServer(drafter, head=head, device=setup.device, limits=settings.limits)

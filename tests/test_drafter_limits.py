@@ -277,3 +277,54 @@ def test_malformed_messages_log_one_line_each_rate_limited(served, caplog, monke
     assert 1 <= len(records) <= 10
     assert all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
     assert Peer(channel).alloc(0) == ("OK", "")  # still serving
+
+
+def test_the_context_pool_is_sized_by_its_flag_and_a_full_pool_refuses_with_resource_exhausted(
+        monkeypatch, tmp_path, tiny_chat_dir):
+    """`--context-pool-rows` sizes the one pool all connections share (rounded up to whole blocks); an
+    alloc that finds no room is RESOURCE_EXHAUSTED (the target then decodes that sequence without
+    speculation), and a free gives the room back."""
+    from specsplit.drafter_service.context_pool import BLOCK_SIZE
+    from specsplit.local import LocalSetup, build_drafter
+    from specsplit.shared.checkpoint import load_config
+    from specsplit.drafter_service.heads import TargetInfo
+
+    assert parse(monkeypatch, SERVE["drafter"] + ["--listen", "unix:/x"]).context_pool_rows is None
+    assert parse(monkeypatch, SERVE["drafter"] + ["--listen", "unix:/x", "--context-pool-rows", "100"]
+                 ).context_pool_rows == 100
+    info = TargetInfo.from_config(load_config(tiny_chat_dir))
+    setup = LocalSetup(target=str(tiny_chat_dir), drafter="random-dflash")
+    assert build_drafter("random-dflash", info, None, setup, pool_rows=100).pool.num_blocks == -(-100 // BLOCK_SIZE)
+    with pytest.raises(InvalidRequest, match="context-pool-rows"):
+        build_drafter("random-dflash", info, None, setup, pool_rows=0)
+
+    drafter = random_drafter_with_pool(2 * ring_blocks(BUDGET))
+    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
+    server = serve(server_obj, [f"unix:{tmp_path}/p.sock"])
+    channel = grpc.insecure_channel(f"unix:{tmp_path}/p.sock")
+    try:
+        peer = Peer(channel, "target-a")
+        assert peer.alloc(0) == ("OK", "") and peer.alloc(1) == ("OK", "")
+        code, details = peer.alloc(2)
+        assert code == "RESOURCE_EXHAUSTED" and "context pool" in details
+        assert peer.status("FreeState", drafter_pb2.FreeStateRequest(seq_id=0)) == ("OK", "")
+        assert peer.alloc(2) == ("OK", "")
+    finally:
+        channel.close()
+        server.stop(None)
+        server_obj.close()
+
+
+def ring_blocks(budget: int) -> int:
+    from specsplit.drafter_service.context_pool import ring_size
+    from tests.test_drafter_server import GAMMA
+
+    return ring_size(budget, GAMMA)
+
+
+def random_drafter_with_pool(blocks: int):
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from tests.test_drafter_server import GAMMA, INFO, MAX_BATCH
+
+    return random_drafter("dflash", INFO, None, seed=0, num_layers=2, block_size=GAMMA, max_batch=MAX_BATCH,
+                          pool_blocks=blocks)
