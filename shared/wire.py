@@ -271,10 +271,8 @@ def propose_item_from_proto(pb: drafter_pb2.ProposeItem) -> ProposeRequest:
 
 
 def proposal_to_proto(seq_id: int, p: Proposal) -> drafter_pb2.Proposal:
-    pb = drafter_pb2.Proposal(seq_id=seq_id, tokens=p.tokens, confidence=p.confidence or ())
-    if p.probs is not None:
-        pb.probs.CopyFrom(inline_to_proto(encode_inline(p.probs)))
-    return pb
+    probs = inline_to_proto(encode_inline(p.probs)) if p.probs is not None else None
+    return drafter_pb2.Proposal(seq_id=seq_id, tokens=p.tokens, confidence=p.confidence or (), probs=probs)
 
 
 def proposal_from_proto(pb: drafter_pb2.Proposal) -> tuple[int, Proposal]:
@@ -425,16 +423,15 @@ def _rows_op_from_proto(pb: drafter_pb2.CatchupOp) -> RowsOp:
 
 
 def seq_step_to_proto(s: SeqStep) -> drafter_pb2.SeqStep:
-    pb = drafter_pb2.SeqStep(seq_id=s.seq_id, free=s.free)
-    if s.catchup is not None:
-        pb.catchup.CopyFrom(_rows_op_to_proto(s.catchup))
-    if s.stash is not None:
-        pb.stash.CopyFrom(rows_to_proto(s.stash))
-    if s.commit is not None:
-        pb.commit.CopyFrom(_commit_to_proto(s.commit))
-    if s.trim is not None:
-        pb.trim = s.trim
-    return pb
+    # Sub-messages passed to the constructor (None: unset), not copied in: this runs per sequence per step.
+    return drafter_pb2.SeqStep(
+        seq_id=s.seq_id,
+        catchup=_rows_op_to_proto(s.catchup) if s.catchup is not None else None,
+        stash=rows_to_proto(s.stash) if s.stash is not None else None,
+        commit=_commit_to_proto(s.commit) if s.commit is not None else None,
+        trim=s.trim,
+        free=s.free,
+    )
 
 
 def seq_step_from_proto(pb: drafter_pb2.SeqStep) -> SeqStep:
