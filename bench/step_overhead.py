@@ -1,6 +1,6 @@
 """What the split adds to a decode step on the host: the Step stream's control plane vs the drafter's compute.
 
-    python bench/step_overhead.py [--batch 1 16 64] [--steps 200] [--early]
+    python bench/step_overhead.py [--batch 1 16 64] [--steps 200]
 
 CPU-only. A tiny target config (small vocabulary and hidden size, so the drafter's own compute is small)
 and a seeded random DFlash drafter; the drafter runs once as its own process (`specsplit drafter serve`,
@@ -12,8 +12,6 @@ and the split's control plane (the split's step less that compute) broken into t
 can time: queueing the verbs, sending the StepRequest (staging rows, building it), parsing the answer, the
 drafter's parse and reply (the same code, timed here on the same messages), and the rest (the
 transport, the thread handoffs, the drafter's lock). Both drafters must draft the same tokens.
-With --early the verbs leave before the step's propose (`RemoteProposer.send`, what the engine does as
-soon as a verify's acceptance is known), after a stand-in for the target's host work (--host-us).
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.drafter_service.heads import TargetInfo
 from specsplit.local import LocalSetup, build_drafter
 from specsplit.protos.v1 import drafter_pb2
 from specsplit.shared import wire
@@ -104,7 +102,7 @@ class Workload:
             drafter.prefill(seq_id, tokens, torch.randn(PROMPT_ROWS, self.dim, generator=gen))
         return ids
 
-    def run(self, drafter, ids: list[int], timer: Timer, early: bool, host_s: float) -> tuple[list[float], list]:
+    def run(self, drafter, ids: list[int], timer: Timer) -> tuple[list[float], list]:
         """Per-step wall seconds and every proposal's tokens."""
         gen = torch.Generator().manual_seed(1)
         pos = [PROMPT_ROWS] * self.batch  # position of each sequence's anchor
@@ -124,15 +122,10 @@ class Workload:
                     drafter.trim(seq_id, a)
                     pos[i] += a + 1
                     last[i] = tokens[i][a]
-            if early:
-                drafter.send()
-                busy_until = time.perf_counter() + host_s  # the target's own host work, overlapped
-                while time.perf_counter() < busy_until:
-                    pass
             requests = [ProposeRequest(seq_id, last[i], pos[i], self.k) for i, seq_id in enumerate(ids)]
             with timer.phase("propose"):
                 proposals = drafter.propose(requests)
-            seconds.append(time.perf_counter() - started - (host_s if early else 0.0))
+            seconds.append(time.perf_counter() - started)
             drafted.append([p.tokens for p in proposals])
         for seq_id in ids:
             drafter.free(seq_id)
@@ -200,11 +193,11 @@ def bench_batch(batch: int, args, local, remote: RemoteProposer, seen: dict, tim
     out = {}
     for name, drafter in (("in_process", local), ("split", remote)):
         ids = work.start(drafter, first_id)
-        work.run(drafter, ids, timer, False, 0.0)  # warm-up
+        work.run(drafter, ids, timer)  # warm-up
         ids = work.start(drafter, first_id + batch)
         served = served_seconds(metrics_url)
         timer.seconds, timer.on = {}, True
-        seconds, drafted = work.run(drafter, ids, timer, args.early and name == "split", args.host_us * 1e-6)
+        seconds, drafted = work.run(drafter, ids, timer)
         timer.on = False
         after = served_seconds(metrics_url)
         served_us = 1e6 * (after[0] - served[0]) / max(after[1] - served[1], 1)
@@ -232,8 +225,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--early", action="store_true", help="send the verbs before the propose (RemoteProposer.send)")
-    ap.add_argument("--host-us", type=float, default=300.0, help="with --early: the target's host work overlapped")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -252,7 +243,7 @@ def main() -> None:
         remote = RemoteProposer(sock, max_batch=max(args.batch))
         timer = Timer()
         seen, originals = instrument(timer, remote)
-        results = {"transport": remote.mode, "early": args.early}
+        results = {"transport": remote.mode}
         for n, batch in enumerate(args.batch):
             results[f"batch_{batch}"] = bench_batch(batch, args, local, remote, seen, timer, 1000 * (n + 1),
                                                   f"http://127.0.0.1:{port}/metrics")
