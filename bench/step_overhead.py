@@ -138,8 +138,8 @@ def instrument(timer: Timer, remote: RemoteProposer) -> list:
     seen = {}
     originals = (wire.step_to_proto, wire.step_result_from_proto)
 
-    def to_proto(batch):
-        seen["request"] = originals[0](batch)
+    def to_proto(batch, **kwargs):
+        seen["request"] = originals[0](batch, **kwargs)
         with timer.phase("serialize request"):  # grpc's, in its own thread: timed here on a copy, then
             seen["request"].SerializeToString()  # taken off the send below
         return seen["request"]
@@ -176,7 +176,8 @@ def conversions(seen: dict, repeats: int = 200) -> dict[str, float]:
         return 1e6 * (time.perf_counter() - started) / repeats
 
     return {"drafter parse request": us(lambda: wire.step_from_proto(drafter_pb2.StepRequest.FromString(data))),
-            "drafter build reply": us(lambda: wire.step_result_to_proto(result).SerializeToString()),
+            "drafter build reply": us(lambda: wire.step_result_to_proto(result, request.draft_columns)
+                                      .SerializeToString()),
             "request bytes": len(data), "response bytes": len(answer)}
 
 

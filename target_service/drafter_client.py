@@ -171,6 +171,7 @@ class _Connection:
     responses: grpc.Call | None = None  # the Step stream's answers, read by the thread that sent the step
     due: float = 0.0  # monotonic time by which the awaited Step answer is overdue (0: none awaited)
     overdue: bool = False  # the watchdog cancelled the stream: an answer missed its deadline
+    columns: bool = False  # the drafter reads a StepRequest's columns (DrafterDescription.step_columns)
     exporter: BufferExporter | None = None
     step: RowStager | None = None
     bulk: RowStager | None = None  # prefill / re-attach rows, grown on demand
@@ -267,6 +268,7 @@ class RemoteProposer:
             desc = wire.description_from_proto(
                 conn.stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=call_wait, metadata=conn.metadata))
             self._setup_transport(conn, desc, client, call_wait)
+            conn.columns = desc.step_columns
         except (grpc.RpcError, grpc.FutureTimeoutError, SpecsplitError, OSError) as exc:  # OSError: shared memory
             conn.close()  # the channel and any buffers already exported
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: "
@@ -516,10 +518,11 @@ class RemoteProposer:
         conn = self._live()
         conn.step.seal()
         self._step_id += 1
-        batch = wire.StepBatch(self._step_id, tuple(self._seq_steps(conn)), tuple(proposes))
+        batch = wire.StepBatch(self._step_id, tuple(self._seq_steps(conn)), tuple(proposes),
+                               draft_columns=conn.columns)
         self._pending = {}
         started = time.perf_counter()
-        conn.outbox.put(wire.step_to_proto(batch))
+        conn.outbox.put(wire.step_to_proto(batch, columns=conn.columns))
         result = self._receive(conn, timeout or self.step_deadline())
         self.link.step_seconds.append(time.perf_counter() - started)
         if result.errors:
