@@ -126,18 +126,20 @@ class RowStager:
 def _coalesce(copies: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
     """Merge copies whose destinations and sources both continue the previous one's (same storage,
     same row stride), so a step's slices of one tensor become one copy."""
-    merged: list[tuple[int, torch.Tensor]] = []
+    runs: list[list] = []  # [offset, first source, rows in the run, last source]
     for offset, rows in copies:
-        if merged:
-            start, prev = merged[-1]
-            if (offset == start + prev.shape[0] and rows.dtype == prev.dtype and rows.stride() == prev.stride()
+        if runs:
+            run = runs[-1]
+            start, first, count, prev = run
+            if (offset == start + count and rows.dtype == prev.dtype and rows.stride() == prev.stride()
                     and rows.shape[1:] == prev.shape[1:] and _same_storage(rows, prev)
                     and rows.storage_offset() == prev.storage_offset() + prev.shape[0] * prev.stride(0)):
-                merged[-1] = (start, prev.as_strided((prev.shape[0] + rows.shape[0], *prev.shape[1:]),
-                                                     prev.stride(), prev.storage_offset()))
+                run[2], run[3] = count + rows.shape[0], rows
                 continue
-        merged.append((offset, rows))
-    return merged
+        runs.append([offset, rows, rows.shape[0], rows])
+    return [(start, first if count == first.shape[0] else
+             first.as_strided((count, *first.shape[1:]), first.stride(), first.storage_offset()))
+            for start, first, count, _ in runs]
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
