@@ -179,7 +179,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         description = wire.DrafterDescription(
             spec=self.proposer.spec, host_id=identity_digest(client, host_id()),
             device_uuid=identity_digest(client, device_uuid(self.device)),
-            needs_target_head=self.head is None,
+            needs_target_head=self.head is None, step_columns=True,
         )
         return wire.description_to_proto(description)
 
@@ -285,7 +285,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                         stream.last_work = time.monotonic()
                     result = session.step(batch, errors)
                 self.metrics.answered(result, time.perf_counter() - started)
-                yield wire.step_result_to_proto(result)
+                yield wire.step_result_to_proto(result, columns=batch.draft_columns)
         finally:
             self._end_stream(session, stream)
 

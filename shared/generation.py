@@ -37,7 +37,7 @@ def enum_from_proto(table: dict, number: int, what: str):
 def check_token_ids(what: str, values: Iterable[int]) -> tuple[int, ...]:
     """`values` as a tuple; InvalidRequest (naming `what`) when one is a negative token id."""
     tokens = tuple(values)
-    if any(t < 0 for t in tokens):
+    if tokens and min(tokens) < 0:
         raise InvalidRequest(f"{what} holds a negative token id")
     return tokens
 

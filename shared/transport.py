@@ -612,6 +612,7 @@ class RowBuffer:
         self.descriptor = descriptor
         self.tensor = tensor  # [rows, cols]
         self._header = header  # [8] int64 in shared memory; word _GEN is the generation
+        self._generation = int(header[_GEN])  # only we write it: read back from here, not from the segment
         self._cuda = cuda
         self._recorded = cuda is None  # host writes are complete when they return
         self._released = False
@@ -623,7 +624,7 @@ class RowBuffer:
 
     @property
     def generation(self) -> int:
-        return int(self._header[_GEN])
+        return self._generation
 
     def describe(self) -> BufferDescriptor:
         return self.descriptor
@@ -631,7 +632,7 @@ class RowBuffer:
     def bump(self) -> int:
         """Start reusing the buffer's slots: references to the old generation become stale."""
         self._check_live()
-        generation = self.generation + 1
+        generation = self._generation = self._generation + 1
         self._header[_GEN] = generation
         self._recorded = self._cuda is None
         return generation

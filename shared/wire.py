@@ -192,6 +192,7 @@ class DrafterDescription:
     host_id: str = ""  # shared.transport.host_id() of the drafter process
     device_uuid: str = ""  # the drafter's GPU, empty on the CPU
     needs_target_head: bool = False  # wants the target's embedding and LM head as buffers
+    step_columns: bool = False  # reads a StepRequest's columns (an older drafter would skip them)
 
 
 def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
@@ -210,6 +211,7 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
         needs_target_head=d.needs_target_head,
         host_id=d.host_id,
         device_uuid=d.device_uuid,
+        step_columns=d.step_columns,
     )
 
 
@@ -228,7 +230,7 @@ def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescrip
         max_batch=pb.max_batch,
         window=pb.window,
     )
-    return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head)
+    return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns)
 
 
 def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:
@@ -271,10 +273,8 @@ def propose_item_from_proto(pb: drafter_pb2.ProposeItem) -> ProposeRequest:
 
 
 def proposal_to_proto(seq_id: int, p: Proposal) -> drafter_pb2.Proposal:
-    pb = drafter_pb2.Proposal(seq_id=seq_id, tokens=p.tokens, confidence=p.confidence or ())
-    if p.probs is not None:
-        pb.probs.CopyFrom(inline_to_proto(encode_inline(p.probs)))
-    return pb
+    probs = inline_to_proto(encode_inline(p.probs)) if p.probs is not None else None
+    return drafter_pb2.Proposal(seq_id=seq_id, tokens=p.tokens, confidence=p.confidence or (), probs=probs)
 
 
 def proposal_from_proto(pb: drafter_pb2.Proposal) -> tuple[int, Proposal]:
@@ -371,6 +371,7 @@ class StepBatch:
     proposes: tuple[ProposeRequest, ...] = ()
     register: tuple[BufferDescriptor, ...] = ()  # mapped before any rows are read
     release: tuple[int, ...] = ()  # unmapped after the step
+    draft_columns: bool = False  # answer plain drafts in columns (StepResponse.drafts)
 
     def __post_init__(self) -> None:
         for name in ("seqs", "proposes", "register", "release"):
@@ -425,16 +426,15 @@ def _rows_op_from_proto(pb: drafter_pb2.CatchupOp) -> RowsOp:
 
 
 def seq_step_to_proto(s: SeqStep) -> drafter_pb2.SeqStep:
-    pb = drafter_pb2.SeqStep(seq_id=s.seq_id, free=s.free)
-    if s.catchup is not None:
-        pb.catchup.CopyFrom(_rows_op_to_proto(s.catchup))
-    if s.stash is not None:
-        pb.stash.CopyFrom(rows_to_proto(s.stash))
-    if s.commit is not None:
-        pb.commit.CopyFrom(_commit_to_proto(s.commit))
-    if s.trim is not None:
-        pb.trim = s.trim
-    return pb
+    # Sub-messages passed to the constructor (None: unset), not copied in: this runs per sequence per step.
+    return drafter_pb2.SeqStep(
+        seq_id=s.seq_id,
+        catchup=_rows_op_to_proto(s.catchup) if s.catchup is not None else None,
+        stash=rows_to_proto(s.stash) if s.stash is not None else None,
+        commit=_commit_to_proto(s.commit) if s.commit is not None else None,
+        trim=s.trim,
+        free=s.free,
+    )
 
 
 def seq_step_from_proto(pb: drafter_pb2.SeqStep) -> SeqStep:
@@ -449,38 +449,142 @@ def seq_step_from_proto(pb: drafter_pb2.SeqStep) -> SeqStep:
     )
 
 
-def step_to_proto(batch: StepBatch) -> drafter_pb2.StepRequest:
+def step_to_proto(batch: StepBatch, columns: bool = False) -> drafter_pb2.StepRequest:
+    """columns: the peer reads StepRequest's columns (DrafterDescription.step_columns); each sequence
+    whose operations fit them travels there, the others as a SeqStep or ProposeItem."""
+    seqs, proposes = batch.seqs, batch.proposes
+    verified = propose_columns = None
+    if columns:
+        verified, seqs = _verified_columns(seqs)
+        propose_columns, proposes = _propose_columns(proposes)
     return drafter_pb2.StepRequest(
         step_id=batch.step_id,
-        seqs=[seq_step_to_proto(s) for s in batch.seqs],
-        proposes=[propose_item_to_proto(p) for p in batch.proposes],
+        seqs=[seq_step_to_proto(s) for s in seqs],
+        proposes=[propose_item_to_proto(p) for p in proposes],
         register_buffers=[descriptor_to_proto(d) for d in batch.register],
         release_buffers=batch.release,
+        verified=verified,
+        propose_columns=propose_columns,
+        draft_columns=batch.draft_columns,
     )
+
+
+def _fits_columns(s: SeqStep, first: RowRef) -> bool:
+    """Exactly a stash of rows in `first`'s buffer and generation, a commit and a trim."""
+    return (s.commit is not None and s.trim is not None and s.catchup is None and not s.free
+            and isinstance(s.stash, RowRef) and s.stash.buffer_id == first.buffer_id
+            and s.stash.generation == first.generation)
+
+
+def _verified_columns(seqs: Sequence[SeqStep]) -> tuple[drafter_pb2.VerifiedColumns | None, list[SeqStep]]:
+    """→ (the sequences that fit VerifiedColumns, in columns; the others)."""
+    first = next((s.stash for s in seqs if isinstance(s.stash, RowRef)), None)
+    if first is None:
+        return None, list(seqs)
+    ids, offsets, stash_rows, commit_rows, base_pos, tokens, accepted, rest = [], [], [], [], [], [], [], []
+    for s in seqs:
+        if not _fits_columns(s, first):
+            rest.append(s)
+            continue
+        ids.append(s.seq_id)
+        offsets.append(s.stash.row_offset)
+        stash_rows.append(s.stash.rows)
+        commit_rows.append(s.commit.num_rows)
+        base_pos.append(s.commit.base_pos)
+        tokens += s.commit.token_ids
+        accepted.append(s.trim)
+    columns = drafter_pb2.VerifiedColumns(
+        seq_ids=ids, buffer_id=first.buffer_id, generation=first.generation, row_offsets=offsets,
+        stash_rows=stash_rows, commit_rows=commit_rows, base_pos=base_pos, token_ids=tokens, num_accepted=accepted)
+    return columns, rest
+
+
+def _propose_columns(proposes: Sequence[ProposeRequest]) -> tuple[drafter_pb2.ProposeColumns, list[ProposeRequest]]:
+    """→ (the proposes without a bitmask or confidence, in columns; the others)."""
+    plain = [p for p in proposes if p.bitmask is None and not p.want_confidence]
+    columns = drafter_pb2.ProposeColumns(
+        seq_ids=[p.seq_id for p in plain], last_tokens=[p.last_token for p in plain],
+        positions=[p.position for p in plain], num_drafts=[p.num_drafts for p in plain])
+    return columns, [p for p in proposes if p.bitmask is not None or p.want_confidence]
 
 
 def step_from_proto(pb: drafter_pb2.StepRequest) -> tuple[StepBatch, list[SeqError]]:
     """→ (the well-formed part of the step, errors of the sequences left out).
 
-    A malformed SeqStep or ProposeItem drops that sequence from the whole step (its propose too),
-    so one bad sequence does not fail the stream. Malformed connection-level fields raise.
+    A malformed SeqStep or ProposeItem (or column entry) drops that sequence from the whole step (its
+    propose too), so one bad sequence does not fail the stream. Malformed connection-level fields, and
+    columns of unequal lengths, raise.
     """
     errors: dict[int, SeqError] = {}
-    seqs = _convert_each(pb.seqs, seq_step_from_proto, errors)
-    proposes = _convert_each(pb.proposes, propose_item_from_proto, errors)
+    seen: set[int] = set()
+    seqs = _convert_each(pb.seqs, seq_step_from_proto, errors, seen)
+    if pb.HasField("verified"):
+        seqs += _convert_each(_verified_entries(pb.verified), _verified_from_entry, errors, seen)
+    seen = set()
+    proposes = _convert_each(pb.proposes, propose_item_from_proto, errors, seen)
+    if pb.HasField("propose_columns"):
+        c = pb.propose_columns
+        _same_lengths("propose_columns", c.seq_ids, c.last_tokens, c.positions, c.num_drafts)
+        entries = [_Entry(e) for e in zip(c.seq_ids, c.last_tokens, c.positions, c.num_drafts)]
+        proposes += _convert_each(entries, _propose_from_entry, errors, seen)
     batch = StepBatch(
         step_id=pb.step_id,
         seqs=[s for s in seqs if s.seq_id not in errors],
         proposes=[p for p in proposes if p.seq_id not in errors],
         register=[descriptor_from_proto(d) for d in pb.register_buffers],
         release=[_nonneg("buffer id", i) for i in pb.release_buffers],
+        draft_columns=pb.draft_columns,
     )
     return batch, list(errors.values())
 
 
-def _convert_each(items, convert, errors: dict[int, SeqError]) -> list:
-    """Convert each item; a failure or a repeated seq_id records an INVALID_ARGUMENT for its sequence."""
-    out, seen = [], set()
+class _Entry(tuple):
+    """One sequence's entry of a message's columns: its fields in column order, seq_id first."""
+
+    @property
+    def seq_id(self) -> int:
+        return self[0]
+
+
+def _same_lengths(what: str, *columns) -> None:
+    if len({len(c) for c in columns}) > 1:
+        raise InvalidRequest(f"{what}: columns of unequal lengths {[len(c) for c in columns]}")
+
+
+def _verified_entries(c: drafter_pb2.VerifiedColumns) -> list[_Entry]:
+    """(seq_id, buffer_id, generation, row_offset, stash_rows, commit_rows, base_pos, token_ids, num_accepted)
+    per sequence; each sequence's tokens are the next commit_rows of token_ids."""
+    _same_lengths("verified", c.seq_ids, c.row_offsets, c.stash_rows, c.commit_rows, c.base_pos, c.num_accepted)
+    counts = list(c.commit_rows)
+    tokens = list(c.token_ids)
+    if min(counts, default=0) < 0 or sum(counts) != len(tokens):
+        raise InvalidRequest(f"verified: {len(tokens)} token ids for commits of {counts} rows")
+    entries, at = [], 0
+    for seq_id, offset, rows, n, base, accepted in zip(c.seq_ids, c.row_offsets, c.stash_rows, counts, c.base_pos,
+                                                       c.num_accepted):
+        entries.append(_Entry((seq_id, c.buffer_id, c.generation, offset, rows, n, base, tokens[at:at + n],
+                               accepted)))
+        at += n
+    return entries
+
+
+def _verified_from_entry(e: _Entry) -> SeqStep:
+    seq_id, buffer_id, generation, offset, rows, n, base, tokens, accepted = e
+    return SeqStep(seq_id, stash=RowRef(buffer_id, offset, rows, generation), commit=CommitOp(n, base, tuple(tokens)),
+                   trim=accepted)
+
+
+def _propose_from_entry(e: _Entry) -> ProposeRequest:
+    seq_id, last_token, position, num_drafts = e
+    if num_drafts <= 0:
+        raise InvalidRequest(f"sequence {seq_id}: num_drafts must be >= 1, got {num_drafts}")
+    return ProposeRequest(_nonneg("seq_id", seq_id), _nonneg("last_token", last_token),
+                          _nonneg("position", position), num_drafts)
+
+
+def _convert_each(items, convert, errors: dict[int, SeqError], seen: set[int]) -> list:
+    """Convert each item; a failure or a repeated seq_id (in `seen`) records an INVALID_ARGUMENT for its sequence."""
+    out = []
     for item in items:
         try:
             if item.seq_id in seen:
@@ -492,20 +596,38 @@ def _convert_each(items, convert, errors: dict[int, SeqError]) -> list:
     return out
 
 
-def step_result_to_proto(r: StepResult) -> drafter_pb2.StepResponse:
+def step_result_to_proto(r: StepResult, columns: bool = False) -> drafter_pb2.StepResponse:
+    """columns: plain drafts (no confidence, no distribution) go in StepResponse.drafts."""
+    plain = {seq_id: p for seq_id, p in r.proposals.items() if p.confidence is None and p.probs is None} \
+        if columns else {}
+    counts = [len(p.tokens) for p in plain.values()]
     return drafter_pb2.StepResponse(
         step_id=r.step_id,
-        proposals=[proposal_to_proto(seq_id, p) for seq_id, p in r.proposals.items()],
+        proposals=[proposal_to_proto(seq_id, p) for seq_id, p in r.proposals.items() if seq_id not in plain],
         errors=[
             drafter_pb2.SeqError(seq_id=e.seq_id, code=grpc.StatusCode[e.code].value[0], message=e.message)
             for e in r.errors
         ],
+        drafts=drafter_pb2.DraftColumns(seq_ids=list(plain), counts=counts,
+                                        tokens=[t for p in plain.values() for t in p.tokens]) if plain else None,
     )
 
 
 def step_result_from_proto(pb: drafter_pb2.StepResponse) -> StepResult:
     proposals = dict(proposal_from_proto(p) for p in pb.proposals)
-    if len(proposals) != len(pb.proposals):
+    count = len(pb.proposals)
+    if pb.HasField("drafts"):
+        c = pb.drafts
+        _same_lengths("drafts", c.seq_ids, c.counts)
+        counts, tokens = list(c.counts), _tokens("drafts", c.tokens)
+        if min(counts, default=0) < 0 or sum(counts) != len(tokens):
+            raise InvalidRequest(f"step {pb.step_id}: {len(tokens)} draft tokens for counts {counts}")
+        at = 0
+        for seq_id, n in zip(c.seq_ids, counts):
+            proposals[seq_id] = Proposal(tokens=list(tokens[at:at + n]))
+            at += n
+        count += len(counts)
+    if len(proposals) != count:
         raise InvalidRequest(f"step {pb.step_id} answers a sequence twice")
     errors = tuple(SeqError(e.seq_id, _STATUS_BY_NUMBER.get(e.code, "UNKNOWN"), e.message) for e in pb.errors)
     return StepResult(pb.step_id, proposals, errors)

@@ -50,6 +50,7 @@ STEP_DEADLINE_FACTOR = 20
 STEP_DEADLINE_FLOOR = 1.0
 STEP_DEADLINE_SAMPLES = 200
 STEP_DEADLINE_MIN_SAMPLES = 20
+WATCH_PERIOD = 0.05  # seconds between the watchdog's looks at an awaited Step answer's deadline
 INLINE_PREFILL_BYTES = 8 << 20  # inline prompt rows per PrefillDrafter call: the drafter caps message sizes
 
 
@@ -125,22 +126,30 @@ class RowStager:
 def _coalesce(copies: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
     """Merge copies whose destinations and sources both continue the previous one's (same storage,
     same row stride), so a step's slices of one tensor become one copy."""
-    merged: list[tuple[int, torch.Tensor]] = []
+    runs: list[list] = []  # [offset, first source, rows in the run, last source]
     for offset, rows in copies:
-        if merged:
-            start, prev = merged[-1]
-            if (offset == start + prev.shape[0] and rows.dtype == prev.dtype and rows.device == prev.device
-                    and rows.stride() == prev.stride() and rows.shape[1:] == prev.shape[1:]
-                    and rows.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+        if runs:
+            run = runs[-1]
+            start, first, count, prev = run
+            if (offset == start + count and rows.dtype == prev.dtype and rows.stride() == prev.stride()
+                    and rows.shape[1:] == prev.shape[1:] and _same_storage(rows, prev)
                     and rows.storage_offset() == prev.storage_offset() + prev.shape[0] * prev.stride(0)):
-                merged[-1] = (start, prev.as_strided((prev.shape[0] + rows.shape[0], *prev.shape[1:]),
-                                                     prev.stride(), prev.storage_offset()))
+                run[2], run[3] = count + rows.shape[0], rows
                 continue
-        merged.append((offset, rows))
-    return merged
+        runs.append([offset, rows, rows.shape[0], rows])
+    return [(start, first if count == first.shape[0] else
+             first.as_strided((count, *first.shape[1:]), first.stride(), first.storage_offset()))
+            for start, first, count, _ in runs]
 
 
-_OP_ORDER = ("catchup", "stash", "commit", "trim", "free")  # the order a SeqStep is applied in
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Slices of one tensor share its `_base` (cheap to compare); otherwise compare the storages."""
+    if a._base is not None and a._base is b._base:
+        return True
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+_OP_ORDER = {name: i for i, name in enumerate(("catchup", "stash", "commit", "trim", "free"))}  # a SeqStep's order
 
 
 @dataclass
@@ -152,6 +161,7 @@ class _Pending:
     commit: wire.CommitOp | None = None
     trim: int | None = None
     free: bool = False
+    last: int = -1  # _OP_ORDER of the latest operation queued: one at or before it needs a send first
 
 
 @dataclass
@@ -160,7 +170,10 @@ class _Connection:
     stub: drafter_pb2_grpc.DrafterServiceStub
     metadata: tuple
     outbox: "queue.Queue[drafter_pb2.StepRequest | None]" = field(default_factory=queue.Queue)
-    inbox: "queue.Queue" = field(default_factory=queue.Queue)
+    responses: grpc.Call | None = None  # the Step stream's answers, read by the thread that sent the step
+    due: float = 0.0  # monotonic time by which the awaited Step answer is overdue (0: none awaited)
+    overdue: bool = False  # the watchdog cancelled the stream: an answer missed its deadline
+    columns: bool = False  # the drafter reads a StepRequest's columns (DrafterDescription.step_columns)
     exporter: BufferExporter | None = None
     step: RowStager | None = None
     bulk: RowStager | None = None  # prefill / re-attach rows, grown on demand
@@ -171,6 +184,7 @@ class _Connection:
 
     def close(self) -> None:
         self.outbox.put(None)
+        self.dead = True  # also stops the watchdog
         _close_channel(self.channel)
         if self.exporter is not None:
             self.exporter.close()
@@ -256,12 +270,14 @@ class RemoteProposer:
             desc = wire.description_from_proto(
                 conn.stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=call_wait, metadata=conn.metadata))
             self._setup_transport(conn, desc, client, call_wait)
+            conn.columns = desc.step_columns
         except (grpc.RpcError, grpc.FutureTimeoutError, SpecsplitError, OSError) as exc:  # OSError: shared memory
             conn.close()  # the channel and any buffers already exported
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: "
                                      f"{_reason(exc, ready_wait)}") from None
-        responses = conn.stub.Step(iter(conn.outbox.get, None), metadata=conn.metadata)
-        threading.Thread(target=self._read, args=(responses, conn), daemon=True).start()
+        conn.responses = conn.stub.Step(iter(conn.outbox.get, None), metadata=conn.metadata)
+        conn.responses.add_done_callback(lambda call: self._ended(call, conn))
+        threading.Thread(target=self._watch, args=(conn,), daemon=True).start()
         self._conn, self._pending = conn, {}
         try:
             self._flush([], timeout=call_wait)  # the stream opens lazily: did the drafter take it (--max-targets)?
@@ -303,17 +319,25 @@ class RemoteProposer:
             conn.stub.RegisterBuffers(request, timeout=wait, metadata=conn.metadata)
 
     @staticmethod
-    def _read(responses, conn: _Connection) -> None:
-        try:
-            for response in responses:
-                conn.inbox.put(response)
-        except grpc.RpcError as exc:
-            conn.error = _error_from_rpc(exc)
-            conn.inbox.put(exc)
-        # Unary calls on this channel could now reach a restarted drafter under this session's id,
-        # which it does not know (or would open afresh): the connection is over.
+    def _ended(call: grpc.Call, conn: _Connection) -> None:
+        """The Step stream is over (grpc's callback). Unary calls on this channel could now reach a
+        restarted drafter under this session's id, which it does not know (or would open afresh): the
+        connection is over."""
+        if call.code() not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+            conn.error = wire.error_from_status(call.code().name, f"drafter {call.code().name}: {call.details()}")
         conn.dead = True
-        conn.inbox.put(DrafterUnavailable("the drafter closed the step stream"))
+
+    @staticmethod
+    def _watch(conn: _Connection) -> None:
+        """Cancel the Step stream once an awaited answer is overdue. The engine thread reads answers
+        itself (no reader thread to hand each one over), so this is what keeps a frozen drafter from
+        holding it past the deadline."""
+        while not conn.dead:
+            time.sleep(WATCH_PERIOD)
+            if conn.due and time.monotonic() > conn.due:
+                conn.overdue = True
+                conn.responses.cancel()
+                return
 
     def _disconnect(self) -> None:
         if self._conn is not None:
@@ -418,15 +442,19 @@ class RemoteProposer:
         conn.exporter.release(old.buffer_id)
 
     def _pending_for(self, seq_id: int, op: str) -> _Pending:
-        """The sequence's queue; if it already holds an op applied after `op`, those are sent first.
+        """The sequence's queue; if it already holds `op` or an op applied after it, those are sent first.
 
         Called before staging rows, since a send starts a new generation of the step buffer.
         """
         pending = self._pending.get(seq_id)
-        if pending is not None and any(getattr(pending, name) not in (None, False)
-                                       for name in _OP_ORDER[_OP_ORDER.index(op):]):
+        order = _OP_ORDER[op]
+        if pending is not None and pending.last >= order:
             self._flush([])
-        return self._pending.setdefault(seq_id, _Pending())
+            pending = None
+        if pending is None:
+            pending = self._pending[seq_id] = _Pending()
+        pending.last = order
+        return pending
 
     def stash(self, seq_id: int, rows: torch.Tensor) -> None:
         pending = self._pending_for(seq_id, "stash")
@@ -492,10 +520,11 @@ class RemoteProposer:
         conn = self._live()
         conn.step.seal()
         self._step_id += 1
-        batch = wire.StepBatch(self._step_id, tuple(self._seq_steps(conn)), tuple(proposes))
+        batch = wire.StepBatch(self._step_id, tuple(self._seq_steps(conn)), tuple(proposes),
+                               draft_columns=conn.columns)
         self._pending = {}
         started = time.perf_counter()
-        conn.outbox.put(wire.step_to_proto(batch))
+        conn.outbox.put(wire.step_to_proto(batch, columns=conn.columns))
         result = self._receive(conn, timeout or self.step_deadline())
         self.link.step_seconds.append(time.perf_counter() - started)
         if result.errors:
@@ -524,19 +553,22 @@ class RemoteProposer:
         return min(self.timeout, max(STEP_DEADLINE_FLOOR, STEP_DEADLINE_FACTOR * p99))
 
     def _receive(self, conn: _Connection, timeout: float) -> wire.StepResult:
+        conn.due = time.monotonic() + timeout
         try:
-            item = conn.inbox.get(timeout=timeout)
-        except queue.Empty:
-            # Counted as a round trip: a drafter that has become slower for good raises its own deadline
-            # after a few misses instead of being detached and re-attached at every step.
-            self.link.step_seconds.append(timeout)
-            item = DrafterUnavailable(f"no step answer within {timeout:.1f} s")
-        if isinstance(item, grpc.RpcError):
-            item = _error_from_rpc(item)
-        if isinstance(item, Exception):
+            pb = next(conn.responses)
+        except (grpc.RpcError, StopIteration) as exc:
             self._disconnect()
-            raise item if isinstance(item, SpecsplitError) else DrafterUnavailable(str(item))
-        result = wire.step_result_from_proto(item)
+            if conn.overdue:
+                # Counted as a round trip: a drafter that has become slower for good raises its own deadline
+                # after a few misses instead of being detached and re-attached at every step.
+                self.link.step_seconds.append(timeout)
+                raise DrafterUnavailable(f"no step answer within {timeout:.1f} s") from None
+            if isinstance(exc, grpc.RpcError):
+                raise _error_from_rpc(exc) from None
+            raise DrafterUnavailable("the drafter closed the step stream") from None
+        finally:
+            conn.due = 0.0
+        result = wire.step_result_from_proto(pb)
         if result.step_id != self._step_id:
             self._disconnect()
             raise DrafterUnavailable(f"step answers out of order ({result.step_id} != {self._step_id})")

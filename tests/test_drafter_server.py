@@ -4,6 +4,7 @@ codes and stay with their sequence; sessions keep clients apart and free everyth
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import grpc
@@ -15,11 +16,13 @@ from torch import nn
 from specsplit.drafter_service.checkpoint import random_drafter
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.server import CLIENT_HEADER, SERVICE_NAME, DrafterServer, serve
+from specsplit.drafter_service.session import Session
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import wire
-from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.errors import DrafterUnavailable, InvalidRequest
 from specsplit.shared.proposer import ProposeRequest, bool_to_bitmask
 from specsplit.shared.transport import BufferExporter, BufferRole, RowRef, encode_inline, host_id, identity_digest
+from specsplit.target_service.drafter_client import RemoteProposer
 from tests.rounding import conf_atol
 
 INFO = TargetInfo(hidden_size=32, vocab_size=97, num_hidden_layers=6, num_attention_heads=4,
@@ -516,3 +519,37 @@ def test_step_stream_wire_codes_are_numeric(env):
     reply = next(client.responses)
     assert [(e.seq_id, e.code) for e in reply.errors] == [(3, CODE["NOT_FOUND"])]
     client.close_stream()
+
+
+def test_an_overdue_step_answer_detaches_within_its_deadline(tmp_path, monkeypatch):
+    """The target's engine thread reads Step answers itself: a drafter that stops answering must still
+    release it at the deadline (the client's watchdog cancels the stream), and a late answer must not be
+    taken for a later step's."""
+    frozen = threading.Event()
+    step = Session.step
+
+    def slow_step(self, *args, **kwargs):
+        if frozen.is_set():
+            time.sleep(1.5)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "step", slow_step)
+    drafter = make_drafter()
+    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
+    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
+    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", timeout=0.4)
+    try:
+        proposer.alloc(1, BUDGET)
+        proposer.prefill(1, [3, 4], rows(2, 0))
+        assert len(proposer.propose([ProposeRequest(1, 4, 2, 2)])[0].tokens) == 2
+        frozen.set()
+        started = time.monotonic()
+        with pytest.raises(DrafterUnavailable, match="no step answer within 0.4 s"):
+            proposer.propose([ProposeRequest(1, 4, 2, 2)])
+        assert time.monotonic() - started < 1.2
+        assert proposer.link.step_seconds[-1] == 0.4  # counted, so a drafter slower for good raises its deadline
+        assert not proposer.available()  # detached; re-attaches after the backoff
+    finally:
+        proposer.close()
+        server.stop(None)
+        server_obj.close()

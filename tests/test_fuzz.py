@@ -27,7 +27,7 @@ from specsplit.protos.v1 import drafter_pb2, target_pb2
 from specsplit.shared import wire
 from specsplit.shared.proposer import ProposeRequest
 from specsplit.shared.sampling import SamplingParams
-from specsplit.shared.transport import BufferExporter, encode_inline
+from specsplit.shared.transport import BufferExporter, RowRef, encode_inline
 from tests.test_buffer_security import Bystander, Peer
 from tests.test_cancellation import started_pair
 from tests.test_drafter_server import FEATURE_DIM, make_drafter
@@ -218,10 +218,18 @@ def drafter_templates(rng: random.Random) -> dict:
         "InstallDrafterKV": lambda: drafter_pb2.InstallDrafterKVRequest(seq_id=seq, handle=rng.randint(1, 5)),
         "FreeDrafterKV": lambda: drafter_pb2.FreeDrafterKVRequest(handle=rng.randint(1, 5)),
         "ReleaseBuffers": lambda: drafter_pb2.ReleaseBuffersRequest(buffer_ids=[rng.randint(1, 3)]),
-        "Step": lambda: wire.step_to_proto(wire.StepBatch(rng.randint(1, 9), seqs=(wire.SeqStep(
-            seq, stash=_rows(rng, n), commit=wire.CommitOp(n, rng.randint(0, 8), tokens), trim=rng.randint(0, n)),),
-            proposes=(propose,))),
+        "Step": lambda: _step(rng, seq, n, tokens, propose),
     }
+
+
+def _step(rng: random.Random, seq: int, n: int, tokens: tuple, propose: ProposeRequest):
+    """A Step message, half the time in columns (its rows then by reference, maybe into the caller's buffer)."""
+    columns = rng.random() < 0.5
+    rows = RowRef(rng.randint(1, 3), rng.randint(0, 12), n, rng.randint(0, 2)) if columns else _rows(rng, n)
+    batch = wire.StepBatch(rng.randint(1, 9), seqs=(wire.SeqStep(
+        seq, stash=rows, commit=wire.CommitOp(n, rng.randint(0, 8), tokens), trim=rng.randint(0, n)),),
+        proposes=(propose,), draft_columns=columns)
+    return wire.step_to_proto(batch, columns=columns)
 
 
 def request_for(method, mutator: Mutator, rng: random.Random, templates: dict):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 import torch
@@ -155,7 +157,8 @@ def test_description_round_trip():
         max_batch=8,
         window=2048,
     )
-    description = wire.DrafterDescription(spec, host_id="h", device_uuid="GPU-x", needs_target_head=True)
+    description = wire.DrafterDescription(spec, host_id="h", device_uuid="GPU-x", needs_target_head=True,
+                                          step_columns=True)
     back = wire_trip(
         description, wire.description_to_proto, wire.description_from_proto, drafter_pb2.DrafterDescription
     )
@@ -286,6 +289,76 @@ def test_step_request_round_trip():
     assert back.seqs == batch.seqs and back.register == batch.register and back.release == batch.release
     assert back.step_id == 12 and all(same_requests(a, b) for a, b in zip(batch.proposes, back.proposes, strict=True))
     assert back.seqs[2].trim is None and back.seqs[1].trim == 0  # trim 0 is not "no trim"
+
+
+def column_batch() -> StepBatch:
+    """Sequences 1, 4 and 5 fit the columns; 2 (a catch-up), 3 (a free), 6 (another generation) and the
+    propose asking for confidence do not."""
+    return dataclasses.replace(
+        full_batch(),
+        seqs=full_batch().seqs + (SeqStep(4, stash=RowRef(REF.buffer_id, 9, 3, REF.generation),
+                                          commit=CommitOp(3, 7, (1, 2, 3)), trim=2),
+                                  SeqStep(5, stash=RowRef(REF.buffer_id, 12, 1, REF.generation),
+                                          commit=CommitOp(1, 0, (0,)), trim=0),
+                                  SeqStep(6, stash=RowRef(REF.buffer_id, 0, 1, REF.generation + 1),
+                                          commit=CommitOp(1, 5, (4,)), trim=0)),
+        proposes=full_batch().proposes + (ProposeRequest(4, 3, 10, 2),),
+        draft_columns=True,
+    )
+
+
+def test_step_request_columns_round_trip():
+    batch = column_batch()
+    pb = wire.step_to_proto(batch, columns=True)
+    assert list(pb.verified.seq_ids) == [1, 4, 5] and [s.seq_id for s in pb.seqs] == [2, 3, 6]
+    assert list(pb.propose_columns.seq_ids) == [1, 4] and [p.seq_id for p in pb.proposes] == [2]
+    back, errors = wire.step_from_proto(drafter_pb2.StepRequest.FromString(pb.SerializeToString()))
+    assert errors == [] and back.draft_columns
+    assert sorted(back.seqs, key=lambda s: s.seq_id) == sorted(batch.seqs, key=lambda s: s.seq_id)
+    by_id = {p.seq_id: p for p in back.proposes}
+    assert all(same_requests(p, by_id[p.seq_id]) for p in batch.proposes) and len(by_id) == len(batch.proposes)
+
+
+def test_malformed_column_entries_drop_their_sequences():
+    pb = wire.step_to_proto(column_batch(), columns=True)
+    pb.verified.row_offsets[1] = -1  # sequence 4: a bad row reference
+    pb.verified.token_ids[-1] = -7  # sequence 5: a negative token id
+    pb.propose_columns.num_drafts[0] = 0  # sequence 1: a bad propose; its operations go too
+    pb.seqs.add(seq_id=4)  # sequence 4 also as a SeqStep
+    batch, errors = wire.step_from_proto(pb)
+    assert {e.seq_id for e in errors} == {1, 4, 5} and all(e.code == "INVALID_ARGUMENT" for e in errors)
+    assert {s.seq_id for s in batch.seqs} == {2, 3, 6} and [p.seq_id for p in batch.proposes] == [2]
+
+
+@pytest.mark.parametrize("break_columns", [
+    lambda pb: pb.verified.num_accepted.append(1),  # one column longer than the others
+    lambda pb: pb.verified.token_ids.append(1),  # tokens that no commit counts
+    lambda pb: pb.propose_columns.positions.pop(),
+])
+def test_columns_of_unequal_lengths_fail_the_step(break_columns):
+    pb = wire.step_to_proto(column_batch(), columns=True)
+    break_columns(pb)
+    with pytest.raises(InvalidRequest):
+        wire.step_from_proto(pb)
+
+
+def test_step_result_columns_round_trip():
+    result = StepResult(3, {1: Proposal([3, 4, 5]), 2: Proposal([9], confidence=[-0.5]), 7: Proposal([])},
+                        (SeqError.from_exception(4, UnknownSequence("no sequence 4")),))
+    pb = wire.step_result_to_proto(result, columns=True)
+    assert list(pb.drafts.seq_ids) == [1, 7] and [p.seq_id for p in pb.proposals] == [2]
+    assert wire.step_result_from_proto(drafter_pb2.StepResponse.FromString(pb.SerializeToString())) == result
+    pb.drafts.tokens.append(1)
+    with pytest.raises(InvalidRequest, match="draft tokens"):
+        wire.step_result_from_proto(pb)
+    pb = wire.step_result_to_proto(result, columns=True)
+    pb.drafts.tokens[0] = -1
+    with pytest.raises(InvalidRequest, match="negative"):
+        wire.step_result_from_proto(pb)
+    pb = wire.step_result_to_proto(result, columns=True)
+    pb.proposals.add(seq_id=1, tokens=[1])
+    with pytest.raises(InvalidRequest, match="twice"):
+        wire.step_result_from_proto(pb)
 
 
 def test_a_malformed_sequence_is_dropped_from_the_step_with_an_error():

@@ -12,7 +12,7 @@ class DescribeDrafterRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterDescription(_message.Message):
-    __slots__ = ("kind", "block_size", "max_drafts", "target_layer_ids", "feature", "feature_dim", "hidden_size", "vocab_size", "max_batch", "window", "needs_target_head", "host_id", "device_uuid")
+    __slots__ = ("kind", "block_size", "max_drafts", "target_layer_ids", "feature", "feature_dim", "hidden_size", "vocab_size", "max_batch", "window", "needs_target_head", "host_id", "device_uuid", "step_columns")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFTS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class DrafterDescription(_message.Message):
     NEEDS_TARGET_HEAD_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    STEP_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     kind: _common_pb2.DrafterKind
     block_size: int
     max_drafts: int
@@ -39,7 +40,8 @@ class DrafterDescription(_message.Message):
     needs_target_head: bool
     host_id: str
     device_uuid: str
-    def __init__(self, kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., block_size: _Optional[int] = ..., max_drafts: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., feature_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., window: _Optional[int] = ..., needs_target_head: _Optional[bool] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    step_columns: bool
+    def __init__(self, kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., block_size: _Optional[int] = ..., max_drafts: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., feature_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., window: _Optional[int] = ..., needs_target_head: _Optional[bool] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., step_columns: _Optional[bool] = ...) -> None: ...
 
 class RegisterBuffersRequest(_message.Message):
     __slots__ = ("buffers",)
@@ -270,18 +272,68 @@ class SeqStep(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., catchup: _Optional[_Union[CatchupOp, _Mapping]] = ..., stash: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ..., trim: _Optional[int] = ..., free: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "seqs", "proposes", "register_buffers", "release_buffers")
+    __slots__ = ("step_id", "seqs", "proposes", "register_buffers", "release_buffers", "verified", "propose_columns", "draft_columns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     PROPOSES_FIELD_NUMBER: _ClassVar[int]
     REGISTER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seqs: _containers.RepeatedCompositeFieldContainer[SeqStep]
     proposes: _containers.RepeatedCompositeFieldContainer[ProposeItem]
     register_buffers: _containers.RepeatedCompositeFieldContainer[_common_pb2.BufferDescriptor]
     release_buffers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., proposes: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., register_buffers: _Optional[_Iterable[_Union[_common_pb2.BufferDescriptor, _Mapping]]] = ..., release_buffers: _Optional[_Iterable[int]] = ...) -> None: ...
+    verified: VerifiedColumns
+    propose_columns: ProposeColumns
+    draft_columns: bool
+    def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., proposes: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., register_buffers: _Optional[_Iterable[_Union[_common_pb2.BufferDescriptor, _Mapping]]] = ..., release_buffers: _Optional[_Iterable[int]] = ..., verified: _Optional[_Union[VerifiedColumns, _Mapping]] = ..., propose_columns: _Optional[_Union[ProposeColumns, _Mapping]] = ..., draft_columns: _Optional[bool] = ...) -> None: ...
+
+class VerifiedColumns(_message.Message):
+    __slots__ = ("seq_ids", "buffer_id", "generation", "row_offsets", "stash_rows", "commit_rows", "base_pos", "token_ids", "num_accepted")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    STASH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    BASE_POS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    buffer_id: int
+    generation: int
+    row_offsets: _containers.RepeatedScalarFieldContainer[int]
+    stash_rows: _containers.RepeatedScalarFieldContainer[int]
+    commit_rows: _containers.RepeatedScalarFieldContainer[int]
+    base_pos: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., buffer_id: _Optional[int] = ..., generation: _Optional[int] = ..., row_offsets: _Optional[_Iterable[int]] = ..., stash_rows: _Optional[_Iterable[int]] = ..., commit_rows: _Optional[_Iterable[int]] = ..., base_pos: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProposeColumns(_message.Message):
+    __slots__ = ("seq_ids", "last_tokens", "positions", "num_drafts")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    last_tokens: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    num_drafts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., last_tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DraftColumns(_message.Message):
+    __slots__ = ("seq_ids", "counts", "tokens")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SeqError(_message.Message):
     __slots__ = ("seq_id", "code", "message")
@@ -294,11 +346,13 @@ class SeqError(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "proposals", "errors")
+    __slots__ = ("step_id", "proposals", "errors", "drafts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
     errors: _containers.RepeatedCompositeFieldContainer[SeqError]
-    def __init__(self, step_id: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[SeqError, _Mapping]]] = ...) -> None: ...
+    drafts: DraftColumns
+    def __init__(self, step_id: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[SeqError, _Mapping]]] = ..., drafts: _Optional[_Union[DraftColumns, _Mapping]] = ...) -> None: ...
