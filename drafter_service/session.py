@@ -258,6 +258,15 @@ class Session:
         """One sequence's operations, in the wire's order: catchup, stash, commit, trim, free.
         Returns the rows the catch-up appended (0 without one)."""
         internal = self._internal(step.seq_id)
+        if self._verified(step):
+            # stash + commit + trim of one verify: one drafter call (same checks, nothing changed on error)
+            try:
+                self.proposer.commit_verified(internal, self._rows(step.stash), step.trim, step.commit.base_pos,
+                                              step.commit.token_ids)
+            finally:
+                if not self._in_step:
+                    self._finish_reads()
+            return 0
         appended = 0
         try:
             if step.catchup is not None:
@@ -276,6 +285,13 @@ class Session:
         if step.free:
             self.free(step.seq_id)
         return appended
+
+    def _verified(self, step: SeqStep) -> bool:
+        """Whether `step` is exactly one verify's stash, commit and trim, and the drafter takes that in
+        one call (looked up on its class, as the engine does)."""
+        return (step.catchup is None and not step.free and step.stash is not None and step.commit is not None
+                and step.trim is not None and step.commit.num_rows == step.trim + 1
+                and getattr(type(self.proposer), "commit_verified", None) is not None)
 
     @_in_client_ids
     def free(self, seq_id: int) -> None:
