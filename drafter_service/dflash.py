@@ -480,7 +480,11 @@ class DFlashDrafter(Drafter):
 
     def draft_on_device(self, batch: Sequence[Draft]) -> torch.Tensor | None:
         drafted = self._graph_draft(batch)
-        return None if drafted is None else drafted[0]
+        # A copy, made right after the replay: a graph's outputs live in the graph memory pool this
+        # drafter's graphs share, where a graph captured earlier may keep its intermediates, so the
+        # next context-forward replay (a prefill admitted before the verify reads these drafts) could
+        # overwrite them.
+        return None if drafted is None else drafted[0].clone()
 
     def draft(self, batch: Sequence[Draft]) -> list[Proposal]:
         drafted = self._graph_draft(batch)

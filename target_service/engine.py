@@ -192,6 +192,9 @@ class Engine:
             self.waiting.popleft()
             self.running[seq.request.request_id] = seq
             self.cache.allocate(seq.seq_id)
+            # A prefill runs the drafter's context forward: prefetched drafts are not taken past other
+            # drafter work (see _prefetch_drafts).
+            self._prefetched = None
             event = self._prefill(seq)
             if event is not None:
                 events.append(event)
@@ -324,7 +327,10 @@ class Engine:
     def _prefetch_drafts(self, seqs: list[Sequence]) -> None:
         """Launch the next step's propose for the sequences that go on, right after this step's rows
         were committed. Only device drafts are prefetched: such a propose changes no drafter state (the
-        in-process DFlash drafter's is a pure read of the context), so drafts nobody takes are dropped."""
+        in-process DFlash drafter's is a pure read of the context), so drafts nobody takes are dropped.
+        They are taken only if no other drafter work ran on the device in between (a prefill drops
+        them), so between the propose and the verify that reads its drafts there is nothing but what
+        there is without a prefetch."""
         self._prefetched = None
         live = [s for s in seqs if s.finish_reason is None]
         if not live or not self.drafter_ok or self.graphs is None \

@@ -274,3 +274,34 @@ def test_engine_with_a_static_dflash_drafter_drafts_on_the_device(tiny_chat_dir)
 
     assert run(drafter) == run(None)
     assert used and all(t is not None and t.shape[1] >= 6 for t in used)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_drafts_on_the_gpu_survive_requests_admitted_mid_run(smollm2_dir):
+    """On a GPU the drafter's graphs share a memory pool and replay in any order, so a graph's outputs
+    may sit where another keeps its intermediates: drafts handed to the verify on the device (prefetched
+    ones too) must not be read after other drafter work. eval-acceptance on the H200, with requests
+    admitted while others decoded, once read such drafts and the verify's embedding asserted on an id
+    out of range. float32: the tokens equal target-only's."""
+    from specsplit.local import LocalSetup, make_drafter
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+    target = load_target(smollm2_dir, dtype=torch.float32, device="cuda")
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    drafter = make_drafter("dflash", target, LocalSetup(drafter="dflash", device="cuda", dtype="float32"))
+    prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)[:12]]
+
+    def run(proposer):
+        engine = Engine(target, proposer, EngineConfig(max_batch=3), eos_ids=tokenizer.eos_token_ids)
+        events = engine.generate([Request(f"r{i}", p, SamplingParams(max_tokens=48)) for i, p in enumerate(prompts)])
+        return [[t for e in evs for t in e.token_ids] for evs in events.values()], [evs[-1].stats for evs in events.values()]
+
+    want, _ = run(None)
+    got, stats = run(drafter)
+    assert got == want
+    assert sum(s.accepted for s in stats) > 0
