@@ -23,10 +23,10 @@ from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConfl
 from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
+from specsplit.shared.staging import to_host
 from specsplit.shared.tokenizer import TextStream
 from specsplit.shared.verify import verify_sampled
 from specsplit.target_service.counters import EngineCounters
-from specsplit.shared.staging import to_host
 from specsplit.target_service.graphs import DeviceDrafts, StepBatch, StepGraphs
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, TargetModel
 from specsplit.target_service.sequence import FinishReason, Request, Sequence, StepEvent
