@@ -38,14 +38,15 @@ _FAILED = object()  # what a drafter verb "returns" when it raised
 @dataclass(frozen=True)
 class EngineConfig:
     max_batch: int = 16  # sequences decoded together in one verify forward
-    prefill_chunk: int = 512  # prompt tokens per prefill forward
+    prefill_chunk: int = 512  # the most tokens of one prompt in one prefill forward
+    prefill_tokens: int = 4096  # the most prompt tokens in one prefill forward, short prompts packed together
     kv_blocks: int = 2048
     kv_block_size: int = 16
     num_drafts: int | None = None  # drafts per step; None = the drafter's max
     cuda_graphs: bool = True  # on a GPU, replay decode/verify steps as captured CUDA graphs
 
     def __post_init__(self) -> None:
-        if min(self.max_batch, self.prefill_chunk, self.kv_blocks, self.kv_block_size) <= 0:
+        if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
             raise InvalidRequest("engine sizes must be positive")
         if self.num_drafts is not None and self.num_drafts < 0:
             raise InvalidRequest("num_drafts must be >= 0")
@@ -183,42 +184,87 @@ class Engine:
         return -(-(tokens + extra) // self.config.kv_block_size)
 
     def _admit(self) -> list[StepEvent]:
-        events = []
+        admitted = []
+        reserved = sum(self._blocks_for(s.budget_tokens) for s in self.running.values())
         while self.waiting and len(self.running) < self.config.max_batch:
             seq = self.waiting[0]
-            reserved = sum(self._blocks_for(s.budget_tokens) for s in self.running.values())
-            if reserved + self._blocks_for(seq.budget_tokens) > self.config.kv_blocks:
+            blocks = self._blocks_for(seq.budget_tokens)
+            if reserved + blocks > self.config.kv_blocks:
                 break
+            reserved += blocks
             self.waiting.popleft()
             self.running[seq.request.request_id] = seq
             self.cache.allocate(seq.seq_id)
-            # A prefill runs the drafter's context forward: prefetched drafts are not taken past other
-            # drafter work (see _prefetch_drafts).
-            self._prefetched = None
-            event = self._prefill(seq)
-            if event is not None:
-                events.append(event)
-        return events
+            admitted.append(seq)
+        if not admitted:
+            return []
+        # A prefill runs the drafter's context forward: prefetched drafts are not taken past other
+        # drafter work (see _prefetch_drafts).
+        self._prefetched = None
+        return self._prefill(admitted)
 
-    def _prefill(self, seq: Sequence) -> StepEvent | None:
-        """The prompt's forward, in chunks; None when the request was cancelled between two chunks."""
-        prompt = seq.request.prompt_ids
-        chunk = self.config.prefill_chunk
-        rows = []
-        for start in range(0, len(prompt), chunk):
-            if start and self.is_cancelled(seq.request.request_id):  # issue 9: stop a long prefill early
-                seq.finish_reason = FinishReason.CANCELLED
+    def _prefill(self, seqs: list[Sequence]) -> list[StepEvent]:
+        """The prompts' forwards, packed: each forward takes the next chunk of as many prompts as fit
+        (see `_prefill_plan`), so admitting many short prompts costs a few forwards, not one each. A
+        request cancelled between two of its chunks ends there, without an event."""
+        offsets = {seq.seq_id: 0 for seq in seqs}
+        rows: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq in seqs}
+        last_logits: dict[int, torch.Tensor] = {}
+        pending = list(seqs)
+        while pending:
+            for seq in [s for s in pending if offsets[s.seq_id] and self.is_cancelled(s.request.request_id)]:
+                seq.finish_reason = FinishReason.CANCELLED  # issue 9: stop a long prefill early
                 self._release(seq)
-                return None
-            ids = prompt[start:start + chunk]
-            out = self._forward([seq.seq_id], [ids], [start], logits_last_only=True)
-            rows.append(self._features(out))
-        first = self._sample([seq], out.logits, [[]])[0]
-        seq.stats.steps += 1
-        self.counters.prefills += 1
-        if self._speculating(seq):
-            self._attach(seq, prompt, torch.cat(rows))
-        return self._emit(seq, first)
+                pending.remove(seq)
+            if not pending:
+                break
+            group = self._prefill_plan(pending, offsets)
+            inputs = [seq.request.prompt_ids[offsets[seq.seq_id]:offsets[seq.seq_id] + n] for seq, n in group]
+            out = self._forward([seq.seq_id for seq, _ in group], inputs, [offsets[s.seq_id] for s, _ in group],
+                                logits_last_only=True)
+            features, row = self._features(out), 0
+            for i, (seq, n) in enumerate(group):
+                if features is not None:
+                    rows[seq.seq_id].append(features[row:row + n])
+                row += n
+                offsets[seq.seq_id] += n
+                if offsets[seq.seq_id] == len(seq.request.prompt_ids):
+                    last_logits[seq.seq_id] = out.logits[i]
+                    pending.remove(seq)
+        done = [seq for seq in seqs if seq.seq_id in last_logits]
+        if not done:
+            return []
+        logits = torch.stack([last_logits[seq.seq_id] for seq in done])
+        firsts = self._sample(done, logits, [[] for _ in done])
+        for seq in done:
+            seq.stats.steps += 1
+            self.counters.prefills += 1
+        attaching = [seq for seq in done if self._speculating(seq)]
+        if attaching:
+            with self._batched_appends():  # one drafter context forward for every admitted prompt
+                for seq in attaching:
+                    if self.drafter_ok:
+                        self._attach(seq, seq.request.prompt_ids, torch.cat(rows[seq.seq_id]) if rows[seq.seq_id] else None)
+        return [self._emit(seq, first) for seq, first in zip(done, firsts)]
+
+    def _prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]) -> list[tuple[Sequence, int]]:
+        """The next prefill forward: (sequence, tokens) for the next chunk of each prompt that fits, in
+        admission order. The first always goes; others join while the forward stays within
+        `prefill_tokens` tokens and its padded attention (sequences × longest chunk × longest context)
+        within what one lone full chunk over `prefill_tokens` of context would cost."""
+        chunk, budget = self.config.prefill_chunk, self.config.prefill_tokens
+        cells = max(chunk, budget) * budget
+        group: list[tuple[Sequence, int]] = []
+        tokens = widest = longest = 0
+        for seq in pending:
+            start = offsets[seq.seq_id]
+            n = min(chunk, len(seq.request.prompt_ids) - start)
+            grown = (len(group) + 1) * max(widest, n) * max(longest, start + n)
+            if group and (tokens + n > budget or grown > cells):
+                continue
+            group.append((seq, n))
+            tokens, widest, longest = tokens + n, max(widest, n), max(longest, start + n)
+        return group
 
     # ---- the decode step ----------------------------------------------------------------------
 

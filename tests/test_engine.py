@@ -287,3 +287,87 @@ def test_drafter_failure_is_not_request_failure(target, tokenizer, reference):
             out.setdefault(e.request_id, []).extend(e.token_ids)
     assert out == reference
     assert engine.drafter_ok
+
+
+class ForwardLog:
+    """Wraps the target: records each eager forward's token counts per sequence."""
+
+    def __init__(self, model) -> None:
+        self.model, self.forwards = model, []
+
+    def __call__(self, batch, cache, capture):
+        cu = batch.cu_seqlens.tolist()
+        self.forwards.append([b - a for a, b in zip(cu, cu[1:])])
+        return self.model(batch, cache, capture)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("kind", [None, "dflash", "mtp"])
+def test_prompts_admitted_together_are_prefilled_together(kind, target, tokenizer, monkeypatch):
+    """Admitting many prompts costs a few packed forwards, not one each (eager prefill is launch-bound
+    on a GPU), and changes no token: packed == one prompt per forward, with and without a drafter.
+    Long prompts go in chunks, and a forward stays within its token budget."""
+    prompts = PROMPTS + ["x " * 30, "Tell me a story about a dragon.", "1, 2, 3, 4, 5, 6,", "Hello"]
+    reqs = requests(tokenizer, prompts, max_tokens=12)
+    lengths = sorted(len(r.prompt_ids) for r in reqs)
+    assert lengths[-1] > 16  # at least one prompt needs several chunks
+
+    def go(prefill_tokens):
+        proposer = drafter(kind, target) if kind else None
+        engine = Engine(target, proposer, EngineConfig(max_batch=8, prefill_chunk=16, prefill_tokens=prefill_tokens))
+        log = ForwardLog(engine.model)
+        monkeypatch.setattr(engine, "model", log)  # the eager forwards; decode steps too (no graphs on the CPU)
+        batches, prefilled = [], {}
+        if proposer is not None:
+            inner, prefill = proposer.append_rows_batch, proposer.prefill
+            monkeypatch.setattr(proposer, "append_rows_batch", lambda appends: (batches.append(len(appends)), inner(appends)))
+
+            def record(seq_id, token_ids, rows, start_pos=0):
+                prefilled[seq_id] = (list(token_ids), rows.clone(), start_pos)
+                return prefill(seq_id, token_ids, rows, start_pos)
+            monkeypatch.setattr(proposer, "prefill", record)
+        events = engine.generate(reqs)
+        tokens = {rid: ([t for e in evs for t in e.token_ids], evs[-1].stats.drafted, evs[-1].stats.accepted)
+                  for rid, evs in events.items()}
+        return tokens, log.forwards, batches, engine, prefilled
+
+    packed, packed_forwards, packed_batches, engine, packed_rows = go(40)
+    single, single_forwards, _, _, single_rows = go(1)
+    assert packed == single
+    assert packed_rows.keys() == single_rows.keys() and len(single_rows) == (0 if kind is None else len(reqs))
+    for seq_id, (tokens, rows, start) in single_rows.items():  # the drafter got each prompt's own rows
+        assert packed_rows[seq_id][0] == tokens and packed_rows[seq_id][2] == start == 0
+        torch.testing.assert_close(packed_rows[seq_id][1], rows)
+    first_decode = next(i for i, f in enumerate(packed_forwards) if len(f) == len(reqs))
+    prefill = packed_forwards[:first_decode]
+    assert sum(map(sum, prefill)) == sum(lengths)
+    assert all(sum(f) <= 40 and max(f) <= 16 for f in prefill)
+    assert 1 < len(prefill) < len(reqs)  # packed, and the budget split it
+    assert len(single_forwards[:next(i for i, f in enumerate(single_forwards) if len(f) == len(reqs))]) \
+        == sum(-(-n // 16) for n in lengths)  # one prompt chunk per forward
+    if kind == "dflash":
+        assert packed_batches[0] == len(reqs)  # every prompt's rows in one drafter context forward
+    assert engine.counters.prefills == len(reqs)
+
+
+def test_a_request_cancelled_between_its_prefill_chunks_ends_alone(target, tokenizer):
+    """Packed prefill: cancelling one long prompt mid-prefill stops it; the prompts packed with it
+    go on and equal their uncancelled run."""
+    prompts = ["x " * 40, PROMPTS[0], PROMPTS[1]]
+    reqs = requests(tokenizer, prompts, max_tokens=8)
+    want, _ = run(target, None, reqs[1:], prefill_chunk=16)
+    engine = Engine(target, None, EngineConfig(max_batch=4, prefill_chunk=16, prefill_tokens=64))
+    asked = []
+
+    def cancelled(request_id):
+        asked.append(request_id)
+        return request_id == "r0"
+
+    engine.is_cancelled = cancelled
+    events = engine.generate(reqs)
+    assert "r0" in asked and events["r0"] == []
+    got = {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items() if rid != "r0"}
+    assert got == want
+    assert not engine.running and engine.cache.num_free_blocks == engine.config.kv_blocks
