@@ -411,6 +411,43 @@ class Drafter(ABC):
         state.next_pos = base_pos + count
         self.drop_speculative(state)
 
+    @torch.no_grad()
+    def commit_verified_many(self, seq_ids: Sequence[int], rows: torch.Tensor, row_starts: Sequence[int],
+                             row_counts: Sequence[int], num_accepted: Sequence[int], base_pos: Sequence[int],
+                             token_ids: Sequence[Sequence[int]]) -> None:
+        """`commit_verified` for a step's sequences in one call: sequence i's verify rows are
+        rows[row_starts[i]:row_starts[i] + row_counts[i]]. The same checks, all made before anything
+        changes (one bad entry refuses the call), and the same result as the calls in order, with the
+        per-call overhead (lookups, checks, dispatch) paid once per step instead of once per sequence."""
+        rows = self._check_rows(rows)
+        n = len(seq_ids)
+        if not n == len(row_starts) == len(row_counts) == len(num_accepted) == len(base_pos) == len(token_ids):
+            raise InvalidRequest("commit_verified_many takes one entry per sequence in every column")
+        columns = (seq_ids, row_starts, row_counts, num_accepted, base_pos)
+        if any(type(v) is not int for column in columns for v in column):  # bools too: not positions
+            raise InvalidRequest("commit_verified_many's ids, rows, counts and positions must be ints")
+        if len(set(seq_ids)) != n:
+            raise InvalidRequest("commit_verified_many names a sequence twice")
+        states = [self.store.get(seq_id) for seq_id in seq_ids]
+        most = self.spec.max_drafts + 1
+        for state, start, count, accepted, pos, tokens in zip(states, row_starts, row_counts, num_accepted,
+                                                               base_pos, token_ids):
+            if not 1 <= count <= most or start < 0 or start + count > rows.shape[0]:
+                raise InvalidRequest(f"verify rows [{start}, {start + count}) must be 1..{most} of the "
+                                     f"{rows.shape[0]} given")
+            if not 0 <= accepted < count:
+                raise InvalidRequest(f"num_accepted must be in 0..{count - 1}, got {accepted}")
+            if len(tokens) != accepted + 1 or any(type(t) is not int or not 0 <= t < self.spec.vocab_size
+                                                  for t in tokens):
+                raise InvalidRequest(f"{accepted + 1} token ids in 0..{self.spec.vocab_size - 1} expected, "
+                                     f"got {list(tokens)!r}")
+            self._check_span(state, pos, accepted + 1, "commit")
+        for state, start, accepted, pos, tokens in zip(states, row_starts, num_accepted, base_pos, token_ids):
+            state.stash = None
+            self._enter_rows(state, list(tokens), rows[start:start + accepted + 1], pos)
+            state.next_pos = pos + accepted + 1
+            self.drop_speculative(state)
+
     def trim(self, seq_id: int, num_accepted: int) -> None:
         state = self.store.get(seq_id)
         if isinstance(num_accepted, bool) or not isinstance(num_accepted, int) \

@@ -101,6 +101,15 @@ class AcceptanceRecorder:
         self.records.append((self.offered.pop(seq_id, 0), num_accepted))
         self.inner.commit_verified(seq_id, rows, num_accepted, base_pos, token_ids)
 
+    def commit_verified_many(self, seq_ids, rows, row_starts, row_counts, num_accepted, base_pos, token_ids) -> None:
+        if not hasattr(type(self.inner), "commit_verified_many"):
+            for entry in zip(seq_ids, row_starts, row_counts, num_accepted, base_pos, token_ids):
+                seq_id, start, count, accepted, pos, tokens = entry
+                self.commit_verified(seq_id, rows[start:start + count], accepted, pos, tokens)
+            return
+        self.records += [(self.offered.pop(seq_id, 0), accepted) for seq_id, accepted in zip(seq_ids, num_accepted)]
+        self.inner.commit_verified_many(seq_ids, rows, row_starts, row_counts, num_accepted, base_pos, token_ids)
+
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 

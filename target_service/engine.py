@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -284,17 +284,25 @@ class Engine:
         verified = time.perf_counter()
         features = self._features(out)
         offset = 0
+        many = _capability(self.proposer, "commit_verified_many") if self.drafter_ok else None
+        batch = _VerifiedBatch()  # the step's commits, for a drafter that takes them in one call
         with self._batched_appends():
             for seq, draft, new_tokens, start in zip(seqs, drafts, accepted_tokens, starts):
-                rows = features[offset:offset + len(draft) + 1] if features is not None else None
-                offset += len(draft) + 1
                 num_accepted = len(new_tokens) - 1
                 self.cache.truncate(seq.seq_id, start + num_accepted + 1)
                 seq.stats.steps += 1
                 seq.stats.drafted += len(draft)
                 seq.stats.accepted += num_accepted
                 self.counters.verified(len(draft), num_accepted)
-                self._after_verify(seq, draft, num_accepted, rows, start)
+                if many is not None and draft and seq.drafter_attached:
+                    batch.add(seq, offset, len(draft) + 1, num_accepted, start, [seq.tokens[-1]] + draft[:num_accepted])
+                else:
+                    rows = features[offset:offset + len(draft) + 1] if features is not None else None
+                    self._after_verify(seq, draft, num_accepted, rows, start)
+                offset += len(draft) + 1
+            if batch.seq_ids:
+                self._drafter_call(many, batch.seq_ids, features, batch.row_starts, batch.row_counts,
+                                   batch.num_accepted, batch.base_pos, batch.token_ids)
         self._count_step(started, verified)
         kept = [seq.accept(new_tokens) for seq, new_tokens in zip(seqs, accepted_tokens)]
         # The next step's drafts can be computed now: the drafter runs on the GPU while the host
@@ -654,6 +662,27 @@ class Engine:
             flush = getattr(self.proposer, "flush", None)
             if flush is not None and not any(s.drafter_attached for s in self.running.values()):
                 self._drafter_call(flush)
+
+
+@dataclass
+class _VerifiedBatch:
+    """Columns of `commit_verified_many`: one entry per sequence whose drafts were verified."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    row_starts: list[int] = field(default_factory=list)
+    row_counts: list[int] = field(default_factory=list)
+    num_accepted: list[int] = field(default_factory=list)
+    base_pos: list[int] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+
+    def add(self, seq: Sequence, row_start: int, row_count: int, num_accepted: int, base_pos: int,
+            token_ids: list[int]) -> None:
+        self.seq_ids.append(seq.seq_id)
+        self.row_starts.append(row_start)
+        self.row_counts.append(row_count)
+        self.num_accepted.append(num_accepted)
+        self.base_pos.append(base_pos)
+        self.token_ids.append(token_ids)
 
 
 def _capability(proposer, name: str):

@@ -459,6 +459,13 @@ def assert_same(a, b):
 
 
 F_DIM = 2 * INFO.hidden_size
+def many(d, ids=(0, 1), starts=(0, 3), counts=(3, 3), accepted=(1, 1), pos=(4, 4), tokens=([1, 2], [3, 4]),
+         rows=6, width=F_DIM):
+    """`commit_verified_many` for sequences 0 and 1 (both at position 4), valid unless told otherwise."""
+    d.commit_verified_many(list(ids), torch.randn(rows, width), list(starts), list(counts), list(accepted),
+                           list(pos), [list(t) for t in tokens])
+
+
 BAD_CALLS = [
     ("prefill wrong width", lambda d: d.prefill(0, [1], torch.randn(1, F_DIM + 1), 4), InvalidRequest),
     ("prefill wrong dtype", lambda d: d.prefill(0, [1], torch.randn(1, F_DIM, dtype=torch.float64), 4),
@@ -486,6 +493,21 @@ BAD_CALLS = [
     ("verified token range", lambda d: d.commit_verified(0, torch.randn(3, F_DIM), 1, 4, [1, 97]),
      InvalidRequest),
     ("verified unknown", lambda d: d.commit_verified(9, torch.randn(2, F_DIM), 0, 0, [1]), UnknownSequence),
+    # One step's commits in one call: a bad entry anywhere refuses the whole call before any change
+    # (sequence 0's entry is valid in each, and sequence 0 must be left as it was).
+    ("many: second entry's gap", lambda d: many(d, pos=[4, 5]), StateConflict),
+    ("many: second entry's token range", lambda d: many(d, tokens=[[1, 2], [1, 97]]), InvalidRequest),
+    ("many: second entry's token count", lambda d: many(d, tokens=[[1, 2], [1]]), InvalidRequest),
+    ("many: accepts all rows", lambda d: many(d, accepted=[1, 3], tokens=[[1, 2], [1] * 4]), InvalidRequest),
+    ("many: rows past the end", lambda d: many(d, starts=[0, 4]), InvalidRequest),
+    ("many: negative row start", lambda d: many(d, starts=[0, -1]), InvalidRequest),
+    ("many: too many rows", lambda d: many(d, counts=[3, GAMMA + 1], rows=GAMMA + 4), InvalidRequest),
+    ("many: a sequence twice", lambda d: many(d, ids=[0, 0]), InvalidRequest),
+    ("many: unknown sequence", lambda d: many(d, ids=[0, 9]), UnknownSequence),
+    ("many: a bool position", lambda d: many(d, pos=[4, True]), InvalidRequest),
+    ("many: a float count", lambda d: many(d, counts=[3, 3.0]), InvalidRequest),
+    ("many: short column", lambda d: many(d, accepted=[1]), InvalidRequest),
+    ("many: wrong width", lambda d: many(d, width=5), InvalidRequest),
     ("propose too many drafts", lambda d: propose_one(d, 0, 1, 4, GAMMA), InvalidRequest),
     ("propose wrong position", lambda d: propose_one(d, 0, 1, 5, 2), StateConflict),
     ("propose anchor out of vocab", lambda d: propose_one(d, 0, 97, 4, 2), InvalidRequest),
@@ -552,6 +574,38 @@ def test_commit_verified_is_stash_commit_trim(batched):
         assert snapshot(one, 0)[1] is None  # nothing left stashed
         assert propose_one(one, 0, 2, position, GAMMA - 1) == propose_one(three, 0, 2, position, GAMMA - 1)
     assert_matches(pair[1], 0, history, 7, GAMMA - 1)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_commit_verified_many_is_commit_verified_per_sequence(batched):
+    """One call for a step's sequences (rows picked out of one verify output, some sequences left out)
+    leaves every sequence as one `commit_verified` each does."""
+    pair = [make(), make()]
+    seqs = (0, 1, 2)
+    for d in pair:
+        for seq in seqs:
+            d.alloc(seq, 80)
+            d.prefill(seq, [1] * (5 + seq), torch.randn(5 + seq, F_DIM, generator=torch.Generator().manual_seed(seq)))
+    position = {seq: 5 + seq for seq in seqs}
+    gen = torch.Generator().manual_seed(3)
+    for step, accepted in enumerate([(2, 0, GAMMA - 1), (0, 1, 1), (GAMMA - 1, 3, 0)]):
+        verify = torch.randn(3 * GAMMA + 2, F_DIM, generator=gen)  # two spare rows: entries skip them
+        starts = [0, GAMMA + 1, 2 * GAMMA + 2]
+        chosen = [seq for seq in seqs if (seq + step) % 3]  # one sequence sits each step out
+        tokens = {seq: [3 + seq] * (accepted[seq] + 1) for seq in seqs}
+        one, many = pair
+        with (one.batched_appends() if batched else nullcontext()):
+            for seq in chosen:
+                one.commit_verified(seq, verify[starts[seq]:starts[seq] + GAMMA], accepted[seq], position[seq], tokens[seq])
+        with (many.batched_appends() if batched else nullcontext()):
+            many.commit_verified_many(chosen, verify, [starts[s] for s in chosen], [GAMMA] * len(chosen),
+                                      [accepted[s] for s in chosen], [position[s] for s in chosen],
+                                      [tokens[s] for s in chosen])
+        for seq in chosen:
+            position[seq] += accepted[seq] + 1
+        for seq in seqs:
+            assert_same(snapshot(many, seq), snapshot(one, seq))
+            assert propose_one(many, seq, 2, position[seq], GAMMA - 1) == propose_one(one, seq, 2, position[seq], GAMMA - 1)
 
 
 def test_failed_commits_keep_the_stash_and_a_valid_commit_follows():
