@@ -12,6 +12,7 @@ prefill); on a CPU the same static forward runs without capture, which is how it
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import partial
 
@@ -83,19 +84,26 @@ class StaticForward:
         inputs, tables = self._host_inputs.numpy(), self._host_tables.numpy()
         tokens, positions, slots, rows = (row.reshape(self.batch, q) for row in inputs[:4])
         tokens[:], positions[:], slots[:], tables[:] = 0, 0, self.scratch_slot, self.scratch_block
-        count = 0
-        for b, (seq_id, ids, start) in enumerate(zip(step.seq_ids, step.tokens, step.starts)):
-            n = len(ids)
-            blocks = np.asarray(self.cache.blocks(seq_id))
-            span = np.arange(start, start + n)
-            tokens[b, :n] = ids
-            # Padding queries of a real sequence sit at its last position (they read only its own
-            # keys) but write to the scratch slot.
-            positions[b] = np.minimum(np.arange(start, start + q), start + n - 1)
-            slots[b, :n] = blocks[span // block_size] * block_size + span % block_size
-            tables[b, :len(blocks)] = blocks
-            inputs[3, count:count + n] = np.arange(b * q, b * q + n)
-            count += n
+        # Whole-batch array ops: the host's cost of a step must not grow by a Python loop's worth per
+        # sequence (at 64 sequences that loop was a good part of a millisecond).
+        batch = len(step.seq_ids)
+        lengths = np.fromiter(map(len, step.tokens), dtype=np.int64, count=batch)
+        starts = np.asarray(step.starts, dtype=np.int64)
+        blocks = self.cache.block_lists(step.seq_ids)
+        widths = np.fromiter(map(len, blocks), dtype=np.int64, count=batch)
+        seq_of = np.arange(batch)
+        tables[np.repeat(seq_of, widths), _ragged_arange(widths)] = np.fromiter(
+            itertools.chain.from_iterable(blocks), dtype=np.int64, count=int(widths.sum()))
+        # Padding queries of a real sequence sit at its last position (they read only its own keys)
+        # but write to the scratch slot.
+        positions[:batch] = np.minimum(starts[:, None] + np.arange(q), (starts + lengths - 1)[:, None])
+        token_seq, offset = np.repeat(seq_of, lengths), _ragged_arange(lengths)
+        count = int(lengths.sum())
+        flat = token_seq * q + offset  # each token's row in [B * Q]
+        span = np.repeat(starts, lengths) + offset  # each token's position
+        tokens.reshape(-1)[flat] = np.fromiter(itertools.chain.from_iterable(step.tokens), dtype=np.int64, count=count)
+        slots.reshape(-1)[flat] = tables[token_seq, span // block_size] * block_size + span % block_size
+        inputs[3, :count] = flat
         placed = self._place_drafts(drafts, inputs) if drafts is not None else 0
         self.inputs.copy_(self._host_inputs, non_blocking=True)
         self.block_tables.copy_(self._host_tables, non_blocking=True)
@@ -109,11 +117,12 @@ class StaticForward:
     def _place_drafts(self, drafts: DeviceDrafts, inputs: np.ndarray) -> int:
         """Rows 4/5 of the host inputs: token-row slots of each draft and its index in drafts.tokens."""
         q, width = self.query_len, drafts.tokens.shape[1]
-        dest = [np.arange(b * q + 1, b * q + 1 + k) for b, k in zip(drafts.seqs, drafts.counts)]
-        src = [np.arange(r * width, r * width + k) for r, k in zip(drafts.rows, drafts.counts)]
-        placed = sum(drafts.counts)
+        counts = np.asarray(drafts.counts, dtype=np.int64)
+        offset = _ragged_arange(counts)
+        placed = len(offset)
         if placed:
-            inputs[4, :placed], inputs[5, :placed] = np.concatenate(dest), np.concatenate(src)
+            inputs[4, :placed] = np.repeat(np.asarray(drafts.seqs, dtype=np.int64) * q + 1, counts) + offset
+            inputs[5, :placed] = np.repeat(np.asarray(drafts.rows, dtype=np.int64) * width, counts) + offset
         return placed
 
     def run(self) -> ForwardOutput:
@@ -176,6 +185,12 @@ class StaticForward:
                               self.cache.v_pool[layer], self.block_tables, self.positions, attn.scale,
                               self.model.config.layer_window(layer))
         return attn.output(out.reshape(q.shape))
+
+
+def _ragged_arange(lengths: np.ndarray) -> np.ndarray:
+    """0..lengths[0]-1, 0..lengths[1]-1, ... concatenated."""
+    ends = np.cumsum(lengths)
+    return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - lengths, lengths)
 
 
 class StepGraphs:

@@ -120,6 +120,10 @@ class PagedKVCache:
         """The sequence's block ids, in position order (a copy)."""
         return list(self._get(seq_id).blocks)
 
+    def block_lists(self, seq_ids: list[int]) -> list[list[int]]:
+        """Each sequence's block ids, in position order: the cache's own lists, to read, not to change."""
+        return [self._get(seq_id).blocks for seq_id in seq_ids]
+
     def block_table(self, seq_id: int) -> torch.Tensor:
         """[blocks_for(length)] int32 block ids on the cache device."""
         seq = self._get(seq_id)
