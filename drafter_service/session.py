@@ -343,21 +343,24 @@ class Session:
         self.register(batch.register)
         errors = list(errors)
         self._in_step = True
+        # Every sequence's committed rows in one forward. Inside the block the drafter borrows the rows
+        # (views of the target's buffers) until the block ends, so the wait for its reads comes after
+        # it: before anything is released and before the answer lets the target write its buffers
+        # again, whatever failed. It comes after the proposes too, which are queued behind the reads
+        # and read their drafts back (a wait for everything queued before them): the GPU goes from
+        # the context forward straight to the propose, and this wait finds the work done.
         try:
-            # Every sequence's committed rows in one forward. Inside the block the drafter borrows the
-            # rows (views of the target's buffers) until the block ends, so the wait for its reads
-            # comes after it: before anything is released and before the answer lets the target
-            # write its buffers again, whatever failed.
             with _batched_appends(self.proposer):
                 for seq_step in batch.seqs:
                     error = self._apply_isolated(seq_step)
                     if error is not None:
                         errors.append(error)
+            self._in_step = False
+            failed = {e.seq_id for e in errors}
+            proposals, propose_errors = self._propose_isolated([r for r in batch.proposes if r.seq_id not in failed])
         finally:
             self._in_step = False
             self._finish_reads()
-        failed = {e.seq_id for e in errors}
-        proposals, propose_errors = self._propose_isolated([r for r in batch.proposes if r.seq_id not in failed])
         if batch.release:
             self.release(batch.release)
         return StepResult(batch.step_id, proposals, tuple(errors + propose_errors))

@@ -57,3 +57,25 @@ def test_a_unary_stash_waits_at_once(session):
     width = session.proposer.spec.feature_dim
     session.apply(wire.SeqStep(0, stash=encode_inline(torch.randn(4, width))))
     assert session.events == ["wait"]
+
+
+def test_a_step_with_proposes_waits_once_after_them(session, monkeypatch):
+    """The proposes are queued behind the block's reads and read their drafts back, so the one wait
+    comes after them: the GPU goes from the context forward to the propose without a host wait."""
+    session._default_head = session.proposer.head  # the drafter's own head: no buffers to register here
+    propose = session.proposer.propose
+    monkeypatch.setattr(session.proposer, "propose", lambda requests: (session.events.append("propose"), propose(requests))[1])
+    result = session.step(verify_step(session, proposes=(wire.ProposeRequest(0, 7, 5, 2),)))
+    assert not result.errors and len(result.proposals[0].tokens) == 2
+    assert session.events == ["read rows", "propose", "wait"]
+
+
+def test_a_step_whose_block_fails_still_waits(session, monkeypatch):
+    def broken(appends):
+        session.events.append("read rows")
+        raise RuntimeError("the context forward failed")
+
+    monkeypatch.setattr(session.proposer, "append_rows_batch", broken)
+    with pytest.raises(RuntimeError):
+        session.step(verify_step(session, proposes=(wire.ProposeRequest(0, 7, 5, 2),)))
+    assert session.events == ["read rows", "wait"]
