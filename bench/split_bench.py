@@ -46,7 +46,8 @@ class StepTimes:
     counts as draft too."""
 
     PHASES = {"_verify_forward": "verify", "_sample": "verify", "_read_drafts": "verify", "_propose": "draft",
-              "_prefetch_drafts": "draft", "_after_verify": "commit", "_batched_appends": "commit"}
+              "_prefetch_drafts": "draft", "_after_verify": "commit", "_commit_many": "commit",
+              "_batched_appends": "commit"}
 
     def __init__(self, engine: Engine) -> None:
         self.total = {"step": 0.0, "verify": 0.0, "draft": 0.0, "commit": 0.0}
@@ -112,6 +113,8 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
     stats = [events[r.request_id][-1].stats for r in reqs]
     generated = sum(len(t) for t in tokens)
     return tokens, {"tokens_per_s": generated / elapsed, "seconds": elapsed, "generated": generated,
+                    # admission and prefill (packed forwards, drafter attach): the run's time outside decode steps
+                    "outside_steps_s": elapsed - timer.total["step"],
                     "tau": sum(s.generated for s in stats) / sum(s.steps for s in stats),
                     "per_step_ms": timer.per_step_ms()}
 

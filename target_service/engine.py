@@ -301,14 +301,18 @@ class Engine:
                     self._after_verify(seq, draft, num_accepted, rows, start)
                 offset += len(draft) + 1
             if batch.seq_ids:
-                self._drafter_call(many, batch.seq_ids, features, batch.row_starts, batch.row_counts,
-                                   batch.num_accepted, batch.base_pos, batch.token_ids)
+                self._commit_many(many, batch, features)
         self._count_step(started, verified)
         kept = [seq.accept(new_tokens) for seq, new_tokens in zip(seqs, accepted_tokens)]
         # The next step's drafts can be computed now: the drafter runs on the GPU while the host
         # detokenizes, emits and starts the next step.
         self._prefetch_drafts(seqs)
         return [self._emit(seq, new_tokens, k) for seq, new_tokens, k in zip(seqs, accepted_tokens, kept)]
+
+    def _commit_many(self, many, batch: _VerifiedBatch, features: torch.Tensor) -> None:
+        """The step's verified sequences told to the drafter in one call (`commit_verified_many`)."""
+        self._drafter_call(many, batch.seq_ids, features, batch.row_starts, batch.row_counts, batch.num_accepted,
+                           batch.base_pos, batch.token_ids)
 
     def _count_step(self, started: float, verified: float) -> None:
         self.counters.steps += 1
