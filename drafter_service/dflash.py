@@ -35,6 +35,7 @@ from specsplit.shared.errors import CheckpointError
 from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
 from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer
 from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal
+from specsplit.shared.ragged import ragged_arange
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -436,15 +437,28 @@ class DFlashDrafter(Drafter):
         if not appends:
             return
         ends = {id(a.state): a.base_pos + a.rows.shape[0] for a in appends}  # the last append's end wins
-        kept, positions, slots = [], [], []
+        size = self.pool.block_size
+        # Per append only scalars and the ring blocks its rows touch; positions and slots of the whole
+        # batch are then a few array ops (a step appends to every sequence of the batch).
+        kept, firsts, lasts, offsets, blocks = [], [], [], [], []
         for a in appends:
+            end = a.base_pos + a.rows.shape[0]
             first = max(a.base_pos, ends[id(a.state)] - a.state.window)
-            span = np.arange(first, a.base_pos + a.rows.shape[0])
-            if span.size:
-                kept.append(a.rows[first - a.base_pos:])
-                positions.append(span)
-                slots.append(self.pool.slots(a.state.ring, span))
-        pos, slot = self.staging.put([np.concatenate(positions), np.concatenate(slots)])
+            if first >= end:
+                continue
+            kept.append(a.rows[first - a.base_pos:] if first > a.base_pos else a.rows)
+            ring, low = a.state.ring, first // size
+            firsts.append(first)
+            lasts.append(end)
+            offsets.append(len(blocks) - low)  # blocks[offset + j] is the append's logical block j
+            blocks.extend(ring[j % len(ring)] for j in range(low, (end - 1) // size + 1))
+        if not kept:
+            return
+        counts = np.asarray(lasts, dtype=np.int64) - firsts
+        positions = np.repeat(np.asarray(firsts, dtype=np.int64), counts) + ragged_arange(counts)
+        physical = np.asarray(blocks, dtype=np.int64)[np.repeat(np.asarray(offsets, dtype=np.int64), counts)
+                                                      + positions // size]
+        pos, slot = self.staging.put([positions, physical * size + positions % size])
         rows = torch.cat(kept) if len(kept) > 1 else kept[0]
         graphs = self.context_graphs
         if graphs is not None and graphs.fits(rows.shape[0]):

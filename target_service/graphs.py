@@ -25,6 +25,7 @@ from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
 from specsplit.shared.layers import SelfAttention
+from specsplit.shared.ragged import ragged_arange
 from specsplit.target_service.kv_cache import PagedKVCache
 from specsplit.target_service.model import CaptureSpec, ForwardOutput, TargetModel
 
@@ -92,12 +93,12 @@ class StaticForward:
         blocks = self.cache.block_lists(step.seq_ids)
         widths = np.fromiter(map(len, blocks), dtype=np.int64, count=batch)
         seq_of = np.arange(batch)
-        tables[np.repeat(seq_of, widths), _ragged_arange(widths)] = np.fromiter(
+        tables[np.repeat(seq_of, widths), ragged_arange(widths)] = np.fromiter(
             itertools.chain.from_iterable(blocks), dtype=np.int64, count=int(widths.sum()))
         # Padding queries of a real sequence sit at its last position (they read only its own keys)
         # but write to the scratch slot.
         positions[:batch] = np.minimum(starts[:, None] + np.arange(q), (starts + lengths - 1)[:, None])
-        token_seq, offset = np.repeat(seq_of, lengths), _ragged_arange(lengths)
+        token_seq, offset = np.repeat(seq_of, lengths), ragged_arange(lengths)
         count = int(lengths.sum())
         flat = token_seq * q + offset  # each token's row in [B * Q]
         span = np.repeat(starts, lengths) + offset  # each token's position
@@ -118,7 +119,7 @@ class StaticForward:
         """Rows 4/5 of the host inputs: token-row slots of each draft and its index in drafts.tokens."""
         q, width = self.query_len, drafts.tokens.shape[1]
         counts = np.asarray(drafts.counts, dtype=np.int64)
-        offset = _ragged_arange(counts)
+        offset = ragged_arange(counts)
         placed = len(offset)
         if placed:
             inputs[4, :placed] = np.repeat(np.asarray(drafts.seqs, dtype=np.int64) * q + 1, counts) + offset
@@ -185,12 +186,6 @@ class StaticForward:
                               self.cache.v_pool[layer], self.block_tables, self.positions, attn.scale,
                               self.model.config.layer_window(layer))
         return attn.output(out.reshape(q.shape))
-
-
-def _ragged_arange(lengths: np.ndarray) -> np.ndarray:
-    """0..lengths[0]-1, 0..lengths[1]-1, ... concatenated."""
-    ends = np.cumsum(lengths)
-    return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - lengths, lengths)
 
 
 class StepGraphs:
