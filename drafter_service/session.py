@@ -36,7 +36,9 @@ from specsplit.shared.errors import (
     UnknownSequence,
 )
 from specsplit.shared.proposer import CarriedKV, Proposal, Proposer, ProposeRequest
-from specsplit.shared.transport import BufferDescriptor, BufferImporter, BufferKind, BufferRole, InlineRows, RowSource
+from specsplit.shared.transport import (
+    BufferDescriptor, BufferImporter, BufferKind, BufferRole, InlineRows, RowRef, RowSource,
+)
 from specsplit.shared.wire import RowsOp, SeqError, SeqStep, StepBatch, StepResult
 
 log = logging.getLogger(__name__)
@@ -351,7 +353,7 @@ class Session:
         # the context forward straight to the propose, and this wait finds the work done.
         try:
             with _batched_appends(self.proposer):
-                for seq_step in batch.seqs:
+                for seq_step in self._apply_verified_together(batch.seqs):
                     error = self._apply_isolated(seq_step)
                     if error is not None:
                         errors.append(error)
@@ -364,6 +366,34 @@ class Session:
         if batch.release:
             self.release(batch.release)
         return StepResult(batch.step_id, proposals, tuple(errors + propose_errors))
+
+    def _apply_verified_together(self, seqs: Sequence[SeqStep]) -> Sequence[SeqStep]:
+        """The step's verified sequences whose rows lie in one buffer (a packed step's columns) in one
+        drafter call (`commit_verified_many`: one resolve of their rows, one round of checks); returns
+        the sequences left to apply one by one. That call changes nothing unless every entry is good,
+        so when it fails they all go the one-by-one way, which reports each bad sequence alone."""
+        many = getattr(type(self.proposer), "commit_verified_many", None)
+        refs = [s for s in seqs if self._verified(s) and isinstance(s.stash, RowRef)]
+        if many is None or len(refs) < 2:
+            return seqs
+        first = refs[0].stash
+        together = [s for s in refs if (s.stash.buffer_id, s.stash.generation) == (first.buffer_id, first.generation)]
+        if len(together) < 2:
+            return seqs
+        low = min(s.stash.row_offset for s in together)
+        high = max(s.stash.row_offset + s.stash.rows for s in together)
+        try:
+            internal = [self._seqs[s.seq_id] for s in together]  # KeyError: unknown, reported one by one
+            rows = self._rows(RowRef(first.buffer_id, low, high - low, first.generation))
+            self.proposer.commit_verified_many(
+                internal, rows, [s.stash.row_offset - low for s in together], [s.stash.rows for s in together],
+                [s.trim for s in together], [s.commit.base_pos for s in together],
+                [list(s.commit.token_ids) for s in together])
+        except Exception as err:  # noqa: BLE001 - nothing changed: each sequence is applied alone below
+            log.debug("the step's verified sequences failed together (%s); applying them one by one", err)
+            return seqs
+        done = {id(s) for s in together}
+        return [s for s in seqs if id(s) not in done]
 
     def _apply_isolated(self, seq_step: SeqStep) -> SeqError | None:
         try:

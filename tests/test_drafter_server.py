@@ -371,6 +371,39 @@ def test_step_errors_stay_with_their_sequence(env):
     client.close_stream()
 
 
+def test_a_steps_verified_sequences_commit_together_and_a_bad_one_fails_alone(env, monkeypatch):
+    """The verified sequences of a packed step (rows in one buffer) go to the drafter in one call; when
+    one entry is bad that call changes nothing, and the sequences are applied one by one, so only the
+    bad one fails (with its own code) and the others end as the direct calls leave them."""
+    client, twin = env.client("target-a"), env.twin
+    for seq_id in range(4):
+        alloc_prefill(client, twin, seq_id, [20 + seq_id, 21, 22], seed=seq_id)
+    calls = []
+    many = env.drafter.commit_verified_many
+    monkeypatch.setattr(env.drafter, "commit_verified_many", lambda *a: (calls.append(len(a[0])), many(*a))[1])
+    client.open()
+    pos = {seq_id: 3 for seq_id in range(4)}
+    for step_id, bad in ((1, 3), (2, None)):
+        client.new_generation()
+        seqs, reqs = [], []
+        for seq_id in range(4):
+            verify = rows(GAMMA, 40 + 10 * step_id + seq_id)
+            a = (seq_id + step_id) % GAMMA
+            tokens = tuple(range(30, 31 + a))
+            at = pos[seq_id] + (1 if seq_id == bad else 0)  # a gap: StateConflict
+            seqs.append(wire.SeqStep(seq_id, stash=client.shm(verify), commit=wire.CommitOp(a + 1, at, tokens), trim=a))
+            if seq_id != bad:
+                twin.commit_verified(seq_id, verify, a, pos[seq_id], tokens)
+                pos[seq_id] += a + 1
+            reqs.append(ProposeRequest(seq_id, 50 + seq_id, pos[seq_id], 3))
+        result = client.step(wire.StepBatch(step_id, seqs=seqs, proposes=reqs))
+        assert {e.seq_id: e.code for e in result.errors} == ({} if bad is None else {bad: "FAILED_PRECONDITION"})
+        good = [r for r in reqs if r.seq_id != bad]
+        same([result.proposals[r.seq_id] for r in good], twin.propose(good), twin)
+    assert calls == [4, 4]  # tried together both times; the first fell back to one by one
+    client.close_stream()
+
+
 def test_a_second_step_stream_of_one_client_is_refused(env):
     client = env.client("target-a")
     client.open()
