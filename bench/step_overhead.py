@@ -129,6 +129,9 @@ class Workload:
             drafted.append([p.tokens for p in proposals])
         for seq_id in ids:
             drafter.free(seq_id)
+        flush = getattr(drafter, "flush", None)
+        if flush is not None:  # a remote drafter's frees ride on the next step: with none coming, send them
+            flush()
         return seconds, drafted
 
 
