@@ -244,7 +244,8 @@ class Engine:
             with self._batched_appends():  # one drafter context forward for every admitted prompt
                 for seq in attaching:
                     if self.drafter_ok:
-                        self._attach(seq, seq.request.prompt_ids, torch.cat(rows[seq.seq_id]) if rows[seq.seq_id] else None)
+                        prompt_rows = torch.cat(rows[seq.seq_id]) if rows[seq.seq_id] else None
+                        self._attach(seq, seq.request.prompt_ids, prompt_rows)
         return [self._emit(seq, first) for seq, first in zip(done, firsts)]
 
     def _prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]) -> list[tuple[Sequence, int]]:
