@@ -466,6 +466,27 @@ class RemoteProposer:
     def trim(self, seq_id: int, num_accepted: int) -> None:
         self._pending_for(seq_id, "trim").trim = num_accepted
 
+    def commit_verified_many(self, seq_ids: Sequence[int], rows: torch.Tensor, row_starts: Sequence[int],
+                             row_counts: Sequence[int], num_accepted: Sequence[int], base_pos: Sequence[int],
+                             token_ids: Sequence[Sequence[int]]) -> None:
+        """The in-process drafters' one call after a verify (see `Drafter.commit_verified_many`), queued
+        for the next Step as each sequence's stash + commit + trim: the verify's rows are staged once (one
+        copy, each sequence referencing its slice) instead of once per sequence. The drafter checks
+        them, as it checks the plain verbs."""
+        if any(seq_id in self._pending for seq_id in seq_ids):  # ops queued before these go first
+            self._flush([])
+        if not seq_ids:
+            return
+        low = min(row_starts)
+        staged = self._live().step.put(rows[low:max(a + n for a, n in zip(row_starts, row_counts))])
+        order = _OP_ORDER["trim"]
+        for seq_id, start, count, accepted, pos, tokens in zip(seq_ids, row_starts, row_counts, num_accepted,
+                                                               base_pos, token_ids):
+            start -= low
+            part = staged + start if isinstance(staged, int) else staged[start:start + count]
+            self._pending[seq_id] = _Pending(stash=(part, count), commit=wire.CommitOp(accepted + 1, pos, tuple(tokens)),
+                                             trim=accepted, last=order)
+
     def catchup(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, base_pos: int) -> int:
         pending = self._pending_for(seq_id, "catchup")
         pending.catchup = (tuple(token_ids), self._live().step.put(rows), rows.shape[0], base_pos)

@@ -586,3 +586,38 @@ def test_an_overdue_step_answer_detaches_within_its_deadline(tmp_path, monkeypat
         proposer.close()
         server.stop(None)
         server_obj.close()
+
+
+def test_a_remote_drafter_takes_a_steps_commits_in_one_call(tmp_path):
+    """`RemoteProposer.commit_verified_many` (what the engine calls after a verify) stages the verify's
+    rows once and queues each sequence's stash + commit + trim: the drafter ends as the direct calls
+    leave a twin, sequences left out of the call (and rows around theirs) untouched."""
+    drafter, twin = make_drafter(), make_drafter()
+    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
+    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
+    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4)
+    try:
+        pos = {}
+        for seq_id in range(3):
+            prompt, r = [3 + seq_id, 4, 5], rows(3, seq_id)
+            for d in (proposer, twin):
+                d.alloc(seq_id, BUDGET)
+                d.prefill(seq_id, prompt, r)
+            pos[seq_id] = 3
+        for step, chosen in enumerate(([0, 1, 2], [2, 0], [1])):
+            verify = rows(3 * GAMMA + 1, 100 + step)  # one row before the first sequence's: left alone
+            starts = {seq_id: 1 + GAMMA * seq_id for seq_id in range(3)}
+            accepted = {seq_id: (seq_id + step) % GAMMA for seq_id in range(3)}
+            tokens = {seq_id: list(range(20, 21 + accepted[seq_id])) for seq_id in range(3)}
+            proposer.commit_verified_many(chosen, verify, [starts[s] for s in chosen], [GAMMA] * len(chosen),
+                                          [accepted[s] for s in chosen], [pos[s] for s in chosen],
+                                          [tokens[s] for s in chosen])
+            for s in chosen:
+                twin.commit_verified(s, verify[starts[s]:starts[s] + GAMMA], accepted[s], pos[s], tokens[s])
+                pos[s] += accepted[s] + 1
+            reqs = [ProposeRequest(s, 7, pos[s], GAMMA - 1) for s in range(3)]
+            same(proposer.propose(reqs), twin.propose(reqs), twin)
+    finally:
+        proposer.close()
+        server.stop(None)
+        server_obj.close()
