@@ -89,8 +89,9 @@ class Timer:
 class Workload:
     """The same steps for every drafter: a seeded stream of rows, acceptances and anchors."""
 
-    def __init__(self, batch: int, spec, steps: int) -> None:
+    def __init__(self, batch: int, spec, steps: int, one_call: bool = True) -> None:
         self.batch, self.k, self.dim, self.steps = batch, spec.max_drafts, spec.feature_dim, steps
+        self.one_call = one_call  # a step's commits in one call (the engine's way), or three verbs per sequence
         self.vocab = spec.vocab_size
 
     def start(self, drafter, first_id: int) -> list[int]:
@@ -115,11 +116,18 @@ class Workload:
             tokens = torch.randint(4, self.vocab, (self.batch, self.k + 1), generator=gen).tolist()
             started = time.perf_counter()
             with timer.phase("queue verbs"), batched():
-                for i, seq_id in enumerate(ids):
-                    a = accepted[i]
-                    drafter.stash(seq_id, rows[i * (self.k + 1):(i + 1) * (self.k + 1)])
-                    drafter.commit(seq_id, a + 1, pos[i], [last[i]] + tokens[i][:a])
-                    drafter.trim(seq_id, a)
+                if self.one_call and hasattr(type(drafter), "commit_verified_many"):  # as the engine does
+                    width = self.k + 1
+                    drafter.commit_verified_many(ids, rows, [i * width for i in range(self.batch)],
+                                                 [width] * self.batch, accepted, list(pos),
+                                                 [[last[i]] + tokens[i][:accepted[i]] for i in range(self.batch)])
+                else:
+                    for i, seq_id in enumerate(ids):
+                        a = accepted[i]
+                        drafter.stash(seq_id, rows[i * (self.k + 1):(i + 1) * (self.k + 1)])
+                        drafter.commit(seq_id, a + 1, pos[i], [last[i]] + tokens[i][:a])
+                        drafter.trim(seq_id, a)
+                for i, a in enumerate(accepted):
                     pos[i] += a + 1
                     last[i] = tokens[i][a]
             requests = [ProposeRequest(seq_id, last[i], pos[i], self.k) for i, seq_id in enumerate(ids)]
@@ -193,7 +201,7 @@ def served_seconds(metrics_url: str) -> tuple[float, int]:
 
 def bench_batch(batch: int, args, local, remote: RemoteProposer, seen: dict, timer: Timer, first_id: int,
                 metrics_url: str) -> dict:
-    work = Workload(batch, remote.spec, args.steps)
+    work = Workload(batch, remote.spec, args.steps, one_call=not args.per_sequence_verbs)
     out = {}
     for name, drafter in (("in_process", local), ("split", remote)):
         ids = work.start(drafter, first_id)
@@ -230,6 +238,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--per-sequence-verbs", action="store_true",
+                    help="stash, commit and trim per sequence instead of the engine's one call per step")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     tmp = Path(tempfile.mkdtemp(prefix="specsplit-overhead-"))
