@@ -27,6 +27,8 @@ from specsplit.target_service.drafter_client import RemoteProposer
 from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
+from specsplit.cli import drafts_by_batch
+from step_overhead import free_port, served_seconds
 
 PROMPTS = [
     "Explain how a hash map works.", "Write a Python function to reverse a linked list.",
@@ -126,6 +128,8 @@ def main() -> None:
     ap.add_argument("--drafter", default="dflash")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="concurrent requests per engine step")
+    ap.add_argument("--drafts-by-batch", type=drafts_by_batch, default=(), metavar="N:K,...",
+                    help="the engine's draft length by batch size, in every mode (default: the drafter's most)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
@@ -133,8 +137,11 @@ def main() -> None:
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
     tokenizer = Tokenizer.from_dir(folder)
     sock = f"unix:{tempfile.mkdtemp(prefix='specsplit-bench-')}/drafter.sock"
+    port = free_port()
+    metrics = f"http://127.0.0.1:{port}/metrics"
     cmd = [sys.executable, "-m", "specsplit", "drafter", "serve", "--listen", sock, "--drafter", args.drafter,
-           "--device", args.device, "--seed", "0"] + (["--dtype", args.dtype] if args.dtype else [])
+           "--device", args.device, "--seed", "0", "--metrics-port", str(port)] + \
+        (["--dtype", args.dtype] if args.dtype else [])
     drafter_proc = subprocess.Popen(cmd)
     try:
         wait_healthy(sock, 300)
@@ -145,7 +152,7 @@ def main() -> None:
         for batch in args.batch:
             # One stream runs two requests back to back; B streams run B requests at once.
             prompts = PROMPTS[:1] * 2 if batch == 1 else (PROMPTS * batch)[:batch]
-            conf = EngineConfig(max_batch=batch)
+            conf = EngineConfig(max_batch=batch, drafts_by_batch=args.drafts_by_batch)
             # Warm-up on the same shapes: the drafter captures its graphs per size bucket on first use.
             run(Engine(model, local_drafter, conf), tokenizer, prompts, args.max_tokens, "warm")
             run(Engine(model, remote, conf), tokenizer, prompts, args.max_tokens, "warm")
@@ -153,7 +160,9 @@ def main() -> None:
             local_tokens, local = run(Engine(model, local_drafter, conf), tokenizer, prompts, args.max_tokens, "l")
             remote.link.step_seconds.clear()
             bytes_before = remote.link.inline_row_bytes
+            served_before = served_seconds(metrics)
             split_tokens, split = run(Engine(model, remote, conf), tokenizer, prompts, args.max_tokens, "s")
+            served_after = served_seconds(metrics)
             steps = sorted(remote.link.step_seconds)
             results[f"batch_{batch}"] = {
                 "target_only": base, "in_process": local, "services": split,
@@ -165,6 +174,11 @@ def main() -> None:
                 "requests_differing_from_target_only": sum(a != b for a, b in zip(base_tokens, local_tokens)),
                 "services_equal_in_process": split_tokens == local_tokens,
                 "step_round_trip_p50_ms": 1e3 * statistics.median(steps) if steps else None,
+                "step_round_trip_mean_ms": 1e3 * statistics.fmean(steps) if steps else None,
+                # The drafter's own clock per Step message (parse, the drafter's work, its GPU waits), so
+                # the mean round trip less this is the transport, both ends' gRPC and the thread handoffs.
+                "drafter_served_mean_ms": 1e3 * (served_after[0] - served_before[0])
+                / max(served_after[1] - served_before[1], 1),
                 # What the split adds to each step's drafter phases (round trip, serialisation, the
                 # second process's GPU context) over the same drafter work in-process.
                 "control_plane_exposed_ms": (split["per_step_ms"]["draft"] + split["per_step_ms"]["commit"])

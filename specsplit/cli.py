@@ -253,7 +253,7 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
 
     drafter = None if args.drafter in (None, "none") else args.drafter
     engine = EngineConfig(max_batch=args.max_batch, num_drafts=args.num_drafts, kv_blocks=args.kv_blocks,
-                          cuda_graphs=args.cuda_graphs)
+                          cuda_graphs=args.cuda_graphs, drafts_by_batch=args.drafts_by_batch)
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
                               drafter_timeout=args.drafter_timeout, max_streams=args.max_streams,
                               max_message_bytes=int(args.max_message_mib * (1 << 20)),
@@ -288,6 +288,21 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from specsplit.demo import run_demo
 
     run_demo(args)
+
+
+def drafts_by_batch(text: str) -> tuple[tuple[int, int], ...]:
+    """`8:7,32:3` -> ((8, 7), (32, 3)): from N sequences in a step, at most K drafts per sequence."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        n, sep, k = item.partition(":")
+        try:
+            pair = (int(n), int(k))
+        except ValueError:
+            pair = None
+        if not sep or pair is None or pair[0] < 1 or pair[1] < 0:
+            raise argparse.ArgumentTypeError(f"{item!r} is not N:K with N >= 1 sequences and K >= 0 drafts")
+        pairs.append(pair)
+    return tuple(pairs)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -374,6 +389,9 @@ def add_service_parsers(sub) -> None:
     ts.add_argument("--num-drafts", type=int, default=None,
                     help="draft tokens verified per step, per sequence (default: the drafter's most: 15 for "
                          "the shipped DFlash, 4 for MTP); `specsplit demo` measures which is fastest here")
+    ts.add_argument("--drafts-by-batch", type=drafts_by_batch, default=(), metavar="N:K,...",
+                    help="at most K drafts per sequence in a step of N or more sequences, e.g. 8:7,32:3 "
+                         "(default: --num-drafts at every batch size)")
     ts.add_argument("--kv-blocks", type=int, default=2048, help="KV cache size, in blocks of 16 tokens")
     ts.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="on a GPU, replay decode/verify steps as CUDA graphs captured at start "

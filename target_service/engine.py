@@ -43,6 +43,10 @@ class EngineConfig:
     kv_blocks: int = 2048
     kv_block_size: int = 16
     num_drafts: int | None = None  # drafts per step; None = the drafter's max
+    # Fewer drafts when many sequences share a step: (from this many sequences, at most this many drafts)
+    # pairs. A verify's cost grows with its tokens once the batch fills the GPU, while the drafts far
+    # down a block are rarely accepted, so a big batch wants a short draft (bench/draft_length.py).
+    drafts_by_batch: tuple[tuple[int, int], ...] = ()
     cuda_graphs: bool = True  # on a GPU, replay decode/verify steps as captured CUDA graphs
 
     def __post_init__(self) -> None:
@@ -50,6 +54,17 @@ class EngineConfig:
             raise InvalidRequest("engine sizes must be positive")
         if self.num_drafts is not None and self.num_drafts < 0:
             raise InvalidRequest("num_drafts must be >= 0")
+        for pair in self.drafts_by_batch:
+            if len(pair) != 2 or pair[0] < 1 or pair[1] < 0:
+                raise InvalidRequest(f"drafts_by_batch: {pair!r} is not a (sequences >= 1, drafts >= 0) pair")
+
+    def drafts_for(self, num_seqs: int, most: int) -> int:
+        """The drafts per sequence in a step of `num_seqs` sequences, for a drafter that offers `most`."""
+        limit = most if self.num_drafts is None else min(most, self.num_drafts)
+        for from_seqs, drafts in self.drafts_by_batch:
+            if num_seqs >= from_seqs:
+                limit = min(limit, drafts)
+        return limit
 
 
 def capture_for(proposer: Proposer | None) -> CaptureSpec:
@@ -96,14 +111,17 @@ class Engine:
     def _capture_graphs(self) -> StepGraphs:
         drafts = self._max_drafts()
         longest = self.model.config.max_position_embeddings + drafts + 1
+        # A verify length per draft length the schedule can pick (each captured for every batch bucket).
+        shorter = {self._max_drafts(n) + 1 for n, _ in self.config.drafts_by_batch if n <= self.config.max_batch}
         return StepGraphs(self.model, self.cache, self.capture, max_batch=self.config.max_batch,
-                          query_lens=(1, drafts + 1), max_len=min(longest, self.config.kv_blocks * self.config.kv_block_size))
+                          query_lens=(1, drafts + 1, *shorter),
+                          max_len=min(longest, self.config.kv_blocks * self.config.kv_block_size))
 
-    def _max_drafts(self) -> int:
+    def _max_drafts(self, num_seqs: int = 1) -> int:
+        """The most drafts per sequence in a step of `num_seqs` sequences."""
         if self.proposer is None or self.proposer.spec is None:
             return 0
-        wanted = self.config.num_drafts if self.config.num_drafts is not None else self.proposer.spec.max_drafts
-        return min(wanted, self.proposer.spec.max_drafts)
+        return self.config.drafts_for(num_seqs, self.proposer.spec.max_drafts)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -376,8 +394,9 @@ class Engine:
     def _propose_requests(self, seqs: list[Sequence]) -> tuple[list[ProposeRequest], list[int]]:
         """The step's propose requests, and the index in `seqs` of each one's sequence."""
         requests, index = [], []
+        most = self._max_drafts(len(seqs))
         for i, seq in enumerate(seqs):
-            k = self._num_drafts(seq) if seq.drafter_attached else 0
+            k = self._num_drafts(seq, most) if seq.drafter_attached else 0
             if k > 0:
                 requests.append(ProposeRequest(seq.seq_id, seq.tokens[-1], seq.last_position, k))
                 index.append(i)
@@ -427,7 +446,8 @@ class Engine:
         come from our own drafter's argmax over the target vocabulary (its draft-to-target map is
         checked when the checkpoint loads), never from a peer."""
         propose = _capability(self.proposer, "propose_on_device")
-        if propose is None or self.graphs is None or self.graphs.bucket(len(seqs), self._max_drafts() + 1) is None:
+        if propose is None or self.graphs is None or \
+                self.graphs.bucket(len(seqs), max(r.num_drafts for r in requests) + 1) is None:
             return None
         tokens = self._drafter_call(propose, requests)
         if tokens is None or tokens is _FAILED:
@@ -443,9 +463,9 @@ class Engine:
             drafts[i] = tokens[row][:k]
         return drafts, argmax
 
-    def _num_drafts(self, seq: Sequence) -> int:
+    def _num_drafts(self, seq: Sequence, most: int) -> int:
         limit = self.model.config.max_position_embeddings - len(seq.tokens) - 1
-        return max(0, min(self._max_drafts(), seq.remaining - 1, limit))
+        return max(0, min(most, seq.remaining - 1, limit))
 
     def _after_verify(self, seq, draft, num_accepted, rows, start) -> None:
         """Tell the drafter what was accepted: stash + commit + trim (one call to an in-process drafter

@@ -125,6 +125,17 @@ def test_generate_server_refuses_what_the_server_chose(flag, value, capsys):
     assert (flag if flag != "--dev" else "--device") in err
 
 
+def test_drafts_by_batch_is_parsed_and_bad_values_are_refused(capsys):
+    from specsplit.cli import build_parser
+
+    args = build_parser().parse_args(["target", "serve", "--listen", "unix:/x", "--drafts-by-batch", "8:7, 32:3"])
+    assert args.drafts_by_batch == ((8, 7), (32, 3))
+    for bad in ("8", "0:3", "8:-1", "a:b", "8:7,32"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["target", "serve", "--listen", "unix:/x", "--drafts-by-batch", bad])
+        assert "is not N:K" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_output_stream_leaves_special_tokens_out_of_the_text(smollm2_dir, native):
     tokenizer = Tokenizer.from_dir(smollm2_dir)

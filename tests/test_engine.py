@@ -371,3 +371,34 @@ def test_a_request_cancelled_between_its_prefill_chunks_ends_alone(target, token
     got = {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items() if rid != "r0"}
     assert got == want
     assert not engine.running and engine.cache.num_free_blocks == engine.config.kv_blocks
+
+
+def test_draft_length_follows_the_batch_size_and_stays_lossless(target, tokenizer, reference):
+    # Three requests of different lengths: steps of 3, then 2, then 1 sequence.
+    reqs = requests(tokenizer)
+    for r, n in zip(reqs, (MAX_TOKENS, 24, 12)):
+        r.params = SamplingParams(max_tokens=n, ignore_eos=True)
+    continuations = {tuple(r.prompt_ids): r.prompt_ids + reference[r.request_id] for r in reqs}
+    oracle = OracleDrafter(drafter("dflash", target, block_size=8), continuations, mistake_rate=0.1)
+    asked: dict[int, set[int]] = {}
+    propose = oracle.propose
+
+    def spy(reqs_):
+        for r in reqs_:
+            asked.setdefault(len(reqs_), set()).add(r.num_drafts)
+        return propose(reqs_)
+
+    oracle.propose = spy
+    tokens, _ = run(target, oracle, reqs, max_batch=4, drafts_by_batch=((2, 3), (3, 1)))
+    assert tokens == {r.request_id: reference[r.request_id][:r.params.max_tokens] for r in reqs}
+    assert max(asked[3]) == 1 and max(asked[2]) == 3 and max(asked[1]) == 7  # 7: the block's most
+
+
+def test_drafts_by_batch_is_checked():
+    with pytest.raises(InvalidRequest):
+        EngineConfig(drafts_by_batch=((0, 3),))
+    with pytest.raises(InvalidRequest):
+        EngineConfig(drafts_by_batch=((4, -1),))
+    conf = EngineConfig(num_drafts=5, drafts_by_batch=((8, 3), (32, 1)))
+    assert [conf.drafts_for(n, 15) for n in (1, 7, 8, 31, 32, 64)] == [5, 5, 3, 3, 1, 1]
+    assert EngineConfig().drafts_for(64, 15) == 15

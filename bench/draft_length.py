@@ -1,0 +1,70 @@
+"""Which draft length pays at which batch size: in-process speculative tokens/s for each draft length k,
+beside target-only decoding, measured in one run.
+
+    python bench/draft_length.py --device cuda --dtype bfloat16 --batch 1 8 32 64 --drafts 3 5 7 15
+
+A verify costs about the same for 1 or 16 tokens per sequence while the batch leaves the GPU idle, and
+grows with its tokens once the batch fills it; the drafts far down a block are rarely accepted. So the
+best k shrinks as the batch grows; the table says where, for this GPU and drafter, and the last line
+prints the `--drafts-by-batch` schedule it suggests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from specsplit.local import LocalSetup, make_drafter, target_dir
+from specsplit.shared.tokenizer import Tokenizer
+from specsplit.target_service.engine import Engine, EngineConfig
+from specsplit.target_service.model import load_target
+from split_bench import PROMPTS, run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--drafter", default="dflash")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--drafts", type=int, nargs="+", default=[3, 7, 15], help="draft lengths k to compare")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
+    folder = target_dir(setup.target)
+    model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
+    tokenizer = Tokenizer.from_dir(folder)
+    drafter = make_drafter(args.drafter, model, setup)
+    results, best = {}, {}
+    print(f"{'batch':>5} {'k':>3} {'tok/s':>9} {'x target':>8} {'tau':>5} {'ms/step':>7}", flush=True)
+    for batch in args.batch:
+        prompts = PROMPTS[:1] * 2 if batch == 1 else (PROMPTS * batch)[:batch]
+        engines = {0: Engine(model, None, EngineConfig(max_batch=batch))}
+        engines.update({k: Engine(model, drafter, EngineConfig(max_batch=batch, num_drafts=k)) for k in args.drafts})
+        for k, engine in engines.items():  # warm-up: every captured shape in use, before any timing
+            run(engine, tokenizer, prompts, args.max_tokens, f"w{k}-")
+        row = {}
+        for k, engine in engines.items():
+            _, r = run(engine, tokenizer, prompts, args.max_tokens, f"k{k}-")
+            row[k] = r
+            ratio = r["tokens_per_s"] / row[0]["tokens_per_s"]
+            print(f"{batch:>5} {k:>3} {r['tokens_per_s']:>9.0f} {ratio:>8.2f} {r['tau']:>5.2f} "
+                  f"{r['per_step_ms']['step']:>7.2f}", flush=True)
+        results[f"batch_{batch}"] = {str(k): r for k, r in row.items()}
+        best[batch] = max(row, key=lambda k: row[k]["tokens_per_s"])
+    schedule, last = [], None
+    for batch in sorted(best):
+        if best[batch] != last:
+            schedule.append(f"{batch}:{best[batch]}")
+            last = best[batch]
+    results["fastest_k_by_batch"] = best
+    print(json.dumps({"fastest_k_by_batch": best}))
+    print("suggested: --drafts-by-batch " + ",".join(schedule))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
