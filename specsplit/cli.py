@@ -461,10 +461,13 @@ def add_training_parsers(sub) -> None:
                     help="optimizer steps; with --minutes, whichever ends first (default: no step bound)")
     tr.add_argument("--init", default=None, help="start from this drafter checkpoint (default: random weights)")
     for flag, kind, default, text in (
-            ("--layers", int, 2, "DFlash decoder layers"),
+            ("--layers", int, None, "DFlash decoder layers (default: 2, or the --init checkpoint's; more than "
+                                    "the checkpoint's grows it, the new layers starting as identities)"),
             ("--block-size", int, 16, "DFlash block size γ, in tokens"),
             ("--target-layers", str, None, "DFlash: comma-separated target layers read as features, e.g. "
-                                           "1,8,14,20,27 (default: --num-target-layers spread over depth)"),
+                                           "1,8,14,20,27 (default: --num-target-layers spread over depth; with "
+                                           "--init, the checkpoint's, which more layers may extend: their inputs "
+                                           "start at zero)"),
             ("--num-target-layers", int, None, "DFlash: that many target layers spread over depth (default: --layers; "
                                                "with --init, the checkpoint's)"),
             ("--batch", int, 32, "sequences per optimizer step"), ("--anchors", int, 32, "DFlash blocks per sequence"),

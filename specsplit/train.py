@@ -21,7 +21,7 @@ import math
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -44,7 +44,7 @@ Log = Callable[[str], None]
 @dataclass(frozen=True)
 class TrainConfig:
     kind: str = "dflash"  # dflash | mtp
-    layers: int = 2  # DFlash decoder layers (MTP has one)
+    layers: int | None = None  # DFlash decoder layers (MTP has one); None: 2, or --init's
     block_size: int = 16  # γ
     target_layers: tuple[int, ...] | None = None  # DFlash feature layers of the target; None: see below
     num_target_layers: int | None = None  # that many spread over depth (z-lab's rule); None: one per layer
@@ -77,7 +77,9 @@ class TrainConfig:
             raise InvalidRequest(f"--kind must be dflash or mtp, got {self.kind!r}")
         if self.steps is None and self.minutes is None:
             raise InvalidRequest("give --steps, --minutes or both")
-        for name in ("layers", "batch", "anchors", "mtp_steps", "seq_len", "max_prompt_tokens", "gen_batch",
+        if self.layers is not None and self.layers < 1:
+            raise InvalidRequest("layers must be ≥ 1")
+        for name in ("batch", "anchors", "mtp_steps", "seq_len", "max_prompt_tokens", "gen_batch",
                      "log_every"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be ≥ 1")
@@ -107,7 +109,7 @@ class TrainConfig:
                 raise InvalidRequest(f"--target-layers {self.target_layers} must be distinct layers of "
                                      f"0..{num_hidden_layers - 1}")
             return self.target_layers
-        chosen = build_target_layer_ids(num_hidden_layers, self.num_target_layers or self.layers)
+        chosen = build_target_layer_ids(num_hidden_layers, self.num_target_layers or self.layers or 2)
         if len(set(chosen)) != len(chosen) or not all(0 <= i < num_hidden_layers for i in chosen):
             raise InvalidRequest(f"{len(chosen)} target layers do not spread over {num_hidden_layers}; "
                                  "give --target-layers")
@@ -415,19 +417,58 @@ def new_drafter(cfg: TrainConfig, info: TargetInfo, device: torch.device, init: 
     """A float32 drafter to train: fresh and seeded, or read from `init` (which fixes its shape)."""
     if init is None:
         dflash = cfg.kind == "dflash"
-        model = random_model(cfg.kind, info, seed=cfg.seed, num_layers=cfg.layers if dflash else 1,
+        model = random_model(cfg.kind, info, seed=cfg.seed, num_layers=(cfg.layers or 2) if dflash else 1,
                              block_size=cfg.block_size, dtype=torch.float32, device=device,
                              **({"target_layer_ids": cfg.target_layer_ids(info.num_hidden_layers)} if dflash else {}))
     else:
         model = load_model(init, target_info=info, dtype=torch.float32, device=device)
         if isinstance(model, DFlashModel) != (cfg.kind == "dflash"):
             raise InvalidRequest(f"--init {init} is not a {cfg.kind} drafter")
-        if isinstance(model, DFlashModel) and cfg.target_layers not in (None, model.cfg.target_layer_ids):
-            raise InvalidRequest(f"--init {init} reads target layers {model.cfg.target_layer_ids}, "
-                                 f"not {cfg.target_layers}")
+        if isinstance(model, DFlashModel):
+            layers = model.cfg.decoder.num_hidden_layers if cfg.layers is None else cfg.layers
+            given = cfg.target_layers is not None or cfg.num_target_layers is not None
+            ids = cfg.target_layer_ids(info.num_hidden_layers) if given else model.cfg.target_layer_ids
+            if (layers, tuple(ids)) != (model.cfg.decoder.num_hidden_layers, model.cfg.target_layer_ids):
+                model = grow_dflash(model, layers, tuple(ids), seed=cfg.seed)
     if cfg.kl_weight > 0 and model.d2t is not None:
         raise InvalidRequest("KL distillation needs a drafter over the target's whole vocabulary (no d2t)")
     return model.train().requires_grad_(True)
+
+
+def grow_dflash(model: DFlashModel, layers: int, target_layer_ids: tuple[int, ...], *, seed: int) -> DFlashModel:
+    """`model` with more decoder layers and more target layers read as features, computing exactly what
+    it computed before: each new layer's residual branches end in zeroed projections (attention o_proj,
+    MLP down_proj), so it passes its input through until trained, and the fc columns that read the new
+    target layers are zero. A session can so continue a trained checkpoint at a bigger shape instead of
+    training the bigger drafter from scratch (Net2Net-style growth)."""
+    cfg = model.cfg
+    old = cfg.decoder.num_hidden_layers
+    if layers < old or not set(cfg.target_layer_ids) <= set(target_layer_ids):
+        raise InvalidRequest(f"a checkpoint of {old} layers reading target layers {list(cfg.target_layer_ids)} can "
+                             f"only grow: {layers} layers reading {list(target_layer_ids)} drop some of it")
+    types = cfg.decoder.layer_types
+    decoder = replace(cfg.decoder, num_hidden_layers=layers,
+                      layer_types=None if types is None else types + ("full_attention",) * (layers - old))
+    bigger = DFlashModel(replace(cfg, decoder=decoder, target_layer_ids=tuple(target_layer_ids)))
+    ref = next(model.parameters())
+    bigger.to(device=ref.device, dtype=ref.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in bigger.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.dim() == 2 else torch.ones(p.shape))
+        state = model.state_dict()
+        for name, tensor in bigger.state_dict().items():
+            if name in state and name != "fc.weight" and state[name].shape == tensor.shape:
+                tensor.copy_(state[name])
+        width = cfg.decoder.hidden_size
+        bigger.fc.weight.zero_()
+        for j, layer in enumerate(cfg.target_layer_ids):
+            k = target_layer_ids.index(layer)
+            bigger.fc.weight[:, k * width:(k + 1) * width] = model.fc.weight[:, j * width:(j + 1) * width]
+        for layer in bigger.layers[old:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return bigger
 
 
 def checkpoint_bytes(model: DrafterModel) -> int:

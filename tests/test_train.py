@@ -15,7 +15,8 @@ from specsplit.shared.proposer import ProposeRequest
 from specsplit.shared.sampling import SamplingParams
 from specsplit import train_data
 from specsplit.local import target_head, target_info
-from specsplit.train import Pool, TrainConfig, capture_for_model, new_drafter, save_drafter, train_drafter
+from specsplit.train import (Pool, TrainConfig, capture_for_model, grow_dflash, new_drafter, save_drafter,
+                             train_drafter)
 from specsplit.target_service.dense import Generated, capture_features, generate
 from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
@@ -189,10 +190,42 @@ def test_target_layers_are_chosen_as_asked_and_kept_from_init(llama, tmp_path):
     with pytest.raises(InvalidRequest):
         new_drafter(TrainConfig(steps=1, target_layers=(0, 9)), info, device, None)  # the tiny llama has 3
     folder = save_drafter(model, tmp_path / "d")
-    again = new_drafter(TrainConfig(steps=1, layers=5, num_target_layers=3), info, device, folder)
-    assert again.cfg.target_layer_ids == (0, 2) and len(again.layers) == 1  # the checkpoint decides
-    with pytest.raises(InvalidRequest):
+    again = new_drafter(TrainConfig(steps=1), info, device, folder)
+    assert again.cfg.target_layer_ids == (0, 2) and len(again.layers) == 1  # nothing asked: the checkpoint's
+    grown = new_drafter(TrainConfig(steps=1, layers=3, target_layers=(0, 1, 2)), info, device, folder)
+    assert grown.cfg.target_layer_ids == (0, 1, 2) and len(grown.layers) == 3
+    with pytest.raises(InvalidRequest):  # would drop target layer 0
         new_drafter(TrainConfig(steps=1, target_layers=(1, 2)), info, device, folder)
+    with pytest.raises(InvalidRequest):  # fewer layers than the checkpoint's
+        new_drafter(TrainConfig(steps=1, layers=1), info, device, save_drafter(grown, tmp_path / "g"))
+
+
+def test_a_grown_drafter_computes_what_it_grew_from_and_trains_its_new_parts(llama):
+    info, head = target_info(llama), target_head(llama)
+    small = random_drafter("dflash", info, head, seed=3, num_layers=1, target_layer_ids=(0, 2)).model
+    big = grow_dflash(small, 3, (0, 1, 2), seed=4)
+    gen = torch.Generator().manual_seed(0)
+    hidden = info.hidden_size
+    rows = torch.randn(1, 12, 3 * hidden, generator=gen)  # target layers 0, 1, 2
+    tokens = torch.randint(0, info.vocab_size, (1, 12), generator=gen)
+    positions, valid = torch.arange(12)[None], torch.ones(1, 12, dtype=torch.bool)
+    anchors = torch.tensor([[3, 7]])
+    narrow = torch.cat([rows[..., :hidden], rows[..., 2 * hidden:]], -1)  # what the small one reads
+    expected = dflash_block_hidden(small, head, narrow, tokens, positions, valid, anchors)
+    got = dflash_block_hidden(big, head, rows, tokens, positions, valid, anchors)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # A mutant that keeps the fc columns in the old order (layer 2's where layer 1's go) differs.
+    swapped = grow_dflash(small, 3, (0, 1, 2), seed=4)
+    with torch.no_grad():
+        swapped.fc.weight[:, hidden:2 * hidden], swapped.fc.weight[:, 2 * hidden:] = \
+            swapped.fc.weight[:, 2 * hidden:].clone(), swapped.fc.weight[:, hidden:2 * hidden].clone()
+    assert not torch.allclose(dflash_block_hidden(swapped, head, rows, tokens, positions, valid, anchors), expected,
+                              atol=1e-3)
+    big.requires_grad_(True)
+    dflash_block_hidden(big, head, rows, tokens, positions, valid, anchors).square().sum().backward()
+    assert big.layers[2].self_attn.o_proj.weight.grad.abs().sum() > 0  # the new layers learn
+    assert big.layers[2].mlp.down_proj.weight.grad.abs().sum() > 0
+    assert big.fc.weight.grad[:, hidden:2 * hidden].abs().sum() > 0  # and so do the new feature columns
 
 
 def test_heldout_prompts_are_never_trained_on():
