@@ -278,7 +278,8 @@ def test_engine_with_a_static_dflash_drafter_drafts_on_the_device(tiny_chat_dir)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_device_drafts_on_the_gpu_survive_requests_admitted_mid_run(smollm2_dir):
+@pytest.mark.parametrize("schedule", [(), ((2, 3), (3, 1))])  # also: a draft length per batch size
+def test_device_drafts_on_the_gpu_survive_requests_admitted_mid_run(smollm2_dir, schedule):
     """On a GPU the drafter's graphs share a memory pool and replay in any order, so a graph's outputs
     may sit where another keeps its intermediates: drafts handed to the verify on the device (prefetched
     ones too) must not be read after other drafter work. eval-acceptance on the H200, with requests
@@ -297,7 +298,8 @@ def test_device_drafts_on_the_gpu_survive_requests_admitted_mid_run(smollm2_dir)
     prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)[:12]]
 
     def run(proposer):
-        engine = Engine(target, proposer, EngineConfig(max_batch=3), eos_ids=tokenizer.eos_token_ids)
+        engine = Engine(target, proposer, EngineConfig(max_batch=3, drafts_by_batch=schedule),
+                        eos_ids=tokenizer.eos_token_ids)
         events = engine.generate([Request(f"r{i}", p, SamplingParams(max_tokens=48)) for i, p in enumerate(prompts)])
         return [[t for e in evs for t in e.token_ids] for evs in events.values()], [evs[-1].stats for evs in events.values()]
 
