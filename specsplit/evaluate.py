@@ -98,7 +98,8 @@ class AcceptanceRecorder:
             self.inner.commit(seq_id, num_accepted + 1, base_pos, token_ids)
             self.trim(seq_id, num_accepted)
             return
-        self.records.append((self.offered.pop(seq_id, 0), num_accepted))
+        if rows.shape[0] > 1:  # one row: a catch-up, no drafts were verified
+            self.records.append((self.offered.pop(seq_id, 0), num_accepted))
         self.inner.commit_verified(seq_id, rows, num_accepted, base_pos, token_ids)
 
     def commit_verified_many(self, seq_ids, rows, row_starts, row_counts, num_accepted, base_pos, token_ids) -> None:
@@ -107,7 +108,8 @@ class AcceptanceRecorder:
                 seq_id, start, count, accepted, pos, tokens = entry
                 self.commit_verified(seq_id, rows[start:start + count], accepted, pos, tokens)
             return
-        self.records += [(self.offered.pop(seq_id, 0), accepted) for seq_id, accepted in zip(seq_ids, num_accepted)]
+        self.records += [(self.offered.pop(seq_id, 0), accepted)
+                         for seq_id, count, accepted in zip(seq_ids, row_counts, num_accepted) if count > 1]
         self.inner.commit_verified_many(seq_ids, rows, row_starts, row_counts, num_accepted, base_pos, token_ids)
 
     def __getattr__(self, name: str):

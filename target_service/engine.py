@@ -313,7 +313,9 @@ class Engine:
                 seq.stats.drafted += len(draft)
                 seq.stats.accepted += num_accepted
                 self.counters.verified(len(draft), num_accepted)
-                if many is not None and draft and seq.drafter_attached:
+                if many is not None and seq.drafter_attached and (draft or features is not None):
+                    # A sequence offered no drafts this step (the batch's draft length, its last token)
+                    # joins too: its one row is a catch-up, which is a commit of 1 row with 0 accepted.
                     batch.add(seq, offset, len(draft) + 1, num_accepted, start, [seq.tokens[-1]] + draft[:num_accepted])
                 else:
                     rows = features[offset:offset + len(draft) + 1] if features is not None else None

@@ -402,3 +402,58 @@ def test_drafts_by_batch_is_checked():
     conf = EngineConfig(num_drafts=5, drafts_by_batch=((8, 3), (32, 1)))
     assert [conf.drafts_for(n, 15) for n in (1, 7, 8, 31, 32, 64)] == [5, 5, 3, 3, 1, 1]
     assert EngineConfig().drafts_for(64, 15) == 15
+
+
+def test_steps_without_drafts_keep_the_drafter_current_in_one_call(target, tokenizer, reference, monkeypatch):
+    # Three requests of different lengths; no drafts while 2 or more share a step, so the drafter only
+    # receives catch-up rows until one sequence is left, then drafts from that context. Its drafts must be
+    # the same whether the catch-ups went one call per sequence or in the step's one call.
+    reqs = requests(tokenizer)
+    for r, n in zip(reqs, (12, 24, MAX_TOKENS)):  # the last in the batch goes on alone
+        r.params = SamplingParams(max_tokens=n, ignore_eos=True)
+
+    def run_recording(one_call: bool):
+        from specsplit.target_service import engine as engine_module
+
+        inner = drafter("dflash", target, block_size=8)
+        calls = {"many": 0, "catchup": 0}
+        drafts = []
+        propose, many, catchup = inner.propose, inner.commit_verified_many, inner.catchup
+
+        def recording(rs):  # each propose's drafts, and the context it drafted from
+            out = propose(rs)
+            drafts.append(([p.tokens for p in out], [inner.held(inner.store.get(r.seq_id))[1] for r in rs]))
+            return out
+
+        inner.propose = recording
+
+        def count_many(*args):
+            calls["many"] += 1
+            return many(*args)
+
+        def count_catchup(*args):
+            calls["catchup"] += 1
+            return catchup(*args)
+
+        inner.catchup = count_catchup
+        capability = engine_module._capability
+
+        def lookup(proposer, name):
+            if name == "commit_verified_many":
+                return count_many if one_call else None
+            return capability(proposer, name)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(engine_module, "_capability", lookup)
+            tokens, _ = run(target, inner, reqs, max_batch=4, drafts_by_batch=((2, 0),))
+        return tokens, drafts, calls
+
+    tokens, drafts, calls = run_recording(one_call=True)
+    plain_tokens, plain_drafts, plain_calls = run_recording(one_call=False)
+    assert tokens == plain_tokens == {r.request_id: reference[r.request_id][:r.params.max_tokens] for r in reqs}
+    assert len(drafts) == len(plain_drafts) > 0
+    for (tokens_, context), (plain_tokens_, plain_context) in zip(drafts, plain_drafts):
+        assert tokens_ == plain_tokens_
+        for k, plain_k in zip(context, plain_context):
+            torch.testing.assert_close(k, plain_k)
+    assert calls["catchup"] == 0 and calls["many"] > 0 and plain_calls["catchup"] > 0
