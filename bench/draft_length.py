@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--drafts", type=int, nargs="+", default=[3, 7, 15], help="draft lengths k to compare")
+    ap.add_argument("--auto", action="store_true", help="also the engine that learns k per batch size (auto_drafts)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
@@ -37,11 +38,13 @@ def main() -> None:
     tokenizer = Tokenizer.from_dir(folder)
     drafter = make_drafter(args.drafter, model, setup)
     results, best = {}, {}
-    print(f"{'batch':>5} {'k':>3} {'tok/s':>9} {'x target':>8} {'tau':>5} {'ms/step':>7}", flush=True)
+    print(f"{'batch':>5} {'k':>4} {'tok/s':>9} {'x target':>8} {'tau':>5} {'ms/step':>7}", flush=True)
     for batch in args.batch:
         prompts = PROMPTS[:1] * 2 if batch == 1 else (PROMPTS * batch)[:batch]
         engines = {0: Engine(model, None, EngineConfig(max_batch=batch))}
         engines.update({k: Engine(model, drafter, EngineConfig(max_batch=batch, num_drafts=k)) for k in args.drafts})
+        if args.auto:
+            engines["auto"] = Engine(model, drafter, EngineConfig(max_batch=batch, auto_drafts=True))
         for k, engine in engines.items():  # warm-up: every captured shape in use, before any timing
             run(engine, tokenizer, prompts, args.max_tokens, f"w{k}-")
         row = {}
@@ -49,10 +52,14 @@ def main() -> None:
             _, r = run(engine, tokenizer, prompts, args.max_tokens, f"k{k}-")
             row[k] = r
             ratio = r["tokens_per_s"] / row[0]["tokens_per_s"]
-            print(f"{batch:>5} {k:>3} {r['tokens_per_s']:>9.0f} {ratio:>8.2f} {r['tau']:>5.2f} "
+            print(f"{batch:>5} {k!s:>4} {r['tokens_per_s']:>9.0f} {ratio:>8.2f} {r['tau']:>5.2f} "
                   f"{r['per_step_ms']['step']:>7.2f}", flush=True)
+        auto = engines.get("auto")
+        if auto is not None:  # what it learned on this batch size
+            row["auto"]["learned_k"] = auto.tuner.best(batch) if auto.tuner else None
+            print(f"{'':>5} auto learned k = {row['auto']['learned_k']}", flush=True)
         results[f"batch_{batch}"] = {str(k): r for k, r in row.items()}
-        best[batch] = max(row, key=lambda k: row[k]["tokens_per_s"])
+        best[batch] = max((k for k in row if k != "auto"), key=lambda k: row[k]["tokens_per_s"])
     schedule, last = [], None
     for batch in sorted(best):
         if best[batch] != last:

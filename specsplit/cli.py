@@ -252,8 +252,10 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
     from specsplit.target_service.engine import EngineConfig
 
     drafter = None if args.drafter in (None, "none") else args.drafter
-    engine = EngineConfig(max_batch=args.max_batch, num_drafts=args.num_drafts, kv_blocks=args.kv_blocks,
-                          cuda_graphs=args.cuda_graphs, drafts_by_batch=args.drafts_by_batch)
+    auto = args.num_drafts == "auto"
+    engine = EngineConfig(max_batch=args.max_batch, num_drafts=None if auto else args.num_drafts,
+                          kv_blocks=args.kv_blocks, cuda_graphs=args.cuda_graphs,
+                          drafts_by_batch=args.drafts_by_batch, auto_drafts=auto)
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
                               drafter_timeout=args.drafter_timeout, max_streams=args.max_streams,
                               max_message_bytes=int(args.max_message_mib * (1 << 20)),
@@ -288,6 +290,19 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from specsplit.demo import run_demo
 
     run_demo(args)
+
+
+def num_drafts(text: str) -> int | str:
+    """A draft count >= 0, or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count of drafts >= 0 nor 'auto'")
+    return value
 
 
 def drafts_by_batch(text: str) -> tuple[tuple[int, int], ...]:
@@ -386,9 +401,11 @@ def add_service_parsers(sub) -> None:
                     help="reach a TCP --drafter over TLS, trusting this CA, presenting --tls-cert/--tls-key "
                          "when given (the auth token sent is this service's own) (default: plain TCP)")
     ts.add_argument("--max-batch", type=int, default=16, help="sequences decoded together in one forward")
-    ts.add_argument("--num-drafts", type=int, default=None,
+    ts.add_argument("--num-drafts", type=num_drafts, default=None, metavar="K|auto",
                     help="draft tokens verified per step, per sequence (default: the drafter's most: 15 for "
-                         "the shipped DFlash, 4 for MTP); `specsplit demo` measures which is fastest here")
+                         "the shipped DFlash, 4 for MTP); 'auto': learn while serving, per batch size, which "
+                         "of 0, 1, 3, 7, 15 gives the most tokens/s; `specsplit demo` measures which is fastest "
+                         "here")
     ts.add_argument("--drafts-by-batch", type=drafts_by_batch, default=(), metavar="N:K,...",
                     help="at most K drafts per sequence in a step of N or more sequences, e.g. 8:7,32:3 "
                          "(default: --num-drafts at every batch size)")

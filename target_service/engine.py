@@ -27,6 +27,7 @@ from specsplit.shared.staging import to_host
 from specsplit.shared.tokenizer import TextStream
 from specsplit.shared.verify import verify_sampled
 from specsplit.target_service.counters import EngineCounters
+from specsplit.target_service.draft_tuner import DraftTuner
 from specsplit.target_service.graphs import DeviceDrafts, StepBatch, StepGraphs
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, TargetModel
 from specsplit.target_service.sequence import FinishReason, Request, Sequence, StepEvent
@@ -47,6 +48,9 @@ class EngineConfig:
     # pairs. A verify's cost grows with its tokens once the batch fills the GPU, while the drafts far
     # down a block are rarely accepted, so a big batch wants a short draft (bench/draft_length.py).
     drafts_by_batch: tuple[tuple[int, int], ...] = ()
+    # Learn the draft length per batch size while serving (target_service/draft_tuner.py): the k among
+    # 0, 1, 3, 7, 15 (within the limits above) that gives the most tokens per second of decode step.
+    auto_drafts: bool = False
     cuda_graphs: bool = True  # on a GPU, replay decode/verify steps as captured CUDA graphs
 
     def __post_init__(self) -> None:
@@ -96,6 +100,7 @@ class Engine:
         # Graphs route padding tokens to a scratch block of their own, one past the configured pool.
         self.cache = model.new_cache(config.kv_blocks + use_graphs, config.kv_block_size)
         self.capture = capture_for(proposer)
+        self.tuner: DraftTuner | None = None  # with auto_drafts, set once the graphs are captured
         self.graphs = self._capture_graphs() if use_graphs else None
         self.drafter_ok = proposer is not None and proposer.spec is not None
         self.waiting: deque[Sequence] = deque()
@@ -105,14 +110,22 @@ class Engine:
         # Issue 9: set by the EngineLoop to its cancel inbox, so a long prefill stops between chunks.
         self.is_cancelled: Callable[[str], bool] = lambda request_id: False
         self._spec = proposer.spec if proposer is not None else None  # the spec capture and graphs follow
+        self.tuner = self._new_tuner()
         # Drafts launched at the end of a step for the next (see _prefetch_drafts): (requests, drafts).
         self._prefetched: tuple[list[ProposeRequest], DeviceDrafts] | None = None
+
+    def _new_tuner(self) -> DraftTuner | None:
+        if not self.config.auto_drafts or self.proposer is None or self.proposer.spec is None:
+            return None
+        return DraftTuner(self.config.drafts_for(1, self.proposer.spec.max_drafts))
 
     def _capture_graphs(self) -> StepGraphs:
         drafts = self._max_drafts()
         longest = self.model.config.max_position_embeddings + drafts + 1
         # A verify length per draft length the schedule can pick (each captured for every batch bucket).
         shorter = {self._max_drafts(n) + 1 for n, _ in self.config.drafts_by_batch if n <= self.config.max_batch}
+        if self.config.auto_drafts and self.proposer is not None and self.proposer.spec is not None:
+            shorter |= {k + 1 for k in self._new_tuner().choices}
         return StepGraphs(self.model, self.cache, self.capture, max_batch=self.config.max_batch,
                           query_lens=(1, drafts + 1, *shorter),
                           max_len=min(longest, self.config.kv_blocks * self.config.kv_block_size))
@@ -121,7 +134,8 @@ class Engine:
         """The most drafts per sequence in a step of `num_seqs` sequences."""
         if self.proposer is None or self.proposer.spec is None:
             return 0
-        return self.config.drafts_for(num_seqs, self.proposer.spec.max_drafts)
+        most = self.config.drafts_for(num_seqs, self.proposer.spec.max_drafts)
+        return most if self.tuner is None else min(most, self.tuner.choose(num_seqs))
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -291,6 +305,8 @@ class Engine:
         return self.drafter_ok and seq.request.speculative and not seq.drafter_refused
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
+        step_started = time.perf_counter()
+        choice = self.tuner.choose(len(seqs)) if self.tuner is not None else 0
         drafts, on_device = self._propose(seqs)
         inputs = [[s.tokens[-1]] + d for s, d in zip(seqs, drafts)]
         starts = [s.last_position for s in seqs]
@@ -327,6 +343,9 @@ class Engine:
         kept = [seq.accept(new_tokens) for seq, new_tokens in zip(seqs, accepted_tokens)]
         # The next step's drafts can be computed now: the drafter runs on the GPU while the host
         # detokenizes, emits and starts the next step.
+        if self.tuner is not None:
+            self.tuner.observe(len(seqs), choice, time.perf_counter() - step_started,
+                               [(len(d), len(t) - 1) for d, t in zip(drafts, accepted_tokens)])
         self._prefetch_drafts(seqs)
         return [self._emit(seq, new_tokens, k) for seq, new_tokens, k in zip(seqs, accepted_tokens, kept)]
 
@@ -563,8 +582,10 @@ class Engine:
         finish without speculation (as if the drafter had refused them)."""
         self._spec = self.proposer.spec
         self.capture = capture_for(self.proposer)
+        self.tuner = None  # the graphs are captured for the new spec's draft lengths first
         if self.graphs is not None:
             self.graphs = self._capture_graphs()
+        self.tuner = self._new_tuner()
         for seq in seqs:
             seq.drafter_refused = True
 

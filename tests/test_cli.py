@@ -125,7 +125,7 @@ def test_generate_server_refuses_what_the_server_chose(flag, value, capsys):
     assert (flag if flag != "--dev" else "--device") in err
 
 
-def test_drafts_by_batch_is_parsed_and_bad_values_are_refused(capsys):
+def test_draft_lengths_are_parsed_and_bad_values_are_refused(capsys):
     from specsplit.cli import build_parser
 
     args = build_parser().parse_args(["target", "serve", "--listen", "unix:/x", "--drafts-by-batch", "8:7, 32:3"])
@@ -134,6 +134,13 @@ def test_drafts_by_batch_is_parsed_and_bad_values_are_refused(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["target", "serve", "--listen", "unix:/x", "--drafts-by-batch", bad])
         assert "is not N:K" in capsys.readouterr().err
+    serve = ["target", "serve", "--listen", "unix:/x", "--num-drafts"]
+    assert build_parser().parse_args(serve + ["auto"]).num_drafts == "auto"
+    assert build_parser().parse_args(serve + ["3"]).num_drafts == 3
+    for bad in ("-1", "many"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(serve + [bad])
+        assert "nor 'auto'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("native", [True, False])

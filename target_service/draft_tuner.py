@@ -1,0 +1,109 @@
+"""The draft length that pays, learned while serving: per batch size, the k that gives the most tokens
+per second of decode step.
+
+A step of B sequences with k drafts each yields B · E(k) tokens, E(k) = 1 + Σ_{j<k} P(the first j+1
+drafts are accepted), and costs T(B, k) seconds, which grows with k once the batch fills the device
+(and with the drafter's own work). Both move with the hardware, the model pair, the batch and the
+traffic, so they are measured, not configured: acceptance by draft position from every verified
+proposal, T as a moving average of the decode step's wall time per (batch bucket, k). Each bucket
+first tries every candidate k (largest first, which measures acceptance at every position), then
+takes the best estimate, and now and then retries the choice it measured longest ago, so a change in
+traffic or acceptance is noticed. Greedy or sampled, the output does not depend on k: only speed does.
+
+`choose` has no side effects: the engine asks it when it prefetches the next step's drafts and again
+when that step proposes, and both must get the same k until `observe` records the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+CANDIDATES = (0, 1, 3, 7, 15)
+
+
+@dataclass
+class _Bucket:
+    seconds: dict[int, float] = field(default_factory=dict)  # k -> moving average of a step's wall time
+    samples: dict[int, int] = field(default_factory=dict)
+    last_step: dict[int, int] = field(default_factory=dict)  # k -> the bucket's step count when last measured
+    steps: int = 0
+
+
+class DraftTuner:
+    def __init__(self, most: int, *, candidates: Iterable[int] = CANDIDATES, warmup: int = 2,
+                 retry_every: int = 64, smoothing: float = 0.25, forget: float = 0.02) -> None:
+        """most: the drafter's (or the configuration's) largest draft length; candidates above it are
+        replaced by it. warmup: steps each k is measured before estimates are trusted (the first step of
+        a new shape can carry one-time costs, so it is not counted). retry_every: a bucket's steps
+        between retries of its longest-unmeasured k. smoothing: weight of a new step time in its moving
+        average. forget: share of the acceptance counts forgotten at each step (so they follow the traffic)."""
+        if most < 0 or warmup < 1 or retry_every < 2 or not 0 < smoothing <= 1 or not 0 <= forget < 1:
+            raise ValueError("most >= 0, warmup >= 1, retry_every >= 2, smoothing in (0, 1] and forget in [0, 1) "
+                             "are required")
+        self.choices = tuple(sorted({min(k, most) for k in candidates if k >= 0} | {most}, reverse=True))
+        self.most = most
+        self.warmup = warmup
+        self.retry_every = retry_every
+        self.smoothing = smoothing
+        self.keep = 1.0 - forget
+        self.offered = [0.0] * most  # proposals that offered at least j+1 drafts (recent ones weigh more)
+        self.accepted = [0.0] * most  # ... whose first j+1 drafts were all accepted
+        self._buckets: dict[int, _Bucket] = {}
+
+    @staticmethod
+    def bucket_of(num_seqs: int) -> int:
+        return 1 << max(num_seqs - 1, 0).bit_length()
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k): tokens a sequence gains in a step with k drafts, from the acceptance seen so far. A
+        position never offered yet is assumed as likely as the deepest one seen (optimistic, so it gets
+        tried)."""
+        total, p = 1.0, 1.0
+        for j in range(k):
+            if self.offered[j]:
+                p = self.accepted[j] / self.offered[j]
+            total += p
+        return total
+
+    def choose(self, num_seqs: int) -> int:
+        """The draft length for a step of `num_seqs` sequences."""
+        bucket = self._buckets.get(self.bucket_of(num_seqs))
+        if bucket is None:
+            return self.choices[0]
+        for k in self.choices:  # first, measure every k (largest first)
+            if bucket.samples.get(k, 0) < self.warmup + 1:
+                return k
+        if bucket.steps % self.retry_every == self.retry_every - 1:
+            return min(self.choices, key=lambda k: bucket.last_step[k])
+        return self.best(num_seqs)
+
+    def best(self, num_seqs: int) -> int:
+        """The measured best k for `num_seqs` sequences (the largest k until the bucket was measured)."""
+        bucket = self._buckets.get(self.bucket_of(num_seqs))
+        measured = [k for k in self.choices if bucket is not None and k in bucket.seconds]
+        if not measured:
+            return self.choices[0]
+        return max(measured, key=lambda k: (self.expected_tokens(k) / bucket.seconds[k], -k))
+
+    def observe(self, num_seqs: int, k: int, seconds: float, verified: Sequence[tuple[int, int]]) -> None:
+        """Record a decode step: its sequences, the draft length it asked for, its wall time, and each
+        sequence's (drafts offered, drafts accepted)."""
+        if verified and self.keep < 1.0:
+            self.offered = [n * self.keep for n in self.offered]
+            self.accepted = [n * self.keep for n in self.accepted]
+        for offered, accepted in verified:
+            for j in range(min(offered, self.most)):
+                self.offered[j] += 1
+                self.accepted[j] += j < accepted
+        bucket = self._buckets.setdefault(self.bucket_of(num_seqs), _Bucket())
+        bucket.steps += 1
+        if k not in self.choices:
+            return
+        seen = bucket.samples.get(k, 0)
+        bucket.samples[k] = seen + 1
+        bucket.last_step[k] = bucket.steps
+        if seen == 0:
+            return  # a shape's first step can carry one-time costs (captures, allocations): not counted
+        old = bucket.seconds.get(k)
+        bucket.seconds[k] = seconds if old is None else old + self.smoothing * (seconds - old)

@@ -1,0 +1,122 @@
+"""The draft-length tuner finds, per batch size, the k with the most tokens per second of step, from
+measured step times and acceptance; the engine using it stays lossless."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specsplit.target_service.draft_tuner import DraftTuner
+
+
+def step_seconds(batch: int, k: int) -> float:
+    """A device that is idle at small batch (a longer verify costs little) and full at large batch."""
+    tokens = batch * (k + 1)
+    return 1e-3 * (1.0 + 0.4 * (k > 0) + max(0, tokens - 64) / 64)
+
+
+ACCEPT = 0.7  # each next draft is accepted with this probability, given the ones before were
+
+
+def expected(k: int) -> float:
+    return 1 + sum(ACCEPT ** (j + 1) for j in range(k))
+
+
+def best_k(batch: int, choices) -> int:
+    return max(choices, key=lambda k: expected(k) / step_seconds(batch, k))
+
+
+def drive(tuner: DraftTuner, batch: int, steps: int, rng: random.Random, noise: float = 0.05) -> list[int]:
+    chosen = []
+    for _ in range(steps):
+        k = tuner.choose(batch)
+        assert tuner.choose(batch) == k  # no side effects: prefetch and propose must agree
+        verified = []
+        for _ in range(batch):
+            accepted = 0
+            while accepted < k and rng.random() < ACCEPT:
+                accepted += 1
+            verified.append((k, accepted))
+        tuner.observe(batch, k, step_seconds(batch, k) * (1 + noise * rng.uniform(-1, 1)), verified)
+        chosen.append(k)
+    return chosen
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16, 64])
+def test_the_tuner_settles_on_the_fastest_draft_length_per_batch(batch):
+    tuner = DraftTuner(15)
+    chosen = drive(tuner, batch, 400, random.Random(batch))
+    want = best_k(batch, tuner.choices)
+    assert set(chosen[:15]) == set(tuner.choices)  # each tried first, largest first
+    assert chosen[0] == 15
+    late = chosen[200:]
+    rate = [expected(k) / step_seconds(batch, k) for k in late]
+    # then the best, or one within the noise of it (±5 % step times here), with the occasional retry
+    assert sum(rate) / len(rate) >= 0.95 * expected(want) / step_seconds(batch, want)
+    if batch in (1, 16, 64):  # a clear winner (4: 15 and 7 drafts are 5 % apart)
+        assert late.count(want) >= 0.9 * len(late) and tuner.best(batch) == want
+    # The picks differ by batch size here: 15 at one sequence, none at 64.
+    assert best_k(1, tuner.choices) == 15 and best_k(64, tuner.choices) == 0
+
+
+def test_buckets_learn_apart_and_retries_notice_a_change():
+    tuner = DraftTuner(15, retry_every=8)
+    rng = random.Random(0)
+    drive(tuner, 1, 100, rng)
+    drive(tuner, 64, 100, rng)
+    assert tuner.best(1) == best_k(1, tuner.choices) and tuner.best(64) == best_k(64, tuner.choices)
+    # Acceptance collapses (a drafter that no longer fits the traffic): k = 0 becomes the best at one
+    # sequence too; the retries measure it, since the observed acceptance drops.
+    for _ in range(300):
+        k = tuner.choose(1)
+        tuner.observe(1, k, step_seconds(1, k), [(k, 0)])
+    assert tuner.best(1) == 0
+
+
+def test_first_step_of_a_shape_is_not_counted_and_caps_hold():
+    tuner = DraftTuner(5)
+    assert tuner.choices == (5, 3, 1, 0)  # candidates above the most are replaced by it
+    tuner.observe(2, 5, 10.0, [(5, 5), (5, 5)])  # a capture: slow, and not counted
+    tuner.observe(2, 5, 0.001, [(5, 5), (5, 5)])
+    assert tuner._buckets[2].seconds[5] == pytest.approx(0.001)
+    assert tuner.expected_tokens(5) == pytest.approx(6.0)
+    with pytest.raises(ValueError):
+        DraftTuner(-1)
+    assert DraftTuner(0).choices == (0,)
+
+
+def test_the_engine_tuning_its_draft_length_is_lossless(tiny_chat_dir):
+    import torch
+
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.model import load_target
+    from specsplit.target_service.sequence import Request
+    from tests.oracle import OracleDrafter
+
+    target = load_target(tiny_chat_dir, dtype=torch.float32)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time"]
+
+    def run(proposer, **config):
+        engine = Engine(target, proposer, EngineConfig(max_batch=4, **config))
+        events = engine.generate([Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=60, ignore_eos=True))
+                                  for i, p in enumerate(prompts)])
+        return {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()}, engine
+
+    want, _ = run(None)
+    inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                           block_size=8)
+    oracle = OracleDrafter(inner, {tuple(tokenizer.encode(p)): tokenizer.encode(p) + want[f"r{i}"]
+                                   for i, p in enumerate(prompts)}, mistake_rate=0.15)
+    asked = set()
+    propose = oracle.propose
+    oracle.propose = lambda rs: asked.update(r.num_drafts for r in rs) or propose(rs)
+    got, engine = run(oracle, auto_drafts=True)
+    assert got == want
+    assert engine.tuner is not None and engine.tuner.choices == (7, 3, 1, 0)
+    assert {7, 3, 1} <= asked  # it tried the lengths (0 asks the drafter nothing)
