@@ -113,6 +113,7 @@ class Engine:
         self.tuner = self._new_tuner()
         # Drafts launched at the end of a step for the next (see _prefetch_drafts): (requests, drafts).
         self._prefetched: tuple[list[ProposeRequest], DeviceDrafts] | None = None
+        self._prefetch_seconds = 0.0  # host time of that launch, counted in the next step's time (tuner)
 
     def _new_tuner(self) -> DraftTuner | None:
         if not self.config.auto_drafts or self.proposer is None or self.proposer.spec is None:
@@ -343,10 +344,14 @@ class Engine:
         kept = [seq.accept(new_tokens) for seq, new_tokens in zip(seqs, accepted_tokens)]
         # The next step's drafts can be computed now: the drafter runs on the GPU while the host
         # detokenizes, emits and starts the next step.
-        if self.tuner is not None:
-            self.tuner.observe(len(seqs), choice, time.perf_counter() - step_started,
+        if self.tuner is not None:  # the step's time, with its propose when that was launched in the last step
+            seconds, self._prefetch_seconds = time.perf_counter() - step_started + self._prefetch_seconds, 0.0
+            self.tuner.observe(len(seqs), choice, seconds,
                                [(len(d), len(t) - 1) for d, t in zip(drafts, accepted_tokens)])
+        prefetch_started = time.perf_counter()
         self._prefetch_drafts(seqs)
+        if self._prefetched is not None:
+            self._prefetch_seconds = time.perf_counter() - prefetch_started
         return [self._emit(seq, new_tokens, k) for seq, new_tokens, k in zip(seqs, accepted_tokens, kept)]
 
     def _commit_many(self, many, batch: _VerifiedBatch, features: torch.Tensor) -> None:
