@@ -129,6 +129,22 @@ def test_sigkill_of_the_drafter_mid_stream_changes_nothing(specsplit_factory, ti
     assert result.stats.drafted > 0
 
 
+def test_a_target_learning_its_draft_length_through_the_services_is_lossless(specsplit_factory, tiny_chat_dir):
+    """`--num-drafts auto` over the Step stream: the tuner's draft lengths, steps without drafts (the
+    drafter kept current by one-row commits) and back; the tokens are target-only's."""
+    services = specsplit_factory(ServiceSpec(target=str(tiny_chat_dir), drafter="random-dflash",
+                                             target_args=("--num-drafts", "auto", "--max-batch", "4")))
+    client = services.client()
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    want = [client.generate(p, params, speculative=False).token_ids for p in PROMPTS]
+    drafted = []
+    for _ in range(2):  # the second round starts from what the first learned
+        results = concurrently(client, PROMPTS, params)
+        assert [r.token_ids for r in results] == want
+        drafted.append(sum(r.stats.drafted for r in results))
+    assert drafted[0] > 0  # a new batch size is first measured with every draft length
+
+
 def _processes_mentioning(text: str) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
