@@ -172,6 +172,7 @@ class _Connection:
     outbox: "queue.Queue[drafter_pb2.StepRequest | None]" = field(default_factory=queue.Queue)
     responses: grpc.Call | None = None  # the Step stream's answers, read by the thread that sent the step
     due: float = 0.0  # monotonic time by which the awaited Step answer is overdue (0: none awaited)
+    sent_at: float = 0.0  # perf_counter when the last Step was sent
     overdue: bool = False  # the watchdog cancelled the stream: an answer missed its deadline
     columns: bool = False  # the drafter reads a StepRequest's columns (DrafterDescription.step_columns)
     exporter: BufferExporter | None = None
@@ -247,6 +248,7 @@ class RemoteProposer:
         self._conn: _Connection | None = None
         self._pending: dict[int, _Pending] = {}
         self._step_id = 0
+        self._unanswered = False  # a Step sent by send_pending whose answer is not read yet
         self._retry_at = 0.0
         self._backoff = 0.5
         self._probe: _Probe | None = None
@@ -344,6 +346,7 @@ class RemoteProposer:
             self._conn.close()
         self._conn = None
         self._pending = {}
+        self._unanswered = False
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, 5.0)
 
@@ -396,6 +399,9 @@ class RemoteProposer:
                 "the drafter closed the step stream")
         if self._conn is None:
             raise DrafterUnavailable(self.last_error or "the drafter is disconnected")
+        if self._unanswered:  # whatever comes next waits for it: the rows it referenced, the verbs' order
+            self._unanswered = False
+            self._answer(self._conn, self.step_deadline(), timed=False)
         return self._conn
 
     def _unary(self, method: str, request):
@@ -537,17 +543,36 @@ class RemoteProposer:
 
     # ---- the Step message ---------------------------------------------------------------------------
 
+    def send_pending(self) -> None:
+        """Send the queued verbs now and read their answer later, before anything else uses the
+        connection (a step that proposes nothing: the drafter applies its commits while the target
+        verifies, and the round trip leaves the step). The staged rows the message references are not
+        written again before the answer is read: staging goes through the connection too."""
+        if not self._pending or self._unanswered:
+            return
+        conn = self._live()
+        self._send(conn, [])
+        self._unanswered = True
+
     def _flush(self, proposes: list[ProposeRequest], timeout: float | None = None) -> wire.StepResult:
         conn = self._live()
+        self._send(conn, proposes)
+        return self._answer(conn, timeout or self.step_deadline())
+
+    def _send(self, conn: _Connection, proposes: list[ProposeRequest]) -> None:
         conn.step.seal()
         self._step_id += 1
         batch = wire.StepBatch(self._step_id, tuple(self._seq_steps(conn)), tuple(proposes),
                                draft_columns=conn.columns)
         self._pending = {}
-        started = time.perf_counter()
+        conn.sent_at = time.perf_counter()
         conn.outbox.put(wire.step_to_proto(batch, columns=conn.columns))
-        result = self._receive(conn, timeout or self.step_deadline())
-        self.link.step_seconds.append(time.perf_counter() - started)
+
+    def _answer(self, conn: _Connection, timeout: float, *, timed: bool = True) -> wire.StepResult:
+        """The answer to the Step sent last; its errors drop the connection and raise."""
+        result = self._receive(conn, timeout)
+        if timed:  # round trips the step waited for (send_pending's overlap other work)
+            self.link.step_seconds.append(time.perf_counter() - conn.sent_at)
         if result.errors:
             # The drafter's state for this client no longer matches the target's: drop the connection
             # (the drafter frees the session) and let the engine re-attach from scratch after backoff.

@@ -391,6 +391,9 @@ class Engine:
         requests, index = self._propose_requests(seqs)
         if not requests:
             self._prefetched = None
+            send = _capability(self.proposer, "send_pending") if self.drafter_ok else None
+            if send is not None:  # a remote drafter applies the last step's commits during this verify
+                self._drafter_call(send)
             return drafts, None
         started = time.perf_counter()
         on_device = self._take_prefetched(requests, index) or self._propose_on_device(seqs, requests, index)

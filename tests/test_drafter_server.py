@@ -621,3 +621,44 @@ def test_a_remote_drafter_takes_a_steps_commits_in_one_call(tmp_path):
         proposer.close()
         server.stop(None)
         server_obj.close()
+
+
+def test_commits_sent_ahead_are_answered_before_the_rows_are_staged_again(tmp_path, monkeypatch):
+    """`send_pending` (a step that proposes nothing) sends the queued commits without waiting; the answer
+    is read before the connection is used again, so the next step's rows (staged into the same buffer)
+    never overwrite rows the drafter has not read. Several such steps in a row, then a propose: the
+    drafter equals a twin called directly. A drafter slow to apply them is waited for, not overtaken."""
+    step = Session.step
+
+    def slow_step(self, *args, **kwargs):
+        time.sleep(0.05)  # the target stages the next rows meanwhile, unless it waits for this answer
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "step", slow_step)
+    drafter, twin = make_drafter(), make_drafter()
+    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
+    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
+    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4)
+    try:
+        for d in (proposer, twin):
+            for seq_id in range(2):
+                d.alloc(seq_id, BUDGET)
+                d.prefill(seq_id, [3 + seq_id, 4, 5], rows(3, seq_id))
+        pos = 3
+        for step_no in range(4):  # steps without drafts: one row each, a catch-up as a one-row commit
+            verify = rows(2, 200 + step_no)
+            proposer.commit_verified_many([0, 1], verify, [0, 1], [1, 1], [0, 0], [pos, pos], [[9], [10]])
+            proposer.send_pending()
+            assert proposer._unanswered and not proposer._pending
+            for s in range(2):
+                twin.commit_verified(s, verify[s:s + 1], 0, pos, [9 + s])
+            pos += 1
+        reqs = [ProposeRequest(s, 7, pos, GAMMA - 1) for s in range(2)]
+        same(proposer.propose(reqs), twin.propose(reqs), twin)
+        assert not proposer._unanswered
+        proposer.send_pending()  # nothing queued: nothing sent
+        assert not proposer._unanswered
+    finally:
+        proposer.close()
+        server.stop(None)
+        server_obj.close()
