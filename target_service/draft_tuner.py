@@ -86,6 +86,11 @@ class DraftTuner:
             return self.choices[0]
         return max(measured, key=lambda k: (self.expected_tokens(k) / bucket.seconds[k], -k))
 
+    def learned(self) -> dict[int, int]:
+        """{batch bucket: the k it runs when not measuring}, for every bucket seen (metrics read it from
+        another thread: a snapshot of the keys, each bucket's figures read once)."""
+        return {bucket: self.best(bucket) for bucket in sorted(list(self._buckets))}
+
     def observe(self, num_seqs: int, k: int, seconds: float, verified: Sequence[tuple[int, int]]) -> None:
         """Record a decode step: its sequences, the draft length it asked for, its wall time, and each
         sequence's (drafts offered, drafts accepted)."""

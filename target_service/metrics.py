@@ -74,6 +74,14 @@ class _EngineCollector(Collector):
         yield _counter("drafter_reattaches", "drafter attached after a fallback (or after starting without one)",
                        c.reattaches)
         yield _gauge("drafter_attached", "1 while a drafter is attached", float(engine.drafter_ok))
+        tuner = engine.tuner
+        if tuner is not None:
+            lengths = GaugeMetricFamily(f"{PREFIX}_draft_length", "--num-drafts auto: the draft length the engine "
+                                        "learned for steps of up to `batch` sequences (a power of two)",
+                                        labels=["batch"])
+            for bucket, k in tuner.learned().items():
+                lengths.add_metric([str(bucket)], k)
+            yield lengths
         yield self._sequences()
         yield _gauge("streams", "Generate streams open", self.open_streams())
         phases = HistogramMetricFamily(f"{PREFIX}_step_seconds", "host seconds of a step's phases: propose (drafts "

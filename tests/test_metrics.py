@@ -193,6 +193,21 @@ def test_acceptance_by_draft_position_adds_up_to_the_requests_stats(tiny_chat_di
     assert value(samples, "specsplit_target_accepted_drafts_sum") == sum(accepted)
 
 
+def test_learned_draft_lengths_are_exported(tiny_chat_dir, tiny_chat_tokenizer_prompts):
+    target = load_target(tiny_chat_dir, dtype=torch.float32)
+    engine = Engine(target, drafter("dflash", target, block_size=8), EngineConfig(max_batch=2, auto_drafts=True))
+    metrics = TargetMetrics(engine, open_streams=lambda: 0)
+    assert "specsplit_target_draft_length{" not in generate_latest(metrics.registry).decode()  # nothing seen yet
+    engine.generate([Request(f"r{i}", p, SamplingParams(max_tokens=40, ignore_eos=True))
+                     for i, p in enumerate(tiny_chat_tokenizer_prompts)])
+    samples = parse(generate_latest(metrics.registry).decode())
+    learned = engine.tuner.learned()
+    exported = {dict(labels)["batch"]: v for (name, labels), v in samples.items()
+                if name == "specsplit_target_draft_length"}
+    assert learned and exported == {str(b): k for b, k in learned.items()}
+    assert set(learned.values()) <= set(engine.tuner.choices)
+
+
 @pytest.fixture(scope="module")
 def tiny_chat_tokenizer_prompts(tiny_chat_dir):
     from specsplit.shared.tokenizer import Tokenizer
