@@ -28,10 +28,12 @@ def main() -> None:
     ap.add_argument("--drafter", default="dflash")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--drafts", type=int, nargs="+", default=[3, 7, 15], help="draft lengths k to compare")
+    ap.add_argument("--drafts", type=int, nargs="+", default=[3, 7, 15], help="draft lengths k >= 1 to compare")
     ap.add_argument("--auto", action="store_true", help="also the engine that learns k per batch size (auto_drafts)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    if min(args.drafts) < 1:
+        ap.error("--drafts: each k must be >= 1 (the target alone is always measured, as k = 0)")
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     folder = target_dir(setup.target)
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
@@ -60,11 +62,14 @@ def main() -> None:
             print(f"{'':>5} auto learned k = {row['auto']['learned_k']}", flush=True)
         results[f"batch_{batch}"] = {str(k): r for k, r in row.items()}
         best[batch] = max((k for k in row if k != "auto"), key=lambda k: row[k]["tokens_per_s"])
+    # --drafts-by-batch caps k from N sequences on, so it can only lower k as batches grow: a best k
+    # that rises again is capped at the smaller one before it.
     schedule, last = [], None
     for batch in sorted(best):
-        if best[batch] != last:
-            schedule.append(f"{batch}:{best[batch]}")
-            last = best[batch]
+        k = best[batch] if last is None else min(best[batch], last)
+        if k != last:
+            schedule.append(f"{batch}:{k}")
+            last = k
     results["fastest_k_by_batch"] = best
     print(json.dumps({"fastest_k_by_batch": best}))
     print("suggested: --drafts-by-batch " + ",".join(schedule))

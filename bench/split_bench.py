@@ -160,7 +160,7 @@ def main() -> None:
             local_tokens, local = run(Engine(model, local_drafter, conf), tokenizer, prompts, args.max_tokens, "l")
             remote.link.step_seconds.clear()
             bytes_before = remote.link.inline_row_bytes
-            served_before = served_seconds(metrics)
+            served_before, ahead_before = served_seconds(metrics), remote.link.sent_ahead
             split_tokens, split = run(Engine(model, remote, conf), tokenizer, prompts, args.max_tokens, "s")
             served_after = served_seconds(metrics)
             steps = sorted(remote.link.step_seconds)
@@ -179,6 +179,8 @@ def main() -> None:
                 # the mean round trip less this is the transport, both ends' gRPC and the thread handoffs.
                 "drafter_served_mean_ms": 1e3 * (served_after[0] - served_before[0])
                 / max(served_after[1] - served_before[1], 1),
+                # Steps of commits sent ahead (steps without drafts): served, but no round trip waited for
+                "steps_sent_ahead": remote.link.sent_ahead - ahead_before,
                 # What the split adds to each step's drafter phases (round trip, serialisation, the
                 # second process's GPU context) over the same drafter work in-process.
                 "control_plane_exposed_ms": (split["per_step_ms"]["draft"] + split["per_step_ms"]["commit"])

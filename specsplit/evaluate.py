@@ -96,7 +96,7 @@ class AcceptanceRecorder:
         if not hasattr(type(self.inner), "commit_verified"):  # the plain verbs, as the engine would call them
             self.inner.stash(seq_id, rows)
             self.inner.commit(seq_id, num_accepted + 1, base_pos, token_ids)
-            self.trim(seq_id, num_accepted)
+            (self.trim if rows.shape[0] > 1 else self.inner.trim)(seq_id, num_accepted)  # one row: a catch-up
             return
         if rows.shape[0] > 1:  # one row: a catch-up, no drafts were verified
             self.records.append((self.offered.pop(seq_id, 0), num_accepted))

@@ -49,42 +49,59 @@ class DraftTuner:
         self.keep = 1.0 - forget
         self.offered = [0.0] * most  # proposals that offered at least j+1 drafts (recent ones weigh more)
         self.accepted = [0.0] * most  # ... whose first j+1 drafts were all accepted
+        self._expected = [float(k + 1) for k in range(most + 1)]  # E(0..most), all accepted until seen
         self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
     def bucket_of(num_seqs: int) -> int:
+        """Steps are timed per power-of-two bucket of sequences: the target's step graph pads a batch to
+        its bucket, so the step time hardly depends on where in the bucket the batch lies."""
         return 1 << max(num_seqs - 1, 0).bit_length()
 
     def expected_tokens(self, k: int) -> float:
-        """E(k): tokens a sequence gains in a step with k drafts, from the acceptance seen so far. A
-        position never offered yet is assumed as likely as the deepest one seen (optimistic, so it gets
-        tried)."""
-        total, p = 1.0, 1.0
-        for j in range(k):
+        """E(k): tokens a sequence gains in a step with k drafts, from the acceptance seen so far."""
+        return self._expected[min(k, self.most)]
+
+    def _update_expected(self) -> None:
+        """E(0..most); a position never offered yet is assumed as likely as the deepest one seen
+        (optimistic, so it gets tried)."""
+        expected, total, p = [1.0], 1.0, 1.0
+        for j in range(self.most):
             if self.offered[j]:
                 p = self.accepted[j] / self.offered[j]
             total += p
-        return total
+            expected.append(total)
+        self._expected = expected
 
-    def choose(self, num_seqs: int) -> int:
-        """The draft length for a step of `num_seqs` sequences."""
+    def _choices(self, cap: int | None) -> tuple[int, ...]:
+        """The candidates a step may run under `cap` (a configured limit at this batch size)."""
+        if cap is None or cap >= self.most:
+            return self.choices
+        return tuple(k for k in self.choices if k <= cap) or (0,)
+
+    def choose(self, num_seqs: int, cap: int | None = None) -> int:
+        """The draft length for a step of `num_seqs` sequences, at most `cap`."""
+        choices = self._choices(cap)
         bucket = self._buckets.get(self.bucket_of(num_seqs))
         if bucket is None:
-            return self.choices[0]
-        for k in self.choices:  # first, measure every k (largest first)
+            return choices[0]
+        for k in choices:  # first, measure every k (largest first)
             if bucket.samples.get(k, 0) < self.warmup + 1:
                 return k
         if bucket.steps % self.retry_every == self.retry_every - 1:
-            return min(self.choices, key=lambda k: bucket.last_step[k])
-        return self.best(num_seqs)
+            return min(choices, key=lambda k: bucket.last_step[k])
+        return self.best(num_seqs, cap)
 
-    def best(self, num_seqs: int) -> int:
+    def best(self, num_seqs: int, cap: int | None = None) -> int:
         """The measured best k for `num_seqs` sequences (the largest k until the bucket was measured)."""
+        choices = self._choices(cap)
         bucket = self._buckets.get(self.bucket_of(num_seqs))
-        measured = [k for k in self.choices if bucket is not None and k in bucket.seconds]
+        seconds = dict(bucket.seconds) if bucket is not None else {}  # one read (metrics scrape from a thread)
+        measured = [k for k in choices if k in seconds]
         if not measured:
-            return self.choices[0]
-        return max(measured, key=lambda k: (self.expected_tokens(k) / bucket.seconds[k], -k))
+            return choices[0]
+        expected = self._expected
+        return max(measured, key=lambda k: (expected[k] / seconds[k], -k))
 
     def learned(self) -> dict[int, int]:
         """{batch bucket: the k it runs when not measuring}, for every bucket seen (metrics read it from
@@ -92,15 +109,21 @@ class DraftTuner:
         return {bucket: self.best(bucket) for bucket in sorted(list(self._buckets))}
 
     def observe(self, num_seqs: int, k: int, seconds: float, verified: Sequence[tuple[int, int]]) -> None:
-        """Record a decode step: its sequences, the draft length it asked for, its wall time, and each
-        sequence's (drafts offered, drafts accepted)."""
-        if verified and self.keep < 1.0:
-            self.offered = [n * self.keep for n in self.offered]
-            self.accepted = [n * self.keep for n in self.accepted]
-        for offered, accepted in verified:
-            for j in range(min(offered, self.most)):
-                self.offered[j] += 1
-                self.accepted[j] += j < accepted
+        """Record a decode step: its sequences, the draft length it ran (the k `choose` gave), its wall
+        time, and each sequence's (drafts offered, drafts accepted)."""
+        if verified:
+            most = self.most
+            offered_hist, accepted_hist = [0] * (most + 1), [0] * (most + 1)
+            for offered, accepted in verified:
+                offered_hist[min(offered, most)] += 1
+                accepted_hist[min(accepted, most)] += 1
+            keep, offered_at_least, accepted_at_least = self.keep, 0, 0
+            for j in range(most - 1, -1, -1):  # position j: proposals with more than j drafts (accepted)
+                offered_at_least += offered_hist[j + 1]
+                accepted_at_least += accepted_hist[j + 1]
+                self.offered[j] = self.offered[j] * keep + offered_at_least
+                self.accepted[j] = self.accepted[j] * keep + accepted_at_least
+            self._update_expected()
         bucket = self._buckets.setdefault(self.bucket_of(num_seqs), _Bucket())
         bucket.steps += 1
         if k not in self.choices:

@@ -72,7 +72,8 @@ class LinkStats:
     """What crossed the connection: hidden-row bytes sent inline, and each Step's round trip."""
 
     inline_row_bytes: int = 0
-    step_seconds: deque = field(default_factory=lambda: deque(maxlen=100_000))  # the latest Steps
+    step_seconds: deque = field(default_factory=lambda: deque(maxlen=100_000))  # the latest Steps waited for
+    sent_ahead: int = 0  # Steps sent by send_pending, answered later (not in step_seconds)
 
 
 class RowStager:
@@ -401,7 +402,12 @@ class RemoteProposer:
             raise DrafterUnavailable(self.last_error or "the drafter is disconnected")
         if self._unanswered:  # whatever comes next waits for it: the rows it referenced, the verbs' order
             self._unanswered = False
-            self._answer(self._conn, self.step_deadline(), timed=False)
+            try:
+                self._answer(self._conn, self.step_deadline(), timed=False)
+            except DrafterUnavailable:
+                raise
+            except SpecsplitError as err:  # the earlier step's fault, not the call now being made
+                raise DrafterUnavailable(f"the drafter refused commits sent ahead: {err}") from err
         return self._conn
 
     def _unary(self, method: str, request):
@@ -553,6 +559,7 @@ class RemoteProposer:
         conn = self._live()
         self._send(conn, [])
         self._unanswered = True
+        self.link.sent_ahead += 1
 
     def _flush(self, proposes: list[ProposeRequest], timeout: float | None = None) -> wire.StepResult:
         conn = self._live()

@@ -136,7 +136,7 @@ class Engine:
         if self.proposer is None or self.proposer.spec is None:
             return 0
         most = self.config.drafts_for(num_seqs, self.proposer.spec.max_drafts)
-        return most if self.tuner is None else min(most, self.tuner.choose(num_seqs))
+        return most if self.tuner is None else self.tuner.choose(num_seqs, most)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -307,7 +307,7 @@ class Engine:
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
         step_started = time.perf_counter()
-        choice = self.tuner.choose(len(seqs)) if self.tuner is not None else 0
+        choice = self._max_drafts(len(seqs)) if self.tuner is not None else 0
         drafts, on_device = self._propose(seqs)
         inputs = [[s.tokens[-1]] + d for s, d in zip(seqs, drafts)]
         starts = [s.last_position for s in seqs]
@@ -344,10 +344,13 @@ class Engine:
         kept = [seq.accept(new_tokens) for seq, new_tokens in zip(seqs, accepted_tokens)]
         # The next step's drafts can be computed now: the drafter runs on the GPU while the host
         # detokenizes, emits and starts the next step.
-        if self.tuner is not None:  # the step's time, with its propose when that was launched in the last step
-            seconds, self._prefetch_seconds = time.perf_counter() - step_started + self._prefetch_seconds, 0.0
+        # The step's time, with its propose when that was launched at the end of the last step; a step
+        # that asked for drafts and got none (the drafter failed, refused every sequence) says nothing.
+        if self.tuner is not None and self.drafter_ok and (choice == 0 or any(drafts)):
+            seconds = time.perf_counter() - step_started + self._prefetch_seconds
             self.tuner.observe(len(seqs), choice, seconds,
                                [(len(d), len(t) - 1) for d, t in zip(drafts, accepted_tokens)])
+        self._prefetch_seconds = 0.0
         prefetch_started = time.perf_counter()
         self._prefetch_drafts(seqs)
         if self._prefetched is not None:
@@ -390,7 +393,7 @@ class Engine:
         drafts: list[list[int]] = [[] for _ in seqs]
         requests, index = self._propose_requests(seqs)
         if not requests:
-            self._prefetched = None
+            self._prefetched, self._prefetch_seconds = None, 0.0
             send = _capability(self.proposer, "send_pending") if self.drafter_ok else None
             if send is not None:  # a remote drafter applies the last step's commits during this verify
                 self._drafter_call(send)
@@ -455,6 +458,7 @@ class Engine:
         """The prefetched drafts, when every request of this step was prefetched exactly as it stands
         (the same anchor token, position and count); otherwise None and they are dropped."""
         prefetched, self._prefetched = self._prefetched, None
+        taken, self._prefetch_seconds = self._prefetch_seconds, 0.0  # its launch counts only if it is used
         if prefetched is None or not self.drafter_ok:
             return None
         earlier, on_device = prefetched
@@ -466,6 +470,7 @@ class Engine:
                     (r.last_token, r.position, r.num_drafts):
                 return None
             rows.append(hit[0])
+        self._prefetch_seconds = taken
         return DeviceDrafts(on_device.tokens, index, [r.num_drafts for r in requests], rows)
 
     def _propose_on_device(self, seqs: list[Sequence], requests: list[ProposeRequest],

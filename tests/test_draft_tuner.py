@@ -120,3 +120,16 @@ def test_the_engine_tuning_its_draft_length_is_lossless(tiny_chat_dir):
     assert got == want
     assert engine.tuner is not None and engine.tuner.choices == (7, 3, 1, 0)
     assert {7, 3, 1} <= asked  # it tried the lengths (0 asks the drafter nothing)
+    # Every length was timed in the bucket the steps ran in (3 sequences, then fewer).
+    assert set(engine.tuner._buckets[4].seconds) == {7, 3, 1, 0}
+
+
+def test_a_configured_cap_limits_what_the_tuner_tries():
+    tuner = DraftTuner(15)
+    drive_capped = []
+    for _ in range(40):
+        k = tuner.choose(8, 3)
+        drive_capped.append(k)
+        tuner.observe(8, k, step_seconds(8, k), [(k, k)] * 8)
+    assert set(drive_capped) == {3, 1, 0}  # 15 and 7 would run as 3: never tried at this batch size
+    assert tuner.best(8, 3) in (3, 1, 0) and tuner.choose(8, 5) in (3, 1, 0)

@@ -662,3 +662,25 @@ def test_commits_sent_ahead_are_answered_before_the_rows_are_staged_again(tmp_pa
         proposer.close()
         server.stop(None)
         server_obj.close()
+
+
+def test_a_refusal_of_commits_sent_ahead_drops_the_connection_not_the_next_call(tmp_path):
+    """The answer to commits sent ahead is read by whatever call comes next; if the drafter refused them,
+    that call fails as the drafter being unavailable (the engine detaches and re-attaches), not with the
+    earlier step's error as if it were its own (an alloc would read as the drafter refusing a new sequence)."""
+    drafter = make_drafter()
+    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
+    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
+    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4)
+    try:
+        proposer.alloc(0, BUDGET)
+        proposer.prefill(0, [3, 4, 5], rows(3, 0))
+        proposer.commit_verified_many([0], rows(1, 1), [0], [1], [0], [7], [[9]])  # position 7: not next (3)
+        proposer.send_pending()
+        with pytest.raises(DrafterUnavailable, match="refused commits sent ahead"):
+            proposer.alloc(1, BUDGET)
+        assert not proposer._unanswered and not proposer.available()  # dropped; re-attaches after the backoff
+    finally:
+        proposer.close()
+        server.stop(None)
+        server_obj.close()
