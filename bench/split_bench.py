@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="concurrent requests per engine step")
     ap.add_argument("--drafts-by-batch", type=drafts_by_batch, default=(), metavar="N:K,...",
                     help="the engine's draft length by batch size, in every mode (default: the drafter's most)")
+    ap.add_argument("--auto", action="store_true", help="the engines learn their draft length (--num-drafts auto)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
@@ -152,16 +153,18 @@ def main() -> None:
         for batch in args.batch:
             # One stream runs two requests back to back; B streams run B requests at once.
             prompts = PROMPTS[:1] * 2 if batch == 1 else (PROMPTS * batch)[:batch]
-            conf = EngineConfig(max_batch=batch, drafts_by_batch=args.drafts_by_batch)
+            conf = EngineConfig(max_batch=batch, drafts_by_batch=args.drafts_by_batch, auto_drafts=args.auto)
+            local_engine, split_engine = Engine(model, local_drafter, conf), Engine(model, remote, conf)
             # Warm-up on the same shapes: the drafter captures its graphs per size bucket on first use.
-            run(Engine(model, local_drafter, conf), tokenizer, prompts, args.max_tokens, "warm")
-            run(Engine(model, remote, conf), tokenizer, prompts, args.max_tokens, "warm")
+            # (With --auto, the same engines go on: what the warm-up taught their tuners is kept.)
+            run(local_engine, tokenizer, prompts, args.max_tokens, "warm")
+            run(split_engine, tokenizer, prompts, args.max_tokens, "warm")
             base_tokens, base = run(Engine(model, None, conf), tokenizer, prompts, args.max_tokens, "t")
-            local_tokens, local = run(Engine(model, local_drafter, conf), tokenizer, prompts, args.max_tokens, "l")
+            local_tokens, local = run(local_engine, tokenizer, prompts, args.max_tokens, "l")
             remote.link.step_seconds.clear()
             bytes_before = remote.link.inline_row_bytes
             served_before, ahead_before = served_seconds(metrics), remote.link.sent_ahead
-            split_tokens, split = run(Engine(model, remote, conf), tokenizer, prompts, args.max_tokens, "s")
+            split_tokens, split = run(split_engine, tokenizer, prompts, args.max_tokens, "s")
             served_after = served_seconds(metrics)
             steps = sorted(remote.link.step_seconds)
             results[f"batch_{batch}"] = {
@@ -186,6 +189,8 @@ def main() -> None:
                 "control_plane_exposed_ms": (split["per_step_ms"]["draft"] + split["per_step_ms"]["commit"])
                 - (local["per_step_ms"]["draft"] + local["per_step_ms"]["commit"]),
                 "hidden_row_bytes_over_grpc": remote.link.inline_row_bytes - bytes_before,
+                "learned_draft_length": {"in_process": local_engine.tuner.learned() if local_engine.tuner else None,
+                                         "services": split_engine.tuner.learned() if split_engine.tuner else None},
             }
             print(json.dumps({f"batch_{batch}": results[f"batch_{batch}"]}), flush=True)
         pings = sorted(remote.ping() for _ in range(200))
