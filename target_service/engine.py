@@ -342,8 +342,6 @@ class Engine:
                 self._commit_many(many, batch, features)
         self._count_step(started, verified)
         kept = [seq.accept(new_tokens) for seq, new_tokens in zip(seqs, accepted_tokens)]
-        # The next step's drafts can be computed now: the drafter runs on the GPU while the host
-        # detokenizes, emits and starts the next step.
         # The step's time, with its propose when that was launched at the end of the last step; a step
         # that asked for drafts and got none (the drafter failed, refused every sequence) says nothing.
         if self.tuner is not None and self.drafter_ok and (choice == 0 or any(drafts)):
@@ -351,6 +349,8 @@ class Engine:
             self.tuner.observe(len(seqs), choice, seconds,
                                [(len(d), len(t) - 1) for d, t in zip(drafts, accepted_tokens)])
         self._prefetch_seconds = 0.0
+        # The next step's drafts can be computed now: the drafter runs on the GPU while the host
+        # detokenizes, emits and starts the next step.
         prefetch_started = time.perf_counter()
         self._prefetch_drafts(seqs)
         if self._prefetched is not None:
