@@ -451,8 +451,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
                       pool_gb=args.pool_gb, sampled_fraction=args.sampled_fraction, self_prompts=args.self_prompts,
                       ce_weight=args.ce_weight, kl_weight=args.kl_weight, gen_graphs=not args.no_gen_graphs,
                       seed=args.seed, log_every=args.log_every)
+    if args.eval_tokens < 0:
+        raise InvalidRequest("--eval-tokens must be >= 0")
     run(cfg, target=args.target, out=args.out, device=args.device, init=args.init,
-        log=lambda line: print(line, flush=True))
+        log=lambda line: print(line, flush=True), eval_tokens=args.eval_tokens)
 
 
 def cmd_eval_acceptance(args: argparse.Namespace) -> None:
@@ -503,6 +505,9 @@ def add_training_parsers(sub) -> None:
                                "chained session gives new data)"),
             ("--log-every", int, 50, "optimizer steps between progress lines")):
         tr.add_argument(flag, type=kind, default=default, help=text)
+    tr.add_argument("--eval-tokens", type=int, default=0, metavar="N",
+                    help="after saving, evaluate the new checkpoint and the --init one on the held-out prompts, "
+                         "N tokens each, in the same process (eval-acceptance's figures; default: 0, no evaluation)")
     tr.add_argument("--no-gen-graphs", action="store_true",
                     help="generate with eager decode steps instead of CUDA graphs (slower; for diagnosis)")
     tr.set_defaults(func=cmd_train_drafter)

@@ -581,9 +581,10 @@ def save_drafter(model: DrafterModel, out: str | Path) -> Path:
 
 
 def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: str | None = None,
-        log: Log = print) -> Path:
+        log: Log = print, eval_tokens: int = 0, eval_limit: int | None = None) -> Path:
     """`specsplit train-drafter`: load the target and the training prompts, have the target write more,
-    train, save."""
+    train, save; with `eval_tokens`, then evaluate the new checkpoint (and `init`) on the held-out
+    prompts with the target already loaded (`specsplit eval-acceptance`'s figures, batch 16)."""
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.local import target_dir
     from specsplit.target_service.model import load_target
@@ -608,7 +609,39 @@ def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: st
     log(f"saved {saved} ({size / 2**20:.1f} MiB); {len(result.losses)} steps on {result.pool_size} sequences "
         f"({epochs:.1f} epochs); final loss {sum(result.losses[-20:]) / len(result.losses[-20:]):.4f}; "
         f"total {clock.elapsed():.0f}s")
+    if eval_tokens:
+        del result  # the pool went with train_drafter; the drafter in training goes too
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        for name, folder_ in (("this checkpoint", saved), ("the --init checkpoint", init)):
+            if folder_ is not None:
+                rep = evaluate_checkpoint(model, tokenizer, str(folder_), device, eval_tokens, eval_limit)
+                log(f"held-out eval, {name}: {eval_summary(rep)}")
     return saved
+
+
+def evaluate_checkpoint(model: TargetModel, tokenizer, drafter: str, device: str, max_tokens: int,
+                        limit: int | None) -> dict:
+    """`specsplit eval-acceptance`'s report for a drafter checkpoint, on a target already loaded."""
+    from specsplit.evaluate import EvalPrompt, EvalSettings, evaluate
+    from specsplit.local import LocalSetup, make_drafter
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+    prompts = [EvalPrompt(p.kind, p.encode(tokenizer)) for p in read_prompts(HELDOUT_PATH, limit)]
+    proposer = make_drafter(drafter, model, LocalSetup(drafter=drafter, device=device))
+    return evaluate(model, proposer, prompts, EvalSettings(max_tokens=max_tokens), eos_ids=tokenizer.eos_token_ids)
+
+
+def eval_summary(rep: dict) -> str:
+    """One line, as TRAINING.log reports a checkpoint."""
+    kinds = ", ".join(f"{k} {v['tau']:.2f}" for k, v in rep["by_kind"].items())
+    positions = " / ".join(f"{p:.2f}" for p in rep["position_acceptance"][:5])
+    forced = rep.get("teacher_forced")
+    speed = rep["tokens_per_s"]
+    return (f"tau {rep['tau']:.2f} ({kinds}); acceptance by draft position {positions} ...; "
+            + (f"teacher-forced tau {forced['tau_excl_prefill']:.2f}; " if forced else "")
+            + f"speculative {speed['speculative']:.0f} vs target-only {speed['target_only']:.0f} tok/s "
+            f"({speed['speedup']:.2f}x), batch {rep['batch']}, {rep['prompts']} prompts, {rep['max_tokens']} tokens")
 
 
 def session_prompts(cfg: TrainConfig, target: TargetModel, tokenizer, clock: Clock, log: Log) -> list:

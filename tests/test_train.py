@@ -275,11 +275,14 @@ def test_the_command_writes_questions_trains_and_saves(tiny_chat_dir, tmp_path, 
     lines = []
     cfg = TrainConfig(layers=1, target_layers=(0, 2), block_size=4, batch=8, anchors=4, seq_len=8,
                       max_prompt_tokens=32, gen_batch=64, self_prompts=64, minutes=0.5, log_every=10, pool_gb=0.1)
-    folder = run(cfg, target=str(tiny_chat_dir), out=tmp_path / "d", device="cpu", log=lines.append)
+    folder = run(cfg, target=str(tiny_chat_dir), out=tmp_path / "d", device="cpu", log=lines.append,
+                 eval_tokens=4, eval_limit=3)
     text = "\n".join(lines)
     for needle in ("offline training prompts (seed 0)", "questions written by the target from 64 samples",
-                   "training prompts within 32 tokens", "target layers [0, 2]", "generated tokens", "epochs"):
+                   "training prompts within 32 tokens", "target layers [0, 2]", "generated tokens", "epochs",
+                   "held-out eval, this checkpoint: tau ", "3 prompts, 4 tokens"):
         assert needle in text
+    assert "the --init checkpoint" not in text  # none was given
     target = load_target(tiny_chat_dir)
     drafter = load_drafter(folder, target_head(target), target_info=target_info(target))
     assert drafter.model.cfg.target_layer_ids == (0, 2)
