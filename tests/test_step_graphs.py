@@ -245,6 +245,43 @@ def test_engine_with_device_drafts_is_lossless(tiny_chat_dir, max_batch):
     assert all(0 < s.accepted < s.drafted for rid, s in stats.items() if rid != "r3")
 
 
+def test_device_drafts_with_a_learned_draft_length_are_lossless(tiny_chat_dir):
+    """--num-drafts auto on the device-draft path: the draft length changes between steps (each length
+    measured, then the tuner's pick), prefetched drafts are taken only when the next step asks for the
+    same length, and the tokens are target-only's."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+    from tests.oracle import DeviceOracle
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time"]
+    reqs = lambda: [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=50, ignore_eos=True))  # noqa: E731
+                    for i, p in enumerate(prompts)]
+
+    def run(proposer, **config):
+        engine = Engine(target, proposer, EngineConfig(max_batch=4, **config))
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4, query_lens=(1, 2, 4, 8),
+                                   max_len=256, use_graphs=False)
+        events = engine.generate(reqs())
+        return {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()}, engine
+
+    reference, _ = run(None)
+    inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                           block_size=8, max_drafts=6)
+    oracle = DeviceOracle(inner, {tuple(r.prompt_ids): r.prompt_ids + reference[r.request_id] for r in reqs()},
+                          mistake_rate=0.15)
+    tokens, engine = run(oracle, auto_drafts=True)
+    assert tokens == reference
+    assert oracle.device_steps > 0
+    assert engine.tuner.choices == (7, 3, 1, 0)  # the block's 7 drafts at most
+    assert set(engine.tuner._buckets[4].seconds) == {7, 3, 1, 0}
+
+
 def test_engine_with_a_static_dflash_drafter_drafts_on_the_device(tiny_chat_dir):
     """The DFlash drafter's static propose (its CUDA graph's code, here without capture) hands its drafts
     over on the device, and the output is still target-only's."""
