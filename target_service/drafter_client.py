@@ -164,6 +164,30 @@ class _Pending:
     free: bool = False
     last: int = -1  # _OP_ORDER of the latest operation queued: one at or before it needs a send first
 
+    def verified_only(self) -> bool:
+        """Exactly one verify's stash (in the step buffer), commit and trim: what VerifiedColumns carry."""
+        return (self.catchup is None and not self.free and self.stash is not None and self.commit is not None
+                and self.trim is not None and isinstance(self.stash[0], int)
+                and self.commit.num_rows == self.trim + 1)
+
+
+def _add_verified_columns(pb: drafter_pb2.StepRequest, buffer, verified: dict[int, _Pending]) -> None:
+    """Append `verified` (stash offsets in `buffer`'s current generation) to pb.verified, in the order the
+    columns expect (each sequence's commit tokens in turn)."""
+    columns = pb.verified
+    if not columns.seq_ids:  # step_to_proto put none there (or an empty one): this step buffer's
+        columns.buffer_id, columns.generation = buffer.buffer_id, buffer.generation
+    tokens = []
+    for p in verified.values():
+        tokens += p.commit.token_ids
+    columns.seq_ids.extend(verified)
+    columns.row_offsets.extend(p.stash[0] for p in verified.values())
+    columns.stash_rows.extend(p.stash[1] for p in verified.values())
+    columns.commit_rows.extend(p.commit.num_rows for p in verified.values())
+    columns.base_pos.extend(p.commit.base_pos for p in verified.values())
+    columns.num_accepted.extend(p.trim for p in verified.values())
+    columns.token_ids.extend(tokens)
+
 
 @dataclass
 class _Connection:
@@ -569,11 +593,18 @@ class RemoteProposer:
     def _send(self, conn: _Connection, proposes: list[ProposeRequest]) -> None:
         conn.step.seal()
         self._step_id += 1
-        batch = wire.StepBatch(self._step_id, tuple(self._seq_steps(conn)), tuple(proposes),
-                               draft_columns=conn.columns)
+        # A verify's stash + commit + trim of rows in the step buffer (the usual entry) goes straight into
+        # the message's columns; anything else travels as a SeqStep.
+        fast = conn.columns and conn.step.buffer is not None
+        verified = {seq_id: p for seq_id, p in self._pending.items() if fast and p.verified_only()}
+        others = (self._seq_step(conn, seq_id, p) for seq_id, p in self._pending.items() if seq_id not in verified)
+        batch = wire.StepBatch(self._step_id, tuple(others), tuple(proposes), draft_columns=conn.columns)
         self._pending = {}
+        pb = wire.step_to_proto(batch, columns=conn.columns)
+        if verified:
+            _add_verified_columns(pb, conn.step.buffer, verified)
         conn.sent_at = time.perf_counter()
-        conn.outbox.put(wire.step_to_proto(batch, columns=conn.columns))
+        conn.outbox.put(pb)
 
     def _answer(self, conn: _Connection, timeout: float, *, timed: bool = True) -> wire.StepResult:
         """The answer to the Step sent last; its errors drop the connection and raise."""
@@ -587,14 +618,14 @@ class RemoteProposer:
             raise result.errors[0].exception()
         return result
 
-    def _seq_steps(self, conn: _Connection):
-        for seq_id, p in self._pending.items():
-            catchup = None
-            if p.catchup is not None:
-                tokens, staged, rows, base_pos = p.catchup
-                catchup = wire.RowsOp(tokens, conn.step.source(staged, rows), base_pos)
-            stash = conn.step.source(*p.stash) if p.stash is not None else None
-            yield wire.SeqStep(seq_id, catchup=catchup, stash=stash, commit=p.commit, trim=p.trim, free=p.free)
+    @staticmethod
+    def _seq_step(conn: _Connection, seq_id: int, p: _Pending) -> wire.SeqStep:
+        catchup = None
+        if p.catchup is not None:
+            tokens, staged, rows, base_pos = p.catchup
+            catchup = wire.RowsOp(tokens, conn.step.source(staged, rows), base_pos)
+        stash = conn.step.source(*p.stash) if p.stash is not None else None
+        return wire.SeqStep(seq_id, catchup=catchup, stash=stash, commit=p.commit, trim=p.trim, free=p.free)
 
     def step_deadline(self) -> float:
         """Seconds the next Step answer may take (see STEP_DEADLINE_FACTOR): a drafter that stopped

@@ -684,3 +684,36 @@ def test_a_refusal_of_commits_sent_ahead_drops_the_connection_not_the_next_call(
         proposer.close()
         server.stop(None)
         server_obj.close()
+
+
+def test_verified_entries_go_straight_into_columns_as_the_seqstep_path_would_pack_them(tmp_path):
+    """The client writes a step's verified sequences into the message's columns without SeqStep objects;
+    the message equals the one the SeqStep path builds, a sequence with more to do (a free) beside them."""
+    drafter = make_drafter()
+    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
+    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
+    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4)
+    try:
+        for seq_id in range(3):
+            proposer.alloc(seq_id, BUDGET)
+            proposer.prefill(seq_id, [3 + seq_id, 4, 5], rows(3, seq_id))
+        proposer.commit_verified_many([0, 1, 2], rows(3 * GAMMA, 9), [0, GAMMA, 2 * GAMMA], [GAMMA] * 3,
+                                      [2, 0, 1], [3, 3, 3], [[20, 21, 22], [23], [24, 25]])
+        proposer.free(1)  # sequence 1 now also frees: it cannot ride in the columns
+        conn = proposer._live()
+        assert conn.columns
+        pending = dict(proposer._pending)
+        sent = []
+        put = conn.outbox.put
+        conn.outbox.put = lambda pb: sent.append(pb) or put(pb)
+        proposer.flush()
+        conn.outbox.put = put
+        steps = tuple(RemoteProposer._seq_step(conn, seq_id, p) for seq_id, p in pending.items())
+        expected = wire.step_to_proto(wire.StepBatch(sent[0].step_id, steps, draft_columns=True), columns=True)
+        got = sent[0]
+        assert list(got.verified.seq_ids) == [0, 2] and [s.seq_id for s in got.seqs] == [1]
+        assert got == expected
+    finally:
+        proposer.close()
+        server.stop(None)
+        server_obj.close()
