@@ -139,6 +139,10 @@ def _shm_fds(pid: str = "self") -> list[str]:
     return found
 
 
+# glibc settings under which a process's RSS follows what it holds (see Zygote and the soak test).
+MALLOC_SETTINGS = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 class Zygote:
     """The warm parent and the one drafter it is serving now at `address`."""
 
@@ -150,15 +154,19 @@ class Zygote:
         # glibc gives threads that allocate arenas of their own (up to eight per core), so with 64 streams
         # the drafter's RSS steps up whenever a gRPC worker first allocates (+18 MiB at 112 s of a CI soak,
         # flat after): not a leak, but as large as the soak's bound. Two arenas keep RSS to what is held.
-        arenas = os.environ.get("MALLOC_ARENA_MAX")
-        os.environ["MALLOC_ARENA_MAX"] = "2"
+        # And glibc's mmap threshold rises with each large block freed, after which blocks that size come
+        # from the heap and stay: a CI soak's drafter stepped 357 -> 386 MiB at
+        # 119 s and stayed flat there. A fixed threshold returns large blocks when they are freed.
+        saved = {key: os.environ.get(key) for key in MALLOC_SETTINGS}
+        os.environ.update(MALLOC_SETTINGS)
         try:
             self.process.start()
         finally:
-            if arenas is None:
-                del os.environ["MALLOC_ARENA_MAX"]
-            else:
-                os.environ["MALLOC_ARENA_MAX"] = arenas
+            for key, value in saved.items():
+                if value is None:
+                    del os.environ[key]
+                else:
+                    os.environ[key] = value
         assert self.conn.poll(START_TIMEOUT) and self.conn.recv() == "ready"
         self.pid: int | None = None
         self.faults = {"SIGKILL": 0, "SIGSTOP": 0}
@@ -444,8 +452,8 @@ def test_sixty_four_streams_soak_with_flat_memory(spawned_target, zygote, tiny_c
     # after prefill packing), and one unlucky third of six samples moved the median by 34 MiB. A fixed
     # threshold returns large blocks to the system when freed, so RSS follows what is held (what remains
     # are live peaks, such as a wave of 32 prompts in prefill, which the medians of many samples skip).
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    for key, value in MALLOC_SETTINGS.items():
+        monkeypatch.setenv(key, value)
     services = spawned_target("--max-batch", "32")
     client = RawClient(services.target_address)  # the load drives the raw stub
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
