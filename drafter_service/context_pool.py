@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from specsplit.shared.errors import CapacityExceeded
+from specsplit.shared.memory import zeroed
 
 BLOCK_SIZE = 16  # positions per block
 
@@ -39,8 +40,8 @@ class ContextPool:
     def __init__(self, num_blocks: int, *, layers: int, kv_heads: int, head_dim: int, block_size: int = BLOCK_SIZE,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (layers, num_blocks + 1, block_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeroed(shape, dtype=dtype, device=device)
+        self.v = zeroed(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: blocks come out in order 0, 1, ...

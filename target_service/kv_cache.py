@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest, StateConflict, UnknownSequence
+from specsplit.shared.memory import zeroed
 
 
 @dataclass
@@ -39,8 +40,8 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_pool = zeroed(shape, dtype=dtype, device=device)
+        self.v_pool = zeroed(shape, dtype=dtype, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: blocks come out in order 0, 1, ...
         self._seqs: dict[int, _Sequence] = {}
 
