@@ -3,8 +3,9 @@
     python bench/split_bench.py --device cuda --drafter dflash --json-out result.json
 
 The drafter runs as its own process (`specsplit drafter serve`); the target engine runs here, once
-with the drafter object in-process and once with the gRPC client, on the same prompts, so the
-ratio is measured under the same conditions.
+with the drafter object in-process, once with the client (`RemoteProposer`: the Step stream over the
+drafter's step socket) and once with the Step stream over gRPC, on the same prompts, so the ratios
+are measured under the same conditions.
 """
 
 from __future__ import annotations
@@ -148,7 +149,11 @@ def main() -> None:
         wait_healthy(sock, 300)
         remote = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
                                 head=(model.embed_weight, model.lm_head_weight))
-        results = {"device": args.device, "drafter": args.drafter, "transport": remote.mode}
+        # The same drafter with the Step stream over gRPC, beside the step socket's (services)
+        over_grpc = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
+                                   head=(model.embed_weight, model.lm_head_weight), step_socket=False)
+        results = {"device": args.device, "drafter": args.drafter, "transport": remote.mode,
+                   "step_transport": remote.step_transport}
         local_drafter = make_drafter(args.drafter, model, setup)
         for batch in args.batch:
             # One stream runs two requests back to back; B streams run B requests at once.
@@ -159,6 +164,8 @@ def main() -> None:
             # (With --auto, the same engines go on: what the warm-up taught their tuners is kept.)
             run(local_engine, tokenizer, prompts, args.max_tokens, "warm")
             run(split_engine, tokenizer, prompts, args.max_tokens, "warm")
+            grpc_engine = Engine(model, over_grpc, conf)
+            run(grpc_engine, tokenizer, prompts, args.max_tokens, "warm")
             base_tokens, base = run(Engine(model, None, conf), tokenizer, prompts, args.max_tokens, "t")
             local_tokens, local = run(local_engine, tokenizer, prompts, args.max_tokens, "l")
             remote.link.step_seconds.clear()
@@ -167,6 +174,9 @@ def main() -> None:
             split_tokens, split = run(split_engine, tokenizer, prompts, args.max_tokens, "s")
             served_after = served_seconds(metrics)
             steps = sorted(remote.link.step_seconds)
+            over_grpc.link.step_seconds.clear()
+            grpc_tokens, grpc_split = run(grpc_engine, tokenizer, prompts, args.max_tokens, "g")
+            grpc_steps = over_grpc.link.step_seconds
             results[f"batch_{batch}"] = {
                 "target_only": base, "in_process": local, "services": split,
                 "services_over_in_process": split["tokens_per_s"] / local["tokens_per_s"],
@@ -175,7 +185,11 @@ def main() -> None:
                 # bf16: the batched verify and the single-token decode round differently, so greedy
                 # outputs may part at near-ties; count the requests where they do.
                 "requests_differing_from_target_only": sum(a != b for a, b in zip(base_tokens, local_tokens)),
-                "services_equal_in_process": split_tokens == local_tokens,
+                "services_equal_in_process": split_tokens == local_tokens == grpc_tokens,
+                # the Step stream over gRPC instead of the step socket, same drafter, same run
+                "services_step_over_grpc": grpc_split,
+                "step_socket_over_grpc": split["tokens_per_s"] / grpc_split["tokens_per_s"],
+                "step_round_trip_mean_ms_over_grpc": 1e3 * statistics.fmean(grpc_steps) if grpc_steps else None,
                 "step_round_trip_p50_ms": 1e3 * statistics.median(steps) if steps else None,
                 "step_round_trip_mean_ms": 1e3 * statistics.fmean(steps) if steps else None,
                 # The drafter's own clock per Step message (parse, the drafter's work, its GPU waits), so
@@ -195,7 +209,9 @@ def main() -> None:
             print(json.dumps({f"batch_{batch}": results[f"batch_{batch}"]}), flush=True)
         pings = sorted(remote.ping() for _ in range(200))
         results["empty_step_round_trip_p50_ms"] = 1e3 * statistics.median(pings)
+        results["empty_step_round_trip_p50_ms_over_grpc"] = 1e3 * statistics.median([over_grpc.ping() for _ in range(200)])
         remote.close()
+        over_grpc.close()
         text = json.dumps(results, indent=2)
         print(text, flush=True)
         if args.json_out:

@@ -238,6 +238,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--step-over-grpc", action="store_true",
+                    help="the Step stream over gRPC instead of the drafter's step socket")
     ap.add_argument("--per-sequence-verbs", action="store_true",
                     help="stash, commit and trim per sequence instead of the engine's one call per step")
     args = ap.parse_args()
@@ -254,18 +256,26 @@ def main() -> None:
         wait_healthy(sock, 120, alive=lambda: proc.poll() is None)
         info = TargetInfo.from_config(load_config(folder))
         local = build_drafter("random-dflash", info, checkpoint_head(folder, torch.float32, "cpu"), LocalSetup(seed=0))
-        remote = RemoteProposer(sock, max_batch=max(args.batch))
+        remote = RemoteProposer(sock, max_batch=max(args.batch), step_socket=not args.step_over_grpc)
         timer = Timer()
         seen, originals = instrument(timer, remote)
-        results = {"transport": remote.mode}
+        results = {"transport": remote.mode, "step_transport": remote.step_transport}
         for n, batch in enumerate(args.batch):
             results[f"batch_{batch}"] = bench_batch(batch, args, local, remote, seen, timer, 1000 * (n + 1),
                                                   f"http://127.0.0.1:{port}/metrics")
             print(json.dumps({f"batch_{batch}": results[f"batch_{batch}"]}), flush=True)
         wire.step_to_proto, wire.step_result_from_proto = originals
-        pings = sorted(remote.ping() for _ in range(500))
-        results["empty_step_round_trip_p50_us"] = round(1e6 * statistics.median(pings), 1)
-        print(json.dumps({"empty_step_round_trip_p50_us": results["empty_step_round_trip_p50_us"]}), flush=True)
+        # The Step stream's floor both ways, in alternating blocks of one run: the step socket and gRPC.
+        other = RemoteProposer(sock, max_batch=max(args.batch), step_socket=args.step_over_grpc)
+        pings: dict[str, list[float]] = {remote.step_transport: [], other.step_transport: []}
+        for _ in range(10):
+            for proposer in (remote, other):
+                pings[proposer.step_transport] += [proposer.ping() for _ in range(100)]
+        floor = {name: round(1e6 * statistics.median(values), 1) for name, values in pings.items()}
+        results["empty_step_round_trip_p50_us"] = floor
+        print(json.dumps({"empty_step_round_trip_p50_us": floor,
+                          "grpc_over_socket": round(floor["grpc"] / floor["socket"], 2)}), flush=True)
+        other.close()
         remote.close()
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(results, indent=2))

@@ -16,10 +16,12 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
 from collections.abc import Iterator
+from typing import Protocol
 
 import grpc
 import torch
@@ -28,12 +30,13 @@ from specsplit.drafter_service.heads import TargetHead
 from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.metrics import DrafterMetrics
 from specsplit.drafter_service.session import Session
+from specsplit.drafter_service.step_socket import StepSocketServer
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import logs, wire
 from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest
 from specsplit.shared.metrics import MetricsAddress
 from specsplit.shared.proposer import Proposer
-from specsplit.shared.security import ServerSecurity
+from specsplit.shared.security import ServerSecurity, grpc_target, is_unix
 from specsplit.shared.serving import CLIENT_HEADER, SPARE_THREADS, Served, start_server
 from specsplit.shared.status import Throttle, rpc_errors
 from specsplit.shared.transport import device_uuid, host_id, identity_digest
@@ -62,11 +65,16 @@ def _until_cancelled(requests: Iterator, context: grpc.ServicerContext) -> Itera
             raise
 
 
+class Cancellable(Protocol):
+    def cancel(self) -> object: ...
+
+
 @dataclasses.dataclass
 class _Stream:
-    """An open Step stream: its call (to end it if evicted) and when it last carried work."""
+    """An open Step stream: its call (gRPC's, or the step socket's connection: `cancel()` ends it if
+    evicted) and when it last carried work."""
 
-    context: grpc.ServicerContext
+    call: grpc.ServicerContext | Cancellable
     last_work: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -90,6 +98,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self._streams: dict[str, _Stream] = {}  # client id → its open Step stream
         self._seq_ids = itertools.count()
         self._closed = threading.Event()
+        self.step_socket = ""  # where the Step stream is also served without gRPC (serve sets it)
         self.metrics = DrafterMetrics(functools.partial(_sessions_now, weakref.ref(self)))
         threading.Thread(target=_reap_idle, args=(weakref.ref(self), self._closed, self.limits.idle_seconds),
                          name="drafter-idle-reaper", daemon=True).start()
@@ -179,7 +188,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         description = wire.DrafterDescription(
             spec=self.proposer.spec, host_id=identity_digest(client, host_id()),
             device_uuid=identity_digest(client, device_uuid(self.device)),
-            needs_target_head=self.head is None, step_columns=True,
+            needs_target_head=self.head is None, step_columns=True, step_socket=self.step_socket,
         )
         return wire.description_to_proto(description)
 
@@ -272,30 +281,39 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
 
     @rpc_errors
     def Step(self, request_iterator, context):
-        session, stream = self._open_stream(client_id(context), context)
-        context.add_callback(lambda: self._end_stream(session, stream))
+        session, stream = self.open_stream(client_id(context), context)
+        context.add_callback(lambda: self.end_stream(session, stream))
         try:
             for request in _until_cancelled(request_iterator, context):
-                started = time.perf_counter()
-                batch, errors = wire.step_from_proto(request)
-                with self._lock:
-                    if session.closed:  # evicted, or the server closed, while this message was read
-                        return
-                    if batch.seqs or batch.proposes or batch.register or batch.release:
-                        stream.last_work = time.monotonic()
-                    result = session.step(batch, errors)
-                self.metrics.answered(result, time.perf_counter() - started)
-                yield wire.step_result_to_proto(result, columns=batch.draft_columns)
+                answer = self.step_once(session, stream, request)
+                if answer is None:
+                    return
+                yield answer
         finally:
-            self._end_stream(session, stream)
+            self.end_stream(session, stream)
 
-    def _end_stream(self, session: Session, stream: _Stream) -> None:
+    def step_once(self, session: Session, stream: "_Stream", request) -> drafter_pb2.StepResponse | None:
+        """One Step message of an open stream (gRPC's or the step socket's); None: the session has
+        ended (evicted, or the server closed) and so has the stream."""
+        started = time.perf_counter()
+        batch, errors = wire.step_from_proto(request)
+        with self._lock:
+            if session.closed:  # evicted, or the server closed, while this message was read
+                return None
+            if batch.seqs or batch.proposes or batch.register or batch.release:
+                stream.last_work = time.monotonic()
+            result = session.step(batch, errors)
+        self.metrics.answered(result, time.perf_counter() - started)
+        return wire.step_result_to_proto(result, columns=batch.draft_columns)
+
+    def end_stream(self, session: Session, stream: _Stream) -> None:
         with self._lock:
             if self._streams.get(session.client_id) is stream:
                 del self._streams[session.client_id]
             self._end(session)
 
-    def _open_stream(self, client: str, context: grpc.ServicerContext) -> tuple[Session, _Stream]:
+    def open_stream(self, client: str, call: grpc.ServicerContext | Cancellable) -> tuple[Session, _Stream]:
+        """A Step stream for `client`, or CapacityExceeded at --max-targets (after reclaiming a quiet one)."""
         with self._lock:
             self._sweep_idle()
             session = self._sessions.get(client)
@@ -308,7 +326,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                                        "(--max-targets)")
             session = self._get_or_create(client, streaming=True)
             session.streaming = True
-            self._streams[client] = stream = _Stream(context)
+            self._streams[client] = stream = _Stream(call)
             return session, stream
 
     def _reclaim_a_quiet_stream(self) -> bool:
@@ -329,7 +347,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                      "for %.0f s, for a newcomer%s", client, now - last_work,
                      f" ({skipped} more not logged)" if skipped else "")
         self._end(self._sessions[client], quiet=True)
-        stream.context.cancel()
+        stream.call.cancel()
         return True
 
 
@@ -352,14 +370,25 @@ def _reap_idle(server_ref: "weakref.ref[DrafterServer]", closed: threading.Event
 
 
 def serve(server_obj: DrafterServer, listen: list[str], security: ServerSecurity = ServerSecurity(),
-          metrics: MetricsAddress | None = None) -> Served:
+          metrics: MetricsAddress | None = None, *, step_socket: bool = True) -> Served:
     """Serve on every address with grpc.health.v1 and reflection, and the server's metrics at `metrics`
     (None: not over HTTP). Each open Step stream holds a thread (at most max_targets of them, plus
     spares for unary calls and health checks); keepalive pings (shared.serving) find a target that
-    vanished without closing its socket."""
+    vanished without closing its socket. With `step_socket` and a unix address, the Step stream is also
+    served without gRPC beside that address's socket (drafter_service.step_socket)."""
     register = lambda server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(server_obj, server)  # noqa: E731
+    message_bytes = server_obj.limits.message_bytes(server_obj.proposer.spec)
     # Busy while a target is connected: its requests in flight still want drafts.
-    return start_server(register, listen, SERVICE_NAME, max_workers=server_obj.max_targets + SPARE_THREADS,
-                        busy=lambda: server_obj.num_streams > 0,
-                        max_message_bytes=server_obj.limits.message_bytes(server_obj.proposer.spec), security=security,
-                        metrics=server_obj.metrics, metrics_address=metrics)
+    served = start_server(register, listen, SERVICE_NAME, max_workers=server_obj.max_targets + SPARE_THREADS,
+                          busy=lambda: server_obj.num_streams > 0, max_message_bytes=message_bytes, security=security,
+                          metrics=server_obj.metrics, metrics_address=metrics)
+    unix = [a for a in listen if is_unix(grpc_target(a))]
+    if step_socket and unix:  # in the gRPC socket's private folder (start_server has checked it)
+        path = os.path.abspath(unix[0].removeprefix("unix:").removeprefix("//")) + ".step"
+        try:
+            served.listeners.append(StepSocketServer(server_obj, path, token=security.token,
+                                                     max_message_bytes=message_bytes))
+            server_obj.step_socket = path
+        except OSError as err:  # e.g. a path past the 107 bytes a unix socket's name may have
+            log.warning("no step socket at %s (%s): the Step stream goes over gRPC only", path, err)
+    return served

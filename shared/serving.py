@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent import futures
-from typing import Callable
+from typing import Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -74,25 +74,38 @@ class Served:
         self._health = health_servicer
         self._busy = busy
         self._metrics = metrics  # its HTTP endpoint answers until the server has stopped
+        self.listeners: list[Listener] = []  # served beside gRPC (the drafter's step socket), stopped with it
 
     def drain(self, grace: float) -> None:
         self._health.enter_graceful_shutdown()
+        for listener in self.listeners:
+            listener.stop_accepting()
         stopped = self.server.stop(grace)
         deadline = time.monotonic() + grace
         while self._busy() and not stopped.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
         self.server.stop(None).wait()
-        self._close_metrics()
+        self._close_rest()
 
     def stop(self, grace: float | None = None):
         """grpc.Server.stop: returns an event set once the server has stopped."""
         stopped = self.server.stop(grace)
-        self._close_metrics()
+        self._close_rest()
         return stopped
 
-    def _close_metrics(self) -> None:
+    def _close_rest(self) -> None:
+        for listener in self.listeners:
+            listener.close()
         if self._metrics is not None:
             self._metrics.close()
+
+
+class Listener(Protocol):
+    """Something served beside the gRPC server: refuses newcomers when draining, ends all on close."""
+
+    def stop_accepting(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def start_server(register: Callable[[grpc.Server], None], listen: list[str], service_name: str, *,

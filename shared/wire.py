@@ -193,6 +193,7 @@ class DrafterDescription:
     device_uuid: str = ""  # the drafter's GPU, empty on the CPU
     needs_target_head: bool = False  # wants the target's embedding and LM head as buffers
     step_columns: bool = False  # reads a StepRequest's columns (an older drafter would skip them)
+    step_socket: str = ""  # a unix socket carrying the Step stream without gRPC (shared.frames)
 
 
 def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
@@ -212,6 +213,7 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
         host_id=d.host_id,
         device_uuid=d.device_uuid,
         step_columns=d.step_columns,
+        step_socket=d.step_socket,
     )
 
 
@@ -230,7 +232,8 @@ def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescrip
         max_batch=pb.max_batch,
         window=pb.window,
     )
-    return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns)
+    return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns,
+                              pb.step_socket)
 
 
 def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:

@@ -257,7 +257,8 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
                           kv_blocks=args.kv_blocks, cuda_graphs=args.cuda_graphs,
                           drafts_by_batch=args.drafts_by_batch, auto_drafts=auto)
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
-                              drafter_timeout=args.drafter_timeout, max_streams=args.max_streams,
+                              drafter_timeout=args.drafter_timeout, step_socket=not args.step_over_grpc,
+                              max_streams=args.max_streams,
                               max_message_bytes=int(args.max_message_mib * (1 << 20)),
                               security=server_security(args), drafter_security=drafter_security(args),
                               metrics=metrics_address(args))
@@ -413,6 +414,9 @@ def add_service_parsers(sub) -> None:
     ts.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="on a GPU, replay decode/verify steps as CUDA graphs captured at start "
                          "(default: on; --no-cuda-graphs runs them eagerly, much slower, for debugging)")
+    ts.add_argument("--step-over-grpc", action="store_true",
+                    help="keep the Step stream on gRPC even where the drafter offers its step socket (a drafter on "
+                         "this host: the socket's round trip is about a third of gRPC's)")
     ts.add_argument("--drafter-timeout", type=float, default=60.0,
                     help="seconds a drafter call may take before the target decodes without it; a Step answer "
                          "gets less once steps were measured (20x the p99 of recent round trips, at least 1 s), "

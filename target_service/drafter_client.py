@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -28,9 +29,10 @@ from typing import Sequence
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
-from specsplit.shared import wire
+from specsplit.shared import frames, wire
 from specsplit.shared.security import ClientSecurity, ClientTLS, open_channel
 from specsplit.shared.serving import CLIENT_HEADER, PEER_CHANNEL_OPTIONS, grpc_target
 from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError
@@ -51,6 +53,7 @@ STEP_DEADLINE_FLOOR = 1.0
 STEP_DEADLINE_SAMPLES = 200
 STEP_DEADLINE_MIN_SAMPLES = 20
 WATCH_PERIOD = 0.05  # seconds between the watchdog's looks at an awaited Step answer's deadline
+ANSWER_FRAME_BYTES = 256 << 20  # the largest step answer read from the step socket (gRPC's own cap)
 INLINE_PREFILL_BYTES = 8 << 20  # inline prompt rows per PrefillDrafter call: the drafter caps message sizes
 
 
@@ -196,6 +199,7 @@ class _Connection:
     metadata: tuple
     outbox: "queue.Queue[drafter_pb2.StepRequest | None]" = field(default_factory=queue.Queue)
     responses: grpc.Call | None = None  # the Step stream's answers, read by the thread that sent the step
+    sock: socket.socket | None = None  # the drafter's step socket, when the Step stream goes there
     due: float = 0.0  # monotonic time by which the awaited Step answer is overdue (0: none awaited)
     sent_at: float = 0.0  # perf_counter when the last Step was sent
     overdue: bool = False  # the watchdog cancelled the stream: an answer missed its deadline
@@ -208,9 +212,25 @@ class _Connection:
     dead: bool = False  # the Step stream ended: the drafter has dropped (or never had) this session
     error: SpecsplitError | None = None  # why the Step stream ended, when the drafter said
 
+    def socket_closed(self) -> bool:
+        """Whether the step socket has ended (the drafter exited, restarted or evicted us), seen without
+        waiting: gRPC's stream says so by its callback, a socket only when read. Call it only while no
+        answer is awaited: any bytes now are the drafter's last words."""
+        if self.sock is None:
+            return False
+        try:
+            self.sock.settimeout(0)  # a peek that never waits (with a timeout, Python polls for up to it first)
+            return len(self.sock.recv(1, socket.MSG_PEEK)) >= 0
+        except BlockingIOError:
+            return False  # open, and quiet
+        except OSError:
+            return True
+
     def close(self) -> None:
         self.outbox.put(None)
         self.dead = True  # also stops the watchdog
+        if self.sock is not None:
+            self.sock.close()
         _close_channel(self.channel)
         if self.exporter is not None:
             self.exporter.close()
@@ -260,14 +280,17 @@ class RemoteProposer:
 
     def __init__(self, address: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 max_batch: int = 64, security: ClientSecurity = ClientSecurity()) -> None:
-        # max_batch: the engine's widest step; security: the drafter's token and TLS (shared.security)
+                 max_batch: int = 64, security: ClientSecurity = ClientSecurity(), step_socket: bool = True) -> None:
+        # max_batch: the engine's widest step; security: the drafter's token and TLS (shared.security);
+        # step_socket: send the Step stream to the drafter's step socket when it offers one on this host
         self.address = grpc_target(address)
         self.security = security
         self.device, self.dtype, self.timeout = torch.device(device), dtype, timeout
         self.head = head  # (embedding, lm_head) shared with a drafter on the same GPU
         self.max_batch = max_batch
+        self.use_step_socket = step_socket
         self.mode = "inline"
+        self.step_transport = "grpc"  # or "socket": how the Step stream travels on the attached connection
         self.link = LinkStats()
         self.last_error = ""  # why no drafter is attached now ("" while one is)
         self._conn: _Connection | None = None
@@ -302,9 +325,24 @@ class RemoteProposer:
             conn.close()  # the channel and any buffers already exported
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: "
                                      f"{_reason(exc, ready_wait)}") from None
-        conn.responses = conn.stub.Step(iter(conn.outbox.get, None), metadata=conn.metadata)
-        conn.responses.add_done_callback(lambda call: self._ended(call, conn))
-        threading.Thread(target=self._watch, args=(conn,), daemon=True).start()
+        # On one host (rows by shared memory or CUDA IPC) the drafter's step socket, when it has one, carries
+        # the Step stream: a third of gRPC's round trip (shared.frames).
+        self.step_transport = "grpc"
+        if desc.step_socket and self.use_step_socket and self.mode != "inline":
+            try:
+                conn.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.sock.settimeout(call_wait)
+                conn.sock.connect(desc.step_socket)
+                frames.send_frame(conn.sock, frames.hello(client, self.security.token))
+                self.step_transport = "socket"
+            except OSError as exc:
+                conn.close()
+                raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: its step socket "
+                                         f"{desc.step_socket}: {exc}") from None
+        else:
+            conn.responses = conn.stub.Step(iter(conn.outbox.get, None), metadata=conn.metadata)
+            conn.responses.add_done_callback(lambda call: self._ended(call, conn))
+            threading.Thread(target=self._watch, args=(conn,), daemon=True).start()
         self._conn, self._pending = conn, {}
         try:
             self._flush([], timeout=call_wait)  # the stream opens lazily: did the drafter take it (--max-targets)?
@@ -378,7 +416,7 @@ class RemoteProposer:
     def available(self) -> bool:
         """Whether the drafter can be used; re-attaches (with backoff) once a drafter is up again. Never
         waits for one: only a drafter whose connection is up gets an attach (each call <= ATTACH_WAIT)."""
-        if self._conn is not None and not self._conn.dead:
+        if self._conn is not None and not self._conn.dead and (self._unanswered or not self._conn.socket_closed()):
             return True
         if self._conn is not None:
             self._disconnect()
@@ -416,6 +454,8 @@ class RemoteProposer:
             self._disconnect()
 
     def _live(self) -> _Connection:
+        if self._conn is not None and not self._unanswered and self._conn.socket_closed():
+            self._conn.dead = True  # as gRPC's callback marks a Step stream that ended
         if self._conn is not None and self._conn.dead:
             cause = self._conn.error
             self._disconnect()
@@ -604,7 +644,15 @@ class RemoteProposer:
         if verified:
             _add_verified_columns(pb, conn.step.buffer, verified)
         conn.sent_at = time.perf_counter()
-        conn.outbox.put(pb)
+        if conn.sock is None:
+            conn.outbox.put(pb)
+            return
+        try:
+            conn.sock.settimeout(self.timeout)
+            frames.send_frame(conn.sock, pb.SerializeToString())
+        except OSError as exc:  # the drafter went away (or stopped reading for --drafter-timeout)
+            self._disconnect()
+            raise DrafterUnavailable(f"the drafter's step socket: {exc}") from None
 
     def _answer(self, conn: _Connection, timeout: float, *, timed: bool = True) -> wire.StepResult:
         """The answer to the Step sent last; its errors drop the connection and raise."""
@@ -637,6 +685,38 @@ class RemoteProposer:
         return min(self.timeout, max(STEP_DEADLINE_FLOOR, STEP_DEADLINE_FACTOR * p99))
 
     def _receive(self, conn: _Connection, timeout: float) -> wire.StepResult:
+        if conn.sock is not None:
+            pb = self._receive_frame(conn, timeout)
+        else:
+            pb = self._receive_message(conn, timeout)
+        result = wire.step_result_from_proto(pb)
+        if result.step_id != self._step_id:
+            self._disconnect()
+            raise DrafterUnavailable(f"step answers out of order ({result.step_id} != {self._step_id})")
+        return result
+
+    def _receive_frame(self, conn: _Connection, timeout: float) -> drafter_pb2.StepResponse:
+        """The next answer on the step socket; its end, its silence past `timeout`, or bytes that are
+        not an answer drop the connection and raise."""
+        try:
+            conn.sock.settimeout(timeout)
+            payload = frames.recv_frame(conn.sock, ANSWER_FRAME_BYTES)
+            if payload[:1] == bytes([frames.ANSWER]):
+                return drafter_pb2.StepResponse.FromString(payload[1:])
+        except socket.timeout:
+            self._disconnect()
+            self.link.step_seconds.append(timeout)  # as _receive_message counts an overdue answer
+            raise DrafterUnavailable(f"no step answer within {timeout:.1f} s") from None
+        except (OSError, EOFError, SpecsplitError, DecodeError) as exc:
+            self._disconnect()
+            raise DrafterUnavailable(f"the drafter's step socket: {exc}") from None
+        self._disconnect()
+        if payload[:1] == bytes([frames.ENDED]):
+            code, message = frames.parse_ended(payload)
+            raise wire.error_from_status(code, f"drafter {code}: {message}")
+        raise DrafterUnavailable("the drafter's step socket sent a frame of no known kind")
+
+    def _receive_message(self, conn: _Connection, timeout: float) -> drafter_pb2.StepResponse:
         conn.due = time.monotonic() + timeout
         try:
             pb = next(conn.responses)
@@ -652,8 +732,4 @@ class RemoteProposer:
             raise DrafterUnavailable("the drafter closed the step stream") from None
         finally:
             conn.due = 0.0
-        result = wire.step_result_from_proto(pb)
-        if result.step_id != self._step_id:
-            self._disconnect()
-            raise DrafterUnavailable(f"step answers out of order ({result.step_id} != {self._step_id})")
-        return result
+        return pb

@@ -22,6 +22,7 @@ from specsplit.shared import wire
 from specsplit.shared.errors import DrafterUnavailable, InvalidRequest
 from specsplit.shared.proposer import ProposeRequest, bool_to_bitmask
 from specsplit.shared.transport import BufferExporter, BufferRole, RowRef, encode_inline, host_id, identity_digest
+from specsplit.target_service import drafter_client
 from specsplit.target_service.drafter_client import RemoteProposer
 from tests.rounding import conf_atol
 
@@ -686,14 +687,17 @@ def test_a_refusal_of_commits_sent_ahead_drops_the_connection_not_the_next_call(
         server_obj.close()
 
 
-def test_verified_entries_go_straight_into_columns_as_the_seqstep_path_would_pack_them(tmp_path):
+@pytest.mark.parametrize("step_socket", [False, True], ids=["grpc", "socket"])
+def test_verified_entries_go_straight_into_columns_as_the_seqstep_path_would_pack_them(tmp_path, monkeypatch,
+                                                                                        step_socket):
     """The client writes a step's verified sequences into the message's columns without SeqStep objects;
     the message equals the one the SeqStep path builds, a sequence with more to do (a free) beside them."""
     drafter = make_drafter()
     server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
     server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
-    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4)
+    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4, step_socket=step_socket)
     try:
+        assert proposer.step_transport == ("socket" if step_socket else "grpc")
         for seq_id in range(3):
             proposer.alloc(seq_id, BUDGET)
             proposer.prefill(seq_id, [3 + seq_id, 4, 5], rows(3, seq_id))
@@ -704,10 +708,18 @@ def test_verified_entries_go_straight_into_columns_as_the_seqstep_path_would_pac
         assert conn.columns
         pending = dict(proposer._pending)
         sent = []
-        put = conn.outbox.put
-        conn.outbox.put = lambda pb: sent.append(pb) or put(pb)
+        if step_socket:
+            send_frame = drafter_client.frames.send_frame
+            def client_send(sock, payload):  # the drafter's thread in this process answers through it too
+                if threading.current_thread() is threading.main_thread():
+                    sent.append(drafter_pb2.StepRequest.FromString(payload))
+                send_frame(sock, payload)
+            monkeypatch.setattr(drafter_client.frames, "send_frame", client_send)
+        else:
+            put = conn.outbox.put
+            conn.outbox.put = lambda pb: sent.append(pb) or put(pb)
         proposer.flush()
-        conn.outbox.put = put
+        monkeypatch.undo()
         steps = tuple(RemoteProposer._seq_step(conn, seq_id, p) for seq_id, p in pending.items())
         expected = wire.step_to_proto(wire.StepBatch(sent[0].step_id, steps, draft_columns=True), columns=True)
         got = sent[0]
