@@ -171,6 +171,7 @@ def main() -> None:
             remote.link.step_seconds.clear()
             bytes_before = remote.link.inline_row_bytes
             served_before, ahead_before = served_seconds(metrics), remote.link.sent_ahead
+            drafts_ahead_before = remote.link.drafts_ahead
             split_tokens, split = run(split_engine, tokenizer, prompts, args.max_tokens, "s")
             served_after = served_seconds(metrics)
             steps = sorted(remote.link.step_seconds)
@@ -198,6 +199,8 @@ def main() -> None:
                 / max(served_after[1] - served_before[1], 1),
                 # Steps of commits sent ahead (steps without drafts): served, but no round trip waited for
                 "steps_sent_ahead": remote.link.sent_ahead - ahead_before,
+                # proposals taken from a Step sent ahead with the last step's commits (RemoteProposer.prefetch)
+                "drafts_taken_ahead": remote.link.drafts_ahead - drafts_ahead_before,
                 # What the split adds to each step's drafter phases (round trip, serialisation, the
                 # second process's GPU context) over the same drafter work in-process.
                 "control_plane_exposed_ms": (split["per_step_ms"]["draft"] + split["per_step_ms"]["commit"])

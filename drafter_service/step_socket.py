@@ -22,7 +22,9 @@ from google.protobuf.message import DecodeError
 
 from specsplit.protos.v1 import drafter_pb2
 from specsplit.shared import frames
-from specsplit.shared.errors import CapacityExceeded, InvalidRequest, SpecsplitError, Unauthenticated
+from specsplit.shared.errors import (
+    CapacityExceeded, DrafterUnavailable, InvalidRequest, SpecsplitError, Unauthenticated,
+)
 from specsplit.shared.status import Throttle, status_of
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class StepSocketServer:
         self._connections: set[_Connection] = set()
         self._lock = threading.Lock()
         self._accepting = True
+        self._closed = False
         if os.path.exists(path):
             os.unlink(path)  # a socket file left by a killed drafter
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -65,32 +68,49 @@ class StepSocketServer:
         except OSError:
             self._listener.close()
             raise
-        threading.Thread(target=self._accept, name="step-socket-accept", daemon=True).start()
+        self._thread = threading.Thread(target=self._accept, name="step-socket-accept", daemon=True)
+        self._thread.start()
 
     def _accept(self) -> None:
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            with self._lock:
-                full = not self._accepting or len(self._connections) >= self.max_connections
-                if not full:
-                    connection = _Connection(sock)
-                    self._connections.add(connection)
-            if full:
-                _refuse(sock, CapacityExceeded(f"the step socket has {self.max_connections} connections open"))
+            except OSError as err:
+                if self._closed:
+                    return
+                # Out of file descriptors, a connection aborted before it was taken...: this thread is the
+                # only way in, so it goes on (a moment later, not in a busy loop).
+                skipped = _refusals.admit()
+                if skipped is not None:
+                    log.warning("step socket: accept failed (%s); going on", err)
+                time.sleep(0.05)
                 continue
-            threading.Thread(target=self._serve, args=(connection,), name="step-socket", daemon=True).start()
+            with self._lock:
+                if not self._accepting:
+                    refusal = DrafterUnavailable("the drafter is shutting down")
+                elif len(self._connections) >= self.max_connections:
+                    refusal = CapacityExceeded(f"the step socket has {self.max_connections} connections open")
+                else:
+                    refusal, connection = None, _Connection(sock)
+                    self._connections.add(connection)
+            if refusal is not None:
+                _refuse(sock, refusal, linger=0.0)  # this thread accepts for everyone: it never waits
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(connection,), name="step-socket", daemon=True).start()
+            except RuntimeError as err:  # no thread to be had
+                with self._lock:
+                    self._connections.discard(connection)
+                _refuse(sock, CapacityExceeded(f"no thread for a step socket connection ({err})"), linger=0.0)
 
     def _serve(self, connection: _Connection) -> None:
         sock, session = connection.sock, None
         try:
-            sock.settimeout(HELLO_SECONDS)
-            try:
-                client, token = frames.parse_hello(frames.recv_frame(sock, frames.MAX_HELLO_BYTES))
+            try:  # the whole hello within HELLO_SECONDS, however slowly its bytes trickle in
+                hello = frames.recv_frame(sock, frames.MAX_HELLO_BYTES, time.monotonic() + HELLO_SECONDS)
             except (OSError, EOFError, ConnectionError):
-                return  # gone, or silent past HELLO_SECONDS
+                return  # gone, or no hello within HELLO_SECONDS
+            client, token = frames.parse_hello(hello)
             if self.token is not None and not hmac.compare_digest(token.encode(), self.token.encode()):
                 raise Unauthenticated("the step socket hello carried no valid token")
             sock.settimeout(None)
@@ -129,6 +149,11 @@ class StepSocketServer:
     def close(self) -> None:
         """Stop listening and end every open connection (their sessions end with them)."""
         self.stop_accepting()
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (a close alone does not, on Linux)
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             connections = list(self._connections)
@@ -140,8 +165,9 @@ class StepSocketServer:
             pass
 
 
-def _refuse(sock: socket.socket, err: BaseException) -> None:
-    """Tell the peer why its stream ends (best effort), as the gRPC stream's status would."""
+def _refuse(sock: socket.socket, err: BaseException, linger: float = 1.0) -> None:
+    """Tell the peer why its stream ends (best effort), as the gRPC stream's status would; `linger`:
+    seconds to go on reading what the peer sends before closing (0: only what has arrived)."""
     code, message = status_of(err)
     skipped = _refusals.admit()
     if skipped is not None:
@@ -152,10 +178,11 @@ def _refuse(sock: socket.socket, err: BaseException) -> None:
         frames.send_frame(sock, frames.ended(code.name, message))
         sock.shutdown(socket.SHUT_WR)
         # Closing with unread bytes would reset the connection and could lose the status just sent: read
-        # what the peer sent on (at most DRAIN_BYTES, for at most a second) first.
-        drained, deadline = 0, time.monotonic() + 1.0
-        while drained < DRAIN_BYTES and time.monotonic() < deadline:
-            chunk = sock.recv(65536)
+        # what the peer sent on (at most DRAIN_BYTES, for at most `linger` seconds) first.
+        drained, deadline = 0, time.monotonic() + linger
+        sock.settimeout(linger)
+        while drained < DRAIN_BYTES and (linger == 0 or time.monotonic() < deadline):
+            chunk = sock.recv(65536)  # with no linger: BlockingIOError once nothing more is there
             if not chunk:
                 break
             drained += len(chunk)

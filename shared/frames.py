@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 from specsplit.shared.errors import InvalidRequest
 
 HELLO = b"specsplit-step/1\n"
 ANSWER, ENDED = 0, 1
 MAX_HELLO_BYTES = 4096
+CHUNK_BYTES = 1 << 20  # the most one read asks for
 _LENGTH = struct.Struct("<I")
 
 
@@ -32,27 +34,35 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(_LENGTH.pack(len(payload)) + payload)
 
 
-def recv_frame(sock: socket.socket, limit: int) -> bytes:
+def recv_frame(sock: socket.socket, limit: int, deadline: float | None = None) -> bytes:
     """The next frame's bytes. EOFError when the peer closed before a frame began, ConnectionError
-    when it closed inside one, FrameTooLarge (nothing more read) past `limit` bytes."""
-    header = _recv_exactly(sock, _LENGTH.size, eof_ok=True)
+    when it closed inside one, FrameTooLarge (nothing more read) past `limit` bytes, TimeoutError
+    when the whole frame has not arrived by `deadline` (time.monotonic(); None: the socket's own
+    timeout applies to each read). Memory grows with the bytes that arrive, not with the length the
+    header claims."""
+    header = _recv_exactly(sock, _LENGTH.size, deadline, eof_ok=True)
     (length,) = _LENGTH.unpack(header)
     if length > limit:
         raise FrameTooLarge(f"a frame of {length} bytes is over this stream's limit of {limit}")
-    return _recv_exactly(sock, length)
+    return _recv_exactly(sock, length, deadline)
 
 
-def _recv_exactly(sock: socket.socket, count: int, *, eof_ok: bool = False) -> bytes:
-    buffer = bytearray(count)
-    view, got = memoryview(buffer), 0
+def _recv_exactly(sock: socket.socket, count: int, deadline: float | None, *, eof_ok: bool = False) -> bytes:
+    chunks, got = [], 0
     while got < count:
-        n = sock.recv_into(view[got:])
-        if n == 0:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {count} bytes arrived in time")
+            sock.settimeout(left)
+        chunk = sock.recv(min(count - got, CHUNK_BYTES))
+        if not chunk:
             if eof_ok and got == 0:
                 raise EOFError("the peer closed the step socket")
             raise ConnectionError(f"the peer closed the step socket inside a frame ({got} of {count} bytes)")
-        got += n
-    return bytes(buffer)
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def hello(client_id: str, token: str | None) -> bytes:

@@ -76,7 +76,8 @@ class LinkStats:
 
     inline_row_bytes: int = 0
     step_seconds: deque = field(default_factory=lambda: deque(maxlen=100_000))  # the latest Steps waited for
-    sent_ahead: int = 0  # Steps sent by send_pending, answered later (not in step_seconds)
+    sent_ahead: int = 0  # Steps sent by send_pending or prefetch, answered later (not in step_seconds)
+    drafts_ahead: int = 0  # proposals taken from a prefetch's answer (no round trip of their own)
 
 
 class RowStager:
@@ -174,6 +175,11 @@ class _Pending:
                 and self.commit.num_rows == self.trim + 1)
 
 
+def _same_request(a: ProposeRequest, b: ProposeRequest) -> bool:
+    return (a.seq_id, a.last_token, a.position, a.num_drafts) == (b.seq_id, b.last_token, b.position, b.num_drafts) \
+        and b.bitmask is None and not b.want_confidence
+
+
 def _add_verified_columns(pb: drafter_pb2.StepRequest, buffer, verified: dict[int, _Pending]) -> None:
     """Append `verified` (stash offsets in `buffer`'s current generation) to pb.verified, in the order the
     columns expect (each sequence's commit tokens in turn)."""
@@ -225,6 +231,17 @@ class _Connection:
             return False  # open, and quiet
         except OSError:
             return True
+
+    def last_words(self) -> SpecsplitError | None:
+        """The status an ended step socket's drafter sent before closing it, if it sent one."""
+        try:
+            payload = frames.recv_frame(self.sock, ANSWER_FRAME_BYTES, time.monotonic() + 0.5)
+        except (OSError, EOFError, SpecsplitError):
+            return None
+        if payload[:1] != bytes([frames.ENDED]):
+            return None
+        code, message = frames.parse_ended(payload)
+        return wire.error_from_status(code, f"drafter {code}: {message}")
 
     def close(self) -> None:
         self.outbox.put(None)
@@ -296,7 +313,9 @@ class RemoteProposer:
         self._conn: _Connection | None = None
         self._pending: dict[int, _Pending] = {}
         self._step_id = 0
-        self._unanswered = False  # a Step sent by send_pending whose answer is not read yet
+        self._unanswered = False  # a Step sent by send_pending or prefetch whose answer is not read yet
+        self._ahead: dict[int, ProposeRequest] | None = None  # the proposes of the last prefetch, by seq id
+        self._ahead_result: wire.StepResult | None = None  # its answer, once read
         self._retry_at = 0.0
         self._backoff = 0.5
         self._probe: _Probe | None = None
@@ -329,17 +348,18 @@ class RemoteProposer:
         # the Step stream: a third of gRPC's round trip (shared.frames).
         self.step_transport = "grpc"
         if desc.step_socket and self.use_step_socket and self.mode != "inline":
+            conn.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                conn.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conn.sock.settimeout(call_wait)
                 conn.sock.connect(desc.step_socket)
                 frames.send_frame(conn.sock, frames.hello(client, self.security.token))
                 self.step_transport = "socket"
-            except OSError as exc:
-                conn.close()
-                raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: its step socket "
-                                         f"{desc.step_socket}: {exc}") from None
-        else:
+            except OSError as exc:  # not ours to open after all (another mount namespace...): gRPC it is
+                log.info("the drafter's step socket %s cannot be used (%s); the Step stream goes over gRPC",
+                         desc.step_socket, exc)
+                conn.sock.close()
+                conn.sock = None
+        if conn.sock is None:
             conn.responses = conn.stub.Step(iter(conn.outbox.get, None), metadata=conn.metadata)
             conn.responses.add_done_callback(lambda call: self._ended(call, conn))
             threading.Thread(target=self._watch, args=(conn,), daemon=True).start()
@@ -348,7 +368,8 @@ class RemoteProposer:
             self._flush([], timeout=call_wait)  # the stream opens lazily: did the drafter take it (--max-targets)?
         except SpecsplitError as exc:  # _flush has disconnected; exc is the drafter's reason when it gave one
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: {exc}") from None
-        log.info("drafter at %s attached (%s rows, %s)", self.address, self.mode, desc.spec.kind.value)
+        log.info("drafter at %s attached (%s rows, Step stream over %s, %s)", self.address, self.mode,
+                 self.step_transport, desc.spec.kind.value)
         return desc.spec
 
     def _note_unavailable(self, exc: Exception) -> None:
@@ -410,6 +431,7 @@ class RemoteProposer:
         self._conn = None
         self._pending = {}
         self._unanswered = False
+        self._ahead = self._ahead_result = None
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, 5.0)
 
@@ -456,6 +478,7 @@ class RemoteProposer:
     def _live(self) -> _Connection:
         if self._conn is not None and not self._unanswered and self._conn.socket_closed():
             self._conn.dead = True  # as gRPC's callback marks a Step stream that ended
+            self._conn.error = self._conn.last_words()
         if self._conn is not None and self._conn.dead:
             cause = self._conn.error
             self._disconnect()
@@ -467,11 +490,11 @@ class RemoteProposer:
         if self._unanswered:  # whatever comes next waits for it: the rows it referenced, the verbs' order
             self._unanswered = False
             try:
-                self._answer(self._conn, self.step_deadline(), timed=False)
+                self._ahead_result = self._answer(self._conn, self.step_deadline(), timed=False)
             except DrafterUnavailable:
                 raise
             except SpecsplitError as err:  # the earlier step's fault, not the call now being made
-                raise DrafterUnavailable(f"the drafter refused commits sent ahead: {err}") from err
+                raise DrafterUnavailable(f"the drafter refused a Step sent ahead: {err}") from err
         return self._conn
 
     def _unary(self, method: str, request):
@@ -595,8 +618,37 @@ class RemoteProposer:
         return time.perf_counter() - started
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
-        result = self._flush(list(requests))
-        return [result.proposals[r.seq_id] for r in requests]
+        """Drafts for `requests`; those asked unchanged by the last `prefetch` come from its answer, the
+        rest (if any) from a Step sent now."""
+        self._live()  # reads a prefetch's answer, if one is out
+        ahead, answer, self._ahead, self._ahead_result = self._ahead, self._ahead_result, None, None
+        taken: dict[int, Proposal] = {}
+        if ahead is not None and answer is not None:
+            for r in requests:
+                sent = ahead.get(r.seq_id)
+                if sent is not None and _same_request(sent, r) and r.seq_id in answer.proposals:
+                    taken[r.seq_id] = answer.proposals[r.seq_id]
+            self.link.drafts_ahead += len(taken)
+        rest = [r for r in requests if r.seq_id not in taken]
+        if rest:
+            taken.update(self._flush(rest).proposals)
+        return [taken[r.seq_id] for r in requests]
+
+    def prefetch(self, requests: Sequence[ProposeRequest]) -> None:
+        """Send the queued verbs (the step's commits) and the next step's `requests` now, and read the
+        answer later: the drafter drafts while the target emits the step's tokens and admits requests
+        (the in-process engine's prefetch, done by the drafter service). `propose` takes the drafts of
+        the requests it is asked again unchanged; a drafter's propose changes nothing a later propose
+        or commit depends on (DFlash reads its context; MTP redoes its speculative rows), so drafts
+        nobody takes are dropped."""
+        plain = [r for r in requests if r.bitmask is None and not r.want_confidence]
+        if self._unanswered or not plain:
+            return
+        conn = self._live()
+        self._send(conn, plain)
+        self._unanswered = True
+        self._ahead = {r.seq_id: r for r in plain}
+        self.link.sent_ahead += 1
 
     def take_kv(self, seq_id: int) -> CarriedKV:
         self._flush([])

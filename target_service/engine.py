@@ -436,15 +436,24 @@ class Engine:
 
     def _prefetch_drafts(self, seqs: list[Sequence]) -> None:
         """Launch the next step's propose for the sequences that go on, right after this step's rows
-        were committed. Only device drafts are prefetched: such a propose changes no drafter state (the
+        were committed. A drafter service gets the proposes with the step's commits in one message
+        (`RemoteProposer.prefetch`) and drafts while the host emits and admits. In-process, only device
+        drafts are prefetched: such a propose changes no drafter state (the
         in-process DFlash drafter's is a pure read of the context), so drafts nobody takes are dropped.
         They are taken only if no other drafter work ran on the device in between (a prefill drops
         them), so between the propose and the verify that reads its drafts there is nothing but what
         there is without a prefetch."""
         self._prefetched = None
         live = [s for s in seqs if s.finish_reason is None]
-        if not live or not self.drafter_ok or self.graphs is None \
-                or _capability(self.proposer, "propose_on_device") is None:
+        if not live or not self.drafter_ok:
+            return
+        ahead = _capability(self.proposer, "prefetch")
+        if ahead is not None:  # a drafter service: the proposes leave now, with this step's commits
+            requests, _ = self._propose_requests(live)
+            if requests:
+                self._drafter_call(ahead, requests)
+            return
+        if self.graphs is None or _capability(self.proposer, "propose_on_device") is None:
             return
         requests, index = self._propose_requests(live)
         if requests:

@@ -665,6 +665,57 @@ def test_commits_sent_ahead_are_answered_before_the_rows_are_staged_again(tmp_pa
         server_obj.close()
 
 
+@pytest.mark.parametrize("step_socket", [False, True], ids=["grpc", "socket"])
+def test_prefetched_drafts_equal_a_twins_and_only_changed_requests_cost_a_round_trip(tmp_path, step_socket):
+    """`prefetch` sends the step's commits with the next step's proposes; `propose` takes the drafts of
+    the requests asked again unchanged from that answer and sends only the rest. Every draft equals
+    a twin's called directly, whatever was taken, dropped or asked again."""
+    drafter, twin = make_drafter(), make_drafter()
+    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
+    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
+    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4, step_socket=step_socket)
+    sends = []
+    send = proposer._send
+    proposer._send = lambda conn, proposes: sends.append([r.seq_id for r in proposes]) or send(conn, proposes)
+    try:
+        pos = {}
+        for d in (proposer, twin):
+            for seq_id in range(3):
+                d.alloc(seq_id, BUDGET)
+                d.prefill(seq_id, [3 + seq_id, 4, 5], rows(3, seq_id))
+        pos = {seq_id: 3 for seq_id in range(3)}
+        live = [0, 1, 2]
+        for step in range(4):
+            verify = rows(len(live) * GAMMA, 300 + step)
+            accepted = {s: (s + step) % GAMMA for s in live}
+            tokens = {s: list(range(20, 21 + accepted[s])) for s in live}
+            proposer.commit_verified_many(live, verify, [GAMMA * i for i in range(len(live))], [GAMMA] * len(live),
+                                          [accepted[s] for s in live], [pos[s] for s in live], [tokens[s] for s in live])
+            for i, s in enumerate(live):
+                twin.commit_verified(s, verify[GAMMA * i:GAMMA * (i + 1)], accepted[s], pos[s], tokens[s])
+                pos[s] += accepted[s] + 1
+            ahead = [ProposeRequest(s, 7 + s, pos[s], GAMMA - 1) for s in live]
+            sends.clear()
+            proposer.prefetch(ahead)
+            assert sends == [live] and proposer._unanswered and not proposer._pending
+            if step == 1:  # a sequence finishes between the steps: its free rides on the next message
+                live = [0, 1]
+                proposer.free(2)
+                twin.free(2)
+            asked = [ProposeRequest(s, 7 + s, pos[s], GAMMA - 1 if step != 2 or s else 1) for s in live]
+            taken_before = proposer.link.drafts_ahead
+            same(proposer.propose(asked), twin.propose(asked), twin)
+            changed = [r.seq_id for r in asked if r.num_drafts != GAMMA - 1]
+            assert sends[1:] == ([changed] if changed else []), sends
+            assert proposer.link.drafts_ahead - taken_before == len(asked) - len(changed)
+        proposer.flush()  # the free left with the last propose, or leaves now
+        assert 2 not in drafter.store
+    finally:
+        proposer.close()
+        server.stop(None)
+        server_obj.close()
+
+
 def test_a_refusal_of_commits_sent_ahead_drops_the_connection_not_the_next_call(tmp_path):
     """The answer to commits sent ahead is read by whatever call comes next; if the drafter refused them,
     that call fails as the drafter being unavailable (the engine detaches and re-attaches), not with the
@@ -678,7 +729,7 @@ def test_a_refusal_of_commits_sent_ahead_drops_the_connection_not_the_next_call(
         proposer.prefill(0, [3, 4, 5], rows(3, 0))
         proposer.commit_verified_many([0], rows(1, 1), [0], [1], [0], [7], [[9]])  # position 7: not next (3)
         proposer.send_pending()
-        with pytest.raises(DrafterUnavailable, match="refused commits sent ahead"):
+        with pytest.raises(DrafterUnavailable, match="refused a Step sent ahead"):
             proposer.alloc(1, BUDGET)
         assert not proposer._unanswered and not proposer.available()  # dropped; re-attaches after the backoff
     finally:

@@ -3,6 +3,7 @@ bytes from anyone on the host cannot crash, stall or read through."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
@@ -13,6 +14,7 @@ from specsplit.drafter_service import step_socket
 from specsplit.drafter_service.server import DrafterServer, serve
 from specsplit.protos.v1 import drafter_pb2
 from specsplit.shared import frames, wire
+from specsplit.shared.errors import DrafterUnavailable
 from specsplit.shared.proposer import ProposeRequest
 from specsplit.shared.security import ClientSecurity, ServerSecurity
 from specsplit.target_service.drafter_client import RemoteProposer
@@ -198,3 +200,74 @@ def test_with_a_token_the_hello_must_carry_it(tmp_path):
     finally:
         server.stop(None).wait()
         server_obj.close()
+
+
+def test_a_draining_drafter_refuses_newcomers_and_serves_its_targets_until_it_stops(drafter):
+    server_obj, address = drafter
+    expected_drafts = reference(address)
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        (socket_server,) = server_obj.served.listeners
+        socket_server.stop_accepting()  # what Served.drain does first
+        with connect(server_obj.step_socket, HELLO) as late:
+            assert ending(late)[0] == "UNAVAILABLE"
+        assert drafts(proposer) == expected_drafts  # the connected target goes on
+        server_obj.served.stop(None).wait()
+        with pytest.raises(DrafterUnavailable):
+            proposer.propose([ProposeRequest(0, 5, 3, 3)])
+        assert not proposer.available()
+    finally:
+        proposer.close()
+    assert not os.path.exists(server_obj.step_socket)
+
+
+def test_stopping_ends_the_accept_thread(drafter):
+    """A closed listener does not wake a thread blocked in accept on Linux: without the shutdown, the
+    thread (and through it the whole drafter) would outlive every serve/stop cycle."""
+    server_obj, _ = drafter
+    (socket_server,) = server_obj.served.listeners
+    assert socket_server._thread.is_alive()
+    server_obj.served.stop(None).wait()
+    socket_server._thread.join(5)
+    assert not socket_server._thread.is_alive()
+
+
+def test_a_hello_trickled_in_byte_by_byte_still_has_its_deadline(drafter, monkeypatch):
+    server_obj, address = drafter
+    monkeypatch.setattr(step_socket, "HELLO_SECONDS", 1.0)
+    frame = struct.pack("<I", len(HELLO)) + HELLO
+    started = time.monotonic()
+    with connect(server_obj.step_socket) as sock:
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            for byte in frame:  # each byte well inside the deadline, all of them far past it
+                sock.send(bytes([byte]))
+                time.sleep(0.25)
+    assert time.monotonic() - started < 4
+    still_serves(server_obj, address, reference(address))
+
+
+class _FailingOnce:
+    """A listener whose next accept fails as when the process is out of file descriptors."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener, self.failed = listener, False
+
+    def accept(self):
+        if not self.failed:
+            self.failed = True
+            raise OSError(24, "Too many open files")
+        return self.listener.accept()
+
+    def __getattr__(self, name):
+        return getattr(self.listener, name)
+
+
+def test_an_accept_that_fails_does_not_end_the_step_socket(drafter):
+    server_obj, address = drafter
+    (socket_server,) = server_obj.served.listeners
+    socket_server._listener = _FailingOnce(socket_server._listener)  # used from the accept after the next
+    with connect(server_obj.step_socket, HELLO) as sock:  # the accept already waiting takes this one
+        frames.send_frame(sock, wire.step_to_proto(wire.StepBatch(1)).SerializeToString())
+        assert frames.recv_frame(sock, 1 << 20)[0] == frames.ANSWER
+    still_serves(server_obj, address, reference(address))
+    assert socket_server._listener.failed
