@@ -4,6 +4,7 @@ bytes from anyone on the host cannot crash, stall or read through."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import struct
 import time
@@ -271,3 +272,20 @@ def test_an_accept_that_fails_does_not_end_the_step_socket(drafter):
         assert frames.recv_frame(sock, 1 << 20)[0] == frames.ANSWER
     still_serves(server_obj, address, reference(address))
     assert socket_server._listener.failed
+
+
+def test_random_frames_are_answered_or_refused_and_the_drafter_lives(drafter):
+    """Frames of random bytes after a good hello (mostly unparsable; some parse into odd StepRequests):
+    each is answered or ends its connection with a status, never a hang or a crash."""
+    server_obj, address = drafter
+    expected_drafts = reference(address)
+    rng = random.Random(0)
+    kinds = {frames.ANSWER: 0, frames.ENDED: 0}
+    for _ in range(60):
+        with connect(server_obj.step_socket, HELLO) as sock:
+            payload = bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 64)))
+            frames.send_frame(sock, payload)
+            answer = frames.recv_frame(sock, 1 << 20)
+            kinds[answer[0]] += 1
+    assert kinds[frames.ENDED] > 0 and sum(kinds.values()) == 60
+    still_serves(server_obj, address, expected_drafts)
