@@ -300,7 +300,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         with self._lock:
             if session.closed:  # evicted, or the server closed, while this message was read
                 return None
-            if batch.seqs or batch.proposes or batch.register or batch.release:
+            if batch.seqs or batch.verified or batch.proposes or batch.register or batch.release:
                 stream.last_work = time.monotonic()
             result = session.step(batch, errors)
         self.metrics.answered(result, time.perf_counter() - started)

@@ -39,7 +39,7 @@ from specsplit.shared.proposer import CarriedKV, Proposal, Proposer, ProposeRequ
 from specsplit.shared.transport import (
     BufferDescriptor, BufferImporter, BufferKind, BufferRole, InlineRows, RowRef, RowSource,
 )
-from specsplit.shared.wire import RowsOp, SeqError, SeqStep, StepBatch, StepResult
+from specsplit.shared.wire import RowsOp, SeqError, SeqStep, StepBatch, StepResult, VerifiedColumns
 
 log = logging.getLogger(__name__)
 _SEQUENCE = re.compile(r"\bsequence (\d+)\b")
@@ -353,7 +353,8 @@ class Session:
         # the context forward straight to the propose, and this wait finds the work done.
         try:
             with _batched_appends(self.proposer):
-                for seq_step in self._apply_verified_together(batch.seqs):
+                alone = self._apply_columns(batch.verified) if batch.verified is not None else []
+                for seq_step in alone + list(self._apply_verified_together(batch.seqs)):
                     error = self._apply_isolated(seq_step)
                     if error is not None:
                         errors.append(error)
@@ -366,6 +367,24 @@ class Session:
         if batch.release:
             self.release(batch.release)
         return StepResult(batch.step_id, proposals, tuple(errors + propose_errors))
+
+    def _apply_columns(self, columns: VerifiedColumns) -> list[SeqStep]:
+        """The verified columns in one drafter call; returns what is left to apply one by one: nothing,
+        or (that call changed nothing: an entry is bad) every entry, each then reported alone."""
+        if len(columns.seq_ids) < 2 or getattr(type(self.proposer), "commit_verified_many", None) is None:
+            return columns.seq_steps()
+        low = min(columns.row_offsets)
+        high = max(o + n for o, n in zip(columns.row_offsets, columns.stash_rows))
+        try:
+            internal = [self._seqs[seq_id] for seq_id in columns.seq_ids]  # KeyError: unknown, reported alone
+            rows = self._rows(RowRef(columns.buffer_id, low, high - low, columns.generation))
+            self.proposer.commit_verified_many(
+                internal, rows, [o - low for o in columns.row_offsets], columns.stash_rows, columns.num_accepted,
+                columns.base_pos, columns.token_ids)
+        except Exception as err:  # noqa: BLE001 - nothing changed: each sequence is applied alone
+            log.debug("the step's verified columns failed together (%s); applying them one by one", err)
+            return columns.seq_steps()
+        return []
 
     def _apply_verified_together(self, seqs: Sequence[SeqStep]) -> Sequence[SeqStep]:
         """The step's verified sequences whose rows lie in one buffer (a packed step's columns) in one

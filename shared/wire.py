@@ -366,6 +366,30 @@ class SeqStep:
 
 
 @dataclass(frozen=True)
+class VerifiedColumns:
+    """A step's verified sequences as they came in StepRequest.verified, every entry already checked
+    (step_from_proto): each one verify's stash of `stash_rows[i]` rows at `row_offsets[i]` of one buffer
+    generation, its commit of `num_accepted[i]` + 1 rows at `base_pos[i]` with `token_ids[i]`, its trim.
+    No SeqStep object per sequence: the drafter takes them in one call."""
+
+    buffer_id: int
+    generation: int
+    seq_ids: list[int]
+    row_offsets: list[int]
+    stash_rows: list[int]
+    base_pos: list[int]
+    num_accepted: list[int]
+    token_ids: list[list[int]]
+
+    def seq_steps(self) -> list[SeqStep]:
+        """The same operations as SeqSteps (to apply one by one)."""
+        return [SeqStep(seq_id, stash=RowRef(self.buffer_id, offset, rows, self.generation),
+                        commit=CommitOp(accepted + 1, base, tuple(tokens)), trim=accepted)
+                for seq_id, offset, rows, base, accepted, tokens in zip(
+                    self.seq_ids, self.row_offsets, self.stash_rows, self.base_pos, self.num_accepted, self.token_ids)]
+
+
+@dataclass(frozen=True)
 class StepBatch:
     """One engine step, target → drafter: per-sequence operations, then the batch's proposes."""
 
@@ -375,6 +399,7 @@ class StepBatch:
     register: tuple[BufferDescriptor, ...] = ()  # mapped before any rows are read
     release: tuple[int, ...] = ()  # unmapped after the step
     draft_columns: bool = False  # answer plain drafts in columns (StepResponse.drafts)
+    verified: VerifiedColumns | None = None  # parsed verified columns, none of them in seqs (drafter side)
 
     def __post_init__(self) -> None:
         for name in ("seqs", "proposes", "register", "release"):
@@ -521,7 +546,8 @@ def step_from_proto(pb: drafter_pb2.StepRequest) -> tuple[StepBatch, list[SeqErr
     errors: dict[int, SeqError] = {}
     seen: set[int] = set()
     seqs = _convert_each(pb.seqs, seq_step_from_proto, errors, seen)
-    if pb.HasField("verified"):
+    verified = _checked_verified_columns(pb.verified, seen) if pb.HasField("verified") else None
+    if pb.HasField("verified") and verified is None:  # an entry is bad: each is converted (and refused) alone
         seqs += _convert_each(_verified_entries(pb.verified), _verified_from_entry, errors, seen)
     seen = set()
     proposes = _convert_each(pb.proposes, propose_item_from_proto, errors, seen)
@@ -530,8 +556,12 @@ def step_from_proto(pb: drafter_pb2.StepRequest) -> tuple[StepBatch, list[SeqErr
         _same_lengths("propose_columns", c.seq_ids, c.last_tokens, c.positions, c.num_drafts)
         entries = [_Entry(e) for e in zip(c.seq_ids, c.last_tokens, c.positions, c.num_drafts)]
         proposes += _convert_each(entries, _propose_from_entry, errors, seen)
+    if verified is not None and any(seq_id in errors for seq_id in verified.seq_ids):
+        seqs += verified.seq_steps()  # a bad propose drops its sequence's operations too
+        verified = None
     batch = StepBatch(
         step_id=pb.step_id,
+        verified=verified,
         seqs=[s for s in seqs if s.seq_id not in errors],
         proposes=[p for p in proposes if p.seq_id not in errors],
         register=[descriptor_from_proto(d) for d in pb.register_buffers],
@@ -569,6 +599,29 @@ def _verified_entries(c: drafter_pb2.VerifiedColumns) -> list[_Entry]:
                                accepted)))
         at += n
     return entries
+
+
+def _checked_verified_columns(c: drafter_pb2.VerifiedColumns, named: set[int]) -> VerifiedColumns | None:
+    """The columns checked as a whole (unequal lengths raise, as in `_verified_entries`); None when any
+    entry is malformed, repeats a sequence or names one of `named` (the step's SeqSteps), which the
+    entry-by-entry conversion then reports for that sequence alone."""
+    _same_lengths("verified", c.seq_ids, c.row_offsets, c.stash_rows, c.commit_rows, c.base_pos, c.num_accepted)
+    counts, tokens = list(c.commit_rows), list(c.token_ids)
+    if min(counts, default=0) < 0 or sum(counts) != len(tokens):
+        raise InvalidRequest(f"verified: {len(tokens)} token ids for commits of {counts} rows")
+    seq_ids, offsets, stash_rows = list(c.seq_ids), list(c.row_offsets), list(c.stash_rows)
+    base_pos, accepted = list(c.base_pos), list(c.num_accepted)
+    if not seq_ids or c.buffer_id <= 0 or c.generation < 0 or min(seq_ids) < 0 or min(offsets) < 0 \
+            or min(stash_rows) <= 0 or min(counts) <= 0 or min(base_pos) < 0 or min(accepted) < 0 \
+            or min(tokens) < 0 or any(n != a + 1 for n, a in zip(counts, accepted)) \
+            or len(set(seq_ids)) != len(seq_ids) or not named.isdisjoint(seq_ids):
+        return None
+    named.update(seq_ids)
+    split, at = [], 0
+    for n in counts:
+        split.append(tokens[at:at + n])
+        at += n
+    return VerifiedColumns(c.buffer_id, c.generation, seq_ids, offsets, stash_rows, base_pos, accepted, split)
 
 
 def _verified_from_entry(e: _Entry) -> SeqStep:

@@ -93,8 +93,8 @@ class Client:
         self.outbox = queue.Queue()
         self.responses = self.stub.Step(iter(self.outbox.get, None), metadata=self.metadata)
 
-    def step(self, batch: wire.StepBatch) -> wire.StepResult:
-        self.outbox.put(wire.step_to_proto(batch))
+    def step(self, batch: wire.StepBatch, *, columns: bool = False) -> wire.StepResult:
+        self.outbox.put(wire.step_to_proto(batch, columns=columns))
         return wire.step_result_from_proto(next(self.responses))
 
     def close_stream(self) -> None:
@@ -372,8 +372,10 @@ def test_step_errors_stay_with_their_sequence(env):
     client.close_stream()
 
 
-def test_a_steps_verified_sequences_commit_together_and_a_bad_one_fails_alone(env, monkeypatch):
-    """The verified sequences of a packed step (rows in one buffer) go to the drafter in one call; when
+@pytest.mark.parametrize("columns", [False, True], ids=["seqsteps", "columns"])
+def test_a_steps_verified_sequences_commit_together_and_a_bad_one_fails_alone(env, monkeypatch, columns):
+    """The verified sequences of a packed step (rows in one buffer) go to the drafter in one call, sent
+    as SeqSteps or as the message's columns (taken as they are, without an object per sequence); when
     one entry is bad that call changes nothing, and the sequences are applied one by one, so only the
     bad one fails (with its own code) and the others end as the direct calls leave them."""
     client, twin = env.client("target-a"), env.twin
@@ -397,7 +399,8 @@ def test_a_steps_verified_sequences_commit_together_and_a_bad_one_fails_alone(en
                 twin.commit_verified(seq_id, verify, a, pos[seq_id], tokens)
                 pos[seq_id] += a + 1
             reqs.append(ProposeRequest(seq_id, 50 + seq_id, pos[seq_id], 3))
-        result = client.step(wire.StepBatch(step_id, seqs=seqs, proposes=reqs))
+        result = client.step(wire.StepBatch(step_id, seqs=seqs, proposes=reqs, draft_columns=columns),
+                             columns=columns)
         assert {e.seq_id: e.code for e in result.errors} == ({} if bad is None else {bad: "FAILED_PRECONDITION"})
         good = [r for r in reqs if r.seq_id != bad]
         same([result.proposals[r.seq_id] for r in good], twin.propose(good), twin)

@@ -210,7 +210,7 @@ def test_a_draining_drafter_refuses_newcomers_and_serves_its_targets_until_it_st
     try:
         (socket_server,) = server_obj.served.listeners
         socket_server.stop_accepting()  # what Served.drain does first
-        with connect(server_obj.step_socket, HELLO) as late:
+        with connect(server_obj.step_socket) as late:  # refused at once: a hello could meet a closed socket
             assert ending(late)[0] == "UNAVAILABLE"
         assert drafts(proposer) == expected_drafts  # the connected target goes on
         server_obj.served.stop(None).wait()

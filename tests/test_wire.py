@@ -314,7 +314,9 @@ def test_step_request_columns_round_trip():
     assert list(pb.propose_columns.seq_ids) == [1, 4] and [p.seq_id for p in pb.proposes] == [2]
     back, errors = wire.step_from_proto(drafter_pb2.StepRequest.FromString(pb.SerializeToString()))
     assert errors == [] and back.draft_columns
-    assert sorted(back.seqs, key=lambda s: s.seq_id) == sorted(batch.seqs, key=lambda s: s.seq_id)
+    assert back.verified.seq_ids == [1, 4, 5]  # checked as columns, no SeqStep each
+    both = list(back.seqs) + back.verified.seq_steps()
+    assert sorted(both, key=lambda s: s.seq_id) == sorted(batch.seqs, key=lambda s: s.seq_id)
     by_id = {p.seq_id: p for p in back.proposes}
     assert all(same_requests(p, by_id[p.seq_id]) for p in batch.proposes) and len(by_id) == len(batch.proposes)
 
@@ -328,6 +330,17 @@ def test_malformed_column_entries_drop_their_sequences():
     batch, errors = wire.step_from_proto(pb)
     assert {e.seq_id for e in errors} == {1, 4, 5} and all(e.code == "INVALID_ARGUMENT" for e in errors)
     assert {s.seq_id for s in batch.seqs} == {2, 3, 6} and [p.seq_id for p in batch.proposes] == [2]
+
+
+def test_a_bad_propose_drops_its_verified_columns_entry_and_only_that():
+    pb = wire.step_to_proto(column_batch(), columns=True)
+    pb.propose_columns.num_drafts[0] = 0  # sequence 1's propose: its verified entry goes too
+    batch, errors = wire.step_from_proto(pb)
+    assert [e.seq_id for e in errors] == [1]
+    assert batch.verified is None  # the entries went one by one
+    assert {s.seq_id for s in batch.seqs} == {2, 3, 4, 5, 6}
+    untouched, _ = wire.step_from_proto(wire.step_to_proto(column_batch(), columns=True))
+    assert untouched.verified.seq_ids == [1, 4, 5] and {s.seq_id for s in untouched.seqs} == {2, 3, 6}
 
 
 @pytest.mark.parametrize("break_columns", [
