@@ -554,8 +554,13 @@ def step_from_proto(pb: drafter_pb2.StepRequest) -> tuple[StepBatch, list[SeqErr
     if pb.HasField("propose_columns"):
         c = pb.propose_columns
         _same_lengths("propose_columns", c.seq_ids, c.last_tokens, c.positions, c.num_drafts)
-        entries = [_Entry(e) for e in zip(c.seq_ids, c.last_tokens, c.positions, c.num_drafts)]
-        proposes += _convert_each(entries, _propose_from_entry, errors, seen)
+        columns = list(c.seq_ids), list(c.last_tokens), list(c.positions), list(c.num_drafts)
+        ids, last_tokens, positions, num_drafts = columns
+        if ids and min(ids) >= 0 and min(last_tokens) >= 0 and min(positions) >= 0 and min(num_drafts) >= 1 \
+                and len(set(ids)) == len(ids) and seen.isdisjoint(ids):  # every entry good: no checks one by one
+            proposes += [ProposeRequest(*entry) for entry in zip(*columns)]
+        else:
+            proposes += _convert_each([_Entry(e) for e in zip(*columns)], _propose_from_entry, errors, seen)
     if verified is not None and any(seq_id in errors for seq_id in verified.seq_ids):
         seqs += verified.seq_steps()  # a bad propose drops its sequence's operations too
         verified = None

@@ -343,6 +343,15 @@ def test_a_bad_propose_drops_its_verified_columns_entry_and_only_that():
     assert untouched.verified.seq_ids == [1, 4, 5] and {s.seq_id for s in untouched.seqs} == {2, 3, 6}
 
 
+def test_a_propose_both_as_an_item_and_in_the_columns_is_refused_for_that_sequence_alone():
+    pb = wire.step_to_proto(column_batch(), columns=True)
+    pb.proposes.add(seq_id=4, last_token=1, position=2, num_drafts=1)  # 4 is in the columns too
+    batch, errors = wire.step_from_proto(pb)
+    assert [(e.seq_id, e.code) for e in errors] == [(4, "INVALID_ARGUMENT")]
+    assert sorted(p.seq_id for p in batch.proposes) == [1, 2]
+    assert 4 not in batch.verified.seq_ids if batch.verified else all(s.seq_id != 4 for s in batch.seqs)
+
+
 @pytest.mark.parametrize("break_columns", [
     lambda pb: pb.verified.num_accepted.append(1),  # one column longer than the others
     lambda pb: pb.verified.token_ids.append(1),  # tokens that no commit counts
