@@ -4,7 +4,8 @@
 
 CPU-only. A tiny target config (small vocabulary and hidden size, so the drafter's own compute is small)
 and a seeded random DFlash drafter; the drafter runs once as its own process (`specsplit drafter serve`,
-reached by the real `RemoteProposer` over a unix socket with rows in shared memory) and once in this
+reached by the real `RemoteProposer` with rows in shared memory and the Step stream over the drafter's
+step socket, or over gRPC with --step-over-grpc; the empty Step's round trip is timed both ways) and once in this
 process, fed the same verbs on the same rows (stash, commit, trim per sequence, then one batched
 propose: the engine's step). Per step it prints the in-process drafter time (its compute), the split's
 time, the drafter's compute inside the service (its own step clock, from its metrics, less its parse),
