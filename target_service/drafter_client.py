@@ -76,6 +76,9 @@ class LinkStats:
 
     inline_row_bytes: int = 0
     step_seconds: deque = field(default_factory=lambda: deque(maxlen=100_000))  # the latest Steps waited for
+    # Every answer's time from its send (Steps sent ahead too, whose answers are read later): what the next
+    # answer's deadline is drawn from. With proposes sent ahead nearly every answer is one of those.
+    answer_seconds: deque = field(default_factory=lambda: deque(maxlen=1_000))
     sent_ahead: int = 0  # Steps sent by send_pending or prefetch, answered later (not in step_seconds)
     drafts_ahead: int = 0  # proposals taken from a prefetch's answer (no round trip of their own)
 
@@ -709,8 +712,10 @@ class RemoteProposer:
     def _answer(self, conn: _Connection, timeout: float, *, timed: bool = True) -> wire.StepResult:
         """The answer to the Step sent last; its errors drop the connection and raise."""
         result = self._receive(conn, timeout)
-        if timed:  # round trips the step waited for (send_pending's overlap other work)
-            self.link.step_seconds.append(time.perf_counter() - conn.sent_at)
+        seconds = time.perf_counter() - conn.sent_at
+        self.link.answer_seconds.append(seconds)
+        if timed:  # round trips the step waited for (send_pending's and prefetch's overlap other work)
+            self.link.step_seconds.append(seconds)
         if result.errors:
             # The drafter's state for this client no longer matches the target's: drop the connection
             # (the drafter frees the session) and let the engine re-attach from scratch after backoff.
@@ -730,7 +735,7 @@ class RemoteProposer:
     def step_deadline(self) -> float:
         """Seconds the next Step answer may take (see STEP_DEADLINE_FACTOR): a drafter that stopped
         answering is given up on after a few of its usual step times, not after --drafter-timeout."""
-        recent = sorted(itertools.islice(reversed(self.link.step_seconds), STEP_DEADLINE_SAMPLES))
+        recent = sorted(itertools.islice(reversed(self.link.answer_seconds), STEP_DEADLINE_SAMPLES))
         if len(recent) < STEP_DEADLINE_MIN_SAMPLES:
             return self.timeout
         p99 = recent[min(len(recent) - 1, int(0.99 * len(recent)))]
@@ -757,7 +762,7 @@ class RemoteProposer:
                 return drafter_pb2.StepResponse.FromString(payload[1:])
         except socket.timeout:
             self._disconnect()
-            self.link.step_seconds.append(timeout)  # as _receive_message counts an overdue answer
+            self.link.answer_seconds.append(timeout)  # as _receive_message counts an overdue answer
             raise DrafterUnavailable(f"no step answer within {timeout:.1f} s") from None
         except (OSError, EOFError, SpecsplitError, DecodeError) as exc:
             self._disconnect()
@@ -777,7 +782,7 @@ class RemoteProposer:
             if conn.overdue:
                 # Counted as a round trip: a drafter that has become slower for good raises its own deadline
                 # after a few misses instead of being detached and re-attached at every step.
-                self.link.step_seconds.append(timeout)
+                self.link.answer_seconds.append(timeout)
                 raise DrafterUnavailable(f"no step answer within {timeout:.1f} s") from None
             if isinstance(exc, grpc.RpcError):
                 raise _error_from_rpc(exc) from None

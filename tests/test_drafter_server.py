@@ -584,7 +584,7 @@ def test_an_overdue_step_answer_detaches_within_its_deadline(tmp_path, monkeypat
         with pytest.raises(DrafterUnavailable, match="no step answer within 0.4 s"):
             proposer.propose([ProposeRequest(1, 4, 2, 2)])
         assert time.monotonic() - started < 1.2
-        assert proposer.link.step_seconds[-1] == 0.4  # counted, so a drafter slower for good raises its deadline
+        assert proposer.link.answer_seconds[-1] == 0.4  # counted, so a drafter slower for good raises its deadline
         assert not proposer.available()  # detached; re-attaches after the backoff
     finally:
         proposer.close()
@@ -713,6 +713,32 @@ def test_prefetched_drafts_equal_a_twins_and_only_changed_requests_cost_a_round_
             assert proposer.link.drafts_ahead - taken_before == len(asked) - len(changed)
         proposer.flush()  # the free left with the last propose, or leaves now
         assert 2 not in drafter.store
+    finally:
+        proposer.close()
+        server.stop(None)
+        server_obj.close()
+
+
+def test_answers_to_steps_sent_ahead_set_the_step_deadline(tmp_path):
+    """With proposes sent ahead nearly every answer is read after other work, not waited for; they
+    must still teach the deadline, or a frozen drafter holds the engine for the whole --drafter-timeout
+    (a slow test with a SIGSTOPped drafter found it)."""
+    drafter = make_drafter()
+    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
+    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
+    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4, timeout=30.0)
+    try:
+        proposer.alloc(0, BUDGET)
+        proposer.prefill(0, [3, 4, 5], rows(3, 0))
+        pos = 3
+        for step in range(drafter_client.STEP_DEADLINE_MIN_SAMPLES + 5):
+            proposer.commit_verified_many([0], rows(GAMMA, step), [0], [GAMMA], [1], [pos], [[7, 8]])
+            pos += 2
+            request = [ProposeRequest(0, 9, pos, GAMMA - 1)]
+            proposer.prefetch(request)
+            assert len(proposer.propose(request)[0].tokens) == GAMMA - 1
+        assert proposer.link.drafts_ahead == drafter_client.STEP_DEADLINE_MIN_SAMPLES + 5
+        assert proposer.step_deadline() == drafter_client.STEP_DEADLINE_FLOOR  # not the 30 s timeout
     finally:
         proposer.close()
         server.stop(None)

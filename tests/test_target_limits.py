@@ -196,11 +196,11 @@ def test_the_step_deadline_follows_the_measured_round_trips():
     proposer = RemoteProposer.__new__(RemoteProposer)
     proposer.timeout, proposer.link = 60.0, drafter_client.LinkStats()
     assert proposer.step_deadline() == 60.0  # nothing measured yet
-    proposer.link.step_seconds.extend([0.01] * 300)
+    proposer.link.answer_seconds.extend([0.01] * 300)
     assert proposer.step_deadline() == drafter_client.STEP_DEADLINE_FLOOR
-    proposer.link.step_seconds.extend([0.2] * 300)
+    proposer.link.answer_seconds.extend([0.2] * 300)
     assert proposer.step_deadline() == pytest.approx(20 * 0.2)
-    proposer.link.step_seconds.extend([10.0] * 300)
+    proposer.link.answer_seconds.extend([10.0] * 300)
     assert proposer.step_deadline() == 60.0  # capped by --drafter-timeout
 
 
