@@ -1,7 +1,9 @@
 """A `Proposer` that lives in another process: the drafter service, reached over gRPC.
 
 Per engine step the target's verbs (stash, commit, trim, catch-up) are queued and leave together with
-the step's batched propose as ONE message on a persistent bidirectional `Step` stream. Feature rows
+the step's batched propose as ONE message on a persistent bidirectional `Step` stream (on one host,
+over the drafter's step socket: `shared.frames`); a step's commits leave with the next step's
+proposes (`prefetch`), whose drafts the next step takes. Feature rows
 never travel as bytes on one host: they are copied into a buffer registered once per connection
 (CUDA IPC on one GPU, POSIX shared memory on a CPU host) and referenced by (buffer, offset, rows,
 generation); between hosts they travel inline. Any transport failure raises DrafterUnavailable, and
