@@ -74,6 +74,18 @@ class _EngineCollector(Collector):
         yield _counter("drafter_reattaches", "drafter attached after a fallback (or after starting without one)",
                        c.reattaches)
         yield _gauge("drafter_attached", "1 while a drafter is attached", float(engine.drafter_ok))
+        link = getattr(engine.proposer, "link", None)  # a drafter service's connection (RemoteProposer)
+        if link is not None:
+            yield _counter("drafter_steps_sent_ahead", "Step messages sent before their answer was needed (a "
+                           "step's commits, with the next step's proposes), their answers read later", link.sent_ahead)
+            yield _counter("drafter_drafts_taken_ahead", "proposals taken from a Step sent ahead (no round trip "
+                           "of their own)", link.drafts_ahead)
+            transport = GaugeMetricFamily(f"{PREFIX}_drafter_step_transport", "1 for the carrier of the Step stream "
+                                          "while a drafter is attached: socket (its step socket) or grpc",
+                                          labels=["transport"])
+            for name in ("socket", "grpc"):
+                transport.add_metric([name], float(engine.drafter_ok and engine.proposer.step_transport == name))
+            yield transport
         tuner = engine.tuner
         if tuner is not None:
             lengths = GaugeMetricFamily(f"{PREFIX}_draft_length", "--num-drafts auto: the draft length the engine "

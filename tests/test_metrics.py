@@ -102,6 +102,10 @@ def test_a_request_moves_the_target_and_drafter_counters_consistently(pair):
     assert t("step_seconds_count", phase="propose") == proposing
     assert t("step_seconds_count", phase="verify") == t("step_seconds_count", phase="control") == t("steps_total")
     assert value(after_t, "specsplit_target_drafter_attached") == 1
+    assert value(after_t, "specsplit_target_drafter_step_transport", transport="socket") == 1  # one host
+    assert value(after_t, "specsplit_target_drafter_step_transport", transport="grpc") == 0
+    # After the first step, each step's drafts were proposed with the step before's commits.
+    assert 0 < t("drafter_drafts_taken_ahead_total") <= t("drafter_steps_sent_ahead_total") <= proposing
     assert value(after_t, "specsplit_target_sequences", state="running") == 0
     # The drafter proposed every draft the target verified, one Step message per step (and the free).
     assert d("draft_tokens_total") == stats.drafted
