@@ -371,8 +371,33 @@ class Session:
     def _apply_columns(self, columns: VerifiedColumns) -> list[SeqStep]:
         """The verified columns in one drafter call; returns what is left to apply one by one: nothing,
         or (that call changed nothing: an entry is bad) every entry, each then reported alone."""
-        if len(columns.seq_ids) < 2 or getattr(type(self.proposer), "commit_verified_many", None) is None:
-            return columns.seq_steps()
+        if len(columns.seq_ids) >= 2 and self._commit_together(columns):
+            return []
+        return columns.seq_steps()
+
+    def _apply_verified_together(self, seqs: Sequence[SeqStep]) -> Sequence[SeqStep]:
+        """The step's verified sequences whose rows lie in one buffer (a packed step's columns, sent as
+        SeqSteps) in one drafter call; returns the sequences left to apply one by one."""
+        refs = [s for s in seqs if self._verified(s) and isinstance(s.stash, RowRef)]
+        if len(refs) < 2:
+            return seqs
+        first = refs[0].stash
+        together = [s for s in refs if (s.stash.buffer_id, s.stash.generation) == (first.buffer_id, first.generation)]
+        columns = VerifiedColumns(first.buffer_id, first.generation, [s.seq_id for s in together],
+                                  [s.stash.row_offset for s in together], [s.stash.rows for s in together],
+                                  [s.commit.base_pos for s in together], [s.trim for s in together],
+                                  [list(s.commit.token_ids) for s in together])
+        if len(together) < 2 or not self._commit_together(columns):
+            return seqs
+        done = {id(s) for s in together}
+        return [s for s in seqs if id(s) not in done]
+
+    def _commit_together(self, columns: VerifiedColumns) -> bool:
+        """`columns` in one drafter call (`commit_verified_many`: one resolve of their rows, one round of
+        checks). That call changes nothing unless every entry is good: False then (or when the drafter
+        has no such call), and the caller applies them one by one, which reports each bad one alone."""
+        if getattr(type(self.proposer), "commit_verified_many", None) is None:
+            return False
         low = min(columns.row_offsets)
         high = max(o + n for o, n in zip(columns.row_offsets, columns.stash_rows))
         try:
@@ -382,37 +407,9 @@ class Session:
                 internal, rows, [o - low for o in columns.row_offsets], columns.stash_rows, columns.num_accepted,
                 columns.base_pos, columns.token_ids)
         except Exception as err:  # noqa: BLE001 - nothing changed: each sequence is applied alone
-            log.debug("the step's verified columns failed together (%s); applying them one by one", err)
-            return columns.seq_steps()
-        return []
-
-    def _apply_verified_together(self, seqs: Sequence[SeqStep]) -> Sequence[SeqStep]:
-        """The step's verified sequences whose rows lie in one buffer (a packed step's columns) in one
-        drafter call (`commit_verified_many`: one resolve of their rows, one round of checks); returns
-        the sequences left to apply one by one. That call changes nothing unless every entry is good,
-        so when it fails they all go the one-by-one way, which reports each bad sequence alone."""
-        many = getattr(type(self.proposer), "commit_verified_many", None)
-        refs = [s for s in seqs if self._verified(s) and isinstance(s.stash, RowRef)]
-        if many is None or len(refs) < 2:
-            return seqs
-        first = refs[0].stash
-        together = [s for s in refs if (s.stash.buffer_id, s.stash.generation) == (first.buffer_id, first.generation)]
-        if len(together) < 2:
-            return seqs
-        low = min(s.stash.row_offset for s in together)
-        high = max(s.stash.row_offset + s.stash.rows for s in together)
-        try:
-            internal = [self._seqs[s.seq_id] for s in together]  # KeyError: unknown, reported one by one
-            rows = self._rows(RowRef(first.buffer_id, low, high - low, first.generation))
-            self.proposer.commit_verified_many(
-                internal, rows, [s.stash.row_offset - low for s in together], [s.stash.rows for s in together],
-                [s.trim for s in together], [s.commit.base_pos for s in together],
-                [list(s.commit.token_ids) for s in together])
-        except Exception as err:  # noqa: BLE001 - nothing changed: each sequence is applied alone below
             log.debug("the step's verified sequences failed together (%s); applying them one by one", err)
-            return seqs
-        done = {id(s) for s in together}
-        return [s for s in seqs if id(s) not in done]
+            return False
+        return True
 
     def _apply_isolated(self, seq_step: SeqStep) -> SeqError | None:
         try:

@@ -625,7 +625,7 @@ class RemoteProposer:
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
         """Drafts for `requests`; those asked unchanged by the last `prefetch` come from its answer, the
         rest (if any) from a Step sent now."""
-        self._live()  # reads a prefetch's answer, if one is out
+        conn = self._live()  # reads a prefetch's answer, if one is out
         ahead, answer, self._ahead, self._ahead_result = self._ahead, self._ahead_result, None, None
         taken: dict[int, Proposal] = {}
         if ahead is not None and answer is not None:
@@ -635,8 +635,9 @@ class RemoteProposer:
                     taken[r.seq_id] = answer.proposals[r.seq_id]
             self.link.drafts_ahead += len(taken)
         rest = [r for r in requests if r.seq_id not in taken]
-        if rest:
-            taken.update(self._flush(rest).proposals)
+        if rest:  # on the connection just checked (no second look at it)
+            self._send(conn, rest)
+            taken.update(self._answer(conn, self.step_deadline()).proposals)
         return [taken[r.seq_id] for r in requests]
 
     def prefetch(self, requests: Sequence[ProposeRequest]) -> None:
