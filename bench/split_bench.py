@@ -29,7 +29,7 @@ from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
 from specsplit.cli import drafts_by_batch
-from step_overhead import free_port, served_seconds
+from step_overhead import free_port, phase_seconds, served_seconds
 
 PROMPTS = [
     "Explain how a hash map works.", "Write a Python function to reverse a linked list.",
@@ -171,9 +171,11 @@ def main() -> None:
             remote.link.step_seconds.clear()
             bytes_before = remote.link.inline_row_bytes
             served_before, ahead_before = served_seconds(metrics), remote.link.sent_ahead
+            phases_before = phase_seconds(metrics)
             drafts_ahead_before = remote.link.drafts_ahead
             split_tokens, split = run(split_engine, tokenizer, prompts, args.max_tokens, "s")
             served_after = served_seconds(metrics)
+            phases_after = phase_seconds(metrics)
             steps = sorted(remote.link.step_seconds)
             over_grpc.link.step_seconds.clear()
             grpc_tokens, grpc_split = run(grpc_engine, tokenizer, prompts, args.max_tokens, "g")
@@ -197,6 +199,10 @@ def main() -> None:
                 # the mean round trip less this is the transport, both ends' gRPC and the thread handoffs.
                 "drafter_served_mean_ms": 1e3 * (served_after[0] - served_before[0])
                 / max(served_after[1] - served_before[1], 1),
+                # ... and its parts (host clock; "propose" holds the GPU work the drafts' read-back waits for)
+                "drafter_phase_mean_ms": {
+                    phase: 1e3 * (spent - phases_before.get(phase, 0.0)) / max(served_after[1] - served_before[1], 1)
+                    for phase, spent in phases_after.items()},
                 # Steps of commits sent ahead (steps without drafts): served, but no round trip waited for
                 "steps_sent_ahead": remote.link.sent_ahead - ahead_before,
                 # proposals taken from a Step sent ahead with the last step's commits (RemoteProposer.prefetch)

@@ -193,6 +193,14 @@ def conversions(seen: dict, repeats: int = 200) -> dict[str, float]:
             "request bytes": len(data), "response bytes": len(answer)}
 
 
+def phase_seconds(metrics_url: str) -> dict[str, float]:
+    """Seconds the drafter service spent so far in each part of its Step messages (its own clock)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    prefix = f'{PREFIX}_step_phase_seconds_total{{phase="'
+    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
 def served_seconds(metrics_url: str) -> tuple[float, int]:
     """(seconds, count) of the Step messages the drafter service answered so far: its own clock."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()

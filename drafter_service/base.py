@@ -203,8 +203,12 @@ def batch_allowed(allowed: Sequence[torch.Tensor | None], size: int, device: tor
 
 
 def proposals(tokens: torch.Tensor, logp: torch.Tensor, batch: Sequence["Draft"]) -> list[Proposal]:
-    """tokens/logp [B, n] → one Proposal per request, cut to its num_drafts (one wait for the device)."""
-    tokens, logp = to_host(tokens, logp)
+    """tokens/logp [B, n] → one Proposal per request, cut to its num_drafts (one wait for the device;
+    the log-probabilities are read only when a request wants them)."""
+    if any(d.request.want_confidence for d in batch):
+        tokens, logp = to_host(tokens, logp)
+    else:
+        (tokens,) = to_host(tokens)
     return [
         Proposal(tokens=tokens[i][:d.request.num_drafts],
                  confidence=logp[i][:d.request.num_drafts] if d.request.want_confidence else None)

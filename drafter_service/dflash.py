@@ -28,6 +28,7 @@ from specsplit.drafter_service.base import (
 from specsplit.drafter_service.context_pool import ContextPool, ring_size
 from specsplit.drafter_service.graphs import ContextGraphs, ProposeGraphs
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.kernels.norm import rms_norm
 from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.shared.config import ModelConfig
@@ -205,6 +206,38 @@ class DFlashModel(nn.Module):
         kv = [layer.self_attn.key_value(feat, cos, sin) for layer in self.layers]
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
+    def context_into(self, rows: torch.Tensor, positions: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+        """`context`, written into the pool's `slots` [n] (k/v_pool [layers, blocks, block_size, Hkv, D])
+        with a few launches: every layer's k and v from one GEMM (the rows enter each layer's
+        attention the same way), then per layer its k norm and one kernel that rotates k and writes
+        k and v into their slots. The graphed context forward; `context` + `ContextPool.write` is its
+        reference."""
+        dec = self.cfg.decoder
+        n, layers = rows.shape[0], len(self.layers)
+        feat = rms_norm(self.fc(rows), self.hidden_norm.weight, dec.rms_norm_eps)
+        cos, sin = self.rotary_emb(positions, feat.dtype)
+        weight, bias = self.context_projection()
+        kv = F.linear(feat, weight, bias).view(n, layers, 2, dec.num_key_value_heads, dec.head_dim)
+        no_queries = feat.new_empty((n, 0, dec.head_dim))
+        for i, layer in enumerate(self.layers):
+            k, v = kv[:, i, 0], kv[:, i, 1]
+            if layer.self_attn.k_norm is not None:
+                k = rms_norm(k, layer.self_attn.k_norm.weight, dec.rms_norm_eps)
+            rope_and_cache_write(no_queries, k, v, cos, sin, k_pool[i], v_pool[i], slots)
+
+    def context_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every layer's k and v projections, stacked [layers * 2 * kv_size, hidden] (and their biases):
+        copies made on first use, for the inference-only graphed forwards (the layers' own k/v weights
+        are views of their fused qkv projection, so they cannot also be views of this)."""
+        if getattr(self, "_context_projection", None) is None:
+            attns = [layer.self_attn for layer in self.layers]
+            weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)]).detach().clone()
+            bias = None if attns[0].k_proj.bias is None else torch.cat(
+                [b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]).detach().clone()
+            self._context_projection = (weight, bias)
+        return self._context_projection
+
     def embed_block(self, anchors: torch.Tensor, head: TargetHead) -> torch.Tensor:
         """anchors [B] → [B, γ, hidden]: embeddings of [anchor, mask × (γ-1)]."""
         ids = torch.full((anchors.shape[0], self.cfg.block_size), self.cfg.mask_token_id, dtype=torch.long)
@@ -370,7 +403,8 @@ class DFlashDrafter(Drafter):
         (captured per size bucket on first use). Without graphs it is the CPU test of the same code."""
         pool = torch.cuda.graph_pool_handle() if use_graphs else None
         rows = self.spec.max_batch * self.spec.block_size
-        self.context_graphs = ContextGraphs(self.model, self.pool, max_rows=rows, use_graphs=use_graphs, pool=pool)
+        self.context_graphs = ContextGraphs(self.model, self.pool, max_rows=rows, use_graphs=use_graphs, pool=pool,
+                                            fused=self.pages_fit())
         if self.pages_fit():
             scratch = torch.full((self.table_width,), self.pool.scratch, dtype=torch.int32, device=self.device)
             self.propose_graphs = ProposeGraphs(self.model, self.vocab.table, self.pool, scratch,
@@ -458,12 +492,13 @@ class DFlashDrafter(Drafter):
         positions = np.repeat(np.asarray(firsts, dtype=np.int64), counts) + ragged_arange(counts)
         physical = np.asarray(blocks, dtype=np.int64)[np.repeat(np.asarray(offsets, dtype=np.int64), counts)
                                                       + positions // size]
-        pos, slot = self.staging.put([positions, physical * size + positions % size])
+        slots = physical * size + positions % size
         rows = torch.cat(kept) if len(kept) > 1 else kept[0]
         graphs = self.context_graphs
         if graphs is not None and graphs.fits(rows.shape[0]):
-            graphs(rows, pos, slot)
+            graphs(rows, positions, slots, self.staging)
         else:
+            pos, slot = self.staging.put([positions, slots])
             self.pool.write(slot, *self.model.context(rows, pos))
 
     def drop_speculative(self, state: DFlashState) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -58,8 +59,10 @@ class _Replayable:
 class ContextGraphs:
     """`DFlashModel.context` for up to `max_rows` rows at once, writing K/V into the pool."""
 
-    def __init__(self, model, context_pool: ContextPool, *, max_rows: int, use_graphs: bool, pool) -> None:
+    def __init__(self, model, context_pool: ContextPool, *, max_rows: int, use_graphs: bool, pool,
+                 fused: bool = False) -> None:
         self.model, self.context_pool = model, context_pool
+        self.fused = fused  # run `model.context_into` (a few launches a layer) instead of context + write
         self.buckets = length_buckets(max_rows, smallest=16)
         self.use_graphs, self.pool = use_graphs, pool
         self._runs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Replayable]] = {}
@@ -67,25 +70,29 @@ class ContextGraphs:
     def fits(self, rows: int) -> bool:
         return rows <= self.buckets[-1]
 
-    def __call__(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """rows [n, feature_dim] at positions [n] → their K/V into pool `slots` [n] (distinct)."""
+    def __call__(self, rows: torch.Tensor, positions: np.ndarray, slots: np.ndarray, staging: HostStaging) -> None:
+        """rows [n, feature_dim] at host `positions` [n] → their K/V into the pool's `slots` [n] (distinct).
+        Positions and slots reach the graph's inputs in one copy (`staging`), the rows in another."""
         n = rows.shape[0]
         size = bucket_for(n, self.buckets)
         if size not in self._runs:
             static_rows = torch.zeros((size, rows.shape[1]), dtype=rows.dtype, device=rows.device)
-            static_pos = torch.zeros(size, dtype=torch.long, device=rows.device)
-            static_slots = torch.zeros(size, dtype=torch.long, device=rows.device)
-            write = self.context_pool.write
-            run = _Replayable(lambda: write(static_slots, *self.model.context(static_rows, static_pos)),
-                              self.pool, self.use_graphs)
-            self._runs[size] = (static_rows, static_pos, static_slots, run)
-        static_rows, static_pos, static_slots, run = self._runs[size]
-        static_rows[:n].copy_(rows)
-        static_pos[:n].copy_(positions)
+            meta = torch.zeros(2, size, dtype=torch.long, device=rows.device)  # positions, slots
+            cp, model = self.context_pool, self.model
+            if self.fused:
+                forward = lambda: model.context_into(static_rows, meta[0], cp.k, cp.v, meta[1])  # noqa: E731
+            else:
+                forward = lambda: cp.write(meta[1], *model.context(static_rows, meta[0]))  # noqa: E731
+            run = _Replayable(forward, self.pool, self.use_graphs)
+            self._runs[size] = (static_rows, meta, run)
+        static_rows, meta, run = self._runs[size]
         # Rows past n are a previous step's: written again where they were, they could land on a slot
-        # since reused, so they go to scratch.
-        static_slots.fill_(self.context_pool.scratch * self.context_pool.block_size)
-        static_slots[:n].copy_(slots)
+        # since reused, so they go to scratch (position 0).
+        host = np.zeros((2, size), dtype=np.int64)
+        host[0, :n], host[1, :n] = positions, slots
+        host[1, n:] = self.context_pool.scratch * self.context_pool.block_size
+        staging.put_into(meta, host)
+        static_rows[:n].copy_(rows)
         run()
 
 
@@ -100,6 +107,7 @@ class _ProposeBuffers:
         self.meta = torch.zeros(3, batch, dtype=torch.long, device=device)  # one copy per step fills all three
         self.anchors, self.positions, self.bases = self.meta  # [B] each
         self.tables = torch.full((batch, width), context_pool.scratch, dtype=torch.int32, device=device)
+        self.last_tables: list[torch.Tensor] = []  # the sequences' tables now in `tables`, in order
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts (target ids) and their log-probabilities, [B, γ-1] each."""
@@ -150,8 +158,13 @@ class ProposeGraphs:
             runs[size] = (buffers, _Replayable(buffers.run, self.pool, self.use_graphs))
         buffers, run = runs[size]
         pad = size - batch  # padded sequences sit at position 0 of the scratch table
-        buffers.meta.copy_(self.staging.put([anchors + [0] * pad, positions + [0] * pad, bases + [0] * pad]))
-        torch.stack([*tables, *[self.scratch_table] * pad], out=buffers.tables)
+        self.staging.put_into(buffers.meta, [anchors + [0] * pad, positions + [0] * pad, bases + [0] * pad])
+        # A table is never written after it is made (a ring's change makes a new one), so the same
+        # tables in the same order as last time are in place already; held here, none can be freed
+        # and another made at its address.
+        if len(tables) != len(buffers.last_tables) or any(a is not b for a, b in zip(tables, buffers.last_tables)):
+            torch.stack([*tables, *[self.scratch_table] * pad], out=buffers.tables)
+            buffers.last_tables = list(tables)
         drafts, logp = run()
         return drafts[:batch], logp[:batch]
 

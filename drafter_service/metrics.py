@@ -3,7 +3,7 @@ lock, so a scrape never waits behind a step), its steps and proposals, and the e
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -24,6 +24,12 @@ class DrafterMetrics(ServiceMetrics):
         super().__init__(PREFIX)
         self.steps = Histogram(f"{PREFIX}_step_seconds", "seconds to answer one Step message (the drafter lock's "
                                "wait included)", buckets=STEP_BUCKETS, registry=self.registry)
+        # A counter, not a histogram: six observations per message must cost next to nothing.
+        self.phases = Counter(f"{PREFIX}_step_phase_seconds", "host seconds spent in each part of the Step "
+                              "messages: parse, lock (the wait for the drafter lock), commit, propose (the "
+                              "drafts' GPU work and read-back), wait (for the target's rows to be read), encode",
+                              ["phase"], registry=self.registry)
+        self._phase = {}  # phase → its counter child, looked up once
         self.proposals = Counter(f"{PREFIX}_proposals", "sequences drafts were proposed for", registry=self.registry)
         self.draft_tokens = Counter(f"{PREFIX}_draft_tokens", "draft tokens proposed", registry=self.registry)
         self.sequence_errors = Counter(f"{PREFIX}_sequence_errors", "sequences refused or failed inside a Step "
@@ -31,9 +37,14 @@ class DrafterMetrics(ServiceMetrics):
                                        registry=self.registry)
         self.registry.register(_SessionCollector(sessions))
 
-    def answered(self, result: StepResult, seconds: float) -> None:
-        """One Step message answered in `seconds`."""
+    def answered(self, result: StepResult, seconds: float, phases: Mapping[str, float] | None = None) -> None:
+        """One Step message answered in `seconds`, spent on `phases` (name → seconds)."""
         self.steps.observe(seconds)
+        for phase, spent in (phases or {}).items():
+            child = self._phase.get(phase)
+            if child is None:
+                child = self._phase[phase] = self.phases.labels(phase)
+            child.inc(spent)
         self.proposed(result.proposals.values())
         self.failed(result.errors)
 

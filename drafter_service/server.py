@@ -297,14 +297,22 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         ended (evicted, or the server closed) and so has the stream."""
         started = time.perf_counter()
         batch, errors = wire.step_from_proto(request)
+        parsed = time.perf_counter()
         with self._lock:
+            locked = time.perf_counter()
             if session.closed:  # evicted, or the server closed, while this message was read
                 return None
             if batch.seqs or batch.verified or batch.proposes or batch.register or batch.release:
                 stream.last_work = time.monotonic()
             result = session.step(batch, errors)
-        self.metrics.answered(result, time.perf_counter() - started)
-        return wire.step_result_to_proto(result, columns=batch.draft_columns)
+            phases = session.last_phases
+        stepped = time.perf_counter()
+        answer = wire.step_result_to_proto(result, columns=batch.draft_columns)
+        done = time.perf_counter()
+        self.metrics.answered(result, done - started, {
+            "parse": parsed - started, "lock": locked - parsed, "commit": phases.commit,
+            "propose": phases.propose, "wait": phases.wait, "encode": done - stepped})
+        return answer
 
     def end_stream(self, session: Session, stream: _Stream) -> None:
         with self._lock:

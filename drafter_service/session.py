@@ -76,6 +76,15 @@ class Usage(NamedTuple):
     buffer_bytes: int
 
 
+@dataclasses.dataclass(frozen=True)
+class StepPhases:
+    """Host seconds of one step's parts: the commits (register, stash, commit, trim, catch-up), the
+    proposes (with their drafts' read-back), and the last wait before the target's buffers are free."""
+    commit: float = 0.0
+    propose: float = 0.0
+    wait: float = 0.0
+
+
 class Session:
     """A client's sequences and buffers over the shared `proposer` (all ids here are the client's)."""
 
@@ -96,6 +105,7 @@ class Session:
         self.streaming = False  # a Step stream is open (one per client at a time)
         self.last_call = time.monotonic()  # of a unary call (the server frees long-idle sessions without a stream)
         self.closed = False
+        self.last_phases = StepPhases()  # of the last step()
 
     # ---- ids ------------------------------------------------------------------------------------
 
@@ -342,9 +352,11 @@ class Session:
     def step(self, batch: StepBatch, errors: Sequence[SeqError] = ()) -> StepResult:
         """Apply every SeqStep, then the proposes; a failing sequence is reported and skipped, the
         others go on. `errors` are the sequences the wire already refused (left out of `batch`)."""
+        started = time.perf_counter()
         self.register(batch.register)
         errors = list(errors)
         self._in_step = True
+        committed = proposed = None
         # Every sequence's committed rows in one forward. Inside the block the drafter borrows the rows
         # (views of the target's buffers) until the block ends, so the wait for its reads comes after
         # it: before anything is released and before the answer lets the target write its buffers
@@ -359,11 +371,17 @@ class Session:
                     if error is not None:
                         errors.append(error)
             self._in_step = False
+            committed = time.perf_counter()
             failed = {e.seq_id for e in errors}
             proposals, propose_errors = self._propose_isolated([r for r in batch.proposes if r.seq_id not in failed])
+            proposed = time.perf_counter()
         finally:
             self._in_step = False
             self._finish_reads()
+        waited = time.perf_counter()
+        # host seconds of each part (the GPU's work shows where the host waits for it: the proposes
+        # read their drafts back, so "propose" holds the context forward's GPU time too)
+        self.last_phases = StepPhases(commit=committed - started, propose=proposed - committed, wait=waited - proposed)
         if batch.release:
             self.release(batch.release)
         return StepResult(batch.step_id, proposals, tuple(errors + propose_errors))

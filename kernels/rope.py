@@ -37,7 +37,8 @@ def rope_and_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
                          slots: torch.Tensor) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] (any strides with a unit last one: column views of a fused qkv
     projection are read in place), cos/sin [T, D], caches [num_blocks, block_size, Hkv, D], slots [T]
-    int64. Returns rotated q as a new contiguous tensor; q, k and v are not modified."""
+    int64. Returns rotated q as a new contiguous tensor; q, k and v are not modified. Hq may be 0: k
+    and v alone (the DFlash drafter's context rows have no queries)."""
     if q.is_cuda and HAVE_TRITON:
         return rope_and_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
     return rope_and_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, slots)
@@ -61,7 +62,7 @@ def rope_and_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, slots) -> t
     _rope_kernel[(tokens,)](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         cos, sin, cos.stride(0), slots, q_out, k_cache, v_cache, hq, hkv,
-        DIM=dim, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
+        DIM=dim, BLOCK_HQ=max(triton.next_power_of_2(hq), 1), BLOCK_HKV=triton.next_power_of_2(hkv),
         num_warps=4, enable_fp_fusion=False)  # no FMA: x*cos + r*sin rounds each product, as torch does
     return q_out
 

@@ -45,6 +45,45 @@ def drive(drafter, lengths: list[int], steps: int, seed: int = 0):
     return history, contexts
 
 
+def drive_changing(drafter, seed: int = 0):
+    """Three sequences propose and commit; then one leaves and a newcomer (another ring, so another
+    table) takes its place in the batch, which keeps its size: the static forward must read its table."""
+    gen = torch.Generator().manual_seed(seed)
+    width = drafter.spec.feature_dim
+    pos, history = {}, []
+
+    def start(seq_id: int, n: int) -> None:
+        drafter.alloc(seq_id, 400)
+        drafter.prefill(seq_id, torch.randint(0, 97, (n,), generator=gen).tolist(), torch.randn(n, width, generator=gen))
+        pos[seq_id] = n
+
+    def step(ids: list[int]) -> None:
+        proposals = drafter.propose([ProposeRequest(i, 1, pos[i], 4, want_confidence=True) for i in ids])
+        history.append(proposals)
+        with drafter.batched_appends():
+            for i, p in zip(ids, proposals):
+                drafter.commit_verified(i, torch.randn(5, width, generator=gen), 2, pos[i], [1] + p.tokens[:2])
+                pos[i] += 3
+
+    for seq_id, n in enumerate([7, 30, 3]):
+        start(seq_id, n)
+    for _ in range(3):
+        step([0, 1, 2])
+    start(3, 11)
+    drafter.free(1)
+    for _ in range(3):
+        step([0, 3, 2])
+    return history
+
+
+def test_static_forwards_follow_a_batch_whose_sequences_change():
+    eager, static = make(), make()
+    static.use_static_forwards(use_graphs=False)
+    for a, b in zip(drive_changing(eager), drive_changing(static)):
+        assert [p.tokens for p in a] == [p.tokens for p in b]
+        assert_close(torch.tensor([p.confidence for p in b]), torch.tensor([p.confidence for p in a]), atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("window", [4096, 12])
 def test_static_forwards_equal_eager(window):
     eager, static = make(window=window), make(window=window)

@@ -8,6 +8,7 @@ CUDA tests' kernels (and other modules' kernels) into interpreted ones.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -135,7 +136,13 @@ def check_rope(shape: Shape, tokens: int, dtype, device) -> None:
     assert q_out.is_contiguous()
 
 
-CHECKS = {"rms_norm": check_rms_norm, "silu_mul": check_silu_mul, "rope": check_rope}
+def check_rope_kv_only(shape: Shape, tokens: int, dtype, device) -> None:
+    """No queries (the DFlash drafter's context rows): k rotated and written, v written."""
+    check_rope(dataclasses.replace(shape, hq=0), tokens, dtype, device)
+
+
+CHECKS = {"rms_norm": check_rms_norm, "silu_mul": check_silu_mul, "rope": check_rope,
+          "rope_kv_only": check_rope_kv_only}
 
 
 # ---- the references are the model's math -----------------------------------------------------------
