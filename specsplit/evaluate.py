@@ -165,7 +165,7 @@ def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPromp
     rep = report(prompts, spec, base, recorder.records, proposer.spec.max_drafts, settings)
     if isinstance(proposer, DFlashDrafter) and settings.temperature == 0.0:
         rep["teacher_forced"] = teacher_forced(model, proposer.model, proposer.head, [p.ids for p in prompts],
-                                               base.tokens)
+                                               base.tokens, settings.num_drafts or proposer.spec.max_drafts)
     return rep
 
 
@@ -194,23 +194,36 @@ def anchor_matches(drafter: DFlashModel, head: TargetHead, rows: torch.Tensor, t
 
 
 def teacher_forced(target: TargetModel, drafter: DFlashModel, head: TargetHead, prompts: Sequence[Sequence[int]],
-                   continuations: Sequence[Sequence[int]]) -> dict:
+                   continuations: Sequence[Sequence[int]], num_drafts: int | None = None) -> dict:
     """Acceptance by draft position with teacher forcing over the greedy `continuations` of `prompts`:
     every generated token with one after it is an anchor offered γ-1 drafts (`position_acceptance`'s
-    records); tau_excl_prefill = 1 + their sum, the tokens per step a verify of every block would give."""
+    records); tau_excl_prefill = 1 + their sum, the tokens per step a verify of every block would give.
+
+    That average weighs every position alike, where decoding spends more steps (anchors) where drafts
+    fail: it is not the τ a run shows. `walk` is: the steps greedy speculative decoding takes over the
+    same continuations with these drafts (`num_drafts` offered per step, default γ-1), each next anchor
+    one past the last accepted draft; its tau_excl_prefill is comparable with the run's (equal when the
+    run's features are these), so a gap between the two is an alignment bug and not the averaging."""
     gamma = drafter.cfg.block_size
+    offered = gamma - 1 if num_drafts is None else min(num_drafts, gamma - 1)
     sequences = [list(p) + list(c) for p, c in zip(prompts, continuations)]
     device = target.embed_weight.device
     width = max(map(len, sequences))
     tokens = torch.tensor([s + [0] * (width - len(s)) for s in sequences], dtype=torch.long, device=device)
     lengths = torch.tensor([len(s) for s in sequences], device=device)
     rows = capture_features(target, tokens, lengths, CaptureSpec(layer_ids=drafter.cfg.target_layer_ids))
-    records = []
+    records, walked, steps = [], 0, 0
     for b, (prompt, seq) in enumerate(zip(prompts, sequences)):
         matches = anchor_matches(drafter, head, rows[b], tokens[b], len(seq), range(len(prompt), len(seq) - 1))
         records += [(gamma - 1, m) for m in matches]
+        i = 0  # matches[i]: the anchor at len(prompt) + i, the first one the token the prefill emitted
+        while i < len(matches):
+            i += min(matches[i], offered) + 1
+            steps += 1
+        walked += len(matches)
     accept = position_acceptance(records, gamma - 1)
-    return {"anchors": len(records), "tau_excl_prefill": 1 + sum(accept), "position_acceptance": accept}
+    return {"anchors": len(records), "tau_excl_prefill": 1 + sum(accept), "position_acceptance": accept,
+            "walk": {"steps": steps, "tokens": walked, "tau_excl_prefill": walked / steps if steps else 0.0}}
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -268,6 +281,9 @@ def format_report(rep: dict) -> str:
         lines.append(f"teacher forced: tau excl. prefill {forced['tau_excl_prefill']:.3f} over {forced['anchors']} "
                      "anchors; by draft position:")
         lines.append("  " + "  ".join(f"{j + 1}:{a:.3f}" for j, a in enumerate(forced["position_acceptance"])))
+        walk = forced["walk"]
+        lines.append(f"teacher forced, decoding's walk (comparable with tau excl. prefill above): "
+                     f"{walk['tau_excl_prefill']:.3f} over {walk['steps']} steps")
     tps = rep["tokens_per_s"]
     lines.append(f"tokens/s: speculative {tps['speculative']:.1f}, target-only {tps['target_only']:.1f}, "
                  f"speedup {tps['speedup']:.2f}x")

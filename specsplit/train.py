@@ -639,7 +639,8 @@ def eval_summary(rep: dict) -> str:
     forced = rep.get("teacher_forced")
     speed = rep["tokens_per_s"]
     return (f"tau {rep['tau']:.2f} ({kinds}); acceptance by draft position {positions} ...; "
-            + (f"teacher-forced tau {forced['tau_excl_prefill']:.2f}; " if forced else "")
+            + (f"teacher-forced tau {forced['tau_excl_prefill']:.2f} over every anchor, "
+               f"{forced['walk']['tau_excl_prefill']:.2f} over decoding's walk; " if forced else "")
             + f"speculative {speed['speculative']:.0f} vs target-only {speed['target_only']:.0f} tok/s "
             f"({speed['speedup']:.2f}x), batch {rep['batch']}, {rep['prompts']} prompts, {rep['max_tokens']} tokens")
 

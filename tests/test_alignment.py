@@ -541,5 +541,13 @@ def test_shipped_drafter_teacher_forced_equals_real_acceptance(smollm2, smollm2_
     with pytest.MonkeyPatch.context() as m:
         m.setattr("specsplit.evaluate.block_targets", shifted_targets)
         assert forced() != expected
-    report = teacher_forced(smollm2, drafter.model, drafter.head, [prompt], [full[0][len(prompt):]])
+    report = teacher_forced(smollm2, drafter.model, drafter.head, [prompt], [full[0][len(prompt):]],
+                            drafter.spec.max_drafts)
     assert report["anchors"] == 24 - 1 and report["tau_excl_prefill"] >= 1
+    # The walk over the same drafts takes the run's steps: its τ is the run's (excluding the prefill).
+    events = Engine(smollm2, drafter, EngineConfig(max_batch=4)).generate(
+        [Request("again", list(prompt), SamplingParams(max_tokens=24, ignore_eos=True))])["again"]
+    stats = events[-1].stats
+    assert [t for e in events for t in e.token_ids] == full[0][len(prompt):]
+    assert report["walk"]["steps"] == stats.steps - 1 and report["walk"]["tokens"] == stats.generated - 1
+    assert report["walk"]["tau_excl_prefill"] == pytest.approx((stats.generated - 1) / (stats.steps - 1))
