@@ -190,8 +190,8 @@ def pick(logits: torch.Tensor, allowed: torch.Tensor | None) -> tuple[torch.Tens
     scores = logits.float()
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    best = torch.log_softmax(scores, dim=-1).max(dim=-1)
-    return best.indices, best.values
+    best = scores.max(dim=-1)  # the argmax of the scores themselves (log-softmax can round two into a tie)
+    return best.indices, best.values - torch.logsumexp(scores, dim=-1)
 
 
 def batch_allowed(allowed: Sequence[torch.Tensor | None], size: int, device: torch.device) -> torch.Tensor | None:
@@ -202,11 +202,12 @@ def batch_allowed(allowed: Sequence[torch.Tensor | None], size: int, device: tor
     return torch.stack([full if a is None else a.to(device) for a in allowed])
 
 
-def proposals(tokens: torch.Tensor, logp: torch.Tensor, batch: Sequence["Draft"]) -> list[Proposal]:
+def proposals(tokens: torch.Tensor, logp: torch.Tensor | Callable[[], torch.Tensor],
+              batch: Sequence["Draft"]) -> list[Proposal]:
     """tokens/logp [B, n] → one Proposal per request, cut to its num_drafts (one wait for the device;
-    the log-probabilities are read only when a request wants them)."""
+    the log-probabilities, or the call that computes them, are read only when a request wants them)."""
     if any(d.request.want_confidence for d in batch):
-        tokens, logp = to_host(tokens, logp)
+        tokens, logp = to_host(tokens, logp() if callable(logp) else logp)
     else:
         (tokens,) = to_host(tokens)
     return [

@@ -26,7 +26,7 @@ from specsplit.drafter_service.base import (
     valid_rows, visibility,
 )
 from specsplit.drafter_service.context_pool import ContextPool, ring_size
-from specsplit.drafter_service.graphs import ContextGraphs, ProposeGraphs
+from specsplit.drafter_service.graphs import ContextGraphs, GraphDrafts, ProposeGraphs
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.kernels.norm import rms_norm
 from specsplit.kernels.paged_attention import paged_attention
@@ -307,7 +307,8 @@ class DFlashModel(nn.Module):
         """Draft-vocabulary logits (float32), scaled and soft-capped as the reference's compute_logits."""
         weight = head.lm_head if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden.to(weight.device, weight.dtype), weight).float()
-        logits = logits * self.cfg.output_multiplier
+        if self.cfg.output_multiplier != 1.0:  # a multiply by 1 is exact: no launch for it
+            logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
         if cap is not None and cap > 0:
             logits = torch.tanh(logits / cap) * cap
@@ -516,9 +517,9 @@ class DFlashDrafter(Drafter):
             state.table, fresh.table = fresh.table, state.table
         state.window = window
 
-    def _graph_draft(self, batch: Sequence[Draft]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Drafts and log-probabilities [B, γ-1] on the device from the static block forward, or None
-        when the batch does not take it (a bitmask, a head on another device, no static forwards)."""
+    def _graph_draft(self, batch: Sequence[Draft]) -> GraphDrafts | None:
+        """Drafts [B, γ-1] on the device from the static block forward, or None when the batch does
+        not take it (a bitmask, a head on another device, no static forwards)."""
         graphs = self.propose_graphs
         if graphs is None or any(d.allowed is not None for d in batch) or self.head.embed.device != self.device:
             return None
@@ -533,12 +534,12 @@ class DFlashDrafter(Drafter):
         # drafter's graphs share, where a graph captured earlier may keep its intermediates, so the
         # next context-forward replay (a prefill admitted before the verify reads these drafts) could
         # overwrite them.
-        return None if drafted is None else drafted[0].clone()
+        return None if drafted is None else drafted.tokens.clone()
 
     def draft(self, batch: Sequence[Draft]) -> list[Proposal]:
         drafted = self._graph_draft(batch)
         if drafted is not None:
-            return proposals(*drafted, batch)
+            return proposals(drafted.tokens, drafted.logp, batch)
         anchors = torch.tensor([d.request.last_token for d in batch])
         positions = torch.tensor([d.request.position for d in batch], device=self.device)
         block = self.model.embed_block(anchors, self.head)

@@ -16,6 +16,7 @@ with a grammar bitmask takes the eager path. On a CPU the same static functions 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -106,23 +107,42 @@ class _ProposeBuffers:
         self.fused = fused
         self.meta = torch.zeros(3, batch, dtype=torch.long, device=device)  # one copy per step fills all three
         self.anchors, self.positions, self.bases = self.meta  # [B] each
+        # [B, γ]: each block's ids, the anchor then mask tokens (only the anchors change between replays)
+        self.ids = torch.full((batch, model.cfg.block_size), model.cfg.mask_token_id, dtype=torch.long, device=device)
         self.tables = torch.full((batch, width), context_pool.scratch, dtype=torch.int32, device=device)
         self.last_tables: list[torch.Tensor] = []  # the sequences' tables now in `tables`, in order
 
-    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy drafts (target ids) and their log-probabilities, [B, γ-1] each."""
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Greedy drafts (target ids) and their logits, [B, γ-1] each, and all logits [B, γ-1, V]."""
         from specsplit.drafter_service.dflash import PagedContext  # dflash imports this module
 
         cfg, pool = self.model.cfg, self.context_pool
-        ids = torch.full((self.anchors.shape[0], cfg.block_size), cfg.mask_token_id, dtype=torch.long,
-                         device=self.anchors.device)
-        ids[:, 0] = self.anchors
-        block = (F.embedding(ids, self.head.embed) * cfg.input_embedding_scale).to(pool.k.dtype)
+        self.ids[:, 0] = self.anchors
+        block = F.embedding(self.ids, self.head.embed)
+        if cfg.input_embedding_scale != 1.0:  # a multiply by 1 is exact: no launch for it
+            block = block * cfg.input_embedding_scale
+        block = block.to(pool.k.dtype)
         context = PagedContext(pool.k, pool.v, self.tables, self.bases, self.window)
         hidden = self.model.block_hidden_paged(block, self.positions, context, self.fused)
-        scores = torch.log_softmax(self.model.logits(hidden[:, 1:], self.head), dim=-1).max(dim=-1)
-        drafts = scores.indices if self.table is None else self.table[scores.indices]
-        return drafts, scores.values
+        # The argmax alone: a draft's log-probability (a softmax over the vocabulary per draft) is
+        # computed from these outputs only when a request asks for it (`GraphDrafts.logp`).
+        logits = self.model.logits(hidden[:, 1:], self.head)
+        best = logits.max(dim=-1)
+        drafts = best.indices if self.table is None else self.table[best.indices]
+        return drafts, best.values, logits
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphDrafts:
+    """A propose graph's outputs (its static tensors: read them before the next replay)."""
+
+    tokens: torch.Tensor  # [B, γ-1] greedy drafts, target ids
+    best: torch.Tensor  # [B, γ-1] float32: their logits
+    logits: torch.Tensor  # [B, γ-1, V] float32
+
+    def logp(self) -> torch.Tensor:
+        """The drafts' log-probabilities [B, γ-1]: max - logsumexp, as `pick` computes them."""
+        return self.best - torch.logsumexp(self.logits, dim=-1)
 
 
 class ProposeGraphs:
@@ -146,9 +166,9 @@ class ProposeGraphs:
         self._runs.pop(_head_key(head), None)
 
     def __call__(self, head: TargetHead, anchors: list[int], positions: list[int], bases: list[int],
-                 tables: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                 tables: Sequence[torch.Tensor]) -> "GraphDrafts":
         """One sequence per anchor, at `positions`, its table relative to `bases` (see `PagedContext`).
-        Returns drafts and log-probs [B, γ-1] on the device."""
+        Returns the drafts on the device, valid until the next replay."""
         runs = self._runs.setdefault(_head_key(head), {})
         batch = len(anchors)
         size = bucket_for(batch, self.batches)
@@ -165,8 +185,8 @@ class ProposeGraphs:
         if len(tables) != len(buffers.last_tables) or any(a is not b for a, b in zip(tables, buffers.last_tables)):
             torch.stack([*tables, *[self.scratch_table] * pad], out=buffers.tables)
             buffers.last_tables = list(tables)
-        drafts, logp = run()
-        return drafts[:batch], logp[:batch]
+        drafts, best, logits = run()
+        return GraphDrafts(drafts[:batch], best[:batch], logits[:batch])
 
 
 def _head_key(head: TargetHead) -> tuple:

@@ -43,6 +43,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dim() == 3 and x.stride(-1) == 1 and x.shape[1] > 1:
+        # [T, H, D] heads of a wider tensor (q or k columns of a fused qkv projection): read in place,
+        # each row found from its token and head, with no copy into [T * H, D] first
+        _check_weight(x, weight)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _launch(x, x, weight, out, out, eps, add=False, heads=(x.shape[1], x.stride(1)),
+                rows=x.shape[0] * x.shape[1], hidden=x.shape[2])
+        return out
     rows = _rows(x, weight)
     out = _empty(rows)
     _launch(rows, rows, weight, out, out, eps, add=False)
@@ -58,13 +66,17 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     return out.view(x.shape), new_residual.view(x.shape)
 
 
-def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x as [rows, hidden] with unit stride along hidden (a view when x allows it, else one copy)."""
+def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
     hidden = x.shape[-1]
     assert weight.shape == (hidden,) and weight.is_contiguous(), weight.shape
     assert weight.dtype == x.dtype, f"weight {weight.dtype} vs x {x.dtype}: the model keeps one dtype"
     assert hidden <= MAX_HIDDEN, hidden
-    rows = x.reshape(-1, hidden)
+
+
+def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x as [rows, hidden] with unit stride along hidden (a view when x allows it, else one copy)."""
+    _check_weight(x, weight)
+    rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
@@ -72,24 +84,29 @@ def _empty(rows: torch.Tensor) -> torch.Tensor:
     return torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)  # contiguous, as the kernel writes
 
 
-def _launch(x, residual, weight, out, new_residual, eps: float, add: bool) -> None:
+def _launch(x, residual, weight, out, new_residual, eps: float, add: bool, heads: tuple[int, int] = (1, 0),
+            rows: int | None = None, hidden: int | None = None) -> None:
+    """x [rows, hidden] (row stride x.stride(0)), or with `heads` = (H, head stride) the rows of
+    x [T, H, hidden]: row r is token r // H's head r % H (token stride x.stride(0))."""
     assert HAVE_TRITON, "triton is not installed"
-    hidden = x.shape[1]
+    hidden = x.shape[1] if hidden is None else hidden
     block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(x.shape[0],)](
-        x, x.stride(0), residual, residual.stride(0), weight, out, new_residual, hidden, eps,
+    _rms_norm_kernel[(x.shape[0] if rows is None else rows,)](
+        x, x.stride(0), heads[0], heads[1], residual, residual.stride(0), weight, out, new_residual, hidden, eps,
         ADD=add, BLOCK=block, num_warps=min(max(block // 512, 1), 16))
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, x_stride, res_ptr, res_stride, w_ptr, out_ptr, new_res_ptr, hidden, eps,
-                     ADD: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row; out and new_res are contiguous [rows, hidden]."""
+def _rms_norm_kernel(x_ptr, x_stride, heads, head_stride, res_ptr, res_stride, w_ptr, out_ptr, new_res_ptr,
+                     hidden, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row; out and new_res are contiguous [rows, hidden]. Row r of x starts at
+    (r // heads) * x_stride + (r % heads) * head_stride (heads = 1: r * x_stride)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + (row // heads) * x_stride + (row % heads) * head_stride + cols, mask=mask,
+                other=0.0).to(tl.float32)
     if ADD:  # the sum is rounded to the model dtype, as `x + residual` is
         x = (x + tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
         tl.store(new_res_ptr + row * hidden + cols, x, mask=mask)

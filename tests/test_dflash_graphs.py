@@ -76,6 +76,22 @@ def drive_changing(drafter, seed: int = 0):
     return history
 
 
+def test_static_forwards_equal_eager_with_scaled_embeddings_and_logits():
+    """A checkpoint's input_embedding_scale and output_multiplier (1.0 for the shipped drafter, whose
+    forwards then skip them) are applied by both forwards alike."""
+    eager, static = make(), make()
+    for drafter in (eager, static):
+        drafter.model.cfg = replace(drafter.model.cfg, input_embedding_scale=1.7, output_multiplier=0.6)
+    static.use_static_forwards(use_graphs=False)
+    want, _ = drive(eager, [7, 30, 3], steps=4)
+    got, _ = drive(static, [7, 30, 3], steps=4)
+    unscaled, _ = drive(make(), [7, 30, 3], steps=4)
+    assert [[p.confidence for p in a] for a in want] != [[p.confidence for p in a] for a in unscaled]
+    for a, b in zip(want, got):
+        assert [p.tokens for p in a] == [p.tokens for p in b]
+        assert_close(torch.tensor([p.confidence for p in b]), torch.tensor([p.confidence for p in a]), atol=ATOL, rtol=0)
+
+
 def test_static_forwards_follow_a_batch_whose_sequences_change():
     eager, static = make(), make()
     static.use_static_forwards(use_graphs=False)

@@ -111,7 +111,9 @@ def check_rms_norm(shape: Shape, tokens: int, dtype, device) -> None:
     bound = max_ulps("rms_norm", dtype)
     heads = x.view(tokens, -1, 64), weight[:64].contiguous()  # a per-head q/k norm: [T, H, 64]
     strided = x[:, 64:], weight[64:].contiguous()  # rows of a wider tensor, read in place
-    for rows, w in ((x, weight), heads, strided):
+    # heads of a wider tensor, as q/k columns of a fused qkv projection: [T, H, 64], token stride > H * 64
+    strided_heads = x[:, 64:64 + 64 * (x.shape[1] // 64 - 2)].view(tokens, -1, 64), weight[:64].contiguous()
+    for rows, w in ((x, weight), heads, strided, strided_heads):
         assert ulps(norm.rms_norm_triton(rows, w, EPS), norm.rms_norm_reference(rows, w, EPS)) <= bound
     normed, new_residual = norm.add_rms_norm_triton(x, residual, weight, EPS)
     ref_normed, ref_residual = norm.add_rms_norm_reference(x, residual, weight, EPS)
