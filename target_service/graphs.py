@@ -53,6 +53,16 @@ class DeviceDrafts:
     rows: list[int]  # its row of `tokens`
 
 
+def _input_buffers(batch: int, query_len: int, max_blocks: int, device: torch.device, *,
+                   pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One zeroed byte buffer and its views: int64 inputs [6, B * Q], then int32 tables [B, max_blocks]."""
+    head = 6 * batch * query_len * 8  # bytes of the inputs: a multiple of 8, so the tables stay aligned
+    whole = torch.zeros(head + batch * max_blocks * 4, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    inputs = whole[:head].view(torch.int64).view(6, batch * query_len)
+    tables = whole[head:].view(torch.int32).view(batch, max_blocks)
+    return whole, inputs, tables
+
+
 class StaticForward:
     """The decode/verify forward as fixed-shape tensor ops over buffers of one bucket (B x Q tokens)."""
 
@@ -62,17 +72,18 @@ class StaticForward:
         self.batch, self.query_len = batch, query_len
         device = cache.device
         self.scratch_slot, self.scratch_block = scratch_block * cache.block_size, scratch_block
-        # Every per-step input in two buffers, so a step is two host-to-device copies (from pinned
-        # staging on a GPU): int64 rows tokens / positions / cache slots / output rows, and the tables.
-        # Rows 4 and 5 are not read by the forward: where device drafts go in the token row, and from where.
-        self.inputs = torch.zeros(6, batch * query_len, dtype=torch.int64, device=device)  # [6, B * Q]
-        self.block_tables = torch.full((batch, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        # Every per-step input in one buffer, so a step is one host-to-device copy (from pinned staging
+        # on a GPU; each copy costs the host tens of µs there): int64 rows tokens / positions / cache
+        # slots / output rows, then the int32 block tables, as views of its bytes. Rows 4 and 5 are not
+        # read by the forward: where device drafts go in the token row, and from where.
+        pinned = device.type == "cuda"
+        self._device_bytes, self.inputs, self.block_tables = _input_buffers(batch, query_len, max_blocks, device)
+        self._host_bytes, self._host_inputs, self._host_tables = _input_buffers(
+            batch, query_len, max_blocks, torch.device("cpu"), pin_memory=pinned)
+        self.block_tables.fill_(scratch_block)
         self.token_ids, self.slots, self.rows = self.inputs[0], self.inputs[2], self.inputs[3]  # [B * Q] each
         self.positions = self.inputs[1].view(batch, query_len)  # [B, Q]
         self.slots.fill_(self.scratch_slot)  # the capture's warm-up run writes K/V: only ever to scratch
-        pinned = device.type == "cuda"
-        self._host_inputs = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pinned)
-        self._host_tables = torch.zeros(self.block_tables.shape, dtype=torch.int32, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None
         self.output: ForwardOutput | None = None
 
@@ -106,8 +117,7 @@ class StaticForward:
         slots.reshape(-1)[flat] = tables[token_seq, span // block_size] * block_size + span % block_size
         inputs[3, :count] = flat
         placed = self._place_drafts(drafts, inputs) if drafts is not None else 0
-        self.inputs.copy_(self._host_inputs, non_blocking=True)
-        self.block_tables.copy_(self._host_tables, non_blocking=True)
+        self._device_bytes.copy_(self._host_bytes, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         if placed:
