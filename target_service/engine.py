@@ -23,13 +23,12 @@ from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConfl
 from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
-from specsplit.shared.staging import to_host
 from specsplit.shared.tokenizer import TextStream
 from specsplit.shared.verify import verify_sampled
 from specsplit.target_service.counters import EngineCounters
 from specsplit.target_service.draft_tuner import DraftTuner
 from specsplit.target_service.graphs import DeviceDrafts, StepBatch, StepGraphs
-from specsplit.target_service.model import CaptureSpec, ForwardBatch, TargetModel
+from specsplit.target_service.model import CaptureSpec, ForwardBatch, ForwardOutput, TargetModel
 from specsplit.target_service.sequence import FinishReason, Request, Sequence, StepEvent
 
 log = logging.getLogger(__name__)
@@ -315,7 +314,9 @@ class Engine:
         out = self._verify_forward([s.seq_id for s in seqs], inputs, starts, on_device)
         argmax = None
         if on_device is not None:  # one wait for the drafts and the verify's greedy picks together
-            drafts, argmax = self._read_drafts(drafts, on_device, out.logits)
+            drafts, argmax = self._read_drafts(drafts, on_device, out)
+        elif any(s.request.params.greedy for s in seqs):
+            (argmax,) = out.greedy_picks()
         accepted_tokens = self._sample(seqs, out.logits, drafts, argmax)  # host lists: the device is done
         verified = time.perf_counter()
         features = self._features(out)
@@ -498,9 +499,9 @@ class Engine:
         return DeviceDrafts(tokens, index, [r.num_drafts for r in requests], list(range(len(requests))))
 
     def _read_drafts(self, drafts: list[list[int]], on_device: DeviceDrafts,
-                     logits: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+                     out: ForwardOutput) -> tuple[list[list[int]], list[int]]:
         """The drafts the verify used, and its rows' argmax, with one wait for the device."""
-        tokens, argmax = to_host(on_device.tokens, logits.argmax(dim=-1))
+        tokens, argmax = out.greedy_picks(on_device.tokens)
         drafts = list(drafts)
         for i, k, row in zip(on_device.seqs, on_device.counts, on_device.rows):
             drafts[i] = tokens[row][:k]

@@ -86,6 +86,7 @@ class StaticForward:
         self.slots.fill_(self.scratch_slot)  # the capture's warm-up run writes K/V: only ever to scratch
         self._copied = torch.cuda.Event() if pinned else None
         self.output: ForwardOutput | None = None
+        self.host_rows: np.ndarray | None = None  # the last loaded step's rows of [B * Q]
 
     def load(self, step: StepBatch, drafts: DeviceDrafts | None = None) -> torch.Tensor:
         """Copy a step into the buffers (device drafts over their placeholders); returns the rows of
@@ -116,6 +117,7 @@ class StaticForward:
         tokens.reshape(-1)[flat] = np.fromiter(itertools.chain.from_iterable(step.tokens), dtype=np.int64, count=count)
         slots.reshape(-1)[flat] = tables[token_seq, span // block_size] * block_size + span % block_size
         inputs[3, :count] = flat
+        self.host_rows = flat  # the same rows, for picking the step's rows out of the bucket's argmax
         placed = self._place_drafts(drafts, inputs) if drafts is not None else 0
         self._device_bytes.copy_(self._host_bytes, non_blocking=True)
         if self._copied is not None:
@@ -137,7 +139,9 @@ class StaticForward:
         return placed
 
     def run(self) -> ForwardOutput:
-        return self._run_fused() if self.fused is not None else self._run_modules()
+        out = self._run_fused() if self.fused is not None else self._run_modules()
+        out.bucket_argmax = out.logits.argmax(dim=-1)  # the greedy picks, inside the graph
+        return out
 
     def _run_modules(self) -> ForwardOutput:
         """The layers' own forward, attention swapped for paged attention: the unfused step."""
@@ -253,7 +257,8 @@ class StepGraphs:
         # Without padding the logits are in token order already: no copy of [B * Q, vocab] floats. Feature
         # rows are always copied: a drafter may hold them past the next forward (a stash not yet sent).
         logits = out.logits if rows.numel() == fwd.batch * fwd.query_len else pick(out.logits)
-        return ForwardOutput(logits, pick(out.layer_features), pick(out.last_hidden))
+        return ForwardOutput(logits, pick(out.layer_features), pick(out.last_hidden),
+                             bucket_argmax=out.bucket_argmax, bucket_rows=fwd.host_rows)
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()

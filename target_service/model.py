@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
@@ -24,6 +25,7 @@ from specsplit.shared.layers import (
     DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, attention, grouped_attention, grouped_mask,
     padded_visibility, visibility_mask,
 )
+from specsplit.shared.staging import to_host
 from specsplit.target_service.kv_cache import PagedKVCache
 
 
@@ -61,6 +63,20 @@ class ForwardOutput:
     logits: torch.Tensor  # [R, vocab] float32
     layer_features: torch.Tensor | None  # [T, len(layer_ids) * hidden] in model dtype, when captured
     last_hidden: torch.Tensor | None  # [T, hidden] in model dtype, when captured
+    # A step graph's argmax of every row of its bucket (computed inside the graph, so reading the greedy
+    # picks back launches nothing), and which of those rows are the R rows of `logits`, in order
+    bucket_argmax: torch.Tensor | None = None  # [B * Q] int64
+    bucket_rows: np.ndarray | None = None  # [R]
+
+    def greedy_picks(self, *also: torch.Tensor) -> list[list]:
+        """`also`, then the argmax of each of the R rows, read back with one wait for the device."""
+        if self.bucket_argmax is None:
+            return to_host(*also, self.logits.argmax(dim=-1))
+        *rest, every = to_host(*also, self.bucket_argmax)
+        rows = self.bucket_rows
+        if len(rows) == len(every) and bool((rows == np.arange(len(rows))).all()):
+            return [*rest, every]
+        return [*rest, np.asarray(every)[rows].tolist()]
 
 
 @dataclass(frozen=True)
