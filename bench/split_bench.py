@@ -133,6 +133,9 @@ def main() -> None:
                     help="the engine's draft length by batch size, in every mode (default: the drafter's most)")
     ap.add_argument("--auto", action="store_true", help="the engines learn their draft length (--num-drafts auto)")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--drafter-profile", nargs=2, default=None, metavar=("FIRST:LAST", "PATH"),
+                    help="the drafter service records those Step messages with the torch profiler into PATH "
+                         "(its --profile-steps / --profile-out)")
     args = ap.parse_args()
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     folder = target_dir(setup.target)
@@ -143,7 +146,9 @@ def main() -> None:
     metrics = f"http://127.0.0.1:{port}/metrics"
     cmd = [sys.executable, "-m", "specsplit", "drafter", "serve", "--listen", sock, "--drafter", args.drafter,
            "--device", args.device, "--seed", "0", "--metrics-port", str(port)] + \
-        (["--dtype", args.dtype] if args.dtype else [])
+        (["--dtype", args.dtype] if args.dtype else []) + \
+        (["--profile-steps", args.drafter_profile[0], "--profile-out", args.drafter_profile[1]]
+         if args.drafter_profile else [])
     drafter_proc = subprocess.Popen(cmd)
     try:
         wait_healthy(sock, 300)

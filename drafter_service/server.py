@@ -33,6 +33,7 @@ from specsplit.drafter_service.session import Session
 from specsplit.drafter_service.step_socket import StepSocketServer
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import logs, wire
+from specsplit.shared.profiling import StepWindow
 from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest
 from specsplit.shared.metrics import MetricsAddress
 from specsplit.shared.proposer import Proposer
@@ -99,6 +100,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self._seq_ids = itertools.count()
         self._closed = threading.Event()
         self.step_socket = ""  # where the Step stream is also served without gRPC (serve sets it)
+        self.profile: StepWindow | None = None  # a window of Step messages to profile (--profile-steps)
         self.metrics = DrafterMetrics(functools.partial(_sessions_now, weakref.ref(self)))
         threading.Thread(target=_reap_idle, args=(weakref.ref(self), self._closed, self.limits.idle_seconds),
                          name="drafter-idle-reaper", daemon=True).start()
@@ -295,6 +297,15 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
     def step_once(self, session: Session, stream: "_Stream", request) -> drafter_pb2.StepResponse | None:
         """One Step message of an open stream (gRPC's or the step socket's); None: the session has
         ended (evicted, or the server closed) and so has the stream."""
+        window = self.profile
+        number = window.enter() if window is not None else 0
+        try:
+            return self._step_once(session, stream, request)
+        finally:
+            if window is not None:
+                window.exit(number)
+
+    def _step_once(self, session: Session, stream: "_Stream", request) -> drafter_pb2.StepResponse | None:
         started = time.perf_counter()
         batch, errors = wire.step_from_proto(request)
         parsed = time.perf_counter()

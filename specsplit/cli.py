@@ -216,6 +216,21 @@ def metrics_address(args: argparse.Namespace):
     return MetricsAddress(args.metrics_host, args.metrics_port)
 
 
+def profile_window(args: argparse.Namespace):
+    """--profile-steps FIRST:LAST with --profile-out PATH (both, or neither)."""
+    from specsplit.shared.profiling import StepWindow, parse_window
+
+    if (args.profile_steps is None) != (args.profile_out is None):
+        raise InvalidRequest("--profile-steps and --profile-out go together")
+    if args.profile_steps is None:
+        return None
+    try:
+        first, last = parse_window(args.profile_steps)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    return StepWindow(first, last, args.profile_out)
+
+
 def watch_parent() -> None:
     """Under `specsplit up` / `demo` (specsplit.pair): stop when the process that started us is gone."""
     from specsplit.lifeline import watch_from_env
@@ -238,7 +253,8 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
                                                        head=args.head, limits=limits,
                                                        security=server_security(args),
                                                        metrics=metrics_address(args),
-                                                       context_pool_rows=args.context_pool_rows))
+                                                       context_pool_rows=args.context_pool_rows,
+                                                       profile=profile_window(args)))
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
     server.drain(args.drain_seconds)  # a target still connected keeps its Step stream until then
@@ -378,6 +394,11 @@ def add_service_parsers(sub) -> None:
     ds.add_argument("--max-rows", type=int, default=65536,
                     help="context rows one connection's sequences may hold, each reserving min(its token budget, "
                          "the drafter's window) at allocation; more are refused with RESOURCE_EXHAUSTED")
+    ds.add_argument("--profile-steps", default=None, metavar="FIRST:LAST",
+                    help="record Step messages FIRST to LAST (counted from 1) with the torch profiler, CUDA "
+                         "kernels included on a GPU, into --profile-out (a Chrome trace; the ops' totals beside "
+                         "it in PATH.txt); the recorded steps run slower (default: off)")
+    ds.add_argument("--profile-out", default=None, metavar="PATH", help="where --profile-steps writes its trace (default: none)")
     ds.add_argument("--context-pool-rows", type=int, default=None,
                     help="DFlash: context rows the drafter holds for all connections at once, allocated at start "
                          "(default: the widest batch at the full window: 64 x 4112 for the shipped drafter); "

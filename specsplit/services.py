@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.server import DrafterServer, serve as serve_drafter_rpc
+from specsplit.shared.profiling import StepWindow
 from specsplit.shared.checkpoint import load_config, load_state_dict
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.metrics import MetricsAddress
@@ -35,6 +36,7 @@ class DrafterSettings:
     security: ServerSecurity = ServerSecurity()  # token and TLS its callers need (--auth-token-file, --tls-*)
     metrics: MetricsAddress | None = None  # where Prometheus scrapes it (--metrics-host/--metrics-port); None: off
     context_pool_rows: int | None = None  # DFlash context rows held for all connections (None: the default)
+    profile: StepWindow | None = None  # --profile-steps/--profile-out: a torch profile of those Step messages
 
     def __post_init__(self) -> None:
         if self.head not in ("auto", "checkpoint", "target"):
@@ -87,7 +89,9 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
     drafter = build_drafter(setup.drafter, info, head, setup, pool_rows=settings.context_pool_rows)
     if drafter is None:
         raise InvalidRequest("a drafter service needs a drafter: --drafter none is not one")
-    return DrafterServer(drafter, head=head, device=setup.device, limits=settings.limits)
+    server = DrafterServer(drafter, head=head, device=setup.device, limits=settings.limits)
+    server.profile = settings.profile
+    return server
 
 
 def start_drafter(settings: DrafterSettings) -> tuple[DrafterServer, Served]:
