@@ -66,7 +66,7 @@ class ContextGraphs:
         self.fused = fused  # run `model.context_into` (a few launches a layer) instead of context + write
         self.buckets = length_buckets(max_rows, smallest=16)
         self.use_graphs, self.pool = use_graphs, pool
-        self._runs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Replayable]] = {}
+        self._runs: dict[int, tuple[torch.Tensor, torch.Tensor, _Replayable]] = {}  # rows, meta, its run
 
     def fits(self, rows: int) -> bool:
         return rows <= self.buckets[-1]
