@@ -194,6 +194,11 @@ def main() -> None:
                 # outputs may part at near-ties; count the requests where they do.
                 "requests_differing_from_target_only": sum(a != b for a, b in zip(base_tokens, local_tokens)),
                 "services_equal_in_process": split_tokens == local_tokens == grpc_tokens,
+                # how many requests part, where they do (bf16: near-ties, and with --auto the two engines'
+                # learned draft lengths give their verifies other shapes, which round differently)
+                "requests_differing_services_vs_in_process": sum(a != b for a, b in zip(split_tokens, local_tokens)),
+                "requests_differing_services_over_grpc_vs_in_process": sum(
+                    a != b for a, b in zip(grpc_tokens, local_tokens)),
                 # the Step stream over gRPC instead of the step socket, same drafter, same run
                 "services_step_over_grpc": grpc_split,
                 "step_socket_over_grpc": split["tokens_per_s"] / grpc_split["tokens_per_s"],
