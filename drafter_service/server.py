@@ -33,9 +33,9 @@ from specsplit.drafter_service.session import Session
 from specsplit.drafter_service.step_socket import StepSocketServer
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import logs, wire
-from specsplit.shared.profiling import StepWindow
 from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest
 from specsplit.shared.metrics import MetricsAddress
+from specsplit.shared.profiling import StepWindow
 from specsplit.shared.proposer import Proposer
 from specsplit.shared.security import ServerSecurity, grpc_target, is_unix
 from specsplit.shared.serving import CLIENT_HEADER, SPARE_THREADS, Served, start_server

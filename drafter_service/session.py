@@ -356,7 +356,6 @@ class Session:
         self.register(batch.register)
         errors = list(errors)
         self._in_step = True
-        committed = proposed = None
         # Every sequence's committed rows in one forward. Inside the block the drafter borrows the rows
         # (views of the target's buffers) until the block ends, so the wait for its reads comes after
         # it: before anything is released and before the answer lets the target write its buffers
@@ -401,11 +400,13 @@ class Session:
             return seqs
         first = refs[0].stash
         together = [s for s in refs if (s.stash.buffer_id, s.stash.generation) == (first.buffer_id, first.generation)]
+        if len(together) < 2:
+            return seqs
         columns = VerifiedColumns(first.buffer_id, first.generation, [s.seq_id for s in together],
                                   [s.stash.row_offset for s in together], [s.stash.rows for s in together],
                                   [s.commit.base_pos for s in together], [s.trim for s in together],
                                   [list(s.commit.token_ids) for s in together])
-        if len(together) < 2 or not self._commit_together(columns):
+        if not self._commit_together(columns):
             return seqs
         done = {id(s) for s in together}
         return [s for s in seqs if id(s) not in done]

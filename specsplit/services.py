@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.server import DrafterServer, serve as serve_drafter_rpc
-from specsplit.shared.profiling import StepWindow
 from specsplit.shared.checkpoint import load_config, load_state_dict
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.metrics import MetricsAddress
+from specsplit.shared.profiling import StepWindow
 from specsplit.shared.security import ClientSecurity, ServerSecurity
 from specsplit.shared.serving import DEFAULT_MESSAGE_BYTES, Served
 from specsplit.shared.tokenizer import Tokenizer
