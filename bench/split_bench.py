@@ -177,7 +177,7 @@ def main() -> None:
             bytes_before = remote.link.inline_row_bytes
             served_before, ahead_before = served_seconds(metrics), remote.link.sent_ahead
             phases_before = phase_seconds(metrics)
-            drafts_ahead_before = remote.link.drafts_ahead
+            drafts_ahead_before, on_device_before = remote.link.drafts_ahead, remote.link.drafts_on_device
             split_tokens, split = run(split_engine, tokenizer, prompts, args.max_tokens, "s")
             served_after = served_seconds(metrics)
             phases_after = phase_seconds(metrics)
@@ -217,6 +217,8 @@ def main() -> None:
                 "steps_sent_ahead": remote.link.sent_ahead - ahead_before,
                 # proposals taken from a Step sent ahead with the last step's commits (RemoteProposer.prefetch)
                 "drafts_taken_ahead": remote.link.drafts_ahead - drafts_ahead_before,
+                # proposals the verify read from the target's drafts buffer (written there by the drafter)
+                "drafts_on_device": remote.link.drafts_on_device - on_device_before,
                 # What the split adds to each step's drafter phases (round trip, serialisation, the
                 # second process's GPU context) over the same drafter work in-process.
                 "control_plane_exposed_ms": (split["per_step_ms"]["draft"] + split["per_step_ms"]["commit"])

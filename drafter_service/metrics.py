@@ -27,7 +27,8 @@ class DrafterMetrics(ServiceMetrics):
         # A counter, not a histogram: six observations per message must cost next to nothing.
         self.phases = Counter(f"{PREFIX}_step_phase_seconds", "host seconds spent in each part of the Step "
                               "messages: parse, lock (the wait for the drafter lock), commit, propose (the "
-                              "drafts' GPU work and read-back), wait (for the target's rows to be read), encode",
+                              "drafts' GPU work and read-back; their launch alone when they go into the "
+                              "target's drafts buffer), wait (for the target's rows to be read), encode",
                               ["phase"], registry=self.registry)
         self._phase = {}  # phase → its counter child, looked up once
         self.proposals = Counter(f"{PREFIX}_proposals", "sequences drafts were proposed for", registry=self.registry)
@@ -46,6 +47,9 @@ class DrafterMetrics(ServiceMetrics):
                 child = self._phase[phase] = self.phases.labels(phase)
             child.inc(spent)
         self.proposed(result.proposals.values())
+        if result.in_buffer:  # drafts written into the target's buffer: counted as well
+            self.proposals.inc(len(result.in_buffer))
+            self.draft_tokens.inc(sum(n for _, n in result.in_buffer))
         self.failed(result.errors)
 
     def proposed(self, proposals: Iterable) -> None:

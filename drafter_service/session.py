@@ -37,7 +37,7 @@ from specsplit.shared.errors import (
 )
 from specsplit.shared.proposer import CarriedKV, Proposal, Proposer, ProposeRequest
 from specsplit.shared.transport import (
-    BufferDescriptor, BufferImporter, BufferKind, BufferRole, InlineRows, RowRef, RowSource,
+    BufferDescriptor, BufferImporter, BufferKind, BufferRole, HEAD_ROLES, InlineRows, RowRef, RowSource,
 )
 from specsplit.shared.wire import RowsOp, SeqError, SeqStep, StepBatch, StepResult, VerifiedColumns
 
@@ -166,7 +166,7 @@ class Session:
             self.importer.release(d.buffer_id for d in descriptors)
             raise
         self._buffer_bytes.update((d.buffer_id, d.nbytes) for d in descriptors)
-        if any(d.role is not BufferRole.ROWS for d in descriptors):
+        if any(d.role in HEAD_ROLES for d in descriptors):
             try:
                 self._head = self._head_from_buffers()
             except Exception:
@@ -179,7 +179,7 @@ class Session:
         self.importer.release(buffer_ids)
         for buffer_id in buffer_ids:
             self._buffer_bytes.pop(buffer_id, None)
-        if roles - {BufferRole.ROWS}:
+        if roles & HEAD_ROLES:
             try:
                 self._head = self._head_from_buffers()
             except InvalidRequest as err:  # e.g. the embedding released, its LM head kept
@@ -323,6 +323,28 @@ class Session:
         return out
 
     @_in_client_ids
+    def propose_into(self, requests: Sequence[ProposeRequest], buffer_id: int) -> tuple[tuple[int, int], ...] | None:
+        """The drafts of `requests` written into the client's drafts buffer `buffer_id` (row i for
+        request i), its event recorded after the writes: returns (seq_id, count) per row, without
+        waiting for the device. None when they take the host path instead (a bitmask, a confidence, a
+        batch wider than one forward or than the buffer, a drafter with no device path): nothing was
+        written then. A buffer that is not a registered drafts buffer is the client's error."""
+        view, event = self.importer.drafts_target(buffer_id)
+        on_device = getattr(self.proposer, "propose_on_device", None)
+        most = max((r.num_drafts for r in requests), default=0)
+        if on_device is None or not 0 < len(requests) <= min(view.shape[0], self.proposer.spec.max_batch) \
+                or most > view.shape[1] or view.device.type != self.device.type:
+            return None
+        internal = [dataclasses.replace(r, seq_id=self._internal(r.seq_id)) for r in requests]
+        self._bind_head()
+        tokens = on_device(internal)
+        if tokens is None:
+            return None
+        view[:len(requests), :most].copy_(tokens[:, :most])
+        event.record()
+        return tuple((r.seq_id, r.num_drafts) for r in requests)
+
+    @_in_client_ids
     def take_kv(self, seq_id: int) -> CarriedKV:
         internal = self._internal(seq_id)
         self._check_room(0)
@@ -355,6 +377,7 @@ class Session:
         started = time.perf_counter()
         self.register(batch.register)
         errors = list(errors)
+        in_buffer: tuple[tuple[int, int], ...] = ()
         self._in_step = True
         # Every sequence's committed rows in one forward. Inside the block the drafter borrows the rows
         # (views of the target's buffers) until the block ends, so the wait for its reads comes after
@@ -372,18 +395,40 @@ class Session:
             self._in_step = False
             committed = time.perf_counter()
             failed = {e.seq_id for e in errors}
-            proposals, propose_errors = self._propose_isolated([r for r in batch.proposes if r.seq_id not in failed])
+            requests = [r for r in batch.proposes if r.seq_id not in failed]
+            in_buffer = self._propose_into_buffer(batch, requests)
+            proposals, propose_errors = self._propose_isolated(requests) if not in_buffer else ({}, [])
             proposed = time.perf_counter()
         finally:
             self._in_step = False
-            self._finish_reads()
+            # Drafts in the client's buffer: the buffer's event, recorded after everything this step
+            # queued, is what the client waits on before it writes its buffers again (it must, see
+            # StepRequest.drafts_buffer), so the host need not wait here. Buffers released now are
+            # unmapped below: their reads must be done first.
+            if not (in_buffer and not batch.release):
+                self._finish_reads()
         waited = time.perf_counter()
         # host seconds of each part (the GPU's work shows where the host waits for it: the proposes
         # read their drafts back, so "propose" holds the context forward's GPU time too)
         self.last_phases = StepPhases(commit=committed - started, propose=proposed - committed, wait=waited - proposed)
         if batch.release:
             self.release(batch.release)
-        return StepResult(batch.step_id, proposals, tuple(errors + propose_errors))
+        return StepResult(batch.step_id, proposals, tuple(errors + propose_errors), in_buffer)
+
+    def _propose_into_buffer(self, batch: StepBatch, requests: Sequence[ProposeRequest]) -> tuple[tuple[int, int], ...]:
+        """The step's drafts in its drafts buffer when it names one and they can go there (see
+        `propose_into`); () when they take the host path. A failing propose there is retried on the
+        host path, which reports each sequence's error alone (nothing was written or recorded)."""
+        if not batch.drafts_buffer:
+            return ()
+        self.importer.drafts_target(batch.drafts_buffer)  # not a drafts buffer of this client's: its error
+        if not requests:
+            return ()
+        try:
+            return self.propose_into(requests, batch.drafts_buffer) or ()
+        except Exception as err:  # noqa: BLE001 - the host path reports each sequence's own error
+            log.debug("drafts into the buffer failed (%s); proposing on the host path", err)
+            return ()
 
     def _apply_columns(self, columns: VerifiedColumns) -> list[SeqStep]:
         """The verified columns in one drafter call; returns what is left to apply one by one: nothing,

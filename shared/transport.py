@@ -60,8 +60,8 @@ import torch
 
 from specsplit.shared.errors import AlreadyExists, InvalidRequest, StateConflict
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the header's dtype word
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # of rows
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4}  # the header's dtype word
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "specsplit-"  # every segment we create starts with this (leftovers are easy to find)
@@ -90,10 +90,14 @@ class BufferRole(str, enum.Enum):
     ROWS = "rows"  # feature rows the owner rewrites every step
     TARGET_EMBEDDING = "target_embedding"  # [vocab, hidden], written once
     TARGET_LM_HEAD = "target_lm_head"  # [vocab, hidden], written once
+    DRAFTS = "drafts"  # int32 draft ids the importer writes (CUDA_IPC only), ordered by the buffer's event
+
+
+HEAD_ROLES = frozenset({BufferRole.TARGET_EMBEDDING, BufferRole.TARGET_LM_HEAD})
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
-    if dtype not in _DTYPE_CODES:
+    if dtype not in DTYPES.values():
         raise InvalidRequest(f"row dtype must be one of {sorted(DTYPES)}, got {dtype}")
 
 
@@ -117,7 +121,11 @@ class BufferDescriptor:
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _enum(BufferKind, self.kind, "buffer kind"))
         object.__setattr__(self, "role", _enum(BufferRole, self.role, "buffer role"))
-        _check_dtype(self.dtype)
+        if self.role is BufferRole.DRAFTS:
+            if self.dtype != torch.int32 or self.kind is not BufferKind.CUDA_IPC:
+                raise InvalidRequest(f"buffer {self.buffer_id}: a drafts buffer is int32 CUDA_IPC memory")
+        else:
+            _check_dtype(self.dtype)
         if self.buffer_id <= 0 or self.rows <= 0 or self.cols <= 0:
             raise InvalidRequest(f"buffer {self.buffer_id}: id, rows and cols must be positive")
         if not self.name or not self.host_id:
@@ -138,7 +146,8 @@ class BufferDescriptor:
 
 
 def _nbytes(rows: int, cols: int, dtype: torch.dtype) -> int:
-    _check_dtype(dtype)
+    if dtype not in _DTYPE_CODES:
+        raise InvalidRequest(f"a buffer holds {sorted(DTYPES)} rows or int32 drafts, not {dtype}")
     if rows <= 0 or cols <= 0:
         raise InvalidRequest(f"a buffer needs rows > 0 and cols > 0, got {rows} x {cols}")
     return rows * cols * dtype.itemsize
@@ -492,6 +501,12 @@ class _CudaExport:
         with cp.cuda.Device(self.device_index):
             cp.cuda.runtime.eventRecord(self.event.ptr, stream.cuda_stream)
 
+    def wait(self, stream: torch.cuda.Stream | None) -> None:
+        cp = _cupy()
+        stream = stream or torch.cuda.current_stream(self.device_index)
+        with cp.cuda.Device(self.device_index):
+            cp.cuda.runtime.streamWaitEvent(stream.cuda_stream, self.event.ptr, 0)
+
 
 AllocationRange = Callable[[int], tuple[int, int]]  # device pointer → (base, size) of its allocation
 
@@ -567,6 +582,13 @@ class _IpcEvent:
         stream = torch.cuda.current_stream(self.device_index)
         with cp.cuda.Device(self.device_index):
             cp.cuda.runtime.streamWaitEvent(stream.cuda_stream, self.ptr, 0)
+
+    def record(self) -> None:
+        """Record the event on the current torch stream (a DRAFTS buffer: our writes, for the owner to wait on)."""
+        cp = _cupy()
+        stream = torch.cuda.current_stream(self.device_index)
+        with cp.cuda.Device(self.device_index):
+            cp.cuda.runtime.eventRecord(self.ptr, stream.cuda_stream)
 
     def __del__(self) -> None:
         try:
@@ -650,6 +672,16 @@ class RowBuffer:
             self._cuda.record(stream)
         self._recorded = True
 
+    def wait_for_importer(self, stream: torch.cuda.Stream | None = None) -> None:
+        """A DRAFTS buffer: make `stream` (default: current) wait for the importer's last record of the
+        event, i.e. for its writes into the buffer and the work it queued before them. A peer that never
+        recorded leaves the wait a no-op: its drafts are then whatever the buffer holds (the reader checks
+        them), never a hang."""
+        self._check_live()
+        if self.descriptor.role is not BufferRole.DRAFTS or self._cuda is None:
+            raise StateConflict(f"buffer {self.buffer_id}: only a CUDA drafts buffer is written by its importer")
+        self._cuda.wait(stream)
+
     def ref(self, row_offset: int, rows: int) -> RowRef:
         """A reference to tensor[row_offset : row_offset + rows] in the current generation."""
         self._check_live()
@@ -699,6 +731,8 @@ class BufferExporter:
         """A new zeroed buffer [rows, cols]: shared memory for a CPU device, cudaMalloc for CUDA."""
         rows, cols, device = int(rows), int(cols), torch.device(device)
         _nbytes(rows, cols, dtype)
+        if (role is BufferRole.DRAFTS) != (dtype == torch.int32) or (role is BufferRole.DRAFTS and device.type != "cuda"):
+            raise InvalidRequest("a drafts buffer is int32 CUDA memory, and only a drafts buffer holds int32")
         if device.type not in ("cpu", "cuda"):
             raise InvalidRequest(f"buffers live on the CPU or a CUDA device, not {device}")
         if not self.host_id:
@@ -892,6 +926,8 @@ class BufferImporter:
             return decode_inline(source, device)
         imported = self._get(source.buffer_id)
         described = imported.descriptor
+        if described.role is BufferRole.DRAFTS:
+            raise InvalidRequest(f"buffer {source.buffer_id} holds drafts for the target, not rows")
         _check_expected(f"buffer {source.buffer_id}", described.cols, described.dtype, cols, dtype)
         # Each side stays within the operands' range, as a C or int64 version of this check must.
         if source.rows > described.rows or source.row_offset > described.rows - source.rows:
@@ -908,6 +944,14 @@ class BufferImporter:
             return imported.segment.read_rows(described, source.row_offset, source.rows)
         imported.order_after_writes(current)
         return imported.tensor[source.row_offset : source.row_offset + source.rows]
+
+    def drafts_target(self, buffer_id: int) -> tuple[torch.Tensor, _IpcEvent]:
+        """A registered DRAFTS buffer: its [rows, cols] int32 device view, and the event to record after
+        writing it."""
+        imported = self._get(buffer_id)
+        if imported.descriptor.role is not BufferRole.DRAFTS or imported.tensor is None:
+            raise InvalidRequest(f"buffer {buffer_id} is not a drafts buffer")
+        return imported.tensor, imported.event
 
     def whole(self, buffer_id: int) -> torch.Tensor:
         """The full [rows, cols] buffer written once (embedding, LM head): a copy (SHM) or a view (CUDA IPC)."""

@@ -64,6 +64,7 @@ _DTYPE = {
     torch.float32: common_pb2.DTYPE_FLOAT32,
     torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
     torch.float16: common_pb2.DTYPE_FLOAT16,
+    torch.int32: common_pb2.DTYPE_INT32,  # a drafts buffer's ids (rows refuse it: shared.transport)
 }
 _FEATURE = {
     FeatureKind.LAYER_CONCAT: common_pb2.FEATURE_KIND_LAYER_CONCAT,
@@ -74,6 +75,7 @@ _ROLE = {
     BufferRole.ROWS: common_pb2.BUFFER_ROLE_ROWS,
     BufferRole.TARGET_EMBEDDING: common_pb2.BUFFER_ROLE_TARGET_EMBEDDING,
     BufferRole.TARGET_LM_HEAD: common_pb2.BUFFER_ROLE_TARGET_LM_HEAD,
+    BufferRole.DRAFTS: common_pb2.BUFFER_ROLE_DRAFTS,
 }
 _STATUS_BY_NUMBER = {code.value[0]: code.name for code in grpc.StatusCode}
 # The inverse of shared.errors' grpc_code, for clients; FAILED_PRECONDITION from a running drafter is
@@ -400,11 +402,13 @@ class StepBatch:
     release: tuple[int, ...] = ()  # unmapped after the step
     draft_columns: bool = False  # answer plain drafts in columns (StepResponse.drafts)
     verified: VerifiedColumns | None = None  # parsed verified columns, none of them in seqs (drafter side)
+    drafts_buffer: int = 0  # a registered DRAFTS buffer the drafts may be written into (0: none)
 
     def __post_init__(self) -> None:
         for name in ("seqs", "proposes", "register", "release"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         _nonneg("step_id", self.step_id)
+        _nonneg("drafts_buffer", self.drafts_buffer)
         for what, ids in (("seqs", [s.seq_id for s in self.seqs]), ("proposes", [p.seq_id for p in self.proposes])):
             if len(set(ids)) != len(ids):
                 raise InvalidRequest(f"a step names a sequence twice in {what}")
@@ -439,6 +443,9 @@ class StepResult:
     step_id: int
     proposals: dict[int, Proposal] = field(default_factory=dict)  # seq_id → drafts, in propose order
     errors: tuple[SeqError, ...] = ()
+    # (seq_id, count) of the drafts written into the step's drafts buffer instead, row i for entry i;
+    # those sequences have no entry in `proposals`
+    in_buffer: tuple[tuple[int, int], ...] = ()
 
 
 def _commit_to_proto(op: CommitOp) -> drafter_pb2.CommitOp:
@@ -494,6 +501,7 @@ def step_to_proto(batch: StepBatch, columns: bool = False) -> drafter_pb2.StepRe
         verified=verified,
         propose_columns=propose_columns,
         draft_columns=batch.draft_columns,
+        drafts_buffer=batch.drafts_buffer,
     )
 
 
@@ -572,6 +580,7 @@ def step_from_proto(pb: drafter_pb2.StepRequest) -> tuple[StepBatch, list[SeqErr
         register=[descriptor_from_proto(d) for d in pb.register_buffers],
         release=[_nonneg("buffer id", i) for i in pb.release_buffers],
         draft_columns=pb.draft_columns,
+        drafts_buffer=pb.drafts_buffer,
     )
     return batch, list(errors.values())
 
@@ -662,6 +671,14 @@ def step_result_to_proto(r: StepResult, columns: bool = False) -> drafter_pb2.St
     plain = {seq_id: p for seq_id, p in r.proposals.items() if p.confidence is None and p.probs is None} \
         if columns else {}
     counts = [len(p.tokens) for p in plain.values()]
+    if r.in_buffer:  # the step's drafts are all in its drafts buffer (the drafter writes it for a whole step)
+        if plain:
+            raise ValueError("a step answers its drafts in the buffer or in the message, not both")
+        drafts = drafter_pb2.DraftColumns(seq_ids=[s for s, _ in r.in_buffer], counts=[n for _, n in r.in_buffer],
+                                          in_buffer=True)
+    else:
+        drafts = drafter_pb2.DraftColumns(seq_ids=list(plain), counts=counts,
+                                          tokens=[t for p in plain.values() for t in p.tokens]) if plain else None
     return drafter_pb2.StepResponse(
         step_id=r.step_id,
         proposals=[proposal_to_proto(seq_id, p) for seq_id, p in r.proposals.items() if seq_id not in plain],
@@ -669,15 +686,23 @@ def step_result_to_proto(r: StepResult, columns: bool = False) -> drafter_pb2.St
             drafter_pb2.SeqError(seq_id=e.seq_id, code=grpc.StatusCode[e.code].value[0], message=e.message)
             for e in r.errors
         ],
-        drafts=drafter_pb2.DraftColumns(seq_ids=list(plain), counts=counts,
-                                        tokens=[t for p in plain.values() for t in p.tokens]) if plain else None,
+        drafts=drafts,
     )
 
 
 def step_result_from_proto(pb: drafter_pb2.StepResponse) -> StepResult:
     proposals = dict(proposal_from_proto(p) for p in pb.proposals)
     count = len(pb.proposals)
-    if pb.HasField("drafts"):
+    in_buffer: tuple[tuple[int, int], ...] = ()
+    if pb.HasField("drafts") and pb.drafts.in_buffer:
+        c = pb.drafts
+        _same_lengths("drafts", c.seq_ids, c.counts)
+        if c.tokens or min(c.counts, default=0) < 0 or len(set(c.seq_ids)) != len(c.seq_ids) \
+                or not set(c.seq_ids).isdisjoint(proposals):
+            raise InvalidRequest(f"step {pb.step_id}: drafts in the buffer come with counts >= 0 of distinct "
+                                 "sequences and no tokens")
+        in_buffer = tuple(zip(c.seq_ids, c.counts))
+    elif pb.HasField("drafts"):
         c = pb.drafts
         _same_lengths("drafts", c.seq_ids, c.counts)
         counts, tokens = list(c.counts), _tokens("drafts", c.tokens)
@@ -691,7 +716,7 @@ def step_result_from_proto(pb: drafter_pb2.StepResponse) -> StepResult:
     if len(proposals) != count:
         raise InvalidRequest(f"step {pb.step_id} answers a sequence twice")
     errors = tuple(SeqError(e.seq_id, _STATUS_BY_NUMBER.get(e.code, "UNKNOWN"), e.message) for e in pb.errors)
-    return StepResult(pb.step_id, proposals, errors)
+    return StepResult(pb.step_id, proposals, errors, in_buffer)
 
 
 # Unary requests ↔ a one-sequence SeqStep (the same applier serves both paths).

@@ -39,6 +39,7 @@ from specsplit.shared.security import ClientSecurity, ClientTLS, open_channel
 from specsplit.shared.serving import CLIENT_HEADER, PEER_CHANNEL_OPTIONS, grpc_target
 from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError
 from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest
+from specsplit.shared.staging import to_host
 from specsplit.shared.transport import (
     BufferExporter, BufferRole, RowBuffer, choose_mode, device_uuid, encode_inline, host_id,
     identity_digest,
@@ -83,6 +84,7 @@ class LinkStats:
     answer_seconds: deque = field(default_factory=lambda: deque(maxlen=1_000))
     sent_ahead: int = 0  # Steps sent by send_pending or prefetch, answered later (not in step_seconds)
     drafts_ahead: int = 0  # proposals taken from a prefetch's answer (no round trip of their own)
+    drafts_on_device: int = 0  # proposals the verify took from our drafts buffer (never read by the host)
 
 
 class RowStager:
@@ -219,6 +221,9 @@ class _Connection:
     step: RowStager | None = None
     bulk: RowStager | None = None  # prefill / re-attach rows, grown on demand
     head_buffers: list = field(default_factory=list)
+    drafts: RowBuffer | None = None  # the DRAFTS buffer the drafter may write a step's drafts into (CUDA IPC)
+    drafts_read: "torch.cuda.Event | None" = None  # recorded after our last read of `drafts`
+    offered: bool = False  # the last Step sent named `drafts`
     allocated: set[int] = field(default_factory=set)  # seq ids this connection's drafter session holds
     dead: bool = False  # the Step stream ended: the drafter has dropped (or never had) this session
     error: SpecsplitError | None = None  # why the Step stream ended, when the drafter said
@@ -299,6 +304,8 @@ class _Probe:
 
 class RemoteProposer:
     """The drafter service as a `shared.proposer.Proposer`; `spec` is None until a drafter first answers."""
+
+    drafts_from_peer = True  # device drafts are a peer's bytes: the engine bounds them (see propose_on_device)
 
     def __init__(self, address: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -399,6 +406,10 @@ class RemoteProposer:
         conn.step = RowStager(conn.exporter, step_rows, spec.feature_dim, self.dtype, stage_on, self.link)
         conn.bulk = RowStager(conn.exporter, 1024, spec.feature_dim, self.dtype, stage_on, self.link)
         buffers = [b.buffer for b in (conn.step, conn.bulk) if b.buffer is not None]
+        if self.mode == "cuda_ipc":  # drafts may stay on the GPU: the drafter writes them into our buffer
+            conn.drafts = conn.exporter.create(self.max_batch, spec.max_drafts, torch.int32, self.device,
+                                               BufferRole.DRAFTS)
+            buffers.append(conn.drafts)
         if desc.needs_target_head:
             embed, lm_head = self.head
             conn.head_buffers = [conn.exporter.export_existing(embed, BufferRole.TARGET_EMBEDDING)]
@@ -629,16 +640,78 @@ class RemoteProposer:
         ahead, answer, self._ahead, self._ahead_result = self._ahead, self._ahead_result, None, None
         taken: dict[int, Proposal] = {}
         if ahead is not None and answer is not None:
+            proposals = {**answer.proposals, **self._read_buffer(conn, answer)}
             for r in requests:
                 sent = ahead.get(r.seq_id)
-                if sent is not None and _same_request(sent, r) and r.seq_id in answer.proposals:
-                    taken[r.seq_id] = answer.proposals[r.seq_id]
+                if sent is not None and _same_request(sent, r) and r.seq_id in proposals:
+                    taken[r.seq_id] = proposals[r.seq_id]
             self.link.drafts_ahead += len(taken)
         rest = [r for r in requests if r.seq_id not in taken]
         if rest:  # on the connection just checked (no second look at it)
             self._send(conn, rest)
             taken.update(self._answer(conn, self.step_deadline()).proposals)
         return [taken[r.seq_id] for r in requests]
+
+    def propose_on_device(self, requests: Sequence[ProposeRequest]) -> torch.Tensor | None:
+        """Drafts left on the GPU, as the in-process drafter's `propose_on_device`: [len(requests), n] ids,
+        request i's in row i[:num_drafts], in a tensor of our own (a copy out of the drafts buffer, which
+        the drafter may write again at the next Step). They come from the prefetched answer when it holds
+        every request unchanged, or from a Step sent now. None when the drafter answered (or would answer)
+        in the message instead: `propose` then takes that answer. The ids are the peer's bytes: the caller
+        bounds them before they index anything."""
+        conn = self._live()  # reads a prefetch's answer, if one is out
+        if conn.drafts is None or not requests:
+            return None
+        ahead, answer = self._ahead, self._ahead_result
+        covered = ahead is not None and answer is not None and all(
+            r.seq_id in ahead and _same_request(ahead[r.seq_id], r) for r in requests)
+        if not covered:
+            if ahead is not None or any(r.bitmask is not None or r.want_confidence for r in requests):
+                return None  # propose() takes what it can from the prefetched answer, or asks on the host path
+            self._send(conn, list(requests), into_buffer=True)
+            answer = self._answer(conn, self.step_deadline())
+            self._ahead, self._ahead_result = {r.seq_id: r for r in requests}, answer  # for propose(), if need be
+        rows = {seq_id: (row, count) for row, (seq_id, count) in enumerate(answer.in_buffer)}
+        most = max(r.num_drafts for r in requests)
+        view = conn.drafts.tensor
+        if most > view.shape[1] or any(rows.get(r.seq_id, (0, -1))[1] != r.num_drafts for r in requests):
+            return None
+        self._check_rows(conn, answer)
+        self._ahead = self._ahead_result = None
+        if covered:
+            self.link.drafts_ahead += len(requests)
+        index = [rows[r.seq_id][0] for r in requests]
+        if index == list(range(len(index))):
+            tokens = view[:len(index), :most].clone()
+        else:
+            tokens = torch.stack([view[i, :most] for i in index])
+        self._note_read(conn)
+        self.link.drafts_on_device += len(requests)
+        return tokens
+
+    def _check_rows(self, conn: _Connection, answer: wire.StepResult) -> None:
+        if len(answer.in_buffer) > conn.drafts.tensor.shape[0] or \
+                any(n > conn.drafts.tensor.shape[1] for _, n in answer.in_buffer):
+            self._disconnect()
+            raise DrafterUnavailable(f"the drafter answered {len(answer.in_buffer)} rows of drafts (up to "
+                                     f"{max(n for _, n in answer.in_buffer)} each) in a "
+                                     f"{tuple(conn.drafts.tensor.shape)} buffer")
+
+    def _read_buffer(self, conn: _Connection, answer: wire.StepResult) -> dict[int, Proposal]:
+        """The answer's drafts in the drafts buffer, read back to the host (the path without device drafts)."""
+        if not answer.in_buffer:
+            return {}
+        self._check_rows(conn, answer)
+        (rows,) = to_host(conn.drafts.tensor[:len(answer.in_buffer)])  # after the wait queued by _answer
+        self._note_read(conn)
+        return {seq_id: Proposal(tokens=rows[i][:n]) for i, (seq_id, n) in enumerate(answer.in_buffer)}
+
+    @staticmethod
+    def _note_read(conn: _Connection) -> None:
+        """Our reads of the drafts buffer are queued: the next Step that offers it waits for them first."""
+        if conn.drafts_read is None:
+            conn.drafts_read = torch.cuda.Event()
+        conn.drafts_read.record()
 
     def prefetch(self, requests: Sequence[ProposeRequest]) -> None:
         """Send the queued verbs (the step's commits) and the next step's `requests` now, and read the
@@ -651,7 +724,7 @@ class RemoteProposer:
         if self._unanswered or not plain:
             return
         conn = self._live()
-        self._send(conn, plain)
+        self._send(conn, plain, into_buffer=True)
         self._unanswered = True
         self._ahead = {r.seq_id: r for r in plain}
         self.link.sent_ahead += 1
@@ -688,7 +761,8 @@ class RemoteProposer:
         self._send(conn, proposes)
         return self._answer(conn, timeout or self.step_deadline())
 
-    def _send(self, conn: _Connection, proposes: list[ProposeRequest]) -> None:
+    def _send(self, conn: _Connection, proposes: list[ProposeRequest], *, into_buffer: bool = False) -> None:
+        """into_buffer: the drafts may come in the connection's drafts buffer (StepRequest.drafts_buffer)."""
         conn.step.seal()
         self._step_id += 1
         # A verify's stash + commit + trim of rows in the step buffer (the usual entry) goes straight into
@@ -696,7 +770,11 @@ class RemoteProposer:
         fast = conn.columns and conn.step.buffer is not None
         verified = {seq_id: p for seq_id, p in self._pending.items() if fast and p.verified_only()}
         others = (self._seq_step(conn, seq_id, p) for seq_id, p in self._pending.items() if seq_id not in verified)
-        batch = wire.StepBatch(self._step_id, tuple(others), tuple(proposes), draft_columns=conn.columns)
+        conn.offered = into_buffer and conn.drafts is not None and bool(proposes)
+        if conn.offered and conn.drafts_read is not None:
+            conn.drafts_read.synchronize()  # the drafter may now overwrite what we read last (done by now, mostly)
+        batch = wire.StepBatch(self._step_id, tuple(others), tuple(proposes), draft_columns=conn.columns,
+                               drafts_buffer=conn.drafts.buffer_id if conn.offered else 0)
         self._pending = {}
         pb = wire.step_to_proto(batch, columns=conn.columns)
         if verified:
@@ -715,6 +793,13 @@ class RemoteProposer:
     def _answer(self, conn: _Connection, timeout: float, *, timed: bool = True) -> wire.StepResult:
         """The answer to the Step sent last; its errors drop the connection and raise."""
         result = self._receive(conn, timeout)
+        if result.in_buffer:
+            if not conn.offered:
+                self._disconnect()
+                raise DrafterUnavailable("the drafter answered drafts in a buffer the step did not offer")
+            # Everything we queue from now on (the verify reading the drafts, the next rows written into
+            # the buffers the drafter read this step) comes after the drafter's work for this step.
+            conn.drafts.wait_for_importer()
         seconds = time.perf_counter() - conn.sent_at
         self.link.answer_seconds.append(seconds)
         if timed:  # round trips the step waited for (send_pending's and prefetch's overlap other work)

@@ -486,9 +486,11 @@ class Engine:
     def _propose_on_device(self, seqs: list[Sequence], requests: list[ProposeRequest],
                            index: list[int]) -> DeviceDrafts | None:
         """Drafts that stay on the device until the verify has used them (in-process drafters with a
-        captured propose, when the step fits a captured verify). Their ids need no check here: they
-        come from our own drafter's argmax over the target vocabulary (its draft-to-target map is
-        checked when the checkpoint loads), never from a peer."""
+        captured propose, or a drafter service that wrote them into our drafts buffer, when the step
+        fits a captured verify). An in-process drafter's ids need no check: they come from our own
+        drafter's argmax over the target vocabulary (its draft-to-target map is checked when the
+        checkpoint loads). A peer's are clamped into the vocabulary on the device (a copy of ours):
+        the verify's embedding reads them, and what it verified is what the step accepts from."""
         propose = _capability(self.proposer, "propose_on_device")
         if propose is None or self.graphs is None or \
                 self.graphs.bucket(len(seqs), max(r.num_drafts for r in requests) + 1) is None:
@@ -496,6 +498,8 @@ class Engine:
         tokens = self._drafter_call(propose, requests)
         if tokens is None or tokens is _FAILED:
             return None
+        if getattr(self.proposer, "drafts_from_peer", False):
+            tokens.clamp_(0, self.model.config.vocab_size - 1)
         return DeviceDrafts(tokens, index, [r.num_drafts for r in requests], list(range(len(requests))))
 
     def _read_drafts(self, drafts: list[list[int]], on_device: DeviceDrafts,

@@ -679,7 +679,7 @@ def test_prefetched_drafts_equal_a_twins_and_only_changed_requests_cost_a_round_
     proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4, step_socket=step_socket)
     sends = []
     send = proposer._send
-    proposer._send = lambda conn, proposes: sends.append([r.seq_id for r in proposes]) or send(conn, proposes)
+    proposer._send = lambda conn, proposes, **kw: sends.append([r.seq_id for r in proposes]) or send(conn, proposes, **kw)
     try:
         pos = {}
         for d in (proposer, twin):
@@ -805,6 +805,47 @@ def test_verified_entries_go_straight_into_columns_as_the_seqstep_path_would_pac
         got = sent[0]
         assert list(got.verified.seq_ids) == [0, 2] and [s.seq_id for s in got.seqs] == [1]
         assert got == expected
+    finally:
+        proposer.close()
+        server.stop(None)
+        server_obj.close()
+
+
+@pytest.mark.parametrize("which", ["rows", "unknown"])
+def test_a_step_naming_a_buffer_that_holds_no_drafts_is_refused(env, which):
+    """StepRequest.drafts_buffer must name a DRAFTS buffer this client registered: a rows buffer (its
+    feature rows would be overwritten with ids) or an unknown id ends the stream with INVALID_ARGUMENT."""
+    client = env.client(f"target-{which}")
+    client.open()
+    buffer_id = client.buffer.buffer_id if which == "rows" else 999
+    client.outbox.put(wire.step_to_proto(wire.StepBatch(1, drafts_buffer=buffer_id)))
+    with pytest.raises(grpc.RpcError) as info:
+        next(client.responses)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert ("not a drafts buffer" if which == "rows" else "not registered") in info.value.details()
+
+
+def test_drafts_answered_in_a_buffer_the_step_did_not_offer_detach_the_drafter(tmp_path, monkeypatch):
+    """A drafter that says its drafts are in a buffer the Step did not offer (here: a CPU target, which
+    offers none) is out of contract: the client drops it instead of reading anything."""
+    step = Session.step
+
+    def lying(self, batch, errors=()):
+        result = step(self, batch, errors)
+        return wire.StepResult(result.step_id, {}, result.errors,
+                               tuple((s, len(p.tokens)) for s, p in result.proposals.items()))
+
+    monkeypatch.setattr(Session, "step", lying)
+    drafter = make_drafter()
+    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
+    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
+    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4)
+    try:
+        proposer.alloc(0, BUDGET)
+        proposer.prefill(0, [3, 4, 5], rows(3, 0))
+        with pytest.raises(DrafterUnavailable, match="did not offer"):
+            proposer.propose([ProposeRequest(0, 7, 3, GAMMA - 1)])
+        assert proposer._conn is None
     finally:
         proposer.close()
         server.stop(None)

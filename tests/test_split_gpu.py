@@ -32,3 +32,78 @@ def test_cuda_ipc_split_equals_in_process(kind, specsplit_factory):
         assert remote[i].token_ids == local[i] == target_only[i]
         assert remote[i].stats.drafted > 0
     assert "cuda_ipc" in services.log("target")
+
+
+def _drafter_main(address: str, hostile: bool, conn) -> None:
+    """A DFlash drafter service; `hostile`: its drafts in the target's buffer are replaced by ids outside
+    the vocabulary (negative and huge), written after the real ones and recorded again."""
+    from specsplit.drafter_service.session import Session
+    from specsplit.services import DrafterSettings, start_drafter
+
+    if hostile:
+        honest = Session.propose_into
+
+        def propose_into(self, requests, buffer_id):
+            written = honest(self, requests, buffer_id)
+            if written:
+                view, event = self.importer.drafts_target(buffer_id)
+                garbage = torch.tensor([-7, 2**31 - 1, -2**31, 49152, 10**6], dtype=torch.int32, device=view.device)
+                view.copy_(garbage.repeat(view.numel() // 5 + 1)[:view.numel()].view_as(view))
+                event.record()
+            return written
+
+        Session.propose_into = propose_into
+    server_obj, server = start_drafter(DrafterSettings((address,), LocalSetup(drafter="dflash", device="cuda",
+                                                                               dtype="float32", seed=0)))
+    conn.send("ready")
+    try:
+        conn.recv()
+    except EOFError:
+        pass
+    server.stop(None)
+    server_obj.close()
+
+
+@pytest.mark.parametrize("hostile", [False, True], ids=["honest", "out-of-vocabulary"])
+def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_path, hostile):
+    """On one GPU the drafter writes its drafts into the target's drafts buffer and the verify reads them
+    there (no host read-back on either side): output equals target-only, and the drafts did come that
+    way. A drafter writing ids outside the vocabulary changes no token and crashes nothing: the target
+    bounds them on the device and verifies what it bounded."""
+    import multiprocessing as mp
+
+    from specsplit.local import target_dir
+    from specsplit.shared.serving import wait_healthy
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.drafter_client import RemoteProposer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.model import load_target
+
+    address = f"unix:{tmp_path}/drafter.sock"
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_drafter_main, args=(address, hostile, child), daemon=True)
+    process.start()
+    try:
+        assert parent.poll(300) and parent.recv() == "ready"
+        wait_healthy(address, 60)
+        folder = target_dir("default")
+        model = load_target(folder, dtype=torch.float32, device="cuda")
+        tokenizer = Tokenizer.from_dir(folder)
+        remote = RemoteProposer(address, device="cuda", dtype=torch.float32,
+                                head=(model.embed_weight, model.lm_head_weight), max_batch=4)
+        engine = Engine(model, remote, EngineConfig(max_batch=4))
+        reqs = [Request(str(i), tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
+        events = engine.generate(reqs)
+        tokens = [[t for e in events[str(i)] for t in e.token_ids] for i in range(len(PROMPTS))]
+        assert tokens == local_tokens("none")
+        assert remote.link.drafts_on_device > 0 and engine.drafter_ok
+        stats = [events[str(i)][-1].stats for i in range(len(PROMPTS))]
+        if not hostile:
+            assert sum(s.accepted for s in stats) > 0
+        remote.close()
+    finally:
+        parent.send("stop")
+        process.join(30)
+        if process.is_alive():
+            process.kill()

@@ -70,6 +70,18 @@ def _exporter_main(conn, device: str) -> None:
             buffer.tensor.copy_(_pattern(rows, cols, buffer.generation, buffer.tensor.dtype, device))
             buffer.record()
             conn.send(buffer.ref(1, rows - 1))
+        elif command == "write_drafts":  # the importer's side of a DRAFTS buffer: write, then record
+            descriptor, values = args
+            importer = BufferImporter()
+            importer.register([descriptor])
+            view, event = importer.drafts_target(descriptor.buffer_id)
+            torch.cuda._sleep(200_000_000)  # ~0.1 s: the write lands well after the answer is sent
+            view.copy_(torch.tensor(values, dtype=torch.int32, device=device))
+            event.record()
+            conn.send("written")  # the parent reads after waiting on the event, not on us
+            conn.recv()  # keep the mapping until the parent has read
+            importer.close()
+            conn.send("closed")
         elif command == "release":
             exporter.release(args[0])
             conn.send("released")
@@ -473,6 +485,67 @@ def test_cuda_ipc_refuses_an_invisible_gpu(gpu_child):
     with pytest.raises(InvalidRequest, match="not visible"):
         BufferImporter().register([ghost])
     gpu_child.ask("release", descriptor.buffer_id)
+
+
+@pytest.mark.gpu
+def test_cuda_drafts_buffer_is_written_by_its_importer_and_ordered_by_its_event(gpu_child):
+    """The owner's stream waits on the DRAFTS buffer's event, which the importer records after its
+    (deliberately late) writes: the owner reads them, without a host wait on the importer."""
+    _need_cuda_ipc()
+    with BufferExporter() as exporter:
+        drafts = exporter.create(4, 6, torch.int32, "cuda", BufferRole.DRAFTS)
+        values = (torch.arange(24).view(4, 6) * 7 + 3).tolist()
+        assert gpu_child.ask("write_drafts", drafts.describe(), values) == "written"
+        drafts.wait_for_importer()
+        seen = drafts.tensor.clone()  # queued after the wait on our stream
+        assert seen.tolist() == values
+        assert gpu_child.ask("done") == "closed"
+        with pytest.raises(StateConflict, match="drafts buffer"):
+            exporter.create(2, 2, torch.float32, "cuda").wait_for_importer()
+
+
+def test_a_drafts_buffer_is_int32_cuda_memory_and_never_rows():
+    """DRAFTS descriptors must be int32 CUDA IPC; int32 is no dtype for rows (buffers or inline)."""
+    cuda = dict(device_uuid="GPU-1", mem_handle=bytes(64), event_handle=bytes(64))
+    BufferDescriptor(1, BufferKind.CUDA_IPC, "specsplit-1-0123456789abcdef", torch.int32, 4, 4, "h",
+                     role=BufferRole.DRAFTS, **cuda)
+    bad = [
+        dict(kind=BufferKind.CUDA_IPC, dtype=torch.float32, role=BufferRole.DRAFTS, **cuda),
+        dict(kind=BufferKind.SHM, dtype=torch.int32, role=BufferRole.DRAFTS),
+        dict(kind=BufferKind.CUDA_IPC, dtype=torch.int32, role=BufferRole.ROWS, **cuda),
+        dict(kind=BufferKind.SHM, dtype=torch.int32, role=BufferRole.TARGET_EMBEDDING),
+    ]
+    for fields in bad:
+        with pytest.raises(InvalidRequest):
+            BufferDescriptor(buffer_id=1, name="specsplit-1-0123456789abcdef", rows=4, cols=4, host_id="h", **fields)
+    with pytest.raises(InvalidRequest):
+        InlineRows(b"\0" * 16, torch.int32, 2, 2)
+    before = _segments()
+    with BufferExporter() as exporter:  # nor made: on the CPU, in floats, or int32 rows (no segment is left)
+        for dtype, role in ((torch.int32, BufferRole.DRAFTS), (torch.float32, BufferRole.DRAFTS),
+                            (torch.int32, BufferRole.ROWS)):
+            with pytest.raises(InvalidRequest, match="drafts"):
+                exporter.create(2, 2, dtype, "cpu", role)
+    assert _segments() == before
+
+
+def test_a_drafts_buffer_is_never_read_as_rows(monkeypatch):
+    """A row reference into a registered DRAFTS buffer is refused (its ids are no feature rows), and
+    only a DRAFTS buffer can be the target of drafts."""
+    importer = BufferImporter()
+    descriptor = BufferDescriptor(7, BufferKind.CUDA_IPC, "specsplit-1-0123456789abcdef", torch.int32, 4, 4,
+                                  importer.host_id, role=BufferRole.DRAFTS, device_uuid="GPU-1",
+                                  mem_handle=bytes(64), event_handle=bytes(64))
+    rows = BufferDescriptor(8, BufferKind.SHM, "specsplit-1-0123456789abcdee", torch.float32, 4, 4,
+                            importer.host_id)
+    importer._buffers[7] = transport._Imported(descriptor, segment=None, tensor=torch.zeros(4, 4, dtype=torch.int32))
+    importer._buffers[8] = transport._Imported(rows, segment=None)
+    with pytest.raises(InvalidRequest, match="holds drafts"):
+        importer.resolve(RowRef(7, 0, 1, 1), cols=4)
+    with pytest.raises(InvalidRequest, match="not a drafts buffer"):
+        importer.drafts_target(8)
+    with pytest.raises(InvalidRequest):
+        importer.drafts_target(9)
 
 
 def _cuda_descriptor(rows: int, cols: int) -> BufferDescriptor:

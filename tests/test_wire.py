@@ -551,3 +551,45 @@ def test_target_description_round_trip():
 def test_unknown_enum_numbers_are_refused():
     with pytest.raises(InvalidRequest):
         wire.inline_from_proto(common_pb2.InlineRows(data=b"\0" * 4, dtype=99, rows=1, cols=1))
+
+
+def test_drafts_in_the_targets_buffer_round_trip():
+    """A Step's drafts_buffer and an answer's drafts written there (no tokens in the message) cross the wire."""
+    batch = StepBatch(4, proposes=[ProposeRequest(1, 5, 9, 3), ProposeRequest(2, 6, 9, 2)], draft_columns=True,
+                      drafts_buffer=11)
+    back, errors = wire.step_from_proto(drafter_pb2.StepRequest.FromString(
+        wire.step_to_proto(batch, columns=True).SerializeToString()))
+    assert not errors and back.drafts_buffer == 11 and back.proposes == batch.proposes
+    result = StepResult(4, {}, (), in_buffer=((1, 3), (2, 2)))
+    pb = drafter_pb2.StepResponse.FromString(wire.step_result_to_proto(result, columns=True).SerializeToString())
+    assert pb.drafts.in_buffer and not pb.drafts.tokens
+    assert wire.step_result_from_proto(pb) == result
+    with pytest.raises(ValueError):  # drafts in the buffer and in the message at once: our own bug, not a peer's
+        wire.step_result_to_proto(StepResult(4, {3: Proposal(tokens=[1])}, (), in_buffer=((1, 3),)), columns=True)
+    with pytest.raises(InvalidRequest):
+        StepBatch(1, drafts_buffer=-1)
+
+
+@pytest.mark.parametrize("drafts, proposals", [
+    (dict(seq_ids=[1], counts=[2], tokens=[5, 6], in_buffer=True), []),  # tokens as well
+    (dict(seq_ids=[1], counts=[-1], in_buffer=True), []),
+    (dict(seq_ids=[1, 1], counts=[2, 2], in_buffer=True), []),
+    (dict(seq_ids=[1, 2], counts=[2], in_buffer=True), []),
+    (dict(seq_ids=[1], counts=[2], in_buffer=True), [drafter_pb2.Proposal(seq_id=1, tokens=[4])]),
+])
+def test_a_malformed_answer_of_drafts_in_the_buffer_is_refused(drafts, proposals):
+    pb = drafter_pb2.StepResponse(step_id=2, proposals=proposals, drafts=drafter_pb2.DraftColumns(**drafts))
+    with pytest.raises(InvalidRequest):
+        wire.step_result_from_proto(pb)
+
+
+def test_a_drafts_buffer_descriptor_round_trips_and_int32_rows_do_not():
+    d = BufferDescriptor(3, BufferKind.CUDA_IPC, "specsplit-1-0123456789abcdef", torch.int32, 8, 15, "h",
+                         device_uuid="GPU-1", mem_handle=bytes(64), event_handle=bytes(64), role=BufferRole.DRAFTS)
+    assert wire.descriptor_from_proto(wire.descriptor_to_proto(d)) == d
+    pb = wire.descriptor_to_proto(d)
+    pb.role = common_pb2.BUFFER_ROLE_ROWS
+    with pytest.raises(InvalidRequest):
+        wire.descriptor_from_proto(pb)
+    with pytest.raises(InvalidRequest):
+        wire.inline_from_proto(common_pb2.InlineRows(data=bytes(8), dtype=common_pb2.DTYPE_INT32, rows=1, cols=2))

@@ -13,6 +13,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
 
 class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,10 +38,12 @@ class BufferRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BUFFER_ROLE_ROWS: _ClassVar[BufferRole]
     BUFFER_ROLE_TARGET_EMBEDDING: _ClassVar[BufferRole]
     BUFFER_ROLE_TARGET_LM_HEAD: _ClassVar[BufferRole]
+    BUFFER_ROLE_DRAFTS: _ClassVar[BufferRole]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT16: DType
+DTYPE_INT32: DType
 DRAFTER_KIND_UNSPECIFIED: DrafterKind
 DRAFTER_KIND_DFLASH: DrafterKind
 DRAFTER_KIND_MTP: DrafterKind
@@ -53,6 +56,7 @@ BUFFER_KIND_CUDA_IPC: BufferKind
 BUFFER_ROLE_ROWS: BufferRole
 BUFFER_ROLE_TARGET_EMBEDDING: BufferRole
 BUFFER_ROLE_TARGET_LM_HEAD: BufferRole
+BUFFER_ROLE_DRAFTS: BufferRole
 
 class InlineRows(_message.Message):
     __slots__ = ("data", "dtype", "rows", "cols")

@@ -274,7 +274,7 @@ class SeqStep(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., catchup: _Optional[_Union[CatchupOp, _Mapping]] = ..., stash: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ..., trim: _Optional[int] = ..., free: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "seqs", "proposes", "register_buffers", "release_buffers", "verified", "propose_columns", "draft_columns")
+    __slots__ = ("step_id", "seqs", "proposes", "register_buffers", "release_buffers", "verified", "propose_columns", "draft_columns", "drafts_buffer")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     PROPOSES_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +283,7 @@ class StepRequest(_message.Message):
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_BUFFER_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seqs: _containers.RepeatedCompositeFieldContainer[SeqStep]
     proposes: _containers.RepeatedCompositeFieldContainer[ProposeItem]
@@ -291,7 +292,8 @@ class StepRequest(_message.Message):
     verified: VerifiedColumns
     propose_columns: ProposeColumns
     draft_columns: bool
-    def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., proposes: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., register_buffers: _Optional[_Iterable[_Union[_common_pb2.BufferDescriptor, _Mapping]]] = ..., release_buffers: _Optional[_Iterable[int]] = ..., verified: _Optional[_Union[VerifiedColumns, _Mapping]] = ..., propose_columns: _Optional[_Union[ProposeColumns, _Mapping]] = ..., draft_columns: _Optional[bool] = ...) -> None: ...
+    drafts_buffer: int
+    def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., proposes: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., register_buffers: _Optional[_Iterable[_Union[_common_pb2.BufferDescriptor, _Mapping]]] = ..., release_buffers: _Optional[_Iterable[int]] = ..., verified: _Optional[_Union[VerifiedColumns, _Mapping]] = ..., propose_columns: _Optional[_Union[ProposeColumns, _Mapping]] = ..., draft_columns: _Optional[bool] = ..., drafts_buffer: _Optional[int] = ...) -> None: ...
 
 class VerifiedColumns(_message.Message):
     __slots__ = ("seq_ids", "buffer_id", "generation", "row_offsets", "stash_rows", "commit_rows", "base_pos", "token_ids", "num_accepted")
@@ -328,14 +330,16 @@ class ProposeColumns(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., last_tokens: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftColumns(_message.Message):
-    __slots__ = ("seq_ids", "counts", "tokens")
+    __slots__ = ("seq_ids", "counts", "tokens", "in_buffer")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IN_BUFFER_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     counts: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    in_buffer: bool
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., in_buffer: _Optional[bool] = ...) -> None: ...
 
 class SeqError(_message.Message):
     __slots__ = ("seq_id", "code", "message")
