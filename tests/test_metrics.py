@@ -280,3 +280,17 @@ def test_spawned_services_serve_metrics_and_json_logs_from_flags_and_environment
               for name in ("target", "drafter")}
     assert any(line.get("request_id") == "spawned-1" and "finished" in line["message"] for line in logged["target"])
     assert any(line.get("client_id") and "disconnected" in line["message"] for line in logged["drafter"])
+
+
+def test_drafts_written_into_the_targets_buffer_are_counted_as_proposals():
+    """A Step answered with its drafts in the target's buffer has no Proposal objects: its sequences and
+    draft tokens still count."""
+    from specsplit.drafter_service.metrics import DrafterMetrics
+    from specsplit.shared.proposer import Proposal
+    from specsplit.shared.wire import StepResult
+
+    metrics = DrafterMetrics(lambda: [])
+    metrics.answered(StepResult(1, {4: Proposal(tokens=[1, 2])}), 0.001)
+    metrics.answered(StepResult(2, {}, (), in_buffer=((5, 3), (6, 7))), 0.001)
+    assert metrics.proposals._value.get() == 3
+    assert metrics.draft_tokens._value.get() == 12
