@@ -77,7 +77,7 @@ def ms_per_call(fn, repeats: int) -> float:
 def bench(model: TargetModel, batch: int, query: int, context: int, repeats: int, bandwidth: float) -> dict:
     cache = model.new_cache(num_blocks=batch * (-(-(context + query) // 16)) + 2, block_size=16)
     graphs = StepGraphs(model, cache, CaptureSpec(), max_batch=batch, query_lens=(query,),
-                        max_len=context + query)
+                        max_len=context + query, small=True)
     unfused = StepGraphs(model, cache, CaptureSpec(), max_batch=batch, query_lens=(query,),
                          max_len=context + query, fused=False)
     # the fused layers without the small-row projections (shared.fused.small_layer), for buckets that take them

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.drafter_service.base import (
-    Draft, Drafter, DraftVocab, Rows, SequenceState, batch_allowed, batched_attention, pad_rows, pick,
+    Draft, Drafter, DraftVocab, Rows, SequenceState, batch_allowed, batched_attention, pad_rows, pick, proposals,
     valid_rows, visibility,
 )
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
@@ -224,6 +224,16 @@ class MTPDrafter(Drafter):
         return allowed
 
     def draft(self, batch: Sequence[Draft]) -> list[Proposal]:
+        tokens, logps = self._draft_tensors(batch)
+        return proposals(tokens, logps, batch)  # the one wait for the device, after the last step
+
+    def draft_on_device(self, batch: Sequence[Draft]) -> torch.Tensor:
+        """The drafts [B, max num_drafts] left on the device (row i's first num_drafts are request i's)."""
+        return self._draft_tensors(batch)[0]
+
+    def _draft_tensors(self, batch: Sequence[Draft]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target ids and log-probabilities [B, max num_drafts] on the device, without a host sync: which
+        sequences go on drafting is known from the requests alone."""
         states = [d.state for d in batch]
         for state in states:  # rows of an earlier propose at this anchor, if trim was not called
             self.drop_speculative(state)
@@ -233,25 +243,31 @@ class MTPDrafter(Drafter):
             state.exact += n - 1
             state.pending.drop_front(n - 1)
         last = out[self.staging.put(lengths).cumsum(0) - 1]  # [B, hidden] at the anchors
-        tokens, logps = self._autoregress(batch, last)
-        return [Proposal(tokens=t, confidence=c if d.request.want_confidence else None)
-                for t, c, d in zip(tokens, logps, batch)]
+        return self._autoregress(batch, last)
 
-    def _autoregress(self, batch: Sequence[Draft], last: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
-        """Draft from the anchors' outputs; each step feeds (embed(draft), output) one position on."""
-        tokens: list[list[int]] = [[] for _ in batch]
-        logps: list[list[float]] = [[] for _ in batch]
+    def _autoregress(self, batch: Sequence[Draft], last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft from the anchors' outputs; each step feeds (embed(draft), output) one position on. Column
+        s of the result is step s+1's draft of each sequence still drafting (0 past a sequence's count)."""
+        most = max(d.request.num_drafts for d in batch)
+        tokens = torch.zeros(len(batch), most, dtype=torch.long, device=self.device)
+        logps = torch.zeros(len(batch), most, dtype=torch.float32, device=self.device)
         live = list(range(len(batch)))  # batch indices still drafting
-        for step in range(1, max(d.request.num_drafts for d in batch) + 1):
+        rows = None  # their rows of `tokens` on the device (None: all of them)
+        for step in range(1, most + 1):
             ids, logp = self._pick(last, [batch[i] for i in live])
-            for i, token, lp in zip(live, ids.tolist(), logp.tolist()):
-                tokens[i].append(token)
-                logps[i].append(lp)
+            if rows is None:
+                tokens[:, step - 1], logps[:, step - 1] = ids, logp
+            else:
+                tokens[:, step - 1].index_copy_(0, rows, ids)
+                logps[:, step - 1].index_copy_(0, rows, logp.float())
             keep = [j for j, i in enumerate(live) if batch[i].request.num_drafts > step]
             if not keep:
                 break
-            live, sel = [live[j] for j in keep], self.staging.put(keep)
-            x = self.model.inputs(ids[sel], last[sel], self.head)
+            if len(keep) < len(live):
+                live = [live[j] for j in keep]
+                rows, sel = self.staging.put(live), self.staging.put(keep)
+                ids, last = ids[sel], last[sel]
+            x = self.model.inputs(ids, last, self.head)
             pos = self.staging.put([batch[i].request.position + step for i in live])
             last = self._extend([batch[i].state for i in live], x, pos, [1] * len(live))
         return tokens, logps

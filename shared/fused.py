@@ -90,6 +90,13 @@ def next_norm_weight(layers: Sequence[DecoderLayer], final_norm: torch.nn.Module
     return layers[index + 1].input_layernorm.weight if index + 1 < len(layers) else final_norm.weight
 
 
+# Whether steps of at most MAX_ROWS tokens take `small_layer` by default (the target's step graphs, the
+# DFlash propose). Off until measured on a GPU: its kernel is checked against the references under
+# Triton's interpreter, and the layer against `fused_layer` bit for bit on the CPU, but it has not yet
+# run compiled (`bench/step_bench.py` times both side by side; the gpu tests take it explicitly).
+SMALL_LAYERS = False
+
+
 def small_rows_fit(layers: Sequence[DecoderLayer], weights: Sequence[FusedWeights], rows: int) -> bool:
     """Whether `small_layer` takes a step of `rows` rows through these layers: few enough rows for its
     kernel, and projections without biases (those keep `fused_layer`)."""

@@ -24,6 +24,7 @@ from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture
 from specsplit.shared.errors import InvalidRequest
+from specsplit.shared import fused as fused_module
 from specsplit.shared.fused import (
     FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight, small_layer, small_rows_fit,
 )
@@ -42,11 +43,6 @@ class StepBatch:
     seq_ids: list[int]  # [B] KV cache sequence ids
     tokens: list[list[int]]  # [B] of [n_i] token ids: the last committed token, then drafts
     starts: list[int]  # [B] position of each sequence's first token
-
-
-# Buckets of at most kernels.small_linear.MAX_ROWS tokens run `shared.fused.small_layer` (four projection
-# kernels a layer with the norms, SiLU·mul and residual adds inside) instead of `fused_layer`.
-SMALL_LAYERS = True
 
 
 @dataclass(frozen=True)
@@ -225,13 +221,15 @@ class StepGraphs:
     """Decode/verify forwards for every (batch bucket, query length), CUDA-graph captured on a GPU.
 
     `use_graphs=False` runs the same static forward eagerly (the CPU path, and the graph's reference);
-    `fused=False` keeps the layers' own modules (the unfused step, for comparison); `small=False` keeps
-    `fused_layer` for buckets of at most `kernels.small_linear.MAX_ROWS` tokens too (for comparison).
+    `fused=False` keeps the layers' own modules (the unfused step, for comparison); `small` says whether
+    buckets of at most `kernels.small_linear.MAX_ROWS` tokens run `shared.fused.small_layer` (four projection
+    kernels a layer, the norms, SiLU·mul and residual adds inside) instead of `fused_layer` (default:
+    `shared.fused.SMALL_LAYERS`).
     """
 
     def __init__(self, model: TargetModel, cache: PagedKVCache, capture: CaptureSpec, *, max_batch: int,
                  query_lens: tuple[int, ...], max_len: int, use_graphs: bool = True, fused: bool = True,
-                 small: bool = SMALL_LAYERS) -> None:
+                 small: bool | None = None) -> None:
         capture.validate(model.config.num_hidden_layers)
         if _SCRATCH not in cache:  # several StepGraphs over one cache share it
             cache.allocate(_SCRATCH)
@@ -242,6 +240,7 @@ class StepGraphs:
         self.query_lens = tuple(sorted(set(query_lens)))
         self.batches = batch_buckets(max_batch)
         weights = fuse_projections(model, model.model.layers) if fused else None
+        small = fused_module.SMALL_LAYERS if small is None else small
         self.forwards = {(b, q): StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block, weights,
                                                small)
                          for b in self.batches for q in self.query_lens}

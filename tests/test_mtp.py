@@ -240,6 +240,33 @@ def test_batched_propose_equals_per_sequence():
             history.add(committed, rows)
 
 
+def test_drafts_left_on_the_device_equal_the_host_paths():
+    """`propose_on_device` (the in-process engine's device drafts, the drafter service's drafts buffer)
+    gives each request its drafts in its row, as `propose` gives them, through a batch whose sequences
+    stop drafting at different steps; the state it leaves proposes on as the host path's does."""
+    drafter, twin = make(), make()
+    histories = {}
+    for seq, n in ((0, 3), (1, 9), (2, 1)):
+        histories[seq] = History(30 + seq)
+        tokens, rows = histories[seq].fresh(n)
+        for d in (drafter, twin):
+            d.alloc(seq, 100)
+            d.prefill(seq, tokens, rows)
+        histories[seq].add(tokens, rows)
+    for counts in ((1, 4, 2), (4, 4, 4), (3, 1, 1)):
+        requests = [ProposeRequest(s, 20 + s, h.next_pos, n) for (s, h), n in zip(histories.items(), counts)]
+        on_device = drafter.propose_on_device(requests)
+        assert on_device is not None and on_device.shape == (3, max(counts))
+        on_host = twin.propose(requests)
+        assert [row[:n] for row, n in zip(on_device.tolist(), counts)] == [p.tokens for p in on_host]
+        for request, got in zip(requests, on_host):  # accept the first draft in both drafters
+            _, rows = histories[request.seq_id].fresh(2)
+            committed = [request.last_token, got.tokens[0]]
+            for d in (drafter, twin):
+                d.commit_verified(request.seq_id, rows, 1, request.position, committed)
+            histories[request.seq_id].add(committed, rows)
+
+
 def test_bitmask_confidence_and_d2t():
     drafter = make(draft_vocab_size=30)
     d2t = drafter.model.d2t

@@ -81,7 +81,8 @@ def test_small_layers_compute_what_the_fused_layers_do(family, request):
     model = load_target(request.getfixturevalue(f"tiny_{family}_dir"))
     capture = CaptureSpec(layer_ids=(0, model.config.num_hidden_layers - 1), last_hidden=True)
     (one, other), _ = prefilled_pair(model, [9, 14, 6])
-    small = StepGraphs(model, one, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False)
+    small = StepGraphs(model, one, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False,
+                       small=True)
     fused = StepGraphs(model, other, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False,
                        small=False)
     assert small.forwards[(1, 6)].small and not small.forwards[(4, 6)].small and not fused.forwards[(1, 1)].small
@@ -97,7 +98,7 @@ def test_small_layers_compute_what_the_fused_layers_do(family, request):
 def test_small_layers_keep_biased_projections_on_the_fused_path(tiny_qwen2_dir):
     model = load_target(tiny_qwen2_dir)  # Qwen2: biases on q/k/v
     graphs = StepGraphs(model, model.new_cache(num_blocks=8, block_size=4), CaptureSpec(), max_batch=1,
-                        query_lens=(1,), max_len=8, use_graphs=False)
+                        query_lens=(1,), max_len=8, use_graphs=False, small=True)
     assert not graphs.forwards[(1, 1)].small
 
 
@@ -212,6 +213,36 @@ def test_engine_on_static_steps_is_lossless(tiny_chat_dir):
     stats = [evs[-1].stats for evs in events.values()]
     assert all(0 < s.accepted < s.drafted for s in stats)
     assert run(None, static=True)[0] == reference  # target-only decode (Q = 1) too
+
+
+def test_engine_with_mtp_drafts_on_the_device_is_lossless(tiny_chat_dir):
+    """The MTP drafter's drafts stay on the device too (its chain reads nothing back between steps):
+    the engine verifies them there, prefetched ones included, and emits the target-only tokens."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time"]
+    reqs = lambda: [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=12 + 6 * i, ignore_eos=True))  # noqa: E731
+                    for i, p in enumerate(prompts)]
+    reference = {rid: [t for e in evs for t in e.token_ids]
+                 for rid, evs in Engine(target, None, EngineConfig(max_batch=4)).generate(reqs()).items()}
+    drafter = random_drafter("mtp", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                             max_drafts=3)
+    engine = Engine(target, drafter, EngineConfig(max_batch=4))
+    engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4,
+                               query_lens=(1, engine._max_drafts() + 1), max_len=256, use_graphs=False)
+    read = engine._read_drafts
+    reads = []
+    engine._read_drafts = lambda *a: reads.append(1) or read(*a)
+    events = engine.generate(reqs())
+    assert {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()} == reference
+    assert reads and sum(evs[-1].stats.drafted for evs in events.values()) > 0
 
 
 @pytest.mark.parametrize("max_batch", [4, 2])
