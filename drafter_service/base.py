@@ -475,7 +475,8 @@ class Drafter(ABC):
     @torch.no_grad()
     def propose_on_device(self, requests: Sequence[ProposeRequest]) -> torch.Tensor | None:
         """Drafts left on the device, for an in-process engine that feeds them to its verify forward
-        without waiting for them: [len(requests), n >= max_drafts] target ids, request i's in row i[:num_drafts].
+        without waiting for them: [len(requests), n] target ids (n at least the widest num_drafts),
+        request i's in row i[:num_drafts].
 
         The tensor is valid until the next propose. None when this batch needs the host path (a bitmask,
         confidences, a request for no drafts, a batch wider than one forward, or a kind or size with no
@@ -487,7 +488,8 @@ class Drafter(ABC):
         return self.draft_on_device(self._check_requests(requests))
 
     def draft_on_device(self, batch: Sequence[Draft]) -> torch.Tensor | None:
-        """`draft`'s token ids [B, n >= max_drafts] left on the device, or None where a kind has no such path."""
+        """`draft`'s token ids [B, n >= the widest num_drafts] left on the device, or None where a kind
+        has no such path."""
         return None
 
     def free(self, seq_id: int) -> None:

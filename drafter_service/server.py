@@ -191,6 +191,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             spec=self.proposer.spec, host_id=identity_digest(client, host_id()),
             device_uuid=identity_digest(client, device_uuid(self.device)),
             needs_target_head=self.head is None, step_columns=True, step_socket=self.step_socket,
+            drafts_buffer=True,
         )
         return wire.description_to_proto(description)
 

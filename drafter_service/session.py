@@ -4,10 +4,12 @@ Every target names sequences from 0, so a session maps the client's seq ids to d
 ids; a client can only reach the sequences and carried-KV handles it created. Rows arrive as
 references into buffers the session registered (or inline) and are resolved here, so the drafter
 only ever sees tensors. The drafter copies what it keeps (within a step it may read the rows until the
-step's batched block ends), and every read is finished before a call returns: the target reuses its
-row slots as soon as it has the answer. A session holds at most what
-`DrafterLimits` lets one connection hold, and its errors name the client's sequence ids, never the
-drafter-wide ones.
+step's batched block ends), and every read is finished before a call returns (the target reuses its
+row slots as soon as it has the answer), except in a Step whose drafts go into the target's drafts
+buffer: there the buffer's event, recorded after all of the step's work, orders the target's reuse.
+Unmapping buffers (a release, the session's end) first waits for any such work still queued. A
+session holds at most what `DrafterLimits` lets one connection hold, and its errors name the client's
+sequence ids, never the drafter-wide ones.
 
 Not thread-safe: the server serializes every call into the shared drafter with one lock.
 """
@@ -175,6 +177,7 @@ class Session:
 
     def release(self, buffer_ids: Iterable[int]) -> None:
         buffer_ids = list(buffer_ids)
+        self._finish_reads()  # a step that answered without waiting may still read (or write) them
         roles = {self.importer.descriptor(i).role for i in buffer_ids}
         self.importer.release(buffer_ids)
         for buffer_id in buffer_ids:
@@ -532,6 +535,7 @@ class Session:
             if forget is not None:
                 forget(self._head)
         self._head = None
+        self._finish_reads()  # no queued read or write of a mapping outlives it
         self.importer.close()
 
 

@@ -731,7 +731,8 @@ class BufferExporter:
         """A new zeroed buffer [rows, cols]: shared memory for a CPU device, cudaMalloc for CUDA."""
         rows, cols, device = int(rows), int(cols), torch.device(device)
         _nbytes(rows, cols, dtype)
-        if (role is BufferRole.DRAFTS) != (dtype == torch.int32) or (role is BufferRole.DRAFTS and device.type != "cuda"):
+        drafts = role is BufferRole.DRAFTS
+        if drafts != (dtype == torch.int32) or (drafts and device.type != "cuda"):
             raise InvalidRequest("a drafts buffer is int32 CUDA memory, and only a drafts buffer holds int32")
         if device.type not in ("cpu", "cuda"):
             raise InvalidRequest(f"buffers live on the CPU or a CUDA device, not {device}")

@@ -196,6 +196,7 @@ class DrafterDescription:
     needs_target_head: bool = False  # wants the target's embedding and LM head as buffers
     step_columns: bool = False  # reads a StepRequest's columns (an older drafter would skip them)
     step_socket: str = ""  # a unix socket carrying the Step stream without gRPC (shared.frames)
+    drafts_buffer: bool = False  # takes a DRAFTS buffer (StepRequest.drafts_buffer)
 
 
 def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
@@ -216,6 +217,7 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
         device_uuid=d.device_uuid,
         step_columns=d.step_columns,
         step_socket=d.step_socket,
+        drafts_buffer=d.drafts_buffer,
     )
 
 
@@ -235,7 +237,7 @@ def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescrip
         window=pb.window,
     )
     return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns,
-                              pb.step_socket)
+                              pb.step_socket, pb.drafts_buffer)
 
 
 def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:

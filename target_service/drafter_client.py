@@ -48,6 +48,7 @@ from specsplit.shared.transport import (
 log = logging.getLogger(__name__)
 
 ATTACH_WAIT = 2.0  # seconds each call of a re-attach may take: the engine loop waits on it
+RETIRED_DRAFTS_BUFFERS = 4  # a few MiB of GPU memory, against a drafter writing into a freed allocation
 # A Step answer's deadline: STEP_DEADLINE_FACTOR x the p99 of the last STEP_DEADLINE_SAMPLES round trips,
 # at least STEP_DEADLINE_FLOOR (a GPU drafter's first step at a new batch size captures a graph), at most
 # the --drafter-timeout; until STEP_DEADLINE_MIN_SAMPLES steps were measured, the --drafter-timeout.
@@ -331,6 +332,8 @@ class RemoteProposer:
         self._retry_at = 0.0
         self._backoff = 0.5
         self._probe: _Probe | None = None
+        self._retired: deque = deque(maxlen=RETIRED_DRAFTS_BUFFERS)  # drafts buffers of closed connections
+        self._ahead_prefetched = False  # _ahead came from prefetch (not a Step propose_on_device sent)
         self.spec: DrafterSpec | None = None
         try:
             self.spec = self._connect(open_channel(self.address, PEER_CHANNEL_OPTIONS, security.tls),
@@ -406,7 +409,7 @@ class RemoteProposer:
         conn.step = RowStager(conn.exporter, step_rows, spec.feature_dim, self.dtype, stage_on, self.link)
         conn.bulk = RowStager(conn.exporter, 1024, spec.feature_dim, self.dtype, stage_on, self.link)
         buffers = [b.buffer for b in (conn.step, conn.bulk) if b.buffer is not None]
-        if self.mode == "cuda_ipc":  # drafts may stay on the GPU: the drafter writes them into our buffer
+        if self.mode == "cuda_ipc" and desc.drafts_buffer:  # drafts may stay on the GPU, written into our buffer
             conn.drafts = conn.exporter.create(self.max_batch, spec.max_drafts, torch.int32, self.device,
                                                BufferRole.DRAFTS)
             buffers.append(conn.drafts)
@@ -443,6 +446,10 @@ class RemoteProposer:
 
     def _disconnect(self) -> None:
         if self._conn is not None:
+            if self._conn.drafts is not None:
+                # A Step that offered it may still be in the drafter's hands, which would write into
+                # freed memory: the buffer (and its event) outlive the connection a while.
+                self._retired.append(self._conn.drafts)
             self._conn.close()
         self._conn = None
         self._pending = {}
@@ -645,7 +652,8 @@ class RemoteProposer:
                 sent = ahead.get(r.seq_id)
                 if sent is not None and _same_request(sent, r) and r.seq_id in proposals:
                     taken[r.seq_id] = proposals[r.seq_id]
-            self.link.drafts_ahead += len(taken)
+            if self._ahead_prefetched:
+                self.link.drafts_ahead += len(taken)
         rest = [r for r in requests if r.seq_id not in taken]
         if rest:  # on the connection just checked (no second look at it)
             self._send(conn, rest)
@@ -671,6 +679,7 @@ class RemoteProposer:
             self._send(conn, list(requests), into_buffer=True)
             answer = self._answer(conn, self.step_deadline())
             self._ahead, self._ahead_result = {r.seq_id: r for r in requests}, answer  # for propose(), if need be
+            self._ahead_prefetched = False
         rows = {seq_id: (row, count) for row, (seq_id, count) in enumerate(answer.in_buffer)}
         most = max(r.num_drafts for r in requests)
         view = conn.drafts.tensor
@@ -711,7 +720,7 @@ class RemoteProposer:
         """Our reads of the drafts buffer are queued: the next Step that offers it waits for them first."""
         if conn.drafts_read is None:
             conn.drafts_read = torch.cuda.Event()
-        conn.drafts_read.record()
+        conn.drafts_read.record(torch.cuda.current_stream(conn.drafts.tensor.device))
 
     def prefetch(self, requests: Sequence[ProposeRequest]) -> None:
         """Send the queued verbs (the step's commits) and the next step's `requests` now, and read the
@@ -726,7 +735,7 @@ class RemoteProposer:
         conn = self._live()
         self._send(conn, plain, into_buffer=True)
         self._unanswered = True
-        self._ahead = {r.seq_id: r for r in plain}
+        self._ahead, self._ahead_prefetched = {r.seq_id: r for r in plain}, True
         self.link.sent_ahead += 1
 
     def take_kv(self, seq_id: int) -> CarriedKV:

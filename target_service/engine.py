@@ -439,8 +439,9 @@ class Engine:
         """Launch the next step's propose for the sequences that go on, right after this step's rows
         were committed. A drafter service gets the proposes with the step's commits in one message
         (`RemoteProposer.prefetch`) and drafts while the host emits and admits. In-process, only device
-        drafts are prefetched: such a propose changes no drafter state (the
-        in-process DFlash drafter's is a pure read of the context), so drafts nobody takes are dropped.
+        drafts are prefetched: such a propose changes nothing a later propose or commit depends on
+        (DFlash's is a pure read of its context; MTP drops its speculative rows before drafting again),
+        so drafts nobody takes are dropped.
         They are taken only if no other drafter work ran on the device in between (a prefill drops
         them), so between the propose and the verify that reads its drafts there is nothing but what
         there is without a prefetch."""
@@ -487,10 +488,10 @@ class Engine:
                            index: list[int]) -> DeviceDrafts | None:
         """Drafts that stay on the device until the verify has used them (in-process drafters with a
         captured propose, or a drafter service that wrote them into our drafts buffer, when the step
-        fits a captured verify). An in-process drafter's ids need no check: they come from our own
-        drafter's argmax over the target vocabulary (its draft-to-target map is checked when the
-        checkpoint loads). A peer's are clamped into the vocabulary on the device (a copy of ours):
-        the verify's embedding reads them, and what it verified is what the step accepts from."""
+        fits a captured verify). They are clamped into the vocabulary on the device, into a tensor of
+        ours, whoever drafted them (a peer's are its bytes; a wrapper may hide which proposer it
+        forwards to): the verify's embedding reads that tensor, and what it verified is what the
+        step accepts from."""
         propose = _capability(self.proposer, "propose_on_device")
         if propose is None or self.graphs is None or \
                 self.graphs.bucket(len(seqs), max(r.num_drafts for r in requests) + 1) is None:
@@ -498,8 +499,7 @@ class Engine:
         tokens = self._drafter_call(propose, requests)
         if tokens is None or tokens is _FAILED:
             return None
-        if getattr(self.proposer, "drafts_from_peer", False):
-            tokens.clamp_(0, self.model.config.vocab_size - 1)
+        tokens = tokens.clamp(0, self.model.config.vocab_size - 1)  # one small kernel, whoever drafted
         return DeviceDrafts(tokens, index, [r.num_drafts for r in requests], list(range(len(requests))))
 
     def _read_drafts(self, drafts: list[list[int]], on_device: DeviceDrafts,

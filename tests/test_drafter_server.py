@@ -254,6 +254,7 @@ def test_describe(env):
     # The host identity is answered salted with the caller's id: comparable, never revealed.
     assert desc.host_id == identity_digest("target-a", host_id()) and host_id() not in desc.host_id
     assert desc.device_uuid == "" and not desc.needs_target_head
+    assert desc.step_columns and desc.drafts_buffer  # what a target may send it (columns, a drafts buffer)
 
 
 def test_health_check_answers_serving(env):
@@ -679,7 +680,8 @@ def test_prefetched_drafts_equal_a_twins_and_only_changed_requests_cost_a_round_
     proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4, step_socket=step_socket)
     sends = []
     send = proposer._send
-    proposer._send = lambda conn, proposes, **kw: sends.append([r.seq_id for r in proposes]) or send(conn, proposes, **kw)
+    proposer._send = lambda conn, proposes, **kw: (sends.append([r.seq_id for r in proposes])
+                                                   or send(conn, proposes, **kw))
     try:
         pos = {}
         for d in (proposer, twin):

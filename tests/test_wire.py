@@ -158,7 +158,7 @@ def test_description_round_trip():
         window=2048,
     )
     description = wire.DrafterDescription(spec, host_id="h", device_uuid="GPU-x", needs_target_head=True,
-                                          step_columns=True)
+                                          step_columns=True, drafts_buffer=True)
     back = wire_trip(
         description, wire.description_to_proto, wire.description_from_proto, drafter_pb2.DrafterDescription
     )
