@@ -322,8 +322,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         answer = wire.step_result_to_proto(result, columns=batch.draft_columns)
         done = time.perf_counter()
         self.metrics.answered(result, done - started, {
-            "parse": parsed - started, "lock": locked - parsed, "commit": phases.commit,
-            "propose": phases.propose, "wait": phases.wait, "encode": done - stepped})
+            "parse": parsed - started, "lock": locked - parsed, "commit": phases.commit, "rows": phases.rows,
+            "context": phases.context, "propose": phases.propose, "wait": phases.wait, "encode": done - stepped})
         return answer
 
     def end_stream(self, session: Session, stream: _Stream) -> None:

@@ -80,9 +80,14 @@ class Usage(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class StepPhases:
-    """Host seconds of one step's parts: the commits (register, stash, commit, trim, catch-up), the
-    proposes (with their drafts' read-back), and the last wait before the target's buffers are free."""
+    """Host seconds of one step's parts: the commits (register, stash, commit, trim, catch-up; less the
+    two below), resolving their row references (`rows`: checks, the waits on the target's events), the
+    batched context forward they end with (`context`: its launch, or its work on the CPU), the proposes
+    (with their drafts' read-back, or only their launch into the drafts buffer), and the last wait
+    before the target's buffers are free."""
     commit: float = 0.0
+    rows: float = 0.0
+    context: float = 0.0
     propose: float = 0.0
     wait: float = 0.0
 
@@ -108,6 +113,7 @@ class Session:
         self.last_call = time.monotonic()  # of a unary call (the server frees long-idle sessions without a stream)
         self.closed = False
         self.last_phases = StepPhases()  # of the last step()
+        self._rows_seconds = 0.0  # spent in _rows since the step began
 
     # ---- ids ------------------------------------------------------------------------------------
 
@@ -227,6 +233,13 @@ class Session:
     # ---- rows ----------------------------------------------------------------------------------
 
     def _rows(self, source: RowSource) -> torch.Tensor:
+        started = time.perf_counter()
+        try:
+            return self._resolve(source)
+        finally:
+            self._rows_seconds += time.perf_counter() - started
+
+    def _resolve(self, source: RowSource) -> torch.Tensor:
         """[rows, feature_dim]: a view of a registered buffer, or the decoded inline rows.
 
         Rows that reach the host anyway (inline, or copied out of shared memory) must be finite: a NaN
@@ -381,6 +394,7 @@ class Session:
         self.register(batch.register)
         errors = list(errors)
         in_buffer: tuple[tuple[int, int], ...] = ()
+        self._rows_seconds = 0.0
         self._in_step = True
         # Every sequence's committed rows in one forward. Inside the block the drafter borrows the rows
         # (views of the target's buffers) until the block ends, so the wait for its reads comes after
@@ -395,6 +409,7 @@ class Session:
                     error = self._apply_isolated(seq_step)
                     if error is not None:
                         errors.append(error)
+                applied = time.perf_counter()  # the block's end runs the batched context forward
             self._in_step = False
             committed = time.perf_counter()
             failed = {e.seq_id for e in errors}
@@ -413,7 +428,9 @@ class Session:
         waited = time.perf_counter()
         # host seconds of each part (the GPU's work shows where the host waits for it: the proposes
         # read their drafts back, so "propose" holds the context forward's GPU time too)
-        self.last_phases = StepPhases(commit=committed - started, propose=proposed - committed, wait=waited - proposed)
+        rows = self._rows_seconds
+        self.last_phases = StepPhases(commit=applied - started - rows, rows=rows, context=committed - applied,
+                                      propose=proposed - committed, wait=waited - proposed)
         if batch.release:
             self.release(batch.release)
         return StepResult(batch.step_id, proposals, tuple(errors + propose_errors), in_buffer)
