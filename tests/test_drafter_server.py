@@ -852,3 +852,35 @@ def test_drafts_answered_in_a_buffer_the_step_did_not_offer_detach_the_drafter(t
         proposer.close()
         server.stop(None)
         server_obj.close()
+
+
+def test_a_steps_phases_split_the_commit_into_rows_and_context(env, monkeypatch):
+    """Session.last_phases: the time resolving row references (`rows`) and the batched context forward at
+    the block's end (`context`) are told apart from the rest of the commit."""
+    session = env.server._get_or_create("target-phases", streaming=True)
+    buffer = env.exporter.create(16, FEATURE_DIM)
+    session.register([buffer.describe()])
+    session.alloc(0, BUDGET)
+    buffer.tensor[:3] = rows(3, 0)
+    session.prefill(0, wire.RowsOp((3, 4, 5), buffer.ref(0, 3), 0))
+    resolve, appends = Session._resolve, type(env.drafter).append_rows_batch
+
+    def slow_resolve(self, source):
+        time.sleep(0.2)
+        return resolve(self, source)
+
+    def slow_appends(self, batch):
+        time.sleep(0.4)
+        return appends(self, batch)
+
+    monkeypatch.setattr(Session, "_resolve", slow_resolve)
+    monkeypatch.setattr(type(env.drafter), "append_rows_batch", slow_appends)
+    buffer.bump()
+    buffer.tensor[:GAMMA] = rows(GAMMA, 1)
+    buffer.record()
+    step = wire.SeqStep(0, stash=buffer.ref(0, GAMMA), commit=wire.CommitOp(2, 3, (7, 8)), trim=1)
+    result = session.step(wire.StepBatch(1, (step,), (ProposeRequest(0, 8, 5, GAMMA - 1),)))
+    assert not result.errors and result.proposals
+    phases = session.last_phases
+    # each sleep shows in its own phase and not in the commit's (whose own work takes ~1 ms here)
+    assert phases.rows >= 0.2 and phases.context >= 0.4 and phases.commit < 0.2, phases
