@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Source on the GPU host (the `device` tool's machine) before a benchmark or gpu tests:
+#   source tools/device_setup.sh
+# It puts the default model's GGUF back together from the pieces earlier calls left in /var/tmp/stage
+# (part00, part01, ...; a call carries at most 64 MiB, so the 98 MB file travels in pieces: here
+# `split -b 20m -d <the .gguf> .model/part`, then one call per piece copying it to /var/tmp/stage/,
+# the last piece carried with the call that sources this), installs the wheels the image lacks from
+# .whl/ (gguf, grpcio-health-checking, grpcio-reflection, prometheus-client), installs this checkout
+# editable and converts the model once into $SPECSPLIT_CACHE (kept under /var/tmp while the machine
+# stays warm). Use `python -m pip` there: the image's `pip` belongs to another interpreter.
+set -e
+export SPECSPLIT_CACHE=${SPECSPLIT_CACHE:-/var/tmp/cache} PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p /var/tmp/stage
+cp -n .model/part* /var/tmp/stage/ 2>/dev/null || true
+converted=$SPECSPLIT_CACHE/smollm2-135m-instruct/model.safetensors
+if [ ! -f "$converted" ]; then
+  cat /var/tmp/stage/part* > /var/tmp/stage/model.gguf
+fi
+python -m pip install -q --no-deps --target /tmp/site .whl/*.whl > /tmp/pip-wheels.log 2>&1 || cat /tmp/pip-wheels.log
+python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip-project.log 2>&1 || cat /tmp/pip-project.log
+if [ ! -f "$converted" ]; then
+  python -c "
+from specsplit.shared.gguf_import import DEFAULT_SUBDIR, cache_root, convert_gguf, to_stderr
+convert_gguf('/var/tmp/stage/model.gguf', cache_root() / DEFAULT_SUBDIR, progress=to_stderr)"
+fi
+set +e
