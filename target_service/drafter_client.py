@@ -647,7 +647,9 @@ class RemoteProposer:
         ahead, answer, self._ahead, self._ahead_result = self._ahead, self._ahead_result, None, None
         taken: dict[int, Proposal] = {}
         if ahead is not None and answer is not None:
-            proposals = {**answer.proposals, **self._read_buffer(conn, answer)}
+            wanted = {r.seq_id for r in requests if r.seq_id in ahead and _same_request(ahead[r.seq_id], r)}
+            in_buffer = any(seq_id in wanted for seq_id, _ in answer.in_buffer)  # else no read-back at all
+            proposals = {**answer.proposals, **(self._read_buffer(conn, answer) if in_buffer else {})}
             for r in requests:
                 sent = ahead.get(r.seq_id)
                 if sent is not None and _same_request(sent, r) and r.seq_id in proposals:
