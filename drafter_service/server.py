@@ -17,6 +17,7 @@ import functools
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -33,12 +34,12 @@ from specsplit.drafter_service.session import Session
 from specsplit.drafter_service.step_socket import StepSocketServer
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import logs, wire
-from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest
+from specsplit.shared.errors import AlreadyExists, CapacityExceeded, DrafterUnavailable, InvalidRequest
 from specsplit.shared.metrics import MetricsAddress
 from specsplit.shared.profiling import StepWindow
 from specsplit.shared.proposer import Proposer
 from specsplit.shared.security import ServerSecurity, grpc_target, is_unix
-from specsplit.shared.serving import CLIENT_HEADER, SPARE_THREADS, Served, start_server
+from specsplit.shared.serving import CLIENT_HEADER, INSTANCE_HEADER, SPARE_THREADS, Served, start_server
 from specsplit.shared.status import Throttle, rpc_errors
 from specsplit.shared.transport import device_uuid, host_id, identity_digest
 
@@ -100,6 +101,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self._seq_ids = itertools.count()
         self._closed = threading.Event()
         self.step_socket = ""  # where the Step stream is also served without gRPC (serve sets it)
+        self.instance = secrets.token_hex(16)  # this process, for targets to send back (Describe.instance)
         self.profile: StepWindow | None = None  # a window of Step messages to profile (--profile-steps)
         self.metrics = DrafterMetrics(functools.partial(_sessions_now, weakref.ref(self)))
         threading.Thread(target=_reap_idle, args=(weakref.ref(self), self._closed, self.limits.idle_seconds),
@@ -111,6 +113,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
     def _session(self, context: grpc.ServicerContext) -> Iterator[Session]:
         """The caller's session (created on first use), held under the drafter lock."""
         client = client_id(context)
+        self._check_instance(context)
         with self._lock:
             self._sweep_idle()
             session = self._get_or_create(client)
@@ -118,6 +121,15 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             if client in self._streams:
                 self._streams[client].last_work = session.last_call
             yield session
+
+    def _check_instance(self, context: grpc.ServicerContext) -> None:
+        """A call that names a drafter process (INSTANCE_HEADER) must name this one: a target's connection
+        to a drafter that has since restarted at this address is over, not a new session here."""
+        for key, value in context.invocation_metadata() or ():
+            if key == INSTANCE_HEADER:
+                if (value if isinstance(value, str) else value.decode()) != self.instance:
+                    raise DrafterUnavailable("the drafter this connection attached to has restarted; attach again")
+                return
 
     def _sweep_idle(self) -> None:
         """Free connections without a Step stream and no call for idle_seconds (a target that died
@@ -191,7 +203,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             spec=self.proposer.spec, host_id=identity_digest(client, host_id()),
             device_uuid=identity_digest(client, device_uuid(self.device)),
             needs_target_head=self.head is None, step_columns=True, step_socket=self.step_socket,
-            drafts_buffer=True,
+            drafts_buffer=True, instance=self.instance,
         )
         return wire.description_to_proto(description)
 
@@ -284,7 +296,9 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
 
     @rpc_errors
     def Step(self, request_iterator, context):
-        session, stream = self.open_stream(client_id(context), context)
+        client = client_id(context)
+        self._check_instance(context)
+        session, stream = self.open_stream(client, context)
         context.add_callback(lambda: self.end_stream(session, stream))
         try:
             for request in _until_cancelled(request_iterator, context):

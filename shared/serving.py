@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 # Every call from a target to a drafter names the connecting target (its session on the drafter).
 CLIENT_HEADER = "x-specsplit-client"
+# ... and, once it has described the drafter, that drafter process (DrafterDescription.instance): a drafter
+# restarted at the same address refuses the calls of a connection made to the one before it.
+INSTANCE_HEADER = "x-specsplit-drafter-instance"
 # A target's channel to its drafter: a dead or frozen (SIGSTOPped) drafter is found within about 2 s,
 # even mid-step, by HTTP/2 pings; a lost connection is retried within a second or two, not minutes.
 # (grpc.http2.ping_timeout_ms is what bounds the wait for a ping's answer in grpc >= 1.6x; without it a

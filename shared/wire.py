@@ -197,6 +197,7 @@ class DrafterDescription:
     step_columns: bool = False  # reads a StepRequest's columns (an older drafter would skip them)
     step_socket: str = ""  # a unix socket carrying the Step stream without gRPC (shared.frames)
     drafts_buffer: bool = False  # takes a DRAFTS buffer (StepRequest.drafts_buffer)
+    instance: str = ""  # this drafter process (a target sends it back with its calls)
 
 
 def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
@@ -218,6 +219,7 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
         step_columns=d.step_columns,
         step_socket=d.step_socket,
         drafts_buffer=d.drafts_buffer,
+        instance=d.instance,
     )
 
 
@@ -237,7 +239,7 @@ def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescrip
         window=pb.window,
     )
     return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns,
-                              pb.step_socket, pb.drafts_buffer)
+                              pb.step_socket, pb.drafts_buffer, pb.instance)
 
 
 def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:

@@ -36,7 +36,7 @@ from google.protobuf.message import DecodeError
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import frames, wire
 from specsplit.shared.security import ClientSecurity, ClientTLS, open_channel
-from specsplit.shared.serving import CLIENT_HEADER, PEER_CHANNEL_OPTIONS, grpc_target
+from specsplit.shared.serving import CLIENT_HEADER, INSTANCE_HEADER, PEER_CHANNEL_OPTIONS, grpc_target
 from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError
 from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest
 from specsplit.shared.staging import to_host
@@ -353,6 +353,8 @@ class RemoteProposer:
             grpc.channel_ready_future(channel).result(timeout=ready_wait)
             desc = wire.description_from_proto(
                 conn.stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=call_wait, metadata=conn.metadata))
+            if desc.instance:  # every later call names this drafter process: a restarted one refuses them
+                conn.metadata = (*conn.metadata, (INSTANCE_HEADER, desc.instance))
             self._setup_transport(conn, desc, client, call_wait)
             conn.columns = desc.step_columns
         except (grpc.RpcError, grpc.FutureTimeoutError, SpecsplitError, OSError) as exc:  # OSError: shared memory
