@@ -348,8 +348,11 @@ class Session:
         view, event = self.importer.drafts_target(buffer_id)
         on_device = getattr(self.proposer, "propose_on_device", None)
         most = max((r.num_drafts for r in requests), default=0)
+        here = self.device
+        if here.type == "cuda" and here.index is None:
+            here = torch.device("cuda", torch.cuda.current_device())
         if on_device is None or not 0 < len(requests) <= min(view.shape[0], self.proposer.spec.max_batch) \
-                or most > view.shape[1] or view.device.type != self.device.type:
+                or most > view.shape[1] or view.device != here:  # (a buffer on another GPU: the host path)
             return None
         internal = [dataclasses.replace(r, seq_id=self._internal(r.seq_id)) for r in requests]
         self._bind_head()
