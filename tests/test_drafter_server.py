@@ -135,6 +135,27 @@ def env(tmp_path):
     exporter.close()
 
 
+@pytest.fixture
+def serve_remote(tmp_path):
+    """(drafter, **RemoteProposer options) -> (its DrafterServer, a RemoteProposer attached to it over a
+    unix socket); everything made is closed when the test ends."""
+    made = []
+
+    def start(drafter, **kw):
+        server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
+        address = f"unix:{tmp_path}/d-{len(made)}.sock"
+        server = serve(server_obj, [address])
+        proposer = RemoteProposer(address, **kw)
+        made.append((proposer, server, server_obj))
+        return server_obj, proposer
+
+    yield start
+    for proposer, server, server_obj in made:
+        proposer.close()
+        server.stop(None)
+        server_obj.close()
+
+
 def rows(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, FEATURE_DIM, generator=torch.Generator().manual_seed(seed))
 
@@ -560,7 +581,7 @@ def test_step_stream_wire_codes_are_numeric(env):
     client.close_stream()
 
 
-def test_an_overdue_step_answer_detaches_within_its_deadline(tmp_path, monkeypatch):
+def test_an_overdue_step_answer_detaches_within_its_deadline(monkeypatch, serve_remote):
     """The target's engine thread reads Step answers itself: a drafter that stops answering must still
     release it at the deadline (the client's watchdog cancels the stream), and a late answer must not be
     taken for a later step's."""
@@ -574,62 +595,48 @@ def test_an_overdue_step_answer_detaches_within_its_deadline(tmp_path, monkeypat
 
     monkeypatch.setattr(Session, "step", slow_step)
     drafter = make_drafter()
-    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
-    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
-    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", timeout=0.4)
-    try:
-        proposer.alloc(1, BUDGET)
-        proposer.prefill(1, [3, 4], rows(2, 0))
-        assert len(proposer.propose([ProposeRequest(1, 4, 2, 2)])[0].tokens) == 2
-        frozen.set()
-        started = time.monotonic()
-        with pytest.raises(DrafterUnavailable, match="no step answer within 0.4 s"):
-            proposer.propose([ProposeRequest(1, 4, 2, 2)])
-        assert time.monotonic() - started < 1.2
-        assert proposer.link.answer_seconds[-1] == 0.4  # counted, so a drafter slower for good raises its deadline
-        assert not proposer.available()  # detached; re-attaches after the backoff
-    finally:
-        proposer.close()
-        server.stop(None)
-        server_obj.close()
+    server_obj, proposer = serve_remote(drafter, timeout=0.4)
+    proposer.alloc(1, BUDGET)
+    proposer.prefill(1, [3, 4], rows(2, 0))
+    assert len(proposer.propose([ProposeRequest(1, 4, 2, 2)])[0].tokens) == 2
+    frozen.set()
+    started = time.monotonic()
+    with pytest.raises(DrafterUnavailable, match="no step answer within 0.4 s"):
+        proposer.propose([ProposeRequest(1, 4, 2, 2)])
+    assert time.monotonic() - started < 1.2
+    assert proposer.link.answer_seconds[-1] == 0.4  # counted, so a drafter slower for good raises its deadline
+    assert not proposer.available()  # detached; re-attaches after the backoff
 
 
-def test_a_remote_drafter_takes_a_steps_commits_in_one_call(tmp_path):
+def test_a_remote_drafter_takes_a_steps_commits_in_one_call(serve_remote):
     """`RemoteProposer.commit_verified_many` (what the engine calls after a verify) stages the verify's
     rows once and queues each sequence's stash + commit + trim: the drafter ends as the direct calls
     leave a twin, sequences left out of the call (and rows around theirs) untouched."""
     drafter, twin = make_drafter(), make_drafter()
-    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
-    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
-    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4)
-    try:
-        pos = {}
-        for seq_id in range(3):
-            prompt, r = [3 + seq_id, 4, 5], rows(3, seq_id)
-            for d in (proposer, twin):
-                d.alloc(seq_id, BUDGET)
-                d.prefill(seq_id, prompt, r)
-            pos[seq_id] = 3
-        for step, chosen in enumerate(([0, 1, 2], [2, 0], [1])):
-            verify = rows(3 * GAMMA + 1, 100 + step)  # one row before the first sequence's: left alone
-            starts = {seq_id: 1 + GAMMA * seq_id for seq_id in range(3)}
-            accepted = {seq_id: (seq_id + step) % GAMMA for seq_id in range(3)}
-            tokens = {seq_id: list(range(20, 21 + accepted[seq_id])) for seq_id in range(3)}
-            proposer.commit_verified_many(chosen, verify, [starts[s] for s in chosen], [GAMMA] * len(chosen),
-                                          [accepted[s] for s in chosen], [pos[s] for s in chosen],
-                                          [tokens[s] for s in chosen])
-            for s in chosen:
-                twin.commit_verified(s, verify[starts[s]:starts[s] + GAMMA], accepted[s], pos[s], tokens[s])
-                pos[s] += accepted[s] + 1
-            reqs = [ProposeRequest(s, 7, pos[s], GAMMA - 1) for s in range(3)]
-            same(proposer.propose(reqs), twin.propose(reqs), twin)
-    finally:
-        proposer.close()
-        server.stop(None)
-        server_obj.close()
+    server_obj, proposer = serve_remote(drafter, max_batch=4)
+    pos = {}
+    for seq_id in range(3):
+        prompt, r = [3 + seq_id, 4, 5], rows(3, seq_id)
+        for d in (proposer, twin):
+            d.alloc(seq_id, BUDGET)
+            d.prefill(seq_id, prompt, r)
+        pos[seq_id] = 3
+    for step, chosen in enumerate(([0, 1, 2], [2, 0], [1])):
+        verify = rows(3 * GAMMA + 1, 100 + step)  # one row before the first sequence's: left alone
+        starts = {seq_id: 1 + GAMMA * seq_id for seq_id in range(3)}
+        accepted = {seq_id: (seq_id + step) % GAMMA for seq_id in range(3)}
+        tokens = {seq_id: list(range(20, 21 + accepted[seq_id])) for seq_id in range(3)}
+        proposer.commit_verified_many(chosen, verify, [starts[s] for s in chosen], [GAMMA] * len(chosen),
+                                      [accepted[s] for s in chosen], [pos[s] for s in chosen],
+                                      [tokens[s] for s in chosen])
+        for s in chosen:
+            twin.commit_verified(s, verify[starts[s]:starts[s] + GAMMA], accepted[s], pos[s], tokens[s])
+            pos[s] += accepted[s] + 1
+        reqs = [ProposeRequest(s, 7, pos[s], GAMMA - 1) for s in range(3)]
+        same(proposer.propose(reqs), twin.propose(reqs), twin)
 
 
-def test_commits_sent_ahead_are_answered_before_the_rows_are_staged_again(tmp_path, monkeypatch):
+def test_commits_sent_ahead_are_answered_before_the_rows_are_staged_again(monkeypatch, serve_remote):
     """`send_pending` (a step that proposes nothing) sends the queued commits without waiting; the answer
     is read before the connection is used again, so the next step's rows (staged into the same buffer)
     never overwrite rows the drafter has not read. Several such steps in a row, then a propose: the
@@ -642,176 +649,141 @@ def test_commits_sent_ahead_are_answered_before_the_rows_are_staged_again(tmp_pa
 
     monkeypatch.setattr(Session, "step", slow_step)
     drafter, twin = make_drafter(), make_drafter()
-    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
-    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
-    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4)
-    try:
-        for d in (proposer, twin):
-            for seq_id in range(2):
-                d.alloc(seq_id, BUDGET)
-                d.prefill(seq_id, [3 + seq_id, 4, 5], rows(3, seq_id))
-        pos = 3
-        for step_no in range(4):  # steps without drafts: one row each, a catch-up as a one-row commit
-            verify = rows(2, 200 + step_no)
-            proposer.commit_verified_many([0, 1], verify, [0, 1], [1, 1], [0, 0], [pos, pos], [[9], [10]])
-            proposer.send_pending()
-            assert proposer._unanswered and not proposer._pending
-            for s in range(2):
-                twin.commit_verified(s, verify[s:s + 1], 0, pos, [9 + s])
-            pos += 1
-        reqs = [ProposeRequest(s, 7, pos, GAMMA - 1) for s in range(2)]
-        same(proposer.propose(reqs), twin.propose(reqs), twin)
-        assert not proposer._unanswered
-        proposer.send_pending()  # nothing queued: nothing sent
-        assert not proposer._unanswered
-    finally:
-        proposer.close()
-        server.stop(None)
-        server_obj.close()
+    server_obj, proposer = serve_remote(drafter, max_batch=4)
+    for d in (proposer, twin):
+        for seq_id in range(2):
+            d.alloc(seq_id, BUDGET)
+            d.prefill(seq_id, [3 + seq_id, 4, 5], rows(3, seq_id))
+    pos = 3
+    for step_no in range(4):  # steps without drafts: one row each, a catch-up as a one-row commit
+        verify = rows(2, 200 + step_no)
+        proposer.commit_verified_many([0, 1], verify, [0, 1], [1, 1], [0, 0], [pos, pos], [[9], [10]])
+        proposer.send_pending()
+        assert proposer._unanswered and not proposer._pending
+        for s in range(2):
+            twin.commit_verified(s, verify[s:s + 1], 0, pos, [9 + s])
+        pos += 1
+    reqs = [ProposeRequest(s, 7, pos, GAMMA - 1) for s in range(2)]
+    same(proposer.propose(reqs), twin.propose(reqs), twin)
+    assert not proposer._unanswered
+    proposer.send_pending()  # nothing queued: nothing sent
+    assert not proposer._unanswered
 
 
 @pytest.mark.parametrize("step_socket", [False, True], ids=["grpc", "socket"])
-def test_prefetched_drafts_equal_a_twins_and_only_changed_requests_cost_a_round_trip(tmp_path, step_socket):
+def test_prefetched_drafts_equal_a_twins_and_only_changed_requests_cost_a_round_trip(step_socket, serve_remote):
     """`prefetch` sends the step's commits with the next step's proposes; `propose` takes the drafts of
     the requests asked again unchanged from that answer and sends only the rest. Every draft equals
     a twin's called directly, whatever was taken, dropped or asked again."""
     drafter, twin = make_drafter(), make_drafter()
-    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
-    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
-    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4, step_socket=step_socket)
+    server_obj, proposer = serve_remote(drafter, max_batch=4, step_socket=step_socket)
     sends = []
     send = proposer._send
     proposer._send = lambda conn, proposes, **kw: (sends.append([r.seq_id for r in proposes])
                                                    or send(conn, proposes, **kw))
-    try:
-        pos = {}
-        for d in (proposer, twin):
-            for seq_id in range(3):
-                d.alloc(seq_id, BUDGET)
-                d.prefill(seq_id, [3 + seq_id, 4, 5], rows(3, seq_id))
-        pos = {seq_id: 3 for seq_id in range(3)}
-        live = [0, 1, 2]
-        for step in range(4):
-            verify = rows(len(live) * GAMMA, 300 + step)
-            accepted = {s: (s + step) % GAMMA for s in live}
-            tokens = {s: list(range(20, 21 + accepted[s])) for s in live}
-            proposer.commit_verified_many(live, verify, [GAMMA * i for i in range(len(live))], [GAMMA] * len(live),
-                                          [accepted[s] for s in live], [pos[s] for s in live], [tokens[s] for s in live])
-            for i, s in enumerate(live):
-                twin.commit_verified(s, verify[GAMMA * i:GAMMA * (i + 1)], accepted[s], pos[s], tokens[s])
-                pos[s] += accepted[s] + 1
-            ahead = [ProposeRequest(s, 7 + s, pos[s], GAMMA - 1) for s in live]
-            sends.clear()
-            proposer.prefetch(ahead)
-            assert sends == [live] and proposer._unanswered and not proposer._pending
-            if step == 1:  # a sequence finishes between the steps: its free rides on the next message
-                live = [0, 1]
-                proposer.free(2)
-                twin.free(2)
-            asked = [ProposeRequest(s, 7 + s, pos[s], GAMMA - 1 if step != 2 or s else 1) for s in live]
-            taken_before = proposer.link.drafts_ahead
-            same(proposer.propose(asked), twin.propose(asked), twin)
-            changed = [r.seq_id for r in asked if r.num_drafts != GAMMA - 1]
-            assert sends[1:] == ([changed] if changed else []), sends
-            assert proposer.link.drafts_ahead - taken_before == len(asked) - len(changed)
-        proposer.flush()  # the free left with the last propose, or leaves now
-        assert 2 not in drafter.store
-    finally:
-        proposer.close()
-        server.stop(None)
-        server_obj.close()
+    pos = {}
+    for d in (proposer, twin):
+        for seq_id in range(3):
+            d.alloc(seq_id, BUDGET)
+            d.prefill(seq_id, [3 + seq_id, 4, 5], rows(3, seq_id))
+    pos = {seq_id: 3 for seq_id in range(3)}
+    live = [0, 1, 2]
+    for step in range(4):
+        verify = rows(len(live) * GAMMA, 300 + step)
+        accepted = {s: (s + step) % GAMMA for s in live}
+        tokens = {s: list(range(20, 21 + accepted[s])) for s in live}
+        proposer.commit_verified_many(live, verify, [GAMMA * i for i in range(len(live))], [GAMMA] * len(live),
+                                      [accepted[s] for s in live], [pos[s] for s in live], [tokens[s] for s in live])
+        for i, s in enumerate(live):
+            twin.commit_verified(s, verify[GAMMA * i:GAMMA * (i + 1)], accepted[s], pos[s], tokens[s])
+            pos[s] += accepted[s] + 1
+        ahead = [ProposeRequest(s, 7 + s, pos[s], GAMMA - 1) for s in live]
+        sends.clear()
+        proposer.prefetch(ahead)
+        assert sends == [live] and proposer._unanswered and not proposer._pending
+        if step == 1:  # a sequence finishes between the steps: its free rides on the next message
+            live = [0, 1]
+            proposer.free(2)
+            twin.free(2)
+        asked = [ProposeRequest(s, 7 + s, pos[s], GAMMA - 1 if step != 2 or s else 1) for s in live]
+        taken_before = proposer.link.drafts_ahead
+        same(proposer.propose(asked), twin.propose(asked), twin)
+        changed = [r.seq_id for r in asked if r.num_drafts != GAMMA - 1]
+        assert sends[1:] == ([changed] if changed else []), sends
+        assert proposer.link.drafts_ahead - taken_before == len(asked) - len(changed)
+    proposer.flush()  # the free left with the last propose, or leaves now
+    assert 2 not in drafter.store
 
 
-def test_answers_to_steps_sent_ahead_set_the_step_deadline(tmp_path):
+def test_answers_to_steps_sent_ahead_set_the_step_deadline(serve_remote):
     """With proposes sent ahead nearly every answer is read after other work, not waited for; they
     must still teach the deadline, or a frozen drafter holds the engine for the whole --drafter-timeout
     (a slow test with a SIGSTOPped drafter found it)."""
     drafter = make_drafter()
-    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
-    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
-    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4, timeout=30.0)
-    try:
-        proposer.alloc(0, BUDGET)
-        proposer.prefill(0, [3, 4, 5], rows(3, 0))
-        pos = 3
-        for step in range(drafter_client.STEP_DEADLINE_MIN_SAMPLES + 5):
-            proposer.commit_verified_many([0], rows(GAMMA, step), [0], [GAMMA], [1], [pos], [[7, 8]])
-            pos += 2
-            request = [ProposeRequest(0, 9, pos, GAMMA - 1)]
-            proposer.prefetch(request)
-            assert len(proposer.propose(request)[0].tokens) == GAMMA - 1
-        assert proposer.link.drafts_ahead == drafter_client.STEP_DEADLINE_MIN_SAMPLES + 5
-        assert proposer.step_deadline() == drafter_client.STEP_DEADLINE_FLOOR  # not the 30 s timeout
-    finally:
-        proposer.close()
-        server.stop(None)
-        server_obj.close()
+    server_obj, proposer = serve_remote(drafter, max_batch=4, timeout=30.0)
+    proposer.alloc(0, BUDGET)
+    proposer.prefill(0, [3, 4, 5], rows(3, 0))
+    pos = 3
+    for step in range(drafter_client.STEP_DEADLINE_MIN_SAMPLES + 5):
+        proposer.commit_verified_many([0], rows(GAMMA, step), [0], [GAMMA], [1], [pos], [[7, 8]])
+        pos += 2
+        request = [ProposeRequest(0, 9, pos, GAMMA - 1)]
+        proposer.prefetch(request)
+        assert len(proposer.propose(request)[0].tokens) == GAMMA - 1
+    assert proposer.link.drafts_ahead == drafter_client.STEP_DEADLINE_MIN_SAMPLES + 5
+    assert proposer.step_deadline() == drafter_client.STEP_DEADLINE_FLOOR  # not the 30 s timeout
 
 
-def test_a_refusal_of_commits_sent_ahead_drops_the_connection_not_the_next_call(tmp_path):
+def test_a_refusal_of_commits_sent_ahead_drops_the_connection_not_the_next_call(serve_remote):
     """The answer to commits sent ahead is read by whatever call comes next; if the drafter refused them,
     that call fails as the drafter being unavailable (the engine detaches and re-attaches), not with the
     earlier step's error as if it were its own (an alloc would read as the drafter refusing a new sequence)."""
     drafter = make_drafter()
-    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
-    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
-    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4)
-    try:
-        proposer.alloc(0, BUDGET)
-        proposer.prefill(0, [3, 4, 5], rows(3, 0))
-        proposer.commit_verified_many([0], rows(1, 1), [0], [1], [0], [7], [[9]])  # position 7: not next (3)
-        proposer.send_pending()
-        with pytest.raises(DrafterUnavailable, match="refused a Step sent ahead"):
-            proposer.alloc(1, BUDGET)
-        assert not proposer._unanswered and not proposer.available()  # dropped; re-attaches after the backoff
-    finally:
-        proposer.close()
-        server.stop(None)
-        server_obj.close()
+    server_obj, proposer = serve_remote(drafter, max_batch=4)
+    proposer.alloc(0, BUDGET)
+    proposer.prefill(0, [3, 4, 5], rows(3, 0))
+    proposer.commit_verified_many([0], rows(1, 1), [0], [1], [0], [7], [[9]])  # position 7: not next (3)
+    proposer.send_pending()
+    with pytest.raises(DrafterUnavailable, match="refused a Step sent ahead"):
+        proposer.alloc(1, BUDGET)
+    assert not proposer._unanswered and not proposer.available()  # dropped; re-attaches after the backoff
 
 
 @pytest.mark.parametrize("step_socket", [False, True], ids=["grpc", "socket"])
-def test_verified_entries_go_straight_into_columns_as_the_seqstep_path_would_pack_them(tmp_path, monkeypatch,
-                                                                                        step_socket):
+def test_verified_entries_go_straight_into_columns_as_the_seqstep_path_would_pack_them(monkeypatch, step_socket,
+                                                                                        serve_remote):
     """The client writes a step's verified sequences into the message's columns without SeqStep objects;
     the message equals the one the SeqStep path builds, a sequence with more to do (a free) beside them."""
     drafter = make_drafter()
-    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
-    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
-    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4, step_socket=step_socket)
-    try:
-        assert proposer.step_transport == ("socket" if step_socket else "grpc")
-        for seq_id in range(3):
-            proposer.alloc(seq_id, BUDGET)
-            proposer.prefill(seq_id, [3 + seq_id, 4, 5], rows(3, seq_id))
-        proposer.commit_verified_many([0, 1, 2], rows(3 * GAMMA, 9), [0, GAMMA, 2 * GAMMA], [GAMMA] * 3,
-                                      [2, 0, 1], [3, 3, 3], [[20, 21, 22], [23], [24, 25]])
-        proposer.free(1)  # sequence 1 now also frees: it cannot ride in the columns
-        conn = proposer._live()
-        assert conn.columns
-        pending = dict(proposer._pending)
-        sent = []
-        if step_socket:
-            send_frame = drafter_client.frames.send_frame
-            def client_send(sock, payload):  # the drafter's thread in this process answers through it too
-                if threading.current_thread() is threading.main_thread():
-                    sent.append(drafter_pb2.StepRequest.FromString(payload))
-                send_frame(sock, payload)
-            monkeypatch.setattr(drafter_client.frames, "send_frame", client_send)
-        else:
-            put = conn.outbox.put
-            conn.outbox.put = lambda pb: sent.append(pb) or put(pb)
-        proposer.flush()
-        monkeypatch.undo()
-        steps = tuple(RemoteProposer._seq_step(conn, seq_id, p) for seq_id, p in pending.items())
-        expected = wire.step_to_proto(wire.StepBatch(sent[0].step_id, steps, draft_columns=True), columns=True)
-        got = sent[0]
-        assert list(got.verified.seq_ids) == [0, 2] and [s.seq_id for s in got.seqs] == [1]
-        assert got == expected
-    finally:
-        proposer.close()
-        server.stop(None)
-        server_obj.close()
+    server_obj, proposer = serve_remote(drafter, max_batch=4, step_socket=step_socket)
+    assert proposer.step_transport == ("socket" if step_socket else "grpc")
+    for seq_id in range(3):
+        proposer.alloc(seq_id, BUDGET)
+        proposer.prefill(seq_id, [3 + seq_id, 4, 5], rows(3, seq_id))
+    proposer.commit_verified_many([0, 1, 2], rows(3 * GAMMA, 9), [0, GAMMA, 2 * GAMMA], [GAMMA] * 3,
+                                  [2, 0, 1], [3, 3, 3], [[20, 21, 22], [23], [24, 25]])
+    proposer.free(1)  # sequence 1 now also frees: it cannot ride in the columns
+    conn = proposer._live()
+    assert conn.columns
+    pending = dict(proposer._pending)
+    sent = []
+    if step_socket:
+        send_frame = drafter_client.frames.send_frame
+        def client_send(sock, payload):  # the drafter's thread in this process answers through it too
+            if threading.current_thread() is threading.main_thread():
+                sent.append(drafter_pb2.StepRequest.FromString(payload))
+            send_frame(sock, payload)
+        monkeypatch.setattr(drafter_client.frames, "send_frame", client_send)
+    else:
+        put = conn.outbox.put
+        conn.outbox.put = lambda pb: sent.append(pb) or put(pb)
+    proposer.flush()
+    monkeypatch.undo()
+    steps = tuple(RemoteProposer._seq_step(conn, seq_id, p) for seq_id, p in pending.items())
+    expected = wire.step_to_proto(wire.StepBatch(sent[0].step_id, steps, draft_columns=True), columns=True)
+    got = sent[0]
+    assert list(got.verified.seq_ids) == [0, 2] and [s.seq_id for s in got.seqs] == [1]
+    assert got == expected
 
 
 @pytest.mark.parametrize("which", ["rows", "unknown"])
@@ -828,7 +800,7 @@ def test_a_step_naming_a_buffer_that_holds_no_drafts_is_refused(env, which):
     assert ("not a drafts buffer" if which == "rows" else "not registered") in info.value.details()
 
 
-def test_drafts_answered_in_a_buffer_the_step_did_not_offer_detach_the_drafter(tmp_path, monkeypatch):
+def test_drafts_answered_in_a_buffer_the_step_did_not_offer_detach_the_drafter(monkeypatch, serve_remote):
     """A drafter that says its drafts are in a buffer the Step did not offer (here: a CPU target, which
     offers none) is out of contract: the client drops it instead of reading anything."""
     step = Session.step
@@ -840,19 +812,12 @@ def test_drafts_answered_in_a_buffer_the_step_did_not_offer_detach_the_drafter(t
 
     monkeypatch.setattr(Session, "step", lying)
     drafter = make_drafter()
-    server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
-    server = serve(server_obj, [f"unix:{tmp_path}/d.sock"])
-    proposer = RemoteProposer(f"unix:{tmp_path}/d.sock", max_batch=4)
-    try:
-        proposer.alloc(0, BUDGET)
-        proposer.prefill(0, [3, 4, 5], rows(3, 0))
-        with pytest.raises(DrafterUnavailable, match="did not offer"):
-            proposer.propose([ProposeRequest(0, 7, 3, GAMMA - 1)])
-        assert proposer._conn is None
-    finally:
-        proposer.close()
-        server.stop(None)
-        server_obj.close()
+    server_obj, proposer = serve_remote(drafter, max_batch=4)
+    proposer.alloc(0, BUDGET)
+    proposer.prefill(0, [3, 4, 5], rows(3, 0))
+    with pytest.raises(DrafterUnavailable, match="did not offer"):
+        proposer.propose([ProposeRequest(0, 7, 3, GAMMA - 1)])
+    assert proposer._conn is None
 
 
 def test_a_steps_phases_split_the_commit_into_rows_and_context(env, monkeypatch):

@@ -209,16 +209,22 @@ def test_repeated_propose_and_serial_catchup():
     assert_matches(drafter, 0, history, 2, MAX_DRAFTS)
 
 
-def test_batched_propose_equals_per_sequence():
-    drafter, twin = make(max_batch=2), make()
+def prefill_three(*drafters: MTPDrafter, seed: int) -> dict[int, "History"]:
+    """Sequences 0, 1, 2 with prompts of 3, 9 and 1 tokens, prefilled alike into every drafter given."""
     histories = {}
     for seq, n in ((0, 3), (1, 9), (2, 1)):
-        histories[seq] = History(10 + seq)
+        histories[seq] = History(seed + seq)
         tokens, rows = histories[seq].fresh(n)
-        for d in (drafter, twin):
+        for d in drafters:
             d.alloc(seq, 100)
             d.prefill(seq, tokens, rows)
         histories[seq].add(tokens, rows)
+    return histories
+
+
+def test_batched_propose_equals_per_sequence():
+    drafter, twin = make(max_batch=2), make()
+    histories = prefill_three(drafter, twin, seed=10)
     for _ in range(2):
         requests = [ProposeRequest(s, 20 + s, h.next_pos, n, want_confidence=True)
                     for (s, h), n in zip(histories.items(), (4, 1, 3))]
@@ -245,14 +251,7 @@ def test_drafts_left_on_the_device_equal_the_host_paths():
     gives each request its drafts in its row, as `propose` gives them, through a batch whose sequences
     stop drafting at different steps; the state it leaves proposes on as the host path's does."""
     drafter, twin = make(), make()
-    histories = {}
-    for seq, n in ((0, 3), (1, 9), (2, 1)):
-        histories[seq] = History(30 + seq)
-        tokens, rows = histories[seq].fresh(n)
-        for d in (drafter, twin):
-            d.alloc(seq, 100)
-            d.prefill(seq, tokens, rows)
-        histories[seq].add(tokens, rows)
+    histories = prefill_three(drafter, twin, seed=30)
     for counts in ((1, 4, 2), (4, 4, 4), (3, 1, 1)):
         requests = [ProposeRequest(s, 20 + s, h.next_pos, n) for (s, h), n in zip(histories.items(), counts)]
         on_device = drafter.propose_on_device(requests)
