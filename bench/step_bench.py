@@ -77,12 +77,9 @@ def ms_per_call(fn, repeats: int) -> float:
 def bench(model: TargetModel, batch: int, query: int, context: int, repeats: int, bandwidth: float) -> dict:
     cache = model.new_cache(num_blocks=batch * (-(-(context + query) // 16)) + 2, block_size=16)
     graphs = StepGraphs(model, cache, CaptureSpec(), max_batch=batch, query_lens=(query,),
-                        max_len=context + query, small=True)
+                        max_len=context + query)
     unfused = StepGraphs(model, cache, CaptureSpec(), max_batch=batch, query_lens=(query,),
                          max_len=context + query, fused=False)
-    # the fused layers without the small-row projections (shared.fused.small_layer), for buckets that take them
-    big = StepGraphs(model, cache, CaptureSpec(), max_batch=batch, query_lens=(query,), max_len=context + query,
-                     small=False)
     gen = torch.Generator().manual_seed(0)
     for s in range(batch):
         cache.allocate(s)
@@ -96,14 +93,11 @@ def bench(model: TargetModel, batch: int, query: int, context: int, repeats: int
     eager_ms = ms_per_call(lambda: model(eager_batch, cache), max(3, repeats // 10))
     graph_ms = ms_per_call(lambda: graphs.forward(step), repeats)
     unfused_ms = ms_per_call(lambda: unfused.forward(step), repeats)
-    big_ms = ms_per_call(lambda: big.forward(step), repeats)
     graph = graphs.graphs[(batch, query)]
     replay_ms = ms_per_call(graph.replay, repeats)
-    big_replay_ms = ms_per_call(big.graphs[(batch, query)].replay, repeats)
     floor_ms = step_bytes(model, batch, context) / bandwidth * 1e3
     return {"batch": batch, "query": query, "context": context, "eager_ms": eager_ms, "graph_step_ms": graph_ms, "unfused_graph_step_ms": unfused_ms,
-            "small_layers": graphs.forwards[(batch, query)].small, "fused_layers_graph_step_ms": big_ms,
-            "fused_layers_replay_ms": big_replay_ms, "graph_replay_ms": replay_ms, "floor_ms": floor_ms, "graph_over_floor": graph_ms / floor_ms,
+            "graph_replay_ms": replay_ms, "floor_ms": floor_ms, "graph_over_floor": graph_ms / floor_ms,
             "eager_over_graph": eager_ms / graph_ms}
 
 
@@ -128,16 +122,13 @@ def main() -> None:
         model = load_target(target_dir(args.target), dtype=dtype, device="cuda")
     bandwidth = copy_bandwidth()
     print(f"{args.target} {args.dtype}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print(f"{'B':>3} {'Q':>3} {'eager ms':>9} {'unfused':>9} {'fused':>9} {'(replay)':>9} {'graph ms':>9} {'replay ms':>9} "
-          f"{'floor ms':>9} {'graph/floor':>11} {'eager/graph':>11}  (graph: small-row layers where they fit)")
+    print(f"{'B':>3} {'Q':>3} {'eager ms':>9} {'unfused':>9} {'graph ms':>9} {'replay ms':>9} {'floor ms':>9} {'graph/floor':>11} {'eager/graph':>11}")
     rows = []
     for b in args.batch:
         for q in args.query:
             r = bench(model, b, q, args.context, args.repeats, bandwidth)
             rows.append(r)
-            print(f"{b:>3} {q:>3} {r['eager_ms']:>9.3f} {r['unfused_graph_step_ms']:>9.3f} "
-                  f"{r['fused_layers_graph_step_ms']:>9.3f} {r['fused_layers_replay_ms']:>9.3f} "
-                  f"{r['graph_step_ms']:>9.3f} {r['graph_replay_ms']:>9.3f} "
+            print(f"{b:>3} {q:>3} {r['eager_ms']:>9.3f} {r['unfused_graph_step_ms']:>9.3f} {r['graph_step_ms']:>9.3f} {r['graph_replay_ms']:>9.3f} "
                   f"{r['floor_ms']:>9.3f} {r['graph_over_floor']:>11.2f} {r['eager_over_graph']:>11.1f}", flush=True)
             torch.cuda.empty_cache()
     if args.out:

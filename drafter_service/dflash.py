@@ -33,10 +33,7 @@ from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.errors import CheckpointError
-from specsplit.shared import fused as fused_module
-from specsplit.shared.fused import (
-    FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight, small_layer, small_rows_fit,
-)
+from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
 from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer
 from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal
 from specsplit.shared.ragged import ragged_arange
@@ -300,11 +297,6 @@ class DFlashModel(nn.Module):
             return paged_attention(q.view(*local.shape, *q.shape[1:]), ctx.k_pool[i], ctx.v_pool[i], ctx.tables,
                                    mask_pos, self.layers[i].self_attn.scale, window).flatten(0, 1)
 
-        if fused_module.SMALL_LAYERS and small_rows_fit(self.layers, fused, x.shape[0]):  # one block: small rows
-            residual = x
-            for i, (layer, weights) in enumerate(zip(self.layers, fused)):
-                residual = small_layer(dec, i, layer, weights, residual, attend)
-            return rms_norm(residual, self.norm.weight, dec.rms_norm_eps)
         h, residual = first_norm(dec, self.layers, x), x
         for i, (layer, weights) in enumerate(zip(self.layers, fused)):
             h, residual = fused_layer(dec, i, layer, weights, h, residual, attend,

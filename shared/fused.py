@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from specsplit.kernels.activation import silu_mul
 from specsplit.kernels.norm import add_rms_norm, rms_norm
-from specsplit.kernels.small_linear import MAX_ROWS, small_linear
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.layers import DecoderLayer
 
@@ -88,37 +87,3 @@ def first_norm(cfg: ModelConfig, layers: Sequence[DecoderLayer], x: torch.Tensor
 
 def next_norm_weight(layers: Sequence[DecoderLayer], final_norm: torch.nn.Module, index: int) -> torch.Tensor:
     return layers[index + 1].input_layernorm.weight if index + 1 < len(layers) else final_norm.weight
-
-
-# Whether steps of at most MAX_ROWS tokens take `small_layer` by default (the target's step graphs, the
-# DFlash propose). Off until measured on a GPU: its kernel is checked against the references under
-# Triton's interpreter, and the layer against `fused_layer` bit for bit on the CPU, but it has not yet
-# run compiled (`bench/step_bench.py` times both side by side; the gpu tests take it explicitly).
-SMALL_LAYERS = False
-
-
-def small_rows_fit(layers: Sequence[DecoderLayer], weights: Sequence[FusedWeights], rows: int) -> bool:
-    """Whether `small_layer` takes a step of `rows` rows through these layers: few enough rows for its
-    kernel, and projections without biases (those keep `fused_layer`)."""
-    return rows <= MAX_ROWS and all(w.qkv_bias is None and layer.self_attn.o_proj.bias is None
-                                    for layer, w in zip(layers, weights))
-
-
-def small_layer(cfg: ModelConfig, index: int, layer: DecoderLayer, weights: FusedWeights, residual: torch.Tensor,
-                attend: Attend) -> torch.Tensor:
-    """`fused_layer` for at most MAX_ROWS rows (a decode or verify step of few tokens), in four projection
-    kernels that take the norms, the SiLU·mul and the residual adds with them (`kernels.small_linear`):
-    the input norm inside q/k/v's, the residual add inside o's and down's, the post-attention norm and
-    SiLU·mul inside gate/up's. residual: the layer's input; returns its output. The same math and
-    roundings as `fused_layer`; the caller norms the last layer's output itself (the final norm)."""
-    attn, eps = layer.self_attn, cfg.rms_norm_eps
-    qkv = small_linear(residual, weights.qkv, norm_weight=layer.input_layernorm.weight, eps=eps)
-    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    q, k, v = (t.view(t.shape[0], -1, cfg.head_dim) for t in (q, k, v))
-    if attn.q_norm is not None:
-        q, k = rms_norm(q, attn.q_norm.weight, eps), rms_norm(k, attn.k_norm.weight, eps)
-    out = attend(index, q, k, v)
-    residual = small_linear(out.reshape(out.shape[0], -1), attn.o_proj.weight, residual=residual)
-    inner = small_linear(residual, weights.gate_up, norm_weight=layer.post_attention_layernorm.weight, eps=eps,
-                         gated=True)
-    return small_linear(inner, layer.mlp.down_proj.weight, residual=residual)

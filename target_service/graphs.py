@@ -19,15 +19,11 @@ from functools import partial
 import numpy as np
 import torch
 
-from specsplit.kernels.norm import rms_norm
 from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture
 from specsplit.shared.errors import InvalidRequest
-from specsplit.shared import fused as fused_module
-from specsplit.shared.fused import (
-    FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight, small_layer, small_rows_fit,
-)
+from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
 from specsplit.shared.layers import SelfAttention
 from specsplit.shared.ragged import ragged_arange
 from specsplit.target_service.kv_cache import PagedKVCache
@@ -71,12 +67,9 @@ class StaticForward:
     """The decode/verify forward as fixed-shape tensor ops over buffers of one bucket (B x Q tokens)."""
 
     def __init__(self, model: TargetModel, cache: PagedKVCache, capture: CaptureSpec, batch: int,
-                 query_len: int, max_blocks: int, scratch_block: int, fused: list[FusedWeights] | None,
-                 small: bool = False) -> None:
+                 query_len: int, max_blocks: int, scratch_block: int, fused: list[FusedWeights] | None) -> None:
         self.model, self.cache, self.capture, self.fused = model, cache, capture, fused
         self.batch, self.query_len = batch, query_len
-        # a bucket of at most MAX_ROWS tokens: the layers' projections with their norms and adds fused in
-        self.small = small and fused is not None and small_rows_fit(model.model.layers, fused, batch * query_len)
         device = cache.device
         self.scratch_slot, self.scratch_block = scratch_block * cache.block_size, scratch_block
         # Every per-step input in one buffer, so a step is one host-to-device copy (from pinned staging
@@ -184,20 +177,12 @@ class StaticForward:
                                    self.cache.v_pool[i], self.block_tables, self.positions,
                                    stack.layers[i].self_attn.scale, cfg.layer_window(i)).flatten(0, 1)
 
+        h = first_norm(cfg, stack.layers, residual)
         captured = {}
-        if self.small:  # each layer's norms inside its projections; the final norm here
-            for i, (layer, w) in enumerate(zip(stack.layers, self.fused)):
-                residual = small_layer(cfg, i, layer, w, residual, attend)
-                if i in self.capture.layer_ids:
-                    captured[i] = residual
-            h = rms_norm(residual, stack.norm.weight, cfg.rms_norm_eps)
-        else:
-            h = first_norm(cfg, stack.layers, residual)
-            for i, (layer, w) in enumerate(zip(stack.layers, self.fused)):
-                h, residual = fused_layer(cfg, i, layer, w, h, residual, attend,
-                                          next_norm_weight(stack.layers, stack.norm, i))
-                if i in self.capture.layer_ids:
-                    captured[i] = residual  # the layer's output
+        for i, (layer, w) in enumerate(zip(stack.layers, self.fused)):
+            h, residual = fused_layer(cfg, i, layer, w, h, residual, attend, next_norm_weight(stack.layers, stack.norm, i))
+            if i in self.capture.layer_ids:
+                captured[i] = residual  # the layer's output
         layers = self.capture.layer_ids
         self.output = ForwardOutput(
             logits=self.model.lm_head(h).float(),  # h is the final norm of the last layer's output
@@ -221,15 +206,11 @@ class StepGraphs:
     """Decode/verify forwards for every (batch bucket, query length), CUDA-graph captured on a GPU.
 
     `use_graphs=False` runs the same static forward eagerly (the CPU path, and the graph's reference);
-    `fused=False` keeps the layers' own modules (the unfused step, for comparison); `small` says whether
-    buckets of at most `kernels.small_linear.MAX_ROWS` tokens run `shared.fused.small_layer` (four projection
-    kernels a layer, the norms, SiLU·mul and residual adds inside) instead of `fused_layer` (default:
-    `shared.fused.SMALL_LAYERS`).
+    `fused=False` keeps the layers' own modules (the unfused step, for comparison).
     """
 
     def __init__(self, model: TargetModel, cache: PagedKVCache, capture: CaptureSpec, *, max_batch: int,
-                 query_lens: tuple[int, ...], max_len: int, use_graphs: bool = True, fused: bool = True,
-                 small: bool | None = None) -> None:
+                 query_lens: tuple[int, ...], max_len: int, use_graphs: bool = True, fused: bool = True) -> None:
         capture.validate(model.config.num_hidden_layers)
         if _SCRATCH not in cache:  # several StepGraphs over one cache share it
             cache.allocate(_SCRATCH)
@@ -240,9 +221,7 @@ class StepGraphs:
         self.query_lens = tuple(sorted(set(query_lens)))
         self.batches = batch_buckets(max_batch)
         weights = fuse_projections(model, model.model.layers) if fused else None
-        small = fused_module.SMALL_LAYERS if small is None else small
-        self.forwards = {(b, q): StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block, weights,
-                                               small)
+        self.forwards = {(b, q): StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block, weights)
                          for b in self.batches for q in self.query_lens}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if use_graphs:

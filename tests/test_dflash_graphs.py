@@ -8,9 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from specsplit.drafter_service import dflash
 from specsplit.drafter_service.graphs import length_buckets
-from specsplit.shared import fused as fused_module
 from specsplit.shared.proposer import ProposeRequest
 from tests.test_dflash import INFO, make
 
@@ -102,20 +100,12 @@ def test_static_forwards_follow_a_batch_whose_sequences_change():
         assert_close(torch.tensor([p.confidence for p in b]), torch.tensor([p.confidence for p in a]), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("small", [False, True], ids=["fused-layers", "small-layers"])
 @pytest.mark.parametrize("window", [4096, 12])
-def test_static_forwards_equal_eager(window, small, monkeypatch):
-    """small: blocks of at most 16 rows (two sequences, a bucket of 2 x 5 rows) through
-    `shared.fused.small_layer`, which must then have run."""
-    monkeypatch.setattr(fused_module, "SMALL_LAYERS", small)
-    calls = []
-    monkeypatch.setattr(dflash, "small_layer", lambda *a: calls.append(1) or fused_module.small_layer(*a))
-    lengths = [7, 30] if small else [7, 30, 3]
+def test_static_forwards_equal_eager(window):
     eager, static = make(window=window), make(window=window)
     static.use_static_forwards(use_graphs=False)
-    want, want_ctx = drive(eager, lengths, steps=8)
-    got, got_ctx = drive(static, lengths, steps=8)
-    assert bool(calls) == small
+    want, want_ctx = drive(eager, [7, 30, 3], steps=8)
+    got, got_ctx = drive(static, [7, 30, 3], steps=8)
     for a, b in zip(want, got):
         assert [p.tokens for p in a] == [p.tokens for p in b]
         assert_close(torch.tensor([p.confidence for p in b]), torch.tensor([p.confidence for p in a]), atol=ATOL, rtol=0)

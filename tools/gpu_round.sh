@@ -4,7 +4,7 @@
 source tools/device_setup.sh
 python -m pytest -q tests/test_fused_kernels.py tests/test_step_graphs.py tests/test_split_gpu.py \
   tests/test_transport.py tests/test_dflash_graphs.py tests/test_mtp.py -m gpu -k "not random" -p no:cacheprovider 2>&1 | tail -15
-# the small-row layers (shared.fused.small_layer) beside the fused ones: "fused" vs "graph ms" columns
+# the target step: eager, unfused and fused graphs against the floor
 python bench/step_bench.py --target default --batch 1 8 --query 1 16 --out "$OUT" 2>&1 | tail -8
 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 32 64 \
   --auto --json-out "$OUT/split_dflash.json" 2>&1 | grep -v INFO | tail -3
