@@ -37,6 +37,10 @@ class DrafterLimits:
     # Largest message received; None: twice a Step of spec.max_batch sequences with inline float32 rows,
     # and at least MIN_MESSAGE_BYTES (see `message_bytes`).
     max_message_mib: float | None = None
+    # How long a call may wait for the target's GPU writes into its CUDA buffers (their IPC event) to be
+    # done, polled from the host outside the drafter lock: a target that never finishes them ends its
+    # own Step stream (DEADLINE_EXCEEDED), and no one else waits.
+    writes_wait_seconds: float = 10.0
 
     def __post_init__(self) -> None:
         counts = {"--max-targets": self.max_targets, "--max-sessions": self.max_sessions,
@@ -45,7 +49,7 @@ class DrafterLimits:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequest(f"{flag} must be a positive integer, got {value!r}")
         sizes = {"--session-idle-seconds": self.idle_seconds, "--reclaim-stream-seconds": self.reclaim_stream_seconds,
-                 "--max-buffer-mib": self.max_buffer_mib,
+                 "--max-buffer-mib": self.max_buffer_mib, "--writes-wait-seconds": self.writes_wait_seconds,
                  "--max-message-mib": 1.0 if self.max_message_mib is None else self.max_message_mib}
         for flag, value in sizes.items():
             if not value > 0:

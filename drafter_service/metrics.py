@@ -26,8 +26,9 @@ class DrafterMetrics(ServiceMetrics):
                                "wait included)", buckets=STEP_BUCKETS, registry=self.registry)
         # A counter, not a histogram: six observations per message must cost next to nothing.
         self.phases = Counter(f"{PREFIX}_step_phase_seconds", "host seconds spent in each part of the Step "
-                              "messages: parse, lock (the wait for the drafter lock), commit (less rows and context), rows "
-                              "(resolving row references: checks, waits on the target's events), context (the "
+                              "messages: parse, ready (polling, outside the lock, until the target's GPU writes "
+                              "into the rows it sends are done), lock (the wait for the drafter lock), commit (less "
+                              "rows and context), rows (resolving row references and their checks), context (the "
                               "batched context forward: its launch on a GPU), propose (the "
                               "drafts' GPU work and read-back; their launch alone when they go into the "
                               "target's drafts buffer), wait (for the target's rows to be read), encode",

@@ -30,7 +30,7 @@ import torch
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.metrics import DrafterMetrics
-from specsplit.drafter_service.session import Session
+from specsplit.drafter_service.session import Session, buffers_read
 from specsplit.drafter_service.step_socket import StepSocketServer
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import logs, wire
@@ -121,6 +121,13 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             if client in self._streams:
                 self._streams[client].last_work = session.last_call
             yield session
+
+    def _await_writes(self, context: grpc.ServicerContext, steps=(), *, head: bool = False) -> None:
+        """Before a unary call that reads the caller's CUDA buffers (the rows of `steps`, its head with
+        `head`), poll for the target's writes into them, outside the drafter lock (Session.await_writes)."""
+        session = self._sessions.get(client_id(context))  # one dict read: the call itself runs under the lock
+        if session is not None and not session.closed:
+            session.await_writes(buffers_read(steps), head=head)
 
     def _check_instance(self, context: grpc.ServicerContext) -> None:
         """A call that names a drafter process (INSTANCE_HEADER) must name this one: a target's connection
@@ -232,6 +239,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
     @rpc_errors
     def PrefillDrafter(self, request, context):
         seq_id, op = wire.prefill_from_proto(request)
+        self._await_writes(context, [wire.SeqStep(seq_id, catchup=op)])
         with self._session(context) as session:
             appended = session.prefill(seq_id, op)
         return drafter_pb2.PrefillDrafterResponse(rows_appended=appended)
@@ -239,6 +247,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
     @rpc_errors
     def Propose(self, request, context):
         requests = wire.propose_from_proto(request)
+        self._await_writes(context, head=True)
         with self._session(context) as session:
             proposals = session.propose(requests)
         self.metrics.proposed(proposals)
@@ -247,6 +256,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
     def _apply(self, request, context) -> int:
         """The unary twins of a SeqStep go through the same applier as the Step stream."""
         step = wire.unary_to_seq_step(request)
+        self._await_writes(context, [step])
         with self._session(context) as session:
             return session.apply(step)
 
@@ -324,6 +334,16 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         started = time.perf_counter()
         batch, errors = wire.step_from_proto(request)
         parsed = time.perf_counter()
+        if batch.register:  # mapped first, so that the wait below covers rows in them
+            with self._lock:
+                if session.closed:
+                    return None
+                session.register(batch.register)
+            batch = dataclasses.replace(batch, register=())
+        # The target's GPU writes into the buffers this step reads, awaited here, outside the lock: a
+        # target whose writes never finish ends its own stream (WritesPending), no one else waits.
+        session.await_writes(buffers_read(batch.seqs, batch.verified), head=bool(batch.proposes))
+        ready = time.perf_counter()
         with self._lock:
             locked = time.perf_counter()
             if session.closed:  # evicted, or the server closed, while this message was read
@@ -336,7 +356,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         answer = wire.step_result_to_proto(result, columns=batch.draft_columns)
         done = time.perf_counter()
         self.metrics.answered(result, done - started, {
-            "parse": parsed - started, "lock": locked - parsed, "commit": phases.commit, "rows": phases.rows,
+            "parse": parsed - started, "ready": ready - parsed, "lock": locked - ready, "commit": phases.commit,
+            "rows": phases.rows,
             "context": phases.context, "propose": phases.propose, "wait": phases.wait, "encode": done - stepped})
         return answer
 

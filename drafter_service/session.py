@@ -7,7 +7,10 @@ only ever sees tensors. The drafter copies what it keeps (within a step it may r
 step's batched block ends), and every read is finished before a call returns (the target reuses its
 row slots as soon as it has the answer), except in a Step whose drafts go into the target's drafts
 buffer: there the buffer's event, recorded after all of the step's work, orders the target's reuse.
-Unmapping buffers (a release, the session's end) first waits for any such work still queued. A
+Unmapping buffers (a release, the session's end) first waits for any such work still queued. Rows
+and head weights in the target's CUDA buffers are read only once the host has seen the target's
+writes done (`await_writes`, called by the server outside the drafter lock; inside it each read only
+checks): the drafter's stream never waits on a client's event. A
 session holds at most what `DrafterLimits` lets one connection hold, and its errors name the client's
 sequence ids, never the drafter-wide ones.
 
@@ -104,6 +107,7 @@ class Session:
         self._new_seq_id = new_seq_id  # drafter-wide unique ids, shared by all sessions
         self._default_head = head  # the server's own head, used until this client registers one
         self._head: TargetHead | None = None  # views into the client's TARGET_EMBEDDING / LM_HEAD buffers
+        self._head_ids: tuple[int, ...] = ()  # the buffers `_head` views
         self._seqs: dict[int, int] = {}  # client seq id → drafter seq id
         self._in_step = False  # inside step(): row reads are waited on once, after the batched block
         self._handles: dict[int, int] = {}  # carried-KV handle this client owns → rows it holds
@@ -207,6 +211,7 @@ class Session:
             )
         embed = self._head_view(embeds[0])
         lm_head = self._head_view(lm_heads[0]) if lm_heads else embed
+        self._head_ids = tuple(d.buffer_id for d in embeds + lm_heads)
         return TargetHead(embed, lm_head)
 
     def _head_view(self, descriptor: BufferDescriptor) -> torch.Tensor:
@@ -216,11 +221,18 @@ class Session:
                 f"buffer {descriptor.buffer_id} ({descriptor.role.value}) is [{descriptor.rows}, {descriptor.cols}], "
                 f"the drafter needs [{spec.vocab_size}, {spec.hidden_size}]"
             )
-        # A view on the drafter's GPU (CUDA IPC) is used in place; shared-memory rows arrive as a copy (the
-        # importer never maps a client's file), moved to a GPU drafter once.
-        return self.importer.whole(descriptor.buffer_id).to(self.device)
+        # A view on the drafter's GPU (CUDA IPC) is used in place, read once the target's writes are seen
+        # done (`_bind_head`); shared-memory rows arrive as a copy (the importer never maps a client's
+        # file), moved to a GPU drafter once.
+        whole = self.importer.whole(descriptor.buffer_id)
+        if whole.device != self.device and whole.device.type == "cuda":  # copied now: its writes first
+            self.importer.await_written([descriptor.buffer_id], self.limits.writes_wait_seconds)
+        return whole.to(self.device)
 
     def _bind_head(self) -> None:
+        if self._head is not None:
+            for buffer_id in self._head_ids:  # WritesPending unless the target's writes were seen done
+                self.importer.check_written(buffer_id)
         head = self._head or self._default_head
         if head is None:
             raise StateConflict(
@@ -231,6 +243,14 @@ class Session:
         self.proposer.head = head
 
     # ---- rows ----------------------------------------------------------------------------------
+
+    def await_writes(self, buffer_ids: Iterable[int], *, head: bool = False) -> None:
+        """Poll until the target's writes into these buffers (and its head's, with `head`) are done, for at
+        most `limits.writes_wait_seconds` (WritesPending past it). The server calls it outside the drafter
+        lock, before a call that reads them: a target whose GPU work never ends stalls only itself."""
+        ids = list(buffer_ids) + (list(self._head_ids) if head else [])
+        if ids:
+            self.importer.await_written(ids, self.limits.writes_wait_seconds)
 
     def _rows(self, source: RowSource) -> torch.Tensor:
         started = time.perf_counter()
@@ -557,6 +577,16 @@ class Session:
         self._head = None
         self._finish_reads()  # no queued read or write of a mapping outlives it
         self.importer.close()
+
+
+def buffers_read(seqs: Iterable[SeqStep], verified: VerifiedColumns | None = None) -> set[int]:
+    """The registered buffers whose rows these operations read (inline rows read none)."""
+    ids = {verified.buffer_id} if verified is not None else set()
+    for step in seqs:
+        for source in (step.stash, step.catchup.rows if step.catchup is not None else None):
+            if isinstance(source, RowRef):
+                ids.add(source.buffer_id)
+    return ids
 
 
 def _batched_appends(proposer: Proposer) -> AbstractContextManager:

@@ -58,3 +58,9 @@ class Unauthenticated(SpecsplitError):
     """The call carried no valid auth token (shared.security)."""
 
     grpc_code = "UNAUTHENTICATED"
+
+
+class WritesPending(SpecsplitError):
+    """A peer's GPU writes into a shared buffer (its CUDA IPC event) were not done within the wait allowed."""
+
+    grpc_code = "DEADLINE_EXCEEDED"

@@ -13,9 +13,13 @@ Terms:
 
 CUDA buffers are plain cudaMalloc allocations made through cupy (IPC handles name whole
 allocations, which torch's caching allocator does not guarantee), with an interprocess event the
-owner records after writing; the importer's stream waits on it before reading. cupy is imported
-only on CUDA paths. The importer must finish reading a step's rows before it answers the step: the
-owner reuses the slots once it has the answer.
+owner records after writing. The importer reads a generation only once its host has seen that event
+complete (`BufferImporter.await_written`, polled with a deadline, outside any lock that other peers'
+calls need): a stream never waits on a peer's event, since a peer that records it behind GPU work
+that never ends would stall that stream, and with it everyone the stream serves. The DRAFTS buffer's
+event goes the other way (the importer records, the owner's host polls it: `RowBuffer.await_importer`).
+cupy is imported only on CUDA paths. The importer must finish reading a step's rows before it
+answers the step: the owner reuses the slots once it has the answer.
 
 The importer (the drafter) treats every descriptor as a stranger's (issue 9):
 - It never maps a client's segment. The owner can shrink its file at any time, and a read of a mapping
@@ -52,13 +56,14 @@ import socket
 import stat
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from specsplit.shared.errors import AlreadyExists, InvalidRequest, StateConflict
+from specsplit.shared.errors import AlreadyExists, InvalidRequest, StateConflict, WritesPending
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # of rows
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4}  # the header's dtype word
@@ -481,6 +486,35 @@ def _cuda_view(array, device_index: int, descriptor: BufferDescriptor) -> torch.
     return flat.view(descriptor.dtype).view(descriptor.rows, descriptor.cols)
 
 
+_CUDA_ERROR_NOT_READY = 600
+
+
+def _event_done(cp, ptr: int) -> bool:
+    """cudaEventQuery from the host: whether the work the event's last record follows is done (true for
+    an event never recorded). Never blocks."""
+    try:
+        return cp.cuda.runtime.eventQuery(ptr) == 0
+    except cp.cuda.runtime.CUDARuntimeError as err:
+        if getattr(err, "status", None) == _CUDA_ERROR_NOT_READY:
+            return False
+        raise
+
+
+def poll_until(done: Callable[[], bool], timeout: float) -> bool:
+    """Poll `done` from the host until it is true (True) or `timeout` seconds pass (False): yielding
+    the GIL at first (the usual wait is microseconds), then sleeping in steps of at most 0.5 ms."""
+    if done():
+        return True
+    deadline = time.monotonic() + timeout
+    spins = 0
+    while time.monotonic() < deadline:
+        spins += 1
+        time.sleep(0 if spins < 200 else min(5e-4, max(0.0, deadline - time.monotonic())))
+        if done():
+            return True
+    return done()
+
+
 class _CudaExport:
     """The owner's allocation and write event (cupy objects; freed when the last view dies)."""
 
@@ -501,11 +535,11 @@ class _CudaExport:
         with cp.cuda.Device(self.device_index):
             cp.cuda.runtime.eventRecord(self.event.ptr, stream.cuda_stream)
 
-    def wait(self, stream: torch.cuda.Stream | None) -> None:
+    def done(self) -> bool:
+        """Whether the work before the event's last record (ours, or a DRAFTS importer's) is done."""
         cp = _cupy()
-        stream = stream or torch.cuda.current_stream(self.device_index)
         with cp.cuda.Device(self.device_index):
-            cp.cuda.runtime.streamWaitEvent(stream.cuda_stream, self.event.ptr, 0)
+            return _event_done(cp, self.event.ptr)
 
 
 AllocationRange = Callable[[int], tuple[int, int]]  # device pointer → (base, size) of its allocation
@@ -576,12 +610,11 @@ class _IpcEvent:
         with cp.cuda.Device(device_index):
             self.ptr = cp.cuda.runtime.ipcOpenEventHandle(event_handle)
 
-    def wait(self) -> None:
-        """Make the current torch stream wait until the owner's recorded writes are done."""
+    def done(self) -> bool:
+        """Whether the owner's writes before its last record are done (a host query; never blocks)."""
         cp = _cupy()
-        stream = torch.cuda.current_stream(self.device_index)
         with cp.cuda.Device(self.device_index):
-            cp.cuda.runtime.streamWaitEvent(stream.cuda_stream, self.ptr, 0)
+            return _event_done(cp, self.ptr)
 
     def record(self) -> None:
         """Record the event on the current torch stream (a DRAFTS buffer: our writes, for the owner to wait on)."""
@@ -672,15 +705,16 @@ class RowBuffer:
             self._cuda.record(stream)
         self._recorded = True
 
-    def wait_for_importer(self, stream: torch.cuda.Stream | None = None) -> None:
-        """A DRAFTS buffer: make `stream` (default: current) wait for the importer's last record of the
-        event, i.e. for its writes into the buffer and the work it queued before them. A peer that never
-        recorded leaves the wait a no-op: its drafts are then whatever the buffer holds (the reader checks
-        them), never a hang."""
+    def await_importer(self, timeout: float) -> bool:
+        """A DRAFTS buffer: poll from the host, for at most `timeout` seconds, until the importer's last
+        record of the event is done, i.e. its writes into the buffer and the work it queued before them.
+        False: not done in time (the caller gives the peer up; no stream of ours ever waits on its event).
+        A peer that never recorded finds it done at once: its drafts are then whatever the buffer holds
+        (the reader bounds them), never a hang."""
         self._check_live()
         if self.descriptor.role is not BufferRole.DRAFTS or self._cuda is None:
             raise StateConflict(f"buffer {self.buffer_id}: only a CUDA drafts buffer is written by its importer")
-        self._cuda.wait(stream)
+        return poll_until(self._cuda.done, timeout)
 
     def ref(self, row_offset: int, rows: int) -> RowRef:
         """A reference to tensor[row_offset : row_offset + rows] in the current generation."""
@@ -838,16 +872,27 @@ class _Imported:
     segment: _Segment  # SHM: header + rows; CUDA_IPC: the header alone
     tensor: torch.Tensor | None = None  # CUDA_IPC: [rows, cols] view of the owner's device memory
     event: _IpcEvent | None = None  # CUDA_IPC: the owner's write event
-    waited: tuple[int, int] | None = None  # (generation, stream) the last wait on `event` covered
+    written: int | None = None  # the last generation whose writes the host saw done
 
-    def order_after_writes(self, generation: int) -> None:
-        """Make the current stream wait for the owner's writes of `generation`, once per generation and
-        stream: the owner records once per generation (bump, write, record), so a step that resolves many
-        references into one buffer needs one wait, not one per sequence."""
-        stream = torch.cuda.current_stream(self.event.device_index).cuda_stream
-        if self.waited != (generation, stream):
-            self.event.wait()
-            self.waited = (generation, stream)
+    def check_written(self, generation: int) -> None:
+        """Refuse to read `generation` before the host has seen the owner's writes of it done (one event
+        query per generation: the owner records once per generation, bump → write → record). Never
+        waits: the caller awaited them (`BufferImporter.await_written`) where waiting blocks nobody else."""
+        if self.written != generation:
+            if not self.event.done():
+                raise WritesPending(f"buffer {self.descriptor.buffer_id}: the owner's writes of generation "
+                                    f"{generation} are not done")
+            self.written = generation
+
+    def await_written(self, timeout: float) -> None:
+        """Poll for the owner's writes of the current generation for at most `timeout` seconds."""
+        generation = self.segment.generation()
+        if self.written == generation:
+            return
+        if not poll_until(self.event.done, timeout):
+            raise WritesPending(f"buffer {self.descriptor.buffer_id}: the owner's writes of generation {generation} "
+                                f"were not done within {timeout:.3g} s")
+        self.written = generation
 
 
 class BufferImporter:
@@ -943,8 +988,20 @@ class BufferImporter:
             )
         if imported.tensor is None:
             return imported.segment.read_rows(described, source.row_offset, source.rows)
-        imported.order_after_writes(current)
+        imported.check_written(current)
         return imported.tensor[source.row_offset : source.row_offset + source.rows]
+
+    def await_written(self, buffer_ids: Iterable[int], timeout: float) -> None:
+        """Poll, from the host and for at most `timeout` seconds in all, until the owner's writes of the
+        current generation of each of `buffer_ids` that is a registered CUDA buffer are done; then `resolve`
+        reads them. Call it outside any lock other peers' calls need: this is the only wait on a peer's
+        GPU work. Ids not registered (or not CUDA) are skipped: `resolve` refuses or copies them."""
+        deadline = time.monotonic() + timeout
+        for buffer_id in set(buffer_ids):
+            with self._lock:
+                imported = self._buffers.get(buffer_id)
+            if imported is not None and imported.event is not None:
+                imported.await_written(max(0.0, deadline - time.monotonic()))
 
     def drafts_target(self, buffer_id: int) -> tuple[torch.Tensor, _IpcEvent]:
         """A registered DRAFTS buffer: its [rows, cols] int32 device view, and the event to record after
@@ -955,12 +1012,19 @@ class BufferImporter:
         return imported.tensor, imported.event
 
     def whole(self, buffer_id: int) -> torch.Tensor:
-        """The full [rows, cols] buffer written once (embedding, LM head): a copy (SHM) or a view (CUDA IPC)."""
+        """The full [rows, cols] buffer written once (embedding, LM head): a copy (SHM) or a view (CUDA IPC).
+        A CUDA view may be read only after `check_written(buffer_id)` (or `await_written`) passes."""
         imported = self._get(buffer_id)
         if imported.tensor is None:
             return imported.segment.read_rows(imported.descriptor, 0, imported.descriptor.rows)
-        imported.order_after_writes(imported.segment.generation())
         return imported.tensor
+
+    def check_written(self, buffer_id: int) -> None:
+        """WritesPending unless the host has seen the owner's writes of a CUDA buffer's current generation
+        done (no wait; SHM buffers pass)."""
+        imported = self._get(buffer_id)
+        if imported.event is not None:
+            imported.check_written(imported.segment.generation())
 
     def release(self, buffer_ids: Iterable[int]) -> None:
         """Forget buffers; a segment closes once no read in flight holds it, CUDA views stay valid until dropped."""

@@ -248,7 +248,7 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
                            max_sessions=args.max_sessions,
                            idle_seconds=args.session_idle_seconds, max_sequences=args.max_sequences,
                            max_rows=args.max_rows, max_buffer_mib=args.max_buffer_mib,
-                           max_message_mib=args.max_message_mib)
+                           max_message_mib=args.max_message_mib, writes_wait_seconds=args.writes_wait_seconds)
     server_obj, server = start_drafter(DrafterSettings(tuple(args.listen), setup_from(args, args.drafter),
                                                        head=args.head, limits=limits,
                                                        security=server_security(args),
@@ -383,6 +383,10 @@ def add_service_parsers(sub) -> None:
     ds.add_argument("--reclaim-stream-seconds", type=float, default=10.0,
                     help="when --max-targets are connected, a Step stream that carried no work for this long "
                          "gives its slot to a newcomer (an idle stream cannot lock a target out)")
+    ds.add_argument("--writes-wait-seconds", type=float, default=10.0,
+                    help="how long a call waits for a target's GPU writes into its CUDA IPC buffers to be done "
+                         "(polled outside the drafter lock; past it the target's Step stream ends "
+                         "DEADLINE_EXCEEDED and it re-attaches)")
     ds.add_argument("--max-sessions", type=int, default=8,
                     help="connections without a Step stream held at once (a target holds one while it attaches; "
                          "one-off callers); past it the least recently used is freed")

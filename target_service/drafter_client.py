@@ -811,8 +811,14 @@ class RemoteProposer:
                 self._disconnect()
                 raise DrafterUnavailable("the drafter answered drafts in a buffer the step did not offer")
             # Everything we queue from now on (the verify reading the drafts, the next rows written into
-            # the buffers the drafter read this step) comes after the drafter's work for this step.
-            conn.drafts.wait_for_importer()
+            # the buffers the drafter read this step) comes after the drafter's work for this step: the
+            # host sees it done first. No stream of ours waits on the drafter's event (a drafter whose
+            # queued work never ends would stall it); one that is not done within the step's deadline
+            # is given up on.
+            if not conn.drafts.await_importer(timeout):
+                self._disconnect()
+                raise DrafterUnavailable(f"the drafter's writes into the drafts buffer were not done within "
+                                         f"{timeout:.1f} s")
         seconds = time.perf_counter() - conn.sent_at
         self.link.answer_seconds.append(seconds)
         if timed:  # round trips the step waited for (send_pending's and prefetch's overlap other work)

@@ -901,3 +901,65 @@ def test_a_remote_proposer_does_not_carry_its_connection_over_to_a_restarted_dra
         proposer.close()
         server.stop(None)
         server_obj.close()
+
+
+class _Gate:
+    """Stands in for a target's CUDA IPC write event: done once opened."""
+
+    def __init__(self) -> None:
+        self.open, self.queries = False, 0
+
+    def done(self) -> bool:
+        self.queries += 1
+        return self.open
+
+
+@pytest.mark.parametrize("finish", [True, False], ids=["writes-done-late", "writes-never-done"])
+def test_a_target_whose_gpu_writes_are_pending_waits_alone(env, finish):
+    """A Step whose rows lie in a CUDA buffer the target has not finished writing (its IPC event; here a
+    gate stands for it) waits for them outside the drafter lock: another target's Steps are answered
+    meanwhile. Done late, the waiting Step is answered as usual; never done, its stream alone ends with
+    DEADLINE_EXCEEDED after --writes-wait-seconds, its session is freed, and the other target goes on."""
+    _, server, channel = env.start(writes_wait_seconds=10.0 if finish else 0.5)
+    a, b = Client(channel, "target-a", env.exporter), Client(channel, "target-b", env.exporter)
+    for seed, client in enumerate((a, b)):
+        alloc_prefill(client, make_drafter(), 0, [3, 14, 15], seed=seed)
+        client.open()
+    imported = server._sessions["target-a"].importer._buffers[a.buffer.buffer_id]
+    gate = _Gate()
+    imported.tensor, imported.event = a.buffer.tensor, gate  # read as a CUDA view behind its event
+
+    def verify_step(client: Client, step_id: int) -> wire.StepBatch:
+        client.new_generation()
+        stash = client.shm(rows(GAMMA, 40 + step_id))
+        pos = 3 + 2 * (step_id - 1)
+        return wire.StepBatch(step_id, (wire.SeqStep(0, stash=stash, commit=wire.CommitOp(2, pos, (7, 8)), trim=1),),
+                              (ProposeRequest(0, 8, pos + 2, GAMMA - 1),))
+
+    done = threading.Event()
+    answer: dict = {}
+
+    def step_a() -> None:
+        try:
+            answer["result"] = a.step(verify_step(a, 1))
+        except grpc.RpcError as err:
+            answer["error"] = err
+        done.set()
+
+    threading.Thread(target=step_a, daemon=True).start()
+    wait_until(lambda: gate.queries > 3)  # A's Step is polling its event
+    for step_id in (1, 2):  # B is served while A waits
+        result = b.step(verify_step(b, step_id))
+        assert not result.errors and result.proposals
+    assert not done.is_set()
+    if finish:
+        gate.open = True
+        assert done.wait(10) and "result" in answer
+        assert not answer["result"].errors and answer["result"].proposals
+    else:
+        assert done.wait(10) and "error" in answer
+        assert answer["error"].code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "not done within 0.5 s" in answer["error"].details()
+        wait_until(lambda: "target-a" not in server._sessions)
+        result = b.step(verify_step(b, 3))
+        assert not result.errors and result.proposals

@@ -34,13 +34,30 @@ def test_cuda_ipc_split_equals_in_process(kind, specsplit_factory):
     assert "cuda_ipc" in services.log("target")
 
 
-def _drafter_main(address: str, hostile: bool, conn) -> None:
-    """A DFlash drafter service; `hostile`: its drafts in the target's buffer are replaced by ids outside
-    the vocabulary (negative and huge), written after the real ones and recorded again."""
+STALL_CYCLES = 120_000_000_000  # a GPU sleep of about a minute on an H200
+
+
+def _drafter_main(address: str, mode: str, conn) -> None:
+    """A DFlash drafter service. mode "out-of-vocabulary": its drafts in the target's buffer are replaced by
+    ids outside the vocabulary (negative and huge), written after the real ones and recorded again;
+    "stalling": the first time, it records the drafts buffer's event behind a GPU sleep of a minute."""
     from specsplit.drafter_service.session import Session
     from specsplit.services import DrafterSettings, start_drafter
 
-    if hostile:
+    if mode == "stalling":
+        honest = Session.propose_into
+        stalled = []
+
+        def propose_into(self, requests, buffer_id):
+            written = honest(self, requests, buffer_id)
+            if written and not stalled:
+                stalled.append(buffer_id)
+                torch.cuda._sleep(STALL_CYCLES)
+                self.importer.drafts_target(buffer_id)[1].record()
+            return written
+
+        Session.propose_into = propose_into
+    if mode == "out-of-vocabulary":
         honest = Session.propose_into
 
         def propose_into(self, requests, buffer_id):
@@ -64,8 +81,8 @@ def _drafter_main(address: str, hostile: bool, conn) -> None:
     server_obj.close()
 
 
-@pytest.mark.parametrize("hostile", [False, True], ids=["honest", "out-of-vocabulary"])
-def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_path, hostile):
+@pytest.mark.parametrize("mode", ["honest", "out-of-vocabulary"])
+def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_path, mode):
     """On one GPU the drafter writes its drafts into the target's drafts buffer and the verify reads them
     there (no host read-back on either side): output equals target-only, and the drafts did come that
     way. A drafter writing ids outside the vocabulary changes no token and crashes nothing: the target
@@ -82,7 +99,7 @@ def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_pa
     address = f"unix:{tmp_path}/drafter.sock"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_drafter_main, args=(address, hostile, child), daemon=True)
+    process = ctx.Process(target=_drafter_main, args=(address, mode, child), daemon=True)
     process.start()
     try:
         assert parent.poll(300) and parent.recv() == "ready"
@@ -99,7 +116,7 @@ def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_pa
         assert tokens == local_tokens("none")
         assert remote.link.drafts_on_device > 0 and engine.drafter_ok
         stats = [events[str(i)][-1].stats for i in range(len(PROMPTS))]
-        if not hostile:
+        if mode == "honest":
             assert sum(s.accepted for s in stats) > 0
         remote.close()
     finally:
@@ -107,3 +124,49 @@ def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_pa
         process.join(30)
         if process.is_alive():
             process.kill()
+
+
+def test_a_drafter_whose_drafts_never_land_is_given_up_without_stalling_the_target(tmp_path, monkeypatch):
+    """A drafter that records the drafts buffer's event behind GPU work of a minute: the target's host
+    polls that event and gives the drafter up at the step's deadline (its stream never waits on the
+    event), then goes on target-only. Output equals target-only, and the generation ends while the
+    drafter's queued work is still running."""
+    import multiprocessing as mp
+
+    from specsplit.local import target_dir
+    from specsplit.shared.serving import wait_healthy
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.shared.transport import RowBuffer
+    from specsplit.target_service.drafter_client import RemoteProposer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.model import load_target
+
+    want = local_tokens("none")  # before the drafter's minute of GPU sleep starts
+    polled = []
+    await_importer = RowBuffer.await_importer
+    monkeypatch.setattr(RowBuffer, "await_importer",
+                        lambda self, timeout: polled.append(self) or await_importer(self, timeout))
+    address = f"unix:{tmp_path}/drafter.sock"
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_drafter_main, args=(address, "stalling", child), daemon=True)
+    process.start()
+    try:
+        assert parent.poll(300) and parent.recv() == "ready"
+        wait_healthy(address, 60)
+        folder = target_dir("default")
+        model = load_target(folder, dtype=torch.float32, device="cuda")
+        tokenizer = Tokenizer.from_dir(folder)
+        remote = RemoteProposer(address, device="cuda", dtype=torch.float32, timeout=3.0,
+                                head=(model.embed_weight, model.lm_head_weight), max_batch=4)
+        engine = Engine(model, remote, EngineConfig(max_batch=4))
+        reqs = [Request(str(i), tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
+        events = engine.generate(reqs)
+        tokens = [[t for e in events[str(i)] for t in e.token_ids] for i in range(len(PROMPTS))]
+        assert tokens == want
+        # the stalled drafts buffer's event is still pending: nothing of ours waited for it
+        assert polled and not polled[0]._cuda.done()
+        remote.close()
+    finally:
+        process.kill()
+        process.join(30)

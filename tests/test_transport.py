@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specsplit.shared import transport
-from specsplit.shared.errors import AlreadyExists, InvalidRequest, StateConflict
+from specsplit.shared.errors import AlreadyExists, InvalidRequest, StateConflict, WritesPending
 from specsplit.shared.transport import (
     SHM_DIR,
     SHM_PREFIX,
@@ -61,21 +61,21 @@ def _exporter_main(conn, device: str) -> None:
             buffer.record()
             conn.send((buffer.describe(), buffer.ref(0, rows)))
         elif command == "bump":
-            (buffer_id,) = args
+            buffer_id, *cycles = args
             buffer = exporter.get(buffer_id)
             buffer.bump()
-            if device != "cpu":
-                torch.cuda._sleep(200_000_000)  # ~0.1 s: the write lands well after the ref is sent
+            if device != "cpu":  # default ~0.1 s: the write lands well after the ref is sent
+                torch.cuda._sleep(cycles[0] if cycles else 200_000_000)
             rows, cols = buffer.tensor.shape
             buffer.tensor.copy_(_pattern(rows, cols, buffer.generation, buffer.tensor.dtype, device))
             buffer.record()
             conn.send(buffer.ref(1, rows - 1))
         elif command == "write_drafts":  # the importer's side of a DRAFTS buffer: write, then record
-            descriptor, values = args
+            descriptor, values, *cycles = args
             importer = BufferImporter()
             importer.register([descriptor])
             view, event = importer.drafts_target(descriptor.buffer_id)
-            torch.cuda._sleep(200_000_000)  # ~0.1 s: the write lands well after the answer is sent
+            torch.cuda._sleep(cycles[0] if cycles else 200_000_000)  # ~0.1 s: lands well after the answer
             view.copy_(torch.tensor(values, dtype=torch.int32, device=device))
             event.record()
             conn.send("written")  # the parent reads after waiting on the event, not on us
@@ -462,14 +462,22 @@ def test_cuda_ipc_rows_cross_processes(gpu_child, dtype):
 
 
 @pytest.mark.gpu
-def test_cuda_ipc_reader_waits_for_the_owners_event_and_checks_generation(gpu_child):
+def test_cuda_ipc_reader_reads_only_once_its_host_saw_the_owners_writes_done(gpu_child):
+    """The owner's write of a new generation sleeps on its GPU (~1 s): the importer refuses to read it
+    (WritesPending, no wait), a short await gives up, a long one sees it done, and then the rows read are
+    the new generation's. Stale references are refused as ever."""
     descriptor, old = gpu_child.ask("create", 1024, 256, torch.float32)
     with BufferImporter() as importer:
         importer.register([descriptor])
-        new = gpu_child.ask("bump", descriptor.buffer_id)  # the owner's write is still sleeping on the GPU
+        new = gpu_child.ask("bump", descriptor.buffer_id, 2_000_000_000)  # still sleeping on the GPU
         with pytest.raises(StateConflict):
             importer.resolve(old)
-        copy = importer.resolve(new).clone()  # ordered after the owner's event on our stream
+        with pytest.raises(WritesPending, match="not done"):
+            importer.resolve(new)
+        with pytest.raises(WritesPending, match="within 0.05 s"):
+            importer.await_written([descriptor.buffer_id], 0.05)
+        importer.await_written([descriptor.buffer_id, 12345], 60)  # unknown ids are skipped
+        copy = importer.resolve(new).clone()
         torch.testing.assert_close(copy, _pattern(1024, 256, 2, device="cuda")[1:], rtol=0, atol=0)
         with pytest.raises(InvalidRequest):
             importer.resolve(RowRef(descriptor.buffer_id, 1000, 25, new.generation))
@@ -489,19 +497,20 @@ def test_cuda_ipc_refuses_an_invisible_gpu(gpu_child):
 
 @pytest.mark.gpu
 def test_cuda_drafts_buffer_is_written_by_its_importer_and_ordered_by_its_event(gpu_child):
-    """The owner's stream waits on the DRAFTS buffer's event, which the importer records after its
-    (deliberately late) writes: the owner reads them, without a host wait on the importer."""
+    """The importer records the DRAFTS buffer's event after its (deliberately late, ~1 s) writes; the
+    owner's host polls it: a short await gives up (False, no stream of ours waited), a long one sees
+    the writes done, and the owner then reads them."""
     _need_cuda_ipc()
     with BufferExporter() as exporter:
         drafts = exporter.create(4, 6, torch.int32, "cuda", BufferRole.DRAFTS)
         values = (torch.arange(24).view(4, 6) * 7 + 3).tolist()
-        assert gpu_child.ask("write_drafts", drafts.describe(), values) == "written"
-        drafts.wait_for_importer()
-        seen = drafts.tensor.clone()  # queued after the wait on our stream
-        assert seen.tolist() == values
+        assert gpu_child.ask("write_drafts", drafts.describe(), values, 2_000_000_000) == "written"
+        assert not drafts.await_importer(0.05)
+        assert drafts.await_importer(60)
+        assert drafts.tensor.clone().tolist() == values
         assert gpu_child.ask("done") == "closed"
         with pytest.raises(StateConflict, match="drafts buffer"):
-            exporter.create(2, 2, torch.float32, "cuda").wait_for_importer()
+            exporter.create(2, 2, torch.float32, "cuda").await_importer(1)
 
 
 def test_a_drafts_buffer_is_int32_cuda_memory_and_never_rows():
@@ -527,6 +536,65 @@ def test_a_drafts_buffer_is_int32_cuda_memory_and_never_rows():
             with pytest.raises(InvalidRequest, match="drafts"):
                 exporter.create(2, 2, dtype, "cpu", role)
     assert _segments() == before
+
+
+class _Gate:
+    """Stands for a peer's CUDA IPC event: done once opened (or after `opens_after` queries)."""
+
+    def __init__(self, opens_after: int | None = None) -> None:
+        self.open, self.queries, self.opens_after = False, 0, opens_after
+
+    def done(self) -> bool:
+        self.queries += 1
+        return self.open or (self.opens_after is not None and self.queries > self.opens_after)
+
+
+class _Segment:
+    def __init__(self, generation: int) -> None:
+        self.gen = generation
+
+    def generation(self) -> int:
+        return self.gen
+
+
+def _gated_importer(gate: _Gate, generation: int = 3) -> tuple[BufferImporter, RowRef]:
+    """An importer holding one 'CUDA' buffer (a CPU tensor behind a gate standing for its event)."""
+    importer = BufferImporter()
+    descriptor = BufferDescriptor(5, BufferKind.CUDA_IPC, "specsplit-1-0123456789abcdef", torch.float32, 4, 4,
+                                  importer.host_id, device_uuid="GPU-1", mem_handle=bytes(64), event_handle=bytes(64))
+    importer._buffers[5] = transport._Imported(descriptor, segment=_Segment(generation),
+                                               tensor=torch.arange(16.0).view(4, 4), event=gate)
+    return importer, RowRef(5, 1, 2, generation)
+
+
+def test_rows_behind_a_pending_event_are_refused_until_the_host_sees_it_done():
+    """A peer's CUDA rows are read only once an event query said its writes are done: resolve never
+    waits (WritesPending), await_written polls with a deadline, and a generation seen done is not
+    queried again."""
+    gate = _Gate()
+    importer, ref = _gated_importer(gate)
+    with pytest.raises(WritesPending, match="generation 3 are not done"):
+        importer.resolve(ref, cols=4)
+    with pytest.raises(WritesPending, match="within 0.05 s"):
+        importer.await_written([5], 0.05)
+    assert gate.queries > 2  # it polled
+    gate.open = True
+    importer.await_written([5, 6], 1.0)  # 6: not registered, skipped
+    queries = gate.queries
+    assert importer.resolve(ref, cols=4).tolist() == [[4.0, 5, 6, 7], [8, 9, 10, 11]]
+    importer.check_written(5)
+    assert gate.queries == queries  # generation 3 was seen done once
+    gate.open = False  # the owner's next generation: asked again
+    importer._buffers[5].segment.gen = 4
+    with pytest.raises(WritesPending):
+        importer.resolve(RowRef(5, 0, 1, 4), cols=4)
+
+
+def test_polling_gives_up_at_its_deadline_and_sees_a_late_completion():
+    assert transport.poll_until(lambda: True, 0.0)
+    assert not transport.poll_until(lambda: False, 0.05)
+    gate = _Gate(opens_after=300)  # past the yielding spins: done while sleeping between queries
+    assert transport.poll_until(gate.done, 5.0) and gate.queries == 301
 
 
 def test_a_drafts_buffer_is_never_read_as_rows(monkeypatch):
