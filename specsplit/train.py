@@ -8,7 +8,7 @@ hidden rows (its next-token distribution, for distillation), building a pool on 
 epochs over the pool, each batch with fresh random anchors, loss = ce_weight·CE on the target's
 tokens + kl_weight·KL(target ‖ drafter) at temperature 1, AdamW with warmup and a cosine decay over
 the whole training time, bf16 autocast on CUDA over float32 master weights, gradients clipped; (3)
-the drafter is saved in bfloat16 in the loader's format, in shards of at most 25 MiB.
+the drafter is saved in bfloat16 in the loader's format, in shards of at most 16 MiB.
 
 Terms: γ is the DFlash block size; an anchor is the committed token a block starts from (inference
 calls it the bonus token); the loss weight of a block's draft k is exp(-(k-1)/w) (w = `loss_decay`).
@@ -37,7 +37,7 @@ from specsplit.shared.errors import InvalidRequest
 from specsplit.target_service.dense import DenseDecoder, Generated, generate
 from specsplit.target_service.model import CaptureSpec, TargetModel
 
-MAX_FILE_BYTES = 25 * 1024 * 1024
+MAX_FILE_BYTES = 16 * 1024 * 1024  # what one file back from the GPU host may weigh (its device tool)
 Log = Callable[[str], None]
 
 
@@ -567,13 +567,13 @@ def _epochs(size: int, batch: int, seed: int):
 
 
 def save_drafter(model: DrafterModel, out: str | Path) -> Path:
-    """The drafter in bfloat16, in the folder format `load_drafter` reads, in shards when over 25 MiB."""
+    """The drafter in bfloat16, in the folder format `load_drafter` reads, in shards when over 16 MiB."""
     half = copy.deepcopy(model).to(torch.bfloat16)
     save = save_dflash if isinstance(half, DFlashModel) else save_mtp
     folder = save(out, half, max_file_bytes=MAX_FILE_BYTES - 2**20)  # room for each file's header
     too_big = [f.name for f in folder.glob("*.safetensors") if f.stat().st_size > MAX_FILE_BYTES]
     if too_big:
-        raise InvalidRequest(f"{folder}: {too_big[0]} is over the 25 MiB a weights file may hold")
+        raise InvalidRequest(f"{folder}: {too_big[0]} is over the 16 MiB a weights file may hold")
     return folder
 
 

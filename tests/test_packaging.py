@@ -33,8 +33,8 @@ def test_the_wheel_installs_only_the_specsplit_namespace(wheel):
         assert not any(n.startswith(generic + "/") for n in names)
         assert any(n.startswith(f"specsplit/{generic}/") for n in names)
     for data in ("specsplit/protos/v1/drafter.proto", "specsplit/protos/v1/drafter_pb2.pyi",
-                 "specsplit/drafter_service/checkpoints/smollm2-135m-dflash/model-00001-of-00002.safetensors",
-                 "specsplit/drafter_service/checkpoints/smollm2-135m-dflash/model-00002-of-00002.safetensors",
+                 *(f"specsplit/drafter_service/checkpoints/smollm2-135m-dflash/model-0000{i}-of-00003.safetensors"
+                   for i in (1, 2, 3)),
                  "specsplit/drafter_service/checkpoints/smollm2-135m-dflash/model.safetensors.index.json",
                  "specsplit/drafter_service/checkpoints/smollm2-135m-mtp/model.safetensors",
                  "specsplit/data/heldout_prompts.jsonl"):

@@ -75,8 +75,9 @@ def _exporter_main(conn, device: str) -> None:
             importer = BufferImporter()
             importer.register([descriptor])
             view, event = importer.drafts_target(descriptor.buffer_id)
+            drafts = torch.tensor(values, dtype=torch.int32, device=device)  # (a host copy waits for the stream)
             torch.cuda._sleep(cycles[0] if cycles else 200_000_000)  # ~0.1 s: lands well after the answer
-            view.copy_(torch.tensor(values, dtype=torch.int32, device=device))
+            view.copy_(drafts)
             event.record()
             conn.send("written")  # the parent reads after waiting on the event, not on us
             conn.recv()  # keep the mapping until the parent has read
