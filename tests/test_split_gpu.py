@@ -37,7 +37,7 @@ def test_cuda_ipc_split_equals_in_process(kind, specsplit_factory):
 STALL_CYCLES = 120_000_000_000  # a GPU sleep of about a minute on an H200
 
 
-def _drafter_main(address: str, mode: str, conn) -> None:
+def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> None:
     """A DFlash drafter service. mode "out-of-vocabulary": its drafts in the target's buffer are replaced by
     ids outside the vocabulary (negative and huge), written after the real ones and recorded again;
     "stalling": the first time, it records the drafts buffer's event behind a GPU sleep of a minute."""
@@ -70,8 +70,11 @@ def _drafter_main(address: str, mode: str, conn) -> None:
             return written
 
         Session.propose_into = propose_into
+    from specsplit.drafter_service.limits import DrafterLimits
+
     server_obj, server = start_drafter(DrafterSettings((address,), LocalSetup(drafter="dflash", device="cuda",
-                                                                               dtype="float32", seed=0)))
+                                                                               dtype="float32", seed=0),
+                                                       limits=DrafterLimits(writes_wait_seconds=writes_wait)))
     conn.send("ready")
     try:
         conn.recv()
@@ -170,3 +173,78 @@ def test_a_drafter_whose_drafts_never_land_is_given_up_without_stalling_the_targ
     finally:
         process.kill()
         process.join(30)
+
+
+def test_a_target_whose_rows_never_land_stalls_only_itself(tmp_path):
+    """Two targets share one drafter. One records its step buffer's event behind GPU work of ~20 s (a
+    sleep on a side stream): the drafter polls that event outside its lock, so the other target's Steps
+    are served meanwhile and its generation ends, with drafts, while the stalled work still runs; the
+    stalled target's Step ends after --writes-wait-seconds (it goes on target-only and re-attaches).
+    Both outputs equal target-only."""
+    import multiprocessing as mp
+    import threading
+
+    from specsplit.local import target_dir
+    from specsplit.shared.serving import wait_healthy
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.drafter_client import RemoteProposer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.model import load_target
+
+    want = local_tokens("none")
+    address = f"unix:{tmp_path}/drafter.sock"
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_drafter_main, args=(address, "honest", child, 8.0), daemon=True)
+    process.start()
+    try:
+        assert parent.poll(300) and parent.recv() == "ready"
+        wait_healthy(address, 60)
+        folder = target_dir("default")
+        model = load_target(folder, dtype=torch.float32, device="cuda")
+        tokenizer = Tokenizer.from_dir(folder)
+
+        def engine() -> tuple[Engine, RemoteProposer]:
+            remote = RemoteProposer(address, device="cuda", dtype=torch.float32, timeout=30.0,
+                                    head=(model.embed_weight, model.lm_head_weight), max_batch=4)
+            return Engine(model, remote, EngineConfig(max_batch=4)), remote
+
+        def run(e: Engine) -> tuple[list[list[int]], list]:
+            reqs = [Request(str(i), tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
+            events = e.generate(reqs)
+            return ([[t for ev in events[str(i)] for t in ev.token_ids] for i in range(len(PROMPTS))],
+                    [events[str(i)][-1].stats for i in range(len(PROMPTS))])
+
+        (good, good_remote), (bad, bad_remote) = engine(), engine()
+        assert run(good)[0] == want and run(bad)[0] == want  # warm: graphs captured, drafters attached
+        side, stalled = torch.cuda.Stream(), threading.Event()
+        after_sleep = torch.cuda.Event()
+        buffer = bad_remote._conn.step.buffer
+        record = buffer.record
+
+        def stalling_record(stream=None):  # this connection's writes "land" only after ~20 s
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(40_000_000_000)
+                after_sleep.record(side)
+            record(side)
+            stalled.set()
+
+        buffer.record = stalling_record
+        outcome: dict = {}
+        thread = threading.Thread(target=lambda: outcome.update(bad=run(bad)[0]), daemon=True)
+        thread.start()
+        assert stalled.wait(60)
+        tokens, stats = run(good)  # while the drafter polls the stalled target's event
+        assert tokens == want and sum(s.drafted for s in stats) > 0 and good.drafter_ok
+        assert not after_sleep.query()  # served before the stalled work ended: no one waited on it
+        thread.join(120)
+        assert outcome.get("bad") == want
+        good_remote.close()
+        bad_remote.close()
+    finally:
+        torch.cuda.synchronize()
+        parent.send("stop")
+        process.join(30)
+        if process.is_alive():
+            process.kill()

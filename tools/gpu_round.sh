@@ -2,6 +2,7 @@
 # The first GPU call of a session, after tools/device_setup.sh: what the last session built but could
 # not measure. Writes its JSON under $OUT.
 source tools/device_setup.sh
+# (the benches first would keep them clear of the GPU sleep a stalling-drafter test leaves behind)
 python -m pytest -q tests/test_fused_kernels.py tests/test_step_graphs.py tests/test_split_gpu.py \
   tests/test_transport.py tests/test_dflash_graphs.py tests/test_mtp.py -m gpu -k "not random" -p no:cacheprovider 2>&1 | tail -15
 # the target step: eager, unfused and fused graphs against the floor
