@@ -15,6 +15,7 @@ draft is ever reused as an exact row.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -27,12 +28,19 @@ from specsplit.drafter_service.base import (
     valid_rows, visibility,
 )
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.drafter_service.mtp_graphs import ChainGraphs
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.errors import CheckpointError, StateConflict
 from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer
 from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest
 
 ARCHITECTURE = "SpecsplitMTP"  # marker only; loading keys on num_nextn_predict_layers
+
+# Whether an MTP drafter on a GPU drafts through CUDA graphs of its chain (`mtp_graphs.ChainGraphs`).
+# Off until the H200 has run them (tests/test_mtp.py -m gpu; bench/split_bench.py --drafter mtp with
+# SPECSPLIT_MTP_CHAIN_GRAPHS=1, which reaches a drafter service the bench starts, against it unset): on
+# the CPU the static chain equals the eager one, and `use_static_chain` turns it on for one drafter.
+CHAIN_GRAPHS = os.environ.get("SPECSPLIT_MTP_CHAIN_GRAPHS") == "1"
 
 
 @dataclass(frozen=True)
@@ -200,6 +208,22 @@ class MTPDrafter(Drafter):
         weight = model.layer.eh_proj.weight
         super().__init__(spec, head, DraftVocab(model.d2t, dec.vocab_size), dtype=weight.dtype, device=weight.device)
         self.model = model
+        self.chain_graphs: ChainGraphs | None = None
+        if CHAIN_GRAPHS and self.device.type == "cuda":
+            self.use_static_chain(use_graphs=True)
+
+    def use_static_chain(self, *, use_graphs: bool) -> None:
+        """Draft through the static chain (`mtp_graphs.ChainGraphs`), CUDA graphs when `use_graphs`
+        (captured per bucket on first use); without graphs it is the CPU test of the same code."""
+        pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.chain_graphs = ChainGraphs(self.model, self.vocab.table, max_batch=self.spec.max_batch,
+                                        max_drafts=self.spec.max_drafts, use_graphs=use_graphs, pool=pool,
+                                        staging=self.staging)
+
+    def forget_head(self, head: TargetHead) -> None:
+        """A target that leaves takes its head: drop the graphs made over it."""
+        if self.chain_graphs is not None:
+            self.chain_graphs.forget(head)
 
     def new_state(self, budget: int) -> MTPState:
         dec = self.model.cfg.decoder
@@ -243,7 +267,25 @@ class MTPDrafter(Drafter):
             state.exact += n - 1
             state.pending.drop_front(n - 1)
         last = out[self.staging.put(lengths).cumsum(0) - 1]  # [B, hidden] at the anchors
-        return self._autoregress(batch, last)
+        static = self._static_chain(batch, last)
+        return static if static is not None else self._autoregress(batch, last)
+
+    def _static_chain(self, batch: Sequence[Draft], last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The drafts from the static chain, or None when the batch does not take it (no static chain, a
+        bitmask, a head on another device, no drafts, a cache past its buckets). Its speculative rows stay
+        in its own buffers: the sequences' caches keep their exact rows only."""
+        graphs = self.chain_graphs
+        counts = [d.request.num_drafts for d in batch]
+        if graphs is None or any(d.allowed is not None for d in batch) or self.head.embed.device != self.device \
+                or max(counts) == 0:
+            return None
+        states = [d.state for d in batch]
+        cached = [len(s.kv) for s in states]
+        if not graphs.fits(max(cached)):
+            return None
+        k, v = pad_rows([s.kv["k"] for s in states]), pad_rows([s.kv["v"] for s in states])
+        tokens, logps = graphs(self.head, last, k, v, cached, [d.request.position for d in batch], counts)
+        return tokens.clone(), logps.clone()  # the chain's outputs are its buffers, rewritten by the next
 
     def _autoregress(self, batch: Sequence[Draft], last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft from the anchors' outputs; each step feeds (embed(draft), output) one position on. Column

@@ -325,3 +325,73 @@ def test_bad_calls_raise_and_change_nothing(call, error):
     after = (state.next_pos, state.exact, len(state.kv), len(state.pending), state.pending["h"])
     assert before[:4] == after[:4] and torch.equal(before[4], after[4])
     assert_matches(drafter, 0, history, 5, 2)
+
+
+# ---- the static chain (mtp_graphs.ChainGraphs) ------------------------------------------------------
+
+
+def drive_twins(static: MTPDrafter, eager: MTPDrafter, device: str = "cpu", rounds=((1, 4, 2), (4, 4, 4), (3, 0, 1),
+                                                                                  (2, 3, 4), (4, 1, 3))) -> int:
+    """Propose the same requests from both drafters round after round (one sequence's cache grown past
+    two length buckets first), accepting up to one draft each; the drafts must be the same, and the
+    confidences equal to rounding. Returns the proposes made."""
+    histories = prefill_three(static, eager, seed=40)
+    history = histories[1]
+    tokens, rows = history.fresh(25)  # 9 + 25 rows: past the 16 and 32 buckets
+    for d in (static, eager):
+        d.catchup(1, tokens, rows.to(device), history.next_pos)
+    history.add(tokens, rows)
+    made = 0
+    for counts in rounds:
+        requests = [ProposeRequest(s, 20 + s + made, h.next_pos, n, want_confidence=True)
+                    for (s, h), n in zip(histories.items(), counts)]
+        got, want = static.propose(requests), eager.propose(requests)
+        made += 1
+        assert [p.tokens for p in got] == [p.tokens for p in want], counts
+        for g, w in zip(got, want):
+            torch.testing.assert_close(torch.tensor(g.confidence or []), torch.tensor(w.confidence or []),
+                                       atol=1e-4, rtol=1e-4)
+        for request, proposal in zip(requests, want):
+            accept = min(1, request.num_drafts)
+            _, rows = histories[request.seq_id].fresh(accept + 1)
+            committed = [request.last_token] + proposal.tokens[:accept]
+            for d in (static, eager):
+                d.commit_verified(request.seq_id, rows.to(device), accept, request.position, committed)
+            histories[request.seq_id].add(committed, rows[:accept + 1])
+    return made
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 30], ids=["full-vocab", "d2t"])
+def test_the_static_chain_drafts_what_the_eager_chain_drafts(draft_vocab):
+    """Batches whose sequences draft different counts (one none), caches of several length buckets, a
+    draft vocabulary: the static chain (run without capture on the CPU) gives the eager chain's drafts
+    and confidences, and leaves state that proposes on alike; a bitmask takes the eager chain."""
+    kw = {} if draft_vocab is None else {"draft_vocab_size": draft_vocab}
+    static, eager = make(max_batch=4, **kw), make(max_batch=4, **kw)
+    static.use_static_chain(use_graphs=False)
+    made = drive_twins(static, eager)
+    assert static.chain_graphs.replays == made
+    assert {key[1] for runs in static.chain_graphs._runs.values() for key in runs} >= {16, 64}  # cache buckets
+    allowed = torch.zeros(INFO.vocab_size, dtype=torch.bool)
+    allowed[::2] = True
+    on_device = static.propose_on_device([ProposeRequest(2, 7, _next_pos(static, 2), 3)])
+    assert on_device is not None and static.chain_graphs.replays == made + 1
+    masked = ProposeRequest(2, 7, _next_pos(static, 2), 3, bitmask=bool_to_bitmask(allowed))
+    assert static.propose([masked])[0].tokens == eager.propose([masked])[0].tokens
+    assert static.chain_graphs.replays == made + 1  # the bitmask took the eager chain
+
+
+def _next_pos(drafter: MTPDrafter, seq_id: int) -> int:
+    return drafter.store.get(seq_id).next_pos
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_chain_graphs_draft_what_the_eager_chain_drafts_on_cuda():
+    static, eager = make(max_batch=4), make(max_batch=4)
+    for d in (static, eager):
+        d.model.cuda()
+        d.head = type(d.head)(d.head.embed.cuda(), d.head.lm_head.cuda())
+    static.use_static_chain(use_graphs=True)
+    made = drive_twins(static, eager, device="cuda")
+    assert static.chain_graphs.replays == made

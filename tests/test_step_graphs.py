@@ -182,9 +182,11 @@ def test_engine_on_static_steps_is_lossless(tiny_chat_dir):
     assert run(None, static=True)[0] == reference  # target-only decode (Q = 1) too
 
 
-def test_engine_with_mtp_drafts_on_the_device_is_lossless(tiny_chat_dir):
+@pytest.mark.parametrize("chain", ["eager", "static"])
+def test_engine_with_mtp_drafts_on_the_device_is_lossless(tiny_chat_dir, chain):
     """The MTP drafter's drafts stay on the device too (its chain reads nothing back between steps):
-    the engine verifies them there, prefetched ones included, and emits the target-only tokens."""
+    the engine verifies them there, prefetched ones included, and emits the target-only tokens; so
+    through the static chain (`mtp_graphs.ChainGraphs`, run without capture here)."""
     from specsplit.drafter_service.checkpoint import random_drafter
     from specsplit.local import target_head, target_info
     from specsplit.shared.sampling import SamplingParams
@@ -201,6 +203,8 @@ def test_engine_with_mtp_drafts_on_the_device_is_lossless(tiny_chat_dir):
                  for rid, evs in Engine(target, None, EngineConfig(max_batch=4)).generate(reqs()).items()}
     drafter = random_drafter("mtp", target_info(target), target_head(target), seed=0, dtype=torch.float32,
                              max_drafts=3)
+    if chain == "static":
+        drafter.use_static_chain(use_graphs=False)
     engine = Engine(target, drafter, EngineConfig(max_batch=4))
     engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4,
                                query_lens=(1, engine._max_drafts() + 1), max_len=256, use_graphs=False)
@@ -210,6 +214,7 @@ def test_engine_with_mtp_drafts_on_the_device_is_lossless(tiny_chat_dir):
     events = engine.generate(reqs())
     assert {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()} == reference
     assert reads and sum(evs[-1].stats.drafted for evs in events.values()) > 0
+    assert chain == "eager" or drafter.chain_graphs.replays > 0
 
 
 @pytest.mark.parametrize("max_batch", [4, 2])
