@@ -7,6 +7,7 @@ and a stranger's idle streams cannot keep a target out for longer than `reclaim_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from specsplit.shared.errors import InvalidRequest
@@ -54,6 +55,8 @@ class DrafterLimits:
         for flag, value in sizes.items():
             if not value > 0:
                 raise InvalidRequest(f"{flag} must be positive, got {value!r}")
+        if not math.isfinite(self.writes_wait_seconds):
+            raise InvalidRequest(f"--writes-wait-seconds must be finite, got {self.writes_wait_seconds!r}")
 
     @property
     def buffer_bytes(self) -> int:

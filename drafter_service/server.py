@@ -127,7 +127,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         `head`), poll for the target's writes into them, outside the drafter lock (Session.await_writes)."""
         session = self._sessions.get(client_id(context))  # one dict read: the call itself runs under the lock
         if session is not None and not session.closed:
-            session.await_writes(buffers_read(steps), head=head)
+            session.await_writes(buffers_read(steps), head=head, stop=lambda: not context.is_active())
 
     def _check_instance(self, context: grpc.ServicerContext) -> None:
         """A call that names a drafter process (INSTANCE_HEADER) must name this one: a target's connection
@@ -334,6 +334,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         started = time.perf_counter()
         batch, errors = wire.step_from_proto(request)
         parsed = time.perf_counter()
+        if batch.seqs or batch.verified or batch.proposes or batch.register or batch.release:
+            stream.last_work = time.monotonic()  # now: a stream waiting for its writes is not idle
         if batch.register:  # mapped first, so that the wait below covers rows in them
             with self._lock:
                 if session.closed:

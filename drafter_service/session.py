@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -39,6 +40,7 @@ from specsplit.shared.errors import (
     SpecsplitError,
     StateConflict,
     UnknownSequence,
+    WritesPending,
 )
 from specsplit.shared.proposer import CarriedKV, Proposal, Proposer, ProposeRequest
 from specsplit.shared.transport import (
@@ -84,7 +86,7 @@ class Usage(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class StepPhases:
     """Host seconds of one step's parts: the commits (register, stash, commit, trim, catch-up; less the
-    two below), resolving their row references (`rows`: checks, the waits on the target's events), the
+    two below), resolving their row references (`rows`: their checks), the
     batched context forward they end with (`context`: its launch, or its work on the CPU), the proposes
     (with their drafts' read-back, or only their launch into the drafts buffer), and the last wait
     before the target's buffers are free."""
@@ -108,6 +110,7 @@ class Session:
         self._default_head = head  # the server's own head, used until this client registers one
         self._head: TargetHead | None = None  # views into the client's TARGET_EMBEDDING / LM_HEAD buffers
         self._head_ids: tuple[int, ...] = ()  # the buffers `_head` views
+        self._waiting = threading.Lock()  # held by the one call of this connection waiting for its writes
         self._seqs: dict[int, int] = {}  # client seq id → drafter seq id
         self._in_step = False  # inside step(): row reads are waited on once, after the batched block
         self._handles: dict[int, int] = {}  # carried-KV handle this client owns → rows it holds
@@ -225,8 +228,9 @@ class Session:
         # done (`_bind_head`); shared-memory rows arrive as a copy (the importer never maps a client's
         # file), moved to a GPU drafter once.
         whole = self.importer.whole(descriptor.buffer_id)
-        if whole.device != self.device and whole.device.type == "cuda":  # copied now: its writes first
-            self.importer.await_written([descriptor.buffer_id], self.limits.writes_wait_seconds)
+        if whole.device.type == "cuda" and whole.device != _indexed(self.device):
+            # copied now, under the drafter lock: never waited for here (WritesPending if not done yet)
+            self.importer.check_written(descriptor.buffer_id)
         return whole.to(self.device)
 
     def _bind_head(self) -> None:
@@ -244,13 +248,28 @@ class Session:
 
     # ---- rows ----------------------------------------------------------------------------------
 
-    def await_writes(self, buffer_ids: Iterable[int], *, head: bool = False) -> None:
+    def await_writes(self, buffer_ids: Iterable[int], *, head: bool = False,
+                     stop: Callable[[], bool] | None = None) -> None:
         """Poll until the target's writes into these buffers (and its head's, with `head`) are done, for at
-        most `limits.writes_wait_seconds` (WritesPending past it). The server calls it outside the drafter
-        lock, before a call that reads them: a target whose GPU work never ends stalls only itself."""
+        most `limits.writes_wait_seconds` or until the session closes or `stop()` turns true (WritesPending
+        then). The server calls it outside the drafter lock, before a call that reads them: a target whose
+        GPU work never ends stalls only itself, and with at most one of its calls waiting at a time (a
+        second is refused at once) it holds at most one server thread beside its Step stream's."""
         ids = list(buffer_ids) + (list(self._head_ids) if head else [])
-        if ids:
-            self.importer.await_written(ids, self.limits.writes_wait_seconds)
+        if not ids:
+            return
+        try:
+            self.importer.await_written(ids, 0.0)  # done already: the usual case, no wait
+            return
+        except WritesPending:
+            pass
+        if not self._waiting.acquire(blocking=False):
+            raise WritesPending("another call of this connection is already waiting for its GPU writes")
+        try:
+            self.importer.await_written(ids, self.limits.writes_wait_seconds,
+                                        lambda: self.closed or (stop is not None and stop()))
+        finally:
+            self._waiting.release()
 
     def _rows(self, source: RowSource) -> torch.Tensor:
         started = time.perf_counter()
@@ -368,9 +387,7 @@ class Session:
         view, event = self.importer.drafts_target(buffer_id)
         on_device = getattr(self.proposer, "propose_on_device", None)
         most = max((r.num_drafts for r in requests), default=0)
-        here = self.device
-        if here.type == "cuda" and here.index is None:
-            here = torch.device("cuda", torch.cuda.current_device())
+        here = _indexed(self.device)
         if on_device is None or not 0 < len(requests) <= min(view.shape[0], self.proposer.spec.max_batch) \
                 or most > view.shape[1] or view.device != here:  # (a buffer on another GPU: the host path)
             return None
@@ -577,6 +594,13 @@ class Session:
         self._head = None
         self._finish_reads()  # no queued read or write of a mapping outlives it
         self.importer.close()
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """cuda → cuda:<current>: comparable with a tensor's device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def buffers_read(seqs: Iterable[SeqStep], verified: VerifiedColumns | None = None) -> set[int]:

@@ -491,25 +491,32 @@ _CUDA_ERROR_NOT_READY = 600
 
 def _event_done(cp, ptr: int) -> bool:
     """cudaEventQuery from the host: whether the work the event's last record follows is done (true for
-    an event never recorded). Never blocks."""
+    an event never recorded). Never blocks. Any status but done / not ready (an invalid handle, an
+    error of earlier work) is StateConflict, not "not done": it would never turn done."""
     try:
-        return cp.cuda.runtime.eventQuery(ptr) == 0
-    except cp.cuda.runtime.CUDARuntimeError as err:
-        if getattr(err, "status", None) == _CUDA_ERROR_NOT_READY:
-            return False
-        raise
+        status = cp.cuda.runtime.eventQuery(ptr)
+    except cp.cuda.runtime.CUDARuntimeError as err:  # cupy versions that raise for a status
+        status = getattr(err, "status", None)
+    if status == 0:
+        return True
+    if status == _CUDA_ERROR_NOT_READY:
+        clear = getattr(cp.cuda.runtime, "getLastError", None)  # not an error: leave none behind
+        if clear is not None:
+            clear()
+        return False
+    raise StateConflict(f"a peer's CUDA event cannot be queried (CUDA status {status})")
 
 
-def poll_until(done: Callable[[], bool], timeout: float) -> bool:
-    """Poll `done` from the host until it is true (True) or `timeout` seconds pass (False): yielding
-    the GIL at first (the usual wait is microseconds), then sleeping in steps of at most 0.5 ms."""
+def poll_until(done: Callable[[], bool], timeout: float, stop: Callable[[], bool] | None = None) -> bool:
+    """Poll `done` from the host until it is true (True), or `timeout` seconds pass or `stop()` turns
+    true (False): yielding the GIL for the first 2 ms (the usual wait is microseconds), then sleeping
+    in steps of 0.5 ms."""
     if done():
         return True
-    deadline = time.monotonic() + timeout
-    spins = 0
-    while time.monotonic() < deadline:
-        spins += 1
-        time.sleep(0 if spins < 200 else min(5e-4, max(0.0, deadline - time.monotonic())))
+    started = time.monotonic()
+    deadline = started + timeout
+    while (now := time.monotonic()) < deadline and not (stop is not None and stop()):
+        time.sleep(0 if now - started < 2e-3 else min(5e-4, max(0.0, deadline - now)))
         if done():
             return True
     return done()
@@ -695,7 +702,7 @@ class RowBuffer:
     def record(self, stream: torch.cuda.Stream | None = None) -> None:
         """CUDA: record the interprocess event on `stream` (default: current) after the writes.
 
-        Once per generation: an importer waits on the event once per generation it reads, so writes
+        Once per generation: an importer queries the event once per generation it reads, so writes
         after a record need a new generation (`bump()`), never a second record."""
         self._check_live()
         if self._cuda is not None:
@@ -715,6 +722,10 @@ class RowBuffer:
         if self.descriptor.role is not BufferRole.DRAFTS or self._cuda is None:
             raise StateConflict(f"buffer {self.buffer_id}: only a CUDA drafts buffer is written by its importer")
         return poll_until(self._cuda.done, timeout)
+
+    def importer_done(self) -> bool:
+        """A DRAFTS buffer: whether the importer's last recorded work is done (one query, no wait)."""
+        return self.await_importer(0.0)
 
     def ref(self, row_offset: int, rows: int) -> RowRef:
         """A reference to tensor[row_offset : row_offset + rows] in the current generation."""
@@ -884,15 +895,16 @@ class _Imported:
                                     f"{generation} are not done")
             self.written = generation
 
-    def await_written(self, timeout: float) -> None:
-        """Poll for the owner's writes of the current generation for at most `timeout` seconds."""
+    def await_written(self, deadline: float, stop: Callable[[], bool] | None = None) -> bool:
+        """Poll for the owner's writes of the current generation until `deadline` (time.monotonic());
+        False if they were not seen done by then (or `stop()` turned true)."""
         generation = self.segment.generation()
         if self.written == generation:
-            return
-        if not poll_until(self.event.done, timeout):
-            raise WritesPending(f"buffer {self.descriptor.buffer_id}: the owner's writes of generation {generation} "
-                                f"were not done within {timeout:.3g} s")
+            return True
+        if not poll_until(self.event.done, max(0.0, deadline - time.monotonic()), stop):
+            return False
         self.written = generation
+        return True
 
 
 class BufferImporter:
@@ -964,8 +976,9 @@ class BufferImporter:
     ) -> torch.Tensor:
         """RowRef → [rows, cols]: a copy of shared-memory rows, a view of CUDA IPC rows; InlineRows → decoded.
 
-        cols/dtype, when given, are what the caller expects. A CUDA view is ordered after the
-        owner's recorded writes on the current stream. `device` applies to inline rows only.
+        cols/dtype, when given, are what the caller expects. A CUDA view is given only once the host
+        has seen the owner's writes of its generation done (WritesPending otherwise; see
+        `await_written`). `device` applies to inline rows only.
         """
         if isinstance(source, InlineRows):
             _check_expected("inline rows", source.cols, source.dtype, cols, dtype)
@@ -991,17 +1004,19 @@ class BufferImporter:
         imported.check_written(current)
         return imported.tensor[source.row_offset : source.row_offset + source.rows]
 
-    def await_written(self, buffer_ids: Iterable[int], timeout: float) -> None:
-        """Poll, from the host and for at most `timeout` seconds in all, until the owner's writes of the
-        current generation of each of `buffer_ids` that is a registered CUDA buffer are done; then `resolve`
-        reads them. Call it outside any lock other peers' calls need: this is the only wait on a peer's
-        GPU work. Ids not registered (or not CUDA) are skipped: `resolve` refuses or copies them."""
+    def await_written(self, buffer_ids: Iterable[int], timeout: float, stop: Callable[[], bool] | None = None) -> None:
+        """Poll, from the host and for at most `timeout` seconds in all (or until `stop()` turns true), until
+        the owner's writes of the current generation of each of `buffer_ids` that is a registered CUDA
+        buffer are done; then `resolve` reads them; WritesPending if not. Call it outside any lock other
+        peers' calls need: this is the only wait on a peer's GPU work. Ids not registered (or not CUDA)
+        are skipped: `resolve` refuses or copies them."""
         deadline = time.monotonic() + timeout
-        for buffer_id in set(buffer_ids):
+        for buffer_id in sorted(set(buffer_ids)):
             with self._lock:
                 imported = self._buffers.get(buffer_id)
-            if imported is not None and imported.event is not None:
-                imported.await_written(max(0.0, deadline - time.monotonic()))
+            if imported is not None and imported.event is not None and not imported.await_written(deadline, stop):
+                raise WritesPending(f"buffer {buffer_id}: the owner's writes of generation "
+                                    f"{imported.segment.generation()} were not done within {timeout:.3g} s")
 
     def drafts_target(self, buffer_id: int) -> tuple[torch.Tensor, _IpcEvent]:
         """A registered DRAFTS buffer: its [rows, cols] int32 device view, and the event to record after

@@ -264,6 +264,15 @@ class _Connection:
             self.exporter.close()
 
 
+def _importer_done(drafts: RowBuffer, wait: float = 0.0) -> bool:
+    """Whether the drafter's last recorded work on a drafts buffer is done (polled up to `wait` s); an
+    event that cannot be queried counts as never done."""
+    try:
+        return drafts.await_importer(wait)
+    except SpecsplitError:
+        return False
+
+
 def _close_channel(channel: grpc.Channel) -> None:
     """Close a channel once grpc's connectivity poller (channel_ready_future, _Probe) has let go of it:
     it checks every 0.2 s, and closing under it raises in its thread."""
@@ -332,7 +341,7 @@ class RemoteProposer:
         self._retry_at = 0.0
         self._backoff = 0.5
         self._probe: _Probe | None = None
-        self._retired: deque = deque(maxlen=RETIRED_DRAFTS_BUFFERS)  # drafts buffers of closed connections
+        self._retired: list[RowBuffer] = []  # drafts buffers of closed connections (see _retire)
         self._ahead_prefetched = False  # _ahead came from prefetch (not a Step propose_on_device sent)
         self.spec: DrafterSpec | None = None
         try:
@@ -446,12 +455,19 @@ class RemoteProposer:
                 conn.responses.cancel()
                 return
 
+    def _retire(self, drafts: RowBuffer) -> None:
+        """Keep a closed connection's drafts buffer (and its event) alive: a Step that offered it may still
+        be in the drafter's hands, or its work queued on the drafter's GPU, and would write into memory
+        freed and perhaps reused. The last RETIRED_DRAFTS_BUFFERS are kept, and any older one until the
+        drafter's last recorded work on it is seen done (a drafter given up for never finishing it)."""
+        self._retired.append(drafts)
+        recent = self._retired[-RETIRED_DRAFTS_BUFFERS:]
+        self._retired = [b for b in self._retired[:-RETIRED_DRAFTS_BUFFERS] if not _importer_done(b)] + recent
+
     def _disconnect(self) -> None:
         if self._conn is not None:
             if self._conn.drafts is not None:
-                # A Step that offered it may still be in the drafter's hands, which would write into
-                # freed memory: the buffer (and its event) outlive the connection a while.
-                self._retired.append(self._conn.drafts)
+                self._retire(self._conn.drafts)
             self._conn.close()
         self._conn = None
         self._pending = {}
@@ -715,7 +731,7 @@ class RemoteProposer:
         if not answer.in_buffer:
             return {}
         self._check_rows(conn, answer)
-        (rows,) = to_host(conn.drafts.tensor[:len(answer.in_buffer)])  # after the wait queued by _answer
+        (rows,) = to_host(conn.drafts.tensor[:len(answer.in_buffer)])  # _answer saw the drafter's work done
         self._note_read(conn)
         return {seq_id: Proposal(tokens=rows[i][:n]) for i, (seq_id, n) in enumerate(answer.in_buffer)}
 
@@ -815,10 +831,13 @@ class RemoteProposer:
             # host sees it done first. No stream of ours waits on the drafter's event (a drafter whose
             # queued work never ends would stall it); one that is not done within the step's deadline
             # is given up on.
-            if not conn.drafts.await_importer(timeout):
+            # The wait counts from the Step's sending, like the answer's (an answer read late, after a
+            # prefetch, still gets STEP_DEADLINE_FLOOR).
+            left = max(STEP_DEADLINE_FLOOR, conn.sent_at + timeout - time.perf_counter())
+            if not _importer_done(conn.drafts, left):
                 self._disconnect()
-                raise DrafterUnavailable(f"the drafter's writes into the drafts buffer were not done within "
-                                         f"{timeout:.1f} s")
+                raise DrafterUnavailable(f"the drafter's writes into the drafts buffer were not done "
+                                         f"{time.perf_counter() - conn.sent_at:.1f} s after the step was sent")
         seconds = time.perf_counter() - conn.sent_at
         self.link.answer_seconds.append(seconds)
         if timed:  # round trips the step waited for (send_pending's and prefetch's overlap other work)

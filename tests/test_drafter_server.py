@@ -20,7 +20,7 @@ from specsplit.shared.serving import INSTANCE_HEADER
 from specsplit.drafter_service.session import Session
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import wire
-from specsplit.shared.errors import DrafterUnavailable, InvalidRequest
+from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, WritesPending
 from specsplit.shared.proposer import ProposeRequest, bool_to_bitmask
 from specsplit.shared.transport import BufferExporter, BufferRole, RowRef, encode_inline, host_id, identity_digest
 from specsplit.target_service import drafter_client
@@ -963,3 +963,82 @@ def test_a_target_whose_gpu_writes_are_pending_waits_alone(env, finish):
         wait_until(lambda: "target-a" not in server._sessions)
         result = b.step(verify_step(b, 3))
         assert not result.errors and result.proposals
+
+
+def test_a_head_whose_writes_are_pending_is_never_read_and_waited_for_outside_the_lock(env):
+    """A target head in 'CUDA' buffers (a gate stands for their event): a propose checks it under the lock
+    and refuses (DEADLINE_EXCEEDED) while the writes are pending; the unary Propose's wait before the lock
+    ends with them done, and then the head is used."""
+    true_head = TargetHead.random(INFO, seed=11)
+    _, server, channel = env.start(server_head=None, drafter_head=TargetHead.random(INFO, seed=12),
+                                   writes_wait_seconds=0.3)
+    twin = make_drafter(true_head)
+    client = Client(channel, "target-h", env.exporter)
+    alloc_prefill(client, twin, 0, [1, 2, 3], seed=4)
+    embed = env.exporter.export_existing(true_head.embed, BufferRole.TARGET_EMBEDDING)
+    lm_head = env.exporter.export_existing(true_head.lm_head, BufferRole.TARGET_LM_HEAD)
+    client.call("RegisterBuffers", drafter_pb2.RegisterBuffersRequest(
+        buffers=[wire.descriptor_to_proto(b.describe()) for b in (embed, lm_head)]))
+    session = server._sessions["target-h"]
+    gate = _Gate()
+    for buffer in (embed, lm_head):
+        session.importer._buffers[buffer.buffer_id].event = gate
+    req = [ProposeRequest(0, 5, 3, 3, want_confidence=True)]
+    assert client.code("Propose", wire.propose_to_proto(req)) == "DEADLINE_EXCEEDED"  # waited 0.3 s, not done
+    with pytest.raises(WritesPending):
+        with server._lock:
+            session.propose(req)  # under the lock: a check, never a wait
+    threading.Timer(0.1, lambda: setattr(gate, "open", True)).start()
+    same(propose_unary(client, req), twin.propose(req), twin)  # the wait outside the lock saw them done
+
+
+def test_one_call_of_a_connection_waits_for_its_writes_at_a_time(env):
+    """While one call of a connection waits for its GPU writes, a second one is refused at once: a target
+    cannot park every server thread on writes that never finish."""
+    _, server, channel = env.start(writes_wait_seconds=5.0)
+    client = Client(channel, "target-w", env.exporter)
+    alloc_prefill(client, make_drafter(), 0, [3, 14, 15], seed=0)
+    session = server._sessions["target-w"]
+    gate = _Gate()
+    imported = session.importer._buffers[client.buffer.buffer_id]
+    imported.tensor, imported.event = client.buffer.tensor, gate
+    first = threading.Thread(target=lambda: session.await_writes([client.buffer.buffer_id]), daemon=True)
+    first.start()
+    wait_until(lambda: gate.queries > 3)
+    with pytest.raises(WritesPending, match="already waiting"):  # at once, not after 5 s of its own wait
+        session.await_writes([client.buffer.buffer_id])
+    gate.open = True
+    first.join(5)
+    assert not first.is_alive()
+    session.await_writes([client.buffer.buffer_id])  # done now: no wait, no slot needed
+
+
+class _Drafts:
+    """Stands in for a retired drafts RowBuffer: its importer's last work done or not (or unqueryable)."""
+
+    def __init__(self, done) -> None:
+        self.done = done
+
+    def await_importer(self, wait: float) -> bool:
+        if isinstance(self.done, Exception):
+            raise self.done
+        return self.done
+
+
+def test_a_closed_connections_drafts_buffer_lives_until_the_drafters_work_on_it_is_done():
+    """The last RETIRED_DRAFTS_BUFFERS are kept whatever; older ones only while the drafter's last
+    recorded work on them is not seen done (a drafter given up for never finishing it would otherwise
+    write into freed, perhaps reused, memory); an unqueryable event counts as never done."""
+    from types import SimpleNamespace
+
+    keep = drafter_client.RETIRED_DRAFTS_BUFFERS
+    pending, broken = _Drafts(False), _Drafts(DrafterUnavailable("bad handle"))
+    done = [_Drafts(True) for _ in range(keep + 2)]
+    proposer = SimpleNamespace(_retired=[])
+    for buffer in [pending, done[0], broken, *done[1:]]:
+        RemoteProposer._retire(proposer, buffer)
+    assert proposer._retired == [pending, broken, *done[-keep:]]
+    pending.done = True
+    RemoteProposer._retire(proposer, _Drafts(True))
+    assert proposer._retired[0] is broken and pending not in proposer._retired
+    assert len(proposer._retired) == keep + 1

@@ -591,11 +591,49 @@ def test_rows_behind_a_pending_event_are_refused_until_the_host_sees_it_done():
         importer.resolve(RowRef(5, 0, 1, 4), cols=4)
 
 
+class _FakeRuntime:
+    """cupy.cuda.runtime's eventQuery as different cupy versions answer it: a status, or an exception."""
+
+    class CUDARuntimeError(Exception):
+        def __init__(self, status: int) -> None:
+            super().__init__(status)
+            self.status = status
+
+    def __init__(self, answer) -> None:
+        self.answer, self.cleared = answer, 0
+
+    def eventQuery(self, ptr: int) -> int:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+    def getLastError(self) -> int:
+        self.cleared += 1
+        return 0
+
+
+def test_an_event_query_tells_done_not_ready_and_broken_apart():
+    """0 is done; cudaErrorNotReady (returned or raised) is not done, and leaves no error behind; any other
+    status (a bad handle) is an error, never "not done yet", which a poll would wait out."""
+    def cp(runtime):
+        return type("cp", (), {"cuda": type("cuda", (), {"runtime": runtime})})
+
+    assert transport._event_done(cp(_FakeRuntime(0)), 1)
+    for answer in (600, _FakeRuntime.CUDARuntimeError(600)):
+        runtime = _FakeRuntime(answer)
+        assert not transport._event_done(cp(runtime), 1) and runtime.cleared == 1
+    for answer in (400, _FakeRuntime.CUDARuntimeError(709)):
+        with pytest.raises(StateConflict, match="cannot be queried"):
+            transport._event_done(cp(_FakeRuntime(answer)), 1)
+
+
 def test_polling_gives_up_at_its_deadline_and_sees_a_late_completion():
     assert transport.poll_until(lambda: True, 0.0)
     assert not transport.poll_until(lambda: False, 0.05)
-    gate = _Gate(opens_after=300)  # past the yielding spins: done while sleeping between queries
+    gate = _Gate(opens_after=300)  # past the first 2 ms of yielding: done while sleeping between queries
     assert transport.poll_until(gate.done, 5.0) and gate.queries == 301
+    stopped = _Gate()
+    assert not transport.poll_until(stopped.done, 60.0, stop=lambda: stopped.queries > 5)  # its caller left
 
 
 def test_a_drafts_buffer_is_never_read_as_rows(monkeypatch):
