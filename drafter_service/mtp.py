@@ -15,6 +15,7 @@ draft is ever reused as an exact row.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -34,6 +35,7 @@ from specsplit.shared.errors import CheckpointError, StateConflict
 from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer
 from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest
 
+log = logging.getLogger(__name__)
 ARCHITECTURE = "SpecsplitMTP"  # marker only; loading keys on num_nextn_predict_layers
 
 # Whether an MTP drafter on a GPU drafts through CUDA graphs of its chain (`mtp_graphs.ChainGraphs`).
@@ -276,15 +278,20 @@ class MTPDrafter(Drafter):
         in its own buffers: the sequences' caches keep their exact rows only."""
         graphs = self.chain_graphs
         counts = [d.request.num_drafts for d in batch]
-        if graphs is None or any(d.allowed is not None for d in batch) or self.head.embed.device != self.device \
-                or max(counts) == 0:
+        if graphs is None or any(d.allowed is not None for d in batch) or max(counts) == 0 \
+                or any(t.device != self.device for t in (self.head.embed, self.head.lm_head)):
             return None
         states = [d.state for d in batch]
         cached = [len(s.kv) for s in states]
-        if not graphs.fits(max(cached)):
+        if not graphs.fits(len(batch), max(cached)):
             return None
         k, v = pad_rows([s.kv["k"] for s in states]), pad_rows([s.kv["v"] for s in states])
-        tokens, logps = graphs(self.head, last, k, v, cached, [d.request.position for d in batch], counts)
+        try:
+            tokens, logps = graphs(self.head, last, k, v, cached, [d.request.position for d in batch], counts)
+        except torch.cuda.OutOfMemoryError:
+            log.warning("the MTP chain's static buffers do not fit: drafting with the eager chain from now on")
+            self.chain_graphs = None
+            return None
         return tokens.clone(), logps.clone()  # the chain's outputs are its buffers, rewritten by the next
 
     def _autoregress(self, batch: Sequence[Draft], last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,15 +21,16 @@ from typing import Sequence
 
 import torch
 
-from specsplit.drafter_service.base import batched_attention, pick
+from specsplit.drafter_service.base import pick
 from specsplit.drafter_service.graphs import _Replayable
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for
-from specsplit.shared.layers import SelfAttention
+from specsplit.shared.layers import SelfAttention, grouped_attention, grouped_mask
 from specsplit.shared.staging import HostStaging
 
-# Caches longer than this take the eager chain (a bucket's static K/V would take B x C rows each).
-MAX_CACHE_ROWS = 16384
+# A bucket's static K/V rows, batch x (cache length + drafts - 1), at most: past it the eager chain (the
+# SmolLM2 geometry's K and V at this size take 100 MiB in bf16; a Qwen3-8B-shaped layer's 512 MiB).
+MAX_CHAIN_ROWS = 1 << 17
 
 
 class _ChainBuffers:
@@ -41,8 +42,10 @@ class _ChainBuffers:
         width = cache + max_drafts - 1
         self.cache = cache
         self.last = torch.zeros(batch, dec.hidden_size, dtype=dtype, device=device)
-        self.k = torch.zeros(batch, width, dec.num_key_value_heads, dec.head_dim, dtype=dtype, device=device)
+        # [B, Hkv, W, D]: the layout grouped attention reads as it lies (no copy per query head)
+        self.k = torch.zeros(batch, dec.num_key_value_heads, width, dec.head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
+        self.groups = dec.num_attention_heads // dec.num_key_value_heads
         # cache columns: valid rows; chain columns: always visible (a step sees the ones written so far)
         self.visible = torch.ones(batch, width, dtype=torch.bool, device=device)
         self.meta = torch.zeros(2, batch, dtype=torch.long, device=device)  # anchor positions, draft counts
@@ -62,8 +65,10 @@ class ChainGraphs:
         self._runs: dict[tuple, dict[tuple[int, int, int], _Replayable]] = {}
         self.replays = 0  # chains run through here (tests check the path was taken)
 
-    def fits(self, cache_rows: int) -> bool:
-        return cache_rows <= MAX_CACHE_ROWS
+    def fits(self, batch: int, cache_rows: int) -> bool:
+        """Whether a batch of `batch` sequences with caches of up to `cache_rows` rows takes a bucket."""
+        size = bucket_for(batch, self.batches)
+        return size is not None and size * (_cache_bucket(cache_rows) + self.max_drafts - 1) <= MAX_CHAIN_ROWS
 
     def forget(self, head: TargetHead) -> None:
         """Drop the graphs made over `head`, so its mappings can close."""
@@ -77,7 +82,7 @@ class ChainGraphs:
         the next call."""
         n, most = last.shape[0], max(counts)
         size = bucket_for(n, self.batches)
-        cache = max(16, 1 << (k.shape[1] - 1).bit_length())  # the next power of two
+        cache = _cache_bucket(k.shape[1])
         key = (size, cache)
         if key not in self._buffers:
             self._buffers[key] = _ChainBuffers(self.model, size, cache, self.max_drafts, last.device)
@@ -88,8 +93,8 @@ class ChainGraphs:
         pad = size - n
         self.staging.put_into(buffers.meta, [list(positions) + [0] * pad, list(counts) + [0] * pad])
         buffers.last[:n].copy_(last)
-        buffers.k[:n, :k.shape[1]].copy_(k)
-        buffers.v[:n, :v.shape[1]].copy_(v)
+        buffers.k[:n, :, :k.shape[1]].copy_(k.transpose(1, 2))
+        buffers.v[:n, :, :v.shape[1]].copy_(v.transpose(1, 2))
         columns = torch.arange(cache, device=last.device)
         buffers.visible[:n, :cache] = columns[None, :] < self.staging.put(list(lengths))[:, None]
         buffers.visible[n:, :cache] = False
@@ -115,7 +120,8 @@ class ChainGraphs:
             column = b.cache + step - 1
             hidden = model.layer(x, _chain_mixer(b, column, cos, sin))
         keep = torch.arange(most, device=anchors.device)[None, :] < counts[:, None]
-        return (torch.stack(tokens, 1) * keep, torch.stack(logps, 1) * keep)
+        tokens, logps = torch.stack(tokens, 1), torch.stack(logps, 1)
+        return torch.where(keep, tokens, 0), torch.where(keep, logps, 0.0)
 
 
 def _chain_mixer(b: _ChainBuffers, column: int, cos: torch.Tensor, sin: torch.Tensor):
@@ -124,12 +130,17 @@ def _chain_mixer(b: _ChainBuffers, column: int, cos: torch.Tensor, sin: torch.Te
     def mix(attn: SelfAttention, x: torch.Tensor) -> torch.Tensor:
         q = attn.query(x, cos, sin)  # [B, Hq, D]
         k, v = attn.key_value(x, cos, sin)  # [B, Hkv, D]
-        b.k[:, column], b.v[:, column] = k, v
-        out = batched_attention(q[:, None], b.k[:, :column + 1], b.v[:, :column + 1],
-                                b.visible[:, None, :column + 1], attn.scale)
+        b.k[:, :, column], b.v[:, :, column] = k, v
+        out = grouped_attention(q[:, None], b.k[:, :, :column + 1], b.v[:, :, :column + 1],
+                                grouped_mask(b.visible[:, None, :column + 1], b.groups), attn.scale)
         return attn.output(out[:, 0])
 
     return mix
+
+
+def _cache_bucket(rows: int) -> int:
+    """Cache lengths come in powers of two from 16."""
+    return max(16, 1 << (rows - 1).bit_length())
 
 
 def _head_key(head: TargetHead) -> tuple:

@@ -30,6 +30,9 @@ def capture(fn: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+    # thread_local: other threads may query CUDA events meanwhile (the drafter service polls its targets'
+    # write events outside its lock, while a capture runs under it); in the default global mode such a
+    # query invalidates the capture.
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = fn()
     return graph, out

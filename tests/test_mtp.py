@@ -330,8 +330,8 @@ def test_bad_calls_raise_and_change_nothing(call, error):
 # ---- the static chain (mtp_graphs.ChainGraphs) ------------------------------------------------------
 
 
-def drive_twins(static: MTPDrafter, eager: MTPDrafter, device: str = "cpu", rounds=((1, 4, 2), (4, 4, 4), (3, 0, 1),
-                                                                                  (2, 3, 4), (4, 1, 3))) -> int:
+def drive_twins(static: MTPDrafter, eager: MTPDrafter, device: str = "cpu",
+                rounds=((1, 4, 2), (4, 4, 4), (3, 0, 1), (2, 3, 1), (2, 3, 4), (4, 1, 3))) -> int:
     """Propose the same requests from both drafters round after round (one sequence's cache grown past
     two length buckets first), accepting up to one draft each; the drafts must be the same, and the
     confidences equal to rounding. Returns the proposes made."""
@@ -371,7 +371,8 @@ def test_the_static_chain_drafts_what_the_eager_chain_drafts(draft_vocab):
     static.use_static_chain(use_graphs=False)
     made = drive_twins(static, eager)
     assert static.chain_graphs.replays == made
-    assert {key[1] for runs in static.chain_graphs._runs.values() for key in runs} >= {16, 64}  # cache buckets
+    (runs,) = static.chain_graphs._runs.values()
+    assert {(4, 64, 3), (4, 64, 4)} <= set(runs)  # one (batch, cache) bucket's buffers, two draft counts
     allowed = torch.zeros(INFO.vocab_size, dtype=torch.bool)
     allowed[::2] = True
     on_device = static.propose_on_device([ProposeRequest(2, 7, _next_pos(static, 2), 3)])
@@ -395,3 +396,26 @@ def test_the_chain_graphs_draft_what_the_eager_chain_drafts_on_cuda():
     static.use_static_chain(use_graphs=True)
     made = drive_twins(static, eager, device="cuda")
     assert static.chain_graphs.replays == made
+
+
+def test_the_static_chain_keeps_graphs_per_target_head_and_forgets_them():
+    """Graphs read the head by address: another target's head gets its own (drafting with that head, as
+    the eager chain does), and a head forgotten (its target left) takes its graphs with it."""
+    from specsplit.drafter_service.heads import TargetHead
+
+    static, eager = make(max_batch=4), make(max_batch=4)
+    static.use_static_chain(use_graphs=False)
+    histories = prefill_three(static, eager, seed=50)
+    requests = [ProposeRequest(s, 30 + s, h.next_pos, 3) for s, h in histories.items()]
+    assert [p.tokens for p in static.propose(requests)] == [p.tokens for p in eager.propose(requests)]
+    other = TargetHead.random(INFO, seed=9)
+    first = static.head
+    for d in (static, eager):
+        d.head = other
+    assert [p.tokens for p in static.propose(requests)] == [p.tokens for p in eager.propose(requests)]
+    assert len(static.chain_graphs._runs) == 2
+    static.forget_head(other)
+    assert len(static.chain_graphs._runs) == 1
+    for d in (static, eager):
+        d.head = first
+    assert [p.tokens for p in static.propose(requests)] == [p.tokens for p in eager.propose(requests)]
