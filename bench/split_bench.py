@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--drafter-profile", nargs=2, default=None, metavar=("FIRST:LAST", "PATH"),
                     help="the drafter service records those Step messages with the torch profiler into PATH "
                          "(its --profile-steps / --profile-out)")
+    ap.add_argument("--drafter-profile-host", action="store_true",
+                    help="with --drafter-profile: the host only, with Python stacks (its --profile-host)")
     args = ap.parse_args()
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     folder = target_dir(setup.target)
@@ -148,7 +150,7 @@ def main() -> None:
            "--device", args.device, "--seed", "0", "--metrics-port", str(port)] + \
         (["--dtype", args.dtype] if args.dtype else []) + \
         (["--profile-steps", args.drafter_profile[0], "--profile-out", args.drafter_profile[1]]
-         if args.drafter_profile else [])
+         + (["--profile-host"] if args.drafter_profile_host else []) if args.drafter_profile else [])
     drafter_proc = subprocess.Popen(cmd)
     try:
         wait_healthy(sock, 300)

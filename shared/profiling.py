@@ -4,7 +4,9 @@
 (counted from the first, whatever the client) and writes a Chrome trace (open it in Perfetto) and,
 beside it, `trace.json.txt` with the ops' totals. CUDA kernels and runtime calls are recorded when the
 service runs on a GPU. Profiling slows the steps it records (each CUDA call a little, a graph launch
-by its nodes): read the order of things and their GPU times, not the recorded steps' wall time.
+by its nodes): read the order of things and their GPU times, not the recorded steps' wall time. With
+`--profile-host` only the host is recorded (no CUDA activity, so no CUPTI callback inflating each
+launch), with Python stacks: where a step's host time goes, op by op and by calling line.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ def parse_window(text: str) -> tuple[int, int]:
 class StepWindow:
     """Counts steps (`enter` before one, `exit` after it) and profiles steps first..last, once."""
 
-    def __init__(self, first: int, last: int, out: str | Path) -> None:
+    def __init__(self, first: int, last: int, out: str | Path, *, host_only: bool = False) -> None:
         if not 1 <= first <= last:
             raise ValueError(f"profile window {first}..{last}: steps count from 1 and first must not pass last")
         self.first, self.last, self.out = first, last, Path(out)
+        self.host_only = host_only
         self._lock = threading.Lock()
         self._count = 0
         self._profile: torch.profiler.profile | None = None
@@ -47,9 +50,9 @@ class StepWindow:
             self._count += 1
             if self._count == self.first:
                 activities = [torch.profiler.ProfilerActivity.CPU]
-                if torch.cuda.is_available():
+                if torch.cuda.is_available() and not self.host_only:
                     activities.append(torch.profiler.ProfilerActivity.CUDA)
-                self._profile = torch.profiler.profile(activities=activities)
+                self._profile = torch.profiler.profile(activities=activities, with_stack=self.host_only)
                 self._profile.__enter__()
                 log.info("profiling steps %d to %d into %s", self.first, self.last, self.out)
             return self._count
@@ -66,8 +69,13 @@ class StepWindow:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         profile.export_chrome_trace(str(self.out))
         averages = profile.key_averages()
-        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        Path(f"{self.out}.txt").write_text(averages.table(sort_by="self_cpu_time_total", row_limit=60) + "\n"
-                                           + averages.table(sort_by=sort, row_limit=30))
+        if self.host_only:  # the ops, then the ops by the Python lines that called them
+            text = averages.table(sort_by="self_cpu_time_total", row_limit=60) + "\n" + profile.key_averages(
+                group_by_stack_n=6).table(sort_by="cpu_time_total", row_limit=60)
+        else:
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            text = averages.table(sort_by="self_cpu_time_total", row_limit=60) + "\n" + averages.table(
+                sort_by=sort, row_limit=30)
+        Path(f"{self.out}.txt").write_text(text)
         self.written = True
         log.info("profile of steps %d to %d written to %s", self.first, self.last, self.out)

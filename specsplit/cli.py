@@ -223,12 +223,14 @@ def profile_window(args: argparse.Namespace):
     if (args.profile_steps is None) != (args.profile_out is None):
         raise InvalidRequest("--profile-steps and --profile-out go together")
     if args.profile_steps is None:
+        if getattr(args, "profile_host", False):
+            raise InvalidRequest("--profile-host goes with --profile-steps and --profile-out")
         return None
     try:
         first, last = parse_window(args.profile_steps)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
-    return StepWindow(first, last, args.profile_out)
+    return StepWindow(first, last, args.profile_out, host_only=getattr(args, "profile_host", False))
 
 
 def watch_parent() -> None:
@@ -403,6 +405,9 @@ def add_service_parsers(sub) -> None:
                          "kernels included on a GPU, into --profile-out (a Chrome trace; the ops' totals beside "
                          "it in PATH.txt); the recorded steps run slower (default: off)")
     ds.add_argument("--profile-out", default=None, metavar="PATH", help="where --profile-steps writes its trace (default: none)")
+    ds.add_argument("--profile-host", action="store_true",
+                    help="--profile-steps records the host only, with Python stacks (no CUDA activity: no CUPTI "
+                         "callback inflating each launch)")
     ds.add_argument("--context-pool-rows", type=int, default=None,
                     help="DFlash: context rows the drafter holds for all connections at once, allocated at start "
                          "(default: the widest batch at the full window: 64 x 4112 for the shipped drafter); "

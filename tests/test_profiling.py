@@ -21,12 +21,14 @@ def test_parse_window():
             parse_window(bad)
 
 
-def test_the_window_of_step_messages_is_profiled_once(tmp_path):
+@pytest.mark.parametrize("host_only", [False, True], ids=["default", "host-only"])
+def test_the_window_of_step_messages_is_profiled_once(tmp_path, host_only):
     """Steps 2..3 of the served Step messages are recorded (the drafter's own ops among them); the trace
-    is written once, when step 3 ends, and later steps record nothing."""
+    is written once, when step 3 ends, and later steps record nothing. Host only (--profile-host): the
+    summary also groups the ops by the Python lines that called them."""
     made = make_drafter()
     server_obj = DrafterServer(made, head=made.head, device="cpu")
-    server_obj.profile = window = StepWindow(2, 3, tmp_path / "out" / "trace.json")
+    server_obj.profile = window = StepWindow(2, 3, tmp_path / "out" / "trace.json", host_only=host_only)
     address = f"unix:{tmp_path}/d.sock"
     server = serve(server_obj, [address])
     try:
@@ -36,7 +38,9 @@ def test_the_window_of_step_messages_is_profiled_once(tmp_path):
         trace = json.loads((tmp_path / "out" / "trace.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
         assert any(n and n.startswith("aten::") for n in names)  # the drafter's tensor ops were recorded
-        assert "Self CPU" in (tmp_path / "out" / "trace.json.txt").read_text()
+        summary = (tmp_path / "out" / "trace.json.txt").read_text()
+        assert "Self CPU" in summary
+        assert ("session.py(" in summary) == host_only  # Python frames, with their lines
         before = (tmp_path / "out" / "trace.json").stat().st_mtime_ns
         drafts(proposer)  # more steps: nothing more is recorded or written
         assert (tmp_path / "out" / "trace.json").stat().st_mtime_ns == before
@@ -48,7 +52,7 @@ def test_the_window_of_step_messages_is_profiled_once(tmp_path):
 
 @pytest.mark.parametrize("flags", [["--profile-steps", "3:9"], ["--profile-out", "x.json"],
                                    ["--profile-steps", "9:3", "--profile-out", "x.json"],
-                                   ["--profile-steps", "three", "--profile-out", "x.json"]])
+                                   ["--profile-steps", "three", "--profile-out", "x.json"], ["--profile-host"]])
 def test_bad_profile_flags_are_refused_before_anything_loads(flags, capsys):
     assert main(["drafter", "serve", "--listen", "unix:/nonexistent/d.sock", *flags]) == 2
     assert "--profile-" in capsys.readouterr().err

@@ -18,6 +18,11 @@ for graphs in 0 1; do
 done
 SPECSPLIT_MTP_CHAIN_GRAPHS=1 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter mtp --max-tokens 256 \
   --batch 1 8 --auto --json-out "$OUT/split_mtp_graphs.json" 2>&1 | grep -v INFO | tail -3
+# where the drafter service's host time per Step goes (host only: no CUPTI inflating launches)
+python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 \
+  --drafter-profile 50:120 /tmp/prof/drafter.json --drafter-profile-host --json-out /tmp/prof/split.json 2>&1 \
+  | grep -v INFO | tail -2
+cp /tmp/prof/drafter.json.txt "$OUT/drafter_host_profile.txt"
 # the ninth session's drafter-side attack (two targets, one stalling) and everything gpu since
 python -m pytest -q tests/test_fused_kernels.py tests/test_step_graphs.py tests/test_split_gpu.py \
   tests/test_transport.py tests/test_dflash_graphs.py tests/test_mtp.py -m gpu -k "not random" -p no:cacheprovider 2>&1 | tail -15
