@@ -110,6 +110,9 @@ class Session:
         self._default_head = head  # the server's own head, used until this client registers one
         self._head: TargetHead | None = None  # views into the client's TARGET_EMBEDDING / LM_HEAD buffers
         self._head_ids: tuple[int, ...] = ()  # the buffers `_head` views
+        # Their writes seen done: a head is written once, so it is not asked again (a target that writes
+        # its head again afterwards only garbles its own drafts).
+        self._head_written = False
         self._waiting = threading.Lock()  # held by the one call of this connection waiting for its writes
         self._seqs: dict[int, int] = {}  # client seq id → drafter seq id
         self._in_step = False  # inside step(): row reads are waited on once, after the batched block
@@ -215,6 +218,7 @@ class Session:
         embed = self._head_view(embeds[0])
         lm_head = self._head_view(lm_heads[0]) if lm_heads else embed
         self._head_ids = tuple(d.buffer_id for d in embeds + lm_heads)
+        self._head_written = False
         return TargetHead(embed, lm_head)
 
     def _head_view(self, descriptor: BufferDescriptor) -> torch.Tensor:
@@ -235,8 +239,10 @@ class Session:
 
     def _bind_head(self) -> None:
         if self._head is not None:
-            for buffer_id in self._head_ids:  # WritesPending unless the target's writes were seen done
-                self.importer.check_written(buffer_id)
+            if not self._head_written:
+                for buffer_id in self._head_ids:  # WritesPending unless the target's writes were seen done
+                    self.importer.check_written(buffer_id)
+                self._head_written = True
         head = self._head or self._default_head
         if head is None:
             raise StateConflict(
@@ -255,7 +261,7 @@ class Session:
         then). The server calls it outside the drafter lock, before a call that reads them: a target whose
         GPU work never ends stalls only itself, and with at most one of its calls waiting at a time (a
         second is refused at once) it holds at most one server thread beside its Step stream's."""
-        ids = list(buffer_ids) + (list(self._head_ids) if head else [])
+        ids = list(buffer_ids) + (list(self._head_ids) if head and not self._head_written else [])
         if not ids:
             return
         try:
