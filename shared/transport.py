@@ -723,10 +723,6 @@ class RowBuffer:
             raise StateConflict(f"buffer {self.buffer_id}: only a CUDA drafts buffer is written by its importer")
         return poll_until(self._cuda.done, timeout)
 
-    def importer_done(self) -> bool:
-        """A DRAFTS buffer: whether the importer's last recorded work is done (one query, no wait)."""
-        return self.await_importer(0.0)
-
     def ref(self, row_offset: int, rows: int) -> RowRef:
         """A reference to tensor[row_offset : row_offset + rows] in the current generation."""
         self._check_live()
