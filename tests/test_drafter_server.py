@@ -1042,3 +1042,36 @@ def test_a_closed_connections_drafts_buffer_lives_until_the_drafters_work_on_it_
     RemoteProposer._retire(proposer, _Drafts(True))
     assert proposer._retired[0] is broken and pending not in proposer._retired
     assert len(proposer._retired) == keep + 1
+
+
+def test_a_unary_call_whose_rows_are_pending_fails_alone_and_frees_nothing(env):
+    """A unary Stash whose rows lie behind a pending event waits for them outside the lock (it polls, and
+    another target's call is served meanwhile): done late, the Stash goes through; never done, it ends
+    DEADLINE_EXCEEDED after --writes-wait-seconds and the connection keeps its sequence."""
+    _, server, channel = env.start(writes_wait_seconds=3.0)
+    a, b = Client(channel, "target-u", env.exporter), Client(channel, "target-v", env.exporter)
+    for seed, client in enumerate((a, b)):
+        alloc_prefill(client, make_drafter(), 0, [3, 14, 15], seed=seed)
+    imported = server._sessions["target-u"].importer._buffers[a.buffer.buffer_id]
+    for late in (True, False):
+        gate = _Gate()
+        imported.tensor, imported.event = a.buffer.tensor, gate
+        a.new_generation()
+        stash = wire.stash_to_proto(0, a.shm(rows(GAMMA, 7)))
+        result: dict = {}
+
+        def call() -> None:
+            try:
+                a.call("Stash", stash)
+                result["code"] = "OK"
+            except grpc.RpcError as err:
+                result["code"] = err.code().name
+
+        thread = threading.Thread(target=call, daemon=True)
+        thread.start()
+        wait_until(lambda: gate.queries > 3)  # polling, not refused at the first query
+        assert propose_unary(b, [ProposeRequest(0, 8, 3, GAMMA - 1)])  # served while A's Stash waits
+        gate.open = late
+        thread.join(10)
+        assert result["code"] == ("OK" if late else "DEADLINE_EXCEEDED")
+        assert server._sessions["target-u"].num_sequences == 1
