@@ -217,7 +217,7 @@ def prefill_three(*drafters: MTPDrafter, seed: int) -> dict[int, "History"]:
         tokens, rows = histories[seq].fresh(n)
         for d in drafters:
             d.alloc(seq, 100)
-            d.prefill(seq, tokens, rows)
+            d.prefill(seq, tokens, rows.to(d.device))
         histories[seq].add(tokens, rows)
     return histories
 
@@ -389,10 +389,7 @@ def _next_pos(drafter: MTPDrafter, seq_id: int) -> int:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_chain_graphs_draft_what_the_eager_chain_drafts_on_cuda():
-    static, eager = make(max_batch=4), make(max_batch=4)
-    for d in (static, eager):
-        d.model.cuda()
-        d.head = type(d.head)(d.head.embed.cuda(), d.head.lm_head.cuda())
+    static, eager = make(max_batch=4, device="cuda"), make(max_batch=4, device="cuda")
     static.use_static_chain(use_graphs=True)
     made = drive_twins(static, eager, device="cuda")
     assert static.chain_graphs.replays == made
