@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -84,49 +86,74 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
     server_obj.close()
 
 
+@contextlib.contextmanager
+def spawned_drafter(tmp_path, mode: str = "honest", writes_wait: float = 10.0):
+    """A drafter service in a process of its own (`_drafter_main`), answering health checks: yields its
+    address; stopped at the end, killed if it does not stop (a stalled one's GPU work may not end)."""
+    import multiprocessing as mp
+
+    from specsplit.shared.serving import wait_healthy
+
+    address = f"unix:{tmp_path}/drafter.sock"
+    parent, child = mp.get_context("spawn").Pipe()
+    process = mp.get_context("spawn").Process(target=_drafter_main, args=(address, mode, child, writes_wait),
+                                              daemon=True)
+    process.start()
+    try:
+        assert parent.poll(300) and parent.recv() == "ready"
+        wait_healthy(address, 60)
+        yield address
+    finally:
+        if mode != "stalling":
+            parent.send("stop")
+            process.join(30)
+        if process.is_alive():
+            process.kill()
+            process.join(30)
+
+
+def default_target():
+    """The default model in float32 on the GPU, and its tokenizer."""
+    from specsplit.local import target_dir
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.model import load_target
+
+    folder = target_dir("default")
+    return load_target(folder, dtype=torch.float32, device="cuda"), Tokenizer.from_dir(folder)
+
+
+def remote_engine(address: str, model, **remote_kw):
+    """An engine of `model` drafting through the drafter service at `address`: (engine, its RemoteProposer)."""
+    from specsplit.target_service.drafter_client import RemoteProposer
+    from specsplit.target_service.engine import Engine, EngineConfig
+
+    remote = RemoteProposer(address, device="cuda", dtype=torch.float32,
+                            head=(model.embed_weight, model.lm_head_weight), max_batch=4, **remote_kw)
+    return Engine(model, remote, EngineConfig(max_batch=4)), remote
+
+
+def generate(engine, tokenizer) -> tuple[list[list[int]], list]:
+    """PROMPTS, greedy: each request's tokens and its final stats."""
+    events = engine.generate([Request(str(i), tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)])
+    return ([[t for e in events[str(i)] for t in e.token_ids] for i in range(len(PROMPTS))],
+            [events[str(i)][-1].stats for i in range(len(PROMPTS))])
+
+
 @pytest.mark.parametrize("mode", ["honest", "out-of-vocabulary"])
 def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_path, mode):
     """On one GPU the drafter writes its drafts into the target's drafts buffer and the verify reads them
     there (no host read-back on either side): output equals target-only, and the drafts did come that
     way. A drafter writing ids outside the vocabulary changes no token and crashes nothing: the target
     bounds them on the device and verifies what it bounded."""
-    import multiprocessing as mp
-
-    from specsplit.local import target_dir
-    from specsplit.shared.serving import wait_healthy
-    from specsplit.shared.tokenizer import Tokenizer
-    from specsplit.target_service.drafter_client import RemoteProposer
-    from specsplit.target_service.engine import Engine, EngineConfig
-    from specsplit.target_service.model import load_target
-
-    address = f"unix:{tmp_path}/drafter.sock"
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=_drafter_main, args=(address, mode, child), daemon=True)
-    process.start()
-    try:
-        assert parent.poll(300) and parent.recv() == "ready"
-        wait_healthy(address, 60)
-        folder = target_dir("default")
-        model = load_target(folder, dtype=torch.float32, device="cuda")
-        tokenizer = Tokenizer.from_dir(folder)
-        remote = RemoteProposer(address, device="cuda", dtype=torch.float32,
-                                head=(model.embed_weight, model.lm_head_weight), max_batch=4)
-        engine = Engine(model, remote, EngineConfig(max_batch=4))
-        reqs = [Request(str(i), tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
-        events = engine.generate(reqs)
-        tokens = [[t for e in events[str(i)] for t in e.token_ids] for i in range(len(PROMPTS))]
+    with spawned_drafter(tmp_path, mode) as address:
+        model, tokenizer = default_target()
+        engine, remote = remote_engine(address, model)
+        tokens, stats = generate(engine, tokenizer)
         assert tokens == local_tokens("none")
         assert remote.link.drafts_on_device > 0 and engine.drafter_ok
-        stats = [events[str(i)][-1].stats for i in range(len(PROMPTS))]
         if mode == "honest":
             assert sum(s.accepted for s in stats) > 0
         remote.close()
-    finally:
-        parent.send("stop")
-        process.join(30)
-        if process.is_alive():
-            process.kill()
 
 
 def test_a_drafter_whose_drafts_never_land_is_given_up_without_stalling_the_target(tmp_path, monkeypatch):
@@ -134,45 +161,20 @@ def test_a_drafter_whose_drafts_never_land_is_given_up_without_stalling_the_targ
     polls that event and gives the drafter up at the step's deadline (its stream never waits on the
     event), then goes on target-only. Output equals target-only, and the generation ends while the
     drafter's queued work is still running."""
-    import multiprocessing as mp
-
-    from specsplit.local import target_dir
-    from specsplit.shared.serving import wait_healthy
-    from specsplit.shared.tokenizer import Tokenizer
     from specsplit.shared.transport import RowBuffer
-    from specsplit.target_service.drafter_client import RemoteProposer
-    from specsplit.target_service.engine import Engine, EngineConfig
-    from specsplit.target_service.model import load_target
 
     want = local_tokens("none")  # before the drafter's minute of GPU sleep starts
     polled = []
     await_importer = RowBuffer.await_importer
     monkeypatch.setattr(RowBuffer, "await_importer",
                         lambda self, timeout: polled.append(self) or await_importer(self, timeout))
-    address = f"unix:{tmp_path}/drafter.sock"
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=_drafter_main, args=(address, "stalling", child), daemon=True)
-    process.start()
-    try:
-        assert parent.poll(300) and parent.recv() == "ready"
-        wait_healthy(address, 60)
-        folder = target_dir("default")
-        model = load_target(folder, dtype=torch.float32, device="cuda")
-        tokenizer = Tokenizer.from_dir(folder)
-        remote = RemoteProposer(address, device="cuda", dtype=torch.float32, timeout=3.0,
-                                head=(model.embed_weight, model.lm_head_weight), max_batch=4)
-        engine = Engine(model, remote, EngineConfig(max_batch=4))
-        reqs = [Request(str(i), tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
-        events = engine.generate(reqs)
-        tokens = [[t for e in events[str(i)] for t in e.token_ids] for i in range(len(PROMPTS))]
-        assert tokens == want
+    with spawned_drafter(tmp_path, "stalling") as address:
+        model, tokenizer = default_target()
+        engine, remote = remote_engine(address, model, timeout=3.0)
+        assert generate(engine, tokenizer)[0] == want
         # the stalled drafts buffer's event is still pending: nothing of ours waited for it
         assert polled and not polled[0]._cuda.done()
         remote.close()
-    finally:
-        process.kill()
-        process.join(30)
 
 
 def test_a_target_whose_rows_never_land_stalls_only_itself(tmp_path):
@@ -181,70 +183,39 @@ def test_a_target_whose_rows_never_land_stalls_only_itself(tmp_path):
     are served meanwhile and its generation ends, with drafts, while the stalled work still runs; the
     stalled target's Step ends after --writes-wait-seconds (it goes on target-only and re-attaches).
     Both outputs equal target-only."""
-    import multiprocessing as mp
     import threading
 
-    from specsplit.local import target_dir
-    from specsplit.shared.serving import wait_healthy
-    from specsplit.shared.tokenizer import Tokenizer
-    from specsplit.target_service.drafter_client import RemoteProposer
-    from specsplit.target_service.engine import Engine, EngineConfig
-    from specsplit.target_service.model import load_target
-
     want = local_tokens("none")
-    address = f"unix:{tmp_path}/drafter.sock"
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=_drafter_main, args=(address, "honest", child, 8.0), daemon=True)
-    process.start()
-    try:
-        assert parent.poll(300) and parent.recv() == "ready"
-        wait_healthy(address, 60)
-        folder = target_dir("default")
-        model = load_target(folder, dtype=torch.float32, device="cuda")
-        tokenizer = Tokenizer.from_dir(folder)
+    with spawned_drafter(tmp_path, "honest", writes_wait=8.0) as address:
+        try:
+            model, tokenizer = default_target()
+            (good, good_remote), (bad, bad_remote) = remote_engine(address, model), remote_engine(address, model)
+            # warm: graphs captured, drafters attached
+            assert generate(good, tokenizer)[0] == want and generate(bad, tokenizer)[0] == want
+            side, stalled = torch.cuda.Stream(), threading.Event()
+            after_sleep = torch.cuda.Event()
+            buffer = bad_remote._conn.step.buffer
+            record = buffer.record
 
-        def engine() -> tuple[Engine, RemoteProposer]:
-            remote = RemoteProposer(address, device="cuda", dtype=torch.float32, timeout=30.0,
-                                    head=(model.embed_weight, model.lm_head_weight), max_batch=4)
-            return Engine(model, remote, EngineConfig(max_batch=4)), remote
+            def stalling_record(stream=None):  # this connection's writes "land" only after ~20 s
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(40_000_000_000)
+                    after_sleep.record(side)
+                record(side)
+                stalled.set()
 
-        def run(e: Engine) -> tuple[list[list[int]], list]:
-            reqs = [Request(str(i), tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
-            events = e.generate(reqs)
-            return ([[t for ev in events[str(i)] for t in ev.token_ids] for i in range(len(PROMPTS))],
-                    [events[str(i)][-1].stats for i in range(len(PROMPTS))])
-
-        (good, good_remote), (bad, bad_remote) = engine(), engine()
-        assert run(good)[0] == want and run(bad)[0] == want  # warm: graphs captured, drafters attached
-        side, stalled = torch.cuda.Stream(), threading.Event()
-        after_sleep = torch.cuda.Event()
-        buffer = bad_remote._conn.step.buffer
-        record = buffer.record
-
-        def stalling_record(stream=None):  # this connection's writes "land" only after ~20 s
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(40_000_000_000)
-                after_sleep.record(side)
-            record(side)
-            stalled.set()
-
-        buffer.record = stalling_record
-        outcome: dict = {}
-        thread = threading.Thread(target=lambda: outcome.update(bad=run(bad)[0]), daemon=True)
-        thread.start()
-        assert stalled.wait(60)
-        tokens, stats = run(good)  # while the drafter polls the stalled target's event
-        assert tokens == want and sum(s.drafted for s in stats) > 0 and good.drafter_ok
-        assert not after_sleep.query()  # served before the stalled work ended: no one waited on it
-        thread.join(120)
-        assert outcome.get("bad") == want
-        good_remote.close()
-        bad_remote.close()
-    finally:
-        torch.cuda.synchronize()
-        parent.send("stop")
-        process.join(30)
-        if process.is_alive():
-            process.kill()
+            buffer.record = stalling_record
+            outcome: dict = {}
+            thread = threading.Thread(target=lambda: outcome.update(bad=generate(bad, tokenizer)[0]), daemon=True)
+            thread.start()
+            assert stalled.wait(60)
+            tokens, stats = generate(good, tokenizer)  # while the drafter polls the stalled target's event
+            assert tokens == want and sum(s.drafted for s in stats) > 0 and good.drafter_ok
+            assert not after_sleep.query()  # served before the stalled work ended: no one waited on it
+            thread.join(120)
+            assert outcome.get("bad") == want
+            good_remote.close()
+            bad_remote.close()
+        finally:
+            torch.cuda.synchronize()
