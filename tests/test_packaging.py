@@ -33,8 +33,8 @@ def test_the_wheel_installs_only_the_specsplit_namespace(wheel):
         assert not any(n.startswith(generic + "/") for n in names)
         assert any(n.startswith(f"specsplit/{generic}/") for n in names)
     for data in ("specsplit/protos/v1/drafter.proto", "specsplit/protos/v1/drafter_pb2.pyi",
-                 *(f"specsplit/drafter_service/checkpoints/smollm2-135m-dflash/model-0000{i}-of-00003.safetensors"
-                   for i in (1, 2, 3)),
+                 *(f"specsplit/drafter_service/checkpoints/smollm2-135m-dflash/model-0000{i}-of-00004.safetensors"
+                   for i in (1, 2, 3, 4)),
                  "specsplit/drafter_service/checkpoints/smollm2-135m-dflash/model.safetensors.index.json",
                  "specsplit/drafter_service/checkpoints/smollm2-135m-mtp/model.safetensors",
                  "specsplit/data/heldout_prompts.jsonl"):
