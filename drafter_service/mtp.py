@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,10 +40,10 @@ log = logging.getLogger(__name__)
 ARCHITECTURE = "SpecsplitMTP"  # marker only; loading keys on num_nextn_predict_layers
 
 # Whether an MTP drafter on a GPU drafts through CUDA graphs of its chain (`mtp_graphs.ChainGraphs`).
-# Off until the H200 has run them (tests/test_mtp.py -m gpu; bench/split_bench.py --drafter mtp with
-# SPECSPLIT_MTP_CHAIN_GRAPHS=1, which reaches a drafter service the bench starts, against it unset): on
-# the CPU the static chain equals the eager one, and `use_static_chain` turns it on for one drafter.
-CHAIN_GRAPHS = os.environ.get("SPECSPLIT_MTP_CHAIN_GRAPHS") == "1"
+# On by default since the H200 measured it (3 drafts, one stream: propose 2.75 ms against the eager
+# chain's 6.40, README); SPECSPLIT_MTP_CHAIN_GRAPHS=0 keeps the eager chain (a drafter service the
+# bench starts inherits it). On the CPU `use_static_chain` runs the same code without capture.
+CHAIN_GRAPHS = os.environ.get("SPECSPLIT_MTP_CHAIN_GRAPHS", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -263,36 +264,64 @@ class MTPDrafter(Drafter):
         states = [d.state for d in batch]
         for state in states:  # rows of an earlier propose at this anchor, if trim was not called
             self.drop_speculative(state)
+        static = self._static_chain(batch)
+        if static is not None:
+            return static
         x, pos, lengths = self._exact_inputs(batch)
         out = self._extend(states, x, pos, lengths)
         for state, n in zip(states, lengths):  # all but the anchor's row are exact
             state.exact += n - 1
             state.pending.drop_front(n - 1)
         last = out[self.staging.put(lengths).cumsum(0) - 1]  # [B, hidden] at the anchors
-        static = self._static_chain(batch, last)
-        return static if static is not None else self._autoregress(batch, last)
+        return self._autoregress(batch, last)
 
-    def _static_chain(self, batch: Sequence[Draft], last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The drafts from the static chain, or None when the batch does not take it (no static chain, a
-        bitmask, a head on another device, no drafts, a cache past its buckets). Its speculative rows stay
-        in its own buffers: the sequences' caches keep their exact rows only."""
+    def _static_chain(self, batch: Sequence[Draft]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The drafts from the static propose (`mtp_graphs`), or None when the batch does not take it (no
+        static chain, a bitmask, a head on another device, no drafts, a cache past its buckets). The
+        pending pairs but the anchor's become exact rows of the caches; the speculative rows stay in
+        the chain's own buffers."""
         graphs = self.chain_graphs
         counts = [d.request.num_drafts for d in batch]
         if graphs is None or any(d.allowed is not None for d in batch) or max(counts) == 0 \
                 or any(t.device != self.device for t in (self.head.embed, self.head.lm_head)):
             return None
         states = [d.state for d in batch]
-        cached = [len(s.kv) for s in states]
-        if not graphs.fits(len(batch), max(cached)):
+        over = [max(len(s.pending) - graphs.prefix, 0) for s in states]
+        if not graphs.fits(len(batch), max(len(s.kv) + o for s, o in zip(states, over))):
             return None
-        k, v = pad_rows([s.kv["k"] for s in states]), pad_rows([s.kv["v"] for s in states])
+        if any(over):  # after a prefill or catch-up: the oldest pairs eagerly, P are left for the graph
+            self._build_oldest([(d, o) for d, o in zip(batch, over) if o])
         try:
-            tokens, logps = graphs(self.head, last, k, v, cached, [d.request.position for d in batch], counts)
+            out = graphs(self.head, [s.pending["h"] for s in states], [s.pending["tok"] for s in states],
+                         [d.request.last_token for d in batch], [s.kv["k"] for s in states],
+                         [s.kv["v"] for s in states], [d.request.position for d in batch], counts)
         except torch.cuda.OutOfMemoryError:
             log.warning("the MTP chain's static buffers do not fit: drafting with the eager chain from now on")
             self.chain_graphs = None
-            return None
-        return tokens.clone(), logps.clone()  # the chain's outputs are its buffers, rewritten by the next
+            return self._draft_tensors(batch)
+        exact = [len(s.pending) - 1 for s in states]
+        positions = np.concatenate([np.arange(d.request.position - n, d.request.position) for d, n in zip(batch, exact)])
+        pos = self.staging.put(positions).split(exact)
+        Rows.append_many([(s.kv, dict(k=out.k[i, :n], v=out.v[i, :n], pos=pos[i]))
+                          for i, (s, n) in enumerate(zip(states, exact)) if n])
+        for state, n in zip(states, exact):
+            state.exact += n
+            state.pending.drop_front(n)
+        return out.tokens.clone(), out.logps.clone()  # the chain's outputs are its buffers, rewritten by the next
+
+    def _build_oldest(self, over: Sequence[tuple[Draft, int]]) -> None:
+        """Build the oldest `count` pending pairs of each (draft, count) eagerly, as exact rows."""
+        hidden, tokens, positions = [], [], []
+        for d, count in over:
+            pending, first = d.state.pending, d.request.position - len(d.state.pending) + 1
+            hidden.append(pending["h"][:count])
+            tokens.append(pending["tok"][1:count + 1])
+            positions.append(torch.arange(first, first + count, device=self.device))
+        x = self.model.inputs(torch.cat(tokens), torch.cat(hidden), self.head)
+        self._extend([d.state for d, _ in over], x, torch.cat(positions), [count for _, count in over])
+        for d, count in over:
+            d.state.exact += count
+            d.state.pending.drop_front(count)
 
     def _autoregress(self, batch: Sequence[Draft], last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft from the anchors' outputs; each step feeds (embed(draft), output) one position on. Column

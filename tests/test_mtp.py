@@ -331,10 +331,12 @@ def test_bad_calls_raise_and_change_nothing(call, error):
 
 
 def drive_twins(static: MTPDrafter, eager: MTPDrafter, device: str = "cpu",
-                rounds=((1, 4, 2), (4, 4, 4), (3, 0, 1), (2, 3, 1), (2, 3, 4), (4, 1, 3))) -> int:
+                rounds=((1, 4, 2), (4, 4, 4), (3, 0, 1), (2, 3, 1), (2, 3, 4), (4, 1, 3), (4, 4, 2))) -> int:
     """Propose the same requests from both drafters round after round (one sequence's cache grown past
-    two length buckets first), accepting up to one draft each; the drafts must be the same, and the
-    confidences equal to rounding. Returns the proposes made."""
+    two length buckets first, so its first propose has more pending pairs than the static chain
+    builds), accepting every draft, none or one by turns (all of 4: the most pending pairs a propose
+    can have); the drafts must be the same, and the confidences equal to rounding. Returns the
+    proposes made."""
     histories = prefill_three(static, eager, seed=40)
     history = histories[1]
     tokens, rows = history.fresh(25)  # 9 + 25 rows: past the 16 and 32 buckets
@@ -352,12 +354,17 @@ def drive_twins(static: MTPDrafter, eager: MTPDrafter, device: str = "cpu",
             torch.testing.assert_close(torch.tensor(g.confidence or []), torch.tensor(w.confidence or []),
                                        atol=1e-4, rtol=1e-4)
         for request, proposal in zip(requests, want):
-            accept = min(1, request.num_drafts)
+            accept = min((request.num_drafts, 0, 1)[made % 3], request.num_drafts)
             _, rows = histories[request.seq_id].fresh(accept + 1)
             committed = [request.last_token] + proposal.tokens[:accept]
             for d in (static, eager):
                 d.commit_verified(request.seq_id, rows.to(device), accept, request.position, committed)
             histories[request.seq_id].add(committed, rows[:accept + 1])
+    for seq_id in histories:  # the same exact rows in both caches (the eager one also holds speculative ones)
+        mine, theirs = static.store.get(seq_id), eager.store.get(seq_id)
+        assert mine.exact == theirs.exact and len(mine.kv) == mine.exact
+        assert torch.equal(mine.kv["pos"], theirs.kv["pos"][:theirs.exact])
+        torch.testing.assert_close(mine.kv["k"], theirs.kv["k"][:theirs.exact], atol=1e-4, rtol=1e-4)
     return made
 
 
@@ -390,6 +397,8 @@ def _next_pos(drafter: MTPDrafter, seq_id: int) -> int:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_chain_graphs_draft_what_the_eager_chain_drafts_on_cuda():
     static, eager = make(max_batch=4, device="cuda"), make(max_batch=4, device="cuda")
+    assert eager.chain_graphs is not None  # on a GPU the graphs are the default: the twin goes eager
+    eager.chain_graphs = None
     static.use_static_chain(use_graphs=True)
     made = drive_twins(static, eager, device="cuda")
     assert static.chain_graphs.replays == made
