@@ -7,7 +7,7 @@ drafts are accepted), and costs T(B, k) seconds, which grows with k once the bat
 traffic, so they are measured, not configured: acceptance by draft position from every verified
 proposal, T as a moving average of the decode step's wall time per (batch bucket, k). Each bucket
 first tries every candidate k (largest first, which measures acceptance at every position), then
-takes the best estimate, and now and then retries the choice it measured longest ago, so a change in
+takes the best estimate (a one-off slow step, such as a graph captured mid-run, is clipped), and now and then retries the choice it measured longest ago, so a change in
 traffic or acceptance is noticed. Greedy or sampled, the output does not depend on k: only speed does.
 
 `choose` has no side effects: the engine asks it when it prefetches the next step's drafts and again
@@ -20,6 +20,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 CANDIDATES = (0, 1, 3, 7, 15)
+# A step more than OUTLIER times the average of its k counts as OUTLIER times it: a one-off (a graph
+# captured for a new shape mid-run, as the MTP chain does for each new cache length; a collection)
+# must not keep a k out for the many steps until its next retry. One that fast after the average held
+# such a one-off replaces it. A lasting change still moves the average within a few steps.
+OUTLIER = 2.0
 
 
 @dataclass
@@ -134,4 +139,9 @@ class DraftTuner:
         if seen == 0:
             return  # a shape's first step can carry one-time costs (captures, allocations): not counted
         old = bucket.seconds.get(k)
-        bucket.seconds[k] = seconds if old is None else old + self.smoothing * (seconds - old)
+        if old is None:
+            bucket.seconds[k] = seconds
+        elif seconds < old / OUTLIER:  # the average held a one-off: the new time takes over at once
+            bucket.seconds[k] = seconds
+        else:  # a one-off slow step moves the average as a step OUTLIER times as slow would
+            bucket.seconds[k] = old + self.smoothing * (min(seconds, OUTLIER * old) - old)

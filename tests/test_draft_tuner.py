@@ -133,3 +133,27 @@ def test_a_configured_cap_limits_what_the_tuner_tries():
         tuner.observe(8, k, step_seconds(8, k), [(k, k)] * 8)
     assert set(drive_capped) == {3, 1, 0}  # 15 and 7 would run as 3: never tried at this batch size
     assert tuner.best(8, 3) in (3, 1, 0) and tuner.choose(8, 5) in (3, 1, 0)
+
+
+def test_a_one_off_slow_step_does_not_keep_a_draft_length_out():
+    """A graph captured mid-run (the MTP chain captures one per new cache length) makes one step of a k
+    a hundred times slower: the tuner still settles on that k, and a lasting slowdown still counts."""
+    tuner = DraftTuner(3, retry_every=8)
+    rng = random.Random(3)
+    drive(tuner, 1, 20, rng)
+    want = best_k(1, tuner.choices)
+    assert want == 3 and tuner.best(1) == want
+    tuner.observe(1, want, 100 * step_seconds(1, want), [(want, 2)])  # a capture
+    assert tuner.best(1) == want
+    chosen = drive(tuner, 1, 40, rng)
+    assert chosen[-10:].count(want) >= 8
+    # the first counted step of a k a one-off (a capture on the step after its first): taken over at once
+    fresh = DraftTuner(3)
+    for k, seconds in ((3, 1.0), (3, 0.5), (3, step_seconds(1, 3))):
+        fresh.observe(1, k, seconds, [(k, 3)])
+    assert fresh._buckets[1].seconds[3] == pytest.approx(step_seconds(1, 3))
+    # a lasting slowdown of the best k: after some steps another k wins
+    for _ in range(60):
+        k = tuner.choose(1)
+        tuner.observe(1, k, step_seconds(1, k) * (10 if k == want else 1), [(k, min(k, 2))])
+    assert tuner.best(1) != want
