@@ -2,9 +2,10 @@
 # Source on the GPU host (the `device` tool's machine) before a benchmark or gpu tests:
 #   source tools/device_setup.sh
 # It puts the default model's GGUF back together from the pieces earlier calls left in /var/tmp/stage
-# (part00, part01, ...; a call carries at most 64 MiB, so the 98 MB file travels in pieces: here
-# `split -b 20m -d <the .gguf> .model/part`, then one call per piece copying it to /var/tmp/stage/,
-# the last piece carried with the call that sources this), installs the wheels the image lacks from
+# (part00, part01, ...; a call carries at most 64 MiB with the working tree, ~54 MiB of it tracked
+# files since the tenth session's drafter, so the 98 MB file travels in ~11 pieces cut by
+# `bash tools/split_model.sh <the .gguf>`, one call per piece copying it to /var/tmp/stage/, the last
+# piece carried with the call that sources this: see that script), installs the wheels the image lacks from
 # .whl/ (gguf, grpcio-health-checking, grpcio-reflection, prometheus-client), installs this checkout
 # editable and converts the model once into $SPECSPLIT_CACHE (kept under /var/tmp while the machine
 # stays warm). Use `python -m pip` there: the image's `pip` belongs to another interpreter.
