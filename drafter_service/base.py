@@ -283,8 +283,9 @@ class Drafter(ABC):
         for a in appends:
             self.append_rows(a.state, a.tokens, a.rows, a.base_pos)
 
-    # Whether committed rows may wait for the end of a `batched_appends` block. Only for kinds whose
-    # drop_speculative ignores them (DFlash keeps nothing speculative); MTP's trim must follow its commit.
+    # Whether committed rows may wait for the end of a `batched_appends` block: for kinds whose other
+    # verbs inside a block (trim, take_kv) do not read what commits append (DFlash keeps nothing
+    # speculative; MTP's commits only queue pending rows, which the propose after the block builds).
     defers_appends = False
 
     @contextmanager

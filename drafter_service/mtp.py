@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.drafter_service.base import (
-    Draft, Drafter, DraftVocab, Rows, SequenceState, batch_allowed, batched_attention, pad_rows, pick, proposals,
+    Append, Draft, Drafter, DraftVocab, Rows, SequenceState, batch_allowed, batched_attention, pad_rows, pick, proposals,
     valid_rows, visibility,
 )
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
@@ -237,8 +237,18 @@ class MTPDrafter(Drafter):
             pending=Rows({"h": ((dec.hidden_size,), self.dtype), "tok": ((), torch.long)}, self.device),
         )
 
+    # Committed rows only enter `pending` (the exact rows are built at propose time, which follows the
+    # block), so a step's commits may wait for the end of a batched block and go in together.
+    defers_appends = True
+
     def append_rows(self, state: MTPState, tokens: list[int], rows: torch.Tensor, base_pos: int) -> None:
-        state.pending.append(h=rows, tok=self.staging.put(tokens))
+        self.append_rows_batch([Append(state, tokens, rows, base_pos)])
+
+    def append_rows_batch(self, appends: Sequence[Append]) -> None:
+        """Every append's rows and tokens into its pending rows: one copy of all the tokens to the device,
+        one multi-tensor copy per column (a step commits to every sequence of the batch)."""
+        tokens = self.staging.put([t for a in appends for t in a.tokens]).split([len(a.tokens) for a in appends])
+        Rows.append_many([(a.state.pending, dict(h=a.rows, tok=tok)) for a, tok in zip(appends, tokens)])
 
     def drop_speculative(self, state: MTPState) -> None:
         state.kv.truncate(state.exact)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -244,6 +246,46 @@ def test_batched_propose_equals_per_sequence():
                 d.commit(request.seq_id, 2, request.position, committed)
                 d.trim(request.seq_id, 1)
             history.add(committed, rows)
+
+
+def test_commits_in_a_batched_block_equal_commits_one_by_one():
+    """A step's commits wait for the end of a batched block and enter every sequence's pending rows
+    together (a stash, a commit of it, a trim and a catch-up of the same sequence among them): the
+    drafter then holds and proposes what the same verbs one by one give."""
+    batched, alone = make(max_batch=4), make(max_batch=4)
+    histories = prefill_three(batched, alone, seed=50)
+    for round_ in range(3):
+        requests = [ProposeRequest(s, 30 + s + round_, h.next_pos, 3) for s, h in histories.items()]
+        want = alone.propose(requests)
+        assert [p.tokens for p in batched.propose(requests)] == [p.tokens for p in want]
+        steps = []
+        for request, proposal in zip(requests, want):
+            accept = (round_ + request.seq_id) % 4
+            _, rows = histories[request.seq_id].fresh(4)
+            steps.append((request, rows, accept, [request.last_token] + proposal.tokens[:accept]))
+        extra_tokens, extra_rows = histories[2].fresh(5)
+        for drafter in (batched, alone):
+            block = drafter.batched_appends() if drafter is batched else nullcontext()
+            with block:
+                for request, rows, accept, committed in steps:
+                    if request.seq_id == 0:
+                        drafter.stash(0, rows)
+                        drafter.commit(0, accept + 1, request.position, committed)
+                        drafter.trim(0, accept)
+                    else:
+                        drafter.commit_verified(request.seq_id, rows, accept, request.position, committed)
+                    if request.seq_id == 2:  # the same sequence again in the block: rows of a catch-up
+                        drafter.catchup(2, extra_tokens, extra_rows, request.position + accept + 1)
+                if drafter is batched:
+                    assert all(len(drafter.store.get(s).pending) <= 1 for s in histories)  # not entered yet
+        for request, rows, accept, committed in steps:
+            histories[request.seq_id].add(committed, rows[:accept + 1])
+        histories[2].add(extra_tokens, extra_rows)
+        for seq_id in histories:
+            mine, theirs = batched.store.get(seq_id), alone.store.get(seq_id)
+            assert mine.next_pos == theirs.next_pos
+            assert torch.equal(mine.pending["tok"], theirs.pending["tok"])
+            assert torch.equal(mine.pending["h"], theirs.pending["h"])
 
 
 def test_drafts_left_on_the_device_equal_the_host_paths():
