@@ -258,6 +258,9 @@ class MTPDrafter(Drafter):
         if request.num_drafts and not len(state.pending):
             raise StateConflict(f"sequence {request.seq_id}: MTP needs the target row before the anchor; "
                                 "nothing is committed yet")
+        if state.exact + len(state.pending) != state.next_pos:  # exact rows, then pending ones, reach next_pos
+            raise StateConflict(f"sequence {request.seq_id}: committed rows up to position {state.next_pos - 1} "
+                                "are not all in (a batched block still holds them, or entering them failed)")
         return allowed
 
     def draft(self, batch: Sequence[Draft]) -> list[Proposal]:

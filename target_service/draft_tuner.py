@@ -22,8 +22,10 @@ from typing import Iterable, Sequence
 CANDIDATES = (0, 1, 3, 7, 15)
 # A step more than OUTLIER times the average of its k counts as OUTLIER times it: a one-off (a graph
 # captured for a new shape mid-run, as the MTP chain does for each new cache length; a collection)
-# must not keep a k out for the many steps until its next retry. One that fast after the average held
-# such a one-off replaces it. A lasting change still moves the average within a few steps.
+# must not keep a k out for the many steps until its next retry. While a k is still being measured
+# (its warm-up steps), one that fast after an average of such a one-off replaces it; later, a short
+# step (fewer drafts near a request's end) only moves the average. A lasting change still moves it
+# within a few steps.
 OUTLIER = 2.0
 
 
@@ -141,7 +143,7 @@ class DraftTuner:
         old = bucket.seconds.get(k)
         if old is None:
             bucket.seconds[k] = seconds
-        elif seconds < old / OUTLIER:  # the average held a one-off: the new time takes over at once
-            bucket.seconds[k] = seconds
+        elif seconds < old / OUTLIER and seen <= self.warmup:  # a first counted step that was a one-off
+            bucket.seconds[k] = seconds  # (a capture on a shape's second step): the new time takes over
         else:  # a one-off slow step moves the average as a step OUTLIER times as slow would
             bucket.seconds[k] = old + self.smoothing * (min(seconds, OUTLIER * old) - old)

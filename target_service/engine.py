@@ -440,8 +440,9 @@ class Engine:
         were committed. A drafter service gets the proposes with the step's commits in one message
         (`RemoteProposer.prefetch`) and drafts while the host emits and admits. In-process, only device
         drafts are prefetched: such a propose changes nothing a later propose or commit depends on
-        (DFlash's is a pure read of its context; MTP drops its speculative rows before drafting again),
-        so drafts nobody takes are dropped.
+        (DFlash's is a pure read of its context; MTP's builds exact rows from committed data only, the
+        same whichever propose builds them, and drops its speculative ones before drafting again), so
+        drafts nobody takes are dropped.
         They are taken only if no other drafter work ran on the device in between (a prefill drops
         them), so between the propose and the verify that reads its drafts there is nothing but what
         there is without a prefetch."""

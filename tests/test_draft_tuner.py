@@ -152,6 +152,10 @@ def test_a_one_off_slow_step_does_not_keep_a_draft_length_out():
     for k, seconds in ((3, 1.0), (3, 0.5), (3, step_seconds(1, 3))):
         fresh.observe(1, k, seconds, [(k, 3)])
     assert fresh._buckets[1].seconds[3] == pytest.approx(step_seconds(1, 3))
+    # past its warm-up, one short step of a k (fewer drafts near a request's end) only moves its average
+    settled = tuner._buckets[1].seconds[want]
+    tuner.observe(1, want, settled / 10, [(want, 2)])
+    assert tuner._buckets[1].seconds[want] == pytest.approx(settled + 0.25 * (settled / 10 - settled))
     # a lasting slowdown of the best k: after some steps another k wins
     for _ in range(60):
         k = tuner.choose(1)

@@ -281,6 +281,13 @@ def test_commits_in_a_batched_block_equal_commits_one_by_one():
         for request, rows, accept, committed in steps:
             histories[request.seq_id].add(committed, rows[:accept + 1])
         histories[2].add(extra_tokens, extra_rows)
+        with batched.batched_appends():  # a propose while its rows wait in the block: refused, not wrong
+            _, rows = histories[0].fresh(1)
+            batched.commit_verified(0, rows, 0, histories[0].next_pos, [5])
+            with pytest.raises(StateConflict, match="not all in"):
+                batched.propose([ProposeRequest(0, 6, histories[0].next_pos + 1, 2)])
+        alone.commit_verified(0, rows, 0, histories[0].next_pos, [5])
+        histories[0].add([5], rows)
         for seq_id in histories:
             mine, theirs = batched.store.get(seq_id), alone.store.get(seq_id)
             assert mine.next_pos == theirs.next_pos
