@@ -315,7 +315,8 @@ class MTPDrafter(Drafter):
         exact = [len(s.pending) - 1 for s in states]
         positions = np.concatenate([np.arange(d.request.position - n, d.request.position) for d, n in zip(batch, exact)])
         pos = self.staging.put(positions).split(exact)
-        Rows.append_many([(s.kv, dict(k=out.k[i, :n], v=out.v[i, :n], pos=pos[i]))
+        built_k, built_v = out.k.contiguous(), out.v.contiguous()  # contiguous rows: one multi-tensor copy
+        Rows.append_many([(s.kv, dict(k=built_k[i, :n], v=built_v[i, :n], pos=pos[i]))
                           for i, (s, n) in enumerate(zip(states, exact)) if n])
         for state, n in zip(states, exact):
             state.exact += n

@@ -4,7 +4,7 @@ A propose first builds the exact rows committed since the last one (each pair (h
 the anchor: the layer's K/V for the cache, and the anchor's output), then drafts M tokens by
 autoregressing the layer on its own outputs. The eager path (`MTPDrafter._exact_inputs`, `_extend`,
 `_autoregress`) pads every cache at every layer step and launches each op from the host: some hundred
-launches a propose. Here the sequences' caches are padded once per propose into a bucket's static
+launches a propose. Here the sequences' caches are copied once per propose into a bucket's static
 buffers [B, C + P + M - 1] (batch bucket B, cache-length bucket C, P = max drafts + 2 pending pairs,
 M drafts): columns 0..C-1 hold the cache (its padding masked off), columns C..C+P-1 the pending
 pairs' K/V (causal among themselves), column C + P + s - 1 draft step s + 1's. The pending pairs, the M
@@ -23,13 +23,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from specsplit.drafter_service.base import pad_rows, pick
+from specsplit.drafter_service.base import pick
 from specsplit.drafter_service.graphs import _Replayable
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for
 from specsplit.shared.layers import SelfAttention, grouped_attention, grouped_mask
+from specsplit.shared.ragged import ragged_arange
 from specsplit.shared.staging import HostStaging
 
 # A bucket's static K/V rows, batch x (cache length + pending pairs + drafts - 1), at most: past it the eager path (the
@@ -105,16 +107,36 @@ class ChainGraphs:
         pairs = [part.shape[0] for part in pending_h]
         self.staging.put_into(b.meta, [list(positions) + pad, list(counts) + pad, pairs + pad,
                                        list(anchor_tokens) + pad, cached + pad])
-        h, tok = pad_rows(pending_h), pad_rows(pending_tok)
-        b.h[:n, :h.shape[1]].copy_(h)
-        b.tok[:n, :tok.shape[1]].copy_(tok)
-        if max(cached):
-            b.k[:n, :, :max(cached)].copy_(pad_rows(k).transpose(1, 2))
-            b.v[:n, :, :max(cached)].copy_(pad_rows(v).transpose(1, 2))
+        self._fill(b, pending_h, pending_tok, k, v, pairs, cached)
         tokens, logps = runs[(size, cache, most)]()
         self.replays += 1
         built = slice(cache, cache + self.prefix)
         return ChainOut(tokens[:n], logps[:n], b.k[:n, :, built].transpose(1, 2), b.v[:n, :, built].transpose(1, 2))
+
+    def _fill(self, b: _ChainBuffers, pending_h: Sequence[torch.Tensor], pending_tok: Sequence[torch.Tensor],
+              k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], pairs: list[int], cached: list[int]) -> None:
+        """The sequences' pending rows and caches into the bucket's buffers (row i for sequence i). One
+        sequence: four plain copies. Several: each kind of row concatenated and scattered by (sequence,
+        column) indices that reach the device in one copy, a fixed number of launches for any batch
+        (padding the parts first would copy each sequence's rows one by one)."""
+        if len(pairs) == 1:
+            b.h[0, :pairs[0]].copy_(pending_h[0])
+            b.tok[0, :pairs[0]].copy_(pending_tok[0])
+            if cached[0]:
+                b.k[0, :, :cached[0]].copy_(k[0].transpose(0, 1))
+                b.v[0, :, :cached[0]].copy_(v[0].transpose(0, 1))
+            return
+        counts = np.asarray(pairs + cached, dtype=np.int64)
+        owners = np.repeat(np.tile(np.arange(len(pairs), dtype=np.int64), 2), counts)
+        index = self.staging.put(np.stack([owners, ragged_arange(counts)]))
+        split = sum(pairs)
+        row, column = index[0, :split], index[1, :split]
+        b.h[row, column] = torch.cat(list(pending_h))
+        b.tok[row, column] = torch.cat(list(pending_tok))
+        if split < index.shape[1]:
+            row, column = index[0, split:], index[1, split:]
+            b.k[row, :, column] = torch.cat(list(k))
+            b.v[row, :, column] = torch.cat(list(v))
 
     def _chain(self, head: TargetHead, b: _ChainBuffers, most: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The static propose over bucket `b`: the pending pairs, then M picks and M - 1 layer steps."""
