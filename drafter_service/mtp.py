@@ -313,7 +313,8 @@ class MTPDrafter(Drafter):
             self.chain_graphs = None
             return self._draft_tensors(batch)
         exact = [len(s.pending) - 1 for s in states]
-        positions = np.concatenate([np.arange(d.request.position - n, d.request.position) for d, n in zip(batch, exact)])
+        positions = np.concatenate([np.arange(d.request.position - n, d.request.position)
+                                    for d, n in zip(batch, exact)])
         pos = self.staging.put(positions).split(exact)
         built_k, built_v = out.k.contiguous(), out.v.contiguous()  # contiguous rows: one multi-tensor copy
         Rows.append_many([(s.kv, dict(k=built_k[i, :n], v=built_v[i, :n], pos=pos[i]))

@@ -7,8 +7,9 @@ drafts are accepted), and costs T(B, k) seconds, which grows with k once the bat
 traffic, so they are measured, not configured: acceptance by draft position from every verified
 proposal, T as a moving average of the decode step's wall time per (batch bucket, k). Each bucket
 first tries every candidate k (largest first, which measures acceptance at every position), then
-takes the best estimate (a one-off slow step, such as a graph captured mid-run, is clipped), and now and then retries the choice it measured longest ago, so a change in
-traffic or acceptance is noticed. Greedy or sampled, the output does not depend on k: only speed does.
+takes the best estimate (a one-off slow step, such as a graph captured mid-run, is clipped), and
+now and then retries the choice it measured longest ago, so a change in traffic or acceptance is
+noticed. Greedy or sampled, the output does not depend on k: only speed does.
 
 `choose` has no side effects: the engine asks it when it prefetches the next step's drafts and again
 when that step proposes, and both must get the same k until `observe` records the step.

@@ -286,3 +286,24 @@ def test_large_drafters_are_saved_in_shards_that_load_exactly(tmp_path):
         load_drafter(tmp_path, HEAD, target_info=INFO)
     with pytest.raises(InvalidRequest, match="alone"):
         save_dflash(tmp_path, drafter, max_file_bytes=limit - 1)
+
+
+def test_the_shipped_dflash_drafter_keeps_z_labs_layout():
+    """The checkpoint we ship loads unchanged in z-lab's DFlashDraftModel.from_pretrained: its shards hold
+    exactly that model's tensors for its layer count, and its config carries the fields the reference
+    reads at top level and under dflash_config (with the rope/norm values it was trained with)."""
+    from specsplit.local import SHIPPED, SHIPPED_DIR
+
+    folder = SHIPPED_DIR / SHIPPED["dflash"]
+    config = json.loads((folder / "config.json").read_text())
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == zlab_tensor_names(config["num_hidden_layers"])
+    assert set(index["weight_map"].values()) == {f.name for f in folder.glob("model-*.safetensors")}
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 16
+    assert config["num_target_layers"] == 30 and config["dflash_config"]["mask_token_id"] == 49151
+    fc = load_file(str(folder / index["weight_map"]["fc.weight"]))["fc.weight"]  # it reads every target layer
+    width = config["hidden_size"]
+    assert tuple(fc.shape) == (width, len(config["dflash_config"]["target_layer_ids"]) * width)
+    assert config["rope_theta"] == 100000.0 and config["rms_norm_eps"] == pytest.approx(1e-5)
+    for shard in folder.glob("model-*.safetensors"):
+        assert shard.stat().st_size <= 16 * 1024 * 1024  # what one file back from the GPU host may weigh
