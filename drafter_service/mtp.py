@@ -326,14 +326,9 @@ class MTPDrafter(Drafter):
 
     def _build_oldest(self, over: Sequence[tuple[Draft, int]]) -> None:
         """Build the oldest `count` pending pairs of each (draft, count) eagerly, as exact rows."""
-        hidden, tokens, positions = [], [], []
-        for d, count in over:
-            pending, first = d.state.pending, d.request.position - len(d.state.pending) + 1
-            hidden.append(pending["h"][:count])
-            tokens.append(pending["tok"][1:count + 1])
-            positions.append(torch.arange(first, first + count, device=self.device))
-        x = self.model.inputs(torch.cat(tokens), torch.cat(hidden), self.head)
-        self._extend([d.state for d, _ in over], x, torch.cat(positions), [count for _, count in over])
+        drafts, counts = [d for d, _ in over], [count for _, count in over]
+        x, pos, lengths = self._exact_inputs(drafts, counts)
+        self._extend([d.state for d in drafts], x, pos, lengths)
         for d, count in over:
             d.state.exact += count
             d.state.pending.drop_front(count)
@@ -365,16 +360,19 @@ class MTPDrafter(Drafter):
             last = self._extend([batch[i].state for i in live], x, pos, [1] * len(live))
         return tokens, logps
 
-    def _exact_inputs(self, batch: Sequence[Draft]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Pairs (h_{i-1}, x_i) for every position from the first unbuilt one up to the anchor."""
+    def _exact_inputs(self, batch: Sequence[Draft], counts: Sequence[int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Pairs (h_{i-1}, x_i) for every position from the first unbuilt one up to the anchor (or only
+        the first counts[b] of them)."""
         hidden, tokens, positions, lengths = [], [], [], []
-        for d in batch:
+        for i, d in enumerate(batch):
             pending, anchor = d.state.pending, d.request.position
             n = len(pending)
-            hidden.append(pending["h"])
-            tokens.append(torch.cat([pending["tok"][1:], self.staging.put([d.request.last_token])]))
-            positions.append(torch.arange(anchor - n + 1, anchor + 1, device=self.device))
-            lengths.append(n)
+            count = n if counts is None else counts[i]
+            hidden.append(pending["h"][:count])
+            tokens.append(torch.cat([pending["tok"][1:], self.staging.put([d.request.last_token])])[:count])
+            positions.append(torch.arange(anchor - n + 1, anchor - n + 1 + count, device=self.device))
+            lengths.append(count)
         x = self.model.inputs(torch.cat(tokens), torch.cat(hidden), self.head)
         return x, torch.cat(positions), lengths
 
