@@ -334,7 +334,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         started = time.perf_counter()
         batch, errors = wire.step_from_proto(request)
         parsed = time.perf_counter()
-        if batch.seqs or batch.verified or batch.proposes or batch.register or batch.release:
+        working = bool(batch.seqs or batch.verified or batch.proposes or batch.register or batch.release)
+        if working:
             stream.last_work = time.monotonic()  # now: a stream waiting for its writes is not idle
         if batch.register:  # mapped first, so that the wait below covers rows in them
             with self._lock:
@@ -350,7 +351,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             locked = time.perf_counter()
             if session.closed:  # evicted, or the server closed, while this message was read
                 return None
-            if batch.seqs or batch.verified or batch.proposes or batch.register or batch.release:
+            if working:  # again, after the wait
                 stream.last_work = time.monotonic()
             result = session.step(batch, errors)
             phases = session.last_phases
