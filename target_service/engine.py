@@ -27,7 +27,7 @@ from specsplit.shared.tokenizer import TextStream
 from specsplit.shared.verify import verify_sampled
 from specsplit.target_service.counters import EngineCounters
 from specsplit.target_service.draft_tuner import DraftTuner
-from specsplit.target_service.graphs import DeviceDrafts, StepBatch, StepGraphs
+from specsplit.target_service.graphs import DeviceDrafts, LaunchedStep, StepBatch, StepGraphs
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, ForwardOutput, TargetModel
 from specsplit.target_service.sequence import FinishReason, Request, Sequence, StepEvent
 
@@ -51,6 +51,9 @@ class EngineConfig:
     # 0, 1, 3, 7, 15 (within the limits above) that gives the most tokens per second of decode step.
     auto_drafts: bool = False
     cuda_graphs: bool = True  # on a GPU, replay decode/verify steps as captured CUDA graphs
+    # Greedy steps with no drafts launch the next step before reading this one's picks (see
+    # Engine._greedy_step_ahead): the device decodes while the host emits. Needs the captured steps.
+    decode_ahead: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
@@ -113,6 +116,8 @@ class Engine:
         # Drafts launched at the end of a step for the next (see _prefetch_drafts): (requests, drafts).
         self._prefetched: tuple[list[ProposeRequest], DeviceDrafts] | None = None
         self._prefetch_seconds = 0.0  # host time of that launch, counted in the next step's time (tuner)
+        # A greedy decode step launched ahead, its picks not yet read (see _greedy_step_ahead)
+        self._ahead: LaunchedStep | None = None
 
     def _new_tuner(self) -> DraftTuner | None:
         if not self.config.auto_drafts or self.proposer is None or self.proposer.spec is None:
@@ -305,6 +310,11 @@ class Engine:
         return self.drafter_ok and seq.request.speculative and not seq.drafter_refused
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
+        if self._decodes_ahead(seqs):
+            return self._greedy_step_ahead(seqs)
+        # A step launched ahead and not taken is dropped: its sequences' tokens are computed again, the
+        # same way (its K/V writes are the same values at the same positions).
+        self._ahead = None
         step_started = time.perf_counter()
         choice = self._max_drafts(len(seqs)) if self.tuner is not None else 0
         drafts, on_device = self._propose(seqs)
@@ -357,6 +367,47 @@ class Engine:
         if self._prefetched is not None:
             self._prefetch_seconds = time.perf_counter() - prefetch_started
         return [self._emit(seq, new_tokens, k) for seq, new_tokens, k in zip(seqs, accepted_tokens, kept)]
+
+    def _decodes_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether this step can run one ahead: plain greedy decoding on captured steps, nothing to tell
+        a drafter and no logits needed on the host."""
+        return (self.config.decode_ahead and self.graphs is not None and self.graphs.bucket(len(seqs), 1) is not None
+                and all(s.request.params.greedy and not s.drafter_attached for s in seqs))
+
+    def _greedy_step_ahead(self, seqs: list[Sequence]) -> list[StepEvent]:
+        """Greedy decoding with the device one step ahead of the host: launch the next step, fed on the
+        device by the picks of the step launched last time, then read those picks and emit them. The
+        device decodes while the host samples, detokenizes, emits and admits, so a step costs the
+        greater of the two instead of their sum.
+
+        A sequence in the step launched last time emits its pick now; one that was not (just admitted,
+        or after a speculative step) is launched from its last token and emits next time. A pick past a
+        sequence's end (an EOS, a stop string, a cancel) is dropped with its sequence: a launched step
+        that wrote K/V to blocks freed since comes before, in stream order, anything that reuses them."""
+        pending, self._ahead = self._ahead, None
+        started = time.perf_counter()
+        row_of = {} if pending is None else {seq_id: i for i, seq_id in enumerate(pending.seq_ids)}
+        carried = [s for s in seqs if s.seq_id in row_of]  # their token now: pending's pick, on the device
+        launch = [s for s in seqs if s.seq_id not in row_of or s.remaining > 1]
+        if launch:
+            fed = [i for i, s in enumerate(launch) if s.seq_id in row_of]
+            step = StepBatch([s.seq_id for s in launch],
+                             [[0] if s.seq_id in row_of else [s.tokens[-1]] for s in launch],
+                             [s.last_position + (s.seq_id in row_of) for s in launch])
+            feed = None if not fed else DeviceDrafts(pending.device_picks.view(-1, 1), fed, [1] * len(fed),
+                                                    [row_of[launch[i].seq_id] for i in fed], column=0)
+            self._ahead = self.graphs.launch_greedy(step, feed)
+        if not carried:
+            return []
+        picks = pending.picks()
+        verified = time.perf_counter()
+        events = []
+        for seq in carried:
+            seq.stats.steps += 1
+            self.counters.verified(0, 0)
+            events.append(self._emit(seq, [picks[row_of[seq.seq_id]]]))
+        self._count_step(started, verified)
+        return events
 
     def _commit_many(self, many, batch: _VerifiedBatch, features: torch.Tensor) -> None:
         """The step's verified sequences told to the drafter in one call (`commit_verified_many`)."""

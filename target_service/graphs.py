@@ -51,6 +51,30 @@ class DeviceDrafts:
     seqs: list[int]  # index in the step of each sequence that has drafts
     counts: list[int]  # its number of drafts
     rows: list[int]  # its row of `tokens`
+    # Where in each sequence's token list the first of them goes: 1, after its last committed token
+    # (drafts); 0 for a decode step fed the picks of the step before it (`StepGraphs.launch_greedy`).
+    column: int = 1
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A one-token-per-sequence step launched on the device, its greedy picks on their way to the host.
+
+    `device_picks` may be a view of the graph's own argmax buffer: a later step can still read it as
+    its input (see `StepGraphs.launch_greedy`), since the graph overwrites it only on its next replay,
+    which comes after that read in stream order."""
+
+    seq_ids: list[int]
+    positions: list[int]  # each sequence's position in this step
+    device_picks: torch.Tensor  # [len(seq_ids)] int64, in sequence order
+    host_picks: torch.Tensor  # [>= len(seq_ids)] int64, pinned on a GPU
+    ready: torch.cuda.Event | None  # recorded after the copy to host_picks (None: a CPU step, done)
+
+    def picks(self) -> list[int]:
+        """Each sequence's greedy pick, in order: waits for this step's copy alone."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host_picks[:len(self.seq_ids)].tolist()
 
 
 def _input_buffers(batch: int, query_len: int, max_blocks: int, device: torch.device, *,
@@ -134,7 +158,8 @@ class StaticForward:
         offset = ragged_arange(counts)
         placed = len(offset)
         if placed:
-            inputs[4, :placed] = np.repeat(np.asarray(drafts.seqs, dtype=np.int64) * q + 1, counts) + offset
+            first = np.asarray(drafts.seqs, dtype=np.int64) * q + drafts.column
+            inputs[4, :placed] = np.repeat(first, counts) + offset
             inputs[5, :placed] = np.repeat(np.asarray(drafts.rows, dtype=np.int64) * width, counts) + offset
         return placed
 
@@ -224,6 +249,12 @@ class StepGraphs:
         self.forwards = {(b, q): StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block, weights)
                          for b in self.batches for q in self.query_lens}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # Where launched steps' picks land on the host, two in turn: a launch may be queued while the
+        # one before it is still unread, never more (see `launch_greedy`).
+        pinned = cache.device.type == "cuda"
+        self._picks = [torch.zeros(self.batches[-1], dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._picks_ready = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self._turn = 0
         if use_graphs:
             self._capture_all()
 
@@ -236,6 +267,34 @@ class StepGraphs:
         their tokens replace the step's placeholders on the device, in stream order after the drafter's
         forward (so the host need not wait for it). A step that fills its bucket gets the graph's own
         logits buffer (no copy), valid until the next forward of that bucket."""
+        fwd, rows, out = self._run(step, drafts)
+        pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+        # Without padding the logits are in token order already: no copy of [B * Q, vocab] floats. Feature
+        # rows are always copied: a drafter may hold them past the next forward (a stash not yet sent).
+        logits = out.logits if rows.numel() == fwd.batch * fwd.query_len else pick(out.logits)
+        return ForwardOutput(logits, pick(out.layer_features), pick(out.last_hidden),
+                             bucket_argmax=out.bucket_argmax, bucket_rows=fwd.host_rows)
+
+    def launch_greedy(self, step: StepBatch, fed: DeviceDrafts | None = None) -> LaunchedStep:
+        """A step of one token per sequence, launched without waiting for it: its greedy picks come back
+        through `LaunchedStep.picks`. `fed` (column 0) takes a sequence's token from an earlier launch's
+        `device_picks` still on the device, so steps can be queued back to back while the host handles
+        the picks of the one before (nothing here reads logits or features)."""
+        if any(len(t) != 1 for t in step.tokens):
+            raise InvalidRequest("a greedy launch takes exactly one token per sequence")
+        fwd, rows, out = self._run(step, fed)
+        n = len(step.seq_ids)
+        # In a Q = 1 bucket sequence i's token is row i: the picks are a view of the graph's buffer
+        picks = out.bucket_argmax[:n] if fwd.query_len == 1 else out.bucket_argmax.index_select(0, rows)
+        host, ready = self._picks[self._turn], self._picks_ready[self._turn]
+        self._turn ^= 1
+        host[:n].copy_(picks, non_blocking=True)
+        if ready is not None:
+            ready.record()
+        return LaunchedStep(list(step.seq_ids), list(step.starts), picks, host, ready)
+
+    def _run(self, step: StepBatch, drafts: DeviceDrafts | None) -> tuple[StaticForward, torch.Tensor, ForwardOutput]:
+        """Load the step into its bucket and run it: (the bucket's forward, the step's rows of it, its output)."""
         lengths = [len(t) for t in step.tokens]
         key = self.bucket(len(lengths), max(lengths))
         if key is None or min(lengths) == 0:
@@ -253,12 +312,7 @@ class StepGraphs:
         else:
             graph.replay()
             out = fwd.output
-        pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
-        # Without padding the logits are in token order already: no copy of [B * Q, vocab] floats. Feature
-        # rows are always copied: a drafter may hold them past the next forward (a stash not yet sent).
-        logits = out.logits if rows.numel() == fwd.batch * fwd.query_len else pick(out.logits)
-        return ForwardOutput(logits, pick(out.layer_features), pick(out.last_hidden),
-                             bucket_argmax=out.bucket_argmax, bucket_rows=fwd.host_rows)
+        return fwd, rows, out
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()

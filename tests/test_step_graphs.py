@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -379,3 +381,108 @@ def test_device_drafts_on_the_gpu_survive_requests_admitted_mid_run(smollm2_dir,
     got, stats = run(drafter)
     assert got == want
     assert sum(s.accepted for s in stats) > 0
+
+
+def test_greedy_decoding_one_step_ahead_is_lossless(tiny_chat_dir):
+    """Greedy target-only decoding on static steps runs the device one step ahead of the host (each step
+    fed the last step's picks on the device): it emits what the eager engine emits, token for token and
+    character for character, through an EOS, a stop string, a stop id, max_tokens, admissions while
+    others run (max_batch 2), a cancel, and a sampled request beside greedy ones (which steps normally)."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time", "Hello", "1 2 3 4"]
+
+    def engine(static: bool, eos=()):
+        e = Engine(target, None, EngineConfig(max_batch=2), eos_ids=eos, text_stream=tokenizer.stream)
+        if static:
+            e.graphs = StepGraphs(target, e.cache, e.capture, max_batch=2, query_lens=(1,), max_len=256,
+                                  use_graphs=False)
+        return e
+
+    def outputs(events):
+        return {rid: ([t for e in evs for t in e.token_ids], "".join(e.text_delta for e in evs),
+                      evs[-1].finish_reason) for rid, evs in events.items()}
+
+    plain = [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=9 + 4 * i, ignore_eos=True))
+             for i, p in enumerate(prompts)]
+    free = outputs(engine(False).generate(plain))
+    eos, stop_id = free["r1"][0][4], free["r3"][0][6]
+    stop_text = tokenizer.decode(free["r2"][0][3:6])
+    reqs = lambda: [  # noqa: E731
+        Request("r0", plain[0].prompt_ids, SamplingParams(max_tokens=20)),  # may meet the EOS
+        Request("r1", plain[1].prompt_ids, SamplingParams(max_tokens=20)),  # meets it at its 5th token
+        Request("r2", plain[2].prompt_ids, SamplingParams(max_tokens=20, ignore_eos=True, stop_strings=(stop_text,))),
+        Request("r3", plain[3].prompt_ids, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop_id,))),
+        Request("r4", plain[4].prompt_ids, SamplingParams(max_tokens=11, ignore_eos=True)),
+        Request("r5", plain[0].prompt_ids, SamplingParams(max_tokens=7, temperature=0.8, seed=3, ignore_eos=True)),
+        Request("r6", plain[2].prompt_ids, SamplingParams(max_tokens=15, ignore_eos=True)),
+    ]
+    reference = outputs(engine(False, {eos}).generate(reqs()))
+    assert reference["r1"][2] == "eos" and reference["r2"][2] == reference["r3"][2] == "stop"
+
+    ahead = engine(True, {eos})
+    launches = []
+    launch = ahead.graphs.launch_greedy
+    ahead.graphs.launch_greedy = lambda *a: launches.append(1) or launch(*a)
+    assert outputs(ahead.generate(reqs())) == reference
+    assert len(launches) > 20 and ahead.cache.num_free_blocks == ahead.cache.num_blocks - 1  # scratch kept
+
+    # A cancel while a step for the request is in flight: the others are unchanged, the blocks come back.
+    ahead = engine(True, {eos})
+    for r in reqs()[:4]:
+        ahead.add(r)
+    events: dict[str, list] = {}
+    for n in range(40):
+        if n == 4:
+            assert ahead._ahead is not None and ahead.abort("r0")
+        for e in ahead.step():
+            events.setdefault(e.request_id, []).append(e)
+        if not ahead.has_work:
+            break
+    got = outputs(events)
+    assert all(got[r] == reference[r] for r in ("r1", "r2", "r3"))
+    assert got["r0"][0] == reference["r0"][0][:len(got["r0"][0])]
+    assert ahead.cache.num_free_blocks == ahead.cache.num_blocks - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decoding_ahead_on_the_gpu_equals_step_by_step(smollm2_dir):
+    """On a GPU the step launched ahead is queued behind the one whose picks the host has not read yet,
+    reads its tokens from that step's argmax buffer before the same graph overwrites it, and its picks
+    land in the other of two pinned buffers: the default model, bf16, real EOS, requests admitted while
+    others decode (max_batch 3, 12 prompts) and a cancel mid-run emit what step-by-step decoding emits."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+    target = load_target(smollm2_dir, dtype=torch.bfloat16, device="cuda")
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)[:12]]
+
+    def run(ahead: bool):
+        engine = Engine(target, None, EngineConfig(max_batch=3, decode_ahead=ahead), eos_ids=tokenizer.eos_token_ids)
+        for i, p in enumerate(prompts):
+            engine.add(Request(f"r{i}", p, SamplingParams(max_tokens=40 + 7 * (i % 3))))
+        events: dict[str, list[int]] = {}
+        for n in itertools.count():
+            if n == 9:
+                engine.abort("r1")
+            for e in engine.step():
+                events.setdefault(e.request_id, []).extend(e.token_ids)
+            if not engine.has_work:
+                return events, engine
+
+    want, _ = run(False)
+    got, engine = run(True)
+    cut, full = sorted((got.pop("r1", []), want.pop("r1", [])), key=len)  # cancelled at a step, not a token
+    assert cut == full[:len(cut)]
+    assert got == want
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1  # all but the scratch block
