@@ -118,6 +118,8 @@ class Engine:
         self._prefetch_seconds = 0.0  # host time of that launch, counted in the next step's time (tuner)
         # A greedy decode step launched ahead, its picks not yet read (see _greedy_step_ahead)
         self._ahead: LaunchedStep | None = None
+        # A speculative step's verify launched ahead, before the step before it emitted (see _launch_ahead)
+        self._launched: _LaunchedVerify | None = None
 
     def _new_tuner(self) -> DraftTuner | None:
         if not self.config.auto_drafts or self.proposer is None or self.proposer.spec is None:
@@ -311,10 +313,15 @@ class Engine:
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
         if self._decodes_ahead(seqs):
+            self._launched = None
             return self._greedy_step_ahead(seqs)
         # A step launched ahead and not taken is dropped: its sequences' tokens are computed again, the
         # same way (its K/V writes are the same values at the same positions).
         self._ahead = None
+        return self._finish_verify(self._take_launched(seqs) or self._launch_verify(seqs))
+
+    def _launch_verify(self, seqs: list[Sequence]) -> _LaunchedVerify:
+        """Propose (or take the prefetched drafts) and launch the step's verify, without waiting for it."""
         step_started = time.perf_counter()
         choice = self._max_drafts(len(seqs)) if self.tuner is not None else 0
         drafts, on_device = self._propose(seqs)
@@ -322,6 +329,29 @@ class Engine:
         starts = [s.last_position for s in seqs]
         started = time.perf_counter()
         out = self._verify_forward([s.seq_id for s in seqs], inputs, starts, on_device)
+        return _LaunchedVerify(list(seqs), drafts, starts, on_device, out, choice, step_started, started,
+                               self._prefetch_seconds, self.drafter_ok, [len(s.tokens) for s in seqs])
+
+    def _take_launched(self, seqs: list[Sequence]) -> _LaunchedVerify | None:
+        """The verify launched at the end of the last step, if it holds exactly these sequences as they
+        stand (those that ended since it was launched left out); otherwise it is dropped."""
+        launched, self._launched = self._launched, None
+        if launched is None or launched.drafter_ok != self.drafter_ok:
+            return None
+        going = [(s, n) for s, n in zip(launched.seqs, launched.lengths) if self._is_running(s)]
+        if [s for s, _ in going] != seqs or any(len(s.tokens) != n for s, n in going):
+            return None
+        return launched
+
+    def _is_running(self, seq: Sequence) -> bool:
+        return seq.finish_reason is None and self.running.get(seq.request.request_id) is seq
+
+    def _finish_verify(self, step: _LaunchedVerify) -> list[StepEvent]:
+        """Read a launched verify back, accept, tell the drafter, prefetch the next drafts, launch the next
+        verify when it can go ahead (see _launch_ahead), then emit. Sequences of the step that ended
+        after it was launched (a stop string, a cancel) are passed over: their rows were computed for
+        nothing."""
+        seqs, drafts, starts, on_device, out = step.seqs, step.drafts, step.starts, step.on_device, step.out
         argmax = None
         if on_device is not None:  # one wait for the drafts and the verify's greedy picks together
             drafts, argmax = self._read_drafts(drafts, on_device, out)
@@ -329,12 +359,16 @@ class Engine:
             (argmax,) = out.greedy_picks()
         accepted_tokens = self._sample(seqs, out.logits, drafts, argmax)  # host lists: the device is done
         verified = time.perf_counter()
+        going = [self._is_running(s) for s in seqs]
         features = self._features(out)
         offset = 0
         many = _capability(self.proposer, "commit_verified_many") if self.drafter_ok else None
         batch = _VerifiedBatch()  # the step's commits, for a drafter that takes them in one call
         with self._batched_appends():
-            for seq, draft, new_tokens, start in zip(seqs, drafts, accepted_tokens, starts):
+            for seq, draft, new_tokens, start, live in zip(seqs, drafts, accepted_tokens, starts, going):
+                if not live:
+                    offset += len(draft) + 1
+                    continue
                 num_accepted = len(new_tokens) - 1
                 self.cache.truncate(seq.seq_id, start + num_accepted + 1)
                 seq.stats.steps += 1
@@ -351,22 +385,40 @@ class Engine:
                 offset += len(draft) + 1
             if batch.seq_ids:
                 self._commit_many(many, batch, features)
-        self._count_step(started, verified)
-        kept = [seq.accept(new_tokens) for seq, new_tokens in zip(seqs, accepted_tokens)]
+        self._count_step(step.verify_started, verified)
+        done = [(seq, new_tokens, seq.accept(new_tokens))
+                for seq, new_tokens, live in zip(seqs, accepted_tokens, going) if live]
         # The step's time, with its propose when that was launched at the end of the last step; a step
         # that asked for drafts and got none (the drafter failed, refused every sequence) says nothing.
-        if self.tuner is not None and self.drafter_ok and (choice == 0 or any(drafts)):
-            seconds = time.perf_counter() - step_started + self._prefetch_seconds
-            self.tuner.observe(len(seqs), choice, seconds,
+        if self.tuner is not None and self.drafter_ok and (step.choice == 0 or any(drafts)):
+            seconds = time.perf_counter() - step.started + step.prefetch_seconds
+            self.tuner.observe(len(seqs), step.choice, seconds,
                                [(len(d), len(t) - 1) for d, t in zip(drafts, accepted_tokens)])
         self._prefetch_seconds = 0.0
         # The next step's drafts can be computed now: the drafter runs on the GPU while the host
         # detokenizes, emits and starts the next step.
+        stepped = [seq for seq, _, _ in done]
         prefetch_started = time.perf_counter()
-        self._prefetch_drafts(seqs)
+        self._prefetch_drafts(stepped)
         if self._prefetched is not None:
             self._prefetch_seconds = time.perf_counter() - prefetch_started
-        return [self._emit(seq, new_tokens, k) for seq, new_tokens, k in zip(seqs, accepted_tokens, kept)]
+        self._launch_ahead(stepped)
+        return [self._emit(seq, new_tokens, kept) for seq, new_tokens, kept in done]
+
+    def _launch_ahead(self, stepped: list[Sequence]) -> None:
+        """Launch the next step's verify before this step's tokens are emitted, so the device verifies
+        while the host detokenizes, emits and admits. Only in-process, on captured steps with drafts
+        on the device: every input is known here (the accepted tokens, the drafts just prefetched), and
+        nothing but eager work (a prefill) may run before it is read back. A drafter service's drafts
+        come in an answer the host would have to wait for first: that path steps as before."""
+        if not (self.config.decode_ahead and self.drafter_ok and self.graphs is not None
+                and _capability(self.proposer, "propose_on_device") is not None
+                and _capability(self.proposer, "prefetch") is None):
+            return
+        live = [s for s in stepped if s.finish_reason is None]
+        if not live or self.graphs.bucket(len(live), self._max_drafts(len(live)) + 1) is None:
+            return
+        self._launched = self._launch_verify(live)
 
     def _decodes_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether this step can run one ahead: plain greedy decoding on captured steps, nothing to tell
@@ -607,7 +659,7 @@ class Engine:
         everything this engine held there; re-attach rebuilds it), an in-process one is told to free."""
         self.counters.fallbacks += self.drafter_ok  # once per outage, however many verbs then fail
         self.drafter_ok = False
-        self._prefetched = None
+        self._prefetched = self._launched = None
         attached = [s for s in self.running.values() if s.drafter_attached]
         for seq in self.running.values():
             seq.drafter_attached = False
@@ -789,6 +841,23 @@ class Engine:
             flush = getattr(self.proposer, "flush", None)
             if flush is not None and not any(s.drafter_attached for s in self.running.values()):
                 self._drafter_call(flush)
+
+
+@dataclass(frozen=True)
+class _LaunchedVerify:
+    """A step's verify, launched; what reading it back and accepting needs."""
+
+    seqs: list[Sequence]
+    drafts: list[list[int]]  # each sequence's drafts (placeholders for drafts on the device)
+    starts: list[int]  # each sequence's position of its last committed token
+    on_device: DeviceDrafts | None
+    out: ForwardOutput
+    choice: int  # the tuner's draft length for the step (0 without a tuner)
+    started: float  # perf_counter when the step began (its propose, or its launch ahead)
+    verify_started: float  # ... and when its verify was launched
+    prefetch_seconds: float  # host time of the propose prefetched for it (the tuner counts it)
+    drafter_ok: bool  # the drafter's state at launch: a step launched before a detach or re-attach is dropped
+    lengths: list[int]  # each sequence's token count at launch
 
 
 @dataclass

@@ -486,3 +486,85 @@ def test_decoding_ahead_on_the_gpu_equals_step_by_step(smollm2_dir):
     assert cut == full[:len(cut)]
     assert got == want
     assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1  # all but the scratch block
+
+
+@pytest.mark.parametrize("max_batch", [4, 2])
+def test_speculative_steps_launched_ahead_are_lossless(tiny_chat_dir, max_batch):
+    """In-process with drafts on the device, a step's verify is launched before the step before it emits
+    (the device verifies while the host detokenizes and admits). The same run with it off gives the same
+    tokens, text, finish reasons and per-request draft counts, through partial accepts, a sampled request,
+    a stop string, a request that does not speculate, a cancel, and admissions while others run (max_batch
+    2); most steps take the verify launched for them, and every block comes back."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+    from tests.oracle import DeviceOracle
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time", "Hello", "1 2 3"]
+    plain = Engine(target, None, EngineConfig(max_batch=4), text_stream=tokenizer.stream)
+    free = {rid: evs for rid, evs in plain.generate(
+        [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=30, ignore_eos=True))
+         for i, p in enumerate(prompts)]).items()}
+    stop_text = tokenizer.decode([t for e in free["r1"] for t in e.token_ids][14:16])
+    reqs = lambda: [  # noqa: E731
+        Request("r0", tokenizer.encode(prompts[0]), SamplingParams(max_tokens=30, ignore_eos=True)),
+        Request("r1", tokenizer.encode(prompts[1]), SamplingParams(max_tokens=30, ignore_eos=True,
+                                                                   stop_strings=(stop_text,))),
+        Request("r2", tokenizer.encode(prompts[2]), SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9,
+                                                                   seed=5)),
+        Request("r3", tokenizer.encode(prompts[3]), SamplingParams(max_tokens=20, ignore_eos=True), speculative=False),
+        Request("r4", tokenizer.encode(prompts[4]), SamplingParams(max_tokens=26, ignore_eos=True)),
+    ]
+    inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                           block_size=8, max_drafts=6)
+    greedy_ref = {f"r{i}": tokenizer.encode(prompts[i]) + [t for e in free[f"r{i}"] for t in e.token_ids]
+                  for i in range(5)}
+    oracle = DeviceOracle(inner, {tuple(tokenizer.encode(p)): greedy_ref[f"r{i}"] for i, p in enumerate(prompts)},
+                          mistake_rate=0.2)
+
+    def run(ahead: bool):
+        engine = Engine(target, oracle, EngineConfig(max_batch=max_batch, decode_ahead=ahead),
+                        text_stream=tokenizer.stream)
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=max_batch,
+                                   query_lens=(1, engine._max_drafts() + 1), max_len=256, use_graphs=False)
+        took = []
+        take = engine._take_launched
+        engine._take_launched = lambda seqs: _counted(take, seqs, took)
+        stashed: dict[int, list[torch.Tensor]] = {}  # each sequence's verify rows, as the drafter got them
+        oracle.stash = lambda seq_id, rows: stashed.setdefault(seq_id, []).append(rows.clone()) or inner.stash(seq_id, rows)
+        for r in reqs():
+            engine.add(r)
+        events: dict[str, list] = {}
+        for n in itertools.count():
+            if n == 7:
+                engine.abort("r0")
+            for e in engine.step():
+                events.setdefault(e.request_id, []).append(e)
+            if not engine.has_work:
+                break
+        out = {rid: ([t for e in evs for t in e.token_ids], "".join(e.text_delta for e in evs), evs[-1].finish_reason,
+                     (evs[-1].stats.drafted, evs[-1].stats.accepted, evs[-1].stats.steps))
+               for rid, evs in events.items()}
+        del oracle.stash
+        return out, took, engine, stashed
+
+    want, took_off, _, rows_off = run(False)
+    got, took, engine, rows = run(True)
+    assert got == want
+    assert rows.keys() == rows_off.keys() and all(
+        len(rows[i]) == len(rows_off[i]) and all(map(torch.equal, rows[i], rows_off[i])) for i in rows)
+    assert not any(took_off) and took.count(True) > took.count(False)
+    assert want["r1"][2] == "stop" and want["r0"][2] is None  # r0 cancelled: no last event
+    assert want["r3"][3][0] == 0 and all(want[r][3][1] > 0 for r in ("r1", "r4"))
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1  # all but the scratch block
+
+
+def _counted(take, seqs, took):
+    launched = take(seqs)
+    took.append(launched is not None)
+    return launched
