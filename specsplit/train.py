@@ -33,7 +33,7 @@ from specsplit.drafter_service.dflash import DFlashModel, build_target_layer_ids
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.mtp import MTPModel
 from specsplit.drafter_service.training import dflash_block_hidden, mtp_step_outputs
-from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.errors import CapacityExceeded, InvalidRequest
 from specsplit.target_service.dense import DenseDecoder, Generated, generate
 from specsplit.target_service.model import CaptureSpec, TargetModel
 
@@ -206,13 +206,16 @@ class Pool:
         if n == 0:
             return 0
         lengths = gen.lengths[keep]
-        real = torch.arange(gen.tokens.shape[1], device=lengths.device)[None, :] < lengths[:, None]  # [n, S]
+        width = gen.tokens.shape[1]
+        real = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]  # [n, S]
         span, total = slice(self.size, self.size + n), int(host.sum())
         flat = slice(self.used, self.used + total)
-        self.tokens[flat] = gen.tokens[keep][real]
-        self.rows[flat] = rows[keep][real]
-        if self.final is not None:
-            self.final[flat] = final[keep][real]
+        # Each kept token's row in [B * S], gathered straight into the pool: a generation batch's rows
+        # are GiBs, and `rows[keep][real]` would copy them twice on the way.
+        at = (keep[:, None] * width + torch.arange(width, device=keep.device)[None, :])[real]
+        for source, dest in ((gen.tokens, self.tokens), (rows, self.rows), (final, self.final)):
+            if dest is not None:
+                torch.index_select(source.flatten(0, 1), 0, at, out=dest[flat])
         self.offsets[span] = self.used + torch.cumsum(lengths, 0) - lengths
         self.starts[span], self.lengths[span], self.host_lengths[span] = gen.prompt_lengths[keep], lengths, host
         self.size, self.used = self.size + n, self.used + total
@@ -269,6 +272,37 @@ def new_decoder(target: TargetModel, cfg: TrainConfig) -> DenseDecoder:
                         use_graphs=cfg.gen_graphs and target.embed_weight.device.type == "cuda")
 
 
+GENERATION_SLACK = 4 * 2**30  # bytes a generation batch's prefill and sampling take beyond its rows
+
+
+def pool_bytes_that_fit(requested: int, free: int, batch_rows: int) -> int:
+    """What a pool may take of `free` device bytes (after the decoder's own buffers): what is asked, less
+    what generating needs beside it, two batches' gathered rows (the one being added while the next is
+    made) and some slack. 0 when nothing fits."""
+    return max(0, min(requested, free - 2 * batch_rows - GENERATION_SLACK))
+
+
+def fit_pool(cfg: TrainConfig, per_token: int, device: torch.device, log: Log) -> int:
+    """--pool-gb in bytes, cut to what fits beside generation on a GPU (a pool that fills the GPU would
+    stop the run minutes in, at the first long batch), and said so. A GPU that cannot hold a batch's
+    worth of pool is an error before anything is generated."""
+    requested = int(cfg.pool_gb * 2**30)
+    if device.type != "cuda":
+        return requested
+    # free on the device, plus what the caching allocator holds unused (earlier generation's buffers)
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    batch_rows = cfg.gen_batch * (cfg.max_prompt_tokens + cfg.seq_len) * per_token
+    fits = pool_bytes_that_fit(requested, free, batch_rows)
+    if fits < batch_rows:
+        raise CapacityExceeded(
+            f"the GPU has {free / 2**30:.1f} GiB free beside the generator; a pool for --gen-batch {cfg.gen_batch} "
+            f"needs {(batch_rows * 3 + GENERATION_SLACK) / 2**30:.1f} GiB: lower --gen-batch or --seq-len")
+    if fits < requested:
+        log(f"pool: --pool-gb {cfg.pool_gb:g} does not fit beside generation ({free / 2**30:.1f} GiB free, "
+            f"{(2 * batch_rows + GENERATION_SLACK) / 2**30:.1f} GiB kept for it); using {fits / 2**30:.1f} GiB")
+    return fits
+
+
 def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: CaptureSpec, cfg: TrainConfig,
                clock: Clock, eos_ids: Sequence[int], log: Log) -> Pool:
     device = target.embed_weight.device
@@ -277,12 +311,14 @@ def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: Captu
     final_dim = hidden if cfg.kl_weight > 0 else 0
     per_token = Pool.bytes_per_token(feature_dim, final_dim, target.embed_weight.element_size())
     planned = sum(map(len, batches))
-    capacity = min(planned * (cfg.max_prompt_tokens + cfg.seq_len), int(cfg.pool_gb * 2**30 // per_token))
+    # The decoder first (its KV cache and row buffers are fixed sizes), then the pool in what is left
+    decoder = new_decoder(target, cfg)  # its cache and graphs are freed when this returns
+    decoder.set_capture(capture, final=final_dim > 0)  # rows kept while decoding: no second pass
+    pool_bytes = fit_pool(cfg, per_token, device, log)
+    capacity = min(planned * (cfg.max_prompt_tokens + cfg.seq_len), pool_bytes // per_token)
     pool = Pool(capacity, planned, feature_dim, final_dim, target.embed_weight.dtype, device)
     log(f"pool: room for {capacity} tokens ({capacity * per_token / 2**30:.1f} GiB) of {planned} planned sequences; "
         f"features {feature_dim}{f' + final {final_dim}' if final_dim else ''} per token")
-    decoder = new_decoder(target, cfg)  # its cache and graphs are freed when this returns
-    decoder.set_capture(capture, final=final_dim > 0)  # rows kept while decoding: no second pass
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     tokens, start = 0, clock.elapsed()
     for i, jobs in enumerate(batches):
@@ -293,6 +329,7 @@ def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: Captu
                        eos_ids=eos_ids, decoder=decoder)
         pool.add(out, out.features, out.final)
         tokens += int((out.lengths - out.prompt_lengths).sum())
+        out = None  # its rows go before the next batch's are made
         if i < 3 or (i + 1) % 10 == 0:
             log(f"gen batch {i + 1}/{len(batches)} ({'greedy' if temperature == 0 else f'T={temperature}'}, "
                 f"{len(jobs)} seqs): pool {pool.size}, {tokens} generated tokens, "

@@ -321,3 +321,35 @@ def test_the_pool_stores_sequences_back_to_back_and_returns_them_padded():
         assert batch.tokens[i, :n].tolist() == g.tokens[b, :n].tolist() and not batch.tokens[i, n:].any()
         assert torch.equal(batch.rows[i, :n], rows[b, :n]) and not batch.rows[i, n:].any()
         assert torch.equal(batch.final[i, :n], final[b, :n]) and batch.valid[i].sum() == n
+
+
+def test_the_pool_is_cut_to_what_fits_beside_generation(monkeypatch):
+    """On a GPU --pool-gb is cut to the memory left once the generator's buffers are in, keeping two
+    batches' rows and some slack for generating (a 90 GiB pool that left too little once ran out of
+    memory minutes into a run); the cut is logged, and a GPU that cannot hold a batch's worth of pool
+    is refused before anything is generated. On the CPU the request stands."""
+    from specsplit import train
+    from specsplit.shared.errors import CapacityExceeded
+
+    gib = 2**30
+    assert train.pool_bytes_that_fit(10 * gib, 100 * gib, gib) == 10 * gib
+    assert train.pool_bytes_that_fit(90 * gib, 100 * gib, 5 * gib) == 100 * gib - 10 * gib - train.GENERATION_SLACK
+    assert train.pool_bytes_that_fit(90 * gib, gib, gib) == 0
+
+    cfg = TrainConfig(kind="dflash", pool_gb=90, gen_batch=64, max_prompt_tokens=32, seq_len=32, steps=1)
+    per_token = 1000
+    batch_rows = 64 * 64 * per_token
+    logged = []
+    assert train.fit_pool(cfg, per_token, torch.device("cpu"), logged.append) == 90 * gib and not logged
+
+    free, reserved_unused = 60 * gib, 4 * gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * gib + reserved_unused)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 30 * gib)
+    cuda = torch.device("cuda", 0)
+    fits = train.fit_pool(cfg, per_token, cuda, logged.append)
+    assert fits == free + reserved_unused - 2 * batch_rows - train.GENERATION_SLACK
+    assert len(logged) == 1 and "--pool-gb 90 does not fit" in logged[0]
+    free, reserved_unused = train.GENERATION_SLACK + 2 * batch_rows, 0  # nothing left for the pool itself
+    with pytest.raises(CapacityExceeded, match="lower --gen-batch"):
+        train.fit_pool(cfg, per_token, cuda, logged.append)
