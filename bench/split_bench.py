@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
@@ -133,6 +134,8 @@ def main() -> None:
                     help="the engine's draft length by batch size, in every mode (default: the drafter's most)")
     ap.add_argument("--auto", action="store_true", help="the engines learn their draft length (--num-drafts auto)")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--also-step-by-step", action="store_true",
+                    help="also run target-only and in-process with EngineConfig(decode_ahead=False), side by side")
     ap.add_argument("--drafter-profile", nargs=2, default=None, metavar=("FIRST:LAST", "PATH"),
                     help="the drafter service records those Step messages with the torch profiler into PATH "
                          "(its --profile-steps / --profile-out)")
@@ -187,7 +190,18 @@ def main() -> None:
             over_grpc.link.step_seconds.clear()
             grpc_tokens, grpc_split = run(grpc_engine, tokenizer, prompts, args.max_tokens, "g")
             grpc_steps = over_grpc.link.step_seconds
-            results[f"batch_{batch}"] = {
+            plain = {}
+            if args.also_step_by_step:  # steps launched ahead (the default) against none, same run
+                step_conf = replace(conf, decode_ahead=False)
+                plain_local = Engine(model, local_drafter, step_conf)
+                run(plain_local, tokenizer, prompts, args.max_tokens, "warm")
+                plain_base_tokens, plain_base = run(Engine(model, None, step_conf), tokenizer, prompts, args.max_tokens, "t")
+                plain_local_tokens, plain_in = run(plain_local, tokenizer, prompts, args.max_tokens, "l")
+                plain = {"target_only_step_by_step": plain_base, "in_process_step_by_step": plain_in,
+                         "target_only_ahead_over_step_by_step": base["tokens_per_s"] / plain_base["tokens_per_s"],
+                         "in_process_ahead_over_step_by_step": local["tokens_per_s"] / plain_in["tokens_per_s"],
+                         "step_by_step_same_tokens": plain_base_tokens == base_tokens and plain_local_tokens == local_tokens}
+            results[f"batch_{batch}"] = {**plain,
                 "target_only": base, "in_process": local, "services": split,
                 "services_over_in_process": split["tokens_per_s"] / local["tokens_per_s"],
                 "in_process_over_target_only": local["tokens_per_s"] / base["tokens_per_s"],
