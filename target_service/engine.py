@@ -109,8 +109,8 @@ class Engine:
         self.running: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.counters = EngineCounters()  # read by target_service.metrics at scrape time
-        # Issue 9: set by the EngineLoop to its cancel inbox, so a long prefill stops between chunks.
-        self.is_cancelled: Callable[[str], bool] = lambda request_id: False
+        # Admitted sequences whose prompts are not all in the cache yet, in admission order (see _prefill)
+        self._prefilling: dict[int, _Prefill] = {}
         self._spec = proposer.spec if proposer is not None else None  # the spec capture and graphs follow
         self.tuner = self._new_tuner()
         # Drafts launched at the end of a step for the next (see _prefetch_drafts): (requests, drafts).
@@ -178,11 +178,13 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[StepEvent]:
-        """Admit and prefill waiting requests, then one speculative (or serial) step for the rest."""
+        """Admit waiting requests and run one prefill forward, then one speculative (or serial) step for
+        the sequences whose prompts were in before it."""
         self._maybe_reattach(list(self.running.values()))
         events = self._admit()
         just_prefilled = {e.request_id for e in events}
-        decoding = [s for s in self.running.values() if s.request.request_id not in just_prefilled]
+        decoding = [s for s in self.running.values()
+                    if s.request.request_id not in just_prefilled and s.seq_id not in self._prefilling]
         if decoding:
             events += self._decode_step(decoding)
         return events
@@ -223,7 +225,7 @@ class Engine:
         return -(-(tokens + extra) // self.config.kv_block_size)
 
     def _admit(self) -> list[StepEvent]:
-        admitted = []
+        """Admit what fits, then run one prefill forward for the prompts not yet in (see _prefill)."""
         reserved = sum(self._blocks_for(s.budget_tokens) for s in self.running.values())
         while self.waiting and len(self.running) < self.config.max_batch:
             seq = self.waiting[0]
@@ -234,53 +236,46 @@ class Engine:
             self.waiting.popleft()
             self.running[seq.request.request_id] = seq
             self.cache.allocate(seq.seq_id)
-            admitted.append(seq)
-        if not admitted:
-            return []
-        # A prefill runs the drafter's context forward: prefetched drafts are not taken past other
-        # drafter work (see _prefetch_drafts).
-        self._prefetched = None
-        return self._prefill(admitted)
+            self._prefilling[seq.seq_id] = _Prefill(seq)
+        return self._prefill() if self._prefilling else []
 
-    def _prefill(self, seqs: list[Sequence]) -> list[StepEvent]:
-        """The prompts' forwards, packed: each forward takes the next chunk of as many prompts as fit
-        (see `_prefill_plan`), so admitting many short prompts costs a few forwards, not one each. A
-        request cancelled between two of its chunks ends there, without an event."""
-        offsets = {seq.seq_id: 0 for seq in seqs}
-        rows: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq in seqs}
-        last_logits: dict[int, torch.Tensor] = {}
-        pending = list(seqs)
-        while pending:
-            for seq in [s for s in pending if offsets[s.seq_id] and self.is_cancelled(s.request.request_id)]:
-                seq.finish_reason = FinishReason.CANCELLED  # issue 9: stop a long prefill early
-                self._release(seq)
-                pending.remove(seq)
-            if not pending:
-                break
-            group = self._prefill_plan(pending, offsets)
-            inputs = [seq.request.prompt_ids[offsets[seq.seq_id]:offsets[seq.seq_id] + n] for seq, n in group]
-            out = self._forward([seq.seq_id for seq, _ in group], inputs, [offsets[s.seq_id] for s, _ in group],
-                                logits_last_only=True)
-            features, row = self._features(out), 0
-            for i, (seq, n) in enumerate(group):
-                if features is not None:
-                    rows[seq.seq_id].append(features[row:row + n])
-                row += n
-                offsets[seq.seq_id] += n
-                if offsets[seq.seq_id] == len(seq.request.prompt_ids):
-                    last_logits[seq.seq_id] = out.logits[i]
-                    pending.remove(seq)
-        done = [seq for seq in seqs if seq.seq_id in last_logits]
+    def _prefill(self) -> list[StepEvent]:
+        """One prefill forward per engine step, packed: it takes the next chunk of as many prompts as fit
+        (see `_prefill_plan`), so admitting many short prompts costs a few forwards, not one each, and a
+        long prompt goes in over several steps while the running sequences keep decoding between its
+        chunks (a cancel between two of them ends it there, without an event). The prompts it completes
+        get their first token, and the drafter their rows, in one context forward."""
+        pending = list(self._prefilling.values())
+        offsets = {p.seq.seq_id: p.offset for p in pending}
+        group = self._prefill_plan([p.seq for p in pending], offsets)
+        inputs = [seq.request.prompt_ids[offsets[seq.seq_id]:offsets[seq.seq_id] + n] for seq, n in group]
+        out = self._forward([seq.seq_id for seq, _ in group], inputs, [offsets[s.seq_id] for s, _ in group],
+                            logits_last_only=True)
+        features, row = self._features(out), 0
+        done, last_logits, rows = [], [], {}
+        for i, (seq, n) in enumerate(group):
+            state = self._prefilling[seq.seq_id]
+            if features is not None:
+                state.rows.append(features[row:row + n])
+            row += n
+            state.offset += n
+            if state.offset == len(seq.request.prompt_ids):
+                del self._prefilling[seq.seq_id]
+                done.append(seq)
+                last_logits.append(out.logits[i])
+                rows[seq.seq_id] = state.rows
         if not done:
             return []
-        logits = torch.stack([last_logits[seq.seq_id] for seq in done])
-        firsts = self._sample(done, logits, [[] for _ in done])
+        firsts = self._sample(done, torch.stack(last_logits), [[] for _ in done])
         for seq in done:
             seq.stats.steps += 1
             self.counters.prefills += 1
         attaching = [seq for seq in done if self._speculating(seq)]
         if attaching:
-            with self._batched_appends():  # one drafter context forward for every admitted prompt
+            # The drafter's context forward: prefetched drafts are not taken past other drafter work
+            # (see _prefetch_drafts).
+            self._prefetched = None
+            with self._batched_appends():  # one drafter context forward for every completed prompt
                 for seq in attaching:
                     if self.drafter_ok:
                         prompt_rows = torch.cat(rows[seq.seq_id]) if rows[seq.seq_id] else None
@@ -703,7 +698,7 @@ class Engine:
         if self._spec is None:
             self._adopt_spec(seqs)
         for seq in seqs:
-            if self._speculating(seq):
+            if self._speculating(seq) and seq.seq_id not in self._prefilling:  # those attach when they are in
                 self._forget(seq)
                 self._attach(seq, seq.tokens[:-1], self._recapture(seq))
 
@@ -833,6 +828,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         self.running.pop(seq.request.request_id, None)
+        self._prefilling.pop(seq.seq_id, None)
         self.cache.free(seq.seq_id)
         if seq.drafter_attached:
             seq.drafter_attached = False
@@ -841,6 +837,15 @@ class Engine:
             flush = getattr(self.proposer, "flush", None)
             if flush is not None and not any(s.drafter_attached for s in self.running.values()):
                 self._drafter_call(flush)
+
+
+@dataclass
+class _Prefill:
+    """A prompt going into the cache a chunk per step: how far it is, and its feature rows so far."""
+
+    seq: Sequence
+    offset: int = 0
+    rows: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ class EngineLoop:
         self._admissions: list[Request] = []
         self._cancels: list[str] = []
         self._stopped = False
-        engine.is_cancelled = self._is_cancelled
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -62,11 +61,6 @@ class EngineLoop:
                 self._cancels.append(request_id)
                 self._work.notify()
         stream.put(None)
-
-    def _is_cancelled(self, request_id: str) -> bool:
-        """Read by the engine thread between prefill chunks: a long prompt stops when its client goes."""
-        with self._work:
-            return request_id in self._cancels
 
     @property
     def busy(self) -> bool:

@@ -7,6 +7,8 @@ default model, are checked on it.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -290,14 +292,16 @@ def test_drafter_failure_is_not_request_failure(target, tokenizer, reference):
 
 
 class ForwardLog:
-    """Wraps the target: records each eager forward's token counts per sequence."""
+    """Wraps the target: records each eager forward's token counts per sequence, and which forwards were
+    prefills (logits of each sequence's last row only) rather than decode/verify steps."""
 
     def __init__(self, model) -> None:
-        self.model, self.forwards = model, []
+        self.model, self.forwards, self.prefills = model, [], []
 
     def __call__(self, batch, cache, capture):
         cu = batch.cu_seqlens.tolist()
         self.forwards.append([b - a for a, b in zip(cu, cu[1:])])
+        self.prefills.append(batch.logits_index is not None)
         return self.model(batch, cache, capture)
 
     def __getattr__(self, name):
@@ -308,7 +312,8 @@ class ForwardLog:
 def test_prompts_admitted_together_are_prefilled_together(kind, target, tokenizer, monkeypatch):
     """Admitting many prompts costs a few packed forwards, not one each (eager prefill is launch-bound
     on a GPU), and changes no token: packed == one prompt per forward, with and without a drafter.
-    Long prompts go in chunks, and a forward stays within its token budget."""
+    Long prompts go in chunks, a forward stays within its token budget, and there is one prefill forward
+    per engine step: the prompts already in decode between them."""
     prompts = PROMPTS + ["x " * 30, "Tell me a story about a dragon.", "1, 2, 3, 4, 5, 6,", "Hello"]
     reqs = requests(tokenizer, prompts, max_tokens=12)
     lengths = sorted(len(r.prompt_ids) for r in reqs)
@@ -331,46 +336,82 @@ def test_prompts_admitted_together_are_prefilled_together(kind, target, tokenize
         events = engine.generate(reqs)
         tokens = {rid: ([t for e in evs for t in e.token_ids], evs[-1].stats.drafted, evs[-1].stats.accepted)
                   for rid, evs in events.items()}
-        return tokens, log.forwards, batches, engine, prefilled
+        return tokens, log, batches, engine, prefilled
 
-    packed, packed_forwards, packed_batches, engine, packed_rows = go(40)
-    single, single_forwards, _, _, single_rows = go(1)
+    packed, packed_log, packed_batches, engine, packed_rows = go(40)
+    single, single_log, _, _, single_rows = go(1)
     assert packed == single
     assert packed_rows.keys() == single_rows.keys() and len(single_rows) == (0 if kind is None else len(reqs))
     for seq_id, (tokens, rows, start) in single_rows.items():  # the drafter got each prompt's own rows
         assert packed_rows[seq_id][0] == tokens and packed_rows[seq_id][2] == start == 0
         torch.testing.assert_close(packed_rows[seq_id][1], rows)
-    first_decode = next(i for i, f in enumerate(packed_forwards) if len(f) == len(reqs))
-    prefill = packed_forwards[:first_decode]
+    prefill = [f for f, p in zip(packed_log.forwards, packed_log.prefills) if p]
     assert sum(map(sum, prefill)) == sum(lengths)
     assert all(sum(f) <= 40 and max(f) <= 16 for f in prefill)
     assert 1 < len(prefill) < len(reqs)  # packed, and the budget split it
-    assert len(single_forwards[:next(i for i, f in enumerate(single_forwards) if len(f) == len(reqs))]) \
-        == sum(-(-n // 16) for n in lengths)  # one prompt chunk per forward
+    assert sum(single_log.prefills) == sum(-(-n // 16) for n in lengths)  # one prompt chunk per forward
+    # decode steps between the prefill forwards, once the first prompts were in: never two prefills in a row
+    first = packed_log.prefills.index(True)
+    last = len(packed_log.prefills) - 1 - packed_log.prefills[::-1].index(True)
+    assert not any(a and b for a, b in zip(packed_log.prefills[first + 1:last + 1], packed_log.prefills[first + 2:last + 1]))
+    assert not all(packed_log.prefills[first:last + 1])
     if kind == "dflash":
-        assert packed_batches[0] == len(reqs)  # every prompt's rows in one drafter context forward
+        assert sum(packed_batches[:2]) >= 2  # the prompts completed by one forward went in one context forward
     assert engine.counters.prefills == len(reqs)
 
 
 def test_a_request_cancelled_between_its_prefill_chunks_ends_alone(target, tokenizer):
-    """Packed prefill: cancelling one long prompt mid-prefill stops it; the prompts packed with it
-    go on and equal their uncancelled run."""
+    """Packed prefill, one forward per step: cancelling one long prompt between its chunks stops it
+    there; the prompts packed with it go on and equal their uncancelled run, and its blocks come back."""
     prompts = ["x " * 40, PROMPTS[0], PROMPTS[1]]
     reqs = requests(tokenizer, prompts, max_tokens=8)
     want, _ = run(target, None, reqs[1:], prefill_chunk=16)
     engine = Engine(target, None, EngineConfig(max_batch=4, prefill_chunk=16, prefill_tokens=64))
-    asked = []
-
-    def cancelled(request_id):
-        asked.append(request_id)
-        return request_id == "r0"
-
-    engine.is_cancelled = cancelled
-    events = engine.generate(reqs)
-    assert "r0" in asked and events["r0"] == []
-    got = {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items() if rid != "r0"}
-    assert got == want
+    log = ForwardLog(engine.model)
+    engine.model = log
+    for r in reqs:
+        engine.add(r)
+    events: dict[str, list[int]] = {}
+    for n in itertools.count():
+        if n == 1:
+            assert 0 < engine._prefilling[0].offset < len(reqs[0].prompt_ids)  # r0 is part way in
+            assert engine.abort("r0")
+        for e in engine.step():
+            events.setdefault(e.request_id, []).extend(e.token_ids)
+        if not engine.has_work:
+            break
+    assert "r0" not in events and events == want
+    # one prefill forward: r0's first chunk with both short prompts whole; r0 never sent its other chunks
+    assert sum(log.prefills) == 1 and log.forwards[0] == [16] + [len(r.prompt_ids) for r in reqs[1:]]
     assert not engine.running and engine.cache.num_free_blocks == engine.config.kv_blocks
+
+
+@pytest.mark.parametrize("kind", [None, "dflash"])
+def test_a_long_prompt_does_not_stall_the_running_sequences(kind, target, tokenizer):
+    """A long prompt admitted while others decode goes in a chunk per engine step: the running
+    sequences emit a token (or more) at every one of those steps instead of waiting out its whole
+    prefill, and every request's tokens equal its run alone."""
+    short, long = requests(tokenizer, [PROMPTS[0], "word " * 120], max_tokens=30)
+    chunks = -(-len(long.prompt_ids) // 16)
+    assert chunks >= 6
+    alone = {r.request_id: run(target, None, [r])[0][r.request_id] for r in (short, long)}
+    engine = Engine(target, drafter(kind, target) if kind else None,
+                    EngineConfig(max_batch=4, prefill_chunk=16, prefill_tokens=16))
+    engine.add(short)
+    emitted: dict[str, list[int]] = {}
+    per_step = []
+    for n in itertools.count():
+        if n == 2:
+            engine.add(long)  # r0 is decoding by now
+        events = engine.step()
+        for e in events:
+            emitted.setdefault(e.request_id, []).extend(e.token_ids)
+        if n >= 2 and "r1" not in emitted:  # the long prompt's prefill steps
+            per_step.append(sum(len(e.token_ids) for e in events if e.request_id == "r0"))
+        if not engine.has_work:
+            break
+    assert emitted == alone
+    assert len(per_step) == chunks - 1 and all(k >= 1 for k in per_step)
 
 
 def test_draft_length_follows_the_batch_size_and_stays_lossless(target, tokenizer, reference):
