@@ -33,7 +33,7 @@ from specsplit.drafter_service.dflash import DFlashModel, build_target_layer_ids
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.mtp import MTPModel
 from specsplit.drafter_service.training import dflash_block_hidden, mtp_step_outputs
-from specsplit.shared.errors import CapacityExceeded, InvalidRequest
+from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
 from specsplit.target_service.dense import DenseDecoder, Generated, generate
 from specsplit.target_service.model import CaptureSpec, TargetModel
 
@@ -213,6 +213,8 @@ class Pool:
         # Each kept token's row in [B * S], gathered straight into the pool: a generation batch's rows
         # are GiBs, and `rows[keep][real]` would copy them twice on the way.
         at = (keep[:, None] * width + torch.arange(width, device=keep.device)[None, :])[real]
+        if at.numel() != total:  # out= below would resize rather than fail
+            raise StateConflict(f"generated lengths disagree: {at.numel()} rows for {total} tokens")
         for source, dest in ((gen.tokens, self.tokens), (rows, self.rows), (final, self.final)):
             if dest is not None:
                 torch.index_select(source.flatten(0, 1), 0, at, out=dest[flat])

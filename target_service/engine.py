@@ -325,7 +325,8 @@ class Engine:
         started = time.perf_counter()
         out = self._verify_forward([s.seq_id for s in seqs], inputs, starts, on_device)
         return _LaunchedVerify(list(seqs), drafts, starts, on_device, out, choice, step_started, started,
-                               self._prefetch_seconds, self.drafter_ok, [len(s.tokens) for s in seqs])
+                               self._prefetch_seconds, self.drafter_ok, [len(s.tokens) for s in seqs],
+                               [len(d) for d in drafts])
 
     def _take_launched(self, seqs: list[Sequence]) -> _LaunchedVerify | None:
         """The verify launched at the end of the last step, if it holds exactly these sequences as they
@@ -333,8 +334,18 @@ class Engine:
         launched, self._launched = self._launched, None
         if launched is None or launched.drafter_ok != self.drafter_ok:
             return None
-        going = [(s, n) for s, n in zip(launched.seqs, launched.lengths) if self._is_running(s)]
-        if [s for s, _ in going] != seqs or any(len(s.tokens) != n for s, n in going):
+        going = [(s, n, k) for s, n, k in zip(launched.seqs, launched.lengths, launched.counts) if self._is_running(s)]
+        if [s for s, _, _ in going] != seqs or any(len(s.tokens) != n for s, n, _ in going):
+            return None
+        # The draft lengths this step would ask for now: with fewer sequences (one ended since), the
+        # schedule or the tuner may give a longer draft than was launched
+        if self.tuner is not None and self._max_drafts(len(seqs)) != launched.choice:
+            return None
+        requests, index = self._propose_requests(seqs)
+        wanted = [0] * len(seqs)
+        for i, r in zip(index, requests):
+            wanted[i] = r.num_drafts
+        if wanted != [k for _, _, k in going]:
             return None
         return launched
 
@@ -411,8 +422,8 @@ class Engine:
                 and _capability(self.proposer, "prefetch") is None):
             return
         live = [s for s in stepped if s.finish_reason is None]
-        if not live or self.graphs.bucket(len(live), self._max_drafts(len(live)) + 1) is None:
-            return
+        if not live or self._decodes_ahead(live) or self.graphs.bucket(len(live), self._max_drafts(len(live)) + 1) is None:
+            return  # (plain greedy decoding goes ahead its own way, see _greedy_step_ahead)
         self._launched = self._launch_verify(live)
 
     def _decodes_ahead(self, seqs: list[Sequence]) -> bool:
@@ -863,6 +874,7 @@ class _LaunchedVerify:
     prefetch_seconds: float  # host time of the propose prefetched for it (the tuner counts it)
     drafter_ok: bool  # the drafter's state at launch: a step launched before a detach or re-attach is dropped
     lengths: list[int]  # each sequence's token count at launch
+    counts: list[int]  # each sequence's number of drafts
 
 
 @dataclass
