@@ -111,6 +111,7 @@ class Engine:
         self.counters = EngineCounters()  # read by target_service.metrics at scrape time
         # Admitted sequences whose prompts are not all in the cache yet, in admission order (see _prefill)
         self._prefilling: dict[int, _Prefill] = {}
+        self._prefill_seconds = 0.0  # host time in prefill steps so far (left out of a launched step's time)
         self._spec = proposer.spec if proposer is not None else None  # the spec capture and graphs follow
         self.tuner = self._new_tuner()
         # Drafts launched at the end of a step for the next (see _prefetch_drafts): (requests, drafts).
@@ -237,7 +238,13 @@ class Engine:
             self.running[seq.request.request_id] = seq
             self.cache.allocate(seq.seq_id)
             self._prefilling[seq.seq_id] = _Prefill(seq)
-        return self._prefill() if self._prefilling else []
+        if not self._prefilling:
+            return []
+        started = time.perf_counter()
+        try:
+            return self._prefill()
+        finally:
+            self._prefill_seconds += time.perf_counter() - started
 
     def _prefill(self) -> list[StepEvent]:
         """One prefill forward per engine step, packed: it takes the next chunk of as many prompts as fit
@@ -326,7 +333,7 @@ class Engine:
         out = self._verify_forward([s.seq_id for s in seqs], inputs, starts, on_device)
         return _LaunchedVerify(list(seqs), drafts, starts, on_device, out, choice, step_started, started,
                                self._prefetch_seconds, self.drafter_ok, [len(s.tokens) for s in seqs],
-                               [len(d) for d in drafts])
+                               [len(d) for d in drafts], self._prefill_seconds)
 
     def _take_launched(self, seqs: list[Sequence]) -> _LaunchedVerify | None:
         """The verify launched at the end of the last step, if it holds exactly these sequences as they
@@ -397,7 +404,9 @@ class Engine:
         # The step's time, with its propose when that was launched at the end of the last step; a step
         # that asked for drafts and got none (the drafter failed, refused every sequence) says nothing.
         if self.tuner is not None and self.drafter_ok and (step.choice == 0 or any(drafts)):
-            seconds = time.perf_counter() - step.started + step.prefetch_seconds
+            # (a verify launched ahead spans the steps' boundary: a prefill run in between is not its time)
+            seconds = time.perf_counter() - step.started + step.prefetch_seconds \
+                - (self._prefill_seconds - step.prefill_clock)
             self.tuner.observe(len(seqs), step.choice, seconds,
                                [(len(d), len(t) - 1) for d, t in zip(drafts, accepted_tokens)])
         self._prefetch_seconds = 0.0
@@ -875,6 +884,7 @@ class _LaunchedVerify:
     drafter_ok: bool  # the drafter's state at launch: a step launched before a detach or re-attach is dropped
     lengths: list[int]  # each sequence's token count at launch
     counts: list[int]  # each sequence's number of drafts
+    prefill_clock: float  # Engine._prefill_seconds at launch
 
 
 @dataclass
