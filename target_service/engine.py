@@ -262,8 +262,9 @@ class Engine:
         done, last_logits, rows = [], [], {}
         for i, (seq, n) in enumerate(group):
             state = self._prefilling[seq.seq_id]
-            if features is not None:
-                state.rows.append(features[row:row + n])
+            if features is not None and seq.request.speculative and not seq.drafter_refused:
+                # its own rows: a view would keep the whole packed forward's rows alive until it is in
+                state.rows.append(features[row:row + n] if len(group) == 1 else features[row:row + n].clone())
             row += n
             state.offset += n
             if state.offset == len(seq.request.prompt_ids):
@@ -326,14 +327,16 @@ class Engine:
         """Propose (or take the prefetched drafts) and launch the step's verify, without waiting for it."""
         step_started = time.perf_counter()
         choice = self._max_drafts(len(seqs)) if self.tuner is not None else 0
-        drafts, on_device = self._propose(seqs)
+        asked = self._propose_requests(seqs)
+        wanted = _drafts_per_sequence(len(seqs), *asked)
+        drafts, on_device = self._propose(seqs, asked)
         inputs = [[s.tokens[-1]] + d for s, d in zip(seqs, drafts)]
         starts = [s.last_position for s in seqs]
         started = time.perf_counter()
         out = self._verify_forward([s.seq_id for s in seqs], inputs, starts, on_device)
         return _LaunchedVerify(list(seqs), drafts, starts, on_device, out, choice, step_started, started,
                                self._prefetch_seconds, self.drafter_ok, [len(s.tokens) for s in seqs],
-                               [len(d) for d in drafts], self._prefill_seconds)
+                               wanted, self._prefill_seconds)
 
     def _take_launched(self, seqs: list[Sequence]) -> _LaunchedVerify | None:
         """The verify launched at the end of the last step, if it holds exactly these sequences as they
@@ -348,11 +351,7 @@ class Engine:
         # schedule or the tuner may give a longer draft than was launched
         if self.tuner is not None and self._max_drafts(len(seqs)) != launched.choice:
             return None
-        requests, index = self._propose_requests(seqs)
-        wanted = [0] * len(seqs)
-        for i, r in zip(index, requests):
-            wanted[i] = r.num_drafts
-        if wanted != [k for _, _, k in going]:
+        if _drafts_per_sequence(len(seqs), *self._propose_requests(seqs)) != [k for _, _, k in going]:
             return None
         return launched
 
@@ -506,11 +505,13 @@ class Engine:
                             "speculation", type(exc).__name__, exc)
                 self._detach()
 
-    def _propose(self, seqs: list[Sequence]) -> tuple[list[list[int]], DeviceDrafts | None]:
+    def _propose(self, seqs: list[Sequence], asked: tuple[list[ProposeRequest], list[int]] | None = None
+                 ) -> tuple[list[list[int]], DeviceDrafts | None]:
         """Each sequence's drafts, as host lists or, from an in-process drafter that can leave them on the
-        device, as placeholders of the right length plus the device tensor that fills them in."""
+        device, as placeholders of the right length plus the device tensor that fills them in. `asked`:
+        the step's `_propose_requests`, when the caller has them already."""
         drafts: list[list[int]] = [[] for _ in seqs]
-        requests, index = self._propose_requests(seqs)
+        requests, index = asked if asked is not None else self._propose_requests(seqs)
         if not requests:
             self._prefetched, self._prefetch_seconds = None, 0.0
             send = _capability(self.proposer, "send_pending") if self.drafter_ok else None
@@ -883,7 +884,7 @@ class _LaunchedVerify:
     prefetch_seconds: float  # host time of the propose prefetched for it (the tuner counts it)
     drafter_ok: bool  # the drafter's state at launch: a step launched before a detach or re-attach is dropped
     lengths: list[int]  # each sequence's token count at launch
-    counts: list[int]  # each sequence's number of drafts
+    counts: list[int]  # the drafts asked for each sequence (a drafter may answer fewer)
     prefill_clock: float  # Engine._prefill_seconds at launch
 
 
@@ -906,6 +907,14 @@ class _VerifiedBatch:
         self.num_accepted.append(num_accepted)
         self.base_pos.append(base_pos)
         self.token_ids.append(token_ids)
+
+
+def _drafts_per_sequence(count: int, requests: list[ProposeRequest], index: list[int]) -> list[int]:
+    """The drafts each of a step's `count` sequences is asked for (0: none), from its propose requests."""
+    wanted = [0] * count
+    for i, r in zip(index, requests):
+        wanted[i] = r.num_drafts
+    return wanted
 
 
 def _capability(proposer, name: str):

@@ -19,7 +19,7 @@ class EngineLoop:
     Only the loop's thread touches the engine's queues. `submit` and `cancel` leave their
     request in an inbox and return at once, so a cancel never waits behind a busy engine: the
     consumer gets `None` immediately and the engine frees the sequence (both sides) before its
-    next step, or between two chunks of its prefill when the cancel arrives during one. A failed
+    next step (a long prompt's prefill takes a chunk per step, so it stops at the next chunk). A failed
     step does not hang clients: every in-flight request receives the exception.
     """
 
