@@ -178,6 +178,11 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def prefilling(self) -> int:
+        """Admitted sequences (counted in `running`) whose prompts are still going in, a chunk per step."""
+        return len(self._prefilling)
+
     def step(self) -> list[StepEvent]:
         """Admit waiting requests and run one prefill forward, then one speculative (or serial) step for
         the sequences whose prompts were in before it."""

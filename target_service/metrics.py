@@ -118,7 +118,10 @@ class _EngineCollector(Collector):
         yield taken
 
     def _sequences(self) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(f"{PREFIX}_sequences", "sequences in the engine", labels=["state"])
-        family.add_metric(["running"], len(self.engine.running))
+        family = GaugeMetricFamily(f"{PREFIX}_sequences", "sequences in the engine: decoding (running), admitted "
+                                   "with their prompt still going in (prefilling), queued (waiting)", labels=["state"])
+        prefilling = self.engine.prefilling
+        family.add_metric(["running"], len(self.engine.running) - prefilling)
+        family.add_metric(["prefilling"], prefilling)
         family.add_metric(["waiting"], len(self.engine.waiting))
         return family

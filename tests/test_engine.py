@@ -411,6 +411,7 @@ def test_a_long_prompt_does_not_stall_the_running_sequences(kind, target, tokeni
             emitted.setdefault(e.request_id, []).extend(e.token_ids)
         if n >= 2 and "r1" not in emitted:  # the long prompt's prefill steps
             per_step.append(sum(len(e.token_ids) for e in events if e.request_id == "r0"))
+            assert engine.prefilling == 1  # (the metrics' sequences{state="prefilling"})
         if not engine.has_work:
             break
     assert emitted == alone
