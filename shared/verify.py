@@ -110,6 +110,19 @@ def verify_sampled(
     return VerifyResult.from_tokens(tokens)
 
 
+def sample_tokens(logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """[S] int64 on the device, nothing read back: for sequence i a token sampled from logits row
+    rows[i] with params[i], exactly what `verify_sampled` emits for it with no drafts (the same
+    probabilities, one uniform drawn from its generator, the same inverse CDF)."""
+    seqs = [_Sampled([], (r, r + 1), p, g, None) for r, p, g in zip(rows, params, generators)]
+    count = len(seqs)
+    p = _compacted_probs(seqs, logits, [1] * count, list(range(count)))
+    for s in seqs:
+        check_generator_device(s.generator, p.device)
+    return inverse_cdf(p, torch.cat([torch.rand(1, generator=s.generator, device=p.device) for s in seqs]))
+
+
 def _checked_batch(draft_tokens, target_logits, cu_rows, params, generators, draft_probs):
     bounds = _row_bounds(draft_tokens, target_logits, cu_rows)
     num_seqs = len(bounds)

@@ -24,7 +24,7 @@ from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
-from specsplit.shared.verify import verify_sampled
+from specsplit.shared.verify import sample_tokens, verify_sampled
 from specsplit.target_service.counters import EngineCounters
 from specsplit.target_service.draft_tuner import DraftTuner
 from specsplit.target_service.graphs import DeviceDrafts, LaunchedStep, StepBatch, StepGraphs
@@ -51,8 +51,9 @@ class EngineConfig:
     # 0, 1, 3, 7, 15 (within the limits above) that gives the most tokens per second of decode step.
     auto_drafts: bool = False
     cuda_graphs: bool = True  # on a GPU, replay decode/verify steps as captured CUDA graphs
-    # Greedy steps with no drafts launch the next step before reading this one's picks (see
-    # Engine._greedy_step_ahead): the device decodes while the host emits. Needs the captured steps.
+    # Steps with no drafts launch the next step before reading this one's picks (see
+    # Engine._decode_step_ahead), and in-process speculative steps their next verify before emitting
+    # (Engine._launch_ahead): the device works while the host emits. Needs the captured steps.
     decode_ahead: bool = True
 
     def __post_init__(self) -> None:
@@ -117,8 +118,10 @@ class Engine:
         # Drafts launched at the end of a step for the next (see _prefetch_drafts): (requests, drafts).
         self._prefetched: tuple[list[ProposeRequest], DeviceDrafts] | None = None
         self._prefetch_seconds = 0.0  # host time of that launch, counted in the next step's time (tuner)
-        # A greedy decode step launched ahead, its picks not yet read (see _greedy_step_ahead)
+        # A decode step launched ahead, its picks not yet read (see _decode_step_ahead), and its sampled
+        # requests' generator states from before its draws
         self._ahead: LaunchedStep | None = None
+        self._ahead_draws: list[tuple[Sequence, torch.Tensor]] = []
         # A speculative step's verify launched ahead, before the step before it emitted (see _launch_ahead)
         self._launched: _LaunchedVerify | None = None
 
@@ -322,11 +325,19 @@ class Engine:
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
         if self._decodes_ahead(seqs):
             self._launched = None
-            return self._greedy_step_ahead(seqs)
-        # A step launched ahead and not taken is dropped: its sequences' tokens are computed again, the
-        # same way (its K/V writes are the same values at the same positions).
-        self._ahead = None
+            return self._decode_step_ahead(seqs)
+        self._drop_ahead()
         return self._finish_verify(self._take_launched(seqs) or self._launch_verify(seqs))
+
+    def _drop_ahead(self) -> None:
+        """Drop a decode step launched ahead and not taken: its sequences' tokens are computed again, the
+        same way (its K/V writes are the same values at the same positions), and the sampled ones from
+        the same uniforms: their generators go back to where they were before its draws."""
+        if self._ahead is not None:
+            for seq, state in self._ahead_draws:
+                if self._is_running(seq):
+                    seq.generator.set_state(state)
+        self._ahead, self._ahead_draws = None, []
 
     def _launch_verify(self, seqs: list[Sequence]) -> _LaunchedVerify:
         """Propose (or take the prefetched drafts) and launch the step's verify, without waiting for it."""
@@ -436,26 +447,26 @@ class Engine:
             return
         live = [s for s in stepped if s.finish_reason is None]
         if not live or self._decodes_ahead(live) or self.graphs.bucket(len(live), self._max_drafts(len(live)) + 1) is None:
-            return  # (plain greedy decoding goes ahead its own way, see _greedy_step_ahead)
+            return  # (plain decoding goes ahead its own way, see _decode_step_ahead)
         self._launched = self._launch_verify(live)
 
     def _decodes_ahead(self, seqs: list[Sequence]) -> bool:
-        """Whether this step can run one ahead: plain greedy decoding on captured steps, nothing to tell
-        a drafter and no logits needed on the host."""
+        """Whether this step can run one ahead: plain decoding on captured steps, nothing to tell a drafter."""
         return (self.config.decode_ahead and self.graphs is not None and self.graphs.bucket(len(seqs), 1) is not None
-                and all(s.request.params.greedy and not s.drafter_attached for s in seqs))
+                and not any(s.drafter_attached for s in seqs))
 
-    def _greedy_step_ahead(self, seqs: list[Sequence]) -> list[StepEvent]:
-        """Greedy decoding with the device one step ahead of the host: launch the next step, fed on the
-        device by the picks of the step launched last time, then read those picks and emit them. The
-        device decodes while the host samples, detokenizes, emits and admits, so a step costs the
-        greater of the two instead of their sum.
+    def _decode_step_ahead(self, seqs: list[Sequence]) -> list[StepEvent]:
+        """Decoding with the device one step ahead of the host: launch the next step, fed on the device
+        by the picks of the step launched last time, then read those picks and emit them. The device
+        decodes while the host detokenizes, emits and admits, so a step costs the greater of the two
+        instead of their sum. Sampled requests draw their tokens on the device (`sample_tokens`: what
+        the step-by-step verify would draw, from the same uniform).
 
         A sequence in the step launched last time emits its pick now; one that was not (just admitted,
         or after a speculative step) is launched from its last token and emits next time. A pick past a
         sequence's end (an EOS, a stop string, a cancel) is dropped with its sequence: a launched step
         that wrote K/V to blocks freed since comes before, in stream order, anything that reuses them."""
-        pending, self._ahead = self._ahead, None
+        pending, self._ahead, self._ahead_draws = self._ahead, None, []
         started = time.perf_counter()
         row_of = {} if pending is None else {seq_id: i for i, seq_id in enumerate(pending.seq_ids)}
         carried = [s for s in seqs if s.seq_id in row_of]  # their token now: pending's pick, on the device
@@ -467,7 +478,7 @@ class Engine:
                              [s.last_position + (s.seq_id in row_of) for s in launch])
             feed = None if not fed else DeviceDrafts(pending.device_picks.view(-1, 1), fed, [1] * len(fed),
                                                     [row_of[launch[i].seq_id] for i in fed], column=0)
-            self._ahead = self.graphs.launch_greedy(step, feed)
+            self._ahead = self.graphs.launch_decode(step, feed, self._sampler(launch))
         if not carried:
             return []
         picks = pending.picks()
@@ -479,6 +490,21 @@ class Engine:
             events.append(self._emit(seq, [picks[row_of[seq.seq_id]]]))
         self._count_step(started, verified)
         return events
+
+    def _sampler(self, launch: list[Sequence]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """For a decode launched ahead: its sampled requests' tokens drawn on the device over the greedy
+        picks, each generator's state before the draw kept (see _drop_ahead); None when all are greedy."""
+        sampled = [i for i, s in enumerate(launch) if not s.request.params.greedy]
+        if not sampled:
+            return None
+        self._ahead_draws = [(launch[i], launch[i].generator.get_state()) for i in sampled]
+        params = [launch[i].request.params for i in sampled]
+        generators = [launch[i].generator for i in sampled]
+
+        def choose(logits: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+            index = torch.tensor(sampled, device=picks.device)
+            return picks.index_copy(0, index, sample_tokens(logits, sampled, params, generators))
+        return choose
 
     def _commit_many(self, many, batch: _VerifiedBatch, features: torch.Tensor) -> None:
         """The step's verified sequences told to the drafter in one call (`commit_verified_many`)."""

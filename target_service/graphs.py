@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ class DeviceDrafts:
     counts: list[int]  # its number of drafts
     rows: list[int]  # its row of `tokens`
     # Where in each sequence's token list the first of them goes: 1, after its last committed token
-    # (drafts); 0 for a decode step fed the picks of the step before it (`StepGraphs.launch_greedy`).
+    # (drafts); 0 for a decode step fed the picks of the step before it (`StepGraphs.launch_decode`).
     column: int = 1
 
 
@@ -61,7 +62,7 @@ class LaunchedStep:
     """A one-token-per-sequence step launched on the device, its greedy picks on their way to the host.
 
     `device_picks` may be a view of the graph's own argmax buffer: a later step can still read it as
-    its input (see `StepGraphs.launch_greedy`), since the graph overwrites it only on its next replay,
+    its input (see `StepGraphs.launch_decode`), since the graph overwrites it only on its next replay,
     which comes after that read in stream order."""
 
     seq_ids: list[int]
@@ -250,7 +251,7 @@ class StepGraphs:
                          for b in self.batches for q in self.query_lens}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # Where launched steps' picks land on the host, two in turn: a launch may be queued while the
-        # one before it is still unread, never more (see `launch_greedy`).
+        # one before it is still unread, never more (see `launch_decode`).
         pinned = cache.device.type == "cuda"
         self._picks = [torch.zeros(self.batches[-1], dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._picks_ready = [torch.cuda.Event() if pinned else None for _ in range(2)]
@@ -275,17 +276,22 @@ class StepGraphs:
         return ForwardOutput(logits, pick(out.layer_features), pick(out.last_hidden),
                              bucket_argmax=out.bucket_argmax, bucket_rows=fwd.host_rows)
 
-    def launch_greedy(self, step: StepBatch, fed: DeviceDrafts | None = None) -> LaunchedStep:
-        """A step of one token per sequence, launched without waiting for it: its greedy picks come back
-        through `LaunchedStep.picks`. `fed` (column 0) takes a sequence's token from an earlier launch's
+    def launch_decode(self, step: StepBatch, fed: DeviceDrafts | None = None,
+                      choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> LaunchedStep:
+        """A step of one token per sequence, launched without waiting for it: its picks come back through
+        `LaunchedStep.picks`. `fed` (column 0) takes a sequence's token from an earlier launch's
         `device_picks` still on the device, so steps can be queued back to back while the host handles
-        the picks of the one before (nothing here reads logits or features)."""
+        the picks of the one before. The picks are the greedy ones, or what `choose(logits [n, vocab],
+        greedy picks [n])` makes of them on the device (sampled requests); nothing is read back here."""
         if any(len(t) != 1 for t in step.tokens):
-            raise InvalidRequest("a greedy launch takes exactly one token per sequence")
+            raise InvalidRequest("a decode launch takes exactly one token per sequence")
         fwd, rows, out = self._run(step, fed)
         n = len(step.seq_ids)
         # In a Q = 1 bucket sequence i's token is row i: the picks are a view of the graph's buffer
-        picks = out.bucket_argmax[:n] if fwd.query_len == 1 else out.bucket_argmax.index_select(0, rows)
+        whole = fwd.query_len == 1
+        picks = out.bucket_argmax[:n] if whole else out.bucket_argmax.index_select(0, rows)
+        if choose is not None:
+            picks = choose(out.logits[:n] if whole else out.logits.index_select(0, rows), picks)
         host, ready = self._picks[self._turn], self._picks_ready[self._turn]
         self._turn ^= 1
         host[:n].copy_(picks, non_blocking=True)

@@ -383,11 +383,12 @@ def test_device_drafts_on_the_gpu_survive_requests_admitted_mid_run(smollm2_dir,
     assert sum(s.accepted for s in stats) > 0
 
 
-def test_greedy_decoding_one_step_ahead_is_lossless(tiny_chat_dir):
-    """Greedy target-only decoding on static steps runs the device one step ahead of the host (each step
+def test_decoding_one_step_ahead_is_lossless(tiny_chat_dir):
+    """Target-only decoding on static steps runs the device one step ahead of the host (each step
     fed the last step's picks on the device): it emits what the eager engine emits, token for token and
     character for character, through an EOS, a stop string, a stop id, max_tokens, admissions while
-    others run (max_batch 2), a cancel, and a sampled request beside greedy ones (which steps normally)."""
+    others run (max_batch 2), a cancel, and a sampled request beside greedy ones (its tokens drawn on the
+    device from the uniforms the step-by-step verify would draw)."""
     from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.target_service.engine import Engine, EngineConfig
@@ -427,8 +428,8 @@ def test_greedy_decoding_one_step_ahead_is_lossless(tiny_chat_dir):
 
     ahead = engine(True, {eos})
     launches = []
-    launch = ahead.graphs.launch_greedy
-    ahead.graphs.launch_greedy = lambda *a: launches.append(1) or launch(*a)
+    launch = ahead.graphs.launch_decode
+    ahead.graphs.launch_decode = lambda *a: launches.append(1) or launch(*a)
     assert outputs(ahead.generate(reqs())) == reference
     assert len(launches) > 20 and ahead.cache.num_free_blocks == ahead.cache.num_blocks - 1  # scratch kept
 
@@ -456,7 +457,8 @@ def test_decoding_ahead_on_the_gpu_equals_step_by_step(smollm2_dir):
     """On a GPU the step launched ahead is queued behind the one whose picks the host has not read yet,
     reads its tokens from that step's argmax buffer before the same graph overwrites it, and its picks
     land in the other of two pinned buffers: the default model, real EOS, requests admitted while
-    others decode (max_batch 3, 12 prompts) and a cancel mid-run emit what step-by-step decoding emits."""
+    others decode (max_batch 3, 12 prompts), sampled ones among them, and a cancel mid-run emit what
+    step-by-step decoding emits."""
     from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.target_service.engine import Engine, EngineConfig
@@ -472,7 +474,8 @@ def test_decoding_ahead_on_the_gpu_equals_step_by_step(smollm2_dir):
     def run(ahead: bool):
         engine = Engine(target, None, EngineConfig(max_batch=3, decode_ahead=ahead), eos_ids=tokenizer.eos_token_ids)
         for i, p in enumerate(prompts):
-            engine.add(Request(f"r{i}", p, SamplingParams(max_tokens=40 + 7 * (i % 3))))
+            sampled = dict(temperature=0.8, seed=i) if i % 4 == 0 else {}  # drawn on the device, CUDA generators
+            engine.add(Request(f"r{i}", p, SamplingParams(max_tokens=40 + 7 * (i % 3), **sampled)))
         events: dict[str, list[int]] = {}
         for n in itertools.count():
             if n == 9:
@@ -574,3 +577,45 @@ def _counted(take, seqs, took):
     launched = take(seqs)
     took.append(launched is not None)
     return launched
+
+
+def test_a_sampled_step_launched_ahead_and_dropped_rewinds_its_draws(tiny_chat_dir):
+    """A sampled request decoding ahead draws its next token's uniform at launch; when a speculative
+    request joins, the step launched ahead is dropped and computed again by the verify path. Its
+    generator goes back to where it was, so the request's tokens are those of step-by-step decoding
+    with the same seed and the same schedule."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+    from tests.oracle import DeviceOracle
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                           block_size=8, max_drafts=6)
+    oracle = DeviceOracle(inner, {}, mistake_rate=0.0)
+
+    def run(ahead: bool):
+        engine = Engine(target, oracle, EngineConfig(max_batch=4, decode_ahead=ahead))
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4,
+                                   query_lens=(1, engine._max_drafts() + 1), max_len=256, use_graphs=False)
+        engine.add(Request("sampled", tokenizer.encode("Once upon a time"),
+                           SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True), speculative=False))
+        out: dict[str, list[int]] = {}
+        dropped = []
+        drop = engine._drop_ahead
+        engine._drop_ahead = lambda: dropped.append(engine._ahead is not None) or drop()
+        for n in itertools.count():
+            if n == 6:
+                engine.add(Request("greedy", tokenizer.encode("Hello"), SamplingParams(max_tokens=8, ignore_eos=True)))
+            for e in engine.step():
+                out.setdefault(e.request_id, []).extend(e.token_ids)
+            if not engine.has_work:
+                return out, any(dropped)
+
+    want, _ = run(False)
+    got, dropped = run(True)
+    assert dropped and got == want

@@ -262,6 +262,28 @@ def test_vectorised_sampling_equals_the_per_sequence_reference():
     assert rejected > 50  # rejections, recoveries and bonus tokens were all exercised
 
 
+def test_sampling_on_the_device_equals_verify_sampled_with_no_drafts():
+    """`sample_tokens` (a decode step launched ahead samples its tokens on the device, nothing read
+    back) gives each sequence the token verify_sampled gives it with no drafts, from the same uniform;
+    rows in any order, mixed params, each generator advanced as verify_sampled advances it."""
+    from specsplit.shared.verify import sample_tokens
+
+    choices = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.2, top_k=3),
+               SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=0.9, top_k=4, top_p=0.8)]
+    rng = torch.Generator().manual_seed(7)
+    for trial in range(60):
+        num = int(torch.randint(1, 7, (1,), generator=rng))
+        logits = torch.randn(num + 2, VOCAB, generator=rng) * 3
+        rows = torch.randperm(num + 2, generator=rng)[:num].tolist()
+        params = [choices[int(torch.randint(0, len(choices), (1,), generator=rng))] for _ in range(num)]
+        ahead = [make_generator(trial * 10 + i, "cpu") for i in range(num)]
+        steps = [make_generator(trial * 10 + i, "cpu") for i in range(num)]
+        for _ in range(2):  # twice: the generators stay in step
+            got = sample_tokens(logits, rows, params, ahead).tolist()
+            want = verify_sampled([[] for _ in rows], logits[rows], cu_rows_for([[] for _ in rows]), params, steps).tokens
+            assert got == [t[0] for t in want], trial
+
+
 @pytest.mark.parametrize("k", [0, 1, 4])
 def test_a_sampled_sequence_draws_exactly_k_plus_1_uniforms(k):
     drafts = [[3] * k]
