@@ -15,5 +15,5 @@ python bench/split_bench.py --device cuda --dtype bfloat16 --drafter mtp --max-t
 # target only against HF transformers (eager, and its static cache + torch.compile), same weights
 python bench/hf_bench.py --max-tokens 128 --batch 1 8 --out "$OUT" 2>&1 | grep -v INFO | tail -4 | log
 python bench/step_bench.py --target default --batch 1 8 --query 1 16 --out "$OUT" 2>&1 | grep -v INFO | tail -6 | log
-python -m pytest -q tests/test_fused_kernels.py tests/test_split_gpu.py tests/test_transport.py \
+python -m pytest -q tests/test_fused_kernels.py tests/test_split_gpu.py tests/test_chaos_gpu.py tests/test_transport.py \
   tests/test_dflash_graphs.py tests/test_mtp.py -m gpu -k "not random" -p no:cacheprovider 2>&1 | tail -5 | log
