@@ -327,7 +327,10 @@ class Engine:
             self._launched = None
             return self._decode_step_ahead(seqs)
         self._drop_ahead()
-        return self._finish_verify(self._take_launched(seqs) or self._launch_verify(seqs))
+        launched = self._take_launched(seqs)
+        if launched is not None:  # its verify time: the host's wait for it from here, and the accepts
+            return self._finish_verify(launched, time.perf_counter())
+        return self._finish_verify(self._launch_verify(seqs))
 
     def _drop_ahead(self) -> None:
         """Drop a decode step launched ahead and not taken: its sequences' tokens are computed again, the
@@ -374,7 +377,7 @@ class Engine:
     def _is_running(self, seq: Sequence) -> bool:
         return seq.finish_reason is None and self.running.get(seq.request.request_id) is seq
 
-    def _finish_verify(self, step: _LaunchedVerify) -> list[StepEvent]:
+    def _finish_verify(self, step: _LaunchedVerify, waited_from: float | None = None) -> list[StepEvent]:
         """Read a launched verify back, accept, tell the drafter, prefetch the next drafts, launch the next
         verify when it can go ahead (see _launch_ahead), then emit. Sequences of the step that ended
         after it was launched (a stop string, a cancel) are passed over: their rows were computed for
@@ -413,7 +416,7 @@ class Engine:
                 offset += len(draft) + 1
             if batch.seq_ids:
                 self._commit_many(many, batch, features)
-        self._count_step(step.verify_started, verified)
+        self._count_step(step.verify_started if waited_from is None else waited_from, verified)
         done = [(seq, new_tokens, seq.accept(new_tokens))
                 for seq, new_tokens, live in zip(seqs, accepted_tokens, going) if live]
         # The step's time, with its propose when that was launched at the end of the last step; a step
