@@ -346,9 +346,8 @@ class Engine:
         """Propose (or take the prefetched drafts) and launch the step's verify, without waiting for it."""
         step_started = time.perf_counter()
         choice = self._max_drafts(len(seqs)) if self.tuner is not None else 0
-        asked = self._propose_requests(seqs)
-        wanted = _drafts_per_sequence(len(seqs), *asked)
-        drafts, on_device = self._propose(seqs, asked)
+        wanted = self._draft_counts(seqs)
+        drafts, on_device = self._propose(seqs, self._propose_requests(seqs, wanted))
         inputs = [[s.tokens[-1]] + d for s, d in zip(seqs, drafts)]
         starts = [s.last_position for s in seqs]
         started = time.perf_counter()
@@ -370,7 +369,7 @@ class Engine:
         # schedule or the tuner may give a longer draft than was launched
         if self.tuner is not None and self._max_drafts(len(seqs)) != launched.choice:
             return None
-        if _drafts_per_sequence(len(seqs), *self._propose_requests(seqs)) != [k for _, _, k in going]:
+        if self._draft_counts(seqs) != [k for _, _, k in going]:
             return None
         return launched
 
@@ -577,16 +576,21 @@ class Engine:
             drafts[i] = list(proposal.tokens)
         return drafts, None
 
-    def _propose_requests(self, seqs: list[Sequence]) -> tuple[list[ProposeRequest], list[int]]:
-        """The step's propose requests, and the index in `seqs` of each one's sequence."""
+    def _propose_requests(self, seqs: list[Sequence], counts: list[int] | None = None
+                          ) -> tuple[list[ProposeRequest], list[int]]:
+        """The step's propose requests, and the index in `seqs` of each one's sequence (`counts`: the
+        step's `_draft_counts`, when the caller has them already)."""
         requests, index = [], []
-        most = self._max_drafts(len(seqs))
-        for i, seq in enumerate(seqs):
-            k = self._num_drafts(seq, most) if seq.drafter_attached else 0
+        for i, (seq, k) in enumerate(zip(seqs, self._draft_counts(seqs) if counts is None else counts)):
             if k > 0:
                 requests.append(ProposeRequest(seq.seq_id, seq.tokens[-1], seq.last_position, k))
                 index.append(i)
         return requests, index
+
+    def _draft_counts(self, seqs: list[Sequence]) -> list[int]:
+        """The drafts a step of `seqs` asks for each sequence (0: none)."""
+        most = self._max_drafts(len(seqs))
+        return [self._num_drafts(seq, most) if seq.drafter_attached else 0 for seq in seqs]
 
     def _prefetch_drafts(self, seqs: list[Sequence]) -> None:
         """Launch the next step's propose for the sequences that go on, right after this step's rows
@@ -941,14 +945,6 @@ class _VerifiedBatch:
         self.num_accepted.append(num_accepted)
         self.base_pos.append(base_pos)
         self.token_ids.append(token_ids)
-
-
-def _drafts_per_sequence(count: int, requests: list[ProposeRequest], index: list[int]) -> list[int]:
-    """The drafts each of a step's `count` sequences is asked for (0: none), from its propose requests."""
-    wanted = [0] * count
-    for i, r in zip(index, requests):
-        wanted[i] = r.num_drafts
-    return wanted
 
 
 def _capability(proposer, name: str):

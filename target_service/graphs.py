@@ -59,20 +59,19 @@ class DeviceDrafts:
 
 @dataclass(frozen=True)
 class LaunchedStep:
-    """A one-token-per-sequence step launched on the device, its greedy picks on their way to the host.
+    """A one-token-per-sequence step launched on the device, its picks on their way to the host.
 
     `device_picks` may be a view of the graph's own argmax buffer: a later step can still read it as
     its input (see `StepGraphs.launch_decode`), since the graph overwrites it only on its next replay,
     which comes after that read in stream order."""
 
     seq_ids: list[int]
-    positions: list[int]  # each sequence's position in this step
     device_picks: torch.Tensor  # [len(seq_ids)] int64, in sequence order
     host_picks: torch.Tensor  # [>= len(seq_ids)] int64, pinned on a GPU
     ready: torch.cuda.Event | None  # recorded after the copy to host_picks (None: a CPU step, done)
 
     def picks(self) -> list[int]:
-        """Each sequence's greedy pick, in order: waits for this step's copy alone."""
+        """Each sequence's pick, in order: waits for this step's copy alone."""
         if self.ready is not None:
             self.ready.synchronize()
         return self.host_picks[:len(self.seq_ids)].tolist()
@@ -297,7 +296,7 @@ class StepGraphs:
         host[:n].copy_(picks, non_blocking=True)
         if ready is not None:
             ready.record()
-        return LaunchedStep(list(step.seq_ids), list(step.starts), picks, host, ready)
+        return LaunchedStep(list(step.seq_ids), picks, host, ready)
 
     def _run(self, step: StepBatch, drafts: DeviceDrafts | None) -> tuple[StaticForward, torch.Tensor, ForwardOutput]:
         """Load the step into its bucket and run it: (the bucket's forward, the step's rows of it, its output)."""
