@@ -23,7 +23,7 @@ import torch
 from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture
-from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.errors import InvalidRequest, StateConflict
 from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
 from specsplit.shared.layers import SelfAttention
 from specsplit.shared.ragged import ragged_arange
@@ -69,9 +69,16 @@ class LaunchedStep:
     device_picks: torch.Tensor  # [len(seq_ids)] int64, in sequence order
     host_picks: torch.Tensor  # [>= len(seq_ids)] int64, pinned on a GPU
     ready: torch.cuda.Event | None  # recorded after the copy to host_picks (None: a CPU step, done)
+    number: int  # this launch's number, and each host buffer's latest launch (shared, see picks)
+    owners: list[int]
+    turn: int  # which host buffer is this launch's
 
     def picks(self) -> list[int]:
-        """Each sequence's pick, in order: waits for this step's copy alone."""
+        """Each sequence's pick, in order: waits for this step's copy alone. Read them before the launch
+        after next, which reuses the buffer (refused after it)."""
+        if self.owners[self.turn] != self.number:
+            raise StateConflict(f"decode launch {self.number}'s picks were overwritten by launch "
+                                f"{self.owners[self.turn]}: read each launch's picks before the one after next")
         if self.ready is not None:
             self.ready.synchronize()
         return self.host_picks[:len(self.seq_ids)].tolist()
@@ -254,7 +261,7 @@ class StepGraphs:
         pinned = cache.device.type == "cuda"
         self._picks = [torch.zeros(self.batches[-1], dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._picks_ready = [torch.cuda.Event() if pinned else None for _ in range(2)]
-        self._turn = 0
+        self._turn, self._launches, self._owners = 0, 0, [0, 0]
         if use_graphs:
             self._capture_all()
 
@@ -291,12 +298,15 @@ class StepGraphs:
         picks = out.bucket_argmax[:n] if whole else out.bucket_argmax.index_select(0, rows)
         if choose is not None:
             picks = choose(out.logits[:n] if whole else out.logits.index_select(0, rows), picks)
-        host, ready = self._picks[self._turn], self._picks_ready[self._turn]
+        turn = self._turn
+        host, ready = self._picks[turn], self._picks_ready[turn]
         self._turn ^= 1
         host[:n].copy_(picks, non_blocking=True)
         if ready is not None:
             ready.record()
-        return LaunchedStep(list(step.seq_ids), picks, host, ready)
+        self._launches += 1
+        self._owners[turn] = self._launches
+        return LaunchedStep(list(step.seq_ids), picks, host, ready, self._launches, self._owners, turn)
 
     def _run(self, step: StepBatch, drafts: DeviceDrafts | None) -> tuple[StaticForward, torch.Tensor, ForwardOutput]:
         """Load the step into its bucket and run it: (the bucket's forward, the step's rows of it, its output)."""

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from specsplit.shared.errors import CapacityExceeded, InvalidRequest
+from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
 from specsplit.shared.cuda_graphs import batch_buckets
-from specsplit.target_service.graphs import StepBatch, StepGraphs
+from specsplit.target_service.graphs import DeviceDrafts, StepBatch, StepGraphs
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
 from tests.rounding import network_atol
 
@@ -619,3 +619,38 @@ def test_a_sampled_step_launched_ahead_and_dropped_rewinds_its_draws(tiny_chat_d
     want, _ = run(False)
     got, dropped = run(True)
     assert dropped and got == want
+
+
+@pytest.mark.parametrize("query_lens", [(1, 6), (4,)])  # (4,): no Q = 1 bucket, picks gathered by row
+def test_decode_launches_chain_on_the_device(tiny_llama_dir, query_lens):
+    """Three decode steps launched back to back, each fed the last one's picks on the device (one of
+    the sequences dropping out, as one that ended would), the middle one choosing its own tokens: the
+    picks equal eager greedy decoding fed the same tokens, whichever bucket the steps run in."""
+    model = load_target(tiny_llama_dir)
+    (static_cache, eager_cache), prompts = prefilled_pair(model, [5, 9, 3])
+    graphs = StepGraphs(model, static_cache, CaptureSpec(), max_batch=4, query_lens=query_lens, max_len=64,
+                        use_graphs=False)
+    last = [p[-1] for p in prompts]
+    pos = [len(p) - 1 for p in prompts]
+    # the first step: host tokens; the second: fed all three; the third: fed sequences 0 and 2
+    first = graphs.launch_decode(StepBatch([0, 1, 2], [[t] for t in last], pos))
+    bump = lambda logits, picks: (picks + 1) % model.config.vocab_size  # noqa: E731 - a chooser of its own
+    second = graphs.launch_decode(StepBatch([0, 1, 2], [[0]] * 3, [p + 1 for p in pos]),
+                                  DeviceDrafts(first.device_picks.view(-1, 1), [0, 1, 2], [1, 1, 1], [0, 1, 2], column=0),
+                                  bump)
+    picks = [first.picks()]  # before the launch after next, as the engine reads them
+    third = graphs.launch_decode(StepBatch([0, 2], [[0]] * 2, [pos[0] + 2, pos[2] + 2]),
+                                 DeviceDrafts(second.device_picks.view(-1, 1), [0, 1], [1, 1], [0, 2], column=0))
+    picks += [second.picks(), third.picks()]
+    with pytest.raises(StateConflict, match="overwritten"):  # read too late: refused, not someone else's
+        first.picks()
+
+    want, tokens = [], last
+    for n, seqs in enumerate(([0, 1, 2], [0, 1, 2], [0, 2])):
+        out = eager(model, eager_cache, StepBatch(seqs, [[tokens[s]] for s in seqs], [pos[s] + n for s in seqs]),
+                    CaptureSpec())
+        argmax = out.logits.argmax(-1).tolist()
+        chosen = [(a + 1) % model.config.vocab_size for a in argmax] if n == 1 else argmax
+        want.append(chosen)
+        tokens = dict(zip(seqs, chosen))
+    assert picks == want
