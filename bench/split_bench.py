@@ -51,7 +51,7 @@ class StepTimes:
 
     PHASES = {"_verify_forward": "verify", "_sample": "verify", "_read_drafts": "verify", "_propose": "draft",
               "_prefetch_drafts": "draft", "_after_verify": "commit", "_commit_many": "commit",
-              "_batched_appends": "commit"}
+              "_batched_appends": "commit", "_chain_launch": "draft"}
 
     def __init__(self, engine: Engine) -> None:
         self.total = {"step": 0.0, "verify": 0.0, "draft": 0.0, "commit": 0.0}
@@ -120,6 +120,7 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
                     # admission and prefill (packed forwards, drafter attach): the run's time outside decode steps
                     "outside_steps_s": elapsed - timer.total["step"],
                     "tau": sum(s.generated for s in stats) / sum(s.steps for s in stats),
+                    "chained_steps": engine.counters.chained,
                     "per_step_ms": timer.per_step_ms()}
 
 
@@ -136,6 +137,8 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--also-step-by-step", action="store_true",
                     help="also run target-only and in-process with EngineConfig(decode_ahead=False), side by side")
+    ap.add_argument("--also-unchained", action="store_true",
+                    help="also run in-process with EngineConfig(chain_steps=False), side by side")
     ap.add_argument("--drafter-profile", nargs=2, default=None, metavar=("FIRST:LAST", "PATH"),
                     help="the drafter service records those Step messages with the torch profiler into PATH "
                          "(its --profile-steps / --profile-out)")
@@ -201,6 +204,14 @@ def main() -> None:
                          "target_only_ahead_over_step_by_step": base["tokens_per_s"] / plain_base["tokens_per_s"],
                          "in_process_ahead_over_step_by_step": local["tokens_per_s"] / plain_in["tokens_per_s"],
                          "step_by_step_same_tokens": plain_base_tokens == base_tokens and plain_local_tokens == local_tokens}
+            if args.also_unchained:  # speculative steps chained on the device (the default) against not
+                unchained_local = Engine(model, local_drafter, replace(conf, chain_steps=False))
+                run(unchained_local, tokenizer, prompts, args.max_tokens, "warm")
+                unchained_tokens, unchained = run(unchained_local, tokenizer, prompts, args.max_tokens, "l")
+                plain.update(in_process_unchained=unchained,
+                             in_process_chained_over_unchained=local["tokens_per_s"] / unchained["tokens_per_s"],
+                             requests_differing_chained_vs_unchained=sum(
+                                 a != b for a, b in zip(local_tokens, unchained_tokens)))
             results[f"batch_{batch}"] = {**plain,
                 "target_only": base, "in_process": local, "services": split,
                 "services_over_in_process": split["tokens_per_s"] / local["tokens_per_s"],

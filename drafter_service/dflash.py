@@ -32,7 +32,7 @@ from specsplit.kernels.norm import rms_norm
 from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.shared.config import ModelConfig
-from specsplit.shared.errors import CheckpointError
+from specsplit.shared.errors import CheckpointError, InvalidRequest
 from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
 from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer
 from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal
@@ -346,6 +346,17 @@ def _paged_mixer(k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tenso
     return mix
 
 
+@dataclass(frozen=True)
+class ChainBatch:
+    """Sequences of a chained step as the device reads them (`DFlashDrafter.chain_batch`)."""
+
+    seq_ids: list[int]
+    states: list["DFlashState"]
+    tables: list[torch.Tensor]  # each state's table, as it was when stacked
+    stacked: torch.Tensor  # [B, table_width] int32
+    periods: torch.Tensor  # [B] int64: each ring's positions (blocks x block size)
+
+
 @dataclass
 class DFlashState(SequenceState):
     window: int = 0  # W = min(spec.window, budget): the newest W committed rows are visible
@@ -396,6 +407,7 @@ class DFlashDrafter(Drafter):
         self.table_width = 2 * self.pool.ring_size(window, cfg.block_size)
         self.context_graphs: ContextGraphs | None = None
         self.propose_graphs: ProposeGraphs | None = None
+        self._chain: ChainBatch | None = None  # the last chained step's sequences (see chain_batch)
         if cuda_graphs and self.device.type == "cuda":
             self.use_static_forwards(use_graphs=True)
 
@@ -535,6 +547,77 @@ class DFlashDrafter(Drafter):
         # next context-forward replay (a prefill admitted before the verify reads these drafts) could
         # overwrite them.
         return None if drafted is None else drafted.tokens.clone()
+
+    # -- chained steps: an in-process engine queues speculative steps back to back on the device, each
+    # fed by the last one's picks, and reads their outcomes one step behind (see target_service.chain).
+    # Every position the device sees is the host's plus what the steps not yet read accepted, so the
+    # propose and the context commit compute their slots and bases there from the positions the verify
+    # left; the host catches up with `chain_settle` once it has read a step.
+
+    def chain_batch(self, seq_ids: Sequence[int], anchors_ahead: Sequence[int]) -> "ChainBatch | None":
+        """The device-side view of these sequences for a chained step whose anchors may lie up to
+        `anchors_ahead[i]` positions past sequence i's next one (the rows of the steps launched and not
+        read yet): their tables and ring periods. None when a chained step cannot serve them: no static
+        forwards, a head on another device, a window narrower than a block, or an anchor at or past a
+        budget (the engine then steps as usual). Anchors below the budget keep every write where a
+        step-by-step propose at that anchor writes: its block's rows cover the verified ones."""
+        if self.propose_graphs is None or self.context_graphs is None or self.head.embed.device != self.device \
+                or not 0 < len(seq_ids) <= self.spec.max_batch or len(set(seq_ids)) != len(seq_ids):
+            return None
+        states = [self.store.get(seq_id) for seq_id in seq_ids]
+        for state, ahead in zip(states, anchors_ahead):
+            if not state.ring or state.window < self.spec.block_size or state.next_pos + ahead >= state.budget:
+                return None
+        last = self._chain
+        if last is not None and last.seq_ids == list(seq_ids) and all(
+                a is b and a.table is t for a, b, t in zip(states, last.states, last.tables)):
+            return last  # the same sequences and rings: the stacked tables are in place
+        size = self.pool.block_size
+        periods = [len(state.ring) * size for state in states]
+        self._chain = ChainBatch(list(seq_ids), states, [state.table for state in states],
+                                 torch.stack([state.table for state in states]),
+                                 self.staging.put(periods))
+        return self._chain
+
+    def chain_propose(self, batch: "ChainBatch", anchors: torch.Tensor, positions: torch.Tensor,
+                      num_drafts: int) -> torch.Tensor:
+        """Greedy drafts [B, num_drafts] (target ids, a tensor of their own) for anchors [B] at
+        positions [B], both on the device: `draft_on_device` without the host knowing either."""
+        shape = (len(batch.seq_ids),)
+        if not 0 < num_drafts <= self.spec.max_drafts or anchors.shape != shape or positions.shape != shape:
+            raise ValueError(f"a chained propose takes one anchor and position per sequence and 1.."
+                             f"{self.spec.max_drafts} drafts, got {num_drafts}")
+        bases = (positions - self.spec.window).clamp(min=0) // batch.periods * batch.periods
+        meta = torch.stack([anchors, positions, bases])
+        return self.propose_graphs.fed(self.head, meta, batch.tables)[:, :num_drafts].clone()
+
+    def chain_commit(self, batch: "ChainBatch", rows: torch.Tensor, positions: torch.Tensor, count: int) -> None:
+        """Context K/V of every verified row, rows [B * count, feature_dim] (sequence i's rows i*count ..,
+        at positions[i] ..), into their ring slots. The rows past what the verify accepted lie at or
+        past the next anchor's position, where the next propose's block writes first: nobody reads
+        them, so they need not be told apart here, and the host is told what was accepted later."""
+        rows = self._check_rows(rows)
+        if rows.shape[0] != len(batch.seq_ids) * count or not 0 < count <= self.spec.max_drafts + 1:
+            raise ValueError(f"a chained commit takes {len(batch.seq_ids)} x count rows, count 1.."
+                             f"{self.spec.max_drafts + 1}; got {rows.shape[0]} rows, count {count}")
+        size = self.pool.block_size
+        at = positions[:, None] + torch.arange(count, device=positions.device)  # [B, count]
+        blocks = batch.stacked.gather(1, (at // size) % (batch.periods[:, None] // size)).long()
+        self.context_graphs.fed(rows, at.view(-1), (blocks * size + at % size).view(-1))
+
+    def chain_settle(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
+        """What a chained step committed, read back: `counts[i]` rows (its accepted drafts and anchor) of
+        sequence i from its next position on. All checked before any changes."""
+        if len(seq_ids) != len(counts):
+            raise InvalidRequest("chain_settle takes one count per sequence")
+        states = [self.store.get(seq_id) for seq_id in seq_ids]
+        for state, count in zip(states, counts):
+            if type(count) is not int or not 0 < count <= self.spec.max_drafts + 1:
+                raise InvalidRequest(f"a chained step commits 1..{self.spec.max_drafts + 1} rows, got {count!r}")
+            self._check_span(state, state.next_pos, count, "commit")
+        for state, count in zip(states, counts):
+            state.stash = None
+            state.next_pos += count
 
     def draft(self, batch: Sequence[Draft]) -> list[Proposal]:
         drafted = self._graph_draft(batch)

@@ -75,7 +75,18 @@ class ContextGraphs:
         """rows [n, feature_dim] at host `positions` [n] → their K/V into the pool's `slots` [n] (distinct).
         Positions and slots reach the graph's inputs in one copy (`staging`), the rows in another."""
         n = rows.shape[0]
-        size = bucket_for(n, self.buckets)
+        static_rows, meta, run = self._buffers(bucket_for(n, self.buckets), rows)
+        # Rows past n are a previous step's: written again where they were, they could land on a slot
+        # since reused, so they go to scratch (position 0).
+        host = np.zeros((2, meta.shape[1]), dtype=np.int64)
+        host[0, :n], host[1, :n] = positions, slots
+        host[1, n:] = self.context_pool.scratch * self.context_pool.block_size
+        staging.put_into(meta, host)
+        static_rows[:n].copy_(rows)
+        run()
+
+    def _buffers(self, size: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, _Replayable]:
+        """The static rows, positions/slots and run of the bucket of `size` rows (made on first use)."""
         if size not in self._runs:
             static_rows = torch.zeros((size, rows.shape[1]), dtype=rows.dtype, device=rows.device)
             meta = torch.zeros(2, size, dtype=torch.long, device=rows.device)  # positions, slots
@@ -86,13 +97,17 @@ class ContextGraphs:
                 forward = lambda: cp.write(meta[1], *model.context(static_rows, meta[0]))  # noqa: E731
             run = _Replayable(forward, self.pool, self.use_graphs)
             self._runs[size] = (static_rows, meta, run)
-        static_rows, meta, run = self._runs[size]
-        # Rows past n are a previous step's: written again where they were, they could land on a slot
-        # since reused, so they go to scratch (position 0).
-        host = np.zeros((2, size), dtype=np.int64)
-        host[0, :n], host[1, :n] = positions, slots
-        host[1, n:] = self.context_pool.scratch * self.context_pool.block_size
-        staging.put_into(meta, host)
+        return self._runs[size]
+
+    def fed(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """`__call__` with positions and slots [n] already on the device (a chained step's, computed
+        there from positions the host does not know yet): no host copy, nothing waits."""
+        n = rows.shape[0]
+        static_rows, meta, run = self._buffers(bucket_for(n, self.buckets), rows)
+        meta[0, :n].copy_(positions)
+        meta[1, :n].copy_(slots)
+        meta[0, n:].zero_()
+        meta[1, n:].fill_(self.context_pool.scratch * self.context_pool.block_size)
         static_rows[:n].copy_(rows)
         run()
 
@@ -169,24 +184,43 @@ class ProposeGraphs:
                  tables: Sequence[torch.Tensor]) -> "GraphDrafts":
         """One sequence per anchor, at `positions`, its table relative to `bases` (see `PagedContext`).
         Returns the drafts on the device, valid until the next replay."""
-        runs = self._runs.setdefault(_head_key(head), {})
         batch = len(anchors)
+        buffers, run = self._buffers(head, batch)
+        pad = buffers.meta.shape[1] - batch  # padded sequences sit at position 0 of the scratch table
+        self.staging.put_into(buffers.meta, [anchors + [0] * pad, positions + [0] * pad, bases + [0] * pad])
+        self._set_tables(buffers, tables)
+        drafts, best, logits = run()
+        return GraphDrafts(drafts[:batch], best[:batch], logits[:batch])
+
+    def fed(self, head: TargetHead, meta: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Tensor:
+        """`__call__` with anchors, positions and bases already on the device, as rows of `meta` [3, B]
+        (a chained step's: the last verify's picks, where the host does not know them yet). Returns the
+        greedy drafts [B, γ-1], valid until the next replay."""
+        batch = meta.shape[1]
+        buffers, run = self._buffers(head, batch)
+        buffers.meta[:, :batch].copy_(meta)
+        buffers.meta[:, batch:].zero_()
+        self._set_tables(buffers, tables)
+        drafts, _, _ = run()
+        return drafts[:batch]
+
+    def _buffers(self, head: TargetHead, batch: int) -> tuple[_ProposeBuffers, _Replayable]:
+        runs = self._runs.setdefault(_head_key(head), {})
         size = bucket_for(batch, self.batches)
         if size not in runs:
             buffers = _ProposeBuffers(self.model, head, self.table, self.context_pool, size,
                                       self.scratch_table.shape[0], self.window, self.fused)
             runs[size] = (buffers, _Replayable(buffers.run, self.pool, self.use_graphs))
-        buffers, run = runs[size]
-        pad = size - batch  # padded sequences sit at position 0 of the scratch table
-        self.staging.put_into(buffers.meta, [anchors + [0] * pad, positions + [0] * pad, bases + [0] * pad])
-        # A table is never written after it is made (a ring's change makes a new one), so the same
-        # tables in the same order as last time are in place already; held here, none can be freed
-        # and another made at its address.
+        return runs[size]
+
+    def _set_tables(self, buffers: _ProposeBuffers, tables: Sequence[torch.Tensor]) -> None:
+        """The sequences' tables into the bucket's, padded with the scratch table. A table is never
+        written after it is made (a ring's change makes a new one), so the same tables in the same order
+        as last time are in place already; held here, none can be freed and another made at its address."""
         if len(tables) != len(buffers.last_tables) or any(a is not b for a, b in zip(tables, buffers.last_tables)):
+            pad = buffers.tables.shape[0] - len(tables)
             torch.stack([*tables, *[self.scratch_table] * pad], out=buffers.tables)
             buffers.last_tables = list(tables)
-        drafts, best, logits = run()
-        return GraphDrafts(drafts[:batch], best[:batch], logits[:batch])
 
 
 def _head_key(head: TargetHead) -> tuple:

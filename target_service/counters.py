@@ -47,6 +47,7 @@ class EngineCounters:
     fallbacks: int = 0  # the drafter failed: every sequence went on without it (serial decoding)
     refusals: int = 0  # the drafter refused one sequence (its limits): that one decodes serially
     reattaches: int = 0  # a drafter attached after a fallback, or first answered after a start without it
+    chained: int = 0  # speculative steps chained on the device (target_service/chain.py), counted when read
     # Host seconds of one batched step's phases, each ending at a point that already waits for the device:
     # propose (drafts back), verify (target forward and acceptance read back), control (telling the
     # drafter what was accepted: stash, commit, trim, catch-up).

@@ -25,6 +25,7 @@ from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
 from specsplit.shared.verify import sample_tokens, verify_sampled
+from specsplit.target_service.chain import ChainBuffers, ChainedStep, accept_greedy
 from specsplit.target_service.counters import EngineCounters
 from specsplit.target_service.draft_tuner import DraftTuner
 from specsplit.target_service.graphs import DeviceDrafts, LaunchedStep, StepBatch, StepGraphs
@@ -55,6 +56,10 @@ class EngineConfig:
     # Engine._decode_step_ahead), and in-process speculative steps their next verify before emitting
     # (Engine._launch_ahead): the device works while the host emits. Needs the captured steps.
     decode_ahead: bool = True
+    # In-process greedy speculative steps whose drafter can (DFlash's static forwards) go further: the
+    # accept, the drafter's commit and the next propose and verify run on the device, and the host
+    # reads each step's picks one step behind (target_service/chain.py). Needs `decode_ahead`.
+    chain_steps: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
@@ -124,6 +129,11 @@ class Engine:
         self._ahead_draws: list[tuple[Sequence, torch.Tensor]] = []
         # A speculative step's verify launched ahead, before the step before it emitted (see _launch_ahead)
         self._launched: _LaunchedVerify | None = None
+        # A chained step launched and not yet read (see _chain_step), where their picks land, and when
+        # the last one was read (a chained step's time is the time between two reads)
+        self._chain: ChainedStep | None = None
+        self._chain_buffers: ChainBuffers | None = None
+        self._chain_read_at: float | None = None
 
     def _new_tuner(self) -> DraftTuner | None:
         if not self.config.auto_drafts or self.proposer is None or self.proposer.spec is None:
@@ -323,6 +333,12 @@ class Engine:
         return self.drafter_ok and seq.request.speculative and not seq.drafter_refused
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
+        chained = self._chain_drafts(seqs)
+        if chained or self._chain is not None:
+            events = self._chain_step(seqs, chained)
+            if events is not None:
+                return events
+        self._chain_read_at = None
         if self._decodes_ahead(seqs):
             self._launched = None
             return self._decode_step_ahead(seqs)
@@ -448,9 +464,121 @@ class Engine:
                 and _capability(self.proposer, "prefetch") is None):
             return
         live = [s for s in stepped if s.finish_reason is None]
-        if not live or self._decodes_ahead(live) or self.graphs.bucket(len(live), self._max_drafts(len(live)) + 1) is None:
-            return  # (plain decoding goes ahead its own way, see _decode_step_ahead)
+        if not live or self._decodes_ahead(live) or self.graphs.bucket(len(live), self._max_drafts(len(live)) + 1) is None \
+                or self._chain_drafts(live):
+            return  # (plain decoding goes ahead its own way, see _decode_step_ahead; chained steps theirs)
         self._launched = self._launch_verify(live)
+
+    def _chain_drafts(self, seqs: list[Sequence]) -> int:
+        """The draft length of a chained step of `seqs` (see target_service/chain.py), 0 when they do not
+        chain: in-process, greedy, every sequence attached to a drafter that chains, captured steps, and
+        room for the two steps the device may run ahead of the host (the launched one and this)."""
+        if not (self.config.chain_steps and self.config.decode_ahead and self.drafter_ok and self.graphs is not None
+                and _capability(self.proposer, "chain_batch") is not None and self.capture.layer_ids):
+            return 0
+        if not all(s.drafter_attached and s.request.params.greedy for s in seqs):
+            return 0
+        k = self._max_drafts(len(seqs))
+        if k < 1 or self.graphs.bucket(len(seqs), k + 1) is None:
+            return 0
+        # Anchors stay below each budget and rows within the context and the blocks admission reserved
+        # (the budget plus a verify's): where a step-by-step propose and verify would write, no further.
+        limit = min(self.model.config.max_position_embeddings, self.graphs.max_blocks * self.cache.block_size)
+        if any(end > limit or end > s.budget_tokens + k for s, end in zip(seqs, self._chain_ends(seqs, k, self._chain))):
+            return 0
+        return k
+
+    @staticmethod
+    def _chain_ends(seqs: list[Sequence], k: int, pending: ChainedStep | None) -> list[int]:
+        """Each sequence's furthest position + 1 a chained step with k drafts may write: its last known
+        one, plus the rows of the step launched and not read yet (when it is in it), plus this step's."""
+        ahead = {} if pending is None else {s.seq_id: pending.num_drafts + 1 for s in pending.seqs}
+        return [s.last_position + ahead.get(s.seq_id, 0) + k + 1 for s in seqs]
+
+    def _chain_step(self, seqs: list[Sequence], k: int) -> list[StepEvent] | None:
+        """Launch the next chained step (k > 0), fed on the device by the one launched last time, then
+        read that one and emit its tokens: the device runs a step while the host reads and emits the
+        one before. With k == 0 (these sequences do not chain) the last chained step is only read, and
+        the next step runs as usual from what the host then knows. None: nothing was launched or read
+        (the launch was refused), so this step runs as usual."""
+        self._drop_ahead()
+        self._launched = self._prefetched = None
+        pending, self._chain = self._chain, None
+        started = time.perf_counter()
+        if k:
+            self._chain = self._chain_launch(seqs, k, pending, started)
+        if pending is not None:
+            return self._chain_read(pending)
+        return [] if self._chain is not None else None
+
+    def _chain_launch(self, seqs: list[Sequence], k: int, pending: ChainedStep | None,
+                      started: float) -> ChainedStep | None:
+        """Propose, verify, accept and commit on the device; nothing waits. None if the drafter failed
+        before the verify (it is detached; the sequences' host records are as they were)."""
+        ids = [s.seq_id for s in seqs]
+        ends = self._chain_ends(seqs, k, pending)
+        firsts = [s.last_position for s in seqs]
+        # how far each anchor may lie past the drafter's next position: the rows of the step not yet read
+        batch = self._drafter_call(self.proposer.chain_batch, ids, [end - first - k - 1 for end, first in zip(ends, firsts)])
+        if batch is None or batch is _FAILED:
+            return None
+        if self.cache.num_free_blocks < sum(max(0, self.cache.blocks_for(end) - self.cache.blocks_for(self.cache.length(i)))
+                                            for i, end in zip(ids, ends)):
+            return None
+        row_of = {} if pending is None else {s.seq_id: i for i, s in enumerate(pending.seqs)}
+        if pending is not None and ids == [s.seq_id for s in pending.seqs]:
+            anchors, positions = pending.anchors, pending.positions  # the same batch: fed as it stands
+        else:
+            known = torch.tensor([[s.tokens[-1] for s in seqs], firsts], dtype=torch.int64).to(self._device)
+            carried = [i for i, s in enumerate(seqs) if s.seq_id in row_of]
+            if carried:
+                src = torch.tensor([row_of[ids[i]] for i in carried], device=self._device)
+                known[:, torch.tensor(carried, device=self._device)] = \
+                    torch.stack([pending.anchors, pending.positions]).index_select(1, src)
+            anchors, positions = known[0], known[1]
+        drafts = self._drafter_call(self.proposer.chain_propose, batch, anchors, positions, k)
+        if drafts is _FAILED:
+            return None
+        drafts = drafts.clamp(0, self.model.config.vocab_size - 1)  # whoever drafted (see _propose_on_device)
+        fwd, out = self.graphs.chain(ids, torch.cat([anchors[:, None], drafts], dim=1), positions, firsts, ends)
+        n = len(seqs)
+        picks = out.bucket_argmax.view(fwd.batch, fwd.query_len)[:n, :k + 1]
+        accepted = accept_greedy(drafts, picks)
+        if self._chain_buffers is None:
+            self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
+        step = self._chain_buffers.launch(seqs, k, picks, accepted, picks.gather(1, accepted[:, None]).squeeze(1),
+                                          positions + accepted + 1, started)
+        rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:n, :k + 1].reshape(n * (k + 1), -1)
+        self._drafter_call(self.proposer.chain_commit, batch, rows, positions, k + 1)  # failing, it detaches:
+        return step  # the picks stand (they never depended on the drafts)
+
+    def _chain_read(self, step: ChainedStep) -> list[StepEvent]:
+        """Read a chained step's outcome and bring the host's records up to it: each sequence's tokens
+        and stats, the drafter's positions; then emit. Sequences that ended since it was launched are
+        passed over (their rows were computed for nothing)."""
+        waited_from = time.perf_counter()
+        outcome = step.outcome()
+        verified = time.perf_counter()
+        done = [(seq, accepted, tokens) for seq, (accepted, tokens) in zip(step.seqs, outcome) if self._is_running(seq)]
+        k = step.num_drafts
+        for seq, accepted, _ in done:
+            seq.stats.steps += 1
+            seq.stats.drafted += k
+            seq.stats.accepted += accepted
+            self.counters.verified(k, accepted)
+        self._count_step(waited_from, verified)
+        self.counters.chained += 1
+        # A chained step's time: from the last read to this one (steps follow each other on the device)
+        if self.tuner is not None and self._chain_read_at is not None and done:
+            self.tuner.observe(len(step.seqs), k, verified - self._chain_read_at, [(k, a) for _, a, _ in done])
+        self._chain_read_at = verified
+        events = [self._emit(seq, tokens) for seq, _, tokens in done]
+        # The drafter learns what was committed for the sequences that go on (an ended one was freed;
+        # its last rows may lie past its budget, where it would refuse them)
+        settled = [(seq.seq_id, accepted + 1) for seq, accepted, _ in done if self._is_running(seq) and seq.drafter_attached]
+        if settled and self.drafter_ok:
+            self._drafter_call(self.proposer.chain_settle, [i for i, _ in settled], [c for _, c in settled])
+        return events
 
     def _decodes_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether this step can run one ahead: plain decoding on captured steps, nothing to tell a drafter."""
@@ -605,7 +733,7 @@ class Engine:
         there is without a prefetch."""
         self._prefetched = None
         live = [s for s in seqs if s.finish_reason is None]
-        if not live or not self.drafter_ok:
+        if not live or not self.drafter_ok or self._chain_drafts(live):
             return
         ahead = _capability(self.proposer, "prefetch")
         if ahead is not None:  # a drafter service: the proposes leave now, with this step's commits
@@ -751,6 +879,8 @@ class Engine:
             return
         available = getattr(self.proposer, "available", None)
         if available is None or not available():
+            return
+        if self._chain is not None:  # a chained step is still out: rebuild from what the host has read of it
             return
         self.drafter_ok = True
         self.counters.reattaches += 1

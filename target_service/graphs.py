@@ -118,10 +118,12 @@ class StaticForward:
         self._copied = torch.cuda.Event() if pinned else None
         self.output: ForwardOutput | None = None
         self.host_rows: np.ndarray | None = None  # the last loaded step's rows of [B * Q]
+        self._fed: tuple | None = None  # what the last `load_fed` copied, if nothing was loaded since
 
     def load(self, step: StepBatch, drafts: DeviceDrafts | None = None) -> torch.Tensor:
         """Copy a step into the buffers (device drafts over their placeholders); returns the rows of
         [B * Q] that hold its tokens, in order."""
+        self._fed = None  # (see load_fed)
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers' previous copies are done
         q, block_size = self.query_len, self.cache.block_size
@@ -157,6 +159,41 @@ class StaticForward:
             dest, src = self.inputs[4, :placed], self.inputs[5, :placed]
             self.token_ids.index_copy_(0, dest, drafts.tokens.reshape(-1).index_select(0, src).to(torch.int64))
         return self.rows[:count]
+
+    def load_fed(self, seq_ids: list[int], tokens: torch.Tensor, starts: torch.Tensor) -> None:
+        """A step whose tokens [B, n] and first positions [B] are on the device only (a chained step's:
+        the host does not know them yet), every sequence n tokens. The host copies the block tables
+        (the cache holds blocks up to the furthest position any of them may reach); positions and
+        cache slots are computed on the device from `starts`, as `load` computes them on the host:
+        padding queries of a real sequence at its last position and writing to scratch."""
+        batch, n = tokens.shape
+        q, block_size = self.query_len, self.cache.block_size
+        blocks = self.cache.block_lists(seq_ids)
+        widths = np.fromiter(map(len, blocks), dtype=np.int64, count=batch)
+        # What the host copies (the tables; zeros and scratch slots for padding) changes only when a
+        # sequence gets a block, or the batch changes: most chained steps copy nothing, and wait for nothing.
+        key = (tuple(seq_ids), widths.tobytes(), n)
+        if key != self._fed:
+            if self._copied is not None:
+                self._copied.synchronize()
+            inputs, tables = self._host_inputs.numpy(), self._host_tables.numpy()
+            inputs[:4], tables[:] = 0, self.scratch_block
+            inputs[2] = self.scratch_slot
+            tables[np.repeat(np.arange(batch), widths), ragged_arange(widths)] = np.fromiter(
+                itertools.chain.from_iterable(blocks), dtype=np.int64, count=int(widths.sum()))
+            flat = (np.arange(batch)[:, None] * q + np.arange(n)).reshape(-1)
+            inputs[3, :flat.size] = flat
+            self.host_rows = flat
+            self._device_bytes.copy_(self._host_bytes, non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
+            self._fed = key
+        offsets = torch.arange(q, device=starts.device)
+        at = starts[:, None] + offsets.clamp(max=n - 1)  # [B, Q]
+        self.positions[:batch].copy_(at)
+        slots = self.block_tables[:batch].gather(1, at // block_size).long() * block_size + at % block_size
+        self.slots.view(self.batch, q)[:batch].copy_(torch.where(offsets < n, slots, self.scratch_slot))
+        self.token_ids.view(self.batch, q)[:batch, :n].copy_(tokens)
 
     def _place_drafts(self, drafts: DeviceDrafts, inputs: np.ndarray) -> int:
         """Rows 4/5 of the host inputs: token-row slots of each draft and its index in drafts.tokens."""
@@ -307,6 +344,28 @@ class StepGraphs:
         self._launches += 1
         self._owners[turn] = self._launches
         return LaunchedStep(list(step.seq_ids), picks, host, ready, self._launches, self._owners, turn)
+
+    def chain(self, seq_ids: list[int], tokens: torch.Tensor, starts: torch.Tensor, firsts: list[int],
+              ends: list[int]) -> tuple[StaticForward, ForwardOutput]:
+        """A verify of tokens [B, n] at first positions [B] that only the device knows (a chained step:
+        `StaticForward.load_fed`), the host knowing each sequence's first position lies in
+        [firsts[i], ends[i] - n]: the cache grows to `ends` first. Returns the bucket's forward and its
+        outputs, bucket-shaped ([B' * Q] rows, sequence i's tokens at rows i * Q ..): nothing is read back."""
+        batch, n = tokens.shape
+        key = self.bucket(batch, n)
+        if key is None or not batch == len(seq_ids) == len(firsts) == len(ends):
+            raise InvalidRequest(f"no captured bucket holds {batch} sequences of {n} tokens")
+        if max(ends) > self.max_blocks * self.cache.block_size:
+            raise InvalidRequest(f"position {max(ends) - 1} lies past the {self.max_blocks} blocks a step can address")
+        self.cache.reserve_batch(seq_ids, firsts, ends)
+        fwd = self.forwards[key]
+        fwd.load_fed(seq_ids, tokens, starts)
+        graph = self.graphs.get(key)
+        if graph is None:
+            with torch.inference_mode():
+                return fwd, fwd.run()
+        graph.replay()
+        return fwd, fwd.output
 
     def _run(self, step: StepBatch, drafts: DeviceDrafts | None) -> tuple[StaticForward, torch.Tensor, ForwardOutput]:
         """Load the step into its bucket and run it: (the bucket's forward, the step's rows of it, its output)."""

@@ -64,6 +64,8 @@ class _EngineCollector(Collector):
         drafts, accepted = list(c.drafts), list(c.accepted)  # one copy each: the engine thread appends
         yield _counter("steps", "batched decode/verify steps (target forwards)", c.steps)
         yield _counter("prefills", "prompts prefilled (a target forward that produced a token)", c.prefills)
+        yield _counter("chained_steps", "speculative steps chained on the device: accepted there, the next one "
+                       "launched before the host read this one", c.chained)
         yield _counter("tokens", "tokens generated and sent to clients", c.tokens)
         yield _by_count("verified_drafts", "drafts verified per sequence per step (0: serial decoding)", drafts)
         yield _by_count("accepted_drafts", "drafts accepted per sequence per step; tau = 1 + sum / count", accepted)

@@ -341,7 +341,8 @@ def test_engine_with_a_static_dflash_drafter_drafts_on_the_device(tiny_chat_dir)
     drafter.propose_on_device = lambda requests: used.append(on_device(requests)) or used[-1]
 
     def run(proposer):
-        engine = Engine(target, proposer, EngineConfig(max_batch=2))
+        # (chained steps propose their own way: tests/test_chain.py)
+        engine = Engine(target, proposer, EngineConfig(max_batch=2, chain_steps=False))
         engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=2,
                                    query_lens=(1, engine._max_drafts() + 1), max_len=256, use_graphs=False)
         return {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine.generate(reqs).items()}

@@ -1,0 +1,86 @@
+"""Chained speculative steps: in-process, greedy, the device one step ahead of the host.
+
+A speculative step ends with a decision only the verify's outcome settles: how many drafts each
+sequence accepted, hence where its next anchor lies and which token it is. Read back on the host,
+that decision costs the device a gap per step (the wait, the host's accepts and commits, the next
+propose's and verify's launches). A chained step makes it on the device instead: the greedy accept
+(`accept_greedy`), the next anchors and positions, the drafter's commit of the verified rows, and
+the next step's propose and verify all read device tensors, so the engine queues step N+1 before it
+reads step N's picks, and the device goes from one step to the next without waiting for the host.
+
+What makes that exact: greedy picks do not depend on the drafts (a pick is the target's argmax after
+the tokens before it, and the tokens a step accepts equal its picks), K/V rows past a sequence's
+accepted ones lie at positions the next verify and the next propose overwrite before anything reads
+them, and the host's own record of each sequence (its tokens, the KV blocks it holds, the drafter's
+next position) follows one step behind, from the picks it reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specsplit.shared.errors import StateConflict
+from specsplit.target_service.sequence import Sequence
+
+
+def accept_greedy(drafts: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """Drafts [B, k] against the verify's greedy picks [B, k + 1] → accepted drafts per sequence [B]:
+    the length of the longest prefix of drafts equal to the picks at the same places."""
+    k = drafts.shape[1]
+    return (drafts == picks[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class ChainedStep:
+    """A chained step, launched; its picks on their way to the host."""
+
+    seqs: list[Sequence]
+    num_drafts: int  # k: every sequence's, this step
+    anchors: torch.Tensor  # [B] on the device: each sequence's next anchor (its bonus pick) ...
+    positions: torch.Tensor  # [B] ... and that anchor's position
+    host: torch.Tensor  # pinned [>= B, >= k + 2]: per sequence its k + 1 picks, then its accepted count
+    ready: torch.cuda.Event | None  # recorded after the copy to `host` (None: a CPU step, done)
+    started: float  # perf_counter when the engine step that launched it began
+    number: int  # this launch's number ...
+    owners: list[int]  # ... and each host buffer's latest launch (shared with ChainBuffers)
+    turn: int
+
+    def outcome(self) -> list[tuple[int, list[int]]]:
+        """(accepted drafts, the tokens the sequence gains: its accepted drafts and the pick after them)
+        per sequence, in order. Waits for this step alone; read it before the launch after next, which
+        reuses its host buffer (refused after it)."""
+        if self.owners[self.turn] != self.number:
+            raise StateConflict(f"chained step {self.number}'s picks were overwritten by step "
+                                f"{self.owners[self.turn]}: read each step before the one after next")
+        if self.ready is not None:
+            self.ready.synchronize()
+        k = self.num_drafts
+        rows = self.host[:len(self.seqs), :k + 2].tolist()
+        return [(row[k + 1], row[:row[k + 1] + 1]) for row in rows]
+
+
+class ChainBuffers:
+    """Two pinned host buffers taken in turn: a chained step may be queued while the one before it is
+    still unread, never more."""
+
+    def __init__(self, max_batch: int, max_drafts: int, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        self.host = [torch.zeros(max_batch, max_drafts + 2, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.ready = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self.turn, self.launches, self.owners = 0, 0, [0, 0]
+
+    def launch(self, seqs: list[Sequence], num_drafts: int, picks: torch.Tensor, accepted: torch.Tensor,
+               anchors: torch.Tensor, positions: torch.Tensor, started: float) -> ChainedStep:
+        """Queue the copy of a launched step's picks [B, k + 1] and accepted counts [B] to the host."""
+        turn = self.turn
+        self.turn ^= 1
+        host, ready = self.host[turn], self.ready[turn]
+        host[:len(seqs), :num_drafts + 2].copy_(torch.cat([picks, accepted[:, None]], dim=1), non_blocking=True)
+        if ready is not None:
+            ready.record()
+        self.launches += 1
+        self.owners[turn] = self.launches
+        return ChainedStep(list(seqs), num_drafts, anchors, positions, host, ready, started, self.launches,
+                           self.owners, turn)

@@ -1,0 +1,339 @@
+"""Chained speculative steps (target_service/chain.py): each piece against its host-side reference, then
+the engine with steps chained against the engine without them and against target-only decoding."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specsplit.target_service.chain import accept_greedy
+from specsplit.target_service.graphs import StepBatch, StepGraphs
+from specsplit.target_service.model import CaptureSpec, load_target
+from tests.test_step_graphs import prefilled_pair
+
+
+def test_accept_greedy_counts_the_matching_prefix():
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.randint(0, 4, (64, 6), generator=gen)
+    drafts = torch.where(torch.rand(64, 5, generator=gen) < 0.8, picks[:, :5], torch.randint(0, 4, (64, 5), generator=gen))
+    want = []
+    for d, p in zip(drafts.tolist(), picks.tolist()):
+        n = 0
+        while n < len(d) and d[n] == p[n]:
+            n += 1
+        want.append(n)
+    got = accept_greedy(drafts, picks).tolist()
+    assert got == want and 0 in want and 5 in want and any(0 < n < 5 for n in want)
+
+
+def test_a_verify_fed_on_the_device_equals_the_host_loaded_one(tiny_llama_dir):
+    """`StepGraphs.chain` (tokens and first positions on the device, blocks reserved past them) computes
+    what `forward` computes for the same step: logits and features of every token, and the same cache."""
+    model = load_target(tiny_llama_dir)
+    capture = CaptureSpec(layer_ids=(0, model.config.num_hidden_layers - 1))
+    lengths = [9, 14, 6]
+    (host_cache, fed_cache), _ = prefilled_pair(model, lengths)
+    host = StepGraphs(model, host_cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False)
+    fed = StepGraphs(model, fed_cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False)
+    gen = torch.Generator().manual_seed(3)
+    starts = list(lengths)
+    for n in (4, 6, 1):  # bucket Q = 6 with padding queries, a full one, then Q = 1
+        tokens = torch.randint(3, model.config.vocab_size, (3, n), generator=gen)
+        want = host.forward(StepBatch([0, 1, 2], tokens.tolist(), starts))
+        fwd, out = fed.chain([0, 1, 2], tokens, torch.tensor(starts), starts, [s + n + 5 for s in starts])
+        rows = torch.tensor([b * fwd.query_len + j for b in range(3) for j in range(n)])
+        torch.testing.assert_close(out.logits.index_select(0, rows), want.logits)
+        torch.testing.assert_close(out.layer_features.index_select(0, rows), want.layer_features)
+        starts = [s + n for s in starts]
+    for layer in range(model.config.num_hidden_layers):
+        for seq_id, end in enumerate(starts):
+            torch.testing.assert_close(fed_cache.gather(layer, seq_id, end), host_cache.gather(layer, seq_id, end))
+
+
+def _drafter_pair(tiny_chat_dir):
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+
+    target = load_target(tiny_chat_dir)
+    made = []
+    for _ in range(2):
+        drafter = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                                 block_size=8, max_drafts=7, num_layers=2, window=40)
+        drafter.use_static_forwards(use_graphs=False)
+        made.append(drafter)
+    return target, made
+
+
+def test_dflash_chained_commits_and_proposes_equal_the_host_verbs(tiny_chat_dir):
+    """Commit every verified row on the device and tell the accepted count later (`chain_commit`,
+    `chain_settle`), against `commit_verified_many` of the accepted rows: the same visible context, and
+    the next proposes (`chain_propose` against `propose_on_device`) draft the same tokens, though the
+    chained drafter's pool holds the rejected rows' K/V past each next anchor. Enough steps to wrap
+    the window's ring."""
+    from specsplit.shared.proposer import ProposeRequest
+
+    target, (host, chained) = _drafter_pair(tiny_chat_dir)
+    gen = torch.Generator().manual_seed(7)
+    dim, vocab, k = host.spec.feature_dim, host.spec.vocab_size, 5
+    seq_ids, prompts = [3, 8], [11, 4]
+    next_pos = list(prompts)
+    for drafter in (host, chained):
+        for seq_id in seq_ids:
+            drafter.alloc(seq_id, 200)
+    for seq_id, n in zip(seq_ids, prompts):
+        tokens, rows = torch.randint(0, vocab, (n,), generator=gen).tolist(), torch.randn(n, dim, generator=gen)
+        for drafter in (host, chained):
+            drafter.prefill(seq_id, tokens, rows, 0)
+    anchors = torch.randint(0, vocab, (2,), generator=gen).tolist()
+    for step in range(14):
+        requests = [ProposeRequest(i, a, p, k) for i, a, p in zip(seq_ids, anchors, next_pos)]
+        want = host.propose_on_device(requests)[:, :k]
+        batch = chained.chain_batch(seq_ids, [0, 0])
+        got = chained.chain_propose(batch, torch.tensor(anchors), torch.tensor(next_pos), k)
+        assert torch.equal(got, want), step
+        rows = torch.randn(2 * (k + 1), dim, generator=gen)
+        accepted = [(step * 3 + i) % (k + 1) for i in range(2)]  # 0 .. k, both ends
+        host.commit_verified_many(seq_ids, rows, [0, k + 1], [k + 1] * 2, accepted, next_pos,
+                                  [[anchors[i]] + [0] * accepted[i] for i in range(2)])
+        chained.chain_commit(batch, rows, torch.tensor(next_pos), k + 1)
+        chained.chain_settle(seq_ids, [a + 1 for a in accepted])
+        next_pos = [p + a + 1 for p, a in zip(next_pos, accepted)]
+        anchors = torch.randint(0, vocab, (2,), generator=gen).tolist()
+    for seq_id in seq_ids:
+        a, b = host.store.get(seq_id), chained.store.get(seq_id)
+        assert a.next_pos == b.next_pos and a.next_pos > a.window  # the ring wrapped
+        for x, y in zip(host.held(a), chained.held(b)):
+            torch.testing.assert_close(x, y)
+
+
+def test_chain_refuses_what_it_cannot_serve(tiny_chat_dir):
+    """No chained step for an anchor that may reach the budget, a sequence twice, or a settle that
+    passes the budget or commits nothing (all checked before anything changes)."""
+    from specsplit.shared.errors import CapacityExceeded, InvalidRequest
+
+    _, (drafter, _) = _drafter_pair(tiny_chat_dir)
+    drafter.alloc(1, 20)
+    drafter.alloc(2, 30)
+    drafter.prefill(1, [5] * 10, torch.randn(10, drafter.spec.feature_dim), 0)
+    drafter.prefill(2, [5] * 4, torch.randn(4, drafter.spec.feature_dim), 0)
+    assert drafter.chain_batch([1, 2], [9, 0]) is not None
+    assert drafter.chain_batch([1, 2], [10, 0]) is None  # anchor 20: the budget
+    assert drafter.chain_batch([1, 1], [0, 0]) is None
+    for counts in ([3, 9], [3, 0], [3, True]):  # past a step's rows, none, not a count
+        with pytest.raises(InvalidRequest):
+            drafter.chain_settle([2, 1], counts)
+    assert drafter.store.get(2).next_pos == 4 and drafter.store.get(1).next_pos == 10
+    drafter.chain_settle([2, 1], [3, 8])
+    assert drafter.store.get(2).next_pos == 7 and drafter.store.get(1).next_pos == 18
+    with pytest.raises(CapacityExceeded):
+        drafter.chain_settle([2, 1], [1, 3])  # sequence 1 to 21, past its budget of 20
+    assert drafter.store.get(2).next_pos == 7 and drafter.store.get(1).next_pos == 18
+
+
+def _chain_oracle(drafter, continuations: dict[tuple[int, ...], list[int]]):
+    """The drafter, its chained proposes replaced by the target's own greedy continuation (known from
+    a target-only run) with a mistake at one place in five: long accepted runs and partial accepts.
+    Its real chained propose still runs first."""
+    base = type(drafter)
+
+    class ChainOracle(base):
+        def prefill(self, seq_id, token_ids, rows, start_pos=0):
+            self.truth[seq_id] = continuations.get(tuple(token_ids), [])
+            return base.prefill(self, seq_id, token_ids, rows, start_pos)
+
+        def chain_propose(self, batch, anchors, positions, num_drafts):
+            real = base.chain_propose(self, batch, anchors, positions, num_drafts)
+            truth = [self.truth.get(i, []) for i in batch.seq_ids]
+            width = max(map(len, truth)) + 1
+            table = torch.full((len(truth), width), -1, dtype=torch.int64)
+            for row, tokens in enumerate(truth):
+                table[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            at = positions[:, None] + 1 + torch.arange(num_drafts)
+            want = table.gather(1, at.clamp(max=width - 1))
+            want = torch.where((at * 7 + positions[:, None]) % 5 == 0, (want + 1) % self.spec.vocab_size, want)
+            self.chained += 1
+            return torch.where(want >= 0, want, real)
+
+    drafter.__class__ = ChainOracle
+    drafter.truth, drafter.chained = {}, 0
+    return drafter
+
+
+def test_engine_chained_steps_equal_target_only(tiny_chat_dir):
+    """Greedy requests decoded with chained steps (a stop string, a request admitted mid-run, a cancel,
+    short and long max_tokens), beside a sampled request and a non-speculative one that take the batch
+    off the chain while they run: every output equals the engine's without chained steps, every greedy
+    one target-only decoding's; chained steps ran with partial accepts, and nothing stays allocated."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    prompts = ["The capital of France is", "Once upon a time", "def add(a, b):", "Water boils at", "Hello",
+               "A list of primes:"]
+
+    def engine_for(proposer, chain: bool, max_batch: int = 4) -> Engine:
+        engine = Engine(target, proposer, EngineConfig(max_batch=max_batch, chain_steps=chain),
+                        text_stream=tokenizer.stream)
+        drafts = engine._max_drafts()
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=max_batch,
+                                   query_lens=(1, drafts + 1), max_len=256, use_graphs=False)
+        return engine
+
+    alone = engine_for(None, False).generate([Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=40,
+                                                                                                    ignore_eos=True))
+                                              for i, p in enumerate(prompts)])
+    free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in alone.items()}
+    stop_text = tokenizer.decode(free["r1"][17:19])
+
+    def requests():
+        return [
+            Request("r0", tokenizer.encode(prompts[0]), SamplingParams(max_tokens=40, ignore_eos=True)),
+            Request("r1", tokenizer.encode(prompts[1]), SamplingParams(max_tokens=40, ignore_eos=True,
+                                                                       stop_strings=(stop_text,))),
+            Request("r2", tokenizer.encode(prompts[2]), SamplingParams(max_tokens=3, ignore_eos=True)),
+            Request("r3", tokenizer.encode(prompts[3]), SamplingParams(max_tokens=37, ignore_eos=True)),
+        ]
+
+    def run(chain: bool):
+        inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                               block_size=8, max_drafts=7)
+        inner.use_static_forwards(use_graphs=False)
+        drafter = _chain_oracle(inner, {tuple(tokenizer.encode(p)): tokenizer.encode(p) + free[f"r{i}"]
+                                        for i, p in enumerate(prompts)})
+        engine = engine_for(drafter, chain)
+        for r in requests():
+            engine.add(r)
+        events: dict[str, list] = {}
+        for n in itertools.count():
+            if n == 6:  # a sampled and a non-speculative request join; greedy ones later
+                engine.add(Request("s", tokenizer.encode("Tell me a story"),
+                                   SamplingParams(max_tokens=9, temperature=0.8, seed=3, ignore_eos=True)))
+                engine.add(Request("r4", tokenizer.encode(prompts[4]), SamplingParams(max_tokens=12, ignore_eos=True),
+                                   speculative=False))
+            if n == 16:
+                engine.add(Request("r5", tokenizer.encode(prompts[5]), SamplingParams(max_tokens=30, ignore_eos=True)))
+            if n == 20:
+                engine.abort("r3")
+            for e in engine.step():
+                events.setdefault(e.request_id, []).append(e)
+            if not engine.has_work:
+                break
+        out = {rid: ([t for e in evs for t in e.token_ids], "".join(e.text_delta for e in evs), evs[-1].finish_reason)
+               for rid, evs in events.items()}
+        accepted = {rid: evs[-1].stats.accepted for rid, evs in events.items()}
+        assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1  # all but the scratch block
+        assert drafter.pool.num_free_blocks == drafter.pool.num_blocks and len(drafter.store) == 0
+        return out, accepted, drafter.chained
+
+    want, _, unchained = run(False)
+    got, accepted, chained = run(True)
+    assert unchained == 0 and chained > 10
+    cancelled = got.pop("r3")[0]
+    assert cancelled == free["r3"][:len(cancelled)] and len(cancelled) > 10
+    want.pop("r3")
+    assert got == want
+    for rid in ("r0", "r2", "r5"):
+        assert got[rid][0] == free[rid][:len(got[rid][0])] and got[rid][2] == "length"
+    assert got["r1"][2] == "stop" and stop_text not in got["r1"][1]
+    assert len(got["r0"][0]) == 40 and len(got["r2"][0]) == 3 and len(got["r5"][0]) == 30
+    assert accepted["r0"] >= 15 and accepted["r5"] >= 10  # the oracle's drafts, accepted on the chain
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chained_steps_on_the_gpu_equal_target_only(smollm2_dir):
+    """On a GPU the chained step is CUDA graphs fed by device tensors: the drafter's propose and context
+    graphs, the target's verify, the accept between them, with the host a step behind. The default
+    model and the shipped drafter in float32, 12 held-out prompts through max_batch 4 (admissions as
+    others end, real EOS), a cancel mid-run: target-only's tokens, and the chain carried most steps."""
+    from specsplit.local import LocalSetup, make_drafter
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+    target = load_target(smollm2_dir, dtype=torch.float32, device="cuda")
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    drafter = make_drafter("dflash", target, LocalSetup(drafter="dflash", device="cuda", dtype="float32"))
+    prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)[:12]]
+    launched = []
+    propose = type(drafter).chain_propose
+
+    def run(proposer, chain: bool = True):
+        engine = Engine(target, proposer, EngineConfig(max_batch=4, chain_steps=chain), eos_ids=tokenizer.eos_token_ids)
+        for i, p in enumerate(prompts):
+            engine.add(Request(f"r{i}", p, SamplingParams(max_tokens=48 + 9 * (i % 3))))
+        events: dict[str, list[int]] = {}
+        steps = 0
+        for n in itertools.count():
+            if n == 11:
+                engine.abort("r2")
+            for e in engine.step():
+                events.setdefault(e.request_id, []).extend(e.token_ids)
+            steps += 1
+            if not engine.has_work:
+                return events, engine, steps
+
+    want, _, _ = run(None)
+    unchained, _, _ = run(drafter, chain=False)
+    type(drafter).chain_propose = lambda self, *a: launched.append(1) or propose(self, *a)
+    try:
+        got, engine, steps = run(drafter)
+    finally:
+        type(drafter).chain_propose = propose
+    for out in (got, unchained):
+        cut, full = sorted((out.pop("r2", []), list(want["r2"])), key=len)
+        assert cut == full[:len(cut)]
+    want.pop("r2")
+    assert got == want and unchained == want
+    assert len(launched) > steps // 2
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1
+    assert drafter.pool.num_free_blocks == drafter.pool.num_blocks
+
+
+def test_a_drafter_failing_in_a_chained_step_detaches_and_loses_nothing(tiny_chat_dir):
+    """A chained commit that raises (after its verify was launched) detaches the drafter; that step's
+    picks still stand (they never depended on the drafts), and every request ends as target-only's."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    reqs = lambda: [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=30, ignore_eos=True))  # noqa: E731
+                    for i, p in enumerate(["The capital of France is", "Once upon a time", "def add(a, b):"])]
+
+    def run(proposer):
+        engine = Engine(target, proposer, EngineConfig(max_batch=4))
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4,
+                                   query_lens=(1, engine._max_drafts() + 1), max_len=256, use_graphs=False)
+        return {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine.generate(reqs()).items()}, engine
+
+    drafter = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                             block_size=8, max_drafts=7)
+    drafter.use_static_forwards(use_graphs=False)
+    commits = []
+    commit = drafter.chain_commit
+
+    def failing(*args):
+        commits.append(1)
+        if len(commits) == 4:
+            raise RuntimeError("injected: the context forward failed")
+        return commit(*args)
+
+    drafter.chain_commit = failing
+    want, _ = run(None)
+    got, engine = run(drafter)
+    assert got == want
+    assert len(commits) == 4 and engine.counters.fallbacks == 1 and engine.counters.chained >= 3
