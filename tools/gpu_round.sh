@@ -5,14 +5,12 @@
 # a stalling peer's test leaves a GPU sleep behind it for a while, which would slow what runs after it.
 source tools/device_setup.sh
 log() { tee -a "$OUT/round.log"; }
-# the eleventh session's steps launched ahead (sampled decoding too; prefill one forward per step) (greedy decoding, and in-process verifies) on the GPU
-python -m pytest -q tests/test_step_graphs.py -m gpu -p no:cacheprovider 2>&1 | tail -3 | log
-# in-process verifies launched ahead against step by step, same run (and the services beside them)
+# the twelfth session's chained speculative steps on the GPU (and the paths they hand over to)
+python -m pytest -q tests/test_chain.py tests/test_step_graphs.py -m gpu -p no:cacheprovider 2>&1 | tail -3 | log
+# chained against unchained in-process steps, same run (target only and the services beside them)
 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 32 64 \
-  --auto --also-step-by-step --json-out "$OUT/split_dflash.json" 2>&1 | grep -v INFO | tail -2 | log
-python bench/split_bench.py --device cuda --dtype bfloat16 --drafter mtp --max-tokens 256 --batch 1 8 \
-  --auto --also-step-by-step --json-out "$OUT/split_mtp.json" 2>&1 | grep -v INFO | tail -2 | log
-# where an in-process speculative step's time goes now (wall vs GPU busy, top kernels)
+  --auto --also-unchained --json-out "$OUT/split_dflash.json" 2>&1 | grep -v INFO | tail -2 | log
+# where a chained step's time goes (wall vs GPU busy, top kernels)
 python bench/profile_step.py --drafter dflash --batch 1 --steps 40 --out "$OUT" 2>&1 | grep -v INFO | tail -30 | log
 python bench/profile_step.py --drafter dflash --batch 8 --steps 40 --out "$OUT" 2>&1 | grep -v INFO | tail -12 | log
 python -m pytest -q tests/test_fused_kernels.py tests/test_split_gpu.py tests/test_chaos_gpu.py tests/test_transport.py \
