@@ -558,15 +558,15 @@ class DFlashDrafter(Drafter):
         """The device-side view of these sequences for a chained step whose anchors may lie up to
         `anchors_ahead[i]` positions past sequence i's next one (the rows of the steps launched and not
         read yet): their tables and ring periods. None when a chained step cannot serve them: no static
-        forwards, a head on another device, a window narrower than a block, or an anchor at or past a
-        budget (the engine then steps as usual). Anchors below the budget keep every write where a
-        step-by-step propose at that anchor writes: its block's rows cover the verified ones."""
+        forwards, a head on another device, or an anchor at or past a budget (the engine then steps as
+        usual). Anchors below the budget keep every write where a step-by-step propose at that anchor
+        writes: its block's rows cover the verified ones (and a ring holds a window and a block)."""
         if self.propose_graphs is None or self.context_graphs is None or self.head.embed.device != self.device \
                 or not 0 < len(seq_ids) <= self.spec.max_batch or len(set(seq_ids)) != len(seq_ids):
             return None
         states = [self.store.get(seq_id) for seq_id in seq_ids]
         for state, ahead in zip(states, anchors_ahead):
-            if not state.ring or state.window < self.spec.block_size or state.next_pos + ahead >= state.budget:
+            if not state.ring or state.next_pos + ahead >= state.budget:
                 return None
         last = self._chain
         if last is not None and last.seq_ids == list(seq_ids) and all(

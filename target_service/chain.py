@@ -40,7 +40,7 @@ class ChainedStep:
     num_drafts: int  # k: every sequence's, this step
     anchors: torch.Tensor  # [B] on the device: each sequence's next anchor (its bonus pick) ...
     positions: torch.Tensor  # [B] ... and that anchor's position
-    host: torch.Tensor  # pinned [>= B, >= k + 2]: per sequence its k + 1 picks, then its accepted count
+    host: torch.Tensor  # pinned, flat: per sequence its k + 1 picks, then its accepted count ([B, k + 2] first)
     ready: torch.cuda.Event | None  # recorded after the copy to `host` (None: a CPU step, done)
     started: float  # perf_counter when the engine step that launched it began
     number: int  # this launch's number ...
@@ -57,7 +57,7 @@ class ChainedStep:
         if self.ready is not None:
             self.ready.synchronize()
         k = self.num_drafts
-        rows = self.host[:len(self.seqs), :k + 2].tolist()
+        rows = self.host[:len(self.seqs) * (k + 2)].view(-1, k + 2).tolist()
         return [(row[k + 1], row[:row[k + 1] + 1]) for row in rows]
 
 
@@ -67,7 +67,9 @@ class ChainBuffers:
 
     def __init__(self, max_batch: int, max_drafts: int, device: torch.device) -> None:
         pinned = device.type == "cuda"
-        self.host = [torch.zeros(max_batch, max_drafts + 2, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        # Flat: the [B, k + 2] a step fills is their first B * (k + 2) elements, contiguous for every k (a
+        # strided destination would make the copy go through an unpinned temporary, and wait for the device)
+        self.host = [torch.zeros(max_batch * (max_drafts + 2), dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self.ready = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self.turn, self.launches, self.owners = 0, 0, [0, 0]
 
@@ -77,7 +79,7 @@ class ChainBuffers:
         turn = self.turn
         self.turn ^= 1
         host, ready = self.host[turn], self.ready[turn]
-        host[:len(seqs), :num_drafts + 2].copy_(torch.cat([picks, accepted[:, None]], dim=1), non_blocking=True)
+        host[:len(seqs) * (num_drafts + 2)].copy_(torch.cat([picks, accepted[:, None]], dim=1).view(-1), non_blocking=True)
         if ready is not None:
             ready.record()
         self.launches += 1

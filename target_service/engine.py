@@ -134,6 +134,7 @@ class Engine:
         self._chain: ChainedStep | None = None
         self._chain_buffers: ChainBuffers | None = None
         self._chain_read_at: float | None = None
+        self._chain_prefill_clock = 0.0  # _prefill_seconds at that read
 
     def _new_tuner(self) -> DraftTuner | None:
         if not self.config.auto_drafts or self.proposer is None or self.proposer.spec is None:
@@ -333,9 +334,9 @@ class Engine:
         return self.drafter_ok and seq.request.speculative and not seq.drafter_refused
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
-        chained = self._chain_drafts(seqs)
-        if chained or self._chain is not None:
-            events = self._chain_step(seqs, chained)
+        k, chained = self._chain_plan(seqs)
+        if k or self._chain is not None:
+            events = self._chain_step(chained, k)
             if events is not None:
                 return events
         self._chain_read_at = None
@@ -465,28 +466,32 @@ class Engine:
             return
         live = [s for s in stepped if s.finish_reason is None]
         if not live or self._decodes_ahead(live) or self.graphs.bucket(len(live), self._max_drafts(len(live)) + 1) is None \
-                or self._chain_drafts(live):
+                or self._chain_plan(live)[0]:
             return  # (plain decoding goes ahead its own way, see _decode_step_ahead; chained steps theirs)
         self._launched = self._launch_verify(live)
 
-    def _chain_drafts(self, seqs: list[Sequence]) -> int:
-        """The draft length of a chained step of `seqs` (see target_service/chain.py), 0 when they do not
-        chain: in-process, greedy, every sequence attached to a drafter that chains, captured steps, and
-        room for the two steps the device may run ahead of the host (the launched one and this)."""
+    def _chain_plan(self, seqs: list[Sequence]) -> tuple[int, list[Sequence]]:
+        """The draft length of a chained step of `seqs` (see target_service/chain.py) and the sequences it
+        launches; (0, []) when they do not chain: in-process, greedy, every sequence attached to a
+        drafter that chains, captured steps, and room for the two steps the device may run ahead of the
+        host (the launched one and this). A sequence whose next anchor may reach its budget once the step
+        launched last time is read waits one step (that read brings it up to date) and joins the next."""
         if not (self.config.chain_steps and self.config.decode_ahead and self.drafter_ok and self.graphs is not None
                 and _capability(self.proposer, "chain_batch") is not None and self.capture.layer_ids):
-            return 0
+            return 0, []
         if not all(s.drafter_attached and s.request.params.greedy for s in seqs):
-            return 0
+            return 0, []
         k = self._max_drafts(len(seqs))
         if k < 1 or self.graphs.bucket(len(seqs), k + 1) is None:
-            return 0
-        # Anchors stay below each budget and rows within the context and the blocks admission reserved
-        # (the budget plus a verify's): where a step-by-step propose and verify would write, no further.
+            return 0, []
+        # Anchors stay below each budget and rows within the context: where a step-by-step propose and
+        # verify would write, no further (and within the blocks admission reserved: the budget plus a verify's).
         limit = min(self.model.config.max_position_embeddings, self.graphs.max_blocks * self.cache.block_size)
-        if any(end > limit or end > s.budget_tokens + k for s, end in zip(seqs, self._chain_ends(seqs, k, self._chain))):
-            return 0
-        return k
+        if any(s.last_position + k + 1 > limit for s in seqs):
+            return 0, []  # one that could not chain even with nothing pending
+        ends = self._chain_ends(seqs, k, self._chain)
+        chained = [s for s, end in zip(seqs, ends) if end <= limit and end <= s.budget_tokens + k]
+        return (k, chained) if chained else (0, [])
 
     @staticmethod
     def _chain_ends(seqs: list[Sequence], k: int, pending: ChainedStep | None) -> list[int]:
@@ -507,6 +512,8 @@ class Engine:
         started = time.perf_counter()
         if k:
             self._chain = self._chain_launch(seqs, k, pending, started)
+        if self._chain is None or pending is None:
+            self._chain_read_at = None  # no chained step follows another: nothing to time against
         if pending is not None:
             return self._chain_read(pending)
         return [] if self._chain is not None else None
@@ -560,6 +567,8 @@ class Engine:
         outcome = step.outcome()
         verified = time.perf_counter()
         done = [(seq, accepted, tokens) for seq, (accepted, tokens) in zip(step.seqs, outcome) if self._is_running(seq)]
+        if not done:  # every sequence of it ended (or was cancelled) since it was launched
+            return []
         k = step.num_drafts
         for seq, accepted, _ in done:
             seq.stats.steps += 1
@@ -568,10 +577,12 @@ class Engine:
             self.counters.verified(k, accepted)
         self._count_step(waited_from, verified)
         self.counters.chained += 1
-        # A chained step's time: from the last read to this one (steps follow each other on the device)
-        if self.tuner is not None and self._chain_read_at is not None and done:
-            self.tuner.observe(len(step.seqs), k, verified - self._chain_read_at, [(k, a) for _, a, _ in done])
-        self._chain_read_at = verified
+        # A chained step's time: from the last read to this one, steps following each other on the device
+        # (a prefill in between is not its time); timed only while one chained step follows another
+        if self.tuner is not None and self._chain_read_at is not None:
+            seconds = verified - self._chain_read_at - (self._prefill_seconds - self._chain_prefill_clock)
+            self.tuner.observe(len(step.seqs), k, seconds, [(k, a) for _, a, _ in done])
+        self._chain_read_at, self._chain_prefill_clock = verified, self._prefill_seconds
         events = [self._emit(seq, tokens) for seq, _, tokens in done]
         # The drafter learns what was committed for the sequences that go on (an ended one was freed;
         # its last rows may lie past its budget, where it would refuse them)
@@ -733,7 +744,7 @@ class Engine:
         there is without a prefetch."""
         self._prefetched = None
         live = [s for s in seqs if s.finish_reason is None]
-        if not live or not self.drafter_ok or self._chain_drafts(live):
+        if not live or not self.drafter_ok or self._chain_plan(live)[0]:
             return
         ahead = _capability(self.proposer, "prefetch")
         if ahead is not None:  # a drafter service: the proposes leave now, with this step's commits

@@ -170,17 +170,19 @@ class StaticForward:
         q, block_size = self.query_len, self.cache.block_size
         blocks = self.cache.block_lists(seq_ids)
         widths = np.fromiter(map(len, blocks), dtype=np.int64, count=batch)
+        ids = np.fromiter(itertools.chain.from_iterable(blocks), dtype=np.int64, count=int(widths.sum()))
         # What the host copies (the tables; zeros and scratch slots for padding) changes only when a
-        # sequence gets a block, or the batch changes: most chained steps copy nothing, and wait for nothing.
-        key = (tuple(seq_ids), widths.tobytes(), n)
+        # sequence's blocks do (which ones, not only how many: a truncate and a reserve between two chained
+        # steps may hand two sequences each other's freed blocks), or the batch: most chained steps copy
+        # nothing, and wait for nothing.
+        key = (tuple(seq_ids), widths.tobytes(), ids.tobytes(), n)
         if key != self._fed:
             if self._copied is not None:
                 self._copied.synchronize()
             inputs, tables = self._host_inputs.numpy(), self._host_tables.numpy()
             inputs[:4], tables[:] = 0, self.scratch_block
             inputs[2] = self.scratch_slot
-            tables[np.repeat(np.arange(batch), widths), ragged_arange(widths)] = np.fromiter(
-                itertools.chain.from_iterable(blocks), dtype=np.int64, count=int(widths.sum()))
+            tables[np.repeat(np.arange(batch), widths), ragged_arange(widths)] = ids
             flat = (np.arange(batch)[:, None] * q + np.arange(n)).reshape(-1)
             inputs[3, :flat.size] = flat
             self.host_rows = flat
@@ -355,6 +357,8 @@ class StepGraphs:
         key = self.bucket(batch, n)
         if key is None or not batch == len(seq_ids) == len(firsts) == len(ends):
             raise InvalidRequest(f"no captured bucket holds {batch} sequences of {n} tokens")
+        if any(end < first + n for first, end in zip(firsts, ends)):
+            raise InvalidRequest("a fed verify's blocks must reach at least its first known position plus its tokens")
         if max(ends) > self.max_blocks * self.cache.block_size:
             raise InvalidRequest(f"position {max(ends) - 1} lies past the {self.max_blocks} blocks a step can address")
         self.cache.reserve_batch(seq_ids, firsts, ends)

@@ -52,6 +52,41 @@ def test_a_verify_fed_on_the_device_equals_the_host_loaded_one(tiny_llama_dir):
             torch.testing.assert_close(fed_cache.gather(layer, seq_id, end), host_cache.gather(layer, seq_id, end))
 
 
+def test_a_fed_verify_after_blocks_changed_hands_reads_the_new_tables(tiny_llama_dir):
+    """Between two chained verifies of the same sequences and shape, a truncate and a regrow (what a
+    step-by-step verify in another bucket does) hand the two sequences each other's freed blocks:
+    the second fed verify must copy the new tables, not keep the ones it copied last time."""
+    model = load_target(tiny_llama_dir)
+    capture = CaptureSpec(layer_ids=(0, model.config.num_hidden_layers - 1))
+    (host_cache, fed_cache), _ = prefilled_pair(model, [9, 14])
+    host = StepGraphs(model, host_cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False)
+    fed = StepGraphs(model, fed_cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False)
+    gen = torch.Generator().manual_seed(3)
+    starts, n = [9, 14], 6
+    ends = [s + n + 4 for s in starts]  # as a chained step reserves: further than this step's tokens
+    tokens = torch.randint(3, model.config.vocab_size, (2, n), generator=gen)
+    host.forward(StepBatch([0, 1], tokens.tolist(), starts))
+    fed.chain([0, 1], tokens, torch.tensor(starts), starts, ends)
+    before = [list(b) for b in fed_cache.block_lists([0, 1])]
+    for cache in (host_cache, fed_cache):  # one token accepted each: their last blocks go back, then regrow
+        for i in (0, 1):
+            cache.truncate(i, starts[i] + 1)
+    starts = [s + 1 for s in starts]
+    one = torch.randint(3, model.config.vocab_size, (2, 1), generator=gen)
+    for graphs in (host, fed):
+        graphs.forward(StepBatch([0, 1], one.tolist(), starts))
+    starts = [s + 1 for s in starts]
+    tokens = torch.randint(3, model.config.vocab_size, (2, n), generator=gen)
+    want = host.forward(StepBatch([0, 1], tokens.tolist(), starts))
+    fwd, out = fed.chain([0, 1], tokens, torch.tensor(starts), starts, ends)  # the same ends: the same widths
+    assert fed_cache.block_lists([0, 1]) != before  # the case: the same counts, other blocks
+    rows = torch.tensor([b * fwd.query_len + j for b in range(2) for j in range(n)])
+    torch.testing.assert_close(out.logits.index_select(0, rows), want.logits)
+    for layer in range(model.config.num_hidden_layers):  # written where the cache says they are
+        for seq_id, start in enumerate(starts):
+            torch.testing.assert_close(fed_cache.gather(layer, seq_id, start + n), host_cache.gather(layer, seq_id, start + n))
+
+
 def _drafter_pair(tiny_chat_dir):
     from specsplit.drafter_service.checkpoint import random_drafter
     from specsplit.local import target_head, target_info
@@ -337,3 +372,92 @@ def test_a_drafter_failing_in_a_chained_step_detaches_and_loses_nothing(tiny_cha
     got, engine = run(drafter)
     assert got == want
     assert len(commits) == 4 and engine.counters.fallbacks == 1 and engine.counters.chained >= 3
+
+
+def test_short_requests_joining_a_chain_lose_nothing(tiny_chat_dir):
+    """A short sampled request (its window narrower than a drafter block) joining two chained greedy
+    ones, at several points: it takes the batch off the chain while it runs, so the greedy sequences
+    go back and forth between chained steps and step-by-step verifies (whose truncates and regrows can
+    hand one sequence's freed blocks to the other). The greedy requests end as target-only's."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    prompts = ["The capital of France is", "Once upon a time"]
+    long = lambda: [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=60, ignore_eos=True))  # noqa: E731
+                    for i, p in enumerate(prompts)]
+    short = lambda: Request("s", tokenizer.encode("Hi"), SamplingParams(max_tokens=3, ignore_eos=True,  # noqa: E731
+                                                                         temperature=0.7, seed=1))
+
+    def engine_for(proposer):
+        engine = Engine(target, proposer, EngineConfig(max_batch=4))
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4, query_lens=(1, 8),
+                                   max_len=512, use_graphs=False)
+        return engine
+
+    free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine_for(None).generate(long() + [short()]).items()}
+    chained = 0
+    for at in (1, 2, 3, 5, 8):
+        inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                               block_size=8, max_drafts=7)
+        inner.use_static_forwards(use_graphs=False)
+        drafter = _chain_oracle(inner, {tuple(tokenizer.encode(p)): tokenizer.encode(p) + free[f"r{i}"]
+                                        for i, p in enumerate(prompts)})
+        engine = engine_for(drafter)
+        for r in long():
+            engine.add(r)
+        out: dict[str, list[int]] = {}
+        for n in itertools.count():
+            if n == at:
+                engine.add(short())
+            for e in engine.step():
+                out.setdefault(e.request_id, []).extend(e.token_ids)
+            if not engine.has_work:
+                break
+        assert len(out.pop("s")) == 3
+        assert out == {rid: free[rid] for rid in ("r0", "r1")}, at
+        chained += engine.counters.chained
+    assert chained > 20
+
+
+def test_the_draft_tuner_measures_every_length_through_the_chain(tiny_chat_dir):
+    """With auto_drafts the tuner's warm-up asks for every draft length in turn, 0 among them: chained
+    steps (k >= 1) hand over to step-by-step ones (k = 0) and back, each length gets measured, and the
+    outputs stay target-only's."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    prompts = ["The capital of France is", "Once upon a time", "def add(a, b):"]
+    reqs = lambda: [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=70, ignore_eos=True))  # noqa: E731
+                    for i, p in enumerate(prompts)]
+
+    def engine_for(proposer):
+        engine = Engine(target, proposer, EngineConfig(max_batch=4, auto_drafts=proposer is not None))
+        lens = {1} | ({k + 1 for k in engine.tuner.choices} if engine.tuner else set())
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4, query_lens=tuple(lens),
+                                   max_len=512, use_graphs=False)
+        return engine
+
+    free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine_for(None).generate(reqs()).items()}
+    inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                           block_size=8, max_drafts=7)
+    inner.use_static_forwards(use_graphs=False)
+    drafter = _chain_oracle(inner, {tuple(tokenizer.encode(p)): tokenizer.encode(p) + free[f"r{i}"]
+                                    for i, p in enumerate(prompts)})
+    engine = engine_for(drafter)
+    got = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine.generate(reqs()).items()}
+    assert got == free
+    samples = engine.tuner._buckets[engine.tuner.bucket_of(3)].samples
+    assert set(samples) == set(engine.tuner.choices) and samples[0] >= 1
+    assert engine.counters.chained > 10
