@@ -536,12 +536,17 @@ class Engine:
         if pending is not None and ids == [s.seq_id for s in pending.seqs]:
             anchors, positions = pending.anchors, pending.positions  # the same batch: fed as it stands
         else:
-            known = torch.tensor([[s.tokens[-1] for s in seqs], firsts], dtype=torch.int64).to(self._device)
+            # The host's anchors and positions, and for the sequences of the step not read yet where the
+            # device keeps theirs: one copy from pinned memory (a pageable one would wait for the device)
             carried = [i for i, s in enumerate(seqs) if s.seq_id in row_of]
+            host = torch.tensor([[s.tokens[-1] for s in seqs], firsts, [0] * len(seqs), [0] * len(seqs)],
+                                dtype=torch.int64, pin_memory=self._device.type == "cuda")
+            host[2, :len(carried)] = torch.tensor(carried, dtype=torch.int64)
+            host[3, :len(carried)] = torch.tensor([row_of[ids[i]] for i in carried], dtype=torch.int64)
+            known = host.to(self._device, non_blocking=True)
             if carried:
-                src = torch.tensor([row_of[ids[i]] for i in carried], device=self._device)
-                known[:, torch.tensor(carried, device=self._device)] = \
-                    torch.stack([pending.anchors, pending.positions]).index_select(1, src)
+                into, src = known[2, :len(carried)], known[3, :len(carried)]
+                known[:2].index_copy_(1, into, torch.stack([pending.anchors, pending.positions]).index_select(1, src))
             anchors, positions = known[0], known[1]
         drafts = self._drafter_call(self.proposer.chain_propose, batch, anchors, positions, k)
         if drafts is _FAILED:
