@@ -123,6 +123,45 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
     return inverse_cdf(p, torch.cat([torch.rand(1, generator=s.generator, device=p.device) for s in seqs]))
 
 
+def sample_accept(drafts: torch.Tensor, logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling on the device, nothing read back, for S sequences of k one-hot drafts each:
+    drafts [S, k], their target rows logits [S, k + 1, V] → (drafts accepted [S], the token emitted
+    after them [S]). Exactly what `verify_sampled` emits for them without draft_probs: the same
+    probabilities, the same k + 1 uniforms from each generator, the same tests and inverse CDF."""
+    count, k = drafts.shape
+    if logits.dim() != 3 or logits.shape[:2] != (count, k + 1) \
+            or not len(params) == count == len(generators):
+        raise InvalidRequest(f"sample_accept takes drafts [S, k] and logits [S, k + 1, V], one params and "
+                             f"generator per sequence; got {tuple(drafts.shape)}, {tuple(logits.shape)}")
+    device, vocab = logits.device, logits.shape[-1]
+    p = torch.empty((count, k + 1, vocab), dtype=torch.float32, device=device)
+    groups: dict[tuple, list[int]] = {}
+    for i, params_i in enumerate(params):
+        groups.setdefault((params_i.temperature, params_i.top_k, params_i.top_p), []).append(i)
+    for members in groups.values():
+        index = _longs(members, device) if len(members) < count else None
+        rows = logits if index is None else logits.index_select(0, index)
+        probs = target_probs(rows.reshape(-1, vocab), params[members[0]]).view(len(members), k + 1, vocab)
+        if index is None:
+            p = probs
+        else:
+            p.index_copy_(0, index, probs)
+    for g in generators:
+        check_generator_device(g, device)
+    uniforms = torch.stack([torch.rand(k + 1, generator=g, device=device) for g in generators])  # [S, k + 1]
+    passed = uniforms[:, :k] < p[:, :k].gather(2, drafts[..., None]).squeeze(-1)  # u < p / q, q one-hot
+    accepted = passed.long().cumprod(dim=1).sum(dim=1)  # [S]
+    p_emit = p.gather(1, accepted[:, None, None].expand(-1, 1, vocab)).squeeze(1)  # [S, V]
+    q_emit = torch.zeros_like(p_emit)  # one-hot on the first rejected draft; zero when all passed (bonus)
+    if k:
+        slot = accepted.clamp(max=k - 1)
+        q_emit.scatter_(1, drafts.gather(1, slot[:, None]), (accepted < k).float()[:, None])
+    residual = (p_emit - q_emit).clamp(min=0)
+    weights = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_emit)
+    return accepted, inverse_cdf(weights, uniforms[:, k])
+
+
 def _checked_batch(draft_tokens, target_logits, cu_rows, params, generators, draft_probs):
     bounds = _row_bounds(draft_tokens, target_logits, cu_rows)
     num_seqs = len(bounds)

@@ -9,10 +9,12 @@ the next step's propose and verify all read device tensors, so the engine queues
 reads step N's picks, and the device goes from one step to the next without waiting for the host.
 
 What makes that exact: greedy picks do not depend on the drafts (a pick is the target's argmax after
-the tokens before it, and the tokens a step accepts equal its picks), K/V rows past a sequence's
-accepted ones lie at positions the next verify and the next propose overwrite before anything reads
-them, and the host's own record of each sequence (its tokens, the KV blocks it holds, the drafter's
-next position) follows one step behind, from the picks it reads.
+the tokens before it, and the tokens a step accepts equal its picks); a sampled sequence's step is
+speculative sampling on the device (`shared.verify.sample_accept`) from the k + 1 uniforms a
+step-by-step verify would draw, over the same drafts (the drafter's proposes read only committed
+positions); K/V rows past a sequence's accepted ones lie at positions the next verify and the next
+propose overwrite before anything reads them; and the host's own record of each sequence (its tokens,
+the KV blocks it holds, the drafter's next position) follows one step behind, from what it reads.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ def accept_greedy(drafts: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ChainedStep:
-    """A chained step, launched; its picks on their way to the host."""
+    """A chained step, launched; its outcome on its way to the host."""
 
     seqs: list[Sequence]
     num_drafts: int  # k: every sequence's, this step
     anchors: torch.Tensor  # [B] on the device: each sequence's next anchor (its bonus pick) ...
     positions: torch.Tensor  # [B] ... and that anchor's position
-    host: torch.Tensor  # pinned, flat: per sequence its k + 1 picks, then its accepted count ([B, k + 2] first)
+    host: torch.Tensor  # pinned, flat: per sequence its k + 1 emitted tokens, then its accepted count ([B, k + 2] first)
     ready: torch.cuda.Event | None  # recorded after the copy to `host` (None: a CPU step, done)
     started: float  # perf_counter when the engine step that launched it began
     number: int  # this launch's number ...
@@ -73,13 +75,14 @@ class ChainBuffers:
         self.ready = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self.turn, self.launches, self.owners = 0, 0, [0, 0]
 
-    def launch(self, seqs: list[Sequence], num_drafts: int, picks: torch.Tensor, accepted: torch.Tensor,
+    def launch(self, seqs: list[Sequence], num_drafts: int, emitted: torch.Tensor, accepted: torch.Tensor,
                anchors: torch.Tensor, positions: torch.Tensor, started: float) -> ChainedStep:
-        """Queue the copy of a launched step's picks [B, k + 1] and accepted counts [B] to the host."""
+        """Queue the copy of a launched step's outcome to the host: per sequence [B, k + 1] its accepted
+        drafts then the token after them (what is past that is not read), and its accepted count [B]."""
         turn = self.turn
         self.turn ^= 1
         host, ready = self.host[turn], self.ready[turn]
-        host[:len(seqs) * (num_drafts + 2)].copy_(torch.cat([picks, accepted[:, None]], dim=1).view(-1), non_blocking=True)
+        host[:len(seqs) * (num_drafts + 2)].copy_(torch.cat([emitted, accepted[:, None]], dim=1).view(-1), non_blocking=True)
         if ready is not None:
             ready.record()
         self.launches += 1

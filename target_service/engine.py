@@ -24,7 +24,7 @@ from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
-from specsplit.shared.verify import sample_tokens, verify_sampled
+from specsplit.shared.verify import sample_accept, sample_tokens, verify_sampled
 from specsplit.target_service.chain import ChainBuffers, ChainedStep, accept_greedy
 from specsplit.target_service.counters import EngineCounters
 from specsplit.target_service.draft_tuner import DraftTuner
@@ -472,25 +472,38 @@ class Engine:
 
     def _chain_plan(self, seqs: list[Sequence]) -> tuple[int, list[Sequence]]:
         """The draft length of a chained step of `seqs` (see target_service/chain.py) and the sequences it
-        launches; (0, []) when they do not chain: in-process, greedy, every sequence attached to a
-        drafter that chains, captured steps, and room for the two steps the device may run ahead of the
-        host (the launched one and this). A sequence whose next anchor may reach its budget once the step
-        launched last time is read waits one step (that read brings it up to date) and joins the next."""
+        launches; (0, []) when they do not chain: in-process, every sequence attached to a drafter that
+        chains, captured steps, and room for the two steps the device may run ahead of the host (the
+        launched one and this). A sequence that may lack that room once the step launched last time is
+        read waits one step (that read brings it up to date) and joins the next.
+
+        Room: anchors below each budget and rows within the context, so every write lies where a
+        step-by-step propose and verify would write (and within the blocks admission reserved: the budget
+        plus a verify's). A sampled sequence also needs room for all k drafts wherever the step not read
+        yet left it (the k a step-by-step step would give it), so that it draws the same k + 1 uniforms
+        and its seeded tokens do not depend on whether steps chain."""
         if not (self.config.chain_steps and self.config.decode_ahead and self.drafter_ok and self.graphs is not None
                 and _capability(self.proposer, "chain_batch") is not None and self.capture.layer_ids):
             return 0, []
-        if not all(s.drafter_attached and s.request.params.greedy for s in seqs):
+        if not all(s.drafter_attached for s in seqs):
             return 0, []
         k = self._max_drafts(len(seqs))
         if k < 1 or self.graphs.bucket(len(seqs), k + 1) is None:
             return 0, []
-        # Anchors stay below each budget and rows within the context: where a step-by-step propose and
-        # verify would write, no further (and within the blocks admission reserved: the budget plus a verify's).
         limit = min(self.model.config.max_position_embeddings, self.graphs.max_blocks * self.cache.block_size)
-        if any(s.last_position + k + 1 > limit for s in seqs):
+        context = self.model.config.max_position_embeddings
+        pending = self._chain
+        ahead = {} if pending is None else {s.seq_id: pending.num_drafts + 1 for s in pending.seqs}
+
+        def room(seq: Sequence, rows: int) -> bool:  # rows: those the step not read yet may have added
+            end = seq.last_position + rows + k + 1
+            if end > limit or end > seq.budget_tokens + k:
+                return False
+            return seq.request.params.greedy or min(seq.remaining - rows - 1, context - len(seq.tokens) - rows - 1) >= k
+
+        if not all(room(s, 0) for s in seqs):
             return 0, []  # one that could not chain even with nothing pending
-        ends = self._chain_ends(seqs, k, self._chain)
-        chained = [s for s, end in zip(seqs, ends) if end <= limit and end <= s.budget_tokens + k]
+        chained = [s for s in seqs if room(s, ahead.get(s.seq_id, 0))]
         return (k, chained) if chained else (0, [])
 
     @staticmethod
@@ -556,10 +569,19 @@ class Engine:
         n = len(seqs)
         picks = out.bucket_argmax.view(fwd.batch, fwd.query_len)[:n, :k + 1]
         accepted = accept_greedy(drafts, picks)
+        final = picks.gather(1, accepted[:, None]).squeeze(1)  # the bonus pick, or the one that differed
+        sampled = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
+        if sampled:  # speculative sampling on the device, from the uniforms a step-by-step verify draws
+            index = torch.tensor(sampled, dtype=torch.int64).to(self._device, non_blocking=True)
+            logits = out.logits.view(fwd.batch, fwd.query_len, -1).index_select(0, index)[:, :k + 1]
+            taken, token = sample_accept(drafts.index_select(0, index), logits,
+                                         [seqs[i].request.params for i in sampled], [seqs[i].generator for i in sampled])
+            accepted, final = accepted.index_copy(0, index, taken), final.index_copy(0, index, token)
+        # What each sequence gains: its accepted drafts, then the final token (greedy: its picks up to there)
+        emitted = torch.cat([drafts, final[:, None]], dim=1).scatter(1, accepted[:, None], final[:, None])
         if self._chain_buffers is None:
             self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
-        step = self._chain_buffers.launch(seqs, k, picks, accepted, picks.gather(1, accepted[:, None]).squeeze(1),
-                                          positions + accepted + 1, started)
+        step = self._chain_buffers.launch(seqs, k, emitted, accepted, final, positions + accepted + 1, started)
         rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:n, :k + 1].reshape(n * (k + 1), -1)
         self._drafter_call(self.proposer.chain_commit, batch, rows, positions, k + 1)  # failing, it detaches:
         return step  # the picks stand (they never depended on the drafts)

@@ -441,3 +441,27 @@ def test_verify_on_cuda_is_seeded_and_matches_batched_greedy():
     assert num_accepted.tolist() == verify_greedy(drafts, logits, cu_rows).num_accepted
     with pytest.raises(InvalidRequest):
         verify_sampled(drafts, logits, cu_rows, SAMPLED, [make_generator(0, "cpu")] * 3, q)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_sample_accept_on_the_device_equals_verify_sampled(k):
+    """The chained step's sampled acceptance (`sample_accept`: every tensor stays where it is) emits
+    what `verify_sampled` emits for one-hot drafts: same accepted counts, same tokens, from generators
+    in the same states, with requests of three sampling settings in one batch and drafts taken from the
+    likely tokens (long accepted runs) or not (early rejections)."""
+    from specsplit.shared.verify import sample_accept
+
+    gen = torch.Generator().manual_seed(k)
+    count, vocab = 24, 40
+    logits = torch.randn(count, k + 1, vocab, generator=gen) * 3
+    likely = logits[:, :k].argmax(-1)
+    drafts = torch.where(torch.rand(count, k, generator=gen) < 0.8, likely, torch.randint(0, vocab, (count, k), generator=gen))
+    settings = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+                SamplingParams(temperature=1.2, top_p=0.8)]
+    params = [settings[i % 3] for i in range(count)]
+    accepted, tokens = sample_accept(drafts, logits, params, [make_generator(100 + i, "cpu") for i in range(count)])
+    want = verify_sampled(drafts.tolist(), logits.reshape(-1, vocab), torch.arange(count + 1) * (k + 1), params,
+                          [make_generator(100 + i, "cpu") for i in range(count)])
+    assert accepted.tolist() == want.num_accepted
+    assert [d[:a] + [t] for d, a, t in zip(drafts.tolist(), accepted.tolist(), tokens.tolist())] == want.tokens
+    assert 0 in want.num_accepted and max(want.num_accepted) >= min(k, 2)
