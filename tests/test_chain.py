@@ -304,7 +304,9 @@ def test_chained_steps_on_the_gpu_equal_target_only(smollm2_dir):
     """On a GPU the chained step is CUDA graphs fed by device tensors: the drafter's propose and context
     graphs, the target's verify, the accept between them, with the host a step behind. The default
     model and the shipped drafter in float32, 12 held-out prompts through max_batch 4 (admissions as
-    others end, real EOS), a cancel mid-run: target-only's tokens, and the chain carried most steps."""
+    others end, real EOS), a cancel mid-run: target-only's tokens, and the chain carried most steps.
+    Three of the requests are sampled (seeded, CUDA generators): their tokens equal the unchained
+    engine's (the same drafts and uniforms; float32, since chained batches may run in other buckets)."""
     from specsplit.local import LocalSetup, make_drafter
     from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
@@ -322,7 +324,8 @@ def test_chained_steps_on_the_gpu_equal_target_only(smollm2_dir):
     def run(proposer, chain: bool = True):
         engine = Engine(target, proposer, EngineConfig(max_batch=4, chain_steps=chain), eos_ids=tokenizer.eos_token_ids)
         for i, p in enumerate(prompts):
-            engine.add(Request(f"r{i}", p, SamplingParams(max_tokens=48 + 9 * (i % 3))))
+            sampled = dict(temperature=0.6, seed=i) if i % 4 == 3 and proposer is not None else {}
+            engine.add(Request(f"r{i}", p, SamplingParams(max_tokens=48 + 9 * (i % 3), **sampled)))
         events: dict[str, list[int]] = {}
         steps = 0
         for n in itertools.count():
@@ -345,6 +348,9 @@ def test_chained_steps_on_the_gpu_equal_target_only(smollm2_dir):
         cut, full = sorted((out.pop("r2", []), list(want["r2"])), key=len)
         assert cut == full[:len(cut)]
     want.pop("r2")
+    for i in (3, 7, 11):  # the sampled ones: as the unchained engine samples them
+        assert got.pop(f"r{i}") == unchained.pop(f"r{i}")
+        want.pop(f"r{i}")
     assert got == want and unchained == want
     assert len(launched) > steps // 2
     assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1
