@@ -7,6 +7,8 @@ source tools/device_setup.sh
 log() { tee -a "$OUT/round.log"; }
 # the twelfth session's chained speculative steps on the GPU (and the paths they hand over to)
 python -m pytest -q tests/test_chain.py tests/test_step_graphs.py -m gpu -p no:cacheprovider 2>&1 | tail -3 | log
+# what chained steps over the split would stand on: stream waits on IPC words, and their release
+timeout 120 python tools/bells_probe.py 2>&1 | tail -8 | log
 # chained against unchained in-process steps, same run (target only and the services beside them)
 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 32 64 \
   --auto --also-unchained --json-out "$OUT/split_dflash.json" 2>&1 | grep -v INFO | tail -2 | log
