@@ -135,10 +135,11 @@ def sample_accept(drafts: torch.Tensor, logits: torch.Tensor, params: Sequence[S
         raise InvalidRequest(f"sample_accept takes drafts [S, k] and logits [S, k + 1, V], one params and "
                              f"generator per sequence; got {tuple(drafts.shape)}, {tuple(logits.shape)}")
     device, vocab = logits.device, logits.shape[-1]
-    p = torch.empty((count, k + 1, vocab), dtype=torch.float32, device=device)
     groups: dict[tuple, list[int]] = {}
     for i, params_i in enumerate(params):
         groups.setdefault((params_i.temperature, params_i.top_k, params_i.top_p), []).append(i)
+    if len(groups) > 1:
+        p = torch.empty((count, k + 1, vocab), dtype=torch.float32, device=device)
     for members in groups.values():
         index = _longs(members, device) if len(members) < count else None
         rows = logits if index is None else logits.index_select(0, index)
@@ -290,7 +291,15 @@ def _draft_row_at(seqs: list[_Sampled], accepted: torch.Tensor, num_drafts: torc
 
 
 def _longs(values: list, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+    return device_longs(values, device)
+
+
+def device_longs(values: list, device: torch.device | str) -> torch.Tensor:
+    """An int64 tensor of `values` on `device`, copied from pinned memory on a GPU: a copy from pageable
+    memory may wait for the work already queued on the stream, which a step launched ahead must not."""
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _greedy_tokens(drafts: list[int], row_argmax: list[int]) -> list[int]:

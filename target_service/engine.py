@@ -24,7 +24,7 @@ from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
-from specsplit.shared.verify import sample_accept, sample_tokens, verify_sampled
+from specsplit.shared.verify import device_longs, sample_accept, sample_tokens, verify_sampled
 from specsplit.target_service.chain import ChainBuffers, ChainedStep, accept_greedy
 from specsplit.target_service.counters import EngineCounters
 from specsplit.target_service.draft_tuner import DraftTuner
@@ -481,7 +481,9 @@ class Engine:
         step-by-step propose and verify would write (and within the blocks admission reserved: the budget
         plus a verify's). A sampled sequence also needs room for all k drafts wherever the step not read
         yet left it (the k a step-by-step step would give it), so that it draws the same k + 1 uniforms
-        and its seeded tokens do not depend on whether steps chain."""
+        and its seeded tokens do not depend on whether steps chain, as long as the draft length does not
+        depend on the batch (`drafts_by_batch`, `auto_drafts`: a chained launch sees the batch as the
+        host knew it a step before; still an exact sample, as it is when the batch alone changes k)."""
         if not (self.config.chain_steps and self.config.decode_ahead and self.drafter_ok and self.graphs is not None
                 and _capability(self.proposer, "chain_batch") is not None and self.capture.layer_ids):
             return 0, []
@@ -572,7 +574,7 @@ class Engine:
         final = picks.gather(1, accepted[:, None]).squeeze(1)  # the bonus pick, or the one that differed
         sampled = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
         if sampled:  # speculative sampling on the device, from the uniforms a step-by-step verify draws
-            index = torch.tensor(sampled, dtype=torch.int64).to(self._device, non_blocking=True)
+            index = device_longs(sampled, self._device)
             logits = out.logits.view(fwd.batch, fwd.query_len, -1).index_select(0, index)[:, :k + 1]
             taken, token = sample_accept(drafts.index_select(0, index), logits,
                                          [seqs[i].request.params for i in sampled], [seqs[i].generator for i in sampled])
@@ -670,7 +672,7 @@ class Engine:
         generators = [launch[i].generator for i in sampled]
 
         def choose(logits: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
-            index = torch.tensor(sampled, device=picks.device)
+            index = device_longs(sampled, picks.device)
             return picks.index_copy(0, index, sample_tokens(logits, sampled, params, generators))
         return choose
 
