@@ -124,16 +124,20 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
 
 
 def sample_accept(drafts: torch.Tensor, logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling on the device, nothing read back, for S sequences of k one-hot drafts each:
-    drafts [S, k], their target rows logits [S, k + 1, V] → (drafts accepted [S], the token emitted
-    after them [S]). Exactly what `verify_sampled` emits for them without draft_probs: the same
-    probabilities, the same k + 1 uniforms from each generator, the same tests and inverse CDF."""
+                  generators: Sequence[torch.Generator], counts: Sequence[int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling on the device, nothing read back, for S sequences of one-hot drafts: drafts
+    [S, k], their target rows logits [S, k + 1, V], and how many of its drafts each sequence offers
+    (`counts`, each 0..k; all k by default) → (drafts accepted [S], the token emitted after them [S]).
+    Exactly what `verify_sampled` emits for sequence i's first counts[i] drafts and their rows without
+    draft_probs: the same probabilities, the same counts[i] + 1 uniforms from its generator, the same
+    tests and inverse CDF. Rows past a sequence's count are not read."""
     count, k = drafts.shape
+    counts = [k] * count if counts is None else list(counts)
     if logits.dim() != 3 or logits.shape[:2] != (count, k + 1) \
-            or not len(params) == count == len(generators):
-        raise InvalidRequest(f"sample_accept takes drafts [S, k] and logits [S, k + 1, V], one params and "
-                             f"generator per sequence; got {tuple(drafts.shape)}, {tuple(logits.shape)}")
+            or not len(params) == count == len(generators) == len(counts) or not all(0 <= n <= k for n in counts):
+        raise InvalidRequest(f"sample_accept takes drafts [S, k] and logits [S, k + 1, V], one params, generator "
+                             f"and count in 0..k per sequence; got {tuple(drafts.shape)}, {tuple(logits.shape)}")
     device, vocab = logits.device, logits.shape[-1]
     groups: dict[tuple, list[int]] = {}
     for i, params_i in enumerate(params):
@@ -150,17 +154,24 @@ def sample_accept(drafts: torch.Tensor, logits: torch.Tensor, params: Sequence[S
             p.index_copy_(0, index, probs)
     for g in generators:
         check_generator_device(g, device)
-    uniforms = torch.stack([torch.rand(k + 1, generator=g, device=device) for g in generators])  # [S, k + 1]
+    # [S, k + 1]: sequence i's counts[i] + 1 uniforms, then padding
+    uniforms = torch.stack([torch.rand(n + 1, generator=g, device=device) if n == k else
+                            torch.cat([torch.rand(n + 1, generator=g, device=device), torch.zeros(k - n, device=device)])
+                            for g, n in zip(generators, counts)])
+    offered = _longs(counts, device) if any(n < k for n in counts) else None
     passed = uniforms[:, :k] < p[:, :k].gather(2, drafts[..., None]).squeeze(-1)  # u < p / q, q one-hot
+    if offered is not None:
+        passed &= torch.arange(k, device=device) < offered[:, None]
     accepted = passed.long().cumprod(dim=1).sum(dim=1)  # [S]
     p_emit = p.gather(1, accepted[:, None, None].expand(-1, 1, vocab)).squeeze(1)  # [S, V]
     q_emit = torch.zeros_like(p_emit)  # one-hot on the first rejected draft; zero when all passed (bonus)
     if k:
-        slot = accepted.clamp(max=k - 1)
-        q_emit.scatter_(1, drafts.gather(1, slot[:, None]), (accepted < k).float()[:, None])
+        rejected = accepted < (k if offered is None else offered)
+        q_emit.scatter_(1, drafts.gather(1, accepted.clamp(max=k - 1)[:, None]), rejected.float()[:, None])
     residual = (p_emit - q_emit).clamp(min=0)
     weights = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_emit)
-    return accepted, inverse_cdf(weights, uniforms[:, k])
+    last = uniforms[:, k] if offered is None else uniforms.gather(1, offered[:, None]).squeeze(1)
+    return accepted, inverse_cdf(weights, last)
 
 
 def _checked_batch(draft_tokens, target_logits, cu_rows, params, generators, draft_probs):

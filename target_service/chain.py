@@ -39,7 +39,8 @@ class ChainedStep:
     """A chained step, launched; its outcome on its way to the host."""
 
     seqs: list[Sequence]
-    num_drafts: int  # k: every sequence's, this step
+    num_drafts: int  # k: the drafts proposed and verified for every sequence, this step ...
+    counts: list[int]  # ... and those each sequence offered (a sampled one near its end: fewer)
     anchors: torch.Tensor  # [B] on the device: each sequence's next anchor (its bonus pick) ...
     positions: torch.Tensor  # [B] ... and that anchor's position
     host: torch.Tensor  # pinned, flat: per sequence its k + 1 emitted tokens, then its accepted count ([B, k + 2] first)
@@ -75,8 +76,8 @@ class ChainBuffers:
         self.ready = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self.turn, self.launches, self.owners = 0, 0, [0, 0]
 
-    def launch(self, seqs: list[Sequence], num_drafts: int, emitted: torch.Tensor, accepted: torch.Tensor,
-               anchors: torch.Tensor, positions: torch.Tensor, started: float) -> ChainedStep:
+    def launch(self, seqs: list[Sequence], num_drafts: int, counts: list[int], emitted: torch.Tensor,
+               accepted: torch.Tensor, anchors: torch.Tensor, positions: torch.Tensor, started: float) -> ChainedStep:
         """Queue the copy of a launched step's outcome to the host: per sequence [B, k + 1] its accepted
         drafts then the token after them (what is past that is not read), and its accepted count [B]."""
         turn = self.turn
@@ -87,5 +88,5 @@ class ChainBuffers:
             ready.record()
         self.launches += 1
         self.owners[turn] = self.launches
-        return ChainedStep(list(seqs), num_drafts, anchors, positions, host, ready, started, self.launches,
-                           self.owners, turn)
+        return ChainedStep(list(seqs), num_drafts, list(counts), anchors, positions, host, ready, started,
+                           self.launches, self.owners, turn)

@@ -479,9 +479,10 @@ class Engine:
 
         Room: anchors below each budget and rows within the context, so every write lies where a
         step-by-step propose and verify would write (and within the blocks admission reserved: the budget
-        plus a verify's). A sampled sequence also needs room for all k drafts wherever the step not read
-        yet left it (the k a step-by-step step would give it), so that it draws the same k + 1 uniforms
-        and its seeded tokens do not depend on whether steps chain, as long as the draft length does not
+        plus a verify's). A sampled sequence offers the drafts a step-by-step step would give it
+        (`_num_drafts`), so that it draws the same uniforms and its seeded tokens do not depend on whether
+        steps chain; when the step not read yet may leave it without room for k, it waits a step. (As long
+        as the draft length does not
         depend on the batch (`drafts_by_batch`, `auto_drafts`: a chained launch sees the batch as the
         host knew it a step before; still an exact sample, as it is when the batch alone changes k)."""
         if not (self.config.chain_steps and self.config.decode_ahead and self.drafter_ok and self.graphs is not None
@@ -501,7 +502,8 @@ class Engine:
             end = seq.last_position + rows + k + 1
             if end > limit or end > seq.budget_tokens + k:
                 return False
-            return seq.request.params.greedy or min(seq.remaining - rows - 1, context - len(seq.tokens) - rows - 1) >= k
+            return seq.request.params.greedy or rows == 0 \
+                or min(seq.remaining - rows - 1, context - len(seq.tokens) - rows - 1) >= k
 
         if not all(room(s, 0) for s in seqs):
             return 0, []  # one that could not chain even with nothing pending
@@ -573,17 +575,20 @@ class Engine:
         accepted = accept_greedy(drafts, picks)
         final = picks.gather(1, accepted[:, None]).squeeze(1)  # the bonus pick, or the one that differed
         sampled = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
+        # each sequence's drafts offered: a sampled one's as a step-by-step step would offer (known on the
+        # host when the step not read yet does not hold it; otherwise it has room for all k, see _chain_plan)
+        counts = [k if s.request.params.greedy or s.seq_id in row_of else self._num_drafts(s, k) for s in seqs]
         if sampled:  # speculative sampling on the device, from the uniforms a step-by-step verify draws
             index = device_longs(sampled, self._device)
             logits = out.logits.view(fwd.batch, fwd.query_len, -1).index_select(0, index)[:, :k + 1]
-            taken, token = sample_accept(drafts.index_select(0, index), logits,
-                                         [seqs[i].request.params for i in sampled], [seqs[i].generator for i in sampled])
+            taken, token = sample_accept(drafts.index_select(0, index), logits, [seqs[i].request.params for i in sampled],
+                                         [seqs[i].generator for i in sampled], [counts[i] for i in sampled])
             accepted, final = accepted.index_copy(0, index, taken), final.index_copy(0, index, token)
         # What each sequence gains: its accepted drafts, then the final token (greedy: its picks up to there)
         emitted = torch.cat([drafts, final[:, None]], dim=1).scatter(1, accepted[:, None], final[:, None])
         if self._chain_buffers is None:
             self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
-        step = self._chain_buffers.launch(seqs, k, emitted, accepted, final, positions + accepted + 1, started)
+        step = self._chain_buffers.launch(seqs, k, counts, emitted, accepted, final, positions + accepted + 1, started)
         rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:n, :k + 1].reshape(n * (k + 1), -1)
         self._drafter_call(self.proposer.chain_commit, batch, rows, positions, k + 1)  # failing, it detaches:
         return step  # the picks stand (they never depended on the drafts)
@@ -599,18 +604,19 @@ class Engine:
         if not done:  # every sequence of it ended (or was cancelled) since it was launched
             return []
         k = step.num_drafts
+        offered = dict(zip((s.seq_id for s in step.seqs), step.counts))
         for seq, accepted, _ in done:
             seq.stats.steps += 1
-            seq.stats.drafted += k
+            seq.stats.drafted += offered[seq.seq_id]
             seq.stats.accepted += accepted
-            self.counters.verified(k, accepted)
+            self.counters.verified(offered[seq.seq_id], accepted)
         self._count_step(waited_from, verified)
         self.counters.chained += 1
         # A chained step's time: from the last read to this one, steps following each other on the device
         # (a prefill in between is not its time); timed only while one chained step follows another
         if self.tuner is not None and self._chain_read_at is not None:
             seconds = verified - self._chain_read_at - (self._prefill_seconds - self._chain_prefill_clock)
-            self.tuner.observe(len(step.seqs), k, seconds, [(k, a) for _, a, _ in done])
+            self.tuner.observe(len(step.seqs), k, seconds, [(offered[s.seq_id], a) for s, a, _ in done])
         self._chain_read_at, self._chain_prefill_clock = verified, self._prefill_seconds
         events = [self._emit(seq, tokens) for seq, _, tokens in done]
         # The drafter learns what was committed for the sequences that go on (an ended one was freed;

@@ -284,8 +284,16 @@ def test_engine_chained_steps_equal_target_only(tiny_chat_dir):
         return out, accepted, drafter.chained
 
     want, _, unchained = run(False)
-    got, accepted, chained = run(True)
+    from specsplit.target_service import engine as engine_module
+    offered = []  # the drafts each sampled sequence offered on the chain: fewer near its end
+    sample = engine_module.sample_accept
+    engine_module.sample_accept = lambda *a: offered.extend(a[4]) or sample(*a)
+    try:
+        got, accepted, chained = run(True)
+    finally:
+        engine_module.sample_accept = sample
     assert unchained == 0 and chained > 10
+    assert max(offered) == 7 and min(offered) < 7
     cancelled = got.pop("r3")[0]
     assert cancelled == free["r3"][:len(cancelled)] and len(cancelled) > 10
     want.pop("r3")

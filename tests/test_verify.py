@@ -443,8 +443,9 @@ def test_verify_on_cuda_is_seeded_and_matches_batched_greedy():
         verify_sampled(drafts, logits, cu_rows, SAMPLED, [make_generator(0, "cpu")] * 3, q)
 
 
+@pytest.mark.parametrize("ragged", [False, True])  # each sequence offering its own number of drafts
 @pytest.mark.parametrize("k", [1, 4])
-def test_sample_accept_on_the_device_equals_verify_sampled(k):
+def test_sample_accept_on_the_device_equals_verify_sampled(k, ragged):
     """The chained step's sampled acceptance (`sample_accept`: every tensor stays where it is) emits
     what `verify_sampled` emits for one-hot drafts: same accepted counts, same tokens, from generators
     in the same states, with requests of three sampling settings in one batch and drafts taken from the
@@ -459,9 +460,15 @@ def test_sample_accept_on_the_device_equals_verify_sampled(k):
     settings = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
                 SamplingParams(temperature=1.2, top_p=0.8)]
     params = [settings[i % 3] for i in range(count)]
-    accepted, tokens = sample_accept(drafts, logits, params, [make_generator(100 + i, "cpu") for i in range(count)])
-    want = verify_sampled(drafts.tolist(), logits.reshape(-1, vocab), torch.arange(count + 1) * (k + 1), params,
-                          [make_generator(100 + i, "cpu") for i in range(count)])
+    counts = [i % (k + 1) for i in range(count)] if ragged else [k] * count
+    for i, n in enumerate(counts):  # rows past a sequence's count are not read: NaN there changes nothing
+        logits[i, n + 1:] = float("nan")
+    accepted, tokens = sample_accept(drafts, logits, params, [make_generator(100 + i, "cpu") for i in range(count)],
+                                     counts if ragged else None)
+    offered = [d[:n] for d, n in zip(drafts.tolist(), counts)]
+    rows = torch.cat([logits[i, :n + 1] for i, n in enumerate(counts)])
+    bounds = torch.tensor([0] + counts).cumsum(0) + torch.arange(count + 1)
+    want = verify_sampled(offered, rows, bounds, params, [make_generator(100 + i, "cpu") for i in range(count)])
     assert accepted.tolist() == want.num_accepted
     assert [d[:a] + [t] for d, a, t in zip(drafts.tolist(), accepted.tolist(), tokens.tolist())] == want.tokens
     assert 0 in want.num_accepted and max(want.num_accepted) >= min(k, 2)
