@@ -472,24 +472,25 @@ class Engine:
 
     def _chain_plan(self, seqs: list[Sequence]) -> tuple[int, list[Sequence]]:
         """The draft length of a chained step of `seqs` (see target_service/chain.py) and the sequences it
-        launches; (0, []) when they do not chain: in-process, every sequence attached to a drafter that
-        chains, captured steps, and room for the two steps the device may run ahead of the host (the
-        launched one and this). A sequence that may lack that room once the step launched last time is
-        read waits one step (that read brings it up to date) and joins the next.
+        launches; (0, []) when they do not chain: in-process, a drafter that chains attached to one of
+        them at least (the others ride along with no drafts), captured steps, and room for the two steps
+        the device may run ahead of the host (the launched one and this). A sequence that may lack that
+        room once the step launched last time is read waits one step (that read brings it up to date)
+        and joins the next.
 
         Room: anchors below each budget and rows within the context, so every write lies where a
         step-by-step propose and verify would write (and within the blocks admission reserved: the budget
         plus a verify's). A sampled sequence offers the drafts a step-by-step step would give it
         (`_num_drafts`), so that it draws the same uniforms and its seeded tokens do not depend on whether
-        steps chain; when the step not read yet may leave it without room for k, it waits a step. (As long
-        as the draft length does not
-        depend on the batch (`drafts_by_batch`, `auto_drafts`: a chained launch sees the batch as the
-        host knew it a step before; still an exact sample, as it is when the batch alone changes k)."""
+        steps chain, as long as the draft length does not depend on the batch (with `drafts_by_batch` or
+        `auto_drafts` a chained launch sees the batch as the host knew it a step before: still an exact
+        sample, as it is when the batch alone changes k); when the step not read yet may leave it
+        without room for k, it waits a step."""
         if not (self.config.chain_steps and self.config.decode_ahead and self.drafter_ok and self.graphs is not None
                 and _capability(self.proposer, "chain_batch") is not None and self.capture.layer_ids):
             return 0, []
-        if not all(s.drafter_attached for s in seqs):
-            return 0, []
+        if not any(s.drafter_attached for s in seqs):
+            return 0, []  # (plain decoding goes ahead its own way)
         k = self._max_drafts(len(seqs))
         if k < 1 or self.graphs.bucket(len(seqs), k + 1) is None:
             return 0, []
@@ -502,7 +503,7 @@ class Engine:
             end = seq.last_position + rows + k + 1
             if end > limit or end > seq.budget_tokens + k:
                 return False
-            return seq.request.params.greedy or rows == 0 \
+            return seq.request.params.greedy or rows == 0 or not seq.drafter_attached \
                 or min(seq.remaining - rows - 1, context - len(seq.tokens) - rows - 1) >= k
 
         if not all(room(s, 0) for s in seqs):
@@ -542,8 +543,12 @@ class Engine:
         ids = [s.seq_id for s in seqs]
         ends = self._chain_ends(seqs, k, pending)
         firsts = [s.last_position for s in seqs]
-        # how far each anchor may lie past the drafter's next position: the rows of the step not yet read
-        batch = self._drafter_call(self.proposer.chain_batch, ids, [end - first - k - 1 for end, first in zip(ends, firsts)])
+        # The drafter's sequences (the others ride along, offering no drafts), and how far each anchor may
+        # lie past the drafter's next position: the rows of the step not yet read
+        drafting = [i for i, s in enumerate(seqs) if s.drafter_attached]
+        everyone = len(drafting) == len(seqs)
+        batch = self._drafter_call(self.proposer.chain_batch, [ids[i] for i in drafting],
+                                   [ends[i] - firsts[i] - k - 1 for i in drafting])
         if batch is None or batch is _FAILED:
             return None
         if self.cache.num_free_blocks < sum(max(0, self.cache.blocks_for(end) - self.cache.blocks_for(self.cache.length(i)))
@@ -565,19 +570,27 @@ class Engine:
                 into, src = known[2, :len(carried)], known[3, :len(carried)]
                 known[:2].index_copy_(1, into, torch.stack([pending.anchors, pending.positions]).index_select(1, src))
             anchors, positions = known[0], known[1]
-        drafts = self._drafter_call(self.proposer.chain_propose, batch, anchors, positions, k)
+        among = None if everyone else device_longs(drafting, self._device)
+        drafts = self._drafter_call(self.proposer.chain_propose, batch, anchors if everyone else anchors[among],
+                                    positions if everyone else positions[among], k)
         if drafts is _FAILED:
             return None
         drafts = drafts.clamp(0, self.model.config.vocab_size - 1)  # whoever drafted (see _propose_on_device)
+        if not everyone:  # the others verify placeholders, and accept none of them
+            drafts = torch.zeros((len(seqs), k), dtype=drafts.dtype, device=drafts.device).index_copy_(0, among, drafts)
         fwd, out = self.graphs.chain(ids, torch.cat([anchors[:, None], drafts], dim=1), positions, firsts, ends)
         n = len(seqs)
         picks = out.bucket_argmax.view(fwd.batch, fwd.query_len)[:n, :k + 1]
+        # each sequence's drafts offered: none without a drafter; a sampled one's as a step-by-step step
+        # would offer (known on the host when the step not read yet does not hold it; otherwise it has
+        # room for all k, see _chain_plan)
+        counts = [0 if not s.drafter_attached else k if s.request.params.greedy or s.seq_id in row_of
+                  else self._num_drafts(s, k) for s in seqs]
         accepted = accept_greedy(drafts, picks)
+        if not everyone:
+            accepted = accepted * (torch.arange(n, device=accepted.device)[:, None] == among).any(dim=1)
         final = picks.gather(1, accepted[:, None]).squeeze(1)  # the bonus pick, or the one that differed
         sampled = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
-        # each sequence's drafts offered: a sampled one's as a step-by-step step would offer (known on the
-        # host when the step not read yet does not hold it; otherwise it has room for all k, see _chain_plan)
-        counts = [k if s.request.params.greedy or s.seq_id in row_of else self._num_drafts(s, k) for s in seqs]
         if sampled:  # speculative sampling on the device, from the uniforms a step-by-step verify draws
             index = device_longs(sampled, self._device)
             logits = out.logits.view(fwd.batch, fwd.query_len, -1).index_select(0, index)[:, :k + 1]
@@ -589,8 +602,11 @@ class Engine:
         if self._chain_buffers is None:
             self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
         step = self._chain_buffers.launch(seqs, k, counts, emitted, accepted, final, positions + accepted + 1, started)
-        rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:n, :k + 1].reshape(n * (k + 1), -1)
-        self._drafter_call(self.proposer.chain_commit, batch, rows, positions, k + 1)  # failing, it detaches:
+        rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:n, :k + 1]
+        if not everyone:
+            rows, positions = rows.index_select(0, among), positions[among]
+        self._drafter_call(self.proposer.chain_commit, batch, rows.reshape(len(drafting) * (k + 1), -1), positions,
+                           k + 1)  # failing, it detaches:
         return step  # the picks stand (they never depended on the drafts)
 
     def _chain_read(self, step: ChainedStep) -> list[StepEvent]:

@@ -210,7 +210,7 @@ def _chain_oracle(drafter, continuations: dict[tuple[int, ...], list[int]], *, u
 def test_engine_chained_steps_equal_target_only(tiny_chat_dir):
     """Greedy requests decoded with chained steps (a stop string, a request admitted mid-run, a cancel,
     short and long max_tokens), seeded sampled requests chained beside them (speculative sampling on
-    the device), and a non-speculative one that takes the batch off the chain while it runs: every
+    the device), and a non-speculative one riding along with no drafts: every
     output equals the engine's without chained steps (the sampled ones too: the same drafts, the same
     uniforms), every greedy one target-only decoding's; chained steps ran with partial accepts, and
     nothing stays allocated."""
@@ -285,15 +285,18 @@ def test_engine_chained_steps_equal_target_only(tiny_chat_dir):
 
     want, _, unchained = run(False)
     from specsplit.target_service import engine as engine_module
+    from specsplit.target_service.chain import ChainBuffers
     offered = []  # the drafts each sampled sequence offered on the chain: fewer near its end
-    sample = engine_module.sample_accept
+    counts = []  # ... and every sequence: none for the one without a drafter, riding along
+    sample, launch = engine_module.sample_accept, ChainBuffers.launch
     engine_module.sample_accept = lambda *a: offered.extend(a[4]) or sample(*a)
+    ChainBuffers.launch = lambda self, seqs, k, n, *a: counts.extend(n) or launch(self, seqs, k, n, *a)
     try:
         got, accepted, chained = run(True)
     finally:
-        engine_module.sample_accept = sample
+        engine_module.sample_accept, ChainBuffers.launch = sample, launch
     assert unchained == 0 and chained > 10
-    assert max(offered) == 7 and min(offered) < 7
+    assert max(offered) == 7 and min(offered) < 7 and 0 in counts
     cancelled = got.pop("r3")[0]
     assert cancelled == free["r3"][:len(cancelled)] and len(cancelled) > 10
     want.pop("r3")
@@ -406,10 +409,10 @@ def test_a_drafter_failing_in_a_chained_step_detaches_and_loses_nothing(tiny_cha
 
 
 def test_short_requests_joining_a_chain_lose_nothing(tiny_chat_dir):
-    """A short request without speculation joining two chained greedy ones, at several points: it takes
-    the batch off the chain while it runs, so the greedy sequences go back and forth between chained
-    steps and step-by-step verifies (whose truncates and regrows can hand one sequence's freed blocks
-    to the other). Every request ends as target-only's."""
+    """A short request joining two chained greedy ones, at several points, where three sequences draft
+    nothing (`drafts_by_batch`): it takes the batch off the chain while it runs, so the greedy sequences
+    go back and forth between chained steps and step-by-step ones (whose truncates and regrows can hand
+    one sequence's freed blocks to the other). Every request ends as target-only's."""
     from specsplit.drafter_service.checkpoint import random_drafter
     from specsplit.local import target_head, target_info
     from specsplit.shared.sampling import SamplingParams
@@ -422,11 +425,10 @@ def test_short_requests_joining_a_chain_lose_nothing(tiny_chat_dir):
     prompts = ["The capital of France is", "Once upon a time"]
     long = lambda: [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=60, ignore_eos=True))  # noqa: E731
                     for i, p in enumerate(prompts)]
-    short = lambda: Request("s", tokenizer.encode("Hi"), SamplingParams(max_tokens=3, ignore_eos=True),  # noqa: E731
-                            speculative=False)
+    short = lambda: Request("s", tokenizer.encode("Hi"), SamplingParams(max_tokens=3, ignore_eos=True))  # noqa: E731
 
     def engine_for(proposer):
-        engine = Engine(target, proposer, EngineConfig(max_batch=4))
+        engine = Engine(target, proposer, EngineConfig(max_batch=4, drafts_by_batch=((3, 0),)))
         engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4, query_lens=(1, 8),
                                    max_len=512, use_graphs=False)
         return engine
