@@ -539,14 +539,14 @@ class Engine:
     def _chain_launch(self, seqs: list[Sequence], k: int, pending: ChainedStep | None,
                       started: float) -> ChainedStep | None:
         """Propose, verify, accept and commit on the device; nothing waits. None if the drafter failed
-        before the verify (it is detached; the sequences' host records are as they were)."""
+        before the verify (it is detached; the sequences' host records are as they were) or the cache
+        lacks the blocks."""
         ids = [s.seq_id for s in seqs]
         ends = self._chain_ends(seqs, k, pending)
         firsts = [s.last_position for s in seqs]
         # The drafter's sequences (the others ride along, offering no drafts), and how far each anchor may
         # lie past the drafter's next position: the rows of the step not yet read
         drafting = [i for i, s in enumerate(seqs) if s.drafter_attached]
-        everyone = len(drafting) == len(seqs)
         batch = self._drafter_call(self.proposer.chain_batch, [ids[i] for i in drafting],
                                    [ends[i] - firsts[i] - k - 1 for i in drafting])
         if batch is None or batch is _FAILED:
@@ -555,59 +555,81 @@ class Engine:
                                             for i, end in zip(ids, ends)):
             return None
         row_of = {} if pending is None else {s.seq_id: i for i, s in enumerate(pending.seqs)}
-        if pending is not None and ids == [s.seq_id for s in pending.seqs]:
-            anchors, positions = pending.anchors, pending.positions  # the same batch: fed as it stands
-        else:
-            # The host's anchors and positions, and for the sequences of the step not read yet where the
-            # device keeps theirs: one copy from pinned memory (a pageable one would wait for the device)
-            carried = [i for i, s in enumerate(seqs) if s.seq_id in row_of]
-            host = torch.tensor([[s.tokens[-1] for s in seqs], firsts, [0] * len(seqs), [0] * len(seqs)],
-                                dtype=torch.int64, pin_memory=self._device.type == "cuda")
-            host[2, :len(carried)] = torch.tensor(carried, dtype=torch.int64)
-            host[3, :len(carried)] = torch.tensor([row_of[ids[i]] for i in carried], dtype=torch.int64)
-            known = host.to(self._device, non_blocking=True)
-            if carried:
-                into, src = known[2, :len(carried)], known[3, :len(carried)]
-                known[:2].index_copy_(1, into, torch.stack([pending.anchors, pending.positions]).index_select(1, src))
-            anchors, positions = known[0], known[1]
-        among = None if everyone else device_longs(drafting, self._device)
-        drafts = self._drafter_call(self.proposer.chain_propose, batch, anchors if everyone else anchors[among],
-                                    positions if everyone else positions[among], k)
-        if drafts is _FAILED:
+        anchors, positions = self._chain_feed(seqs, firsts, pending, row_of)
+        among = None if len(drafting) == len(seqs) else device_longs(drafting, self._device)
+        drafts = self._chain_drafts(batch, anchors, positions, k, among, len(seqs))
+        if drafts is None:
             return None
-        drafts = drafts.clamp(0, self.model.config.vocab_size - 1)  # whoever drafted (see _propose_on_device)
-        if not everyone:  # the others verify placeholders, and accept none of them
-            drafts = torch.zeros((len(seqs), k), dtype=drafts.dtype, device=drafts.device).index_copy_(0, among, drafts)
         fwd, out = self.graphs.chain(ids, torch.cat([anchors[:, None], drafts], dim=1), positions, firsts, ends)
-        n = len(seqs)
-        picks = out.bucket_argmax.view(fwd.batch, fwd.query_len)[:n, :k + 1]
         # each sequence's drafts offered: none without a drafter; a sampled one's as a step-by-step step
         # would offer (known on the host when the step not read yet does not hold it; otherwise it has
         # room for all k, see _chain_plan)
         counts = [0 if not s.drafter_attached else k if s.request.params.greedy or s.seq_id in row_of
                   else self._num_drafts(s, k) for s in seqs]
-        accepted = accept_greedy(drafts, picks)
-        if not everyone:
-            accepted = accepted * (torch.arange(n, device=accepted.device)[:, None] == among).any(dim=1)
-        final = picks.gather(1, accepted[:, None]).squeeze(1)  # the bonus pick, or the one that differed
-        sampled = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
-        if sampled:  # speculative sampling on the device, from the uniforms a step-by-step verify draws
-            index = device_longs(sampled, self._device)
-            logits = out.logits.view(fwd.batch, fwd.query_len, -1).index_select(0, index)[:, :k + 1]
-            taken, token = sample_accept(drafts.index_select(0, index), logits, [seqs[i].request.params for i in sampled],
-                                         [seqs[i].generator for i in sampled], [counts[i] for i in sampled])
-            accepted, final = accepted.index_copy(0, index, taken), final.index_copy(0, index, token)
+        accepted, final = self._chain_accept(seqs, counts, drafts, fwd, out, among)
         # What each sequence gains: its accepted drafts, then the final token (greedy: its picks up to there)
         emitted = torch.cat([drafts, final[:, None]], dim=1).scatter(1, accepted[:, None], final[:, None])
         if self._chain_buffers is None:
             self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
         step = self._chain_buffers.launch(seqs, k, counts, emitted, accepted, final, positions + accepted + 1, started)
-        rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:n, :k + 1]
-        if not everyone:
+        rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:len(seqs), :k + 1]
+        if among is not None:
             rows, positions = rows.index_select(0, among), positions[among]
         self._drafter_call(self.proposer.chain_commit, batch, rows.reshape(len(drafting) * (k + 1), -1), positions,
                            k + 1)  # failing, it detaches:
         return step  # the picks stand (they never depended on the drafts)
+
+    def _chain_feed(self, seqs: list[Sequence], firsts: list[int], pending: ChainedStep | None,
+                    row_of: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chained step's anchors and their positions [B] on the device: the step not read yet's own
+        where it holds a sequence, the host's where not."""
+        if pending is not None and [s.seq_id for s in seqs] == [s.seq_id for s in pending.seqs]:
+            return pending.anchors, pending.positions  # the same batch: fed as it stands
+        # one copy from pinned memory (a pageable one would wait for the device)
+        carried = [i for i, s in enumerate(seqs) if s.seq_id in row_of]
+        host = torch.tensor([[s.tokens[-1] for s in seqs], firsts, [0] * len(seqs), [0] * len(seqs)],
+                            dtype=torch.int64, pin_memory=self._device.type == "cuda")
+        host[2, :len(carried)] = torch.tensor(carried, dtype=torch.int64)
+        host[3, :len(carried)] = torch.tensor([row_of[seqs[i].seq_id] for i in carried], dtype=torch.int64)
+        known = host.to(self._device, non_blocking=True)
+        if carried:
+            into, src = known[2, :len(carried)], known[3, :len(carried)]
+            known[:2].index_copy_(1, into, torch.stack([pending.anchors, pending.positions]).index_select(1, src))
+        return known[0], known[1]
+
+    def _chain_drafts(self, batch, anchors: torch.Tensor, positions: torch.Tensor, k: int,
+                      among: torch.Tensor | None, count: int) -> torch.Tensor | None:
+        """Drafts [B, k] for the verify, clamped into the vocabulary whoever drafted them (see
+        _propose_on_device); the sequences without the drafter (not `among` it) get placeholders they
+        will accept none of. None if the drafter failed (it is detached)."""
+        drafts = self._drafter_call(self.proposer.chain_propose, batch, anchors if among is None else anchors[among],
+                                    positions if among is None else positions[among], k)
+        if drafts is _FAILED:
+            return None
+        drafts = drafts.clamp(0, self.model.config.vocab_size - 1)
+        if among is None:
+            return drafts
+        return torch.zeros((count, k), dtype=drafts.dtype, device=drafts.device).index_copy_(0, among, drafts)
+
+    def _chain_accept(self, seqs: list[Sequence], counts: list[int], drafts: torch.Tensor, fwd, out: ForwardOutput,
+                      among: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's accepted drafts and the token after them [B] each, on the device: greedy
+        acceptance, speculative sampling for the sampled ones (from the uniforms a step-by-step verify
+        draws), none accepted without the drafter."""
+        n, k = drafts.shape
+        picks = out.bucket_argmax.view(fwd.batch, fwd.query_len)[:n, :k + 1]
+        accepted = accept_greedy(drafts, picks)
+        if among is not None:
+            accepted = accepted * (torch.arange(n, device=accepted.device)[:, None] == among).any(dim=1)
+        final = picks.gather(1, accepted[:, None]).squeeze(1)  # the bonus pick, or the one that differed
+        sampled = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
+        if sampled:
+            index = device_longs(sampled, self._device)
+            logits = out.logits.view(fwd.batch, fwd.query_len, -1).index_select(0, index)[:, :k + 1]
+            taken, token = sample_accept(drafts.index_select(0, index), logits, [seqs[i].request.params for i in sampled],
+                                         [seqs[i].generator for i in sampled], [counts[i] for i in sampled])
+            accepted, final = accepted.index_copy(0, index, taken), final.index_copy(0, index, token)
+        return accepted, final
 
     def _chain_read(self, step: ChainedStep) -> list[StepEvent]:
         """Read a chained step's outcome and bring the host's records up to it: each sequence's tokens
