@@ -497,7 +497,7 @@ class Engine:
         limit = min(self.model.config.max_position_embeddings, self.graphs.max_blocks * self.cache.block_size)
         context = self.model.config.max_position_embeddings
         pending = self._chain
-        ahead = {} if pending is None else {s.seq_id: pending.num_drafts + 1 for s in pending.seqs}
+        ahead = {} if pending is None else {s.seq_id: n + 1 for s, n in zip(pending.seqs, pending.counts)}
 
         def room(seq: Sequence, rows: int) -> bool:  # rows: those the step not read yet may have added
             end = seq.last_position + rows + k + 1
@@ -509,13 +509,14 @@ class Engine:
         if not all(room(s, 0) for s in seqs):
             return 0, []  # one that could not chain even with nothing pending
         chained = [s for s in seqs if room(s, ahead.get(s.seq_id, 0))]
-        return (k, chained) if chained else (0, [])
+        return (k, chained) if any(s.drafter_attached for s in chained) else (0, [])
 
     @staticmethod
     def _chain_ends(seqs: list[Sequence], k: int, pending: ChainedStep | None) -> list[int]:
         """Each sequence's furthest position + 1 a chained step with k drafts may write: its last known
-        one, plus the rows of the step launched and not read yet (when it is in it), plus this step's."""
-        ahead = {} if pending is None else {s.seq_id: pending.num_drafts + 1 for s in pending.seqs}
+        one, plus the tokens the step launched and not read yet may add (when it is in it: its drafts
+        offered and one), plus this step's rows."""
+        ahead = {} if pending is None else {s.seq_id: n + 1 for s, n in zip(pending.seqs, pending.counts)}
         return [s.last_position + ahead.get(s.seq_id, 0) + k + 1 for s in seqs]
 
     def _chain_step(self, seqs: list[Sequence], k: int) -> list[StepEvent] | None:
@@ -547,6 +548,8 @@ class Engine:
         # The drafter's sequences (the others ride along, offering no drafts), and how far each anchor may
         # lie past the drafter's next position: the rows of the step not yet read
         drafting = [i for i, s in enumerate(seqs) if s.drafter_attached]
+        if not drafting:
+            return None
         batch = self._drafter_call(self.proposer.chain_batch, [ids[i] for i in drafting],
                                    [ends[i] - firsts[i] - k - 1 for i in drafting])
         if batch is None or batch is _FAILED:

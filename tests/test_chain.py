@@ -493,3 +493,68 @@ def test_the_draft_tuner_measures_every_length_through_the_chain(tiny_chat_dir):
     samples = engine.tuner._buckets[engine.tuner.bucket_of(3)].samples
     assert set(samples) == set(engine.tuner.choices) and samples[0] >= 1
     assert engine.counters.chained > 10
+
+
+def test_riders_without_the_drafter_stay_exact_when_the_drafting_ones_end(tiny_chat_dir):
+    """Sequences without the drafter (greedy and sampled, speculative=False) ride a chain whose only
+    drafting sequences are a sampled one near its end (it waits steps) and a short greedy one: no
+    launch is tried without a drafting sequence, the riders go on decoding ahead once those end and
+    back on the chain when a drafting request joins, and every output equals the unchained engine's
+    (the greedy ones target-only's)."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    prompts = ["The capital of France is", "Once upon a time", "def add(a, b):", "Water boils at"]
+
+    def engine_for(proposer, chain: bool) -> Engine:
+        engine = Engine(target, proposer, EngineConfig(max_batch=4, chain_steps=chain))
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4, query_lens=(1, 8),
+                                   max_len=256, use_graphs=False)
+        return engine
+
+    free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine_for(None, False).generate(
+        [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=50, ignore_eos=True))
+         for i, p in enumerate(prompts)]).items()}
+    launches: list[list[bool]] = []
+
+    def run(chain: bool):
+        inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                               block_size=8, max_drafts=7)
+        inner.use_static_forwards(use_graphs=False)
+        drafter = _chain_oracle(inner, {tuple(tokenizer.encode(p)): tokenizer.encode(p) + free[f"r{i}"]
+                                        for i, p in enumerate(prompts)})
+        engine = engine_for(drafter, chain)
+        launch = engine._chain_launch
+        engine._chain_launch = lambda seqs, *a: launches.append([s.drafter_attached for s in seqs]) or launch(seqs, *a)
+        engine.add(Request("r0", tokenizer.encode(prompts[0]), SamplingParams(max_tokens=50, ignore_eos=True),
+                           speculative=False))
+        engine.add(Request("s1", tokenizer.encode(prompts[1]), SamplingParams(max_tokens=45, ignore_eos=True,
+                                                                              temperature=0.8, seed=1),
+                           speculative=False))
+        engine.add(Request("a", tokenizer.encode(prompts[2]), SamplingParams(max_tokens=8, ignore_eos=True)))
+        engine.add(Request("sa", tokenizer.encode(prompts[3]), SamplingParams(max_tokens=20, ignore_eos=True,
+                                                                              temperature=0.9, seed=2)))
+        out: dict[str, list[int]] = {}
+        for n in itertools.count():
+            if n == 30:
+                engine.add(Request("r3", tokenizer.encode(prompts[3]), SamplingParams(max_tokens=20, ignore_eos=True)))
+            for e in engine.step():
+                out.setdefault(e.request_id, []).extend(e.token_ids)
+            if not engine.has_work:
+                break
+        assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1
+        assert drafter.pool.num_free_blocks == drafter.pool.num_blocks and len(drafter.store) == 0
+        return out, engine.counters.chained
+
+    want, _ = run(False)
+    assert not launches
+    got, chained = run(True)
+    assert got == want and chained > 5
+    assert got["r0"] == free["r0"] and got["r3"] == free["r3"][:20] and got["a"] == free["r2"][:8]
+    assert launches and all(any(attached) for attached in launches) and any(not all(a) for a in launches)
