@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--also-step-by-step", action="store_true",
                     help="also run target-only and in-process with EngineConfig(decode_ahead=False), side by side")
+    ap.add_argument("--no-chain", action="store_true", help="every engine with EngineConfig(chain_steps=False)")
     ap.add_argument("--also-unchained", action="store_true",
                     help="also run in-process with EngineConfig(chain_steps=False), side by side")
     ap.add_argument("--drafter-profile", nargs=2, default=None, metavar=("FIRST:LAST", "PATH"),
@@ -172,7 +173,8 @@ def main() -> None:
         for batch in args.batch:
             # One stream runs two requests back to back; B streams run B requests at once.
             prompts = PROMPTS[:1] * 2 if batch == 1 else (PROMPTS * batch)[:batch]
-            conf = EngineConfig(max_batch=batch, drafts_by_batch=args.drafts_by_batch, auto_drafts=args.auto)
+            conf = EngineConfig(max_batch=batch, drafts_by_batch=args.drafts_by_batch, auto_drafts=args.auto,
+                                chain_steps=not args.no_chain)
             local_engine, split_engine = Engine(model, local_drafter, conf), Engine(model, remote, conf)
             # Warm-up on the same shapes: the drafter captures its graphs per size bucket on first use.
             # (With --auto, the same engines go on: what the warm-up taught their tuners is kept.)

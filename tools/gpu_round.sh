@@ -12,6 +12,9 @@ timeout 120 python tools/bells_probe.py 2>&1 | tail -8 | log
 # chained against unchained in-process steps, same run (target only and the services beside them)
 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 32 64 \
   --auto --also-unchained --json-out "$OUT/split_dflash.json" 2>&1 | grep -v INFO | tail -2 | log
+# (if chaining failed there, the same bench without it, so the round still measures the rest)
+[ -f "$OUT/split_dflash.json" ] || python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash \
+  --max-tokens 256 --batch 1 8 --auto --no-chain --json-out "$OUT/split_unchained.json" 2>&1 | grep -v INFO | tail -20 | log
 # where a chained step's time goes (wall vs GPU busy, top kernels)
 python bench/profile_step.py --drafter dflash --batch 1 --steps 40 --out "$OUT" 2>&1 | grep -v INFO | tail -30 | log
 python bench/profile_step.py --drafter dflash --batch 8 --steps 40 --out "$OUT" 2>&1 | grep -v INFO | tail -12 | log
