@@ -28,6 +28,27 @@ def test_accept_greedy_counts_the_matching_prefix():
     assert got == want and 0 in want and 5 in want and any(0 < n < 5 for n in want)
 
 
+def test_a_chained_step_read_after_the_launch_after_next_is_refused():
+    """Two host buffers in turn: a step's outcome is there until the launch after next reuses its buffer;
+    reading it then is refused instead of returning the other step's."""
+    from specsplit.shared.errors import StateConflict
+    from specsplit.target_service.chain import ChainBuffers
+
+    buffers = ChainBuffers(max_batch=4, max_drafts=3, device=torch.device("cpu"))
+    seqs = [object(), object()]
+
+    def launch(first: int, k: int):
+        emitted = torch.arange(first, first + 2 * (k + 1)).view(2, k + 1)
+        return buffers.launch(seqs, k, [k, k], emitted, torch.tensor([1, k]), emitted[:, 0], emitted[:, 0], 0.0)
+
+    one, two = launch(10, 3), launch(20, 1)
+    assert one.outcome() == [(1, [10, 11]), (3, [14, 15, 16, 17])]
+    three = launch(30, 2)
+    assert two.outcome() == [(1, [20, 21]), (1, [22, 23])] and three.outcome()[0] == (1, [30, 31])
+    with pytest.raises(StateConflict):
+        one.outcome()
+
+
 def test_a_verify_fed_on_the_device_equals_the_host_loaded_one(tiny_llama_dir):
     """`StepGraphs.chain` (tokens and first positions on the device, blocks reserved past them) computes
     what `forward` computes for the same step: logits and features of every token, and the same cache."""
