@@ -1,20 +1,21 @@
-"""Chained speculative steps: in-process, greedy, the device one step ahead of the host.
+"""Chained speculative steps: in-process, the device one step ahead of the host.
 
 A speculative step ends with a decision only the verify's outcome settles: how many drafts each
 sequence accepted, hence where its next anchor lies and which token it is. Read back on the host,
 that decision costs the device a gap per step (the wait, the host's accepts and commits, the next
-propose's and verify's launches). A chained step makes it on the device instead: the greedy accept
-(`accept_greedy`), the next anchors and positions, the drafter's commit of the verified rows, and
+propose's and verify's launches). A chained step makes it on the device instead: the accept
+(`accept_greedy`, or speculative sampling), the next anchors and positions, the drafter's commit of the verified rows, and
 the next step's propose and verify all read device tensors, so the engine queues step N+1 before it
 reads step N's picks, and the device goes from one step to the next without waiting for the host.
 
 What makes that exact: greedy picks do not depend on the drafts (a pick is the target's argmax after
 the tokens before it, and the tokens a step accepts equal its picks); a sampled sequence's step is
-speculative sampling on the device (`shared.verify.sample_accept`) from the k + 1 uniforms a
-step-by-step verify would draw, over the same drafts (the drafter's proposes read only committed
-positions); K/V rows past a sequence's accepted ones lie at positions the next verify and the next
-propose overwrite before anything reads them; and the host's own record of each sequence (its tokens,
-the KV blocks it holds, the drafter's next position) follows one step behind, from what it reads.
+speculative sampling on the device (`shared.verify.sample_accept`) from the uniforms a step-by-step
+verify would draw, over the same drafts (the drafter's proposes read only committed positions); a
+sequence without the drafter rides along, offering none; K/V rows past a sequence's accepted ones lie
+at positions the next verify and the next propose overwrite before anything reads them; and the host's
+own record of each sequence (its tokens, the KV blocks it holds, the drafter's next position) follows
+one step behind, from what it reads.
 """
 
 from __future__ import annotations
