@@ -228,6 +228,19 @@ def _chain_oracle(drafter, continuations: dict[tuple[int, ...], list[int]], *, u
     return drafter
 
 
+def _oracle_drafter(target, tokenizer, prompts: list[str], free: dict[str, list[int]], *, unchained: bool = True):
+    """A random static DFlash drafter (block 8, 7 drafts) wrapped by `_chain_oracle`, request r<i>'s
+    continuation for prompts[i] taken from `free` (a target-only run)."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+
+    inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
+                           block_size=8, max_drafts=7)
+    inner.use_static_forwards(use_graphs=False)
+    return _chain_oracle(inner, {tuple(tokenizer.encode(p)): tokenizer.encode(p) + free[f"r{i}"]
+                                 for i, p in enumerate(prompts)}, unchained=unchained)
+
+
 def test_engine_chained_steps_equal_target_only(tiny_chat_dir):
     """Greedy requests decoded with chained steps (a stop string, a request admitted mid-run, a cancel,
     short and long max_tokens), seeded sampled requests chained beside them (speculative sampling on
@@ -235,8 +248,6 @@ def test_engine_chained_steps_equal_target_only(tiny_chat_dir):
     output equals the engine's without chained steps (the sampled ones too: the same drafts, the same
     uniforms), every greedy one target-only decoding's; chained steps ran with partial accepts, and
     nothing stays allocated."""
-    from specsplit.drafter_service.checkpoint import random_drafter
-    from specsplit.local import target_head, target_info
     from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.target_service.engine import Engine, EngineConfig
@@ -271,11 +282,7 @@ def test_engine_chained_steps_equal_target_only(tiny_chat_dir):
         ]
 
     def run(chain: bool):
-        inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
-                               block_size=8, max_drafts=7)
-        inner.use_static_forwards(use_graphs=False)
-        drafter = _chain_oracle(inner, {tuple(tokenizer.encode(p)): tokenizer.encode(p) + free[f"r{i}"]
-                                        for i, p in enumerate(prompts)})
+        drafter = _oracle_drafter(target, tokenizer, prompts, free)
         engine = engine_for(drafter, chain)
         for r in requests():
             engine.add(r)
@@ -434,8 +441,6 @@ def test_short_requests_joining_a_chain_lose_nothing(tiny_chat_dir):
     nothing (`drafts_by_batch`): it takes the batch off the chain while it runs, so the greedy sequences
     go back and forth between chained steps and step-by-step ones (whose truncates and regrows can hand
     one sequence's freed blocks to the other). Every request ends as target-only's."""
-    from specsplit.drafter_service.checkpoint import random_drafter
-    from specsplit.local import target_head, target_info
     from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.target_service.engine import Engine, EngineConfig
@@ -457,11 +462,7 @@ def test_short_requests_joining_a_chain_lose_nothing(tiny_chat_dir):
     free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine_for(None).generate(long() + [short()]).items()}
     chained = 0
     for at in (1, 2, 3, 5, 8):
-        inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
-                               block_size=8, max_drafts=7)
-        inner.use_static_forwards(use_graphs=False)
-        drafter = _chain_oracle(inner, {tuple(tokenizer.encode(p)): tokenizer.encode(p) + free[f"r{i}"]
-                                        for i, p in enumerate(prompts)}, unchained=False)
+        drafter = _oracle_drafter(target, tokenizer, prompts, free, unchained=False)
         engine = engine_for(drafter)
         for r in long():
             engine.add(r)
@@ -482,8 +483,6 @@ def test_the_draft_tuner_measures_every_length_through_the_chain(tiny_chat_dir):
     """With auto_drafts the tuner's warm-up asks for every draft length in turn, 0 among them: chained
     steps (k >= 1) hand over to step-by-step ones (k = 0) and back, each length gets measured, and the
     outputs stay target-only's."""
-    from specsplit.drafter_service.checkpoint import random_drafter
-    from specsplit.local import target_head, target_info
     from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.target_service.engine import Engine, EngineConfig
@@ -503,11 +502,7 @@ def test_the_draft_tuner_measures_every_length_through_the_chain(tiny_chat_dir):
         return engine
 
     free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine_for(None).generate(reqs()).items()}
-    inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
-                           block_size=8, max_drafts=7)
-    inner.use_static_forwards(use_graphs=False)
-    drafter = _chain_oracle(inner, {tuple(tokenizer.encode(p)): tokenizer.encode(p) + free[f"r{i}"]
-                                    for i, p in enumerate(prompts)})
+    drafter = _oracle_drafter(target, tokenizer, prompts, free)
     engine = engine_for(drafter)
     got = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine.generate(reqs()).items()}
     assert got == free
@@ -522,8 +517,6 @@ def test_riders_without_the_drafter_stay_exact_when_the_drafting_ones_end(tiny_c
     launch is tried without a drafting sequence, the riders go on decoding ahead once those end and
     back on the chain when a drafting request joins, and every output equals the unchained engine's
     (the greedy ones target-only's)."""
-    from specsplit.drafter_service.checkpoint import random_drafter
-    from specsplit.local import target_head, target_info
     from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.target_service.engine import Engine, EngineConfig
@@ -545,11 +538,7 @@ def test_riders_without_the_drafter_stay_exact_when_the_drafting_ones_end(tiny_c
     launches: list[list[bool]] = []
 
     def run(chain: bool):
-        inner = random_drafter("dflash", target_info(target), target_head(target), seed=0, dtype=torch.float32,
-                               block_size=8, max_drafts=7)
-        inner.use_static_forwards(use_graphs=False)
-        drafter = _chain_oracle(inner, {tuple(tokenizer.encode(p)): tokenizer.encode(p) + free[f"r{i}"]
-                                        for i, p in enumerate(prompts)})
+        drafter = _oracle_drafter(target, tokenizer, prompts, free)
         engine = engine_for(drafter, chain)
         launch = engine._chain_launch
         engine._chain_launch = lambda seqs, *a: launches.append([s.drafter_attached for s in seqs]) or launch(seqs, *a)
