@@ -110,7 +110,7 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     timer = StepTimes(engine)
-    chained = engine.counters.chained  # (an engine warmed up on the same shapes counted its own)
+    chained, replays = engine.counters.chained, engine.counters.chain_replays  # (a warm-up counted its own)
     started = time.perf_counter()
     events = engine.generate(reqs)
     elapsed = time.perf_counter() - started
@@ -122,6 +122,7 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
                     "outside_steps_s": elapsed - timer.total["step"],
                     "tau": sum(s.generated for s in stats) / sum(s.steps for s in stats),
                     "chained_steps": engine.counters.chained - chained,
+                    "chained_steps_replayed_whole": engine.counters.chain_replays - replays,
                     "per_step_ms": timer.per_step_ms()}
 
 
@@ -141,6 +142,9 @@ def main() -> None:
     ap.add_argument("--no-chain", action="store_true", help="every engine with EngineConfig(chain_steps=False)")
     ap.add_argument("--also-unchained", action="store_true",
                     help="also run in-process with EngineConfig(chain_steps=False), side by side")
+    ap.add_argument("--also-uncaptured", action="store_true",
+                    help="also run in-process with EngineConfig(chain_capture=False) (chained steps, each "
+                         "piece its own graph), side by side")
     ap.add_argument("--drafter-profile", nargs=2, default=None, metavar=("FIRST:LAST", "PATH"),
                     help="the drafter service records those Step messages with the torch profiler into PATH "
                          "(its --profile-steps / --profile-out)")
@@ -215,6 +219,14 @@ def main() -> None:
                              in_process_chained_over_unchained=local["tokens_per_s"] / unchained["tokens_per_s"],
                              requests_differing_chained_vs_unchained=sum(
                                  a != b for a, b in zip(local_tokens, unchained_tokens)))
+            if args.also_uncaptured:  # chained steps captured whole (the default) against piece by piece
+                piecewise = Engine(model, local_drafter, replace(conf, chain_capture=False))
+                run(piecewise, tokenizer, prompts, args.max_tokens, "warm")
+                piecewise_tokens, pieces = run(piecewise, tokenizer, prompts, args.max_tokens, "l")
+                plain.update(in_process_uncaptured=pieces,
+                             in_process_captured_over_uncaptured=local["tokens_per_s"] / pieces["tokens_per_s"],
+                             requests_differing_captured_vs_uncaptured=sum(
+                                 a != b for a, b in zip(local_tokens, piecewise_tokens)))
             results[f"batch_{batch}"] = {**plain,
                 "target_only": base, "in_process": local, "services": split,
                 "services_over_in_process": split["tokens_per_s"] / local["tokens_per_s"],

@@ -408,6 +408,7 @@ class DFlashDrafter(Drafter):
         self.context_graphs: ContextGraphs | None = None
         self.propose_graphs: ProposeGraphs | None = None
         self._chain: ChainBatch | None = None  # the last chained step's sequences (see chain_batch)
+        self._chain_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per batch size: tables, periods
         if cuda_graphs and self.device.type == "cuda":
             self.use_static_forwards(use_graphs=True)
 
@@ -573,11 +574,24 @@ class DFlashDrafter(Drafter):
                 a is b and a.table is t for a, b, t in zip(states, last.states, last.tables)):
             return last  # the same sequences and rings: the stacked tables are in place
         size = self.pool.block_size
-        periods = [len(state.ring) * size for state in states]
-        self._chain = ChainBatch(list(seq_ids), states, [state.table for state in states],
-                                 torch.stack([state.table for state in states]),
-                                 self.staging.put(periods))
+        # Into buffers kept per batch size, so that a chained step captured as one graph (the engine's
+        # ChainProgram) reads whichever sequences are bound now; stream order keeps a step launched before
+        # reading the ones it was launched with.
+        n = len(seq_ids)
+        if n not in self._chain_buffers:
+            self._chain_buffers[n] = (torch.empty((n, self.table_width), dtype=torch.int32, device=self.device),
+                                      torch.empty(n, dtype=torch.int64, device=self.device))
+        stacked, periods = self._chain_buffers[n]
+        tables = [state.table for state in states]
+        torch.stack(tables, out=stacked)
+        self.staging.put_into(periods, [len(state.ring) * size for state in states])
+        self._chain = ChainBatch(list(seq_ids), states, tables, stacked, periods)
         return self._chain
+
+    def chain_bind(self, batch: "ChainBatch") -> None:
+        """On the host's side of a chained step: the batch's tables into the propose buffers, before a
+        capture or replay of a whole step that reads them there (see `ProposeGraphs.bind`)."""
+        self.propose_graphs.bind(self.head, batch.tables)
 
     def chain_propose(self, batch: "ChainBatch", anchors: torch.Tensor, positions: torch.Tensor,
                       num_drafts: int) -> torch.Tensor:

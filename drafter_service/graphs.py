@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from specsplit.drafter_service.context_pool import ContextPool
 from specsplit.drafter_service.heads import TargetHead
-from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture
+from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture, inlining
 from specsplit.shared.fused import FusedWeights
 from specsplit.shared.staging import HostStaging
 
@@ -49,7 +49,7 @@ class _Replayable:
         self.out = None
 
     def __call__(self):
-        if not self.use_graphs:
+        if not self.use_graphs or inlining():  # (inlined: its kernels go into a capture around it)
             return self.fn()
         if self.graph is None:
             self.graph, self.out = capture(self.fn, self.pool)
@@ -200,9 +200,23 @@ class ProposeGraphs:
         buffers, run = self._buffers(head, batch)
         buffers.meta[:, :batch].copy_(meta)
         buffers.meta[:, batch:].zero_()
+        if inlining() and not self._bound(buffers, tables):
+            # a capture would bake this stack of today's tables into every replay
+            raise RuntimeError("a chained step's tables must be bound (`bind`) before its capture")
         self._set_tables(buffers, tables)
         drafts, _, _ = run()
         return drafts[:batch]
+
+    def bind(self, head: TargetHead, tables: Sequence[torch.Tensor]) -> None:
+        """Put these sequences' tables into their bucket's buffers now, on the host's side of a step, so
+        that a step captured or replayed after it (`fed` inlined in a whole chained step's graph) finds
+        them in place."""
+        buffers, _ = self._buffers(head, len(tables))
+        self._set_tables(buffers, tables)
+
+    @staticmethod
+    def _bound(buffers: _ProposeBuffers, tables: Sequence[torch.Tensor]) -> bool:
+        return len(tables) == len(buffers.last_tables) and all(a is b for a, b in zip(tables, buffers.last_tables))
 
     def _buffers(self, head: TargetHead, batch: int) -> tuple[_ProposeBuffers, _Replayable]:
         runs = self._runs.setdefault(_head_key(head), {})
@@ -217,7 +231,7 @@ class ProposeGraphs:
         """The sequences' tables into the bucket's, padded with the scratch table. A table is never
         written after it is made (a ring's change makes a new one), so the same tables in the same order
         as last time are in place already; held here, none can be freed and another made at its address."""
-        if len(tables) != len(buffers.last_tables) or any(a is not b for a, b in zip(tables, buffers.last_tables)):
+        if not self._bound(buffers, tables):
             pad = buffers.tables.shape[0] - len(tables)
             torch.stack([*tables, *[self.scratch_table] * pad], out=buffers.tables)
             buffers.last_tables = list(tables)

@@ -50,6 +50,7 @@ class ChainedStep:
     number: int  # this launch's number ...
     owners: list[int]  # ... and each host buffer's latest launch (shared with ChainBuffers)
     turn: int
+    program: "ChainProgram | None" = None  # whose feed `anchors` and `positions` are
 
     def outcome(self) -> list[tuple[int, list[int]]]:
         """(accepted drafts, the tokens the sequence gains: its accepted drafts and the pick after them)
@@ -77,17 +78,39 @@ class ChainBuffers:
         self.ready = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self.turn, self.launches, self.owners = 0, 0, [0, 0]
 
-    def launch(self, seqs: list[Sequence], num_drafts: int, counts: list[int], emitted: torch.Tensor,
-               accepted: torch.Tensor, anchors: torch.Tensor, positions: torch.Tensor, started: float) -> ChainedStep:
-        """Queue the copy of a launched step's outcome to the host: per sequence [B, k + 1] its accepted
-        drafts then the token after them (what is past that is not read), and its accepted count [B]."""
+    def launch(self, seqs: list[Sequence], num_drafts: int, counts: list[int], program: "ChainProgram",
+               started: float) -> ChainedStep:
+        """Queue the copy of a launched step's outcome (`program.outcome`) to the host."""
         turn = self.turn
         self.turn ^= 1
         host, ready = self.host[turn], self.ready[turn]
-        host[:len(seqs) * (num_drafts + 2)].copy_(torch.cat([emitted, accepted[:, None]], dim=1).view(-1), non_blocking=True)
+        host[:program.outcome.numel()].copy_(program.outcome, non_blocking=True)
         if ready is not None:
             ready.record()
         self.launches += 1
         self.owners[turn] = self.launches
-        return ChainedStep(list(seqs), num_drafts, list(counts), anchors, positions, host, ready, started,
-                           self.launches, self.owners, turn)
+        return ChainedStep(list(seqs), num_drafts, list(counts), program.feed[0], program.feed[1], host, ready,
+                           started, self.launches, self.owners, turn, program)
+
+
+class ChainProgram:
+    """A chained step's device work for n sequences and k drafts, over buffers of its own: `feed` [2, n]
+    (each sequence's anchor and that anchor's position), read at the step's start and rewritten at its
+    end with the next step's, and `outcome` [n * (k + 2)] (per sequence its accepted drafts, the token
+    after them, padding to k + 1, then its accepted count: what `ChainedStep.outcome` reads).
+
+    Run uncaptured, a step costs the host some forty launches around the drafter's and the target's
+    graphs, more than the device needs for the step at small batches. So once a shape has run (its
+    kernels' first runs), a step whose sequences are all greedy and all drafting is captured whole
+    (`graph`: the drafter's propose, the verify, the accept, the drafter's commit, the next feed) and
+    every later one is a single replay. What the host must do per step stays outside: the cache's
+    reservations, the block tables into the verify's and the drafter's buffers, the feed when the batch
+    changed, the copy of `outcome` to the host."""
+
+    def __init__(self, n: int, k: int, device: torch.device) -> None:
+        self.n, self.k = n, k
+        self.feed = torch.zeros((2, n), dtype=torch.int64, device=device)
+        self.outcome = torch.zeros(n * (k + 2), dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.runs = 0  # uncaptured runs
+        self.broken = False  # its capture failed once: not tried again

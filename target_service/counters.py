@@ -48,6 +48,8 @@ class EngineCounters:
     refusals: int = 0  # the drafter refused one sequence (its limits): that one decodes serially
     reattaches: int = 0  # a drafter attached after a fallback, or first answered after a start without it
     chained: int = 0  # speculative steps chained on the device (target_service/chain.py), counted when read
+    chain_captures: int = 0  # chained steps' shapes captured whole as one CUDA graph (chain.ChainProgram) ...
+    chain_replays: int = 0  # ... and chained steps launched as a replay of one
     # Host seconds of one batched step's phases, each ending at a point that already waits for the device:
     # propose (drafts back), verify (target forward and acceptance read back), control (telling the
     # drafter what was accepted: stash, commit, trim, catch-up).

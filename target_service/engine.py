@@ -19,13 +19,14 @@ from typing import Callable, Iterable
 
 import torch
 
+from specsplit.shared.cuda_graphs import capture_serving, inlined
 from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
 from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
 from specsplit.shared.verify import device_longs, sample_accept, sample_tokens, verify_sampled
-from specsplit.target_service.chain import ChainBuffers, ChainedStep, accept_greedy
+from specsplit.target_service.chain import ChainBuffers, ChainedStep, ChainProgram, accept_greedy
 from specsplit.target_service.counters import EngineCounters
 from specsplit.target_service.draft_tuner import DraftTuner
 from specsplit.target_service.graphs import DeviceDrafts, LaunchedStep, StepBatch, StepGraphs
@@ -34,6 +35,11 @@ from specsplit.target_service.sequence import FinishReason, Request, Sequence, S
 
 log = logging.getLogger(__name__)
 _FAILED = object()  # what a drafter verb "returns" when it raised
+_CHAIN_PROGRAMS = 24  # chained-step programs (and their graphs) kept, by batch size and draft length
+# Uncaptured runs of a chained-step shape before it is captured: a capture costs about ten replays'
+# worth of host time, so a shape passing through (a batch draining at the end of a burst, a draft
+# length the tuner tries) is not captured, one that holds is
+_CHAIN_CAPTURE_AFTER = 8
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,9 @@ class EngineConfig:
     # accept, the drafter's commit and the next propose and verify run on the device, and the host
     # reads each step's picks one step behind (target_service/chain.py). Needs `decode_ahead`.
     chain_steps: bool = True
+    # A chained step whose sequences are all greedy and drafting runs as one CUDA graph (propose, verify,
+    # accept, commit: target_service.chain.ChainProgram) once its shape has run: one launch a step.
+    chain_capture: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
@@ -133,6 +142,9 @@ class Engine:
         # the last one was read (a chained step's time is the time between two reads)
         self._chain: ChainedStep | None = None
         self._chain_buffers: ChainBuffers | None = None
+        self._chain_programs: dict[tuple[int, int], ChainProgram] = {}  # (n, k) → program, least recently used first
+        self._chain_pool = None  # the memory pool their captured graphs share
+        self._chain_capture_ok = config.chain_capture and use_graphs
         self._chain_read_at: float | None = None
         self._chain_prefill_clock = 0.0  # _prefill_seconds at that read
 
@@ -557,30 +569,92 @@ class Engine:
         if self.cache.num_free_blocks < sum(max(0, self.cache.blocks_for(end) - self.cache.blocks_for(self.cache.length(i)))
                                             for i, end in zip(ids, ends)):
             return None
-        row_of = {} if pending is None else {s.seq_id: i for i, s in enumerate(pending.seqs)}
-        anchors, positions = self._chain_feed(seqs, firsts, pending, row_of)
-        among = None if len(drafting) == len(seqs) else device_longs(drafting, self._device)
-        drafts = self._chain_drafts(batch, anchors, positions, k, among, len(seqs))
-        if drafts is None:
+        # The host's side: tables, the drafter's tables, and the feed unless the step not read yet was
+        # this program's with these sequences (its replay left their next anchors in the feed)
+        fwd = self.graphs.chain_tables(ids, k + 1, firsts, ends)
+        bind = getattr(self.proposer, "chain_bind", None)  # (a drafter whose proposes take no host tables: none)
+        if bind is not None and self._drafter_call(bind, batch) is _FAILED:
             return None
-        fwd, out = self.graphs.chain(ids, torch.cat([anchors[:, None], drafts], dim=1), positions, firsts, ends)
+        program = self._chain_program(len(seqs), k)
+        row_of = {} if pending is None else {s.seq_id: i for i, s in enumerate(pending.seqs)}
+        if pending is None or pending.program is not program or [s.seq_id for s in pending.seqs] != ids:
+            program.feed.copy_(torch.stack(self._chain_feed(seqs, firsts, pending, row_of)))
         # each sequence's drafts offered: none without a drafter; a sampled one's as a step-by-step step
         # would offer (known on the host when the step not read yet does not hold it; otherwise it has
         # room for all k, see _chain_plan)
         counts = [0 if not s.drafter_attached else k if s.request.params.greedy or s.seq_id in row_of
                   else self._num_drafts(s, k) for s in seqs]
+        among = None if len(drafting) == len(seqs) else device_longs(drafting, self._device)
+
+        def device_work(call) -> bool:
+            return self._chain_device(call, program, batch, fwd, seqs, counts, among)
+
+        if not self._chain_run(program, among is None and all(s.request.params.greedy for s in seqs), device_work):
+            return None
+        if self._chain_buffers is None:
+            self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
+        return self._chain_buffers.launch(seqs, k, counts, program, started)
+
+    def _chain_program(self, n: int, k: int) -> ChainProgram:
+        """The program of chained steps of n sequences and k drafts (made on first use; the least recently
+        used past `_CHAIN_PROGRAMS` are dropped, with their graphs)."""
+        program = self._chain_programs.pop((n, k), None)
+        if program is None:
+            program = ChainProgram(n, k, self._device)
+            while len(self._chain_programs) >= _CHAIN_PROGRAMS:
+                self._chain_programs.pop(next(iter(self._chain_programs)))
+        self._chain_programs[(n, k)] = program  # (last in order: the most recently used)
+        return program
+
+    def _chain_run(self, program: ChainProgram, whole: bool, device_work) -> bool:
+        """Run a chained step's device work: replayed as one graph when `whole` (greedy, every sequence
+        drafting) and CUDA graphs are on, captured once the shape has run uncaptured often enough
+        (`_CHAIN_CAPTURE_AFTER`); run uncaptured otherwise, each drafter verb guarded (a failure
+        detaches it). False: the drafter failed before the verify."""
+        if whole and program.graph is None and program.runs >= _CHAIN_CAPTURE_AFTER and not program.broken \
+                and self._chain_capture_ok:
+            try:
+                if self._chain_pool is None:
+                    self._chain_pool = torch.cuda.graph_pool_handle()
+                with inlined():  # the drafter's and the verify's forwards record into this graph
+                    program.graph = capture_serving(lambda: device_work(None), self._chain_pool)
+                self.counters.chain_captures += 1
+            except Exception as exc:  # noqa: BLE001 - a step that cannot be captured runs uncaptured
+                program.broken = True
+                log.warning("a chained step of %d sequences and %d drafts could not be captured (%s: %s); it "
+                            "runs uncaptured", program.n, program.k, type(exc).__name__, exc)
+        if whole and program.graph is not None:
+            program.graph.replay()
+            self.counters.chain_replays += 1
+            return True
+        program.runs += 1
+        return device_work(self._drafter_call)
+
+    def _chain_device(self, call, program: ChainProgram, batch, fwd, seqs: list[Sequence], counts: list[int],
+                      among: torch.Tensor | None) -> bool:
+        """A chained step's device work, from `program.feed` to `program.outcome` and the next feed.
+        `call` runs the drafter's verbs (`_drafter_call`; None while capturing: a failure then aborts
+        the capture). False: the drafter failed before the verify (it is detached)."""
+        call = call or (lambda verb, *args: verb(*args))
+        k = program.k
+        anchors, positions = program.feed
+        drafts = self._chain_drafts(call, batch, anchors, positions, k, among, len(seqs))
+        if drafts is None:
+            return False
+        out = self.graphs.chain_run(fwd, torch.cat([anchors[:, None], drafts], dim=1), positions)
         accepted, final = self._chain_accept(seqs, counts, drafts, fwd, out, among)
         # What each sequence gains: its accepted drafts, then the final token (greedy: its picks up to there)
         emitted = torch.cat([drafts, final[:, None]], dim=1).scatter(1, accepted[:, None], final[:, None])
-        if self._chain_buffers is None:
-            self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
-        step = self._chain_buffers.launch(seqs, k, counts, emitted, accepted, final, positions + accepted + 1, started)
+        program.outcome.copy_(torch.cat([emitted, accepted[:, None]], dim=1).view(-1))
         rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:len(seqs), :k + 1]
+        at = positions
         if among is not None:
-            rows, positions = rows.index_select(0, among), positions[among]
-        self._drafter_call(self.proposer.chain_commit, batch, rows.reshape(len(drafting) * (k + 1), -1), positions,
-                           k + 1)  # failing, it detaches:
-        return step  # the picks stand (they never depended on the drafts)
+            rows, at = rows.index_select(0, among), positions[among]
+        # failing (uncaptured), the drafter is detached; the picks stand (they never depended on the drafts)
+        call(self.proposer.chain_commit, batch, rows.reshape(-1, rows.shape[-1]), at, k + 1)
+        positions.add_(accepted + 1)  # the next feed, after everything above read this one
+        anchors.copy_(final)
+        return True
 
     def _chain_feed(self, seqs: list[Sequence], firsts: list[int], pending: ChainedStep | None,
                     row_of: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -600,13 +674,13 @@ class Engine:
             known[:2].index_copy_(1, into, torch.stack([pending.anchors, pending.positions]).index_select(1, src))
         return known[0], known[1]
 
-    def _chain_drafts(self, batch, anchors: torch.Tensor, positions: torch.Tensor, k: int,
+    def _chain_drafts(self, call, batch, anchors: torch.Tensor, positions: torch.Tensor, k: int,
                       among: torch.Tensor | None, count: int) -> torch.Tensor | None:
         """Drafts [B, k] for the verify, clamped into the vocabulary whoever drafted them (see
         _propose_on_device); the sequences without the drafter (not `among` it) get placeholders they
         will accept none of. None if the drafter failed (it is detached)."""
-        drafts = self._drafter_call(self.proposer.chain_propose, batch, anchors if among is None else anchors[among],
-                                    positions if among is None else positions[among], k)
+        drafts = call(self.proposer.chain_propose, batch, anchors if among is None else anchors[among],
+                      positions if among is None else positions[among], k)
         if drafts is _FAILED:
             return None
         drafts = drafts.clamp(0, self.model.config.vocab_size - 1)

@@ -22,7 +22,7 @@ import torch
 
 from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
-from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture
+from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture, inlining
 from specsplit.shared.errors import InvalidRequest, StateConflict
 from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
 from specsplit.shared.layers import SelfAttention
@@ -166,8 +166,12 @@ class StaticForward:
         (the cache holds blocks up to the furthest position any of them may reach); positions and
         cache slots are computed on the device from `starts`, as `load` computes them on the host:
         padding queries of a real sequence at its last position and writing to scratch."""
-        batch, n = tokens.shape
-        q, block_size = self.query_len, self.cache.block_size
+        self.load_fed_tables(seq_ids, tokens.shape[1])
+        self.load_fed_device(tokens, starts)
+
+    def load_fed_tables(self, seq_ids: list[int], n: int) -> None:
+        """`load_fed`'s host side: the block tables of these sequences, n tokens each."""
+        batch, q = len(seq_ids), self.query_len
         blocks = self.cache.block_lists(seq_ids)
         widths = np.fromiter(map(len, blocks), dtype=np.int64, count=batch)
         ids = np.fromiter(itertools.chain.from_iterable(blocks), dtype=np.int64, count=int(widths.sum()))
@@ -190,6 +194,12 @@ class StaticForward:
             if self._copied is not None:
                 self._copied.record()
             self._fed = key
+
+    def load_fed_device(self, tokens: torch.Tensor, starts: torch.Tensor) -> None:
+        """`load_fed`'s device side, after `load_fed_tables` of the same sequences: positions, slots and
+        tokens (no host copy: inlined in a whole chained step's graph, see target_service.chain)."""
+        batch, n = tokens.shape
+        q, block_size = self.query_len, self.cache.block_size
         offsets = torch.arange(q, device=starts.device)
         at = starts[:, None] + offsets.clamp(max=n - 1)  # [B, Q]
         self.positions[:batch].copy_(at)
@@ -354,22 +364,40 @@ class StepGraphs:
         [firsts[i], ends[i] - n]: the cache grows to `ends` first. Returns the bucket's forward and its
         outputs, bucket-shaped ([B' * Q] rows, sequence i's tokens at rows i * Q ..): nothing is read back."""
         batch, n = tokens.shape
-        key = self.bucket(batch, n)
-        if key is None or not batch == len(seq_ids) == len(firsts) == len(ends):
-            raise InvalidRequest(f"no captured bucket holds {batch} sequences of {n} tokens")
+        if batch != len(seq_ids):
+            raise InvalidRequest(f"a fed verify of {batch} sequences' tokens names {len(seq_ids)} sequences")
+        fwd = self.chain_tables(seq_ids, n, firsts, ends)
+        return fwd, self.chain_run(fwd, tokens, starts)
+
+    def chain_tables(self, seq_ids: list[int], n: int, firsts: list[int], ends: list[int]) -> StaticForward:
+        """`chain`'s host side: the cache grown to `ends`, the tables of the bucket's forward loaded."""
+        key = self.bucket(len(seq_ids), n)
+        if key is None or not len(seq_ids) == len(firsts) == len(ends):
+            raise InvalidRequest(f"no captured bucket holds {len(seq_ids)} sequences of {n} tokens")
         if any(end < first + n for first, end in zip(firsts, ends)):
             raise InvalidRequest("a fed verify's blocks must reach at least its first known position plus its tokens")
         if max(ends) > self.max_blocks * self.cache.block_size:
             raise InvalidRequest(f"position {max(ends) - 1} lies past the {self.max_blocks} blocks a step can address")
         self.cache.reserve_batch(seq_ids, firsts, ends)
         fwd = self.forwards[key]
-        fwd.load_fed(seq_ids, tokens, starts)
-        graph = self.graphs.get(key)
-        if graph is None:
-            with torch.inference_mode():
-                return fwd, fwd.run()
-        graph.replay()
-        return fwd, fwd.output
+        fwd.load_fed_tables(seq_ids, n)
+        return fwd
+
+    def chain_run(self, fwd: StaticForward, tokens: torch.Tensor, starts: torch.Tensor) -> ForwardOutput:
+        """`chain`'s device side, after `chain_tables`: the verify's outputs, bucket-shaped. Inlined in a
+        capture (`shared.cuda_graphs.inlined`), the forward runs into it and returns the capture's own
+        outputs; the bucket's graph keeps its own."""
+        fwd.load_fed_device(tokens, starts)
+        graph = self.graphs.get((fwd.batch, fwd.query_len))
+        if graph is not None and not inlining():
+            graph.replay()
+            return fwd.output
+        kept = fwd.output
+        with torch.inference_mode():
+            out = fwd.run()
+        if graph is not None:
+            fwd.output = kept  # the graph's outputs, which its replays rewrite
+        return out
 
     def _run(self, step: StepBatch, drafts: DeviceDrafts | None) -> tuple[StaticForward, torch.Tensor, ForwardOutput]:
         """Load the step into its bucket and run it: (the bucket's forward, the step's rows of it, its output)."""

@@ -32,14 +32,16 @@ def test_a_chained_step_read_after_the_launch_after_next_is_refused():
     """Two host buffers in turn: a step's outcome is there until the launch after next reuses its buffer;
     reading it then is refused instead of returning the other step's."""
     from specsplit.shared.errors import StateConflict
-    from specsplit.target_service.chain import ChainBuffers
+    from specsplit.target_service.chain import ChainBuffers, ChainProgram
 
     buffers = ChainBuffers(max_batch=4, max_drafts=3, device=torch.device("cpu"))
     seqs = [object(), object()]
 
     def launch(first: int, k: int):
         emitted = torch.arange(first, first + 2 * (k + 1)).view(2, k + 1)
-        return buffers.launch(seqs, k, [k, k], emitted, torch.tensor([1, k]), emitted[:, 0], emitted[:, 0], 0.0)
+        program = ChainProgram(2, k, torch.device("cpu"))
+        program.outcome.copy_(torch.cat([emitted, torch.tensor([[1], [k]])], dim=1).view(-1))
+        return buffers.launch(seqs, k, [k, k], program, 0.0)
 
     one, two = launch(10, 3), launch(20, 1)
     assert one.outcome() == [(1, [10, 11]), (3, [14, 15, 16, 17])]
@@ -392,6 +394,56 @@ def test_chained_steps_on_the_gpu_equal_target_only(smollm2_dir):
         want.pop(f"r{i}")
     assert got == want and unchained == want
     assert len(launched) > steps // 2
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1
+    assert drafter.pool.num_free_blocks == drafter.pool.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chained_steps_captured_whole_equal_target_only(smollm2_dir):
+    """Greedy chained steps captured whole (`ChainProgram`: one graph replay a step): the default model
+    and the shipped drafter in float32, 14 held-out prompts through max_batch 4 with ragged lengths, so
+    the batch keeps changing hands at the same size (a program replayed for other sequences, other
+    rings, other block tables), and a cancel: target-only's tokens, most steps replays, and the drafts
+    as good as the uncaptured chain's (a replay reading stale tables would still be exact, but draft
+    nonsense)."""
+    from specsplit.local import LocalSetup, make_drafter
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+    target = load_target(smollm2_dir, dtype=torch.float32, device="cuda")
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    drafter = make_drafter("dflash", target, LocalSetup(drafter="dflash", device="cuda", dtype="float32"))
+    prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)[:14]]
+
+    def run(proposer, capture: bool = True):
+        engine = Engine(target, proposer, EngineConfig(max_batch=4, chain_capture=capture), eos_ids=tokenizer.eos_token_ids)
+        for i, p in enumerate(prompts):
+            engine.add(Request(f"r{i}", p, SamplingParams(max_tokens=24 + 11 * (i % 4))))
+        events: dict[str, list] = {}
+        for n in itertools.count():
+            if n == 9:
+                engine.abort("r1")
+            for e in engine.step():
+                events.setdefault(e.request_id, []).append(e)
+            if not engine.has_work:
+                tokens = {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()}
+                return tokens, sum(evs[-1].stats.accepted for evs in events.values()), engine
+
+    want, _, _ = run(None)
+    plain, plain_accepted, _ = run(drafter, capture=False)
+    got, accepted, engine = run(drafter)
+    for out in (got, plain):
+        cut, full = sorted((out.pop("r1", []), list(want["r1"])), key=len)
+        assert cut == full[:len(cut)]
+    want.pop("r1")
+    assert got == want and plain == want
+    replays = engine.counters.chain_replays
+    assert engine.counters.chain_captures >= 1 and replays > engine.counters.chained // 3, (replays, engine.counters.chained)
+    assert accepted >= 0.9 * plain_accepted, (accepted, plain_accepted)
     assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1
     assert drafter.pool.num_free_blocks == drafter.pool.num_blocks
 
