@@ -110,7 +110,8 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     timer = StepTimes(engine)
-    chained, replays = engine.counters.chained, engine.counters.chain_replays  # (a warm-up counted its own)
+    counters = engine.counters
+    chained, replays, captures = counters.chained, counters.chain_replays, counters.chain_captures  # (a warm-up counted its own)
     started = time.perf_counter()
     events = engine.generate(reqs)
     elapsed = time.perf_counter() - started
@@ -123,6 +124,7 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
                     "tau": sum(s.generated for s in stats) / sum(s.steps for s in stats),
                     "chained_steps": engine.counters.chained - chained,
                     "chained_steps_replayed_whole": engine.counters.chain_replays - replays,
+                    "chained_step_captures": engine.counters.chain_captures - captures,
                     "per_step_ms": timer.per_step_ms()}
 
 
@@ -143,8 +145,11 @@ def main() -> None:
     ap.add_argument("--also-unchained", action="store_true",
                     help="also run in-process with EngineConfig(chain_steps=False), side by side")
     ap.add_argument("--also-uncaptured", action="store_true",
-                    help="also run in-process with EngineConfig(chain_capture=False) (chained steps, each "
+                    help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
+    ap.add_argument("--chain-capture", type=int, default=None,
+                    help="EngineConfig.chain_capture for every engine: the most sequences of a chained step "
+                         "captured whole (default: the engine's)")
     ap.add_argument("--drafter-profile", nargs=2, default=None, metavar=("FIRST:LAST", "PATH"),
                     help="the drafter service records those Step messages with the torch profiler into PATH "
                          "(its --profile-steps / --profile-out)")
@@ -179,6 +184,8 @@ def main() -> None:
             prompts = PROMPTS[:1] * 2 if batch == 1 else (PROMPTS * batch)[:batch]
             conf = EngineConfig(max_batch=batch, drafts_by_batch=args.drafts_by_batch, auto_drafts=args.auto,
                                 chain_steps=not args.no_chain)
+            if args.chain_capture is not None:
+                conf = replace(conf, chain_capture=args.chain_capture)
             local_engine, split_engine = Engine(model, local_drafter, conf), Engine(model, remote, conf)
             # Warm-up on the same shapes: the drafter captures its graphs per size bucket on first use.
             # (With --auto, the same engines go on: what the warm-up taught their tuners is kept.)
@@ -220,7 +227,7 @@ def main() -> None:
                              requests_differing_chained_vs_unchained=sum(
                                  a != b for a, b in zip(local_tokens, unchained_tokens)))
             if args.also_uncaptured:  # chained steps captured whole (the default) against piece by piece
-                piecewise = Engine(model, local_drafter, replace(conf, chain_capture=False))
+                piecewise = Engine(model, local_drafter, replace(conf, chain_capture=0))
                 run(piecewise, tokenizer, prompts, args.max_tokens, "warm")
                 piecewise_tokens, pieces = run(piecewise, tokenizer, prompts, args.max_tokens, "l")
                 plain.update(in_process_uncaptured=pieces,

@@ -66,15 +66,20 @@ class EngineConfig:
     # accept, the drafter's commit and the next propose and verify run on the device, and the host
     # reads each step's picks one step behind (target_service/chain.py). Needs `decode_ahead`.
     chain_steps: bool = True
-    # A chained step whose sequences are all greedy and drafting runs as one CUDA graph (propose, verify,
-    # accept, commit: target_service.chain.ChainProgram) once its shape has run: one launch a step.
-    chain_capture: bool = True
+    # A chained step of up to this many sequences, all greedy and drafting, runs as one CUDA graph
+    # (propose, verify, accept, commit: target_service.chain.ChainProgram) once its shape has run a few
+    # times: one launch a step (0: never). On the H200 it gained 1.33x at one stream (host-bound there);
+    # at 8 streams split_bench measured it 0.86x of piecewise steps, so larger batches stay piecewise
+    # until that is understood.
+    chain_capture: int = 4
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
             raise InvalidRequest("engine sizes must be positive")
         if self.num_drafts is not None and self.num_drafts < 0:
             raise InvalidRequest("num_drafts must be >= 0")
+        if isinstance(self.chain_capture, bool) or not isinstance(self.chain_capture, int) or self.chain_capture < 0:
+            raise InvalidRequest(f"chain_capture is a number of sequences >= 0, got {self.chain_capture!r}")
         for pair in self.drafts_by_batch:
             if len(pair) != 2 or pair[0] < 1 or pair[1] < 0:
                 raise InvalidRequest(f"drafts_by_batch: {pair!r} is not a (sequences >= 1, drafts >= 0) pair")
@@ -144,7 +149,7 @@ class Engine:
         self._chain_buffers: ChainBuffers | None = None
         self._chain_programs: dict[tuple[int, int], ChainProgram] = {}  # (n, k) → program, least recently used first
         self._chain_pool = None  # the memory pool their captured graphs share
-        self._chain_capture_ok = config.chain_capture and use_graphs
+        self._chain_capture_most = config.chain_capture if use_graphs else 0
         self._chain_read_at: float | None = None
         self._chain_prefill_clock = 0.0  # _prefill_seconds at that read
 
@@ -541,10 +546,13 @@ class Engine:
         self._launched = self._prefetched = None
         pending, self._chain = self._chain, None
         started = time.perf_counter()
+        captures = self.counters.chain_captures
         if k:
             self._chain = self._chain_launch(seqs, k, pending, started)
-        if self._chain is None or pending is None:
-            self._chain_read_at = None  # no chained step follows another: nothing to time against
+        if self._chain is None or pending is None or self.counters.chain_captures != captures:
+            # no chained step follows another: nothing to time against (nor, for the draft-length tuner,
+            # a step whose time holds a capture: a one-off cost, not the draft length's)
+            self._chain_read_at = None
         if pending is not None:
             return self._chain_read(pending)
         return [] if self._chain is not None else None
@@ -612,7 +620,7 @@ class Engine:
         (`_CHAIN_CAPTURE_AFTER`); run uncaptured otherwise, each drafter verb guarded (a failure
         detaches it). False: the drafter failed before the verify."""
         if whole and program.graph is None and program.runs >= _CHAIN_CAPTURE_AFTER and not program.broken \
-                and self._chain_capture_ok:
+                and program.n <= self._chain_capture_most:
             try:
                 if self._chain_pool is None:
                     self._chain_pool = torch.cuda.graph_pool_handle()
@@ -1003,6 +1011,7 @@ class Engine:
         self.counters.fallbacks += self.drafter_ok  # once per outage, however many verbs then fail
         self.drafter_ok = False
         self._prefetched = self._launched = None
+        self._chain_programs.clear()  # (their graphs read the drafter's buffers: none outlives its trust)
         attached = [s for s in self.running.values() if s.drafter_attached]
         for seq in self.running.values():
             seq.drafter_attached = False

@@ -166,6 +166,43 @@ def test_dflash_chained_commits_and_proposes_equal_the_host_verbs(tiny_chat_dir)
             torch.testing.assert_close(x, y)
 
 
+def test_a_chained_propose_inlined_into_a_capture_needs_its_tables_bound(tiny_chat_dir):
+    """Inlined in a whole chained step's capture (`shared.cuda_graphs.inlined`), a propose whose block
+    tables are not in its buffers yet is refused (the capture would bake that one copy of today's
+    tables into every replay); bound on the host first (`chain_bind`), it drafts what it drafts
+    outside a capture. Batches of one size share the device-side tables a captured step reads."""
+    from specsplit.shared.cuda_graphs import inlined
+
+    _, (_, drafter) = _drafter_pair(tiny_chat_dir)
+    gen = torch.Generator().manual_seed(3)
+    for seq_id, n in ((1, 9), (2, 12), (5, 7)):
+        drafter.alloc(seq_id, 200)
+        drafter.prefill(seq_id, torch.randint(0, drafter.spec.vocab_size, (n,), generator=gen).tolist(),
+                        torch.randn(n, drafter.spec.feature_dim, generator=gen), 0)
+    anchors, positions = torch.tensor([4, 9]), torch.tensor([12, 7])
+    other = drafter.chain_batch([1, 5], [0, 0])
+    drafter.chain_bind(other)
+    batch = drafter.chain_batch([2, 5], [0, 0])
+    assert batch.stacked is other.stacked and batch.periods is other.periods  # one size, one place
+    want = drafter.chain_propose(batch, anchors, positions, 4)
+    drafter.chain_bind(other)
+    with inlined(), pytest.raises(RuntimeError, match="bound"):
+        drafter.chain_propose(batch, anchors, positions, 4)
+    drafter.chain_bind(batch)
+    with inlined():
+        assert torch.equal(drafter.chain_propose(batch, anchors, positions, 4), want)
+
+
+def test_engine_config_chain_capture_is_a_count_of_sequences():
+    from specsplit.shared.errors import InvalidRequest
+    from specsplit.target_service.engine import EngineConfig
+
+    assert EngineConfig().chain_capture == 4 and EngineConfig(chain_capture=0).chain_capture == 0
+    for bad in (-1, True, "4", 2.0):
+        with pytest.raises(InvalidRequest, match="chain_capture"):
+            EngineConfig(chain_capture=bad)
+
+
 def test_chain_refuses_what_it_cannot_serve(tiny_chat_dir):
     """No chained step for an anchor that may reach the budget, a sequence twice, or a settle that
     passes the budget or commits nothing (all checked before anything changes)."""
@@ -420,7 +457,7 @@ def test_chained_steps_captured_whole_equal_target_only(smollm2_dir):
     prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)[:14]]
 
     def run(proposer, capture: bool = True):
-        engine = Engine(target, proposer, EngineConfig(max_batch=4, chain_capture=capture), eos_ids=tokenizer.eos_token_ids)
+        engine = Engine(target, proposer, EngineConfig(max_batch=4, chain_capture=4 if capture else 0), eos_ids=tokenizer.eos_token_ids)
         for i, p in enumerate(prompts):
             engine.add(Request(f"r{i}", p, SamplingParams(max_tokens=24 + 11 * (i % 4))))
         events: dict[str, list] = {}
