@@ -1,4 +1,5 @@
-"""Paged attention on the GPU: the Triton kernel (auto split, unsplit), the torch reference, and SDPA.
+"""Paged attention on the GPU: the Triton kernel (auto split, unsplit), the torch reference, and SDPA;
+then the row max (the greedy pick) against torch's.
 
     python bench/kernels_bench.py [--out FILE] [--calls 20] [--replays 20]
 
@@ -7,7 +8,8 @@ pool. Times are µs per call, bf16: "graph" captures --calls back-to-back calls 
 the engine calls it) and times --replays replays with CUDA events; "eager" times the same calls
 launched one by one. GB/s counts the K and V bytes each call must read. SDPA sees the same keys
 contiguous, [B, Hkv, context, D], without a mask: a dense fused kernel's floor, not a like-for-like.
-Writes the rows as JSON to --out, or to $OUT/kernels_bench.json when $OUT is set.
+"one launch" is the split kernel combining its splits itself (a workspace of arrival counters) where
+"triton" launches a second kernel for it. Writes the rows as JSON to --out, or to $OUT/kernels_bench.json when $OUT is set.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.kernels.paged_attention import default_splits, paged_attention_reference, paged_attention_triton
+from specsplit.kernels.row_max import row_max_reference, row_max_triton
+from specsplit.kernels.workspace import arrival_counters
 
 GEOMETRIES = {"smollm2": (9, 3, 64), "qwen3_8b": (32, 8, 128)}  # (Hq, Hkv, D)
 BLOCK_SIZE = 16
@@ -74,8 +78,10 @@ def bench_case(geometry: str, batch: int, q_len: int, context: int, calls: int, 
     scale = head_dim ** -0.5
     k, v = contiguous_kv(k_cache, v_cache, tables, context)
     q_sdpa = q.transpose(1, 2)
+    workspace = arrival_counters(batch * kv_heads, "cuda")
     calls_by_name = {
         "triton": lambda: paged_attention_triton(*inputs, scale),
+        "one_launch": lambda: paged_attention_triton(*inputs, scale, workspace=workspace),
         "triton_1split": lambda: paged_attention_triton(*inputs, scale, num_splits=1),
         "reference": lambda: paged_attention_reference(*inputs, scale),
         "sdpa": lambda: F.scaled_dot_product_attention(q_sdpa, k, v, scale=scale, enable_gqa=True),
@@ -91,9 +97,9 @@ def bench_case(geometry: str, batch: int, q_len: int, context: int, calls: int, 
 
 
 COLUMNS = [("geometry", "{:>9}"), ("B", "{:>3}"), ("Q", "{:>3}"), ("context", "{:>7}"), ("splits", "{:>6}"),
-           ("triton_graph_us", "{:>11.1f}"), ("triton_1split_graph_us", "{:>13.1f}"), ("triton_eager_us", "{:>11.1f}"),
+           ("triton_graph_us", "{:>11.1f}"), ("one_launch_graph_us", "{:>12.1f}"), ("triton_1split_graph_us", "{:>13.1f}"), ("triton_eager_us", "{:>11.1f}"),
            ("reference_graph_us", "{:>13.1f}"), ("sdpa_graph_us", "{:>9.1f}"), ("triton_gbps", "{:>8.0f}")]
-HEADERS = ["geometry", "B", "Q", "context", "splits", "triton µs", "1-split µs", "eager µs", "reference µs",
+HEADERS = ["geometry", "B", "Q", "context", "splits", "triton µs", "one launch µs", "1-split µs", "eager µs", "reference µs",
            "sdpa µs", "GB/s"]
 
 
@@ -121,6 +127,17 @@ def main() -> None:
                     row = bench_case(geometry, batch, q_len, context, args.calls, args.replays)
                     rows.append(row)
                     print(" ".join(fmt.format(row[key]) for key, fmt in COLUMNS), flush=True)
+    print("row max (µs per call in a graph, float32 rows): torch.max vs the Triton kernel")
+    for vocab in (49152, 151936):
+        for count in (1, 8, 16, 64, 128, 512):
+            x = torch.randn(count, vocab, device="cuda")
+            workspace = arrival_counters(count, "cuda")
+            row = dict(kernel="row_max", rows=count, vocab=vocab,
+                       torch_us=time_us(lambda: row_max_reference(x), args.calls, args.replays, graph=True),
+                       triton_us=time_us(lambda: row_max_triton(x, workspace), args.calls, args.replays, graph=True))
+            rows.append(row)
+            print(f"  rows {count:>4} vocab {vocab:>6}: torch {row['torch_us']:7.1f}  triton {row['triton_us']:7.1f}"
+                  f"  ({row['torch_us'] / row['triton_us']:.2f}x)", flush=True)
     out = args.out or (os.path.join(os.environ["OUT"], "kernels_bench.json") if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as f:

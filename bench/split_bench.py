@@ -218,22 +218,18 @@ def main() -> None:
                          "target_only_ahead_over_step_by_step": base["tokens_per_s"] / plain_base["tokens_per_s"],
                          "in_process_ahead_over_step_by_step": local["tokens_per_s"] / plain_in["tokens_per_s"],
                          "step_by_step_same_tokens": plain_base_tokens == base_tokens and plain_local_tokens == local_tokens}
-            if args.also_unchained:  # speculative steps chained on the device (the default) against not
-                unchained_local = Engine(model, local_drafter, replace(conf, chain_steps=False))
-                run(unchained_local, tokenizer, prompts, args.max_tokens, "warm")
-                unchained_tokens, unchained = run(unchained_local, tokenizer, prompts, args.max_tokens, "l")
-                plain.update(in_process_unchained=unchained,
-                             in_process_chained_over_unchained=local["tokens_per_s"] / unchained["tokens_per_s"],
-                             requests_differing_chained_vs_unchained=sum(
-                                 a != b for a, b in zip(local_tokens, unchained_tokens)))
-            if args.also_uncaptured:  # chained steps captured whole (the default) against piece by piece
-                piecewise = Engine(model, local_drafter, replace(conf, chain_capture=0))
-                run(piecewise, tokenizer, prompts, args.max_tokens, "warm")
-                piecewise_tokens, pieces = run(piecewise, tokenizer, prompts, args.max_tokens, "l")
-                plain.update(in_process_uncaptured=pieces,
-                             in_process_captured_over_uncaptured=local["tokens_per_s"] / pieces["tokens_per_s"],
-                             requests_differing_captured_vs_uncaptured=sum(
-                                 a != b for a, b in zip(local_tokens, piecewise_tokens)))
+            # The in-process engine beside itself with one setting changed, same run: chained steps (the
+            # default) against none, and chained steps captured whole (the default) against piece by piece.
+            variants = ([("chained", "unchained", replace(conf, chain_steps=False))] if args.also_unchained else []) \
+                + ([("captured", "uncaptured", replace(conf, chain_capture=0))] if args.also_uncaptured else [])
+            for default, other, changed in variants:
+                engine = Engine(model, local_drafter, changed)
+                run(engine, tokenizer, prompts, args.max_tokens, "warm")
+                other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "l")
+                plain.update({f"in_process_{other}": result,
+                              f"in_process_{default}_over_{other}": local["tokens_per_s"] / result["tokens_per_s"],
+                              f"requests_differing_{default}_vs_{other}": sum(
+                                  a != b for a, b in zip(local_tokens, other_tokens))})
             results[f"batch_{batch}"] = {**plain,
                 "target_only": base, "in_process": local, "services": split,
                 "services_over_in_process": split["tokens_per_s"] / local["tokens_per_s"],

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 from specsplit.drafter_service.context_pool import ContextPool
 from specsplit.drafter_service.heads import TargetHead
+from specsplit.kernels.row_max import row_max
+from specsplit.kernels.workspace import arrival_counters
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture, inlining
 from specsplit.shared.fused import FusedWeights
 from specsplit.shared.staging import HostStaging
@@ -125,6 +127,9 @@ class _ProposeBuffers:
         # [B, γ]: each block's ids, the anchor then mask tokens (only the anchors change between replays)
         self.ids = torch.full((batch, model.cfg.block_size), model.cfg.mask_token_id, dtype=torch.long, device=device)
         self.tables = torch.full((batch, width), context_pool.scratch, dtype=torch.int32, device=device)
+        # Arrival counters of the attention's and the argmax's one-launch reductions (kernels.workspace),
+        # this graph's own: its kernels run one after another.
+        self.workspace = arrival_counters(batch * max(context_pool.k.shape[-2], model.cfg.block_size), device)
         self.last_tables: list[torch.Tensor] = []  # the sequences' tables now in `tables`, in order
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,14 +142,14 @@ class _ProposeBuffers:
         if cfg.input_embedding_scale != 1.0:  # a multiply by 1 is exact: no launch for it
             block = block * cfg.input_embedding_scale
         block = block.to(pool.k.dtype)
-        context = PagedContext(pool.k, pool.v, self.tables, self.bases, self.window)
+        context = PagedContext(pool.k, pool.v, self.tables, self.bases, self.window, self.workspace)
         hidden = self.model.block_hidden_paged(block, self.positions, context, self.fused)
         # The argmax alone: a draft's log-probability (a softmax over the vocabulary per draft) is
         # computed from these outputs only when a request asks for it (`GraphDrafts.logp`).
         logits = self.model.logits(hidden[:, 1:], self.head)
-        best = logits.max(dim=-1)
-        drafts = best.indices if self.table is None else self.table[best.indices]
-        return drafts, best.values, logits
+        values, indices = (t.view(logits.shape[:2]) for t in row_max(logits.flatten(0, 1), self.workspace))
+        drafts = indices if self.table is None else self.table[indices]
+        return drafts, values, logits
 
 
 @dataclasses.dataclass(frozen=True)

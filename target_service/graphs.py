@@ -22,6 +22,8 @@ import torch
 
 from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
+from specsplit.kernels.row_max import row_max
+from specsplit.kernels.workspace import arrival_counters
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture, inlining
 from specsplit.shared.errors import InvalidRequest, StateConflict
 from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
@@ -116,6 +118,9 @@ class StaticForward:
         self.positions = self.inputs[1].view(batch, query_len)  # [B, Q]
         self.slots.fill_(self.scratch_slot)  # the capture's warm-up run writes K/V: only ever to scratch
         self._copied = torch.cuda.Event() if pinned else None
+        # Arrival counters of the attention's and the argmax's one-launch reductions (kernels.workspace),
+        # this bucket's own: its kernels run one after another.
+        self.workspace = arrival_counters(batch * max(query_len, model.config.num_key_value_heads), device)
         self.output: ForwardOutput | None = None
         self.host_rows: np.ndarray | None = None  # the last loaded step's rows of [B * Q]
         self._fed: tuple | None = None  # what the last `load_fed` copied, if nothing was loaded since
@@ -221,7 +226,7 @@ class StaticForward:
 
     def run(self) -> ForwardOutput:
         out = self._run_fused() if self.fused is not None else self._run_modules()
-        out.bucket_argmax = out.logits.argmax(dim=-1)  # the greedy picks, inside the graph
+        _, out.bucket_argmax = row_max(out.logits, self.workspace)  # the greedy picks, inside the graph
         return out
 
     def _run_modules(self) -> ForwardOutput:
@@ -256,7 +261,8 @@ class StaticForward:
             q = rope_and_cache_write(q, k, v, cos, sin, self.cache.k_pool[i], self.cache.v_pool[i], self.slots)
             return paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[i],
                                    self.cache.v_pool[i], self.block_tables, self.positions,
-                                   stack.layers[i].self_attn.scale, cfg.layer_window(i)).flatten(0, 1)
+                                   stack.layers[i].self_attn.scale, cfg.layer_window(i),
+                                   workspace=self.workspace).flatten(0, 1)
 
         h = first_norm(cfg, stack.layers, residual)
         captured = {}
@@ -279,7 +285,7 @@ class StaticForward:
         self.cache.write_slots(layer, self.slots, k, v)
         out = paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[layer],
                               self.cache.v_pool[layer], self.block_tables, self.positions, attn.scale,
-                              self.model.config.layer_window(layer))
+                              self.model.config.layer_window(layer), workspace=self.workspace)
         return attn.output(out.reshape(q.shape))
 
 
