@@ -1,13 +1,16 @@
 """Probe: can a Triton GEMM beat cuBLAS on the step's skinny projections? (A measurement, not a kernel
 we ship: one lands in kernels/, with its reference and tests, only if this shows it winning.)
 
-    python bench/gemm_probe.py [--out FILE]
+    python bench/gemm_probe.py [--out FILE] [--shapes qkv o ...] [--rows 1 16] [--quick] [--cold-copies N]
 
 A speculative step at one stream spends ~46 % of its GPU time in ~145 cuBLAS GEMMs of 8-16 rows, at
 ~3.8 µs each, where reading the weights once takes ~0.5 µs: latency, not bandwidth (bench/profile_step.py).
 For each of SmolLM2's projections and M rows, y = x @ W.T in bf16 (fp32 accumulate) is timed inside a
 CUDA graph of --calls back-to-back calls (as the engine runs them): torch's F.linear against the
 best of a small grid of Triton tile shapes. Also checks each Triton result against F.linear.
+Reusing one W keeps it in the H200's L2 (~50-60 MB), but in a real step each projection's weights
+come from HBM (30 layers are 270 MB): --cold-copies N also times torch and the best tile cycling
+through N copies of W (at most 2 GiB), one per call: with N x |W| well past L2, W is read cold.
 Prints a table; writes JSON to --out or $OUT/gemm_probe.json.
 """
 
@@ -19,6 +22,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,24 +65,50 @@ def skinny(x, w, block_m, block_n, block_k, warps, stages):
     return y
 
 
+def rotating(fn_of_w: Callable[[torch.Tensor], object], copies: list[torch.Tensor]) -> Callable[[], object]:
+    """A zero-arg call using the next copy of W each time: a graph captured over it bakes in a walk
+    through the copies, one weight pointer per captured call."""
+    i = 0
+
+    def call() -> object:
+        nonlocal i
+        out = fn_of_w(copies[i % len(copies)])
+        i += 1
+        return out
+    return call
+
+
+def layer_sum(results: list[dict], m: int, key: str) -> float:
+    return sum(r[key] for r in results if r["M"] == m and r["shape"] != "lm_head")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--shapes", nargs="+", choices=[s[0] for s in SHAPES], default=[s[0] for s in SHAPES])
+    parser.add_argument("--quick", action="store_true", help="a smaller tile grid: less compile time")
+    parser.add_argument("--cold-copies", type=int, default=0,
+                        help="also time with N copies of W, one per call, so W comes from HBM (0: off)")
     args = parser.parse_args()
+    shapes = [s for s in SHAPES if s[0] in args.shapes]
+    if args.quick:
+        block_ns, block_ks, warp_counts, stage_counts = (16, 32), (64, 256), (2, 4), (4,)
+    else:
+        block_ns, block_ks, warp_counts, stage_counts = (16, 32, 64), (64, 128, 256), (2, 4), (2, 4)
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), f"torch {torch.__version__} triton {triton.__version__}; µs per call")
     results = []
-    for (name, k, n), m in itertools.product(SHAPES, args.rows):
+    for (name, k, n), m in itertools.product(shapes, args.rows):
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
         expected = F.linear(x, w)
         torch_us = time_us(lambda: F.linear(x, w), args.calls, args.replays, graph=True)
         best = None
         block_ms = [16] if m <= 16 else [16, 64]
-        for bm, bn, bk, warps, stages in itertools.product(block_ms, (16, 32, 64), (64, 128, 256), (2, 4), (2, 4)):
+        for bm, bn, bk, warps, stages in itertools.product(block_ms, block_ns, block_ks, warp_counts, stage_counts):
             try:
                 got = skinny(x, w, bm, bn, bk, warps, stages)
             except Exception as e:  # a tile that does not fit the SM's shared memory: skip it
@@ -90,14 +120,36 @@ def main() -> None:
             us = time_us(lambda: skinny(x, w, bm, bn, bk, warps, stages), args.calls, args.replays, graph=True)
             if best is None or us < best[0]:
                 best = (us, dict(block_m=bm, block_n=bn, block_k=bk, warps=warps, stages=stages))
-        row = dict(shape=name, M=m, K=k, N=n, torch_us=torch_us, triton_us=best[0], tile=best[1],
-                   weight_floor_us=n * k * 2 / 4.27e6)
+        tile = best[1]
+        line = (f"{name:>8} M={m:>4} K={k:>5} N={n:>6}: torch {torch_us:7.2f}  best triton {best[0]:7.2f} "
+                f"({torch_us / best[0]:.2f}x) {tile}")
+        torch_cold_us = triton_cold_us = None
+        n_copies = 0
+        if args.cold_copies > 0:
+            n_copies = max(1, min(args.cold_copies, 2 ** 31 // (n * k * 2)))  # at most 2 GiB of copies
+            copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5 for _ in range(n_copies)]
+            cold_calls = max(args.calls, n_copies)  # the graph walks through every copy
+            torch_cold_us = time_us(rotating(lambda w_: F.linear(x, w_), copies), cold_calls, args.replays,
+                                    graph=True)
+            triton_cold_us = time_us(rotating(lambda w_: skinny(x, w_, **tile), copies), cold_calls, args.replays,
+                                     graph=True)
+            del copies
+            line += (f"  cold ({n_copies} x {n * k * 2 / 2**20:.1f} MiB): torch {torch_cold_us:.2f} "
+                     f"triton {triton_cold_us:.2f} ({torch_cold_us / triton_cold_us:.2f}x)")
+        row = dict(shape=name, M=m, K=k, N=n, torch_us=torch_us, triton_us=best[0], tile=tile,
+                   weight_floor_us=n * k * 2 / 4.27e6, cold_copies=n_copies, torch_cold_us=torch_cold_us,
+                   triton_cold_us=triton_cold_us)
         results.append(row)
-        print(f"{name:>8} M={m:>4} K={k:>5} N={n:>6}: torch {torch_us:7.2f}  best triton {best[0]:7.2f} "
-              f"({torch_us / best[0]:.2f}x) {best[1]}", flush=True)
-    total_torch = sum(r["torch_us"] for r in results if r["M"] == 16 and r["shape"] != "lm_head")
-    total_triton = sum(r["triton_us"] for r in results if r["M"] == 16 and r["shape"] != "lm_head")
-    print(f"one layer at M=16 (qkv+o+gate_up+down): torch {total_torch:.1f} µs, best triton {total_triton:.1f} µs")
+        print(line, flush=True)
+    layer = "+".join(s[0] for s in shapes if s[0] != "lm_head")
+    for m in (1, 16):
+        if m not in args.rows or not layer:
+            continue
+        print(f"one layer at M={m} ({layer}): torch {layer_sum(results, m, 'torch_us'):.1f} µs, "
+              f"best triton {layer_sum(results, m, 'triton_us'):.1f} µs")
+        if args.cold_copies > 0:
+            print(f"  cold: torch {layer_sum(results, m, 'torch_cold_us'):.1f} µs, "
+                  f"best triton {layer_sum(results, m, 'triton_cold_us'):.1f} µs")
     out = args.out or (os.path.join(os.environ["OUT"], "gemm_probe.json") if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as f:

@@ -8,8 +8,7 @@ pool. Times are µs per call, bf16: "graph" captures --calls back-to-back calls 
 the engine calls it) and times --replays replays with CUDA events; "eager" times the same calls
 launched one by one. GB/s counts the K and V bytes each call must read. SDPA sees the same keys
 contiguous, [B, Hkv, context, D], without a mask: a dense fused kernel's floor, not a like-for-like.
-"one launch" is the split kernel combining its splits itself (a workspace of arrival counters) where
-"triton" launches a second kernel for it. Writes the rows as JSON to --out, or to $OUT/kernels_bench.json when $OUT is set.
+Writes the rows as JSON to --out, or to $OUT/kernels_bench.json when $OUT is set.
 """
 
 from __future__ import annotations
@@ -78,10 +77,8 @@ def bench_case(geometry: str, batch: int, q_len: int, context: int, calls: int, 
     scale = head_dim ** -0.5
     k, v = contiguous_kv(k_cache, v_cache, tables, context)
     q_sdpa = q.transpose(1, 2)
-    workspace = arrival_counters(batch * kv_heads, "cuda")
     calls_by_name = {
         "triton": lambda: paged_attention_triton(*inputs, scale),
-        "one_launch": lambda: paged_attention_triton(*inputs, scale, workspace=workspace),
         "triton_1split": lambda: paged_attention_triton(*inputs, scale, num_splits=1),
         "reference": lambda: paged_attention_reference(*inputs, scale),
         "sdpa": lambda: F.scaled_dot_product_attention(q_sdpa, k, v, scale=scale, enable_gqa=True),
@@ -97,9 +94,9 @@ def bench_case(geometry: str, batch: int, q_len: int, context: int, calls: int, 
 
 
 COLUMNS = [("geometry", "{:>9}"), ("B", "{:>3}"), ("Q", "{:>3}"), ("context", "{:>7}"), ("splits", "{:>6}"),
-           ("triton_graph_us", "{:>11.1f}"), ("one_launch_graph_us", "{:>12.1f}"), ("triton_1split_graph_us", "{:>13.1f}"), ("triton_eager_us", "{:>11.1f}"),
+           ("triton_graph_us", "{:>11.1f}"), ("triton_1split_graph_us", "{:>13.1f}"), ("triton_eager_us", "{:>11.1f}"),
            ("reference_graph_us", "{:>13.1f}"), ("sdpa_graph_us", "{:>9.1f}"), ("triton_gbps", "{:>8.0f}")]
-HEADERS = ["geometry", "B", "Q", "context", "splits", "triton µs", "one launch µs", "1-split µs", "eager µs", "reference µs",
+HEADERS = ["geometry", "B", "Q", "context", "splits", "triton µs", "1-split µs", "eager µs", "reference µs",
            "sdpa µs", "GB/s"]
 
 

@@ -127,9 +127,8 @@ class _ProposeBuffers:
         # [B, γ]: each block's ids, the anchor then mask tokens (only the anchors change between replays)
         self.ids = torch.full((batch, model.cfg.block_size), model.cfg.mask_token_id, dtype=torch.long, device=device)
         self.tables = torch.full((batch, width), context_pool.scratch, dtype=torch.int32, device=device)
-        # Arrival counters of the attention's and the argmax's one-launch reductions (kernels.workspace),
-        # this graph's own: its kernels run one after another.
-        self.workspace = arrival_counters(batch * max(context_pool.k.shape[-2], model.cfg.block_size), device)
+        # Arrival counters of the drafts' one-launch row max (kernels.workspace), this graph's own.
+        self.workspace = arrival_counters(batch * model.cfg.block_size, device)
         self.last_tables: list[torch.Tensor] = []  # the sequences' tables now in `tables`, in order
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,7 +141,7 @@ class _ProposeBuffers:
         if cfg.input_embedding_scale != 1.0:  # a multiply by 1 is exact: no launch for it
             block = block * cfg.input_embedding_scale
         block = block.to(pool.k.dtype)
-        context = PagedContext(pool.k, pool.v, self.tables, self.bases, self.window, self.workspace)
+        context = PagedContext(pool.k, pool.v, self.tables, self.bases, self.window)
         hidden = self.model.block_hidden_paged(block, self.positions, context, self.fused)
         # The argmax alone: a draft's log-probability (a softmax over the vocabulary per draft) is
         # computed from these outputs only when a request asks for it (`GraphDrafts.logp`).

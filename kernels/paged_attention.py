@@ -18,14 +18,11 @@ import torch
 from ._triton import HAVE_TRITON, tl, triton
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, positions, scale, window=None, workspace=None):
-    """The Triton kernel on CUDA tensors when Triton is installed, the torch reference otherwise.
-    `workspace`: see `paged_attention_triton` (the reference does not need it)."""
+def paged_attention(q, k_cache, v_cache, block_tables, positions, scale, window=None):
+    """The Triton kernel on CUDA tensors when Triton is installed, the torch reference otherwise."""
     if HAVE_TRITON and q.is_cuda:
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, window,
-                                      workspace=workspace)
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, window)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, positions, scale, window)
-
 
 
 def paged_attention_reference(
@@ -60,20 +57,17 @@ def paged_attention_reference(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, out_ptr, lse_ptr, final_ptr, arrivals_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, out_ptr, lse_ptr, scale_log2,
     stride_qb, stride_qq, stride_qh,
     stride_kb, stride_ks, stride_kh,  # shared by k and v (both contiguous)
     stride_tb, stride_pb, stride_pq,
     Q_LEN: tl.constexpr, Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, COMBINE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per (sequence, kv head, split): the group's heads x queries as one [ROWS, D] tile,
     so each key is read once per group. Writes out [B, Q, Hq, NUM_SPLITS, D] (normalised within the
-    split) and, when split, the log2-sum-exp of each row's scores in its split.
-
-    COMBINE: the last of a (sequence, kv head)'s splits to finish (counted in arrivals_ptr, which it
-    leaves zero again) combines them into final_ptr [B, Q, Hq, D], so no second launch is needed."""
+    split) and, when split, the log2-sum-exp of each row's scores in its split."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, ROWS)
     # Row r is query r // GROUPS of head kv_head * GROUPS + r % GROUPS. The rows that pad the tile to a
@@ -121,28 +115,6 @@ def _paged_attention_kernel(
              mask=stored[:, None])
     if NUM_SPLITS > 1:
         tl.store(lse_ptr + out_row, m + tl.log2(denom), mask=stored)  # -inf where denom is 0
-    if COMBINE:
-        # Every thread's stores above, then one release/acquire count: the program that arrives last
-        # sees every split's stores (the classic threadfence reduction; its reads skip L1).
-        tl.debug_barrier()
-        counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            tl.debug_barrier()
-            base = ((seq * Q_LEN + query) * Q_HEADS + head) * NUM_SPLITS  # [ROWS]
-            top = tl.full([ROWS], float("-inf"), tl.float32)
-            for j in range(NUM_SPLITS):
-                top = tl.maximum(top, tl.load(lse_ptr + base + j, cache_modifier=".cg"))
-            total = tl.zeros([ROWS], tl.float32)
-            mixed = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-            for j in range(NUM_SPLITS):
-                weight = tl.exp2(tl.load(lse_ptr + base + j, cache_modifier=".cg") - top)
-                part = tl.load(out_ptr + (base + j)[:, None] * HEAD_DIM + dims[None, :], cache_modifier=".cg")
-                total += weight
-                mixed += weight[:, None] * part
-            final_row = (seq * Q_LEN + query) * Q_HEADS + head
-            tl.store(final_ptr + final_row[:, None] * HEAD_DIM + dims[None, :],
-                     (mixed / total[:, None]).to(final_ptr.dtype.element_ty), mask=stored[:, None])
-            tl.atomic_xchg(counter, 0)  # ready for the next call (stream order publishes it)
 
 
 @triton.jit
@@ -158,11 +130,9 @@ def _combine_splits_kernel(partial_ptr, lse_ptr, out_ptr, NUM_SPLITS: tl.constex
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, window=None,
-                           num_splits: int | None = None, block_n: int = 64, workspace: torch.Tensor | None = None):
+                           num_splits: int | None = None, block_n: int = 64):
     """Launch wrapper (same arguments as the reference). num_splits > 1 is flash-decoding: the keys are
-    split over more programs when B * Hkv alone cannot fill the GPU; None picks it from the shapes.
-    Split, the splits are combined by a second kernel, or, given a `workspace` (`kernels.workspace`, at
-    least B * Hkv counters), by the last split of each (sequence, kv head) inside the one kernel."""
+    split over more programs when B * Hkv alone cannot fill the GPU; None picks it from the shapes."""
     batch, q_len, q_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and q_heads % kv_heads == 0
@@ -179,26 +149,21 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, 
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0
     out = torch.empty(batch, q_len, q_heads, head_dim, dtype=q.dtype, device=q.device)
     partial, lse = out, out  # unsplit: the kernel writes the output itself and no lse
-    combine = num_splits > 1 and workspace is not None
-    if combine:
-        assert workspace.dtype == torch.int32 and workspace.numel() >= batch * kv_heads
-        assert workspace.device == q.device and workspace.is_contiguous()
     if num_splits > 1:
         partial = torch.empty(batch, q_len, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, q_len, q_heads, num_splits, dtype=torch.float32, device=q.device)
     rows = max(16, triton.next_power_of_2(groups * q_len))  # tl.dot needs >= 16 rows
     _paged_attention_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, positions, partial, lse, out, workspace if combine else lse,
-        scale * math.log2(math.e),
+        q, k_cache, v_cache, block_tables, positions, partial, lse, scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), positions.stride(0), positions.stride(1),
         Q_LEN=q_len, Q_HEADS=q_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        ROWS=rows, BLOCK_N=block_n, WINDOW=window or 0, NUM_SPLITS=num_splits, COMBINE=combine,
+        ROWS=rows, BLOCK_N=block_n, WINDOW=window or 0, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: no effect on 16-bit inputs
         num_warps=8 if rows * head_dim >= 8192 else 4,
     )
-    if num_splits > 1 and not combine:
+    if num_splits > 1:
         _combine_splits_kernel[(batch * q_len * q_heads,)](partial, lse, out, NUM_SPLITS=num_splits,
                                                           HEAD_DIM=head_dim)
     return out

@@ -1,5 +1,5 @@
 """Arrival counters: the workspace of kernels whose last program to finish does the final reduction
-(the split attention's combine, the row argmax's), one launch where there would be two.
+(kernels.row_max's), one launch where there would be two.
 
 Each program of a group adds one to its group's counter; the one that finds every other arrived
 reduces the group, then sets the counter back to zero. So a workspace stays zeroed between calls and

@@ -3,12 +3,15 @@
 One GEMM for q/k/v and one for gate/up (the layer's projection weights concatenated once, the modules'
 own weights becoming views of the result, so nothing is stored twice and the eager forward reads the
 same memory), the residual add fused into each RMSNorm, RoPE fused with the write of k/v into a paged
-pool, SiLU·mul in one kernel. Where keys come from and how queries attend is the caller's: the target
-attends causally over its KV cache, the DFlash drafter's block over its context pool.
+pool, SiLU·mul in one kernel (or fused into the down projection, `kernels.swiglu_down`, with
+`SPECSPLIT_FUSED_DOWN=1` in the environment: measured faster alone, not yet in a whole step on the GPU,
+so off by default). Where keys come from and how queries attend is the caller's: the target attends
+causally over its KV cache, the DFlash drafter's block over its context pool.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -17,8 +20,13 @@ import torch.nn.functional as F
 
 from specsplit.kernels.activation import silu_mul
 from specsplit.kernels.norm import add_rms_norm, rms_norm
+from specsplit.kernels.swiglu_down import swiglu_down
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.layers import DecoderLayer
+
+
+# Read once, at import: a process's graphs are all captured one way (for side-by-side measurements).
+FUSED_DOWN = os.environ.get("SPECSPLIT_FUSED_DOWN", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,9 @@ def fused_layer(cfg: ModelConfig, index: int, layer: DecoderLayer, weights: Fuse
     out = attend(index, q, k, v)
     h, residual = add_rms_norm(attn.o_proj(out.reshape(out.shape[0], -1)), residual,
                                layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-    mlp_out = layer.mlp.down_proj(silu_mul(F.linear(h, weights.gate_up)))
+    gate_up = F.linear(h, weights.gate_up)
+    down = layer.mlp.down_proj
+    mlp_out = swiglu_down(gate_up, down.weight, down.bias) if FUSED_DOWN else down(silu_mul(gate_up))
     return add_rms_norm(mlp_out, residual, next_norm, cfg.rms_norm_eps)
 
 

@@ -68,10 +68,10 @@ class EngineConfig:
     chain_steps: bool = True
     # A chained step of up to this many sequences, all greedy and drafting, runs as one CUDA graph
     # (propose, verify, accept, commit: target_service.chain.ChainProgram) once its shape has run a few
-    # times: one launch a step (0: never). On the H200 it gained 1.33x at one stream (host-bound there);
-    # at 8 streams split_bench measured it 0.86x of piecewise steps, so larger batches stay piecewise
-    # until that is understood.
-    chain_capture: int = 4
+    # times: one launch a step (0: never). On the H200 (split_bench --also-uncaptured, fixed and learned
+    # draft lengths) it gained 1.04-1.33x at one and two streams, and lost 0.84-0.91x at four and
+    # 0.86-0.99x at eight, so larger batches stay piecewise until that is understood.
+    chain_capture: int = 2
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:

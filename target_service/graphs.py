@@ -118,9 +118,8 @@ class StaticForward:
         self.positions = self.inputs[1].view(batch, query_len)  # [B, Q]
         self.slots.fill_(self.scratch_slot)  # the capture's warm-up run writes K/V: only ever to scratch
         self._copied = torch.cuda.Event() if pinned else None
-        # Arrival counters of the attention's and the argmax's one-launch reductions (kernels.workspace),
-        # this bucket's own: its kernels run one after another.
-        self.workspace = arrival_counters(batch * max(query_len, model.config.num_key_value_heads), device)
+        # Arrival counters of the greedy picks' one-launch row max (kernels.workspace), this bucket's own.
+        self.workspace = arrival_counters(batch * query_len, device)
         self.output: ForwardOutput | None = None
         self.host_rows: np.ndarray | None = None  # the last loaded step's rows of [B * Q]
         self._fed: tuple | None = None  # what the last `load_fed` copied, if nothing was loaded since
@@ -261,8 +260,7 @@ class StaticForward:
             q = rope_and_cache_write(q, k, v, cos, sin, self.cache.k_pool[i], self.cache.v_pool[i], self.slots)
             return paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[i],
                                    self.cache.v_pool[i], self.block_tables, self.positions,
-                                   stack.layers[i].self_attn.scale, cfg.layer_window(i),
-                                   workspace=self.workspace).flatten(0, 1)
+                                   stack.layers[i].self_attn.scale, cfg.layer_window(i)).flatten(0, 1)
 
         h = first_norm(cfg, stack.layers, residual)
         captured = {}
@@ -285,7 +283,7 @@ class StaticForward:
         self.cache.write_slots(layer, self.slots, k, v)
         out = paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[layer],
                               self.cache.v_pool[layer], self.block_tables, self.positions, attn.scale,
-                              self.model.config.layer_window(layer), workspace=self.workspace)
+                              self.model.config.layer_window(layer))
         return attn.output(out.reshape(q.shape))
 
 

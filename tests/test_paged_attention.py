@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from specsplit.kernels.paged_attention import paged_attention_reference, paged_attention_triton
-from specsplit.kernels.workspace import arrival_counters
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -90,15 +89,12 @@ def test_imports_and_falls_back_without_triton():
     assert result.returncode == 0 and "torch.Size([1, 1, 2, 16])" in result.stdout, result.stderr
 
 
-# (seed, batch, q_len, q_heads, kv_heads, head_dim, max_context, block_size, window, num_splits, combined):
-# combined, the splits are combined inside the one kernel (a workspace of arrival counters)
+# (seed, batch, q_len, q_heads, kv_heads, head_dim, max_context, block_size, window, num_splits)
 INTERPRETED = [
-    (0, 2, 1, 9, 3, 64, 80, 16, None, 1, False),
-    (1, 3, 16, 9, 3, 64, 90, 16, 7, 1, False),
-    (2, 2, 3, 8, 2, 128, 100, 16, None, 4, False),
-    (3, 2, 8, 4, 4, 32, 120, 8, 20, 2, False),
-    (4, 3, 5, 9, 3, 64, 150, 16, None, 4, True),
-    (5, 2, 16, 9, 3, 64, 200, 16, 30, 8, True),
+    (0, 2, 1, 9, 3, 64, 80, 16, None, 1),
+    (1, 3, 16, 9, 3, 64, 90, 16, 7, 1),
+    (2, 2, 3, 8, 2, 128, 100, 16, None, 4),
+    (3, 2, 8, 4, 4, 32, 120, 8, 20, 2),
 ]
 
 
@@ -115,17 +111,13 @@ def check_triton_interpreted() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     interpreter._patch_lang_tensor = patched
-    workspace = arrival_counters(16, "cpu")
-    for seed, batch, q_len, q_heads, kv_heads, head_dim, context, block_size, window, splits, combined in INTERPRETED:
+    for seed, batch, q_len, q_heads, kv_heads, head_dim, context, block_size, window, splits in INTERPRETED:
         q, k, v, tables, positions = ragged_case(seed, batch, q_len, q_heads, kv_heads, head_dim, context, block_size)
         scale = head_dim ** -0.5
-        expected = paged_attention_reference(q, k, v, tables, positions, scale, window)
-        for _ in range(2 if combined else 1):  # twice: the first call must leave the counters ready
-            out = paged_attention_triton(q, k, v, tables, positions, scale, window, num_splits=splits,
-                                         workspace=workspace if combined else None)
-            # both float32; the kernel's exp2 and online rescaling add a few ulps: same bound as above
-            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-        assert not workspace.any(), "the arrival counters must be left zero"
+        out = paged_attention_triton(q, k, v, tables, positions, scale, window, num_splits=splits)
+        # both float32; the kernel's exp2 and online rescaling add a few ulps: same bound as above
+        torch.testing.assert_close(out, paged_attention_reference(q, k, v, tables, positions, scale, window),
+                                   atol=1e-5, rtol=1e-5)
     print("interpreted cases ok:", len(INTERPRETED))
 
 
@@ -141,26 +133,22 @@ GEOMETRIES = {"smollm2": (9, 3, 64), "qwen3_8b": (32, 8, 128)}
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("num_splits,combined", [(1, False), (None, False), (None, True), (32, True)])
+@pytest.mark.parametrize("num_splits", [1, None])
 @pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize("q_len", [1, 5, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("geometry", GEOMETRIES)
-def test_triton_matches_reference_cuda(geometry, dtype, q_len, window, num_splits, combined):
+def test_triton_matches_reference_cuda(geometry, dtype, q_len, window, num_splits):
     q_heads, kv_heads, head_dim = GEOMETRIES[geometry]
     q, k, v, tables, positions = ragged_case(q_len, 6, q_len, q_heads, kv_heads, head_dim, max_context=4096,
                                              dtype=dtype, device="cuda")
     scale = head_dim ** -0.5
-    workspace = arrival_counters(6 * kv_heads, "cuda") if combined else None
+    out = paged_attention_triton(q, k, v, tables, positions, scale, window, num_splits=num_splits)
     ref = paged_attention_reference(q, k, v, tables, positions, scale, window)
     # float32: exact (ieee) dots, only the summation order differs. bfloat16: both round the output
     # to bf16 (2^-9 relative) and the kernel rounds the softmax weights to bf16 before P @ V.
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for _ in range(3 if combined else 1):  # again: each call must leave the counters ready for the next
-        out = paged_attention_triton(q, k, v, tables, positions, scale, window, num_splits=num_splits,
-                                     workspace=workspace)
-        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-    assert workspace is None or not workspace.any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.gpu
@@ -173,9 +161,7 @@ def test_triton_in_cuda_graph(geometry):
     case = lambda seed: ragged_case(seed, 4, 16, q_heads, kv_heads, head_dim, 4096, dtype=torch.bfloat16,
                                     device="cuda")
     static = case(0)
-    workspace = arrival_counters(4 * kv_heads, "cuda")
-    run = lambda: (paged_attention_triton(*static, 0.1, None), paged_attention_reference(*static, 0.1, None),
-                   *(paged_attention_triton(*static, 0.1, w, workspace=workspace) for w in (None, 700)))
+    run = lambda: (paged_attention_triton(*static, 0.1, None), paged_attention_reference(*static, 0.1, None))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -183,18 +169,15 @@ def test_triton_in_cuda_graph(geometry):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, ref_out, combined, combined_window = run()
-    for seed in (1, 2, 3):
+        out, ref_out = run()
+    for seed in (1, 2):
         fresh = case(seed)
         for buffer, value in zip(static, fresh):
             buffer.copy_(value)
         graph.replay()
         expected = paged_attention_reference(*fresh, 0.1, None)
-        for got in (out, ref_out, combined):
-            torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
-        windowed = paged_attention_reference(*fresh, 0.1, 700)
-        torch.testing.assert_close(combined_window.float(), windowed.float(), atol=2e-2, rtol=2e-2)
-    assert not workspace.any()
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(ref_out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 if __name__ == "__main__":

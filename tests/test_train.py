@@ -184,7 +184,7 @@ def test_config_is_validated():
 def test_target_layers_are_chosen_as_asked_and_kept_from_init(llama, tmp_path):
     info, device = target_info(llama), torch.device("cpu")
     assert TrainConfig(steps=1, layers=2).target_layer_ids(30) == (1, 27)  # session 1-5 drafters
-    assert TrainConfig(steps=1, num_target_layers=5).target_layer_ids(30) == (1, 8, 14, 20, 27)  # the shipped one
+    assert TrainConfig(steps=1, num_target_layers=5).target_layer_ids(30) == (1, 8, 14, 20, 27)  # sessions 6-13 drafters
     model = new_drafter(TrainConfig(steps=1, layers=1, target_layers=(0, 2)), info, device, None)
     assert model.cfg.target_layer_ids == (0, 2) and model.cfg.feature_dim == 2 * info.hidden_size
     with pytest.raises(InvalidRequest):
