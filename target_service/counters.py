@@ -50,6 +50,7 @@ class EngineCounters:
     chained: int = 0  # speculative steps chained on the device (target_service/chain.py), counted when read
     chain_captures: int = 0  # chained steps' shapes captured whole as one CUDA graph (chain.ChainProgram) ...
     chain_replays: int = 0  # ... and chained steps launched as a replay of one
+    chain_capture_seconds: float = 0.0  # host seconds spent capturing them (a step that captures waits)
     # Host seconds of one batched step's phases, each ending at a point that already waits for the device:
     # propose (drafts back), verify (target forward and acceptance read back), control (telling the
     # drafter what was accepted: stash, commit, trim, catch-up).

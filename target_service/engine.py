@@ -621,12 +621,14 @@ class Engine:
         detaches it). False: the drafter failed before the verify."""
         if whole and program.graph is None and program.runs >= _CHAIN_CAPTURE_AFTER and not program.broken \
                 and program.n <= self._chain_capture_most:
+            started = time.perf_counter()
             try:
                 if self._chain_pool is None:
                     self._chain_pool = torch.cuda.graph_pool_handle()
                 with inlined():  # the drafter's and the verify's forwards record into this graph
                     program.graph = capture_serving(lambda: device_work(None), self._chain_pool)
                 self.counters.chain_captures += 1
+                self.counters.chain_capture_seconds += time.perf_counter() - started
             except Exception as exc:  # noqa: BLE001 - a step that cannot be captured runs uncaptured
                 program.broken = True
                 log.warning("a chained step of %d sequences and %d drafts could not be captured (%s: %s); it "

@@ -68,6 +68,8 @@ class _EngineCollector(Collector):
                        "launched before the host read this one", c.chained)
         yield _counter("chain_captures", "shapes of chained steps captured whole as one CUDA graph (a replay "
                        "a step from then on)", c.chain_captures)
+        yield _counter("chain_capture_seconds", "host seconds spent capturing them (the step that captures "
+                       "waits for it)", c.chain_capture_seconds)
         yield _counter("tokens", "tokens generated and sent to clients", c.tokens)
         yield _by_count("verified_drafts", "drafts verified per sequence per step (0: serial decoding)", drafts)
         yield _by_count("accepted_drafts", "drafts accepted per sequence per step; tau = 1 + sum / count", accepted)

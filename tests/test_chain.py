@@ -480,6 +480,7 @@ def test_chained_steps_captured_whole_equal_target_only(smollm2_dir):
     assert got == want and plain == want
     replays = engine.counters.chain_replays
     assert engine.counters.chain_captures >= 1 and replays > engine.counters.chained // 3, (replays, engine.counters.chained)
+    assert engine.counters.chain_capture_seconds > 0
     assert accepted >= 0.9 * plain_accepted, (accepted, plain_accepted)
     assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1
     assert drafter.pool.num_free_blocks == drafter.pool.num_blocks

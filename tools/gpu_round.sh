@@ -19,13 +19,15 @@ kernels)
   ;;
 steps)
   # the fused down projection against SiLU·mul + cuBLAS: where a step's time goes, then tokens/s (the
-  # variable is read at import, so each setting is its own process)
+  # variable is read at import, so each setting is its own process); beside it, chained steps captured
+  # whole against piecewise, with the captures' own time taken out (`*_excluding_captures`)
   for fused in 0 1; do
     echo "SPECSPLIT_FUSED_DOWN=$fused" | log
     SPECSPLIT_FUSED_DOWN=$fused python bench/profile_step.py --drafter dflash --batch 1 --steps 40 --out "$OUT" \
       2>&1 | grep -v INFO | head -12 | log
     SPECSPLIT_FUSED_DOWN=$fused python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash \
-      --max-tokens 512 --batch 1 2 8 --json-out "$OUT/split_fused_down_$fused.json" 2>&1 | grep -v INFO | tail -2 | log
+      --max-tokens 512 --batch 1 2 4 8 --also-uncaptured --chain-capture 64 \
+      --json-out "$OUT/split_fused_down_$fused.json" 2>&1 | grep -v INFO | tail -2 | log
   done
   ;;
 *)
