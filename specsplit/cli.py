@@ -482,7 +482,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
                       num_target_layers=args.num_target_layers, batch=args.batch, anchors=args.anchors,
                       mtp_steps=args.mtp_steps, seq_len=args.seq_len, lr=args.lr, loss_decay=args.loss_decay,
                       steps=args.steps, minutes=minutes, gen_batch=args.gen_batch, gen_fraction=args.gen_fraction,
-                      pool_gb=args.pool_gb, sampled_fraction=args.sampled_fraction, self_prompts=args.self_prompts,
+                      pool_gb=args.pool_gb, pool_rounds=args.pool_rounds, sampled_fraction=args.sampled_fraction, self_prompts=args.self_prompts,
                       ce_weight=args.ce_weight, kl_weight=args.kl_weight, gen_graphs=not args.no_gen_graphs,
                       seed=args.seed, log_every=args.log_every)
     if args.eval_tokens < 0:
@@ -531,6 +531,8 @@ def add_training_parsers(sub) -> None:
             ("--gen-batch", int, 1024, "sequences generated at once"),
             ("--gen-fraction", float, 0.35, "share of --minutes spent generating, at most"),
             ("--pool-gb", float, 48.0, "device memory for feature rows, in GiB"),
+            ("--pool-rounds", int, 1, "rounds of generating a fresh pool and training on it (each an equal share "
+                                      "of --minutes; later rounds take the prompts earlier ones did not reach)"),
             ("--sampled-fraction", float, 0.25, "prompts that also get a continuation sampled at T=0.7"),
             ("--self-prompts", int, 16384, "rows in which the target writes questions of its own (0: none)"),
             ("--ce-weight", float, 0.2, "weight of CE on the target's tokens"),

@@ -69,6 +69,9 @@ class TrainConfig:
     minutes: float | None = None  # wall-time bound for everything, generation included
     gen_fraction: float = 0.35  # of `minutes`, the most spent generating
     pool_gb: float = 48.0  # device memory for the feature pool
+    # The run in this many rounds, each generating a fresh pool (from prompts not yet used) and training on
+    # it: more distinct data in a run whose pool fills the GPU long before the prompts run out.
+    pool_rounds: int = 1
     seed: int = 0
     log_every: int = 50
 
@@ -80,7 +83,7 @@ class TrainConfig:
         if self.layers is not None and self.layers < 1:
             raise InvalidRequest("layers must be ≥ 1")
         for name in ("batch", "anchors", "mtp_steps", "seq_len", "max_prompt_tokens", "gen_batch",
-                     "log_every"):
+                     "log_every", "pool_rounds"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be ≥ 1")
         if self.block_size < 2:
@@ -134,9 +137,20 @@ class Clock:
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
-    def gen_budget(self) -> float:
-        """Seconds from the start by which generation must stop (inf without a wall-time bound)."""
-        return math.inf if self.minutes is None else self.minutes * 60 * self.gen_fraction
+    def gen_budget(self, round_: int = 0, rounds: int = 1) -> float:
+        """Seconds from the start by which generation of round `round_` (of `rounds`, each an equal share
+        of the run) must stop (inf without a wall-time bound)."""
+        if self.minutes is None:
+            return math.inf
+        share = self.minutes * 60 / rounds
+        return share * (round_ + self.gen_fraction)
+
+    def round_end(self, round_: int, rounds: int) -> float:
+        """Seconds from the start at which round `round_`'s training gives way to the next round's
+        generation (inf for the last round, or without a wall-time bound: the budget ends that one)."""
+        if self.minutes is None or round_ == rounds - 1:
+            return math.inf
+        return self.minutes * 60 * (round_ + 1) / rounds
 
     def gen_over(self) -> bool:
         return self.elapsed() > self.gen_budget()
@@ -306,7 +320,11 @@ def fit_pool(cfg: TrainConfig, per_token: int, device: torch.device, log: Log) -
 
 
 def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: CaptureSpec, cfg: TrainConfig,
-               clock: Clock, eos_ids: Sequence[int], log: Log) -> Pool:
+               clock: Clock, eos_ids: Sequence[int], log: Log, *, gen_deadline: float | None = None,
+               seed: int = 0) -> tuple[Pool, int]:
+    """A pool generated from `batches` in order until it is full or the clock passes `gen_deadline`
+    (default: the run's generation budget; one batch is always generated), and how many batches that
+    took. `seed` is added to cfg.seed for the sampled continuations."""
     device = target.embed_weight.device
     hidden = target.config.hidden_size
     feature_dim = hidden * (len(capture.layer_ids) or 1)
@@ -321,11 +339,13 @@ def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: Captu
     pool = Pool(capacity, planned, feature_dim, final_dim, target.embed_weight.dtype, device)
     log(f"pool: room for {capacity} tokens ({capacity * per_token / 2**30:.1f} GiB) of {planned} planned sequences; "
         f"features {feature_dim}{f' + final {final_dim}' if final_dim else ''} per token")
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    tokens, start = 0, clock.elapsed()
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + seed)
+    deadline = clock.gen_budget() if gen_deadline is None else gen_deadline
+    tokens, start, generated = 0, clock.elapsed(), 0
     for i, jobs in enumerate(batches):
-        if pool.room()[0] < cfg.max_prompt_tokens + cfg.seq_len or (i > 0 and clock.gen_over()):
+        if pool.room()[0] < cfg.max_prompt_tokens + cfg.seq_len or (i > 0 and clock.elapsed() > deadline):
             break
+        generated = i + 1
         temperature = jobs[0].temperature
         out = generate(target, [j.prompt for j in jobs], cfg.seq_len, temperature=temperature, generator=gen,
                        eos_ids=eos_ids, decoder=decoder)
@@ -338,7 +358,7 @@ def build_pool(target: TargetModel, batches: Sequence[list[Job]], capture: Captu
                 f"{tokens / max(clock.elapsed() - start, 1e-9):.0f} tok/s, {clock.elapsed():.0f}s")
     if pool.size == 0:
         raise InvalidRequest("no training sequences were generated")
-    return pool
+    return pool, generated
 
 
 # ---- losses -------------------------------------------------------------------------------------
@@ -520,7 +540,8 @@ def train_drafter(cfg: TrainConfig, target: TargetModel, prompts: Sequence[list[
                   samples: Sequence[float] | None = None, eos_ids: Sequence[int] = (),
                   init: str | Path | None = None, log: Log = print, clock: Clock | None = None) -> TrainResult:
     """Generate the pool from `prompts` (token ids within max_prompt_tokens; `samples` sampled continuations
-    each, cfg.sampled_fraction by default), then train."""
+    each, cfg.sampled_fraction by default), then train; with cfg.pool_rounds > 1, that many times over,
+    each round's pool from the prompts the earlier ones did not reach, one optimizer throughout."""
     clock = clock or Clock(cfg.minutes, cfg.gen_fraction)
     device = target.embed_weight.device
     torch.manual_seed(cfg.seed)
@@ -530,13 +551,29 @@ def train_drafter(cfg: TrainConfig, target: TargetModel, prompts: Sequence[list[
     log(f"drafter: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters"
         + (f", target layers {list(model.cfg.target_layer_ids)}" if isinstance(model, DFlashModel) else ""))
     samples = [cfg.sampled_fraction] * len(prompts) if samples is None else samples
-    pool = build_pool(target, plan_jobs(prompts, samples, cfg), capture, cfg, clock, eos_ids, log)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the generation cache is gone; training's buffers are shaped differently
-    log(f"pool: {pool.size} sequences, {pool.generated_tokens()} generated tokens, "
-        f"{int(pool.host_lengths[:pool.size].sum())} tokens in all, {clock.elapsed():.0f}s")
-    losses, accs = _optimize(model, head, pool, cfg, clock, log)
-    return TrainResult(model.eval(), losses, accs, pool.size)
+    batches = plan_jobs(prompts, samples, cfg)
+    trainer = _Trainer(model, head, cfg, clock, log)
+    first, sequences, pool = 0, 0, None
+    for round_ in range(cfg.pool_rounds):
+        if first >= len(batches):  # every prompt generated: the last pool serves the rest of the run
+            if pool is None:
+                raise InvalidRequest("no training sequences were generated")
+            log(f"round {round_ + 1}/{cfg.pool_rounds}: no prompts left to generate; training on the last pool")
+        else:
+            pool = None  # the last round's pool goes before the next is made
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            pool, used = build_pool(target, batches[first:], capture, cfg, clock, eos_ids, log,
+                                    gen_deadline=clock.gen_budget(round_, cfg.pool_rounds), seed=round_)
+            first, sequences = first + used, sequences + pool.size
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the generation cache is gone; training's buffers are shaped differently
+            log(f"pool{f' {round_ + 1}/{cfg.pool_rounds}' if cfg.pool_rounds > 1 else ''}: {pool.size} sequences, "
+                f"{pool.generated_tokens()} generated tokens, {int(pool.host_lengths[:pool.size].sum())} tokens "
+                f"in all, {clock.elapsed():.0f}s")
+        trainer.train(pool, round_, until_step=None if cfg.steps is None else cfg.steps * (round_ + 1) // cfg.pool_rounds,
+                      until=clock.round_end(round_, cfg.pool_rounds))
+    return TrainResult(model.eval(), *trainer.history(), sequences)
 
 
 def capture_for_model(model: DrafterModel) -> CaptureSpec:
@@ -545,44 +582,71 @@ def capture_for_model(model: DrafterModel) -> CaptureSpec:
     return CaptureSpec(last_hidden=True)
 
 
-def _optimize(model: DrafterModel, head: TargetHead, pool: Pool, cfg: TrainConfig, clock: Clock,
-              log: Log) -> tuple[list[float], list[float]]:
-    device = pool.tokens.device
-    fused = device.type == "cuda"  # one kernel for the whole update
-    # Norm gains are left out of weight decay, as usual.
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
-    loss_fn = dflash_loss if isinstance(model, DFlashModel) else mtp_loss
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
-    order = _epochs(pool.size, cfg.batch, cfg.seed)
-    budget, start = clock.train_seconds(), time.monotonic()
-    losses, accs, tokens, step = [], [], 0, 0
-    while True:
-        progress = max(step / cfg.steps if cfg.steps else 0.0,
-                       (time.monotonic() - start) / budget if budget else 0.0)
-        if progress >= 1.0:
-            break
-        for group in opt.param_groups:
-            group["lr"] = lr_at(progress, cfg)
-        index = next(order)
-        batch = pool.batch(index)
-        with autocast:
-            loss, acc = loss_fn(model, head, batch, cfg, gen)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-        accs.append(acc)
-        tokens += int(pool.host_lengths[index].sum())
-        step += 1
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            _log_step(log, step, losses, accs, tokens, time.monotonic() - start, clock, opt)
-    if not losses:
-        raise InvalidRequest("the time budget ended before the first training step")
-    return torch.stack(losses).tolist(), torch.stack(accs).tolist()
+class _Trainer:
+    """The drafter's optimizer over a run: one AdamW and one learning-rate schedule across its pool rounds.
+
+    The schedule's progress is the larger of steps taken / cfg.steps and training seconds spent / the
+    run's training budget: at each round's start, the seconds spent plus the time left, less the later
+    rounds' generation budgets (at most what they will take, so the schedule ends in the last round)."""
+
+    def __init__(self, model: DrafterModel, head: TargetHead, cfg: TrainConfig, clock: Clock, log: Log) -> None:
+        self.model, self.head, self.cfg, self.clock, self.log = model, head, cfg, clock, log
+        device = next(model.parameters()).device
+        self.device = device
+        # Norm gains are left out of weight decay, as usual.
+        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+        self.loss_fn = dflash_loss if isinstance(model, DFlashModel) else mtp_loss
+        self.gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
+        self.budget: float | None = None  # training seconds of the whole run, set when training starts
+        self.spent = 0.0  # training seconds so far
+        self.losses: list[torch.Tensor] = []
+        self.accs: list[torch.Tensor] = []
+        self.tokens = 0
+
+    def progress(self, running: float) -> float:
+        cfg = self.cfg
+        return max(len(self.losses) / cfg.steps if cfg.steps else 0.0,
+                   (self.spent + running) / self.budget if self.budget else 0.0)
+
+    def train(self, pool: Pool, round_: int, *, until_step: int | None, until: float) -> None:
+        """Steps on `pool` until `until_step` steps in all, the clock's `until` (seconds from the run's
+        start) or the end of the schedule."""
+        cfg, clock = self.cfg, self.clock
+        if clock.minutes is not None:  # re-planned each round: a round whose generation ended early trains longer
+            later_gen = (cfg.pool_rounds - 1 - round_) * clock.minutes * 60 * clock.gen_fraction / cfg.pool_rounds
+            self.budget = self.spent + max(1.0, (clock.train_seconds() or 0.0) - later_gen)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+        order = _epochs(pool.size, cfg.batch, cfg.seed + round_)
+        start = time.monotonic()
+        while True:
+            progress = self.progress(time.monotonic() - start)
+            if progress >= 1.0 or (until_step is not None and len(self.losses) >= until_step) or clock.elapsed() >= until:
+                break
+            for group in self.opt.param_groups:
+                group["lr"] = lr_at(progress, cfg)
+            index = next(order)
+            batch = pool.batch(index)
+            with autocast:
+                loss, acc = self.loss_fn(self.model, self.head, batch, cfg, self.gen)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.losses.append(loss.detach())
+            self.accs.append(acc)
+            self.tokens += int(pool.host_lengths[index].sum())
+            step = len(self.losses)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                _log_step(self.log, step, self.losses, self.accs, self.tokens, self.spent + time.monotonic() - start,
+                          clock, self.opt)
+        self.spent += time.monotonic() - start
+
+    def history(self) -> tuple[list[float], list[float]]:
+        if not self.losses:
+            raise InvalidRequest("the time budget ended before the first training step")
+        return torch.stack(self.losses).tolist(), torch.stack(self.accs).tolist()
 
 
 def _log_step(log: Log, step: int, losses: list, accs: list, tokens: int, seconds: float, clock: Clock, opt) -> None:

@@ -353,3 +353,58 @@ def test_the_pool_is_cut_to_what_fits_beside_generation(monkeypatch):
     free, reserved_unused = train.GENERATION_SLACK + 2 * batch_rows, 0  # nothing left for the pool itself
     with pytest.raises(CapacityExceeded, match="lower --gen-batch"):
         train.fit_pool(cfg, per_token, cuda, logged.append)
+
+
+def test_pool_rounds_generate_fresh_pools_from_unused_prompts_under_one_schedule(llama, monkeypatch):
+    """--pool-rounds 2 with a pool that holds a batch or two of four: each round generates from prompts
+    the other did not use, the steps split between the rounds, one optimizer and one learning-rate
+    schedule throughout; rounds with no prompts left train on the last pool."""
+    from specsplit import train
+
+    made = []
+    real = train.generate
+
+    def recording(model, prompts, *args, **kwargs):
+        made.append([tuple(p) for p in prompts])
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(train, "generate", recording)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(3, 10))] for _ in range(32)]
+    one_batch = (10 + 12) * 8  # a gen batch's tokens at most: the pool holds one or two
+    per_token = train.Pool.bytes_per_token(2 * llama.config.hidden_size, llama.config.hidden_size, 4)
+    base = dict(kind="dflash", layers=1, target_layers=(0, 2), block_size=4, batch=4, anchors=4, seq_len=12,
+                max_prompt_tokens=10, gen_batch=8, sampled_fraction=0.0, warmup=0.0, log_every=100,
+                pool_gb=one_batch * per_token / 2**30)
+    lrs = []
+    original = train.lr_at
+    monkeypatch.setattr(train, "lr_at", lambda progress, cfg: lrs.append(progress) or original(progress, cfg))
+    lines = []
+    result = train.train_drafter(TrainConfig(steps=12, pool_rounds=2, **base), llama, prompts, log=lines.append)
+    assert 2 <= len(made) <= 4 and len(set().union(*made)) == sum(map(len, made))  # no prompt twice
+    sizes = [int(line.split(": ")[1].split()[0]) for line in lines if line.startswith(("pool 1/2:", "pool 2/2:"))]
+    assert len(sizes) == 2 and min(sizes) > 0 and result.pool_size == sum(sizes)
+    assert len(result.losses) == 12
+    assert lrs == sorted(lrs) and lrs[0] == 0 and lrs[-1] == 11 / 12  # one schedule across the rounds
+
+    made.clear()
+    lines.clear()
+    result = train.train_drafter(TrainConfig(steps=12, pool_rounds=6, **base), llama, prompts, log=lines.append)
+    assert len(made) == 4 and len(set().union(*made)) == 32 and len(result.losses) == 12  # each batch once
+    assert "round 6/6: no prompts left to generate; training on the last pool" in lines
+
+
+def test_a_rounds_clock_splits_the_run_in_equal_shares():
+    clock = train_module().Clock(minutes=10, gen_fraction=0.3, start=0.0)
+    assert clock.gen_budget() == 180 and clock.gen_budget(0, 1) == 180 and clock.round_end(0, 1) == float("inf")
+    assert clock.gen_budget(0, 3) == pytest.approx(60) and clock.gen_budget(2, 3) == pytest.approx(460)
+    assert clock.round_end(0, 3) == 200 and clock.round_end(1, 3) == 400 and clock.round_end(2, 3) == float("inf")
+    untimed = train_module().Clock(minutes=None, gen_fraction=0.3)
+    assert untimed.gen_budget(1, 2) == float("inf") and untimed.round_end(0, 2) == float("inf")
+    with pytest.raises(InvalidRequest):
+        TrainConfig(steps=1, pool_rounds=0)
+
+
+def train_module():
+    from specsplit import train
+    return train
