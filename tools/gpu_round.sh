@@ -17,7 +17,7 @@ kernels)
   python bench/gemm_probe.py --quick --rows 1 16 64 --shapes down --cold-copies 256 --out "$OUT/gemm_probe.json" \
     2>&1 | grep -v -E "INFO|skip" | log
   # the training-data generator's step at 2,048 rows (18.6 ms where its GEMMs need ~1-2): where it goes
-  python bench/gen_profile.py --batch 2048 --steps 24 --out "$OUT" 2>&1 | grep -v -E "INFO|USDT" | head -30 | log
+  python bench/dense_profile.py --batch 2048 --steps 24 --out "$OUT" 2>&1 | grep -v -E "INFO|USDT" | head -30 | log
   ;;
 steps)
   # the fused down projection against SiLU·mul + cuBLAS: where a step's time goes, then tokens/s (the
