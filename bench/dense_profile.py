@@ -1,7 +1,8 @@
 """Where the training-data generator's decode step goes, as `train-drafter` runs it: one
 `target_service.dense.DenseDecoder` keeping the drafter's feature rows as it decodes (no second pass),
-at --gen-batch rows (2,048). On the H200 it makes ~110k tokens/s, 18.6 ms a step, where the step's GEMMs alone (2 x 135 M x 2,048 FLOP) would take ~1-2 ms. Fresh data per
-session is what the drafter's τ follows (issue 10), so this step is worth knowing.
+at --gen-batch rows (2,048). On the H200 it makes ~110k tokens/s, 18.6 ms a step, where the step's
+GEMMs alone (2 x 135 M x 2,048 FLOP) would take ~1-2 ms. Fresh data per session is what the drafter's τ
+follows (issue 10), so this step is worth knowing.
 
     python bench/dense_profile.py [--batch 2048] [--prompt 96] [--steps 24] [--capture 1,4,8,...] [--out DIR]
 
