@@ -31,7 +31,8 @@ def add_rms_norm_linear_reference(x: torch.Tensor, residual: torch.Tensor, norm_
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on CUDA for up to MAX_ROWS rows; the norm's kernel then the GEMM otherwise."""
-    if HAVE_TRITON and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+    if (HAVE_TRITON and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+            and x.dtype == residual.dtype == norm_weight.dtype == weight.dtype):
         return add_rms_norm_linear_triton(x, residual, norm_weight, eps, weight)
     normed, new_residual = add_rms_norm(x, residual, norm_weight, eps)
     return F.linear(normed, weight), new_residual

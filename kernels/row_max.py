@@ -35,7 +35,7 @@ def _row_max_kernel(x_ptr, stride_x, vocab, part_val_ptr, part_idx_ptr, arrivals
     """Program (row, split) reads columns split*BLOCK.. of its row; the row's last arrival reduces."""
     row, split = tl.program_id(0), tl.program_id(1)
     cols = split * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
     best = tl.max(x, axis=0)
     at = tl.min(tl.where(x == best, cols, vocab), axis=0)  # the first column holding it
     first_nan = tl.min(tl.where(x != x, cols, vocab), axis=0)

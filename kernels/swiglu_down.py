@@ -27,7 +27,8 @@ def swiglu_down_reference(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.
 
 def swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel on CUDA for up to MAX_ROWS rows without a bias; silu_mul then the GEMM otherwise."""
-    if HAVE_TRITON and gate_up.is_cuda and bias is None and gate_up.shape[0] <= MAX_ROWS:
+    if (HAVE_TRITON and gate_up.is_cuda and bias is None and gate_up.dim() == 2 and gate_up.shape[0] <= MAX_ROWS
+            and gate_up.dtype == weight.dtype):
         return swiglu_down_triton(gate_up, weight)
     return F.linear(silu_mul(gate_up), weight, bias)
 

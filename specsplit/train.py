@@ -133,24 +133,31 @@ class Clock:
     gen_fraction: float
     start: float = field(default_factory=time.monotonic)
     margin_s: float = 15.0  # saving and shutdown
+    rounds_from: float = 0.0  # seconds from the start at which pool rounds begin (their shares split the rest)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
-    def gen_budget(self, round_: int = 0, rounds: int = 1) -> float:
-        """Seconds from the start by which generation of round `round_` (of `rounds`, each an equal share
-        of the run) must stop (inf without a wall-time bound)."""
+    def gen_budget(self, round_: int | None = None, rounds: int = 1) -> float:
+        """Seconds from the start by which generation must stop: the run's (gen_fraction of it), or that
+        of pool round `round_` of `rounds`, each an equal share of the time from `rounds_from` to the
+        end less the margin (inf without a wall-time bound)."""
         if self.minutes is None:
             return math.inf
-        share = self.minutes * 60 / rounds
-        return share * (round_ + self.gen_fraction)
+        if round_ is None:
+            return self.minutes * 60 * self.gen_fraction
+        return self.rounds_from + self._share(rounds) * (round_ + self.gen_fraction)
 
     def round_end(self, round_: int, rounds: int) -> float:
         """Seconds from the start at which round `round_`'s training gives way to the next round's
         generation (inf for the last round, or without a wall-time bound: the budget ends that one)."""
         if self.minutes is None or round_ == rounds - 1:
             return math.inf
-        return self.minutes * 60 * (round_ + 1) / rounds
+        return self.rounds_from + self._share(rounds) * (round_ + 1)
+
+    def _share(self, rounds: int) -> float:
+        """A round's seconds: the rounds share the time from `rounds_from` to the end less the margin."""
+        return max(0.0, self.minutes * 60 - self.margin_s - self.rounds_from) / rounds
 
     def gen_over(self) -> bool:
         return self.elapsed() > self.gen_budget()
@@ -541,7 +548,9 @@ def train_drafter(cfg: TrainConfig, target: TargetModel, prompts: Sequence[list[
                   init: str | Path | None = None, log: Log = print, clock: Clock | None = None) -> TrainResult:
     """Generate the pool from `prompts` (token ids within max_prompt_tokens; `samples` sampled continuations
     each, cfg.sampled_fraction by default), then train; with cfg.pool_rounds > 1, that many times over,
-    each round's pool from the prompts the earlier ones did not reach, one optimizer throughout."""
+    each round's pool from the generation batches the earlier ones did not reach (the batch that filled a
+    pool is not generated again, though the pool may have kept only part of it), one optimizer and one
+    learning-rate schedule throughout."""
     clock = clock or Clock(cfg.minutes, cfg.gen_fraction)
     device = target.embed_weight.device
     torch.manual_seed(cfg.seed)
@@ -553,26 +562,36 @@ def train_drafter(cfg: TrainConfig, target: TargetModel, prompts: Sequence[list[
     samples = [cfg.sampled_fraction] * len(prompts) if samples is None else samples
     batches = plan_jobs(prompts, samples, cfg)
     trainer = _Trainer(model, head, cfg, clock, log)
+    rounds = cfg.pool_rounds
+    if rounds > 1:
+        clock.rounds_from = clock.elapsed()  # the prompts are written: the rounds share the time left
     first, sequences, pool = 0, 0, None
-    for round_ in range(cfg.pool_rounds):
+    for round_ in range(rounds):
         if first >= len(batches):  # every prompt generated: the last pool serves the rest of the run
             if pool is None:
                 raise InvalidRequest("no training sequences were generated")
-            log(f"round {round_ + 1}/{cfg.pool_rounds}: no prompts left to generate; training on the last pool")
+            log(f"round {round_ + 1}/{rounds}: no prompts left to generate; training on the last pool")
         else:
-            pool = None  # the last round's pool goes before the next is made
+            pool = None  # the last round's pool goes before the next is made (two would not fit)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            pool, used = build_pool(target, batches[first:], capture, cfg, clock, eos_ids, log,
-                                    gen_deadline=clock.gen_budget(round_, cfg.pool_rounds), seed=round_)
+            try:
+                pool, used = build_pool(target, batches[first:], capture, cfg, clock, eos_ids, log, seed=round_,
+                                        gen_deadline=clock.gen_budget(round_, rounds) if rounds > 1 else None)
+            except (InvalidRequest, CapacityExceeded) as exc:
+                if round_ == 0:
+                    raise
+                # a later round that cannot make its pool keeps what the earlier rounds trained
+                log(f"round {round_ + 1}/{rounds}: no new pool ({exc}); the run ends with what it trained")
+                break
             first, sequences = first + used, sequences + pool.size
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the generation cache is gone; training's buffers are shaped differently
-            log(f"pool{f' {round_ + 1}/{cfg.pool_rounds}' if cfg.pool_rounds > 1 else ''}: {pool.size} sequences, "
+            log(f"pool{f' {round_ + 1}/{rounds}' if rounds > 1 else ''}: {pool.size} sequences, "
                 f"{pool.generated_tokens()} generated tokens, {int(pool.host_lengths[:pool.size].sum())} tokens "
                 f"in all, {clock.elapsed():.0f}s")
-        trainer.train(pool, round_, until_step=None if cfg.steps is None else cfg.steps * (round_ + 1) // cfg.pool_rounds,
-                      until=clock.round_end(round_, cfg.pool_rounds))
+        trainer.train(pool, round_, until_step=None if cfg.steps is None else cfg.steps * (round_ + 1) // rounds,
+                      until=clock.round_end(round_, rounds))
     return TrainResult(model.eval(), *trainer.history(), sequences)
 
 
@@ -585,9 +604,11 @@ def capture_for_model(model: DrafterModel) -> CaptureSpec:
 class _Trainer:
     """The drafter's optimizer over a run: one AdamW and one learning-rate schedule across its pool rounds.
 
-    The schedule's progress is the larger of steps taken / cfg.steps and training seconds spent / the
-    run's training budget: at each round's start, the seconds spent plus the time left, less the later
-    rounds' generation budgets (at most what they will take, so the schedule ends in the last round)."""
+    The schedule's progress is the larger of steps taken / cfg.steps and a time part: at each round's
+    start it stands where the last round left it, p0, and goes on to 1 over the training seconds planned
+    from there (the time left, less the later rounds' generation budgets: at most what they will take,
+    so it ends in the last round), p0 + (1 - p0) * seconds / planned. Monotone across rounds, whatever
+    a round's generation took."""
 
     def __init__(self, model: DrafterModel, head: TargetHead, cfg: TrainConfig, clock: Clock, log: Log) -> None:
         self.model, self.head, self.cfg, self.clock, self.log = model, head, cfg, clock, log
@@ -599,24 +620,30 @@ class _Trainer:
         self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
         self.loss_fn = dflash_loss if isinstance(model, DFlashModel) else mtp_loss
         self.gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
-        self.budget: float | None = None  # training seconds of the whole run, set when training starts
-        self.spent = 0.0  # training seconds so far
+        self.spent = 0.0  # training seconds so far (for the log)
+        self.start_progress = 0.0  # the time part of the schedule where this round started (p0)
+        self.planned: float | None = None  # training seconds planned from this round's start to the end
         self.losses: list[torch.Tensor] = []
         self.accs: list[torch.Tensor] = []
         self.tokens = 0
 
+    def time_progress(self, running: float) -> float:
+        if self.planned is None:
+            return 0.0
+        return min(1.0, self.start_progress + (1 - self.start_progress) * running / self.planned)
+
     def progress(self, running: float) -> float:
         cfg = self.cfg
-        return max(len(self.losses) / cfg.steps if cfg.steps else 0.0,
-                   (self.spent + running) / self.budget if self.budget else 0.0)
+        return max(len(self.losses) / cfg.steps if cfg.steps else 0.0, self.time_progress(running))
 
     def train(self, pool: Pool, round_: int, *, until_step: int | None, until: float) -> None:
         """Steps on `pool` until `until_step` steps in all, the clock's `until` (seconds from the run's
         start) or the end of the schedule."""
         cfg, clock = self.cfg, self.clock
         if clock.minutes is not None:  # re-planned each round: a round whose generation ended early trains longer
-            later_gen = (cfg.pool_rounds - 1 - round_) * clock.minutes * 60 * clock.gen_fraction / cfg.pool_rounds
-            self.budget = self.spent + max(1.0, (clock.train_seconds() or 0.0) - later_gen)
+            rounds = cfg.pool_rounds
+            later_gen = (rounds - 1 - round_) * clock._share(rounds) * clock.gen_fraction
+            self.planned = max(1.0, (clock.train_seconds() or 0.0) - later_gen)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
         order = _epochs(pool.size, cfg.batch, cfg.seed + round_)
         start = time.monotonic()
@@ -641,7 +668,9 @@ class _Trainer:
             if step % cfg.log_every == 0 or step == cfg.steps:
                 _log_step(self.log, step, self.losses, self.accs, self.tokens, self.spent + time.monotonic() - start,
                           clock, self.opt)
-        self.spent += time.monotonic() - start
+        elapsed = time.monotonic() - start
+        self.spent += elapsed
+        self.start_progress = self.time_progress(elapsed)
 
     def history(self) -> tuple[list[float], list[float]]:
         if not self.losses:

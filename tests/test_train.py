@@ -395,10 +395,13 @@ def test_pool_rounds_generate_fresh_pools_from_unused_prompts_under_one_schedule
 
 
 def test_a_rounds_clock_splits_the_run_in_equal_shares():
-    clock = train_module().Clock(minutes=10, gen_fraction=0.3, start=0.0)
-    assert clock.gen_budget() == 180 and clock.gen_budget(0, 1) == 180 and clock.round_end(0, 1) == float("inf")
+    clock = train_module().Clock(minutes=10, gen_fraction=0.3, start=0.0, margin_s=0.0)
+    assert clock.gen_budget() == 180 and clock.round_end(0, 1) == float("inf")
     assert clock.gen_budget(0, 3) == pytest.approx(60) and clock.gen_budget(2, 3) == pytest.approx(460)
     assert clock.round_end(0, 3) == 200 and clock.round_end(1, 3) == 400 and clock.round_end(2, 3) == float("inf")
+    clock.rounds_from, clock.margin_s = 60, 15  # the rounds share what is left once the prompts are written
+    assert clock.gen_budget() == 180 and clock.gen_budget(0, 3) == pytest.approx(60 + 52.5)
+    assert clock.round_end(0, 3) == pytest.approx(235) and clock.round_end(1, 3) == pytest.approx(410)
     untimed = train_module().Clock(minutes=None, gen_fraction=0.3)
     assert untimed.gen_budget(1, 2) == float("inf") and untimed.round_end(0, 2) == float("inf")
     with pytest.raises(InvalidRequest):
@@ -408,3 +411,40 @@ def test_a_rounds_clock_splits_the_run_in_equal_shares():
 def train_module():
     from specsplit import train
     return train
+
+
+def test_a_timed_run_in_rounds_keeps_one_monotone_schedule_and_trains_every_round(llama, monkeypatch):
+    """Minutes, not steps: the time part of the schedule goes on from where each round left it, though the
+    rounds' pools fill early (their generation ends before its budget), and ends in the last round; every
+    round trains. Time is simulated: each clock read advances it 20 ms."""
+    from specsplit import train
+
+    now = [0.0]
+
+    def ticking() -> float:
+        now[0] += 0.02
+        return now[0]
+
+    monkeypatch.setattr(train.time, "monotonic", ticking)
+    progress = []
+    original = train.lr_at
+    monkeypatch.setattr(train, "lr_at", lambda p, cfg: progress.append(p) or original(p, cfg))
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(3, 10))] for _ in range(48)]
+    per_token = train.Pool.bytes_per_token(2 * llama.config.hidden_size, llama.config.hidden_size, 4)
+    cfg = TrainConfig(kind="dflash", layers=1, target_layers=(0, 2), block_size=4, batch=4, anchors=4, seq_len=12,
+                      max_prompt_tokens=10, gen_batch=8, sampled_fraction=0.0, warmup=0.0, log_every=1,
+                      minutes=0.5, gen_fraction=0.3, pool_rounds=3, pool_gb=2 * 22 * 8 * per_token / 2**30)
+    lines = []
+    clock = train.Clock(cfg.minutes, cfg.gen_fraction, start=ticking())  # (the default reads the real clock)
+    steps = []
+    monkeypatch.setattr(train, "_log_step", lambda log, step, *rest: steps.append((step, clock.elapsed())))
+    train.train_drafter(cfg, llama, prompts, log=lines.append, clock=clock)
+    pools = [line for line in lines if line.startswith("pool ")]
+    assert len(pools) == 2 and "round 3/3: no prompts left to generate; training on the last pool" in lines
+    assert progress == sorted(progress) and progress[-1] > 0.97, progress[-5:]
+    assert 30 - 15 - 0.5 < clock.elapsed() < 30 - 15 + 0.5  # trained to the end, less the margin
+    ends = [clock.round_end(r, 3) for r in range(2)]
+    # every round trained (steps logged before the first round's end, between the two, after the second)
+    assert [sum(1 for _, t in steps if lo <= t < hi) > 0 for lo, hi in ((0, ends[0]), (ends[0], ends[1]),
+                                                                        (ends[1], 99))] == [True] * 3
