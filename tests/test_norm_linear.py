@@ -4,10 +4,6 @@ process, as tests/test_paged_attention.py explains) and on CUDA, in a CUDA graph
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +11,7 @@ import torch.nn.functional as F
 from specsplit.kernels.norm_linear import (MAX_ROWS, add_rms_norm_linear, add_rms_norm_linear_reference,
                                            add_rms_norm_linear_triton)
 from specsplit.shared.layers import RMSNorm
+from tests.kernel_checks import captured, run_interpreted
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EPS = 1e-5
@@ -60,11 +57,7 @@ def check_triton_interpreted() -> None:
 
 
 def test_triton_interpreted():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "add_rms_norm_linear ok" in result.stdout, \
-        result.stdout[-3000:] + result.stderr[-6000:]
+    run_interpreted(__file__, "add_rms_norm_linear ok")
 
 
 SHAPES = {"smollm2_gate_up": (576, 3072), "smollm2_qkv": (576, 960), "qwen3_8b_gate_up": (4096, 24576)}
@@ -91,14 +84,7 @@ def test_triton_matches_reference_cuda(shape, dtype, rows):
 @gpu
 def test_triton_in_cuda_graph():
     static = inputs(16, 576, 3072, torch.bfloat16, "cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        add_rms_norm_linear(*static[:3], EPS, static[3])  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y, new_residual = add_rms_norm_linear(*static[:3], EPS, static[3])
+    graph, (y, new_residual) = captured(lambda: add_rms_norm_linear(*static[:3], EPS, static[3]))
     for seed in (1, 2):
         fresh = inputs(16, 576, 3072, torch.bfloat16, "cuda", seed=seed)
         for buffer, value in zip(static, fresh):

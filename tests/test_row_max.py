@@ -4,15 +4,12 @@ Ties, NaN, all -inf rows and a vocabulary that is not a multiple of the kernel's
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from specsplit.kernels.row_max import BLOCK, row_max, row_max_reference, row_max_triton
 from specsplit.kernels.workspace import arrival_counters
+from tests.kernel_checks import captured, run_interpreted
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -63,10 +60,7 @@ def check_triton_interpreted() -> None:
 
 
 def test_triton_interpreted():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "row max ok" in result.stdout, result.stdout[-3000:] + result.stderr[-6000:]
+    run_interpreted(__file__, "row max ok")
 
 
 @pytest.mark.gpu
@@ -88,15 +82,8 @@ def test_triton_matches_torch_cuda(vocab, dtype):
 def test_triton_in_cuda_graph():
     workspace = arrival_counters(16, "cuda")
     static = hard_rows(49152, 6, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        row_max_triton(static, workspace)  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = row_max_triton(static, workspace)
-        again = row_max_triton(static[1:], workspace)  # the same counters, next in the graph
+    # the same counters twice, one call after the other in the graph
+    graph, (got, again) = captured(lambda: (row_max_triton(static, workspace), row_max_triton(static[1:], workspace)))
     for seed in (7, 8, 9):
         fresh = hard_rows(49152, seed, device="cuda")[torch.randperm(9, generator=torch.Generator().manual_seed(seed))]
         static.copy_(fresh)

@@ -4,15 +4,12 @@ explains) and on CUDA, in a CUDA graph too, in the gpu tests."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from specsplit.kernels.swiglu_down import MAX_ROWS, swiglu_down, swiglu_down_reference, swiglu_down_triton
+from tests.kernel_checks import captured, run_interpreted
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -57,10 +54,7 @@ def check_triton_interpreted() -> None:
 
 
 def test_triton_interpreted():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "swiglu_down ok" in result.stdout, result.stdout[-3000:] + result.stderr[-6000:]
+    run_interpreted(__file__, "swiglu_down ok")
 
 
 SHAPES = {"smollm2": (1536, 576), "qwen3_8b": (12288, 4096)}  # (ffn, hidden)
@@ -85,14 +79,7 @@ def test_triton_matches_reference_cuda(shape, dtype, rows):
 @gpu
 def test_triton_in_cuda_graph():
     static_gate_up, weight = mlp_inputs(16, 1536, 576, torch.bfloat16, "cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        swiglu_down(static_gate_up, weight)  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = swiglu_down(static_gate_up, weight)
+    graph, out = captured(lambda: swiglu_down(static_gate_up, weight))
     for seed in (1, 2):
         fresh, _ = mlp_inputs(16, 1536, 576, torch.bfloat16, "cuda", seed=seed)
         static_gate_up.copy_(fresh)
