@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -28,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_bench import time_us  # noqa: E402  (bench/ is not a package)
+from kernels_bench import time_us, write_json  # noqa: E402  (bench/ is not a package)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -150,11 +148,7 @@ def main() -> None:
         if args.cold_copies > 0:
             print(f"  cold: torch {layer_sum(results, m, 'torch_cold_us'):.1f} µs, "
                   f"best triton {layer_sum(results, m, 'triton_cold_us'):.1f} µs")
-    out = args.out or (os.path.join(os.environ["OUT"], "gemm_probe.json") if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-        print("wrote", out)
+    write_json(results, args.out, "gemm_probe.json")
 
 
 if __name__ == "__main__":

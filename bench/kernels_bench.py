@@ -135,7 +135,12 @@ def main() -> None:
             rows.append(row)
             print(f"  rows {count:>4} vocab {vocab:>6}: torch {row['torch_us']:7.1f}  triton {row['triton_us']:7.1f}"
                   f"  ({row['torch_us'] / row['triton_us']:.2f}x)", flush=True)
-    out = args.out or (os.path.join(os.environ["OUT"], "kernels_bench.json") if os.environ.get("OUT") else None)
+    write_json(rows, args.out, "kernels_bench.json")
+
+
+def write_json(rows: list, out: str | None, name: str) -> None:
+    """The rows as JSON to `out`, or to $OUT/name when $OUT is set (a device call's results folder)."""
+    out = out or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as f:
             json.dump(rows, f, indent=1)
