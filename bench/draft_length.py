@@ -59,7 +59,14 @@ def main() -> None:
         auto = engines.get("auto")
         if auto is not None:  # what it learned on this batch size
             row["auto"]["learned_k"] = auto.tuner.best(batch) if auto.tuner else None
+            row["auto"]["draft_tuner"] = auto.tuner.snapshot() if auto.tuner else None
             print(f"{'':>5} auto learned k = {row['auto']['learned_k']}", flush=True)
+            if auto.tuner:
+                snap = row["auto"]["draft_tuner"]
+                for bucket, measured in snap["buckets"].items():
+                    print(f"{'':>5} tuner bucket {bucket}: " + ", ".join(
+                        f"k={k} {m['ms']:.2f} ms E={snap['expected_tokens'][k]:.2f} ({m['samples']} steps)"
+                        for k, m in measured.items()), flush=True)
         results[f"batch_{batch}"] = {str(k): r for k, r in row.items()}
         best[batch] = max((k for k in row if k != "auto"), key=lambda k: row[k]["tokens_per_s"])
     # --drafts-by-batch caps k from N sequences on, so it can only lower k as batches grow: a best k

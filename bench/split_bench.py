@@ -277,6 +277,9 @@ def main() -> None:
                 "hidden_row_bytes_over_grpc": remote.link.inline_row_bytes - bytes_before,
                 "learned_draft_length": {"in_process": local_engine.tuner.learned() if local_engine.tuner else None,
                                          "services": split_engine.tuner.learned() if split_engine.tuner else None},
+                # with --auto: what each tuner's choice rests on (E(k), step ms per k and batch bucket)
+                "draft_tuner": {"in_process": local_engine.tuner.snapshot() if local_engine.tuner else None,
+                                "services": split_engine.tuner.snapshot() if split_engine.tuner else None},
             }
             print(json.dumps({f"batch_{batch}": results[f"batch_{batch}"]}), flush=True)
         pings = sorted(remote.ping() for _ in range(200))

@@ -116,6 +116,20 @@ class DraftTuner:
         another thread: a snapshot of the keys, each bucket's figures read once)."""
         return {bucket: self.best(bucket) for bucket in sorted(list(self._buckets))}
 
+    def snapshot(self) -> dict:
+        """What the choice rests on, for benchmarks and debugging: E(k) for every candidate, and per batch
+        bucket each measured k's average step time (ms), samples and tokens per second of step."""
+        expected = self._expected
+        buckets = {}
+        for bucket in sorted(list(self._buckets)):
+            b = self._buckets[bucket]
+            seconds, samples = dict(b.seconds), dict(b.samples)
+            buckets[bucket] = {k: {"ms": 1e3 * seconds[k], "samples": samples.get(k, 0),
+                                   "tokens_per_s": bucket * expected[k] / seconds[k]}
+                               for k in sorted(seconds) if seconds[k] > 0}
+        return {"expected_tokens": {k: expected[k] for k in self.choices}, "buckets": buckets,
+                "learned": self.learned()}
+
     def observe(self, num_seqs: int, k: int, seconds: float, verified: Sequence[tuple[int, int]]) -> None:
         """Record a decode step: its sequences, the draft length it ran (the k `choose` gave), its wall
         time, and each sequence's (drafts offered, drafts accepted)."""

@@ -161,3 +161,20 @@ def test_a_one_off_slow_step_does_not_keep_a_draft_length_out():
         k = tuner.choose(1)
         tuner.observe(1, k, step_seconds(1, k) * (10 if k == want else 1), [(k, min(k, 2))])
     assert tuner.best(1) != want
+
+
+def test_the_snapshot_shows_what_the_choice_rests_on():
+    tuner = DraftTuner(15)
+    chosen = drive(tuner, 8, 60, random.Random(8))
+    snap = tuner.snapshot()
+    assert snap["learned"] == {8: tuner.best(8)} and chosen
+    assert list(snap["expected_tokens"]) == list(tuner.choices)
+    assert snap["expected_tokens"][0] == 1.0 and snap["expected_tokens"][15] == tuner.expected_tokens(15)
+    measured = snap["buckets"][8]
+    assert set(measured) == set(tuner.choices)  # every candidate was measured past its first step
+    for k, row in measured.items():
+        assert row["ms"] == pytest.approx(1e3 * tuner._buckets[8].seconds[k])
+        assert row["tokens_per_s"] == pytest.approx(8 * tuner.expected_tokens(k) / tuner._buckets[8].seconds[k])
+    # the learned k is the one with the most tokens per second of step
+    assert max(measured, key=lambda k: (measured[k]["tokens_per_s"], -k)) == tuner.best(8)
+    assert DraftTuner(3).snapshot() == {"expected_tokens": {3: 4.0, 1: 2.0, 0: 1.0}, "buckets": {}, "learned": {}}
