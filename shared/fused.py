@@ -3,16 +3,14 @@
 One GEMM for q/k/v and one for gate/up (the layer's projection weights concatenated once, the modules'
 own weights becoming views of the result, so nothing is stored twice and the eager forward reads the
 same memory), the residual add fused into each RMSNorm, RoPE fused with the write of k/v into a paged
-pool, SiLU·mul in one kernel. Two more fusions wait to be measured in a whole step on the GPU, so are
-off by default: SiLU·mul fused into the down projection (`kernels.swiglu_down`, `SPECSPLIT_FUSED_DOWN=1`
-in the environment) and the post-attention residual add + RMSNorm fused into the gate/up projection
-(`kernels.norm_linear`, `SPECSPLIT_FUSED_NORM=1`). Where keys come from and how queries attend is the
+pool, SiLU·mul in one kernel. (Fusing SiLU·mul into the down projection, or the post-attention norm
+into gate/up, was measured slower on the H200 in whole steps: every program of the GEMM recomputes
+the activation or the norm for its rows; see the README's fifteenth session.) Where keys come from and how queries attend is the
 caller's: the target attends causally over its KV cache, the DFlash drafter's block over its context pool.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -21,15 +19,8 @@ import torch.nn.functional as F
 
 from specsplit.kernels.activation import silu_mul
 from specsplit.kernels.norm import add_rms_norm, rms_norm
-from specsplit.kernels.norm_linear import add_rms_norm_linear
-from specsplit.kernels.swiglu_down import swiglu_down
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.layers import DecoderLayer
-
-
-# Read once, at import: a process's graphs are all captured one way (for side-by-side measurements).
-FUSED_DOWN = os.environ.get("SPECSPLIT_FUSED_DOWN", "0") == "1"
-FUSED_NORM = os.environ.get("SPECSPLIT_FUSED_NORM", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -86,14 +77,8 @@ def fused_layer(cfg: ModelConfig, index: int, layer: DecoderLayer, weights: Fuse
         q, k = rms_norm(q, attn.q_norm.weight, cfg.rms_norm_eps), rms_norm(k, attn.k_norm.weight, cfg.rms_norm_eps)
     out = attend(index, q, k, v)
     attended = attn.o_proj(out.reshape(out.shape[0], -1))
-    if FUSED_NORM:
-        gate_up, residual = add_rms_norm_linear(attended, residual, layer.post_attention_layernorm.weight,
-                                                cfg.rms_norm_eps, weights.gate_up)
-    else:
-        h, residual = add_rms_norm(attended, residual, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-        gate_up = F.linear(h, weights.gate_up)
-    down = layer.mlp.down_proj
-    mlp_out = swiglu_down(gate_up, down.weight, down.bias) if FUSED_DOWN else down(silu_mul(gate_up))
+    h, residual = add_rms_norm(attended, residual, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+    mlp_out = layer.mlp.down_proj(silu_mul(F.linear(h, weights.gate_up)))
     return add_rms_norm(mlp_out, residual, next_norm, cfg.rms_norm_eps)
 
 

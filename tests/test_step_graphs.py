@@ -9,7 +9,6 @@ import torch
 from torch.testing import assert_close
 
 from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
-from specsplit.shared import fused as fused_layers
 from specsplit.shared.cuda_graphs import batch_buckets
 from specsplit.target_service.graphs import DeviceDrafts, StepBatch, StepGraphs
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
@@ -53,20 +52,10 @@ def prefilled_pair(model, lengths: list[int], block_size: int = 4, seed: int = 0
     return caches, prompts
 
 
-def fuse_more_if(fused, monkeypatch) -> bool:
-    """"more": the fused layers with the fusions that are off by default on (SPECSPLIT_FUSED_DOWN=1,
-    SPECSPLIT_FUSED_NORM=1: SiLU·mul into the down projection, the post-attention norm into gate/up)."""
-    if fused == "more":
-        monkeypatch.setattr(fused_layers, "FUSED_DOWN", True)
-        monkeypatch.setattr(fused_layers, "FUSED_NORM", True)
-    return bool(fused)
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [4, 2, 5], [3]])
-@pytest.mark.parametrize("fused", [True, False, "more"])
-def test_static_forward_equals_eager(family, query_lens, fused, request, monkeypatch):
-    fused = fuse_more_if(fused, monkeypatch)
+@pytest.mark.parametrize("fused", [True, False])
+def test_static_forward_equals_eager(family, query_lens, fused, request):
     model = load_target(request.getfixturevalue(f"tiny_{family}_dir"))
     capture = CaptureSpec(layer_ids=(0, model.config.num_hidden_layers - 1), last_hidden=True)
     lengths = [9, 14, 6][:len(query_lens)]
@@ -135,10 +124,9 @@ def test_buckets_and_refusals(tiny_llama_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fused", [True, False, "more"])
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
-def test_cuda_graph_replay_equals_eager(family, fused, dtype, request, monkeypatch):
-    fused = fuse_more_if(fused, monkeypatch)
+def test_cuda_graph_replay_equals_eager(family, fused, dtype, request):
     model = load_target(request.getfixturevalue(f"tiny_{family}_dir"), dtype=dtype, device="cuda")
     capture = CaptureSpec(layer_ids=(0, 1), last_hidden=True)
     (ref_cache, cache), _ = prefilled_pair(model, [9, 14, 6])
