@@ -14,8 +14,8 @@ kernels)
   # stream (tau 2.27 at k = 7 against 4.03 at k = 15); the test prints each path's accepted drafts
   python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_chain.py -k shorter 2>&1 \
     | grep -E "drafts accepted|Error|error|assert|FAILED|passed|failed" | tail -30 | log
-  python -m pytest -q -m gpu -p no:cacheprovider tests/test_row_max.py tests/test_step_graphs.py tests/test_chain.py \
-    tests/test_dflash_graphs.py -k "not shorter" 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -30 | log
+  python -m pytest -q -m gpu -p no:cacheprovider tests/test_row_max.py tests/test_paged_attention.py \
+    tests/test_step_graphs.py tests/test_chain.py tests/test_dflash_graphs.py -k "not shorter" 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -30 | log
   ;;
 steps)
   # where a step's time goes at one and eight streams, then tokens/s by draft length (and the tuner's view)
