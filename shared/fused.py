@@ -5,8 +5,9 @@ own weights becoming views of the result, so nothing is stored twice and the eag
 same memory), the residual add fused into each RMSNorm, RoPE fused with the write of k/v into a paged
 pool, SiLU·mul in one kernel. (Fusing SiLU·mul into the down projection, or the post-attention norm
 into gate/up, was measured slower on the H200 in whole steps: every program of the GEMM recomputes
-the activation or the norm for its rows; see the README's fifteenth session.) Where keys come from and how queries attend is the
-caller's: the target attends causally over its KV cache, the DFlash drafter's block over its context pool.
+the activation or the norm for its rows; see the README's fifteenth session.) Where keys come from
+and how queries attend is the caller's: the target attends causally over its KV cache, the DFlash
+drafter's block over its context pool.
 """
 
 from __future__ import annotations

@@ -118,14 +118,15 @@ class DraftTuner:
 
     def snapshot(self) -> dict:
         """What the choice rests on, for benchmarks and debugging: E(k) for every candidate, and per batch
-        bucket each measured k's average step time (ms), samples and tokens per second of step."""
+        bucket each measured k's average step time (ms), samples and tokens per second of step for each
+        sequence in it (what `best` maximises)."""
         expected = self._expected
         buckets = {}
         for bucket in sorted(list(self._buckets)):
             b = self._buckets[bucket]
             seconds, samples = dict(b.seconds), dict(b.samples)
             buckets[bucket] = {k: {"ms": 1e3 * seconds[k], "samples": samples.get(k, 0),
-                                   "tokens_per_s": bucket * expected[k] / seconds[k]}
+                                   "tokens_per_s_per_sequence": expected[k] / seconds[k]}
                                for k in sorted(seconds) if seconds[k] > 0}
         return {"expected_tokens": {k: expected[k] for k in self.choices}, "buckets": buckets,
                 "learned": self.learned()}

@@ -174,7 +174,7 @@ def test_the_snapshot_shows_what_the_choice_rests_on():
     assert set(measured) == set(tuner.choices)  # every candidate was measured past its first step
     for k, row in measured.items():
         assert row["ms"] == pytest.approx(1e3 * tuner._buckets[8].seconds[k])
-        assert row["tokens_per_s"] == pytest.approx(8 * tuner.expected_tokens(k) / tuner._buckets[8].seconds[k])
+        assert row["tokens_per_s_per_sequence"] == pytest.approx(tuner.expected_tokens(k) / tuner._buckets[8].seconds[k])
     # the learned k is the one with the most tokens per second of step
-    assert max(measured, key=lambda k: (measured[k]["tokens_per_s"], -k)) == tuner.best(8)
+    assert max(measured, key=lambda k: (measured[k]["tokens_per_s_per_sequence"], -k)) == tuner.best(8)
     assert DraftTuner(3).snapshot() == {"expected_tokens": {3: 4.0, 1: 2.0, 0: 1.0}, "buckets": {}, "learned": {}}
