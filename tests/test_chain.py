@@ -523,13 +523,15 @@ def check_shorter_drafts(model_dir, k: int, device: str, max_tokens: int) -> Non
         drafter.use_static_forwards(use_graphs=False)
     paths = {"captured whole": dict(chain_capture=2), "chained piecewise": dict(chain_capture=0),
              "step by step": dict(chain_steps=False)}
+    if device == "cpu":
+        del paths["captured whole"]  # nothing is captured here: the piecewise run is the same one
     accepted = {}
     for name, config in paths.items():
         tokens, accepted[name], engine = run(drafter, static=True, **config)
         assert tokens == want, name
         if name != "step by step":
             assert engine.counters.chained > 0, name
-        if name == "captured whole" and device == "cuda":
+        if name == "captured whole":
             assert engine.counters.chain_replays > 0
     print(f"k={k}: drafts accepted per request, eager {reference}, " + ", ".join(f"{n} {a}" for n, a in accepted.items()))
     for name, got in accepted.items():
