@@ -185,7 +185,8 @@ def main() -> None:
         local_drafter = make_drafter(args.drafter, model, setup)
         for batch in args.batch:
             # One stream runs two requests back to back; B streams run B requests at once.
-            prompts = PROMPTS[:1] * 2 if batch == 1 else (PROMPTS * batch)[:batch]
+            # one stream: every prompt, one after another (one prompt's tau is its text's, see draft_length)
+            prompts = PROMPTS if batch == 1 else (PROMPTS * batch)[:batch]
             conf = EngineConfig(max_batch=batch, drafts_by_batch=args.drafts_by_batch, auto_drafts=args.auto,
                                 chain_steps=not args.no_chain)
             if args.chain_capture is not None:
