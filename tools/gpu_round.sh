@@ -4,6 +4,7 @@
 # at most a call):
 #   bash tools/gpu_round.sh kernels   # the gpu tests of the kernels, the step and the chain
 #   bash tools/gpu_round.sh steps     # tokens/s side by side, where a step's time goes
+#   bash tools/gpu_round.sh services  # device-side ordering between two processes (stream_wait_probe)
 # Everything printed also goes to $OUT/round.log as it comes (a call that runs out of time returns what
 # is under $OUT by then).
 source tools/device_setup.sh
@@ -27,8 +28,13 @@ steps)
   python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 512 --batch 1 2 4 8 \
     --also-uncaptured --json-out "$OUT/split.json" 2>&1 | grep -v INFO | tail -2 | log
   ;;
+services)
+  # can the target's and the drafter's streams order each other through a flag, with no host waiting
+  # (the services' steps in series through both hosts cost ~2.4x an in-process chained step)?
+  python tools/stream_wait_probe.py --rounds 2000 2>&1 | log
+  ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services" >&2
   exit 2
   ;;
 esac
