@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--drafter", default="dflash", help="dflash, mtp or none")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--num-drafts", type=int, default=None, metavar="K",
+                    help="drafts per step (default: the drafter's most)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--stacks", action="store_true",
                     help="also list host->device and device->host copies and syncs by the Python line that made them")
@@ -42,7 +44,9 @@ def main() -> None:
     model = load_target(folder, dtype=torch.bfloat16, device="cuda")
     tokenizer = Tokenizer.from_dir(folder)
     drafter = None if args.drafter == "none" else make_drafter(args.drafter, model, setup)
-    engine = Engine(model, drafter, EngineConfig(max_batch=args.batch))
+    if args.num_drafts is not None and args.num_drafts < 1:
+        ap.error("--num-drafts: at least 1")
+    engine = Engine(model, drafter, EngineConfig(max_batch=args.batch, num_drafts=args.num_drafts))
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     params = SamplingParams(max_tokens=48 * args.steps + 64, ignore_eos=True)  # three stretches of steps
     for i in range(args.batch):
@@ -63,7 +67,8 @@ def main() -> None:
         wall = (time.perf_counter() - start) / args.steps
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / args.steps  # ms
-    lines = [f"drafter {args.drafter}, batch {args.batch}: wall {unprofiled * 1e3:.3f} ms/step unprofiled, "
+    k = "" if args.num_drafts is None else f", k = {args.num_drafts}"
+    lines = [f"drafter {args.drafter}, batch {args.batch}{k}: wall {unprofiled * 1e3:.3f} ms/step unprofiled, "
              f"{wall * 1e3:.3f} profiled, GPU busy {busy:.3f} ms/step, "
              f"{len(kernels) / args.steps:.0f} kernels/step",
              prof.key_averages().table(sort_by="device_time_total", row_limit=15),
@@ -74,7 +79,8 @@ def main() -> None:
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"profile-{args.drafter}-b{args.batch}.txt"), "w") as f:
+        suffix = "" if args.num_drafts is None else f"-k{args.num_drafts}"
+        with open(os.path.join(args.out, f"profile-{args.drafter}-b{args.batch}{suffix}.txt"), "w") as f:
             f.write(text)
 
 
