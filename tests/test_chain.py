@@ -547,7 +547,7 @@ def test_shorter_drafts_are_accepted_as_often_on_the_static_paths(smollm2_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("k", [3, 7, 15])
+@pytest.mark.parametrize("k", [7])  # (3 and 15 passed too, sixteenth session: 40 s of device time each)
 def test_shorter_drafts_are_accepted_as_often_on_every_gpu_path(smollm2_dir, k):
     """A step's k drafts are the first k of the same block, so over the same text a shorter k is accepted
     about as often per draft offered, on every path. (The fifteenth session's bf16 run on one prompt gave

@@ -11,12 +11,11 @@ source tools/device_setup.sh
 log() { tee -a "$OUT/round.log"; }
 case "${1:-}" in
 kernels)
-  # first, drafts of k < 15 accepted as often on every chained path as by the eager drafter (float32, one
-  # stream); the test prints each path's accepted drafts
-  python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_chain.py -k shorter 2>&1 \
+  # the GPU tests of the kernels, the step graphs, the chain (drafts of k < 15 accepted as often on every
+  # chained path as by the eager drafter prints each path's counts) and the DFlash graphs
+  python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_row_max.py tests/test_paged_attention.py \
+    tests/test_step_graphs.py tests/test_chain.py tests/test_dflash_graphs.py 2>&1 \
     | grep -E "drafts accepted|Error|error|assert|FAILED|passed|failed" | tail -30 | log
-  python -m pytest -q -m gpu -p no:cacheprovider tests/test_row_max.py tests/test_paged_attention.py \
-    tests/test_step_graphs.py tests/test_chain.py tests/test_dflash_graphs.py -k "not shorter" 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -30 | log
   ;;
 steps)
   # where a step's time goes at one and eight streams, then tokens/s by draft length (and the tuner's view)
