@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import uuid
 
@@ -339,6 +340,22 @@ def drafts_by_batch(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
+def sampled_by_kind(text: str) -> tuple[tuple[str, float], ...]:
+    """`chat=1,code=0.25` -> (("chat", 1.0), ("code", 0.25)): sampled continuations per prompt of a kind
+    (`TrainConfig` checks the kinds and the range)."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, sep, n = item.partition("=")
+        try:
+            value = float(n)
+        except ValueError:
+            value = math.nan
+        if not sep or not kind or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{item!r} is not KIND=N (a kind and a number of continuations)")
+        pairs.append((kind.strip(), value))
+    return tuple(pairs)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.epilog = SERVE_EPILOG
     p.add_argument("--listen", action=Append, required=True, metavar="ADDR",
@@ -483,7 +500,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
                       num_target_layers=args.num_target_layers, batch=args.batch, anchors=args.anchors,
                       mtp_steps=args.mtp_steps, seq_len=args.seq_len, lr=args.lr, loss_decay=args.loss_decay,
                       steps=args.steps, minutes=minutes, gen_batch=args.gen_batch, gen_fraction=args.gen_fraction,
-                      pool_gb=args.pool_gb, pool_rounds=args.pool_rounds, sampled_fraction=args.sampled_fraction, self_prompts=args.self_prompts,
+                      pool_gb=args.pool_gb, pool_rounds=args.pool_rounds, sampled_fraction=args.sampled_fraction,
+                      sampled_by_kind=args.sampled_by_kind, self_prompts=args.self_prompts,
                       ce_weight=args.ce_weight, kl_weight=args.kl_weight, gen_graphs=not args.no_gen_graphs,
                       seed=args.seed, log_every=args.log_every)
     if args.eval_tokens < 0:
@@ -542,6 +560,9 @@ def add_training_parsers(sub) -> None:
                                "chained session gives new data)"),
             ("--log-every", int, 50, "optimizer steps between progress lines")):
         tr.add_argument(flag, type=kind, default=default, help=text)
+    tr.add_argument("--sampled-by-kind", type=sampled_by_kind, default=(), metavar="KIND=N,...",
+                    help="sampled continuations per prompt of a kind (chat, code, math), up to 4, e.g. chat=1,code=0.25 "
+                         "(default: --sampled-fraction for every kind)")
     tr.add_argument("--eval-tokens", type=int, default=0, metavar="N",
                     help="after saving, evaluate the new checkpoint and the --init one on the held-out prompts, "
                          "N tokens each, in the same process (eval-acceptance's figures; default: 0, no evaluation)")

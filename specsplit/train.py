@@ -36,8 +36,10 @@ from specsplit.drafter_service.training import dflash_block_hidden, mtp_step_out
 from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
 from specsplit.target_service.dense import DenseDecoder, Generated, generate
 from specsplit.target_service.model import CaptureSpec, TargetModel
+from specsplit.train_data import KINDS as PROMPT_KINDS
 
 MAX_FILE_BYTES = 16 * 1024 * 1024  # what one file back from the GPU host may weigh (its device tool)
+MAX_SAMPLED = 4.0  # sampled continuations a prompt may get (--sampled-by-kind)
 Log = Callable[[str], None]
 
 
@@ -56,6 +58,8 @@ class TrainConfig:
     gen_batch: int = 1024  # sequences generated together (decode is launch-bound: wide batches are cheap)
     gen_graphs: bool = True  # on CUDA, decode steps replay captured graphs (False: eager, for diagnosis)
     sampled_fraction: float = 0.25  # prompts that also get a sampled continuation
+    # Sampled continuations per prompt of a kind, where given (in place of sampled_fraction): ((kind, n), ...)
+    sampled_by_kind: tuple[tuple[str, float], ...] = ()
     temperature: float = 0.7
     self_prompts: int = 16384  # rows the target samples questions in (about 3 in 4 survive the filters)
     ce_weight: float = 0.2  # CE on the target's token
@@ -92,6 +96,11 @@ class TrainConfig:
             raise InvalidRequest("--steps and --minutes must be positive")
         if not (0 <= self.sampled_fraction <= 1 and 0 < self.gen_fraction < 1 and 0 <= self.warmup < 1):
             raise InvalidRequest("sampled_fraction must lie in [0, 1], gen_fraction in (0, 1), warmup in [0, 1)")
+        kinds = [kind for kind, _ in self.sampled_by_kind]
+        if len(set(kinds)) != len(kinds) or any(kind not in PROMPT_KINDS for kind in kinds) or \
+                any(not 0 <= n <= MAX_SAMPLED for _, n in self.sampled_by_kind):
+            raise InvalidRequest(f"sampled_by_kind names each of {', '.join(PROMPT_KINDS)} at most once, with "
+                                 f"0 to {MAX_SAMPLED} sampled continuations a prompt; got {self.sampled_by_kind!r}")
         if self.lr <= 0 or self.temperature <= 0 or self.pool_gb <= 0:
             raise InvalidRequest("lr, temperature and pool_gb must be positive")
         if self.ce_weight < 0 or self.kl_weight < 0 or self.ce_weight + self.kl_weight == 0 or self.self_prompts < 0:
@@ -117,6 +126,10 @@ class TrainConfig:
             raise InvalidRequest(f"{len(chosen)} target layers do not spread over {num_hidden_layers}; "
                                  "give --target-layers")
         return chosen
+
+    def sampled_for(self, kind: str) -> float:
+        """Sampled continuations a prompt of `kind` gets (on average: the fraction by chance)."""
+        return dict(self.sampled_by_kind).get(kind, self.sampled_fraction)
 
     @property
     def decay(self) -> float:
@@ -730,11 +743,12 @@ def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: st
     prompts = session_prompts(cfg, model, tokenizer, clock, log)
     fitted = [(fit_prompt(p.encode(tokenizer), cfg.max_prompt_tokens, p.kind == "code"), p.kind) for p in prompts]
     ids = [i for i, _ in fitted if i]
-    from specsplit.train_data import KINDS
-
-    kinds = ", ".join(f"{sum(1 for i, k in fitted if i and k == kind)} {kind}" for kind in KINDS)
+    samples = [cfg.sampled_for(k) for i, k in fitted if i]
+    kinds = ", ".join(f"{sum(1 for i, k in fitted if i and k == kind)} {kind}" for kind in PROMPT_KINDS)
     log(f"{len(ids)} training prompts within {cfg.max_prompt_tokens} tokens ({kinds}); {clock.elapsed():.0f}s")
-    result = train_drafter(cfg, model, ids, eos_ids=tokenizer.eos_token_ids, init=init, log=log, clock=clock)
+    if cfg.sampled_by_kind:
+        log("sampled continuations a prompt: " + ", ".join(f"{kind} {cfg.sampled_for(kind):g}" for kind in PROMPT_KINDS))
+    result = train_drafter(cfg, model, ids, samples=samples, eos_ids=tokenizer.eos_token_ids, init=init, log=log, clock=clock)
     saved = save_drafter(result.model, out)
     size = sum(f.stat().st_size for f in saved.glob("*.safetensors"))
     epochs = len(result.losses) * cfg.batch / result.pool_size

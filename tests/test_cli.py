@@ -143,6 +143,20 @@ def test_draft_lengths_are_parsed_and_bad_values_are_refused(capsys):
         assert "nor 'auto'" in capsys.readouterr().err
 
 
+def test_sampled_continuations_by_kind_are_parsed_and_bad_values_are_refused(capsys):
+    from specsplit.cli import build_parser
+
+    train = ["train-drafter", "--kind", "dflash", "--out", "/tmp/x", "--sampled-by-kind"]
+    assert build_parser().parse_args(train + ["chat=1, code=0.25"]).sampled_by_kind == (("chat", 1.0), ("code", 0.25))
+    for bad in ("chat", "chat=", "=1", "chat=many", "chat=nan", "code=inf"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(train + [bad])
+        assert "is not KIND=N" in capsys.readouterr().err
+    # a kind that does not exist, or a count out of range: the command's own error (exit 2 through main)
+    assert main(train + ["poetry=1"]) == 2
+    assert "sampled_by_kind names each of chat, code, math" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_output_stream_leaves_special_tokens_out_of_the_text(smollm2_dir, native):
     tokenizer = Tokenizer.from_dir(smollm2_dir)

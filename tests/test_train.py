@@ -176,9 +176,13 @@ def test_config_is_validated():
     assert TrainConfig(steps=1, block_size=16).decay == 7.0
     assert TrainConfig(steps=1, block_size=8).decay == 4.0
     for bad in ({"ce_weight": 0.0, "kl_weight": 0.0}, {"kl_weight": -1.0}, {"target_layers": ()},
-                {"target_layers": (1, 2), "num_target_layers": 2}, {"num_target_layers": 0}):
+                {"target_layers": (1, 2), "num_target_layers": 2}, {"num_target_layers": 0},
+                {"sampled_by_kind": (("poetry", 1.0),)}, {"sampled_by_kind": (("chat", 1.0), ("chat", 2.0))},
+                {"sampled_by_kind": (("code", -0.5),)}, {"sampled_by_kind": (("math", 4.5),)}):
         with pytest.raises(InvalidRequest):
             TrainConfig(steps=1, **bad)
+    cfg = TrainConfig(steps=1, sampled_fraction=0.25, sampled_by_kind=(("chat", 2.0), ("code", 0.0)))
+    assert (cfg.sampled_for("chat"), cfg.sampled_for("code"), cfg.sampled_for("math")) == (2.0, 0.0, 0.25)
 
 
 def test_target_layers_are_chosen_as_asked_and_kept_from_init(llama, tmp_path):
@@ -270,18 +274,26 @@ def test_the_command_writes_questions_trains_and_saves(tiny_chat_dir, tmp_path, 
     """The whole `train-drafter` path on a tiny model with the real tokenizer: offline prompts, the
     target's own questions (a random model writes none that pass the filters), generation within the
     time budget, training, a checkpoint that loads."""
+    from specsplit import train
     from specsplit.train import run
 
-    lines = []
+    lines, given = [], []
+    original = train.train_drafter
+    monkeypatch.setattr(train, "train_drafter", lambda *a, samples=None, **kw: given.append(samples) or original(
+        *a, samples=samples, **kw))
     cfg = TrainConfig(layers=1, target_layers=(0, 2), block_size=4, batch=8, anchors=4, seq_len=8,
-                      max_prompt_tokens=32, gen_batch=64, self_prompts=64, minutes=0.5, log_every=10, pool_gb=0.1)
+                      max_prompt_tokens=32, gen_batch=64, self_prompts=64, minutes=0.5, log_every=10, pool_gb=0.1,
+                      sampled_by_kind=(("code", 1.0), ("math", 0.0)))
     folder = run(cfg, target=str(tiny_chat_dir), out=tmp_path / "d", device="cpu", log=lines.append,
                  eval_tokens=4, eval_limit=3)
     text = "\n".join(lines)
     for needle in ("offline training prompts (seed 0)", "questions written by the target from 64 samples",
                    "training prompts within 32 tokens", "target layers [0, 2]", "generated tokens", "epochs",
-                   "held-out eval, this checkpoint: tau ", "3 prompts, 4 tokens"):
+                   "held-out eval, this checkpoint: tau ", "3 prompts, 4 tokens",
+                   "sampled continuations a prompt: chat 0.25, code 1, math 0"):
         assert needle in text
+    (samples,) = given  # per prompt, by its kind (within 32 tokens only code prompts fit: chat's template is longer)
+    assert "(0 chat, " in text and set(samples) == {1.0}
     assert "the --init checkpoint" not in text  # none was given
     target = load_target(tiny_chat_dir)
     drafter = load_drafter(folder, target_head(target), target_info=target_info(target))
