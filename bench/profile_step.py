@@ -38,14 +38,14 @@ def main() -> None:
     ap.add_argument("--stacks", action="store_true",
                     help="also list host->device and device->host copies and syncs by the Python line that made them")
     args = ap.parse_args()
+    if args.num_drafts is not None and args.num_drafts < 1:
+        ap.error("--num-drafts: at least 1")
     torch.set_grad_enabled(False)
     setup = LocalSetup(drafter=args.drafter, device="cuda", dtype="bfloat16", seed=0)
     folder = target_dir("default")
     model = load_target(folder, dtype=torch.bfloat16, device="cuda")
     tokenizer = Tokenizer.from_dir(folder)
     drafter = None if args.drafter == "none" else make_drafter(args.drafter, model, setup)
-    if args.num_drafts is not None and args.num_drafts < 1:
-        ap.error("--num-drafts: at least 1")
     engine = Engine(model, drafter, EngineConfig(max_batch=args.batch, num_drafts=args.num_drafts))
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     params = SamplingParams(max_tokens=48 * args.steps + 64, ignore_eos=True)  # three stretches of steps

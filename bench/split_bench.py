@@ -184,8 +184,8 @@ def main() -> None:
                    "step_transport": remote.step_transport}
         local_drafter = make_drafter(args.drafter, model, setup)
         for batch in args.batch:
-            # One stream runs two requests back to back; B streams run B requests at once.
-            # one stream: every prompt, one after another (one prompt's tau is its text's, see draft_length)
+            # One stream runs every prompt, one after another (one prompt's tau is its text's, see
+            # draft_length); B streams run B requests at once.
             prompts = PROMPTS if batch == 1 else (PROMPTS * batch)[:batch]
             conf = EngineConfig(max_batch=batch, drafts_by_batch=args.drafts_by_batch, auto_drafts=args.auto,
                                 chain_steps=not args.no_chain)

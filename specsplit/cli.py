@@ -453,7 +453,7 @@ def add_service_parsers(sub) -> None:
                     help="draft tokens verified per step, per sequence (default: the drafter's most: 15 for "
                          "the shipped DFlash, 4 for MTP); 'auto': learn while serving, per batch size, which "
                          "of 0, 1, 3, 7, 15 gives the most tokens/s (it pays for trying each: on the H200 it "
-                         "settled on 15 and ran 0.8-0.9x the default's rate in short runs, README sixteenth "
+                         "settled on 15 and ran 0.82-0.93x the default's rate in short runs, README sixteenth "
                          "session); `specsplit demo` measures which is fastest here")
     ts.add_argument("--drafts-by-batch", type=drafts_by_batch, default=(), metavar="N:K,...",
                     help="at most K drafts per sequence in a step of N or more sequences, e.g. 8:7,32:3 "

@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
 # The GPU calls of a session, after the model's pieces are staged (tools/device_setup.sh): what the last
-# session built but could not measure, most wanted first, in two phases of one call each (10 minutes
+# session built but could not measure, most wanted first, in phases of one call each (10 minutes
 # at most a call):
 #   bash tools/gpu_round.sh kernels   # the gpu tests of the kernels, the step and the chain
 #   bash tools/gpu_round.sh steps     # tokens/s side by side, where a step's time goes
 #   bash tools/gpu_round.sh services  # device-side ordering between two processes (stream_wait_probe)
 # Everything printed also goes to $OUT/round.log as it comes (a call that runs out of time returns what
 # is under $OUT by then).
-source tools/device_setup.sh
 log() { tee -a "$OUT/round.log"; }
+if [ "${1:-}" = services ]; then
+  # can the target's and the drafter's streams order each other through a flag, with no host waiting
+  # (the services' steps in series through both hosts cost ~2.4x an in-process chained step)? Needs no
+  # model: runs on a machine fresh from its first call.
+  timeout 300 python tools/stream_wait_probe.py --rounds 2000 2>&1 | log
+  exit
+fi
+source tools/device_setup.sh
 case "${1:-}" in
 kernels)
-  # the GPU tests of the kernels, the step graphs, the chain (drafts of k < 15 accepted as often on every
-  # chained path as by the eager drafter prints each path's counts) and the DFlash graphs
+  # the GPU tests of the kernels, the step graphs, the chain and the DFlash graphs (the k < 15 check prints
+  # the drafts each chained path accepted beside the eager drafter's)
   python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_row_max.py tests/test_paged_attention.py \
     tests/test_step_graphs.py tests/test_chain.py tests/test_dflash_graphs.py 2>&1 \
     | grep -E "drafts accepted|Error|error|assert|FAILED|passed|failed" | tail -30 | log
@@ -28,11 +35,6 @@ steps)
     --json-out "$OUT/draft_length.json" 2>&1 | grep -v INFO | tail -16 | log
   python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 512 --batch 1 2 4 8 \
     --also-uncaptured --json-out "$OUT/split.json" 2>&1 | grep -v INFO | tail -2 | log
-  ;;
-services)
-  # can the target's and the drafter's streams order each other through a flag, with no host waiting
-  # (the services' steps in series through both hosts cost ~2.4x an in-process chained step)?
-  python tools/stream_wait_probe.py --rounds 2000 2>&1 | log
   ;;
 *)
   echo "usage: bash tools/gpu_round.sh kernels|steps|services" >&2

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import sys
+import threading
 import time
 from multiprocessing import shared_memory
 
@@ -31,16 +33,22 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ (unsigned, wrap-aware)
+WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: until (int32)(*addr - value) >= 0 (a signed, wrap-aware difference)
+RELEASE = 0x3FFFFFFF  # past every round's value and within that difference of each: a host's release
+DEADLINE_S = 10.0  # the most any part waits for the device before releasing what waits and saying so
+CHUNK = 100  # rounds queued between two looks at the clock (a stuck peer must not fill the queue unseen)
 
 
 class Driver:
-    """The two stream memory operations, from the driver library."""
+    """The two stream memory operations, and the device address of registered host memory."""
 
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
         self.wait_fn = self._symbol(lib, "cuStreamWaitValue32")
         self.write_fn = self._symbol(lib, "cuStreamWriteValue32")
+        self.host_pointer_fn = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or lib.cuMemHostGetDevicePointer
+        self.host_pointer_fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        self.host_pointer_fn.restype = ctypes.c_int
 
     @staticmethod
     def _symbol(lib, name: str):
@@ -53,37 +61,49 @@ class Driver:
         raise RuntimeError(f"libcuda has no {name}")
 
     def wait(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
-        self._check(self.wait_fn(stream.cuda_stream, address, value, WAIT_GEQ), "wait")
+        self._check(self.wait_fn(stream.cuda_stream, address, value, WAIT_GEQ), "cuStreamWaitValue32")
 
     def write(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
-        self._check(self.write_fn(stream.cuda_stream, address, value, 0), "write")
+        self._check(self.write_fn(stream.cuda_stream, address, value, 0), "cuStreamWriteValue32")
+
+    def device_pointer(self, host_address: int) -> int:
+        out = ctypes.c_uint64(0)
+        self._check(self.host_pointer_fn(ctypes.byref(out), host_address, 0), "cuMemHostGetDevicePointer")
+        return out.value
 
     @staticmethod
     def _check(code: int, what: str) -> None:
         if code != 0:
-            raise RuntimeError(f"cuStream{what.capitalize()}Value32 returned CUresult {code}")
+            raise RuntimeError(f"{what} returned CUresult {code}")
 
 
-def host_flags(name: str | None):
-    """Two uint32 flags in POSIX shared memory, registered with CUDA (mapped): (shm, array, address)."""
+def wait_done(event: torch.cuda.Event, seconds: float) -> bool:
+    """Poll `event` for up to `seconds`; never a blocking synchronize (a wait that is never satisfied
+    would block it for good)."""
+    deadline = time.perf_counter() + seconds
+    while not event.query():
+        if time.perf_counter() > deadline:
+            return False
+        time.sleep(1e-4)
+    return True
+
+
+def host_flags(name: str | None, driver: Driver):
+    """Two int32 flags in POSIX shared memory, registered with CUDA (mapped): (shm, array, device address)."""
     shm = shared_memory.SharedMemory(name=name, create=name is None, size=4096)
-    flags = np.ndarray((2,), dtype=np.uint32, buffer=shm.buf)
+    flags = np.ndarray((2,), dtype=np.int32, buffer=shm.buf)
     if name is None:
         flags[:] = 0
-    address = flags.ctypes.data
-    code = torch.cuda.cudart().cudaHostRegister(address, 4096, 0x1 | 0x2)  # portable | mapped
+    code = torch.cuda.cudart().cudaHostRegister(flags.ctypes.data, 4096, 0x1 | 0x2)  # portable | mapped
     if int(code) != 0:
         raise RuntimeError(f"cudaHostRegister returned {code}")
-    return shm, flags, address  # with unified addressing the host address is the device one
+    return shm, flags, driver.device_pointer(flags.ctypes.data)
 
 
 def drop_host_flags(shm, flags: np.ndarray, unlink: bool) -> None:
+    """Unregister and unmap (the array does not keep the mapping: it must not be read after this)."""
     torch.cuda.cudart().cudaHostUnregister(flags.ctypes.data)
-    del flags  # (the array holds shm's buffer: it must go before close)
-    try:
-        shm.close()
-    except BufferError:  # another view still held: the process's exit unmaps it
-        pass
+    shm.close()
     if unlink:
         shm.unlink()
 
@@ -94,70 +114,117 @@ def peer(pipe, where: str, rounds: int, shm_name: str | None, device_flags: torc
         torch.cuda.init()
         driver = Driver()
         stream = torch.cuda.Stream()
+        shm = flags = None
         if where == "host":
-            shm, flags, address = host_flags(shm_name)
+            shm, flags, address = host_flags(shm_name, driver)
             a, b = address, address + 4
         else:
             a, b = device_flags.data_ptr(), device_flags.data_ptr() + 4
         pipe.send("ready")
-        pipe.recv()  # go
+        if not pipe.poll(60) or pipe.recv() != "go":
+            raise RuntimeError("no go from the probe within 60 s")
         for i in range(1, rounds + 1):
             driver.wait(stream, a, i)
             driver.write(stream, b, i)
-        stream.synchronize()
+        done = torch.cuda.Event()
+        done.record(stream)
+        if not wait_done(done, 2 * DEADLINE_S):  # the probe releases our waits before this: a last resort
+            pipe.send("peer stuck")
+            os._exit(3)
         pipe.send("done")
-        if where == "host":
+        if shm is not None:
             drop_host_flags(shm, flags, unlink=False)
     except Exception as exc:  # noqa: BLE001 - a probe reports what failed
         pipe.send(f"peer failed: {type(exc).__name__}: {exc}")
 
 
 def ping_pong(where: str, rounds: int, driver: Driver) -> str:
+    """Round trips between this process's stream and the peer's, both queued up front."""
     stream = torch.cuda.Stream()
     shm, flags, device_flags = None, None, None
     if where == "host":
-        shm, flags, address = host_flags(None)
+        shm, flags, address = host_flags(None, driver)
         a, b = address, address + 4
         name = shm.name
     else:
         device_flags = torch.zeros(2, dtype=torch.int32, device="cuda")
+        torch.cuda.synchronize()  # zeroed before any stream waits on it
         a, b = device_flags.data_ptr(), device_flags.data_ptr() + 4
         name = None
+
+    def let_go() -> None:  # both sides' waits, from this host
+        if flags is not None:
+            flags[:] = RELEASE
+        else:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                device_flags.fill_(RELEASE)
+
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=peer, args=(theirs, where, rounds, name, device_flags))
+    proc = ctx.Process(target=peer, args=(theirs, where, rounds, name, device_flags), daemon=True)
     proc.start()
+    theirs.close()  # (so that a peer dying before it answers ends our wait for it)
+    settled, watchdog, fired = True, None, []
+
+    def stuck(what: str) -> SystemExit:
+        """Release both sides' waits (best effort: the streams' own later writes may lower the flags
+        again) and stop the probe: a stream left waiting would hang every later synchronize."""
+        nonlocal settled
+        let_go()
+        settled = wait_done(_recorded(stream), DEADLINE_S)
+        return SystemExit(f"STUCK: {what} (released from the host: {'done' if settled else 'still waiting'}); "
+                          "the probe stops here")
+
     try:
+        if not ours.poll(120):
+            return "the peer did not start within 120 s"
         said = ours.recv()
         if said != "ready":
             return said
         ours.send("go")
+        # Queued in chunks, the clock read between them; and should queueing itself block (a stream's queue
+        # full behind a wait the peer never meets), a watchdog releases the waits from another thread.
+        watchdog = threading.Timer(3 * DEADLINE_S, lambda: fired.append(True) or let_go())
+        watchdog.daemon = True
+        watchdog.start()
         started = time.perf_counter()
-        for i in range(1, rounds + 1):
-            driver.write(stream, a, i)
-            driver.wait(stream, b, i)
+        for first in range(1, rounds + 1, CHUNK):
+            for i in range(first, min(first + CHUNK, rounds + 1)):
+                driver.write(stream, a, i)
+                driver.wait(stream, b, i)
+            if time.perf_counter() - started > DEADLINE_S:
+                raise stuck(f"{min(first + CHUNK - 1, rounds)} rounds queued in {DEADLINE_S:.0f} s")
+        watchdog.cancel()
+        if fired:
+            raise stuck("queueing blocked until the watchdog released the waits")
         queued = time.perf_counter() - started
-        done = torch.cuda.Event()
-        done.record(stream)
-        while not done.query():
-            if time.perf_counter() - started > 10:  # stuck: release both sides' waits from the host
-                if flags is not None:
-                    flags[:] = 0xFFFFFFF0
-                else:
-                    with torch.cuda.stream(torch.cuda.Stream()):
-                        device_flags.fill_(0x7FFFFFF0)
-                done.synchronize()
-                return f"STUCK: {rounds} round trips not done in 10 s (released from the host)"
+        if not wait_done(_recorded(stream), DEADLINE_S):
+            raise stuck(f"{rounds} round trips not done in {DEADLINE_S:.0f} s")
         elapsed = time.perf_counter() - started
+        if not ours.poll(DEADLINE_S):
+            return "the peer's waits were met but the peer did not say so"
         said = ours.recv()
         if said != "done":
             return said
         return (f"{rounds} round trips in {elapsed * 1e3:.1f} ms: {elapsed / rounds * 1e6:.1f} us each "
                 f"(the host queued all of ours in {queued * 1e3:.1f} ms)")
     finally:
-        proc.join(timeout=30)
-        if shm is not None:
+        if watchdog is not None:
+            watchdog.cancel()
+        proc.join(timeout=30 if settled else 1)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+        if shm is not None and settled:  # (never unmap memory a stream may still poll)
             drop_host_flags(shm, flags, unlink=True)
+        elif shm is not None:
+            shm.unlink()
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def one_process(rounds: int, driver: Driver) -> str:
@@ -171,50 +238,60 @@ def one_process(rounds: int, driver: Driver) -> str:
         driver.wait(second, a, i)
         driver.write(second, b, i)
         driver.wait(first, b, i)
-    torch.cuda.synchronize()
+    if not wait_done(_recorded(first), DEADLINE_S):
+        with torch.cuda.stream(torch.cuda.Stream()):
+            flags.fill_(RELEASE)
+        raise SystemExit(f"STUCK: not done in {DEADLINE_S:.0f} s (released from the host); the probe stops here")
     elapsed = time.perf_counter() - started
+    if not wait_done(_recorded(second), DEADLINE_S):
+        raise SystemExit("STUCK: the second stream did not finish; the probe stops here")
     return f"{rounds} round trips in {elapsed * 1e3:.1f} ms: {elapsed / rounds * 1e6:.1f} us each"
 
 
 def release(where: str, driver: Driver) -> str:
+    """A stream waiting on a value nobody else writes, released by its own host's write. A failure raises
+    SystemExit: a stream may then wait for good, and the caller ends the process after saying so."""
     stream = torch.cuda.Stream()
-    shm = None
+    shm = flags = device_flags = None
     if where == "host":
-        shm, flags, address = host_flags(None)
+        shm, flags, address = host_flags(None, driver)
     else:
         device_flags = torch.zeros(2, dtype=torch.int32, device="cuda")
         address = device_flags.data_ptr()
+    marker = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()  # the flags (and the marker) zeroed before the wait is queued
+    settled = False
     try:
-        done = torch.cuda.Event()
         driver.wait(stream, address, 7)
-        marker = torch.zeros(1, device="cuda")
         with torch.cuda.stream(stream):
             marker.add_(1)
-        done.record(stream)
+        done = _recorded(stream)
         time.sleep(0.05)
         if done.query():
+            settled = True
             return "the wait did not hold: its stream ran on before the value was written"
         started = time.perf_counter()
-        if where == "host":
+        if flags is not None:
             flags[0] = 7  # a plain store: no CUDA call
         else:
-            other = torch.cuda.Stream()
-            with torch.cuda.stream(other):
+            with torch.cuda.stream(torch.cuda.Stream()):
                 device_flags[0].fill_(7)
-        while not done.query():
-            if time.perf_counter() - started > 5:
-                return "NOT released within 5 s of its host's write"
-        return f"held 50 ms, released {(time.perf_counter() - started) * 1e6:.0f} us after its host's write, " \
-               f"its kernel ran: {marker.item() == 1.0}"
+        settled = wait_done(done, 5.0)
+        if not settled:
+            raise SystemExit("NOT released within 5 s of its host's write: the probe stops here")
+        return (f"held 50 ms, released {(time.perf_counter() - started) * 1e6:.0f} us after its host's write, "
+                f"its kernel ran: {marker.item() == 1.0}")
     finally:
-        if shm is not None:
+        if shm is not None and settled:  # (never unmap memory a stream may still poll)
             drop_host_flags(shm, flags, unlink=True)
 
 
 def capture(driver: Driver) -> str:
+    """A wait and a write captured in a CUDA graph (the flags set before the replay)."""
     flags = torch.zeros(2, dtype=torch.int32, device="cuda")
     a, b = flags.data_ptr(), flags.data_ptr() + 4
     x = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         driver.wait(torch.cuda.current_stream(), a, 1)
@@ -223,7 +300,8 @@ def capture(driver: Driver) -> str:
     flags[0] = 1
     torch.cuda.synchronize()
     graph.replay()
-    torch.cuda.synchronize()
+    if not wait_done(_recorded(torch.cuda.current_stream()), DEADLINE_S):
+        raise SystemExit("the replay did not finish in 10 s (its wait was not met): the probe stops here")
     return f"captured and replayed: flag written {int(flags[1])} (want 5), the kernel between ran {x.item():.0f} time(s)"
 
 
@@ -231,23 +309,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2000)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
     if not torch.cuda.is_available():
         sys.exit("stream_wait_probe: needs a CUDA GPU")
     driver = Driver()
-    print("one process, two streams:", one_process(args.rounds, driver), flush=True)
+    parts = [("one process, two streams", lambda: one_process(args.rounds, driver))]
     for where in ("device", "host"):
-        for name, run in (("ping-pong", lambda: ping_pong(where, args.rounds, driver)),
-                          ("release", lambda: release(where, driver))):
-            try:
-                said = run()
-            except Exception as exc:  # noqa: BLE001 - a probe reports what failed and goes on
-                said = f"failed: {type(exc).__name__}: {exc}"
-            print(f"flags in {where} memory, {name}: {said}", flush=True)
-    try:
-        said = capture(driver)
-    except Exception as exc:  # noqa: BLE001
-        said = f"failed: {type(exc).__name__}: {exc}"
-    print(f"graph capture: {said}", flush=True)
+        parts += [(f"flags in {where} memory, ping-pong", lambda w=where: ping_pong(w, args.rounds, driver)),
+                  (f"flags in {where} memory, release", lambda w=where: release(w, driver))]
+    parts.append(("graph capture", lambda: capture(driver)))
+    for name, part in parts:
+        try:
+            said = part()
+        except SystemExit as stop:  # a stream that may wait for good: say so and leave at once
+            print(f"{name}: {stop}", flush=True)
+            os._exit(4)
+        except Exception as exc:  # noqa: BLE001 - a probe reports what failed and goes on
+            said = f"failed: {type(exc).__name__}: {exc}"
+        print(f"{name}: {said}", flush=True)
 
 
 if __name__ == "__main__":
