@@ -29,7 +29,8 @@ steps)
   for batch in 1 8; do
     python bench/profile_step.py --drafter dflash --batch $batch --steps 40 --out "$OUT" 2>&1 | grep -v INFO | head -12 | log
   done
-  # at eight streams a step of k = 3 took 2.2-2.4 ms against k = 15's 1.67 (sixteenth session): where?
+  # at eight streams a step of k = 3 took ~1.96 ms against k = 15's ~1.78, captures left out (the tuner saw
+  # 2.20 vs 1.95; sixteenth session): fewer drafts should never cost more. Where?
   python bench/profile_step.py --drafter dflash --batch 8 --num-drafts 3 --steps 40 --out "$OUT" 2>&1 | grep -v INFO | head -12 | log
   python bench/draft_length.py --device cuda --dtype bfloat16 --batch 1 8 --drafts 3 7 15 --auto --max-tokens 256 \
     --json-out "$OUT/draft_length.json" 2>&1 | grep -v INFO | tail -16 | log
