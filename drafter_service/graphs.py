@@ -27,7 +27,7 @@ from specsplit.drafter_service.context_pool import ContextPool
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.kernels.row_max import row_max
 from specsplit.kernels.workspace import arrival_counters
-from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture, inlining
+from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture_serving, inlining
 from specsplit.shared.fused import FusedWeights
 from specsplit.shared.staging import HostStaging
 
@@ -43,18 +43,31 @@ def length_buckets(limit: int, smallest: int = 64) -> list[int]:
 
 
 class _Replayable:
-    """A static function over its own buffers: captured on first call on a GPU, run directly otherwise."""
+    """A static function over its own buffers: on a GPU run directly on its first call and captured on its
+    second, run directly everywhere else.
+
+    Captured while serving (`capture_serving`): a drafter service captures a bucket when one of its targets
+    first uses it, and `torch.cuda.graph`'s device synchronize, garbage collection and emptied allocator
+    cache around a capture would stall every other target's steps for tens of milliseconds. That capture
+    runs nothing, so the function's kernels must have run once before (Triton compiles on first use):
+    the first call, run directly, is that run."""
 
     def __init__(self, fn, pool, use_graphs: bool) -> None:
         self.fn, self.pool, self.use_graphs = fn, pool, use_graphs
         self.graph = None
         self.out = None
+        self.ran = False
 
     def __call__(self):
         if not self.use_graphs or inlining():  # (inlined: its kernels go into a capture around it)
             return self.fn()
         if self.graph is None:
-            self.graph, self.out = capture(self.fn, self.pool)
+            if not self.ran:
+                self.ran = True
+                return self.fn()
+            outputs = []
+            self.graph = capture_serving(lambda: outputs.append(self.fn()), self.pool)
+            (self.out,) = outputs
         self.graph.replay()
         return self.out
 
