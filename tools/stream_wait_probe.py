@@ -105,7 +105,14 @@ def drop_host_flags(shm, flags: np.ndarray, unlink: bool) -> None:
     torch.cuda.cudart().cudaHostUnregister(flags.ctypes.data)
     shm.close()
     if unlink:
+        unlink_quietly(shm)
+
+
+def unlink_quietly(shm) -> None:
+    try:  # (a child that attached may have had its resource tracker unlink it already)
         shm.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def peer(pipe, where: str, rounds: int, shm_name: str | None, device_flags: torch.Tensor | None) -> None:
@@ -218,7 +225,7 @@ def ping_pong(where: str, rounds: int, driver: Driver) -> str:
         if shm is not None and settled:  # (never unmap memory a stream may still poll)
             drop_host_flags(shm, flags, unlink=True)
         elif shm is not None:
-            shm.unlink()
+            unlink_quietly(shm)
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
