@@ -63,13 +63,14 @@ def _paged_attention_kernel(
     stride_tb, stride_pb, stride_pq,
     Q_LEN: tl.constexpr, Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, TILES: tl.constexpr,
 ):
-    """One program per (sequence, kv head, split): the group's heads x queries as one [ROWS, D] tile,
-    so each key is read once per group. Writes out [B, Q, Hq, NUM_SPLITS, D] (normalised within the
-    split) and, when split, the log2-sum-exp of each row's scores in its split."""
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = tl.arange(0, ROWS)
+    """One program per (sequence, kv head, row tile, split): the group's heads x queries in tiles of
+    ROWS rows (TILES of them), so each key is read once per tile. Writes out [B, Q, Hq, NUM_SPLITS, D]
+    (normalised within the split) and, when split, the log2-sum-exp of each row's scores in its split."""
+    seq, split = tl.program_id(0), tl.program_id(2)
+    kv_head, tile = tl.program_id(1) // TILES, tl.program_id(1) % TILES
+    rows = tile * ROWS + tl.arange(0, ROWS)
     # Row r is query r // GROUPS of head kv_head * GROUPS + r % GROUPS. The rows that pad the tile to a
     # power of two repeat the last query: every row is a real one, and only the store masks them.
     query = tl.minimum(rows // GROUPS, Q_LEN - 1)
@@ -144,7 +145,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, 
     assert window is None or window > 0
     assert q.device == k_cache.device == block_tables.device == positions.device
     groups = q_heads // kv_heads
-    if num_splits is None:
+    if num_splits is None:  # (from the sequences and heads alone, not the row tiles: a decode and a verify
+        # over the same table split their keys alike, so each row's arithmetic is the same in both)
         num_splits = default_splits(batch * kv_heads, block_tables.shape[1] * block_size, block_n, q.device)
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0
     out = torch.empty(batch, q_len, q_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -152,8 +154,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, 
     if num_splits > 1:
         partial = torch.empty(batch, q_len, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, q_len, q_heads, num_splits, dtype=torch.float32, device=q.device)
-    rows = max(16, triton.next_power_of_2(groups * q_len))  # tl.dot needs >= 16 rows
-    _paged_attention_kernel[(batch, kv_heads, num_splits)](
+    rows, tiles = row_tiles(groups * q_len)
+    _paged_attention_kernel[(batch, kv_heads * tiles, num_splits)](
         q, k_cache, v_cache, block_tables, positions, partial, lse, scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -161,12 +163,26 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, 
         Q_LEN=q_len, Q_HEADS=q_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         ROWS=rows, BLOCK_N=block_n, WINDOW=window or 0, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: no effect on 16-bit inputs
-        num_warps=8 if rows * head_dim >= 8192 else 4,
+        TILES=tiles, num_warps=8 if rows * head_dim >= 8192 else 4,
     )
     if num_splits > 1:
         _combine_splits_kernel[(batch * q_len * q_heads,)](partial, lse, out, NUM_SPLITS=num_splits,
                                                           HEAD_DIM=head_dim)
     return out
+
+
+MAX_TILE_ROWS = 32
+
+
+def row_tiles(rows: int) -> tuple[int, int]:
+    """(rows per tile, tiles) for a group's heads x queries: a power of two from 16 (tl.dot's least) to
+    MAX_TILE_ROWS. Capped so that a verify's rows go through the same matrix instructions as a decode's:
+    on the H200 a 64-row tile (16 queries of SmolLM2's 3 heads a group) took another path, whose bf16
+    rounding made a verify's rows differ from the decode of the same tokens, so speculative greedy output
+    parted from target-only's at near-ties (sixteenth session); 16- and 32-row tiles kept it. Each tile
+    reads the group's keys again (from L2, mostly)."""
+    per_tile = min(MAX_TILE_ROWS, max(16, triton.next_power_of_2(rows)))
+    return per_tile, -(-rows // per_tile)
 
 
 def default_splits(programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
