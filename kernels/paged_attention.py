@@ -177,10 +177,10 @@ MAX_TILE_ROWS = 32
 def row_tiles(rows: int) -> tuple[int, int]:
     """(rows per tile, tiles) for a group's heads x queries: a power of two from 16 (tl.dot's least) to
     MAX_TILE_ROWS. Capped so that a verify's rows go through the same matrix instructions as a decode's:
-    on the H200 a 64-row tile (16 queries of SmolLM2's 3 heads a group) took another path, whose bf16
-    rounding made a verify's rows differ from the decode of the same tokens, so speculative greedy output
-    parted from target-only's at near-ties (sixteenth session); 16- and 32-row tiles kept it. Each tile
-    reads the group's keys again (from L2, mostly)."""
+    on the H200 16-token verifies (a 64-row tile for SmolLM2's 3 heads a group) parted bf16 greedy texts
+    from target-only's at near-ties where 4- and 8-token ones (16- and 32-row tiles) kept them, the
+    attention being what differed (sixteenth session; a 64-row tile presumably takes the warpgroup MMA
+    path, with another rounding). Each tile reads the group's keys again (from L2, mostly)."""
     per_tile = min(MAX_TILE_ROWS, max(16, triton.next_power_of_2(rows)))
     return per_tile, -(-rows // per_tile)
 
