@@ -40,6 +40,9 @@ _CHAIN_PROGRAMS = 24  # chained-step programs (and their graphs) kept, by batch 
 # worth of host time, so a shape passing through (a batch draining at the end of a burst, a draft
 # length the tuner tries) is not captured, one that holds is
 _CHAIN_CAPTURE_AFTER = 8
+# A captured prefill forward's tokens per prompt, and the most prompts in one (EngineConfig.graphed_prefill)
+_GRAPHED_PREFILL_CHUNK = 32
+_GRAPHED_PREFILL_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,12 @@ class EngineConfig:
     max_batch: int = 16  # sequences decoded together in one verify forward
     prefill_chunk: int = 512  # the most tokens of one prompt in one prefill forward
     prefill_tokens: int = 4096  # the most prompt tokens in one prefill forward, short prompts packed together
+    # On a GPU with CUDA graphs, prompts with at most this many tokens still to go in are prefilled through
+    # captured forwards of `_GRAPHED_PREFILL_CHUNK`-token chunks, several prompts a forward, one forward an
+    # engine step: each costs about a decode step where an eager forward is launch-bound (~30 ms for the
+    # default model on the H200, whatever its length). Longer prompts go in eagerly (a long prompt over many
+    # captured chunks would read the weights once a chunk). 0: every prompt eagerly.
+    graphed_prefill: int = 256
     kv_blocks: int = 2048
     kv_block_size: int = 16
     num_drafts: int | None = None  # drafts per step; None = the drafter's max
@@ -76,6 +85,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
             raise InvalidRequest("engine sizes must be positive")
+        if isinstance(self.graphed_prefill, bool) or not isinstance(self.graphed_prefill, int) \
+                or self.graphed_prefill < 0:
+            raise InvalidRequest(f"graphed_prefill is a number of tokens >= 0, got {self.graphed_prefill!r}")
         if self.num_drafts is not None and self.num_drafts < 0:
             raise InvalidRequest("num_drafts must be >= 0")
         if isinstance(self.chain_capture, bool) or not isinstance(self.chain_capture, int) or self.chain_capture < 0:
@@ -124,6 +136,9 @@ class Engine:
         self.capture = capture_for(proposer)
         self.tuner: DraftTuner | None = None  # with auto_drafts, set once the graphs are captured
         self.graphs = self._capture_graphs() if use_graphs else None
+        # Prefill's own captured forwards (buffers apart from the steps': a step launched ahead and not read
+        # yet keeps its outputs while a prompt goes in)
+        self.prefill_graphs = self.graphed_prefill_forwards() if use_graphs and config.graphed_prefill else None
         self.drafter_ok = proposer is not None and proposer.spec is not None
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
@@ -168,6 +183,16 @@ class Engine:
         return StepGraphs(self.model, self.cache, self.capture, max_batch=self.config.max_batch,
                           query_lens=(1, drafts + 1, *shorter),
                           max_len=min(longest, self.config.kv_blocks * self.config.kv_block_size))
+
+    def graphed_prefill_forwards(self, *, use_graphs: bool = True) -> StepGraphs:
+        """The static forwards short prompts go in through (`EngineConfig.graphed_prefill`): chunks of
+        `_GRAPHED_PREFILL_CHUNK` tokens, up to `_GRAPHED_PREFILL_BATCH` prompts a forward; captured as
+        CUDA graphs, or run eagerly with `use_graphs=False` (their reference, on any device)."""
+        longest = self.model.config.max_position_embeddings + self._max_drafts() + 1
+        return StepGraphs(self.model, self.cache, self.capture, max_batch=min(self.config.max_batch, _GRAPHED_PREFILL_BATCH),
+                          query_lens=(min(_GRAPHED_PREFILL_CHUNK, self.config.prefill_chunk),),
+                          max_len=min(longest, self.config.kv_blocks * self.config.kv_block_size),
+                          use_graphs=use_graphs)
 
     def _max_drafts(self, num_seqs: int = 1) -> int:
         """The most drafts per sequence in a step of `num_seqs` sequences."""
@@ -290,10 +315,19 @@ class Engine:
         get their first token, and the drafter their rows, in one context forward."""
         pending = list(self._prefilling.values())
         offsets = {p.seq.seq_id: p.offset for p in pending}
-        group = self._prefill_plan([p.seq for p in pending], offsets)
+        group = self._graphed_prefill_plan([p.seq for p in pending], offsets)
+        graphed = bool(group)
+        if not graphed:
+            group = self._prefill_plan([p.seq for p in pending], offsets)
         inputs = [seq.request.prompt_ids[offsets[seq.seq_id]:offsets[seq.seq_id] + n] for seq, n in group]
-        out = self._forward([seq.seq_id for seq, _ in group], inputs, [offsets[s.seq_id] for s, _ in group],
-                            logits_last_only=True)
+        ids, starts = [seq.seq_id for seq, _ in group], [offsets[s.seq_id] for s, _ in group]
+        if graphed:
+            out = self.prefill_graphs.forward(StepBatch(ids, inputs, starts))  # rows in token order
+            ends = torch.tensor(list(itertools.accumulate(n for _, n in group)), device=out.logits.device) - 1
+            out = ForwardOutput(out.logits.index_select(0, ends), out.layer_features, out.last_hidden)
+            self.counters.graphed_prefills += 1
+        else:
+            out = self._forward(ids, inputs, starts, logits_last_only=True)
         features, row = self._features(out), 0
         done, last_logits, rows = [], [], {}
         for i, (seq, n) in enumerate(group):
@@ -325,6 +359,26 @@ class Engine:
                         prompt_rows = torch.cat(rows[seq.seq_id]) if rows[seq.seq_id] else None
                         self._attach(seq, seq.request.prompt_ids, prompt_rows)
         return [self._emit(seq, first) for seq, first in zip(done, firsts)]
+
+    def _graphed_prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]) -> list[tuple[Sequence, int]]:
+        """The next prefill forward as a captured one (`EngineConfig.graphed_prefill`), or [] when it goes
+        eagerly: when the first prompt waiting has more than `graphed_prefill` tokens still to go in. It
+        takes the next chunk of the prompts, in admission order, that are as short, as many as a forward
+        holds."""
+        if self.prefill_graphs is None:
+            return []
+        chunk, most = self.prefill_graphs.query_lens[-1], self.prefill_graphs.batches[-1]
+        group = []
+        for seq in pending:
+            left = len(seq.request.prompt_ids) - offsets[seq.seq_id]
+            if left > self.config.graphed_prefill:
+                if not group:
+                    return []  # (the first goes first, eagerly)
+                continue
+            group.append((seq, min(chunk, left)))
+            if len(group) == most:
+                break
+        return group
 
     def _prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]) -> list[tuple[Sequence, int]]:
         """The next prefill forward: (sequence, tokens) for the next chunk of each prompt that fits, in

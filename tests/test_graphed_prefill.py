@@ -1,0 +1,210 @@
+"""Short prompts prefilled through the static (on a GPU: captured) forwards, `EngineConfig.graphed_prefill`.
+
+On the CPU the static forwards run eagerly (`Engine.graphed_prefill_forwards(use_graphs=False)`): the same
+code the graphs capture, so these tests check the engine's use of them; the GPU tests of the step graphs
+check the capture itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specsplit.drafter_service.checkpoint import random_drafter
+from specsplit.local import target_head, target_info
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.tokenizer import Tokenizer
+from specsplit.target_service.engine import Engine, EngineConfig
+from specsplit.target_service.graphs import StepGraphs
+from specsplit.target_service.model import load_target
+from specsplit.target_service.sequence import Request
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "word " * 40, "Hello",
+           "Once upon a time, in a small village by the sea,", "word " * 90]
+LIMIT = 64  # graphed_prefill: the prompts of 40 and 90 words go in eagerly
+
+
+@pytest.fixture(scope="module")
+def target(tiny_chat_dir):
+    return load_target(tiny_chat_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_chat_dir):
+    return Tokenizer.from_dir(tiny_chat_dir)
+
+
+def requests(tokenizer, prompts=PROMPTS, max_tokens=24):
+    return [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+
+
+def drafter(kind, target, static=False):
+    if kind is None:
+        return None
+    made = random_drafter(kind, target_info(target), target_head(target), seed=0, dtype=torch.float32)
+    if static:
+        made.use_static_forwards(use_graphs=False)
+    return made
+
+
+class Watch:
+    """Records the engine's prefill forwards, the static ones and the eager ones: {seq_id: tokens} each."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.static, self.eager = [], []
+        forward, eager = engine.prefill_graphs.forward, engine._forward
+
+        def static_forward(step, *more):
+            self.static.append(dict(zip(step.seq_ids, map(len, step.tokens))))
+            return forward(step, *more)
+        engine.prefill_graphs.forward = static_forward
+
+        def eager_forward(seq_ids, inputs, starts, *, logits_last_only):
+            if logits_last_only:  # (a prefill's: decode and verify forwards ask every row)
+                self.eager.append(dict(zip(seq_ids, map(len, inputs))))
+            return eager(seq_ids, inputs, starts, logits_last_only=logits_last_only)
+        engine._forward = eager_forward
+
+    @staticmethod
+    def tokens(forwards: list[dict[int, int]]) -> dict[int, int]:
+        total: dict[int, int] = {}
+        for forward in forwards:
+            for seq_id, n in forward.items():
+                total[seq_id] = total.get(seq_id, 0) + n
+        return total
+
+
+def engine_for(target, proposer, *, graphed: int = LIMIT, steps_too: bool = False, **config) -> Engine:
+    config.setdefault("prefill_chunk", 48)
+    engine = Engine(target, proposer, EngineConfig(max_batch=4, graphed_prefill=graphed, **config))
+    assert engine.prefill_graphs is None  # (no GPU: nothing captured)
+    if graphed:
+        engine.prefill_graphs = engine.graphed_prefill_forwards(use_graphs=False)
+    if steps_too:  # the decode/verify steps over static forwards too: steps launched ahead, chained ones
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4,
+                                   query_lens=(1, engine._max_drafts() + 1), max_len=512, use_graphs=False)
+    return engine
+
+
+def tokens_of(events):
+    return {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()}
+
+
+@pytest.mark.parametrize("kind", [None, "dflash", "mtp"])
+def test_short_prompts_go_in_through_the_static_forwards_and_change_no_token(kind, target, tokenizer):
+    """Prompts with at most `graphed_prefill` tokens still to go in go in through the static forwards, 32
+    tokens of up to four prompts a forward, one forward an engine step; longer ones eagerly (and their
+    last `graphed_prefill` tokens or fewer through the static forwards); every request's tokens equal the
+    all-eager run's, and the drafter gets the same rows."""
+    reqs = requests(tokenizer)
+    lengths = [len(r.prompt_ids) for r in reqs]  # (seq ids are 0, 1, ... in order)
+    short = [i for i, n in enumerate(lengths) if n <= LIMIT]
+    assert 2 < len(short) < len(reqs) and any(32 < lengths[i] for i in short)  # some short ones take two chunks
+
+    def go(graphed):
+        proposer = drafter(kind, target)
+        engine = engine_for(target, proposer, graphed=graphed)
+        rows = {}
+        if proposer is not None:
+            prefill = proposer.prefill
+
+            def record(seq_id, token_ids, got, start_pos=0):
+                rows[seq_id] = got.clone()
+                return prefill(seq_id, token_ids, got, start_pos)
+            proposer.prefill = record
+        watch = Watch(engine) if graphed else None
+        out = tokens_of(engine.generate(reqs))
+        # (the static forwards' scratch block, for padding rows, is one of the CPU cache's; a GPU engine adds it)
+        assert not engine.running and engine.cache.num_free_blocks == engine.config.kv_blocks - bool(graphed)
+        return out, rows, watch, engine
+
+    eager, eager_rows, _, _ = go(0)
+    graphed, graphed_rows, watch, engine = go(LIMIT)
+    assert graphed == eager
+    assert graphed_rows.keys() == eager_rows.keys() and len(eager_rows) == (0 if kind is None else len(reqs))
+    for seq_id, rows in eager_rows.items():
+        torch.testing.assert_close(graphed_rows[seq_id], rows, rtol=1e-4, atol=1e-4)
+    # a short prompt went in through the static forwards alone, a long one eagerly in chunks of
+    # prefill_chunk until at most graphed_prefill tokens were left; static forwards of at most four
+    # prompts' chunks of at most 32 tokens
+    static, eager = Watch.tokens(watch.static), Watch.tokens(watch.eager)
+    for i, n in enumerate(lengths):
+        assert static.get(i, 0) + eager.get(i, 0) == n
+        assert eager.get(i, 0) == (0 if i in short else -(-(n - LIMIT) // 48) * 48)
+    assert all(max(f.values()) <= 32 and len(f) <= 4 for f in watch.static)
+    assert all(max(f.values()) <= 48 for f in watch.eager)
+    assert engine.counters.graphed_prefills == len(watch.static) and engine.counters.prefills == len(reqs)
+
+
+@pytest.mark.parametrize("kind", [None, "dflash"])
+def test_prompts_arriving_while_steps_run_ahead_go_in_between_them(kind, target, tokenizer):
+    """With the decode/verify steps launched ahead (and DFlash's chained on the device), a prompt admitted
+    while they run goes in through the static prefill forwards between two steps: every request's tokens
+    equal its run alone, and the running ones emit at every step of the prefill."""
+    reqs = requests(tokenizer, [PROMPTS[0], PROMPTS[1], "Water boils at " * 6], max_tokens=30)
+    alone = {r.request_id: tokens_of(engine_for(target, None, graphed=0).generate([r]))[r.request_id] for r in reqs}
+    engine = engine_for(target, drafter(kind, target, static=True), steps_too=True, prefill_chunk=16)
+    watch = Watch(engine)
+    in_flight, forward = [], engine.prefill_graphs.forward
+
+    def static_forward(step, *more):  # was a step launched ahead (target only) or chained (DFlash) unread?
+        in_flight.append(engine._ahead is not None or engine._chain is not None)
+        return forward(step, *more)
+    engine.prefill_graphs.forward = static_forward
+    late = reqs[2]
+    assert len(late.prompt_ids) > 16  # two chunks at least
+    emitted: dict[str, list[int]] = {}
+    during = []
+    arrivals = {0: reqs[0], 1: reqs[1], 3: late}
+    for n in itertools.count():
+        if n in arrivals:
+            engine.add(arrivals[n])
+        events = engine.step()
+        for e in events:
+            emitted.setdefault(e.request_id, []).extend(e.token_ids)
+        if n >= 3 and late.request_id not in emitted:
+            during.append({e.request_id for e in events})
+        if not engine.has_work:
+            break
+    assert emitted == alone
+    assert during and all({"r0", "r1"} <= got for got in during)  # the running ones did not wait
+    assert in_flight[-len(during) - 1:] == [True] * (len(during) + 1)  # each of the late prompt's chunks
+    assert (engine.counters.chained > 0) == (kind == "dflash")
+    assert watch.eager == [] and Watch.tokens(watch.static)[2] == len(late.prompt_ids) and len(watch.static) >= 4
+
+
+def test_graphed_prefill_is_checked():
+    for bad in (-1, True, 1.5):
+        with pytest.raises(InvalidRequest, match="graphed_prefill"):
+            EngineConfig(graphed_prefill=bad)
+    EngineConfig(graphed_prefill=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_prefill_on_the_gpu_changes_no_token(smollm2_dir):
+    """On the GPU, prompts go in through captured prefill graphs, a prompt admitted while others decode
+    among them: float32, target only and with the shipped DFlash drafter, every token equals the
+    all-eager prefill's."""
+    from specsplit.local import LocalSetup, make_drafter
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+    model = load_target(smollm2_dir, dtype=torch.float32, device="cuda")
+    tok = Tokenizer.from_dir(smollm2_dir)
+    dflash = make_drafter("dflash", model, LocalSetup(drafter="dflash", device="cuda", dtype="float32"))
+    prompts = [p.encode(tok) for p in read_prompts(HELDOUT_PATH)[:10]]
+
+    def run(proposer, graphed):
+        engine = Engine(model, proposer, EngineConfig(max_batch=3, graphed_prefill=graphed), eos_ids=tok.eos_token_ids)
+        assert (engine.prefill_graphs is not None) == bool(graphed)
+        events = engine.generate([Request(f"r{i}", p, SamplingParams(max_tokens=40)) for i, p in enumerate(prompts)])
+        assert bool(engine.counters.graphed_prefills) == bool(graphed)
+        return [[t for e in evs for t in e.token_ids] for evs in events.values()]
+
+    want = run(None, 0)
+    assert run(None, 256) == want
+    assert run(dflash, 256) == want
