@@ -41,8 +41,9 @@ _CHAIN_PROGRAMS = 24  # chained-step programs (and their graphs) kept, by batch 
 # length the tuner tries) is not captured, one that holds is
 _CHAIN_CAPTURE_AFTER = 8
 # A captured prefill forward's tokens per prompt, and the most prompts in one (EngineConfig.graphed_prefill)
-_GRAPHED_PREFILL_CHUNK = 32
-_GRAPHED_PREFILL_BATCH = 8
+# (64 × 4: most chat prompts in one chunk; a replay's logits cover its 256 rows)
+_GRAPHED_PREFILL_CHUNK = 64
+_GRAPHED_PREFILL_BATCH = 4
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def tokens_of(events):
 @pytest.mark.parametrize("kind", [None, "dflash", "mtp"])
 def test_short_prompts_go_in_through_the_static_forwards_and_change_no_token(kind, target, tokenizer):
     """Prompts with at most `graphed_prefill` tokens still to go in go in through the static forwards, 32
-    tokens of up to four prompts a forward, one forward an engine step; longer ones eagerly (and their
+    tokens (prefill_chunk; at most 64) of up to four prompts a forward, one forward an engine step; longer ones eagerly (and their
     last `graphed_prefill` tokens or fewer through the static forwards); every request's tokens equal the
     all-eager run's, and the drafter gets the same rows."""
     reqs = requests(tokenizer)
@@ -107,7 +107,7 @@ def test_short_prompts_go_in_through_the_static_forwards_and_change_no_token(kin
 
     def go(graphed):
         proposer = drafter(kind, target)
-        engine = engine_for(target, proposer, graphed=graphed)
+        engine = engine_for(target, proposer, graphed=graphed, prefill_chunk=32)
         rows = {}
         if proposer is not None:
             prefill = proposer.prefill
@@ -134,9 +134,10 @@ def test_short_prompts_go_in_through_the_static_forwards_and_change_no_token(kin
     static, eager = Watch.tokens(watch.static), Watch.tokens(watch.eager)
     for i, n in enumerate(lengths):
         assert static.get(i, 0) + eager.get(i, 0) == n
-        assert eager.get(i, 0) == (0 if i in short else -(-(n - LIMIT) // 48) * 48)
+        assert eager.get(i, 0) == (0 if i in short else -(-(n - LIMIT) // 32) * 32)
+    assert engine.prefill_graphs.query_lens == (32,) and engine.prefill_graphs.batches[-1] == 4
     assert all(max(f.values()) <= 32 and len(f) <= 4 for f in watch.static)
-    assert all(max(f.values()) <= 48 for f in watch.eager)
+    assert all(max(f.values()) <= 32 for f in watch.eager)
     assert engine.counters.graphed_prefills == len(watch.static) and engine.counters.prefills == len(reqs)
 
 

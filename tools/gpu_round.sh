@@ -5,6 +5,7 @@
 #   bash tools/gpu_round.sh kernels   # the gpu tests of the kernels, the step and the chain
 #   bash tools/gpu_round.sh steps     # tokens/s side by side, where a step's time goes
 #   bash tools/gpu_round.sh services  # device-side ordering between two processes (stream_wait_probe)
+#   bash tools/gpu_round.sh prefill   # captured prefill: time to first token, the speculative ratios
 # Everything printed also goes to $OUT/round.log as it comes (a call that runs out of time returns what
 # is under $OUT by then).
 log() { tee -a "$OUT/round.log"; }
@@ -12,7 +13,9 @@ if [ "${1:-}" = services ]; then
   # can the target's and the drafter's streams order each other through a flag, with no host waiting
   # (the services' steps in series through both hosts cost ~2.4x an in-process chained step)? Needs no
   # model: runs on a machine fresh from its first call.
-  timeout 300 python tools/stream_wait_probe.py --rounds 2000 2>&1 | log
+  # (seventeenth session: both ping-pongs' first, across processes through device memory, ran at 9.5 us a
+  # round trip; the next part, a device-memory wait released by its own host, hung until this timeout)
+  timeout 90 python tools/stream_wait_probe.py --rounds 2000 2>&1 | log
   exit
 fi
 source tools/device_setup.sh
@@ -37,8 +40,22 @@ steps)
   python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 512 --batch 1 2 4 8 \
     --also-uncaptured --json-out "$OUT/split.json" 2>&1 | grep -v INFO | tail -2 | log
   ;;
+prefill)
+  # short prompts through captured prefill forwards (EngineConfig.graphed_prefill): time to first token beside
+  # eager prefill, then what it does to the speculative ratios (an eager prefill cost ~43 ms a prompt, a
+  # quarter of the one-stream benches' time), the GPU tests, and eight streams captured whole
+  (cd bench && python prefill_bench.py --device cuda --dtype bfloat16 --json-out "$OUT/prefill.json" 2>&1 | grep -v INFO | log)
+  python bench/draft_length.py --device cuda --dtype bfloat16 --batch 1 8 --drafts 7 15 --max-tokens 256 \
+    --json-out "$OUT/draft_length.json" 2>&1 | grep -v INFO | tail -8 | log
+  python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 512 --batch 1 8 \
+    --json-out "$OUT/split.json" 2>&1 | grep -v INFO | tail -2 | log
+  python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_graphed_prefill.py tests/test_step_graphs.py \
+    -k "captured_prefill or device_drafts or decoding_ahead_on_the_gpu" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
+  python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 512 --batch 8 --chain-capture 8 \
+    --json-out "$OUT/split_capture8.json" 2>&1 | grep -v INFO | tail -2 | log
+  ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|prefill" >&2
   exit 2
   ;;
 esac

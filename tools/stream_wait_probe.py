@@ -327,6 +327,7 @@ def main() -> None:
                   (f"flags in {where} memory, release", lambda w=where: release(w, driver))]
     parts.append(("graph capture", lambda: capture(driver)))
     for name, part in parts:
+        print(f"{name}: ...", flush=True)  # (the H200, seventeenth session: "device memory, release" hung silently)
         try:
             said = part()
         except SystemExit as stop:  # a stream that may wait for good: say so and leave at once
