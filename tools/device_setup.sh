@@ -5,7 +5,8 @@
 # (part00, part01, ...; a call carries at most 64 MiB with the working tree, ~54 MiB of it tracked
 # files since the tenth session's drafter, so the 98 MB file travels in ~11 pieces cut by
 # `bash tools/split_model.sh <the .gguf>`, one call per piece copying it to /var/tmp/stage/, the last
-# piece carried with the call that sources this: see that script), installs the wheels the image lacks from
+# piece carried with the call that sources this: see that script; two pieces after `tools/device_tree.sh
+# slim`, whose calls must then carry drafter_service/checkpoints), installs the wheels the image lacks from
 # .whl/ (gguf, grpcio-health-checking, grpcio-reflection, prometheus-client), installs this checkout
 # editable and converts the model once into $SPECSPLIT_CACHE (kept under /var/tmp while the machine
 # stays warm). Use `python -m pip` there: the image's `pip` belongs to another interpreter.

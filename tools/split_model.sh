@@ -3,6 +3,7 @@
 # call may carry beside the working tree: a call carries at most 64 MiB, tracked files included (the
 # shipped drafter checkpoints alone weigh ~52 MiB now), and the last call carries .whl/ too.
 #   bash tools/split_model.sh PATH/TO/model.gguf     -> .model/part00, part01, ... (.model/ git-excluded)
+# After `bash tools/device_tree.sh slim` (the checkpoints left out of the tree) that is two pieces; see there.
 # Then one call per piece but the last: `mkdir -p /var/tmp/stage && cp .model/partNN /var/tmp/stage/`
 # carrying that piece (back to back: the machine is given back 30 s after a call), and a last call
 # carrying the last piece and .whl that sources tools/device_setup.sh.
