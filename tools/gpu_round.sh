@@ -6,6 +6,7 @@
 #   bash tools/gpu_round.sh steps     # tokens/s side by side, where a step's time goes
 #   bash tools/gpu_round.sh services  # device-side ordering between two processes (stream_wait_probe)
 #   bash tools/gpu_round.sh prefill   # captured prefill: time to first token, the speculative ratios
+#   bash tools/gpu_round.sh capture   # eight and more streams' chained steps captured whole, or piecewise
 # Everything printed also goes to $OUT/round.log as it comes (a call that runs out of time returns what
 # is under $OUT by then).
 log() { tee -a "$OUT/round.log"; }
@@ -54,8 +55,15 @@ prefill)
   python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 512 --batch 8 --chain-capture 8 \
     --json-out "$OUT/split_capture8.json" 2>&1 | grep -v INFO | tail -2 | log
   ;;
+capture)
+  # chained steps captured whole at 4, 8 and 16 streams against piecewise, side by side in one run (seventeenth
+  # session, two runs: eight streams 1.05x target-only whole against 0.99x piecewise, captures left out), before
+  # EngineConfig.chain_capture (2) changes
+  python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 512 --batch 4 8 16 \
+    --chain-capture 16 --also-uncaptured --json-out "$OUT/split_capture.json" 2>&1 | grep -v INFO | tail -2 | log
+  ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|prefill" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|prefill|capture" >&2
   exit 2
   ;;
 esac
