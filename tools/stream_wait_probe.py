@@ -24,10 +24,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import subprocess
 import sys
 import threading
 import time
 from multiprocessing import shared_memory
+from typing import Callable
 
 import numpy as np
 import torch
@@ -255,7 +257,12 @@ def one_process(rounds: int, driver: Driver) -> str:
     return f"{rounds} round trips in {elapsed * 1e3:.1f} ms: {elapsed / rounds * 1e6:.1f} us each"
 
 
-def release(where: str, driver: Driver) -> str:
+def step(what: str) -> None:
+    """A progress line inside a part (a part that hangs says how far it got)."""
+    print(f"  . {what}", flush=True)
+
+
+def release(where: str, driver: Driver, how: str = "kernel") -> str:
     """A stream waiting on a value nobody else writes, released by its own host's write. A failure raises
     SystemExit: a stream may then wait for good, and the caller ends the process after saying so."""
     stream = torch.cuda.Stream()
@@ -266,23 +273,32 @@ def release(where: str, driver: Driver) -> str:
         device_flags = torch.zeros(2, dtype=torch.int32, device="cuda")
         address = device_flags.data_ptr()
     marker = torch.zeros(1, device="cuda")
+    seven = torch.full((1,), 7, dtype=torch.int32, pin_memory=True)
+    writer = torch.cuda.Stream()  # (made before the wait is queued)
     torch.cuda.synchronize()  # the flags (and the marker) zeroed before the wait is queued
+    step("flags zeroed")
     settled = False
     try:
         driver.wait(stream, address, 7)
         with torch.cuda.stream(stream):
             marker.add_(1)
         done = _recorded(stream)
+        step("wait and kernel queued")
         time.sleep(0.05)
         if done.query():
             settled = True
             return "the wait did not hold: its stream ran on before the value was written"
+        step("held 50 ms")
         started = time.perf_counter()
         if flags is not None:
             flags[0] = 7  # a plain store: no CUDA call
-        else:
-            with torch.cuda.stream(torch.cuda.Stream()):
+        elif how == "kernel":
+            with torch.cuda.stream(writer):
                 device_flags[0].fill_(7)
+        else:  # a copy from pinned host memory on another stream: no kernel
+            with torch.cuda.stream(writer):
+                device_flags[:1].copy_(seven, non_blocking=True)
+        step(f"host wrote the value ({how if flags is None else 'a plain store'})")
         settled = wait_done(done, 5.0)
         if not settled:
             raise SystemExit("NOT released within 5 s of its host's write: the probe stops here")
@@ -312,30 +328,54 @@ def capture(driver: Driver) -> str:
     return f"captured and replayed: flag written {int(flags[1])} (want 5), the kernel between ran {x.item():.0f} time(s)"
 
 
+def parts(rounds: int, driver: Driver) -> dict[str, Callable[[], str]]:
+    made = {"one process, two streams": lambda: one_process(rounds, driver)}
+    for where in ("device", "host"):
+        made[f"flags in {where} memory, ping-pong"] = lambda w=where: ping_pong(w, rounds, driver)
+    made["flags in device memory, release by a kernel on another stream"] = lambda: release("device", driver, "kernel")
+    made["flags in device memory, release by a host-to-device copy"] = lambda: release("device", driver, "copy")
+    made["flags in host memory, release by a plain store"] = lambda: release("host", driver)
+    made["graph capture"] = lambda: capture(driver)
+    return made
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2000)
+    ap.add_argument("--part", type=int, default=None, help="run only this part (by number), in this process")
+    ap.add_argument("--part-timeout", type=float, default=40.0, help="seconds each part's own process may take")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds: at least 1")
     if not torch.cuda.is_available():
         sys.exit("stream_wait_probe: needs a CUDA GPU")
+    if args.part is None:
+        # Each part in its own process: a stream left waiting (or a host call that blocks) ends that
+        # part at its timeout, and the others still run. (The seventeenth session's H200 run hung in the
+        # device-memory release, silently, and took the parts after it along.)
+        names = list(parts(args.rounds, None))
+        for number, name in enumerate(names):
+            print(f"{name}:", flush=True)
+            try:
+                subprocess.run([sys.executable, __file__, "--rounds", str(args.rounds), "--part", str(number)],
+                               timeout=args.part_timeout, check=False)
+            except subprocess.TimeoutExpired:
+                print(f"  STUCK: no answer within {args.part_timeout:.0f} s (its process was killed)", flush=True)
+        return
     driver = Driver()
-    parts = [("one process, two streams", lambda: one_process(args.rounds, driver))]
-    for where in ("device", "host"):
-        parts += [(f"flags in {where} memory, ping-pong", lambda w=where: ping_pong(w, args.rounds, driver)),
-                  (f"flags in {where} memory, release", lambda w=where: release(w, driver))]
-    parts.append(("graph capture", lambda: capture(driver)))
-    for name, part in parts:
-        print(f"{name}: ...", flush=True)  # (the H200, seventeenth session: "device memory, release" hung silently)
-        try:
-            said = part()
-        except SystemExit as stop:  # a stream that may wait for good: say so and leave at once
-            print(f"{name}: {stop}", flush=True)
-            os._exit(4)
-        except Exception as exc:  # noqa: BLE001 - a probe reports what failed and goes on
-            said = f"failed: {type(exc).__name__}: {exc}"
-        print(f"{name}: {said}", flush=True)
+    table = parts(args.rounds, driver)
+    if not 0 <= args.part < len(table):
+        ap.error(f"--part: 0 to {len(table) - 1}")
+    name, part = list(table.items())[args.part]
+    try:
+        said = part()
+    except SystemExit as stop:  # a stream that may wait for good: say so and leave at once
+        print(f"  {stop}", flush=True)
+        os._exit(4)
+    except Exception as exc:  # noqa: BLE001 - a probe reports what failed
+        said = f"failed: {type(exc).__name__}: {exc}"
+    print(f"  {said}", flush=True)
+    os._exit(0)  # (never wait at exit on a stream that may still be waiting)
 
 
 if __name__ == "__main__":
