@@ -6,7 +6,9 @@ all together.
 
 Each engine serves the benchmark's chat prompts (the same as split_bench's) with one new token each:
 `alone` admits them one after another (each prompt's own prefill), `together` all at once (packed
-prefill forwards). The time is the host's, from the request's admission to its first token.
+prefill forwards), and `long` one prompt of --long-tokens tokens (the chat prompts' tokens over and
+over: through the long captured forwards, 512-token chunks). The time is the host's, from the
+request's admission to its first token.
 """
 
 from __future__ import annotations
@@ -47,10 +49,13 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--drafter", default="dflash")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--long-tokens", type=int, default=1500, help="the long prompt's length (0: none)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats: at least 1")
+    if args.long_tokens < 0:
+        ap.error("--long-tokens: at least 0")
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     folder = target_dir(setup.target)
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
@@ -58,19 +63,20 @@ def main() -> None:
     drafter = make_drafter(args.drafter, model, setup)
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
     lengths = sorted(map(len, prompts))
-    print(f"{len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens; ms to first token (host), "
-          f"mean over {args.repeats} rounds", flush=True)
+    print(f"{len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens (long: {args.long_tokens}); ms to first "
+          f"token (host), mean over {args.repeats} rounds", flush=True)
     results = {"prompt_tokens": lengths}
     print(f"{'drafter':>8} {'arrival':>9} {'eager':>8} {'graphed':>8} {'ratio':>6}", flush=True)
     for name, proposer in (("none", None), (args.drafter, drafter)):
         engines = {graphed: Engine(model, proposer, EngineConfig(max_batch=len(prompts), graphed_prefill=graphed))
                    for graphed in (0, EngineConfig.graphed_prefill)}
-        for together in (False, True):
+        long = [t for _ in range(args.long_tokens) for p in prompts for t in p][:args.long_tokens]
+        for arrival, group, together in (("alone", prompts, False), ("together", prompts, True),
+                                         ("long", [long], False))[:3 if long else 2]:
             for engine in engines.values():  # warm-up: every shape in use, captured or compiled
-                first_tokens(engine, prompts, together, 1)
-            ms = {g: first_tokens(e, prompts, together, args.repeats) for g, e in engines.items()}
+                first_tokens(engine, group, together, 1)
+            ms = {g: first_tokens(e, group, together, args.repeats) for g, e in engines.items()}
             eager, graphed = ms[0], ms[EngineConfig.graphed_prefill]
-            arrival = "together" if together else "alone"
             results[f"{name}_{arrival}"] = {"eager_ms": eager, "graphed_ms": graphed, "eager_over_graphed": eager / graphed,
                                             "graphed_prefills": engines[EngineConfig.graphed_prefill].counters.graphed_prefills}
             print(f"{name:>8} {arrival:>9} {eager:>8.2f} {graphed:>8.2f} {eager / graphed:>6.2f}", flush=True)

@@ -41,9 +41,11 @@ _CHAIN_PROGRAMS = 24  # chained-step programs (and their graphs) kept, by batch 
 # length the tuner tries) is not captured, one that holds is
 _CHAIN_CAPTURE_AFTER = 8
 # A captured prefill forward's tokens per prompt, and the most prompts in one (EngineConfig.graphed_prefill)
-# (64 × 4: most chat prompts in one chunk; a replay's logits cover its 256 rows)
+# (64 × 4: most chat prompts in one chunk; a replay's logits cover its 256 rows); a longer prompt's chunks
+# go alone through a forward of up to this many tokens (EngineConfig.prefill_chunk, if smaller)
 _GRAPHED_PREFILL_CHUNK = 64
 _GRAPHED_PREFILL_BATCH = 4
+_GRAPHED_PREFILL_LONG = 512
 
 
 @dataclass(frozen=True)
@@ -51,11 +53,12 @@ class EngineConfig:
     max_batch: int = 16  # sequences decoded together in one verify forward
     prefill_chunk: int = 512  # the most tokens of one prompt in one prefill forward
     prefill_tokens: int = 4096  # the most prompt tokens in one prefill forward, short prompts packed together
-    # On a GPU with CUDA graphs, prompts with at most this many tokens still to go in are prefilled through
-    # captured forwards of `_GRAPHED_PREFILL_CHUNK`-token chunks, several prompts a forward, one forward an
-    # engine step: each costs about a decode step where an eager forward is launch-bound (~30 ms for the
-    # default model on the H200, whatever its length). Longer prompts go in eagerly (a long prompt over many
-    # captured chunks would read the weights once a chunk). 0: every prompt eagerly.
+    # On a GPU with CUDA graphs prompts go in through captured forwards, one forward an engine step: those
+    # with at most this many tokens still to go in in chunks of `_GRAPHED_PREFILL_CHUNK` tokens, several
+    # prompts a forward (each costs about a decode step where an eager forward is launch-bound: ~22-30 ms
+    # for the default model on the H200, whatever its length), a longer one alone in chunks of up to
+    # `prefill_chunk` tokens (at most `_GRAPHED_PREFILL_LONG`; many small chunks would read the weights once
+    # a chunk). 0: every prompt eagerly.
     graphed_prefill: int = 256
     kv_blocks: int = 2048
     kv_block_size: int = 16
@@ -185,15 +188,20 @@ class Engine:
                           query_lens=(1, drafts + 1, *shorter),
                           max_len=min(longest, self.config.kv_blocks * self.config.kv_block_size))
 
-    def graphed_prefill_forwards(self, *, use_graphs: bool = True) -> StepGraphs:
-        """The static forwards short prompts go in through (`EngineConfig.graphed_prefill`): chunks of
-        `_GRAPHED_PREFILL_CHUNK` tokens, up to `_GRAPHED_PREFILL_BATCH` prompts a forward; captured as
-        CUDA graphs, or run eagerly with `use_graphs=False` (their reference, on any device)."""
-        longest = self.model.config.max_position_embeddings + self._max_drafts() + 1
-        return StepGraphs(self.model, self.cache, self.capture, max_batch=min(self.config.max_batch, _GRAPHED_PREFILL_BATCH),
-                          query_lens=(min(_GRAPHED_PREFILL_CHUNK, self.config.prefill_chunk),),
-                          max_len=min(longest, self.config.kv_blocks * self.config.kv_block_size),
-                          use_graphs=use_graphs)
+    def graphed_prefill_forwards(self, *, use_graphs: bool = True) -> PrefillForwards:
+        """The static forwards prompts go in through (`EngineConfig.graphed_prefill`), captured as CUDA
+        graphs, or run eagerly with `use_graphs=False` (their reference, on any device)."""
+        config = self.config
+        longest = min(self.model.config.max_position_embeddings + self._max_drafts() + 1,
+                      config.kv_blocks * config.kv_block_size)
+        short = min(_GRAPHED_PREFILL_CHUNK, config.prefill_chunk)
+        long = min(_GRAPHED_PREFILL_LONG, config.prefill_chunk)
+
+        def forwards(batch: int, chunk: int) -> StepGraphs:
+            return StepGraphs(self.model, self.cache, self.capture, max_batch=batch, query_lens=(chunk,),
+                              max_len=longest, use_graphs=use_graphs)
+        return PrefillForwards(forwards(min(config.max_batch, _GRAPHED_PREFILL_BATCH), short),
+                               forwards(1, long) if long > short else None)
 
     def _max_drafts(self, num_seqs: int = 1) -> int:
         """The most drafts per sequence in a step of `num_seqs` sequences."""
@@ -316,14 +324,13 @@ class Engine:
         get their first token, and the drafter their rows, in one context forward."""
         pending = list(self._prefilling.values())
         offsets = {p.seq.seq_id: p.offset for p in pending}
-        group = self._graphed_prefill_plan([p.seq for p in pending], offsets)
-        graphed = bool(group)
-        if not graphed:
+        graphed, group = self._graphed_prefill_plan([p.seq for p in pending], offsets)
+        if graphed is None:
             group = self._prefill_plan([p.seq for p in pending], offsets)
         inputs = [seq.request.prompt_ids[offsets[seq.seq_id]:offsets[seq.seq_id] + n] for seq, n in group]
         ids, starts = [seq.seq_id for seq, _ in group], [offsets[s.seq_id] for s, _ in group]
-        if graphed:
-            out = self.prefill_graphs.forward(StepBatch(ids, inputs, starts))  # rows in token order
+        if graphed is not None:
+            out = graphed.forward(StepBatch(ids, inputs, starts))  # rows in token order
             ends = torch.tensor(list(itertools.accumulate(n for _, n in group)), device=out.logits.device) - 1
             out = ForwardOutput(out.logits.index_select(0, ends), out.layer_features, out.last_hidden)
             self.counters.graphed_prefills += 1
@@ -361,25 +368,31 @@ class Engine:
                         self._attach(seq, seq.request.prompt_ids, prompt_rows)
         return [self._emit(seq, first) for seq, first in zip(done, firsts)]
 
-    def _graphed_prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]) -> list[tuple[Sequence, int]]:
-        """The next prefill forward as a captured one (`EngineConfig.graphed_prefill`), or [] when it goes
-        eagerly: when the first prompt waiting has more than `graphed_prefill` tokens still to go in. It
-        takes the next chunk of the prompts, in admission order, that are as short, as many as a forward
-        holds."""
-        if self.prefill_graphs is None:
-            return []
-        chunk, most = self.prefill_graphs.query_lens[-1], self.prefill_graphs.batches[-1]
+    def _graphed_prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]
+                              ) -> tuple[StepGraphs | None, list[tuple[Sequence, int]]]:
+        """The next prefill forward as a captured one (`EngineConfig.graphed_prefill`): (its static
+        forwards, [(sequence, tokens)]), or (None, []) when it goes eagerly. The first prompt waiting goes
+        first: with more than `graphed_prefill` tokens still to go in, its next chunk alone through the long
+        forwards (eagerly without them); otherwise the next chunk of as many prompts as short, in
+        admission order, as a short forward holds."""
+        forwards = self.prefill_graphs
+        if forwards is None:
+            return None, []
+        first = pending[0]
+        left = len(first.request.prompt_ids) - offsets[first.seq_id]
+        if left > self.config.graphed_prefill:
+            if forwards.long is None:
+                return None, []
+            return forwards.long, [(first, min(forwards.long.query_lens[-1], left))]
+        chunk, most = forwards.short.query_lens[-1], forwards.short.batches[-1]
         group = []
         for seq in pending:
             left = len(seq.request.prompt_ids) - offsets[seq.seq_id]
-            if left > self.config.graphed_prefill:
-                if not group:
-                    return []  # (the first goes first, eagerly)
-                continue
-            group.append((seq, min(chunk, left)))
-            if len(group) == most:
-                break
-        return group
+            if left <= self.config.graphed_prefill:
+                group.append((seq, min(chunk, left)))
+                if len(group) == most:
+                    break
+        return forwards.short, group
 
     def _prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]) -> list[tuple[Sequence, int]]:
         """The next prefill forward: (sequence, tokens) for the next chunk of each prompt that fits, in
@@ -1253,6 +1266,15 @@ class Engine:
             flush = getattr(self.proposer, "flush", None)
             if flush is not None and not any(s.drafter_attached for s in self.running.values()):
                 self._drafter_call(flush)
+
+
+@dataclass(frozen=True)
+class PrefillForwards:
+    """The static forwards prompts go in through on a GPU (`EngineConfig.graphed_prefill`), buffers apart
+    from the steps'."""
+
+    short: StepGraphs  # the next chunk of several short prompts a forward
+    long: StepGraphs | None  # one longer prompt's next chunk, up to prefill_chunk tokens (None: eagerly)
 
 
 @dataclass

@@ -23,8 +23,8 @@ from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "word " * 40, "Hello",
-           "Once upon a time, in a small village by the sea,", "word " * 90]
-LIMIT = 64  # graphed_prefill: the prompts of 40 and 90 words go in eagerly
+           "Once upon a time, in a small village by the sea,", "word " * 90, "Count: " + "one two " * 110]
+LIMIT = 64  # graphed_prefill: the last two prompts are longer
 
 
 @pytest.fixture(scope="module")
@@ -52,22 +52,28 @@ def drafter(kind, target, static=False):
 
 
 class Watch:
-    """Records the engine's prefill forwards, the static ones and the eager ones: {seq_id: tokens} each."""
+    """Records the engine's prefill forwards, the short and long static ones and the eager ones: {seq_id:
+    tokens} each."""
 
     def __init__(self, engine: Engine) -> None:
-        self.static, self.eager = [], []
-        forward, eager = engine.prefill_graphs.forward, engine._forward
-
-        def static_forward(step, *more):
-            self.static.append(dict(zip(step.seq_ids, map(len, step.tokens))))
-            return forward(step, *more)
-        engine.prefill_graphs.forward = static_forward
+        self.short, self.long, self.eager = [], [], []
+        for forwards, log in ((engine.prefill_graphs.short, self.short), (engine.prefill_graphs.long, self.long)):
+            if forwards is not None:
+                forwards.forward = self._logged(forwards.forward, log)
+        eager = engine._forward
 
         def eager_forward(seq_ids, inputs, starts, *, logits_last_only):
             if logits_last_only:  # (a prefill's: decode and verify forwards ask every row)
                 self.eager.append(dict(zip(seq_ids, map(len, inputs))))
             return eager(seq_ids, inputs, starts, logits_last_only=logits_last_only)
         engine._forward = eager_forward
+
+    @staticmethod
+    def _logged(forward, log: list):
+        def logged(step, *more):
+            log.append(dict(zip(step.seq_ids, map(len, step.tokens))))
+            return forward(step, *more)
+        return logged
 
     @staticmethod
     def tokens(forwards: list[dict[int, int]]) -> dict[int, int]:
@@ -94,20 +100,23 @@ def tokens_of(events):
     return {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()}
 
 
+@pytest.mark.parametrize("chunk", [32, 128])
 @pytest.mark.parametrize("kind", [None, "dflash", "mtp"])
-def test_short_prompts_go_in_through_the_static_forwards_and_change_no_token(kind, target, tokenizer):
-    """Prompts with at most `graphed_prefill` tokens still to go in go in through the static forwards, 32
-    tokens (prefill_chunk; at most 64) of up to four prompts a forward, one forward an engine step; longer ones eagerly (and their
-    last `graphed_prefill` tokens or fewer through the static forwards); every request's tokens equal the
-    all-eager run's, and the drafter gets the same rows."""
+def test_prompts_go_in_through_the_static_forwards_and_change_no_token(kind, chunk, target, tokenizer):
+    """Prompts with at most `graphed_prefill` tokens still to go in go in through the short static forwards
+    (chunks of min(prefill_chunk, 64) tokens, up to four prompts a forward), longer ones alone through the
+    long ones (chunks of prefill_chunk: 128 here) or, where prefill_chunk is no longer than the short
+    chunk (32 here), eagerly until `graphed_prefill` tokens or fewer are left; one forward an engine step.
+    Every request's tokens equal the all-eager run's, and the drafter gets the same rows."""
     reqs = requests(tokenizer)
     lengths = [len(r.prompt_ids) for r in reqs]  # (seq ids are 0, 1, ... in order)
     short = [i for i, n in enumerate(lengths) if n <= LIMIT]
-    assert 2 < len(short) < len(reqs) and any(32 < lengths[i] for i in short)  # some short ones take two chunks
+    assert 2 < len(short) < len(reqs) and any(32 < lengths[i] for i in short)  # some take two chunks of 32
+    assert any(lengths[i] > 128 for i in range(len(reqs)) if i not in short)  # one takes two long chunks
 
     def go(graphed):
         proposer = drafter(kind, target)
-        engine = engine_for(target, proposer, graphed=graphed, prefill_chunk=32)
+        engine = engine_for(target, proposer, graphed=graphed, prefill_chunk=chunk)
         rows = {}
         if proposer is not None:
             prefill = proposer.prefill
@@ -128,17 +137,24 @@ def test_short_prompts_go_in_through_the_static_forwards_and_change_no_token(kin
     assert graphed_rows.keys() == eager_rows.keys() and len(eager_rows) == (0 if kind is None else len(reqs))
     for seq_id, rows in eager_rows.items():
         torch.testing.assert_close(graphed_rows[seq_id], rows, rtol=1e-4, atol=1e-4)
-    # a short prompt went in through the static forwards alone, a long one eagerly in chunks of
-    # prefill_chunk until at most graphed_prefill tokens were left; static forwards of at most four
-    # prompts' chunks of at most 32 tokens
-    static, eager = Watch.tokens(watch.static), Watch.tokens(watch.eager)
+    forwards = engine.prefill_graphs
+    assert forwards.short.query_lens == (min(chunk, 64),) and forwards.short.batches[-1] == 4
+    assert (forwards.long is None) == (chunk == 32)
+    short_in, long_in, eager_in = Watch.tokens(watch.short), Watch.tokens(watch.long), Watch.tokens(watch.eager)
     for i, n in enumerate(lengths):
-        assert static.get(i, 0) + eager.get(i, 0) == n
-        assert eager.get(i, 0) == (0 if i in short else -(-(n - LIMIT) // 32) * 32)
-    assert engine.prefill_graphs.query_lens == (32,) and engine.prefill_graphs.batches[-1] == 4
-    assert all(max(f.values()) <= 32 and len(f) <= 4 for f in watch.static)
+        assert short_in.get(i, 0) + long_in.get(i, 0) + eager_in.get(i, 0) == n
+        if i in short:  # through the short forwards alone
+            assert short_in[i] == n
+        elif chunk == 128:  # the long forwards, until what is left is short
+            assert eager_in.get(i, 0) == 0 and long_in[i] == min(n, -(-(n - LIMIT) // 128) * 128)
+        else:  # eagerly, until what is left is short
+            assert long_in.get(i, 0) == 0 and eager_in[i] == -(-(n - LIMIT) // 32) * 32
+    assert all(max(f.values()) <= min(chunk, 64) and len(f) <= 4 for f in watch.short)
+    assert all(len(f) == 1 and max(f.values()) <= 128 for f in watch.long)
     assert all(max(f.values()) <= 32 for f in watch.eager)
-    assert engine.counters.graphed_prefills == len(watch.static) and engine.counters.prefills == len(reqs)
+    assert (watch.eager == []) == (chunk == 128)
+    assert engine.counters.graphed_prefills == len(watch.short) + len(watch.long)
+    assert engine.counters.prefills == len(reqs)
 
 
 @pytest.mark.parametrize("kind", [None, "dflash"])
@@ -150,12 +166,12 @@ def test_prompts_arriving_while_steps_run_ahead_go_in_between_them(kind, target,
     alone = {r.request_id: tokens_of(engine_for(target, None, graphed=0).generate([r]))[r.request_id] for r in reqs}
     engine = engine_for(target, drafter(kind, target, static=True), steps_too=True, prefill_chunk=16)
     watch = Watch(engine)
-    in_flight, forward = [], engine.prefill_graphs.forward
+    in_flight, forward = [], engine.prefill_graphs.short.forward
 
     def static_forward(step, *more):  # was a step launched ahead (target only) or chained (DFlash) unread?
         in_flight.append(engine._ahead is not None or engine._chain is not None)
         return forward(step, *more)
-    engine.prefill_graphs.forward = static_forward
+    engine.prefill_graphs.short.forward = static_forward
     late = reqs[2]
     assert len(late.prompt_ids) > 16  # two chunks at least
     emitted: dict[str, list[int]] = {}
@@ -175,7 +191,8 @@ def test_prompts_arriving_while_steps_run_ahead_go_in_between_them(kind, target,
     assert during and all({"r0", "r1"} <= got for got in during)  # the running ones did not wait
     assert in_flight[-len(during) - 1:] == [True] * (len(during) + 1)  # each of the late prompt's chunks
     assert (engine.counters.chained > 0) == (kind == "dflash")
-    assert watch.eager == [] and Watch.tokens(watch.static)[2] == len(late.prompt_ids) and len(watch.static) >= 4
+    assert watch.eager == watch.long == [] and Watch.tokens(watch.short)[2] == len(late.prompt_ids)
+    assert len(watch.short) >= 4
 
 
 def test_graphed_prefill_is_checked():
@@ -188,9 +205,9 @@ def test_graphed_prefill_is_checked():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_captured_prefill_on_the_gpu_changes_no_token(smollm2_dir):
-    """On the GPU, prompts go in through captured prefill graphs, a prompt admitted while others decode
-    among them: float32, target only and with the shipped DFlash drafter, every token equals the
-    all-eager prefill's."""
+    """On the GPU, prompts go in through captured prefill graphs, prompts admitted while others decode
+    among them, and a 700-token one through the long forwards (512-token chunks): float32, target only
+    and with the shipped DFlash drafter, every token equals the all-eager prefill's."""
     from specsplit.local import LocalSetup, make_drafter
     from specsplit.train_data import HELDOUT_PATH, read_prompts
 
@@ -198,10 +215,14 @@ def test_captured_prefill_on_the_gpu_changes_no_token(smollm2_dir):
     tok = Tokenizer.from_dir(smollm2_dir)
     dflash = make_drafter("dflash", model, LocalSetup(drafter="dflash", device="cuda", dtype="float32"))
     prompts = [p.encode(tok) for p in read_prompts(HELDOUT_PATH)[:10]]
+    long = [t for p in prompts for t in p][:700]  # (any tokens: the prefill's arithmetic is what is tested)
+    prompts.insert(3, long)
+    assert len(long) == 700
 
     def run(proposer, graphed):
         engine = Engine(model, proposer, EngineConfig(max_batch=3, graphed_prefill=graphed), eos_ids=tok.eos_token_ids)
         assert (engine.prefill_graphs is not None) == bool(graphed)
+        assert not graphed or engine.prefill_graphs.long.query_lens == (512,)
         events = engine.generate([Request(f"r{i}", p, SamplingParams(max_tokens=40)) for i, p in enumerate(prompts)])
         assert bool(engine.counters.graphed_prefills) == bool(graphed)
         return [[t for e in evs for t in e.token_ids] for evs in events.values()]

@@ -98,6 +98,7 @@ INTERPRETED = [
     (4, 1, 8, 9, 3, 64, 640, 16, None, 32),  # one stream's verify on the H200: 32 key splits, many of them empty
     (5, 2, 16, 32, 8, 64, 100, 16, None, 2),  # 64 rows a group: two row tiles
     (6, 2, 13, 9, 3, 32, 70, 16, 5, 4),  # 39 rows: a full tile and a partial one
+    (7, 1, 150, 9, 3, 16, 220, 16, None, 2),  # a captured prefill's long chunk: 450 rows a group, 15 tiles
 ]
 
 
