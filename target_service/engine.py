@@ -201,7 +201,7 @@ class Engine:
             return StepGraphs(self.model, self.cache, self.capture, max_batch=batch, query_lens=(chunk,),
                               max_len=longest, use_graphs=use_graphs)
         return PrefillForwards(forwards(min(config.max_batch, _GRAPHED_PREFILL_BATCH), short),
-                               forwards(1, long) if long > short else None)
+                               forwards(1, long) if long > short else None, use_graphs)
 
     def _max_drafts(self, num_seqs: int = 1) -> int:
         """The most drafts per sequence in a step of `num_seqs` sequences."""
@@ -1140,6 +1140,8 @@ class Engine:
         self.tuner = None  # the graphs are captured for the new spec's draft lengths first
         if self.graphs is not None:
             self.graphs = self._capture_graphs()
+        if self.prefill_graphs is not None:  # (they capture the drafter's rows too, from now on)
+            self.prefill_graphs = self.graphed_prefill_forwards(use_graphs=self.prefill_graphs.captured)
         self.tuner = self._new_tuner()
         for seq in seqs:
             seq.drafter_refused = True
@@ -1275,6 +1277,7 @@ class PrefillForwards:
 
     short: StepGraphs  # the next chunk of several short prompts a forward
     long: StepGraphs | None  # one longer prompt's next chunk, up to prefill_chunk tokens (None: eagerly)
+    captured: bool  # CUDA graphs (or their reference, run eagerly)
 
 
 @dataclass

@@ -230,3 +230,40 @@ def test_captured_prefill_on_the_gpu_changes_no_token(smollm2_dir):
     want = run(None, 0)
     assert run(None, 256) == want
     assert run(dflash, 256) == want
+
+
+class LateDrafter:
+    """A drafter that is down when the engine starts (no spec, not available) until `up` is set."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.up = inner, False
+
+    @property
+    def spec(self):
+        return self.inner.spec if self.up else None
+
+    def available(self) -> bool:
+        return self.up
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_drafter_that_answers_late_gets_its_rows_from_the_static_prefill(target, tokenizer):
+    """Issue 9's drafter down at start: the engine starts capturing no rows; once the drafter answers it
+    captures what the drafter reads, in the prefill forwards too, so the next prompt's rows reach the
+    drafter through them and that request speculates (before the fix the prefill forwards still captured
+    nothing, the drafter got no rows and was detached)."""
+    first, second = requests(tokenizer, PROMPTS[:2], max_tokens=20)
+    want = {r.request_id: tokens_of(engine_for(target, None, graphed=0).generate([r]))[r.request_id] for r in (first, second)}
+    late = LateDrafter(drafter("dflash", target))
+    engine = engine_for(target, late)
+    assert not engine.capture.layer_ids and engine.prefill_graphs.short.forwards[(1, 48)].capture == engine.capture
+    got = engine.generate([first])
+    assert got[first.request_id][-1].stats.drafted == 0  # (served alone)
+    late.up = True
+    got.update(engine.generate([second]))
+    assert engine.capture.layer_ids and engine.counters.reattaches == 1
+    assert all(f.capture == engine.capture for f in engine.prefill_graphs.short.forwards.values())
+    assert tokens_of(got) == want
+    assert got[second.request_id][-1].stats.drafted > 0 and engine.drafter_ok
