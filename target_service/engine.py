@@ -320,36 +320,37 @@ class Engine:
         """One prefill forward per engine step, packed: it takes the next chunk of as many prompts as fit
         (see `_prefill_plan`), so admitting many short prompts costs a few forwards, not one each, and a
         long prompt goes in over several steps while the running sequences keep decoding between its
-        chunks (a cancel between two of them ends it there, without an event). The prompts it completes
-        get their first token, and the drafter their rows, in one context forward."""
+        chunks (a cancel between two of them ends it there, without an event). Through the captured
+        forwards (`_graphed_prefill_plan`) it may be two: a long prompt's chunk and short prompts'. The
+        prompts it completes get their first token, and the drafter their rows, in one context forward."""
         pending = list(self._prefilling.values())
         offsets = {p.seq.seq_id: p.offset for p in pending}
-        graphed, group = self._graphed_prefill_plan([p.seq for p in pending], offsets)
-        if graphed is None:
-            group = self._prefill_plan([p.seq for p in pending], offsets)
-        inputs = [seq.request.prompt_ids[offsets[seq.seq_id]:offsets[seq.seq_id] + n] for seq, n in group]
-        ids, starts = [seq.seq_id for seq, _ in group], [offsets[s.seq_id] for s, _ in group]
-        if graphed is not None:
-            out = graphed.forward(StepBatch(ids, inputs, starts))  # rows in token order
-            ends = torch.tensor(list(itertools.accumulate(n for _, n in group)), device=out.logits.device) - 1
-            out = ForwardOutput(out.logits.index_select(0, ends), out.layer_features, out.last_hidden)
-            self.counters.graphed_prefills += 1
-        else:
-            out = self._forward(ids, inputs, starts, logits_last_only=True)
-        features, row = self._features(out), 0
+        plans = self._graphed_prefill_plan([p.seq for p in pending], offsets) \
+            or [(None, self._prefill_plan([p.seq for p in pending], offsets))]
         done, last_logits, rows = [], [], {}
-        for i, (seq, n) in enumerate(group):
-            state = self._prefilling[seq.seq_id]
-            if features is not None and seq.request.speculative and not seq.drafter_refused:
-                # its own rows: a view would keep the whole packed forward's rows alive until it is in
-                state.rows.append(features[row:row + n] if len(group) == 1 else features[row:row + n].clone())
-            row += n
-            state.offset += n
-            if state.offset == len(seq.request.prompt_ids):
-                del self._prefilling[seq.seq_id]
-                done.append(seq)
-                last_logits.append(out.logits[i])
-                rows[seq.seq_id] = state.rows
+        for forwards, group in plans:
+            inputs = [seq.request.prompt_ids[offsets[seq.seq_id]:offsets[seq.seq_id] + n] for seq, n in group]
+            ids, starts = [seq.seq_id for seq, _ in group], [offsets[s.seq_id] for s, _ in group]
+            if forwards is not None:
+                out = forwards.forward(StepBatch(ids, inputs, starts))  # rows in token order
+                ends = torch.tensor(list(itertools.accumulate(n for _, n in group)), device=out.logits.device) - 1
+                out = ForwardOutput(out.logits.index_select(0, ends), out.layer_features, out.last_hidden)
+                self.counters.graphed_prefills += 1
+            else:
+                out = self._forward(ids, inputs, starts, logits_last_only=True)
+            features, row = self._features(out), 0
+            for i, (seq, n) in enumerate(group):
+                state = self._prefilling[seq.seq_id]
+                if features is not None and seq.request.speculative and not seq.drafter_refused:
+                    # its own rows: a view would keep the whole packed forward's rows alive until it is in
+                    state.rows.append(features[row:row + n] if len(group) == 1 else features[row:row + n].clone())
+                row += n
+                state.offset += n
+                if state.offset == len(seq.request.prompt_ids):
+                    del self._prefilling[seq.seq_id]
+                    done.append(seq)
+                    last_logits.append(out.logits[i])
+                    rows[seq.seq_id] = state.rows
         if not done:
             return []
         firsts = self._sample(done, torch.stack(last_logits), [[] for _ in done])
@@ -369,30 +370,35 @@ class Engine:
         return [self._emit(seq, first) for seq, first in zip(done, firsts)]
 
     def _graphed_prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]
-                              ) -> tuple[StepGraphs | None, list[tuple[Sequence, int]]]:
-        """The next prefill forward as a captured one (`EngineConfig.graphed_prefill`): (its static
-        forwards, [(sequence, tokens)]), or (None, []) when it goes eagerly. The first prompt waiting goes
-        first: with more than `graphed_prefill` tokens still to go in, its next chunk alone through the long
-        forwards (eagerly without them); otherwise the next chunk of as many prompts as short, in
-        admission order, as a short forward holds."""
+                              ) -> list[tuple[StepGraphs, list[tuple[Sequence, int]]]]:
+        """This engine step's captured prefill forwards (`EngineConfig.graphed_prefill`), each with its
+        [(sequence, tokens)], or [] when it goes eagerly. A prompt with more than `graphed_prefill` tokens
+        still to go in, the first such in admission order, sends its next chunk alone through the long
+        forwards (without them, while it waits first, the step goes eagerly); the next chunk of as many
+        shorter ones, in admission order, as the short forwards hold (and `prefill_tokens` allows) goes
+        through those in the same step, so they do not wait out a long prompt."""
         forwards = self.prefill_graphs
         if forwards is None:
-            return None, []
-        first = pending[0]
-        left = len(first.request.prompt_ids) - offsets[first.seq_id]
-        if left > self.config.graphed_prefill:
-            if forwards.long is None:
-                return None, []
-            return forwards.long, [(first, min(forwards.long.query_lens[-1], left))]
+            return []
+        lefts = [len(seq.request.prompt_ids) - offsets[seq.seq_id] for seq in pending]
+        long = next((i for i, left in enumerate(lefts) if left > self.config.graphed_prefill), None)
+        if long == 0 and forwards.long is None:
+            return []  # (the first goes first, eagerly)
+        plans = []
+        if long is not None and forwards.long is not None:
+            plans.append((forwards.long, [(pending[long], min(forwards.long.query_lens[-1], lefts[long]))]))
         chunk, most = forwards.short.query_lens[-1], forwards.short.batches[-1]
-        group = []
-        for seq in pending:
-            left = len(seq.request.prompt_ids) - offsets[seq.seq_id]
-            if left <= self.config.graphed_prefill:
-                group.append((seq, min(chunk, left)))
+        group, tokens = [], 0
+        for seq, left in zip(pending, lefts):
+            n = min(chunk, left)
+            if left <= self.config.graphed_prefill and (not group or tokens + n <= self.config.prefill_tokens):
+                group.append((seq, n))
+                tokens += n
                 if len(group) == most:
                     break
-        return forwards.short, group
+        if group:
+            plans.append((forwards.short, group))
+        return plans
 
     def _prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]) -> list[tuple[Sequence, int]]:
         """The next prefill forward: (sequence, tokens) for the next chunk of each prompt that fits, in

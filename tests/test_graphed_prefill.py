@@ -57,6 +57,7 @@ class Watch:
 
     def __init__(self, engine: Engine) -> None:
         self.short, self.long, self.eager = [], [], []
+        self.per_step: list[tuple[int, int, int]] = []  # (short, long, eager) forwards, where a test counts them
         for forwards, log in ((engine.prefill_graphs.short, self.short), (engine.prefill_graphs.long, self.long)):
             if forwards is not None:
                 forwards.forward = self._logged(forwards.forward, log)
@@ -126,6 +127,15 @@ def test_prompts_go_in_through_the_static_forwards_and_change_no_token(kind, chu
                 return prefill(seq_id, token_ids, got, start_pos)
             proposer.prefill = record
         watch = Watch(engine) if graphed else None
+        if watch is not None:  # how many forwards of each kind every engine step ran
+            admit = engine._admit
+
+            def counted():
+                before = len(watch.short), len(watch.long), len(watch.eager)
+                events = admit()
+                watch.per_step.append(tuple(len(w) - b for w, b in zip((watch.short, watch.long, watch.eager), before)))
+                return events
+            engine._admit = counted
         out = tokens_of(engine.generate(reqs))
         # (the static forwards' scratch block, for padding rows, is one of the CPU cache's; a GPU engine adds it)
         assert not engine.running and engine.cache.num_free_blocks == engine.config.kv_blocks - bool(graphed)
@@ -153,6 +163,12 @@ def test_prompts_go_in_through_the_static_forwards_and_change_no_token(kind, chu
     assert all(len(f) == 1 and max(f.values()) <= 128 for f in watch.long)
     assert all(max(f.values()) <= 32 for f in watch.eager)
     assert (watch.eager == []) == (chunk == 128)
+    # an engine step: one eager forward, or at most one short and one long, a short prompt's chunk going
+    # in beside a long prompt's (the first prompts wait behind no long one: admitted together, every short
+    # prompt is in after its chunks' steps)
+    assert all(e == 1 and s == lg == 0 or e == 0 and s <= 1 and lg <= 1 for s, lg, e in watch.per_step)
+    if chunk == 128:
+        assert any(s == lg == 1 for s, lg, _ in watch.per_step)
     assert engine.counters.graphed_prefills == len(watch.short) + len(watch.long)
     assert engine.counters.prefills == len(reqs)
 
@@ -161,7 +177,9 @@ def test_prompts_go_in_through_the_static_forwards_and_change_no_token(kind, chu
 def test_prompts_arriving_while_steps_run_ahead_go_in_between_them(kind, target, tokenizer):
     """With the decode/verify steps launched ahead (and DFlash's chained on the device), a prompt admitted
     while they run goes in through the static prefill forwards between two steps: every request's tokens
-    equal its run alone, and the running ones emit at every step of the prefill."""
+    equal its run alone, and the running ones emit at every step of the prefill. (The engine's side: on
+    the CPU the static forwards allocate their outputs afresh, so buffer reuse and stream order are the
+    GPU test's.)"""
     reqs = requests(tokenizer, [PROMPTS[0], PROMPTS[1], "Water boils at " * 6], max_tokens=30)
     alone = {r.request_id: tokens_of(engine_for(target, None, graphed=0).generate([r]))[r.request_id] for r in reqs}
     engine = engine_for(target, drafter(kind, target, static=True), steps_too=True, prefill_chunk=16)
@@ -222,14 +240,24 @@ def test_captured_prefill_on_the_gpu_changes_no_token(smollm2_dir):
     def run(proposer, graphed):
         engine = Engine(model, proposer, EngineConfig(max_batch=3, graphed_prefill=graphed), eos_ids=tok.eos_token_ids)
         assert (engine.prefill_graphs is not None) == bool(graphed)
-        assert not graphed or engine.prefill_graphs.long.query_lens == (512,)
+        watch = Watch(engine) if graphed else None
         events = engine.generate([Request(f"r{i}", p, SamplingParams(max_tokens=40)) for i, p in enumerate(prompts)])
-        assert bool(engine.counters.graphed_prefills) == bool(graphed)
-        return [[t for e in evs for t in e.token_ids] for evs in events.values()]
+        if graphed:  # the long prompt through the long forwards (512 + 188 tokens), the others the short ones
+            assert engine.prefill_graphs.long.query_lens == (512,)
+            assert Watch.tokens(watch.long) == {3: 700 - 188} and Watch.tokens(watch.short)[3] == 188
+            assert watch.eager == []
+        accepted = sum(evs[-1].stats.accepted for evs in events.values())
+        return [[t for e in evs for t in e.token_ids] for evs in events.values()], accepted
 
-    want = run(None, 0)
-    assert run(None, 256) == want
-    assert run(dflash, 256) == want
+    want, _ = run(None, 0)
+    assert run(None, 256)[0] == want
+    # with the drafter: the same tokens (greedy verification keeps them whatever the drafts), and about
+    # as many drafts accepted as with eager prefill, so the drafter got the prompts' own rows (float32:
+    # the rows agree to rounding; wrong or stale rows would draft far worse)
+    eager_tokens, eager_accepted = run(dflash, 0)
+    tokens, accepted = run(dflash, 256)
+    assert tokens == eager_tokens == want
+    assert accepted >= 0.9 * eager_accepted > 0
 
 
 class LateDrafter:
