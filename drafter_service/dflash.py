@@ -509,8 +509,10 @@ class DFlashDrafter(Drafter):
         slots = physical * size + positions % size
         rows = torch.cat(kept) if len(kept) > 1 else kept[0]
         graphs = self.context_graphs
-        if graphs is not None and graphs.fits(rows.shape[0]):
-            graphs(rows, positions, slots, self.staging)
+        if graphs is not None:  # (more rows than its largest bucket, a long prompt's: in pieces, each row alone)
+            most = graphs.buckets[-1]
+            for at in range(0, rows.shape[0], most):
+                graphs(rows[at:at + most], positions[at:at + most], slots[at:at + most], self.staging)
         else:
             pos, slot = self.staging.put([positions, slots])
             self.pool.write(slot, *self.model.context(rows, pos))

@@ -83,9 +83,6 @@ class ContextGraphs:
         self.use_graphs, self.pool = use_graphs, pool
         self._runs: dict[int, tuple[torch.Tensor, torch.Tensor, _Replayable]] = {}  # rows, meta, its run
 
-    def fits(self, rows: int) -> bool:
-        return rows <= self.buckets[-1]
-
     def __call__(self, rows: torch.Tensor, positions: np.ndarray, slots: np.ndarray, staging: HostStaging) -> None:
         """rows [n, feature_dim] at host `positions` [n] → their K/V into the pool's `slots` [n] (distinct).
         Positions and slots reach the graph's inputs in one copy (`staging`), the rows in another."""

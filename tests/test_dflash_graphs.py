@@ -224,3 +224,27 @@ def test_triton_paged_forwards_equal_eager(window, use_graphs):
     for a, b in zip(want_ctx, got_ctx):
         for name in a:
             assert_close(b[name], a[name], atol=1e-4, rtol=0)
+
+
+def test_a_prompt_longer_than_the_largest_context_bucket_goes_through_it_in_pieces(monkeypatch):
+    """A prompt's rows past the static context forward's largest bucket (a long prompt's) go through it in
+    pieces of that bucket (the context forward treats each row alone), where they went eagerly: the same
+    contexts and proposals as the eager drafter's."""
+    from specsplit.drafter_service.graphs import ContextGraphs
+
+    eager, static = make(), make()
+    static.use_static_forwards(use_graphs=False)
+    most = static.context_graphs.buckets[-1]
+    calls = []
+    run = ContextGraphs.__call__
+    monkeypatch.setattr(ContextGraphs, "__call__", lambda self, rows, *a: (calls.append(rows.shape[0]), run(self, rows, *a))[1])
+    lengths = [most + 5, 7]
+    want, want_ctx = drive(eager, lengths, steps=3)
+    assert calls == []
+    got, got_ctx = drive(static, lengths, steps=3)
+    assert calls[:3] == [most, 5, 7]  # the prefills (one each), the long one in two pieces
+    for a, b in zip(want, got):
+        assert [p.tokens for p in a] == [p.tokens for p in b]
+    for a, b in zip(want_ctx, got_ctx):
+        for name in a:
+            assert_close(b[name], a[name], atol=ATOL, rtol=0)
