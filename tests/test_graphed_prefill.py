@@ -295,3 +295,49 @@ def test_a_drafter_that_answers_late_gets_its_rows_from_the_static_prefill(targe
     assert all(f.capture == engine.capture for f in engine.prefill_graphs.short.forwards.values())
     assert tokens_of(got) == want
     assert got[second.request_id][-1].stats.drafted > 0 and engine.drafter_ok
+
+
+@pytest.mark.parametrize("chunk", [32, 128])
+def test_a_reattach_recomputes_the_rows_through_the_static_prefill(chunk, target, tokenizer):
+    """After a drafter outage the engine rebuilds each running sequence's drafter state from its history's
+    rows: through the static prefill forwards (long ones where there are, short ones otherwise), not
+    eagerly; the rows equal the eager recompute's, and every token its uninterrupted run's."""
+    reqs = requests(tokenizer, PROMPTS[:2] + ["word " * 50], max_tokens=40)
+    want = tokens_of(engine_for(target, None, graphed=0).generate(reqs))
+
+    def run(graphed):
+        proposer = LateDrafter(drafter("dflash", target))  # (one that says when it is available)
+        proposer.up = True
+        engine = engine_for(target, proposer, graphed=graphed, prefill_chunk=chunk)
+        watch = Watch(engine) if graphed else None
+        rebuilt = {}
+        prefill = proposer.prefill
+
+        def record(seq_id, token_ids, rows, start_pos=0):
+            if engine.counters.reattaches:  # (the re-attach's, not the first prefills')
+                rebuilt[seq_id] = rows.clone()
+            return prefill(seq_id, token_ids, rows, start_pos)
+        proposer.prefill = record
+        for r in reqs:
+            engine.add(r)
+        out: dict[str, list[int]] = {}
+        for n in itertools.count():
+            if n == 12:
+                engine._detach()  # an outage, as a failing drafter verb causes; the next step re-attaches
+            for e in engine.step():
+                out.setdefault(e.request_id, []).extend(e.token_ids)
+            if not engine.has_work:
+                break
+        assert engine.counters.reattaches == 1 and engine.drafter_ok
+        return out, rebuilt, watch
+
+    eager_out, eager_rows, _ = run(0)
+    got, rows, watch = run(LIMIT)
+    assert got == eager_out == want
+    assert rows.keys() == eager_rows.keys() and len(rows) == 3
+    for seq_id, r in rows.items():
+        torch.testing.assert_close(r, eager_rows[seq_id], rtol=1e-4, atol=1e-4)
+    used = watch.long if chunk == 128 else watch.short
+    assert all(max(f.values()) <= (128 if chunk == 128 else 32) for f in used)
+    assert sum(sum(f.values()) for f in used) >= sum(len(r) for r in rows.values())  # the re-attach's rows
+    assert watch.eager == []
