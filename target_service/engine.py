@@ -1147,7 +1147,8 @@ class Engine:
         if self.graphs is not None:
             self.graphs = self._capture_graphs()
         if self.prefill_graphs is not None:  # (they capture the drafter's rows too, from now on)
-            self.prefill_graphs = self.graphed_prefill_forwards(use_graphs=self.prefill_graphs.captured)
+            captured, self.prefill_graphs = self.prefill_graphs.captured, None  # (the old ones' memory first)
+            self.prefill_graphs = self.graphed_prefill_forwards(use_graphs=captured)
         self.tuner = self._new_tuner()
         for seq in seqs:
             seq.drafter_refused = True
