@@ -39,7 +39,7 @@ class EngineCounters:
 
     steps: int = 0  # batched decode/verify forwards
     prefills: int = 0  # prompts prefilled (each is a target forward that produced a token)
-    graphed_prefills: int = 0  # prefill forwards run as captured graphs (EngineConfig.graphed_prefill)
+    graphed_prefills: int = 0  # prefill forwards run as captured graphs (EngineConfig.graphed_prefill; re-attaches too)
     tokens: int = 0  # tokens emitted to clients
     # Per sequence and verify step, indexed by count: drafts[k] steps that verified k drafts, accepted[a]
     # steps that accepted a. Acceptance at draft position p follows: steps with a >= p over those with k >= p.

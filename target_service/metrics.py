@@ -64,8 +64,8 @@ class _EngineCollector(Collector):
         drafts, accepted = list(c.drafts), list(c.accepted)  # one copy each: the engine thread appends
         yield _counter("steps", "batched decode/verify steps (target forwards)", c.steps)
         yield _counter("prefills", "prompts prefilled (a target forward that produced a token)", c.prefills)
-        yield _counter("graphed_prefills", "prefill forwards replayed as captured graphs (short prompts' "
-                       "chunks)", c.graphed_prefills)
+        yield _counter("graphed_prefills", "prefill forwards replayed as captured graphs (prompts' chunks; "
+                       "a re-attach's recomputed rows)", c.graphed_prefills)
         yield _counter("chained_steps", "speculative steps chained on the device: accepted there, the next one "
                        "launched before the host read this one", c.chained)
         yield _counter("chain_captures", "shapes of chained steps captured whole as one CUDA graph (a replay "
