@@ -200,8 +200,15 @@ class Engine:
         def forwards(batch: int, chunk: int) -> StepGraphs:
             return StepGraphs(self.model, self.cache, self.capture, max_batch=batch, query_lens=(chunk,),
                               max_len=longest, use_graphs=use_graphs)
-        return PrefillForwards(forwards(min(config.max_batch, _GRAPHED_PREFILL_BATCH), short),
-                               forwards(1, long) if long > short else None, use_graphs)
+        long_forwards = None
+        if long > short:
+            try:
+                long_forwards = forwards(1, long)
+            except Exception as exc:  # noqa: BLE001 - the long chunk's shape alone (its kernels are the steps')
+                log.warning("the %d-token captured prefill forward could not be made (%s: %s); longer prompts "
+                            "go in eagerly", long, type(exc).__name__, exc)
+        return PrefillForwards(forwards(min(config.max_batch, _GRAPHED_PREFILL_BATCH), short), long_forwards,
+                               use_graphs)
 
     def _max_drafts(self, num_seqs: int = 1) -> int:
         """The most drafts per sequence in a step of `num_seqs` sequences."""

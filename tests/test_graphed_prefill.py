@@ -341,3 +341,24 @@ def test_a_reattach_recomputes_the_rows_through_the_static_prefill(chunk, target
     assert all(max(f.values()) <= (128 if chunk == 128 else 32) for f in used)
     assert sum(sum(f.values()) for f in used) >= sum(len(r) for r in rows.values())  # the re-attach's rows
     assert watch.eager == []
+
+
+def test_a_long_forward_that_cannot_be_made_leaves_longer_prompts_eager(target, tokenizer, monkeypatch, caplog):
+    """If the long prefill forward's shape cannot be captured (its kernels are the steps', its shape is not),
+    the engine says so and sends longer prompts in eagerly; the short forwards still serve, and every token
+    is the all-eager run's."""
+    reqs = requests(tokenizer)
+    want = tokens_of(engine_for(target, None, graphed=0, prefill_chunk=128).generate(reqs))
+    made = StepGraphs.__init__
+
+    def refuse_long(self, *args, query_lens, **kw):
+        if query_lens == (128,):
+            raise RuntimeError("no room for this graph")
+        made(self, *args, query_lens=query_lens, **kw)
+    monkeypatch.setattr(StepGraphs, "__init__", refuse_long)
+    with caplog.at_level("WARNING"):
+        engine = engine_for(target, None, prefill_chunk=128)
+    assert engine.prefill_graphs.long is None and "go in eagerly" in caplog.text
+    watch = Watch(engine)
+    assert tokens_of(engine.generate(reqs)) == want
+    assert watch.short and watch.eager and watch.long == []
