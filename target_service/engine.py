@@ -204,9 +204,11 @@ class Engine:
         if long > short:
             try:
                 long_forwards = forwards(1, long)
-            except Exception as exc:  # noqa: BLE001 - the long chunk's shape alone (its kernels are the steps')
-                log.warning("the %d-token captured prefill forward could not be made (%s: %s); longer prompts "
-                            "go in eagerly", long, type(exc).__name__, exc)
+            except Exception as exc:  # noqa: BLE001 - only what leaves CUDA as it was, see _out_of_room
+                if not _out_of_room(exc):
+                    raise
+                log.warning("the %d-token captured prefill forward did not fit (%s: %s); longer prompts go in "
+                            "eagerly", long, type(exc).__name__, str(exc)[:200])
         return PrefillForwards(forwards(min(config.max_batch, _GRAPHED_PREFILL_BATCH), short), long_forwards,
                                use_graphs)
 
@@ -1151,10 +1153,13 @@ class Engine:
         self._spec = self.proposer.spec
         self.capture = capture_for(self.proposer)
         self.tuner = None  # the graphs are captured for the new spec's draft lengths first
+        # The prefill forwards capture the drafter's rows too from now on; the old ones let go first, before
+        # anything is captured again (their memory)
+        prefill, self.prefill_graphs = self.prefill_graphs, None
         if self.graphs is not None:
             self.graphs = self._capture_graphs()
-        if self.prefill_graphs is not None:  # (they capture the drafter's rows too, from now on)
-            captured, self.prefill_graphs = self.prefill_graphs.captured, None  # (the old ones' memory first)
+        if prefill is not None:
+            captured, prefill = prefill.captured, None
             self.prefill_graphs = self.graphed_prefill_forwards(use_graphs=captured)
         self.tuner = self._new_tuner()
         for seq in seqs:
@@ -1350,6 +1355,14 @@ class _VerifiedBatch:
         self.num_accepted.append(num_accepted)
         self.base_pos.append(base_pos)
         self.token_ids.append(token_ids)
+
+
+def _out_of_room(exc: BaseException) -> bool:
+    """Whether a failure to build captured forwards leaves CUDA usable: out of device memory (a capture
+    that runs out ends normally), or a Triton kernel out of resources for the shape (raised by the run
+    before the capture). Any other failure inside a capture may leave the allocator or the current
+    stream in capture's state: the caller lets it end the engine's start."""
+    return isinstance(exc, torch.OutOfMemoryError) or type(exc).__name__ == "OutOfResources"
 
 
 def _capability(proposer, name: str):

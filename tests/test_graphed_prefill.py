@@ -343,22 +343,34 @@ def test_a_reattach_recomputes_the_rows_through_the_static_prefill(chunk, target
     assert watch.eager == []
 
 
-def test_a_long_forward_that_cannot_be_made_leaves_longer_prompts_eager(target, tokenizer, monkeypatch, caplog):
-    """If the long prefill forward's shape cannot be captured (its kernels are the steps', its shape is not),
-    the engine says so and sends longer prompts in eagerly; the short forwards still serve, and every token
-    is the all-eager run's."""
+def test_a_long_forward_that_does_not_fit_leaves_longer_prompts_eager(target, tokenizer, monkeypatch, caplog):
+    """If the long prefill forward's shape does not fit (out of device memory, or a Triton kernel out of
+    resources for it: failures that leave CUDA as it was), the engine says so and sends longer prompts in
+    eagerly; the short forwards still serve, and every token is the all-eager run's. Any other failure
+    ends the engine's start (a capture that failed otherwise may leave CUDA in capture's state)."""
     reqs = requests(tokenizer)
     want = tokens_of(engine_for(target, None, graphed=0, prefill_chunk=128).generate(reqs))
     made = StepGraphs.__init__
+    failure: list[Exception] = []
 
     def refuse_long(self, *args, query_lens, **kw):
         if query_lens == (128,):
-            raise RuntimeError("no room for this graph")
+            raise failure[0]
         made(self, *args, query_lens=query_lens, **kw)
     monkeypatch.setattr(StepGraphs, "__init__", refuse_long)
-    with caplog.at_level("WARNING"):
-        engine = engine_for(target, None, prefill_chunk=128)
-    assert engine.prefill_graphs.long is None and "go in eagerly" in caplog.text
-    watch = Watch(engine)
-    assert tokens_of(engine.generate(reqs)) == want
-    assert watch.short and watch.eager and watch.long == []
+
+    class OutOfResources(Exception):  # (Triton's, by name: triton is not imported on the CPU path)
+        pass
+
+    for failed in (torch.OutOfMemoryError("no room for this graph"), OutOfResources("shared memory")):
+        failure[:] = [failed]
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            engine = engine_for(target, None, prefill_chunk=128)
+        assert engine.prefill_graphs.long is None and "go in eagerly" in caplog.text
+        watch = Watch(engine)
+        assert tokens_of(engine.generate(reqs)) == want
+        assert watch.short and watch.eager and watch.long == []
+    failure[:] = [RuntimeError("operation failed due to a previous error during capture")]
+    with pytest.raises(RuntimeError, match="during capture"):
+        engine_for(target, None, prefill_chunk=128)
