@@ -1175,7 +1175,8 @@ class Engine:
     def _recapture(self, seq: Sequence) -> torch.Tensor:
         """Feature rows of every committed token but the newest (rewrites its KV with the same values, up
         to rounding), through the captured prefill forwards where there are some: a re-attach after an
-        outage rebuilds every running sequence, and an eager forward costs ~25 ms a chunk on a GPU."""
+        outage rebuilds every running sequence, and an eager forward is launch-bound on a GPU (22-32 ms a
+        chunk for the default model on the H200, however short)."""
         history = seq.tokens[:-1]
         forwards = None if self.prefill_graphs is None else self.prefill_graphs.long or self.prefill_graphs.short
         chunk = self.config.prefill_chunk if forwards is None else forwards.query_lens[-1]
