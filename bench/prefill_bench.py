@@ -83,8 +83,9 @@ def main() -> None:
                 first_tokens(engine, group, together, 1)
             ms = {g: first_tokens(e, group, together, args.repeats) for g, e in engines.items()}
             eager, graphed = ms[0], ms[EngineConfig.graphed_prefill]
-            results[f"{name}_{arrival.replace(' ', '_')}"] = {"eager_ms": eager, "graphed_ms": graphed, "eager_over_graphed": eager / graphed,
-                                            "graphed_prefills": engines[EngineConfig.graphed_prefill].counters.graphed_prefills}
+            results[f"{name}_{arrival.replace(' ', '_')}"] = {
+                "eager_ms": eager, "graphed_ms": graphed, "eager_over_graphed": eager / graphed,
+                "graphed_prefills": engines[EngineConfig.graphed_prefill].counters.graphed_prefills}
             print(f"{name:>8} {arrival:>12} {eager:>8.2f} {graphed:>8.2f} {eager / graphed:>6.2f}", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:

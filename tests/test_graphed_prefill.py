@@ -283,7 +283,8 @@ def test_a_drafter_that_answers_late_gets_its_rows_from_the_static_prefill(targe
     drafter through them and that request speculates (before the fix the prefill forwards still captured
     nothing, the drafter got no rows and was detached)."""
     first, second = requests(tokenizer, PROMPTS[:2], max_tokens=20)
-    want = {r.request_id: tokens_of(engine_for(target, None, graphed=0).generate([r]))[r.request_id] for r in (first, second)}
+    want = {r.request_id: tokens_of(engine_for(target, None, graphed=0).generate([r]))[r.request_id]
+            for r in (first, second)}
     late = LateDrafter(drafter("dflash", target))
     engine = engine_for(target, late)
     assert not engine.capture.layer_ids and engine.prefill_graphs.short.forwards[(1, 48)].capture == engine.capture
