@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from specsplit.local import LocalSetup, make_drafter, target_dir
-from specsplit.shared.tokenizer import Tokenizer
+from specsplit.local import LocalSetup, load_parts
 from specsplit.target_service.engine import Engine, EngineConfig
-from specsplit.target_service.model import load_target
 from split_bench import PROMPTS, run
 
 
@@ -35,10 +33,7 @@ def main() -> None:
     if min(args.drafts) < 1:
         ap.error("--drafts: each k must be >= 1 (the target alone is always measured, as k = 0)")
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
-    folder = target_dir(setup.target)
-    model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
-    tokenizer = Tokenizer.from_dir(folder)
-    drafter = make_drafter(args.drafter, model, setup)
+    model, tokenizer, drafter = load_parts(setup)
     results, best = {}, {}
     print(f"{'batch':>5} {'k':>4} {'tok/s':>9} {'x target':>8} {'tau':>5} {'ms/step':>7} {'same':>5}", flush=True)
     for batch in args.batch:

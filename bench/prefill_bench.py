@@ -20,11 +20,9 @@ import time
 
 import torch
 
-from specsplit.local import LocalSetup, make_drafter, target_dir
+from specsplit.local import LocalSetup, load_parts
 from specsplit.shared.sampling import SamplingParams
-from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service.engine import Engine, EngineConfig
-from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
 from split_bench import PROMPTS
 
@@ -61,10 +59,7 @@ def main() -> None:
     if min(args.together) < 1:
         ap.error("--together: at least 1 prompt")
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
-    folder = target_dir(setup.target)
-    model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
-    tokenizer = Tokenizer.from_dir(folder)
-    drafter = make_drafter(args.drafter, model, setup)
+    model, tokenizer, drafter = load_parts(setup)
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
     lengths = sorted(map(len, prompts))
     print(f"{len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens (long: {args.long_tokens}); ms to first "

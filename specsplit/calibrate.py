@@ -11,13 +11,12 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from specsplit.local import LocalSetup, make_drafter, target_dir
+from specsplit.local import LocalSetup, load_parts
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.proposer import Proposer
 from specsplit.shared.sampling import SamplingParams
-from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service.engine import Engine, EngineConfig
-from specsplit.target_service.model import TargetModel, load_target
+from specsplit.target_service.model import TargetModel
 from specsplit.target_service.sequence import Request, RequestStats
 
 DRAFT_LENGTHS = (0, 2, 4, 8, 15)  # 0: the target alone
@@ -115,10 +114,7 @@ def _trial(model: TargetModel, proposer: Proposer, prompt_ids: Sequence[int], nu
 def calibrate_local(setup: LocalSetup, *, draft_lengths: Sequence[int] = DRAFT_LENGTHS,
                     max_tokens: int = 32) -> Calibration:
     """Load the target and drafter `setup` names into this process and calibrate them on a short chat prompt."""
-    folder = target_dir(setup.target)
-    model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
-    tokenizer = Tokenizer.from_dir(folder)
-    proposer = make_drafter(setup.drafter, model, setup)
+    model, tokenizer, proposer = load_parts(setup)
     if proposer is None:
         raise InvalidRequest("calibrating the draft length needs a drafter, not --drafter none")
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))

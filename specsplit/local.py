@@ -104,10 +104,14 @@ def make_drafter(spec: str, model: TargetModel, setup: LocalSetup) -> Proposer |
     return build_drafter(spec, target_info(model), target_head(model), setup)
 
 
-def load_local(setup: LocalSetup, config: EngineConfig = EngineConfig()) -> tuple[Engine, Tokenizer]:
+def load_parts(setup: LocalSetup) -> tuple[TargetModel, Tokenizer, Proposer | None]:
+    """The target, its tokenizer and the drafter `setup` names, loaded into this process."""
     folder = target_dir(setup.target)
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
-    tokenizer = Tokenizer.from_dir(folder)
-    drafter = make_drafter(setup.drafter, model, setup)
+    return model, Tokenizer.from_dir(folder), make_drafter(setup.drafter, model, setup)
+
+
+def load_local(setup: LocalSetup, config: EngineConfig = EngineConfig()) -> tuple[Engine, Tokenizer]:
+    model, tokenizer, drafter = load_parts(setup)
     engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids, text_stream=tokenizer.output_stream)
     return engine, tokenizer
