@@ -81,10 +81,11 @@ class EngineConfig:
     chain_steps: bool = True
     # A chained step of up to this many sequences, all greedy and drafting, runs as one CUDA graph
     # (propose, verify, accept, commit: target_service.chain.ChainProgram) once its shape has run a few
-    # times: one launch a step (0: never). On the H200 (split_bench --also-uncaptured, fixed and learned
-    # draft lengths) it gained 1.04-1.33x at one and two streams, and lost 0.84-0.91x at four and
-    # 0.86-0.99x at eight, so larger batches stay piecewise until that is understood.
-    chain_capture: int = 2
+    # times: one launch a step (0: never). On the H200 (split_bench --also-uncaptured) it gained 1.04-1.33x
+    # at one and two streams, and 1.03x / 1.02x / 1.07x at 4 / 8 / 16 once the captures' own cost is left
+    # out (eighteenth session; the earlier losses there were 0.4-s runs paying a capture per shape, which a
+    # server pays once). Past 16 it was not measured.
+    chain_capture: int = 16
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
