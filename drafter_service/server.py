@@ -30,7 +30,7 @@ import torch
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.metrics import DrafterMetrics
-from specsplit.drafter_service.session import Session, buffers_read
+from specsplit.drafter_service.session import Session, buffers_read, chains
 from specsplit.drafter_service.step_socket import StepSocketServer
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import logs, wire
@@ -210,7 +210,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             spec=self.proposer.spec, host_id=identity_digest(client, host_id()),
             device_uuid=identity_digest(client, device_uuid(self.device)),
             needs_target_head=self.head is None, step_columns=True, step_socket=self.step_socket,
-            drafts_buffer=True, instance=self.instance,
+            drafts_buffer=True, instance=self.instance, chains=chains(self.proposer),
         )
         return wire.description_to_proto(description)
 
@@ -334,7 +334,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         started = time.perf_counter()
         batch, errors = wire.step_from_proto(request)
         parsed = time.perf_counter()
-        working = bool(batch.seqs or batch.verified or batch.proposes or batch.register or batch.release)
+        working = bool(batch.seqs or batch.verified or batch.proposes or batch.register or batch.release
+                       or (batch.chain is not None and not batch.chain.empty))
         if working:
             stream.last_work = time.monotonic()  # now: a stream waiting for its writes is not idle
         if batch.register:  # mapped first, so that the wait below covers rows in them
@@ -345,7 +346,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             batch = dataclasses.replace(batch, register=())
         # The target's GPU writes into the buffers this step reads, awaited here, outside the lock: a
         # target whose writes never finish ends its own stream (WritesPending), no one else waits.
-        session.await_writes(buffers_read(batch.seqs, batch.verified), head=bool(batch.proposes))
+        session.await_writes(buffers_read(batch.seqs, batch.verified, batch.chain),
+                             head=bool(batch.proposes or (batch.chain is not None and batch.chain.seq_ids)))
         ready = time.perf_counter()
         with self._lock:
             locked = time.perf_counter()

@@ -44,12 +44,19 @@ from specsplit.shared.errors import (
 )
 from specsplit.shared.proposer import CarriedKV, Proposal, Proposer, ProposeRequest
 from specsplit.shared.transport import (
-    BufferDescriptor, BufferImporter, BufferKind, BufferRole, HEAD_ROLES, InlineRows, RowRef, RowSource,
+    FEED_ROWS, BufferDescriptor, BufferImporter, BufferKind, BufferRole, HEAD_ROLES, InlineRows, RowRef, RowSource,
 )
-from specsplit.shared.wire import RowsOp, SeqError, SeqStep, StepBatch, StepResult, VerifiedColumns
+from specsplit.shared.wire import ChainStep, RowsOp, SeqError, SeqStep, StepBatch, StepResult, VerifiedColumns
 
 log = logging.getLogger(__name__)
 _SEQUENCE = re.compile(r"\bsequence (\d+)\b")
+MAX_CHAIN_POSITION = 1 << 30  # a feed's positions are bounded here before any arithmetic (int64 on the device)
+
+
+def chains(proposer: Proposer) -> bool:
+    """Whether `proposer` serves chained steps (StepRequest.chain): DFlash over its static forwards."""
+    return getattr(type(proposer), "chain_batch", None) is not None \
+        and getattr(proposer, "propose_graphs", None) is not None and getattr(proposer, "context_graphs", None) is not None
 
 
 def _in_client_ids(verb):
@@ -448,7 +455,10 @@ class Session:
         # again, whatever failed. It comes after the proposes too, which are queued behind the reads
         # and read their drafts back (a wait for everything queued before them): the GPU goes from
         # the context forward straight to the propose, and this wait finds the work done.
+        chain = batch.chain
         try:
+            if chain is not None:  # before the message's other operations, as the target's device ran them
+                self._chain_commit(chain)
             with _batched_appends(self.proposer):
                 alone = self._apply_columns(batch.verified) if batch.verified is not None else []
                 for seq_step in alone + list(self._apply_verified_together(batch.seqs)):
@@ -460,8 +470,11 @@ class Session:
             committed = time.perf_counter()
             failed = {e.seq_id for e in errors}
             requests = [r for r in batch.proposes if r.seq_id not in failed]
-            in_buffer = self._propose_into_buffer(batch, requests)
-            proposals, propose_errors = self._propose_isolated(requests) if not in_buffer else ({}, [])
+            if chain is not None and chain.seq_ids:
+                in_buffer, proposals, propose_errors = *self._chain_propose(chain, batch.drafts_buffer), []
+            else:
+                in_buffer = self._propose_into_buffer(batch, requests)
+                proposals, propose_errors = self._propose_isolated(requests) if not in_buffer else ({}, [])
             proposed = time.perf_counter()
         finally:
             self._in_step = False
@@ -480,6 +493,74 @@ class Session:
         if batch.release:
             self.release(batch.release)
         return StepResult(batch.step_id, proposals, tuple(errors + propose_errors), in_buffer)
+
+    # ---- chained steps (StepRequest.chain) -------------------------------------------------------
+    # A failure here fails the whole Step (the stream ends, the session with it): the target's device
+    # state and ours no longer agree, and the target re-attaches from what its host knows.
+
+    @_in_client_ids
+    def _chain_commit(self, chain: ChainStep) -> None:
+        """The chain's settles, then the context K/V of the last chained step's rows at the positions the
+        target's GPU left in feed row 0."""
+        if chain.empty:
+            return
+        if not chains(self.proposer):
+            raise StateConflict("this drafter does not serve chained steps (DrafterDescription.chains)")
+        if chain.settle_seq_ids:
+            self.proposer.chain_settle([self._internal(i) for i in chain.settle_seq_ids], list(chain.settle_counts))
+        if not chain.commit_seq_ids:
+            return
+        self._bind_head()
+        n, count = len(chain.commit_seq_ids), chain.commit_rows
+        if count > self.proposer.spec.max_drafts + 1:
+            raise InvalidRequest(f"a chained step commits 1..{self.proposer.spec.max_drafts + 1} rows a sequence")
+        batch = self._chain_batch(chain.commit_seq_ids, [0] * n)
+        rows = self._rows(chain.rows)
+        if rows.shape[0] != n * count:
+            raise InvalidRequest(f"a chained commit of {n} sequences x {count} rows references {rows.shape[0]} rows")
+        self.proposer.chain_commit(batch, rows, self._feed(chain.feed, n)[0], count)
+
+    @_in_client_ids
+    def _chain_propose(self, chain: ChainStep, drafts_buffer: int) -> tuple[tuple[tuple[int, int], ...], dict]:
+        """Drafts of the chain's sequences from the anchors and positions in feed rows 1 and 2: into the
+        drafts buffer when the step names one that holds them (then (seq_id, count) per row), else in
+        the answer."""
+        spec = self.proposer.spec
+        n, k = len(chain.seq_ids), chain.num_drafts
+        if not chains(self.proposer):
+            raise StateConflict("this drafter does not serve chained steps (DrafterDescription.chains)")
+        if n > spec.max_batch or k > spec.max_drafts:
+            raise InvalidRequest(f"a chained propose takes up to {spec.max_batch} sequences and {spec.max_drafts} drafts")
+        self._bind_head()
+        batch = self._chain_batch(chain.seq_ids, chain.ahead)
+        feed = self._feed(chain.feed, n)
+        # the peer's numbers: an anchor out of the vocabulary would be a device assert in the embedding
+        anchors = feed[1].clamp(0, spec.vocab_size - 1)
+        tokens = self.proposer.chain_propose(batch, anchors, feed[2], k)
+        if drafts_buffer:
+            view, event = self.importer.drafts_target(drafts_buffer)
+            if n <= view.shape[0] and k <= view.shape[1] and view.device == tokens.device:
+                view[:n, :k].copy_(tokens)
+                event.record()
+                return tuple((seq_id, k) for seq_id in chain.seq_ids), {}
+        rows = tokens.cpu().tolist()
+        return (), {seq_id: Proposal(tokens=row) for seq_id, row in zip(chain.seq_ids, rows)}
+
+    def _chain_batch(self, seq_ids: Sequence[int], ahead: Sequence[int]):
+        batch = self.proposer.chain_batch([self._internal(i) for i in seq_ids], list(ahead))
+        if batch is None:
+            raise StateConflict("these sequences cannot take a chained step (an anchor at or past a budget, "
+                                "more than a batch, or the drafter's head elsewhere)")
+        return batch
+
+    def _feed(self, ref: RowSource | None, n: int) -> torch.Tensor:
+        """A chained step's feed [3, n] int64 on our device, positions bounded (see BufferRole.FEED)."""
+        if not isinstance(ref, RowRef) or ref.row_offset != 0 or ref.rows != FEED_ROWS:
+            raise InvalidRequest(f"a chained step's feed is rows 0..{FEED_ROWS} of a feed buffer")
+        feed = self.importer.resolve(ref, dtype=torch.int32, role=BufferRole.FEED)
+        if n > feed.shape[1]:
+            raise InvalidRequest(f"a feed buffer of {feed.shape[1]} columns holds no {n} sequences")
+        return feed[:, :n].to(self.device, torch.int64).clamp(0, MAX_CHAIN_POSITION)
 
     def _propose_into_buffer(self, batch: StepBatch, requests: Sequence[ProposeRequest]) -> tuple[tuple[int, int], ...]:
         """The step's drafts in its drafts buffer when it names one and they can go there (see
@@ -609,9 +690,12 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-def buffers_read(seqs: Iterable[SeqStep], verified: VerifiedColumns | None = None) -> set[int]:
+def buffers_read(seqs: Iterable[SeqStep], verified: VerifiedColumns | None = None,
+                 chain: ChainStep | None = None) -> set[int]:
     """The registered buffers whose rows these operations read (inline rows read none)."""
     ids = {verified.buffer_id} if verified is not None else set()
+    if chain is not None:
+        ids |= {ref.buffer_id for ref in (chain.rows, chain.feed) if isinstance(ref, RowRef)}
     for step in seqs:
         for source in (step.stash, step.catchup.rows if step.catchup is not None else None):
             if isinstance(source, RowRef):

@@ -96,9 +96,12 @@ class BufferRole(str, enum.Enum):
     TARGET_EMBEDDING = "target_embedding"  # [vocab, hidden], written once
     TARGET_LM_HEAD = "target_lm_head"  # [vocab, hidden], written once
     DRAFTS = "drafts"  # int32 draft ids the importer writes (CUDA_IPC only), ordered by the buffer's event
+    FEED = "feed"  # int32 anchors and positions of a chained step the owner writes [3, cols] (StepRequest.chain)
 
 
 HEAD_ROLES = frozenset({BufferRole.TARGET_EMBEDDING, BufferRole.TARGET_LM_HEAD})
+INT_ROLES = frozenset({BufferRole.DRAFTS, BufferRole.FEED})  # the buffers of token ids and positions
+FEED_ROWS = 3  # a feed buffer's rows: the commit's positions, the anchors, their positions
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -129,6 +132,9 @@ class BufferDescriptor:
         if self.role is BufferRole.DRAFTS:
             if self.dtype != torch.int32 or self.kind is not BufferKind.CUDA_IPC:
                 raise InvalidRequest(f"buffer {self.buffer_id}: a drafts buffer is int32 CUDA_IPC memory")
+        elif self.role is BufferRole.FEED:
+            if self.dtype != torch.int32 or self.rows != FEED_ROWS:
+                raise InvalidRequest(f"buffer {self.buffer_id}: a feed buffer is int32 [{FEED_ROWS}, cols]")
         else:
             _check_dtype(self.dtype)
         if self.buffer_id <= 0 or self.rows <= 0 or self.cols <= 0:
@@ -772,9 +778,9 @@ class BufferExporter:
         """A new zeroed buffer [rows, cols]: shared memory for a CPU device, cudaMalloc for CUDA."""
         rows, cols, device = int(rows), int(cols), torch.device(device)
         _nbytes(rows, cols, dtype)
-        drafts = role is BufferRole.DRAFTS
-        if drafts != (dtype == torch.int32) or (drafts and device.type != "cuda"):
-            raise InvalidRequest("a drafts buffer is int32 CUDA memory, and only a drafts buffer holds int32")
+        ints = role in INT_ROLES
+        if ints != (dtype == torch.int32) or (role is BufferRole.DRAFTS and device.type != "cuda"):
+            raise InvalidRequest("a drafts buffer is int32 CUDA memory, a feed buffer int32, and only they hold int32")
         if device.type not in ("cpu", "cuda"):
             raise InvalidRequest(f"buffers live on the CPU or a CUDA device, not {device}")
         if not self.host_id:
@@ -969,20 +975,24 @@ class BufferImporter:
         cols: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        role: BufferRole = BufferRole.ROWS,
     ) -> torch.Tensor:
         """RowRef → [rows, cols]: a copy of shared-memory rows, a view of CUDA IPC rows; InlineRows → decoded.
 
         cols/dtype, when given, are what the caller expects. A CUDA view is given only once the host
         has seen the owner's writes of its generation done (WritesPending otherwise; see
-        `await_written`). `device` applies to inline rows only.
+        `await_written`). `device` applies to inline rows only. `role`: what the buffer must hold (a
+        chained step's feed, or rows).
         """
         if isinstance(source, InlineRows):
+            if role is not BufferRole.ROWS:
+                raise InvalidRequest(f"a {role.value} buffer's contents never travel inline")
             _check_expected("inline rows", source.cols, source.dtype, cols, dtype)
             return decode_inline(source, device)
         imported = self._get(source.buffer_id)
         described = imported.descriptor
-        if described.role is BufferRole.DRAFTS:
-            raise InvalidRequest(f"buffer {source.buffer_id} holds drafts for the target, not rows")
+        if described.role is not role:
+            raise InvalidRequest(f"buffer {source.buffer_id} holds {described.role.value}, not {role.value}")
         _check_expected(f"buffer {source.buffer_id}", described.cols, described.dtype, cols, dtype)
         # Each side stays within the operands' range, as a C or int64 version of this check must.
         if source.rows > described.rows or source.row_offset > described.rows - source.rows:

@@ -76,6 +76,7 @@ _ROLE = {
     BufferRole.TARGET_EMBEDDING: common_pb2.BUFFER_ROLE_TARGET_EMBEDDING,
     BufferRole.TARGET_LM_HEAD: common_pb2.BUFFER_ROLE_TARGET_LM_HEAD,
     BufferRole.DRAFTS: common_pb2.BUFFER_ROLE_DRAFTS,
+    BufferRole.FEED: common_pb2.BUFFER_ROLE_FEED,
 }
 _STATUS_BY_NUMBER = {code.value[0]: code.name for code in grpc.StatusCode}
 # The inverse of shared.errors' grpc_code, for clients; FAILED_PRECONDITION from a running drafter is
@@ -198,6 +199,7 @@ class DrafterDescription:
     step_socket: str = ""  # a unix socket carrying the Step stream without gRPC (shared.frames)
     drafts_buffer: bool = False  # takes a DRAFTS buffer (StepRequest.drafts_buffer)
     instance: str = ""  # this drafter process (a target sends it back with its calls)
+    chains: bool = False  # serves chained steps (StepRequest.chain)
 
 
 def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
@@ -220,6 +222,7 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
         step_socket=d.step_socket,
         drafts_buffer=d.drafts_buffer,
         instance=d.instance,
+        chains=d.chains,
     )
 
 
@@ -239,7 +242,7 @@ def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescrip
         window=pb.window,
     )
     return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns,
-                              pb.step_socket, pb.drafts_buffer, pb.instance)
+                              pb.step_socket, pb.drafts_buffer, pb.instance, pb.chains)
 
 
 def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:
@@ -396,6 +399,62 @@ class VerifiedColumns:
 
 
 @dataclass(frozen=True)
+class ChainStep:
+    """A chained step's part of a Step message (see drafter.proto's ChainStep): settles, then the commit of
+    the last chained step's rows, then (after the message's other operations) a propose, whose anchors
+    and positions the drafter reads from the target's feed buffer."""
+
+    settle_seq_ids: tuple[int, ...] = ()
+    settle_counts: tuple[int, ...] = ()
+    commit_seq_ids: tuple[int, ...] = ()
+    commit_rows: int = 0
+    rows: RowRef | None = None
+    feed: RowRef | None = None
+    seq_ids: tuple[int, ...] = ()
+    ahead: tuple[int, ...] = ()
+    num_drafts: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("settle_seq_ids", "settle_counts", "commit_seq_ids", "seq_ids", "ahead"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+        if len(self.settle_seq_ids) != len(self.settle_counts) or len(self.seq_ids) != len(self.ahead):
+            raise InvalidRequest("a chained step's settles and proposes take one count per sequence")
+        for what, ids in (("settles", self.settle_seq_ids), ("commit", self.commit_seq_ids),
+                          ("propose", self.seq_ids)):
+            if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+                raise InvalidRequest(f"a chained step's {what} names a sequence twice, or a negative one")
+        if any(n < 0 for n in self.ahead) or self.commit_rows < 0 or self.num_drafts < 0:
+            raise InvalidRequest("a chained step's counts are >= 0")
+        if bool(self.commit_seq_ids) != (self.commit_rows > 0) or bool(self.commit_seq_ids) != (self.rows is not None):
+            raise InvalidRequest("a chained step's commit names its sequences, its rows per sequence and its rows")
+        if bool(self.seq_ids) != (self.num_drafts > 0):
+            raise InvalidRequest("a chained step's propose names its sequences and a number of drafts")
+        if (self.commit_seq_ids or self.seq_ids) and not isinstance(self.feed, RowRef):
+            raise InvalidRequest("a chained step's commit or propose reads a feed buffer")
+        if self.rows is not None and not isinstance(self.rows, RowRef):
+            raise InvalidRequest("a chained step's rows lie in a registered buffer")
+
+    @property
+    def empty(self) -> bool:
+        return not (self.settle_seq_ids or self.commit_seq_ids or self.seq_ids)
+
+
+def chain_to_proto(c: ChainStep) -> drafter_pb2.ChainStep:
+    return drafter_pb2.ChainStep(
+        settle_seq_ids=c.settle_seq_ids, settle_counts=c.settle_counts, commit_seq_ids=c.commit_seq_ids,
+        commit_rows=c.commit_rows, rows=rows_to_proto(c.rows) if c.rows is not None else None,
+        feed=rows_to_proto(c.feed) if c.feed is not None else None, seq_ids=c.seq_ids, ahead=c.ahead,
+        num_drafts=c.num_drafts)
+
+
+def chain_from_proto(pb: drafter_pb2.ChainStep) -> ChainStep:
+    return ChainStep(tuple(pb.settle_seq_ids), tuple(pb.settle_counts), tuple(pb.commit_seq_ids), pb.commit_rows,
+                     rows_from_proto(pb.rows) if pb.HasField("rows") else None,
+                     rows_from_proto(pb.feed) if pb.HasField("feed") else None,
+                     tuple(pb.seq_ids), tuple(pb.ahead), pb.num_drafts)
+
+
+@dataclass(frozen=True)
 class StepBatch:
     """One engine step, target → drafter: per-sequence operations, then the batch's proposes."""
 
@@ -407,6 +466,7 @@ class StepBatch:
     draft_columns: bool = False  # answer plain drafts in columns (StepResponse.drafts)
     verified: VerifiedColumns | None = None  # parsed verified columns, none of them in seqs (drafter side)
     drafts_buffer: int = 0  # a registered DRAFTS buffer the drafts may be written into (0: none)
+    chain: ChainStep | None = None  # a chained step's settles, commit and propose
 
     def __post_init__(self) -> None:
         for name in ("seqs", "proposes", "register", "release"):
@@ -416,6 +476,8 @@ class StepBatch:
         for what, ids in (("seqs", [s.seq_id for s in self.seqs]), ("proposes", [p.seq_id for p in self.proposes])):
             if len(set(ids)) != len(ids):
                 raise InvalidRequest(f"a step names a sequence twice in {what}")
+        if self.chain is not None and self.chain.seq_ids and self.proposes:
+            raise InvalidRequest("a step proposes either chained or as usual, not both")
 
 
 @dataclass(frozen=True)
@@ -506,6 +568,7 @@ def step_to_proto(batch: StepBatch, columns: bool = False) -> drafter_pb2.StepRe
         propose_columns=propose_columns,
         draft_columns=batch.draft_columns,
         drafts_buffer=batch.drafts_buffer,
+        chain=chain_to_proto(batch.chain) if batch.chain is not None else None,
     )
 
 
@@ -585,6 +648,7 @@ def step_from_proto(pb: drafter_pb2.StepRequest) -> tuple[StepBatch, list[SeqErr
         release=[_nonneg("buffer id", i) for i in pb.release_buffers],
         draft_columns=pb.draft_columns,
         drafts_buffer=pb.drafts_buffer,
+        chain=chain_from_proto(pb.chain) if pb.HasField("chain") else None,
     )
     return batch, list(errors.values())
 

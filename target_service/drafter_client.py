@@ -41,7 +41,7 @@ from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, Specspli
 from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest
 from specsplit.shared.staging import to_host
 from specsplit.shared.transport import (
-    BufferExporter, BufferRole, RowBuffer, choose_mode, device_uuid, encode_inline, host_id,
+    FEED_ROWS, BufferExporter, BufferRole, RowBuffer, choose_mode, device_uuid, encode_inline, host_id,
     identity_digest,
 )
 
@@ -100,8 +100,10 @@ class RowStager:
         self.fresh = True  # the next put starts a new generation
         self._copies: list[tuple[int, torch.Tensor]] = []  # (offset, rows) to write when sealed
 
-    def put(self, rows: torch.Tensor) -> int | torch.Tensor:
-        """Stage rows; returns their offset (shared buffer) or the rows themselves (inline)."""
+    def put(self, rows: torch.Tensor, *, now: bool = False) -> int | torch.Tensor:
+        """Stage rows; returns their offset (shared buffer) or the rows themselves (inline). `now`: copied at
+        once (queued on the current stream) rather than at `seal`, for rows whose source is rewritten
+        before the next send (a chained step's verify output)."""
         if rows.dim() != 2 or rows.shape[1] != self.cols:
             raise InvalidRequest(f"feature rows must be [n, {self.cols}], got {tuple(rows.shape)}")
         if self.buffer is None:
@@ -112,7 +114,10 @@ class RowStager:
         if self.cursor + rows.shape[0] > self.buffer.tensor.shape[0]:
             raise DrafterUnavailable("staging buffer overflow")  # sized from the spec; a bug if hit
         offset = self.cursor
-        self._copies.append((offset, rows))  # written at seal(): the caller's rows stay valid until then
+        if now:
+            self.buffer.tensor[offset:offset + rows.shape[0]].copy_(rows)
+        else:
+            self._copies.append((offset, rows))  # written at seal(): the caller's rows stay valid until then
         self.cursor += rows.shape[0]
         return offset
 
@@ -224,6 +229,8 @@ class _Connection:
     head_buffers: list = field(default_factory=list)
     drafts: RowBuffer | None = None  # the DRAFTS buffer the drafter may write a step's drafts into (CUDA IPC)
     drafts_read: "torch.cuda.Event | None" = None  # recorded after our last read of `drafts`
+    feed: RowBuffer | None = None  # a chained step's anchors and positions (StepRequest.chain), when it chains
+    feed_fresh: bool = True  # the next write into `feed` starts a new generation
     offered: bool = False  # the last Step sent named `drafts`
     allocated: set[int] = field(default_factory=set)  # seq ids this connection's drafter session holds
     dead: bool = False  # the Step stream ended: the drafter has dropped (or never had) this session
@@ -312,10 +319,22 @@ class _Probe:
         _close_channel(self.take())
 
 
+@dataclass(frozen=True)
+class RemoteChainBatch:
+    """The drafting sequences of a chained step through the drafter service (`RemoteProposer.chain_batch`)."""
+
+    seq_ids: tuple[int, ...]
+    ahead: tuple[int, ...]  # how far each anchor may lie past the drafter's next position (ChainStep.ahead)
+    conn: "_Connection"  # the connection it was made on: a later one's drafter never saw these steps
+
+
 class RemoteProposer:
     """The drafter service as a `shared.proposer.Proposer`; `spec` is None until a drafter first answers."""
 
     drafts_from_peer = True  # device drafts are a peer's bytes: the engine bounds them (see propose_on_device)
+    # Chained steps run piece by piece, never captured whole: a propose here is a Step round trip, whose
+    # host waits a graph cannot hold.
+    chain_captured_whole = False
 
     def __init__(self, address: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -343,6 +362,8 @@ class RemoteProposer:
         self._probe: _Probe | None = None
         self._retired: list[RowBuffer] = []  # drafts buffers of closed connections (see _retire)
         self._ahead_prefetched = False  # _ahead came from prefetch (not a Step propose_on_device sent)
+        self._chain_commit: tuple[tuple[int, ...], int, int] | None = None  # (seq ids, rows each, offset) to send
+        self._settles: tuple[list[int], list[int]] = ([], [])  # chained steps read: (seq ids, rows each) to send
         self.spec: DrafterSpec | None = None
         try:
             self.spec = self._connect(open_channel(self.address, PEER_CHANNEL_OPTIONS, security.tls),
@@ -424,6 +445,10 @@ class RemoteProposer:
             conn.drafts = conn.exporter.create(self.max_batch, spec.max_drafts, torch.int32, self.device,
                                                BufferRole.DRAFTS)
             buffers.append(conn.drafts)
+        if desc.chains and conn.exporter is not None and stage_on == self.device:
+            # (rows staged in host memory for a GPU target would make each chained step wait for its verify)
+            conn.feed = conn.exporter.create(FEED_ROWS, self.max_batch, torch.int32, stage_on, BufferRole.FEED)
+            buffers.append(conn.feed)
         if desc.needs_target_head:
             embed, lm_head = self.head
             conn.head_buffers = [conn.exporter.export_existing(embed, BufferRole.TARGET_EMBEDDING)]
@@ -471,6 +496,8 @@ class RemoteProposer:
             self._conn.close()
         self._conn = None
         self._pending = {}
+        self._chain_commit = None
+        self._settles = ([], [])
         self._unanswered = False
         self._ahead = self._ahead_result = None
         self._retry_at = time.monotonic() + self._backoff
@@ -649,7 +676,7 @@ class RemoteProposer:
 
     def flush(self) -> None:
         """Send every queued verb now, in one Step message (nothing to send: no round trip)."""
-        if self._pending:
+        if self._pending or self._chain_commit is not None or self._settles[0]:
             self._flush([])
 
     def ping(self) -> float:
@@ -758,6 +785,110 @@ class RemoteProposer:
         self._ahead, self._ahead_prefetched = {r.seq_id: r for r in plain}, True
         self.link.sent_ahead += 1
 
+    # ---- chained steps ------------------------------------------------------------------------------
+    # The in-process drafter's chain verbs (see target_service.chain) through the Step stream. The engine's
+    # device work writes each chained step's verified rows into the step buffer and the positions they
+    # lie at into the feed buffer (`chain_commit`); the next step's propose writes its anchors and
+    # positions there too, and sends one Step with the commit, the propose and the settles read since
+    # (`chain_propose`): no host of either side learns a position or an anchor to chain a step. The
+    # drafter's GPU reads the feed after its host has seen our writes done, and we see its drafts done
+    # before the verify reads them (host polls, as on the step-by-step path: neither stream ever waits
+    # on the other process).
+
+    @property
+    def chains(self) -> bool:
+        """Whether the attached drafter takes chained steps (the engine does not try them otherwise)."""
+        return self._conn is not None and self._conn.feed is not None
+
+    def chain_batch(self, seq_ids: Sequence[int], anchors_ahead: Sequence[int]) -> RemoteChainBatch | None:
+        """The batch of a chained step, or None when the attached drafter does not chain them (it does not
+        chain, or one of them is not allocated there): the engine then steps as usual."""
+        conn = self._conn
+        if conn is None or conn.dead or conn.feed is None or self.spec is None \
+                or not 0 < len(seq_ids) <= min(self.max_batch, self.spec.max_batch) \
+                or any(seq_id not in conn.allocated for seq_id in seq_ids):
+            return None
+        return RemoteChainBatch(tuple(seq_ids), tuple(int(a) for a in anchors_ahead), conn)
+
+    def chain_commit(self, batch: RemoteChainBatch, rows: torch.Tensor, positions: torch.Tensor, count: int) -> None:
+        """Queue the commit of a chained step's rows [B * count, F] at `positions` [B] (both on the device,
+        copied now: the next forward rewrites them); it goes out with the next Step."""
+        conn = self._chain_conn(batch)
+        if self._chain_commit is not None:  # (a commit not sent yet: one step's at a time)
+            self._flush([])
+        offset = conn.step.put(rows, now=True)
+        self._write_feed(conn, 0, positions)
+        self._chain_commit = (batch.seq_ids, count, offset)
+
+    def chain_propose(self, batch: RemoteChainBatch, anchors: torch.Tensor, positions: torch.Tensor,
+                      num_drafts: int) -> torch.Tensor:
+        """Drafts [B, num_drafts] on our device for anchors [B] at positions [B] (on the device): one Step
+        with the queued commit and settles. The ids are the peer's bytes: the engine bounds them."""
+        conn = self._chain_conn(batch)
+        self._ahead = self._ahead_result = None  # a prefetch's drafts were for the step-by-step path
+        self._write_feed(conn, 1, anchors)
+        self._write_feed(conn, 2, positions)
+        self._send(conn, [], into_buffer=True, chain=(batch, num_drafts))
+        answer = self._answer(conn, self.step_deadline())
+        n = len(batch.seq_ids)
+        want = tuple((seq_id, num_drafts) for seq_id in batch.seq_ids)
+        if answer.in_buffer:
+            self._check_rows(conn, answer)
+            if answer.in_buffer != want:
+                self._disconnect()
+                raise DrafterUnavailable("the drafter answered a chained propose for other sequences")
+            tokens = conn.drafts.tensor[:n, :num_drafts].clone()
+            self._note_read(conn)
+            self.link.drafts_on_device += n
+            return tokens
+        drafts = [answer.proposals.get(seq_id) for seq_id in batch.seq_ids]
+        if any(p is None or len(p.tokens) != num_drafts for p in drafts):
+            self._disconnect()
+            raise DrafterUnavailable("the drafter answered a chained propose without its drafts")
+        return torch.tensor([list(p.tokens) for p in drafts], dtype=torch.int64, device=self.device)
+
+    def chain_settle(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
+        """A chained step read: the drafter's positions of `seq_ids` advance by `counts` (sent with the next Step)."""
+        ids, rows = self._settles
+        if any(seq_id in ids for seq_id in seq_ids):  # two steps' settles of one sequence: the first goes first
+            self._flush([])
+            ids, rows = self._settles
+        ids.extend(seq_ids)
+        rows.extend(int(c) for c in counts)
+
+    def _chain_conn(self, batch: RemoteChainBatch) -> _Connection:
+        conn = self._live()  # reads an answer still out: our buffers are ours to write again
+        if conn is not batch.conn:
+            raise DrafterUnavailable("the drafter re-attached since this chained step's batch was made")
+        return conn
+
+    @staticmethod
+    def _write_feed(conn: _Connection, row: int, values: torch.Tensor) -> None:
+        if conn.feed_fresh:
+            conn.feed.bump()
+            conn.feed_fresh = False
+        conn.feed.tensor[row, :values.shape[0]].copy_(values)
+
+    def _chain_part(self, conn: _Connection, propose: tuple[RemoteChainBatch, int] | None) -> wire.ChainStep | None:
+        """What the next Step carries of chained steps: the settles and commit queued, and `propose`."""
+        settle_ids, settle_counts = self._settles
+        commit = self._chain_commit
+        if not settle_ids and commit is None and propose is None:
+            return None
+        self._settles, self._chain_commit = ([], []), None
+        feed = None
+        if commit is not None or propose is not None:
+            if not conn.feed_fresh:
+                conn.feed.record()
+                conn.feed_fresh = True
+            feed = conn.feed.ref(0, FEED_ROWS)
+        commit_ids, count, offset = commit if commit is not None else ((), 0, 0)
+        rows = conn.step.buffer.ref(offset, len(commit_ids) * count) if commit is not None else None
+        batch, num_drafts = propose if propose is not None else (None, 0)
+        return wire.ChainStep(tuple(settle_ids), tuple(settle_counts), commit_ids, count, rows, feed,
+                              batch.seq_ids if batch is not None else (), batch.ahead if batch is not None else (),
+                              num_drafts)
+
     def take_kv(self, seq_id: int) -> CarriedKV:
         self._flush([])
         pb = self._unary("TakeDrafterKV", drafter_pb2.TakeDrafterKVRequest(seq_id=seq_id))
@@ -778,7 +909,7 @@ class RemoteProposer:
         connection (a step that proposes nothing: the drafter applies its commits while the target
         verifies, and the round trip leaves the step). The staged rows the message references are not
         written again before the answer is read: staging goes through the connection too."""
-        if not self._pending or self._unanswered:
+        if not (self._pending or self._chain_commit is not None or self._settles[0]) or self._unanswered:
             return
         conn = self._live()
         self._send(conn, [])
@@ -790,8 +921,11 @@ class RemoteProposer:
         self._send(conn, proposes)
         return self._answer(conn, timeout or self.step_deadline())
 
-    def _send(self, conn: _Connection, proposes: list[ProposeRequest], *, into_buffer: bool = False) -> None:
-        """into_buffer: the drafts may come in the connection's drafts buffer (StepRequest.drafts_buffer)."""
+    def _send(self, conn: _Connection, proposes: list[ProposeRequest], *, into_buffer: bool = False,
+              chain: tuple[RemoteChainBatch, int] | None = None) -> None:
+        """into_buffer: the drafts may come in the connection's drafts buffer (StepRequest.drafts_buffer);
+        chain: a chained propose (batch, drafts) instead of `proposes`. The queued chained settles and
+        commit go with any Step."""
         conn.step.seal()
         self._step_id += 1
         # A verify's stash + commit + trim of rows in the step buffer (the usual entry) goes straight into
@@ -799,11 +933,12 @@ class RemoteProposer:
         fast = conn.columns and conn.step.buffer is not None
         verified = {seq_id: p for seq_id, p in self._pending.items() if fast and p.verified_only()}
         others = (self._seq_step(conn, seq_id, p) for seq_id, p in self._pending.items() if seq_id not in verified)
-        conn.offered = into_buffer and conn.drafts is not None and bool(proposes)
+        conn.offered = into_buffer and conn.drafts is not None and (bool(proposes) or chain is not None)
         if conn.offered and conn.drafts_read is not None:
             conn.drafts_read.synchronize()  # the drafter may now overwrite what we read last (done by now, mostly)
         batch = wire.StepBatch(self._step_id, tuple(others), tuple(proposes), draft_columns=conn.columns,
-                               drafts_buffer=conn.drafts.buffer_id if conn.offered else 0)
+                               drafts_buffer=conn.drafts.buffer_id if conn.offered else 0,
+                               chain=self._chain_part(conn, chain) if conn.feed is not None else None)
         self._pending = {}
         pb = wire.step_to_proto(batch, columns=conn.columns)
         if verified:

@@ -588,7 +588,8 @@ class Engine:
         sample, as it is when the batch alone changes k); when the step not read yet may leave it
         without room for k, it waits a step."""
         if not (self.config.chain_steps and self.config.decode_ahead and self.drafter_ok and self.graphs is not None
-                and _capability(self.proposer, "chain_batch") is not None and self.capture.layer_ids):
+                and _capability(self.proposer, "chain_batch") is not None and getattr(self.proposer, "chains", True)
+                and self.capture.layer_ids):
             return 0, []
         if not any(s.drafter_attached for s in seqs):
             return 0, []  # (plain decoding goes ahead its own way)
@@ -703,6 +704,7 @@ class Engine:
         drafting) and CUDA graphs are on, captured once the shape has run uncaptured often enough
         (`_CHAIN_CAPTURE_AFTER`); run uncaptured otherwise, each drafter verb guarded (a failure
         detaches it). False: the drafter failed before the verify."""
+        whole = whole and getattr(self.proposer, "chain_captured_whole", True)  # (the services' propose: a round trip)
         if whole and program.graph is None and program.runs >= _CHAIN_CAPTURE_AFTER and not program.broken \
                 and program.n <= self._chain_capture_most:
             started = time.perf_counter()

@@ -197,7 +197,7 @@ def test_engine_config_chain_capture_is_a_count_of_sequences():
     from specsplit.shared.errors import InvalidRequest
     from specsplit.target_service.engine import EngineConfig
 
-    assert EngineConfig().chain_capture == 2 and EngineConfig(chain_capture=0).chain_capture == 0
+    assert EngineConfig().chain_capture == 16 and EngineConfig(chain_capture=0).chain_capture == 0
     for bad in (-1, True, "4", 2.0):
         with pytest.raises(InvalidRequest, match="chain_capture"):
             EngineConfig(chain_capture=bad)

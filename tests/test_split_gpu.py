@@ -46,32 +46,43 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
     from specsplit.drafter_service.session import Session
     from specsplit.services import DrafterSettings, start_drafter
 
-    if mode == "stalling":
-        honest = Session.propose_into
-        stalled = []
+    # Both ways drafts reach the buffer, step by step (propose_into) and chained (_chain_propose), get the
+    # same treatment: `after(session, buffer_id)` once they are written and recorded
+    def tampered(after):
+        step_by_step, chained = Session.propose_into, Session._chain_propose
 
         def propose_into(self, requests, buffer_id):
-            written = honest(self, requests, buffer_id)
-            if written and not stalled:
+            written = step_by_step(self, requests, buffer_id)
+            if written:
+                after(self, buffer_id)
+            return written
+
+        def chain_propose(self, chain, buffer_id):
+            in_buffer, proposals = chained(self, chain, buffer_id)
+            if in_buffer:
+                after(self, buffer_id)
+            return in_buffer, proposals
+
+        Session.propose_into, Session._chain_propose = propose_into, chain_propose
+
+    if mode == "stalling":
+        stalled = []
+
+        def stall(self, buffer_id):
+            if not stalled:
                 stalled.append(buffer_id)
                 torch.cuda._sleep(STALL_CYCLES)
                 self.importer.drafts_target(buffer_id)[1].record()
-            return written
 
-        Session.propose_into = propose_into
+        tampered(stall)
     if mode == "out-of-vocabulary":
-        honest = Session.propose_into
+        def garble(self, buffer_id):
+            view, event = self.importer.drafts_target(buffer_id)
+            garbage = torch.tensor([-7, 2**31 - 1, -2**31, 49152, 10**6], dtype=torch.int32, device=view.device)
+            view.copy_(garbage.repeat(view.numel() // 5 + 1)[:view.numel()].view_as(view))
+            event.record()
 
-        def propose_into(self, requests, buffer_id):
-            written = honest(self, requests, buffer_id)
-            if written:
-                view, event = self.importer.drafts_target(buffer_id)
-                garbage = torch.tensor([-7, 2**31 - 1, -2**31, 49152, 10**6], dtype=torch.int32, device=view.device)
-                view.copy_(garbage.repeat(view.numel() // 5 + 1)[:view.numel()].view_as(view))
-                event.record()
-            return written
-
-        Session.propose_into = propose_into
+        tampered(garble)
     from specsplit.drafter_service.limits import DrafterLimits
 
     server_obj, server = start_drafter(DrafterSettings((address,), LocalSetup(drafter="dflash", device="cuda",
@@ -122,14 +133,15 @@ def default_target():
     return load_target(folder, dtype=torch.float32, device="cuda"), Tokenizer.from_dir(folder)
 
 
-def remote_engine(address: str, model, **remote_kw):
-    """An engine of `model` drafting through the drafter service at `address`: (engine, its RemoteProposer)."""
+def remote_engine(address: str, model, chain: bool = True, **remote_kw):
+    """An engine of `model` drafting through the drafter service at `address`, its steps chained or step
+    by step: (engine, its RemoteProposer)."""
     from specsplit.target_service.drafter_client import RemoteProposer
     from specsplit.target_service.engine import Engine, EngineConfig
 
     remote = RemoteProposer(address, device="cuda", dtype=torch.float32,
                             head=(model.embed_weight, model.lm_head_weight), max_batch=4, **remote_kw)
-    return Engine(model, remote, EngineConfig(max_batch=4)), remote
+    return Engine(model, remote, EngineConfig(max_batch=4, chain_steps=chain)), remote
 
 
 def generate(engine, tokenizer) -> tuple[list[list[int]], list]:
@@ -139,18 +151,21 @@ def generate(engine, tokenizer) -> tuple[list[list[int]], list]:
             [events[str(i)][-1].stats for i in range(len(PROMPTS))])
 
 
+@pytest.mark.parametrize("chain", [True, False], ids=["chained", "step-by-step"])
 @pytest.mark.parametrize("mode", ["honest", "out-of-vocabulary"])
-def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_path, mode):
+def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_path, mode, chain):
     """On one GPU the drafter writes its drafts into the target's drafts buffer and the verify reads them
-    there (no host read-back on either side): output equals target-only, and the drafts did come that
-    way. A drafter writing ids outside the vocabulary changes no token and crashes nothing: the target
-    bounds them on the device and verifies what it bounded."""
+    there (no host read-back on either side), its steps chained (the feed and rows written by the
+    target's GPU, StepRequest.chain) or step by step: output equals target-only, and the drafts did come
+    that way. A drafter writing ids outside the vocabulary changes no token and crashes nothing: the
+    target bounds them on the device and verifies what it bounded."""
     with spawned_drafter(tmp_path, mode) as address:
         model, tokenizer = default_target()
-        engine, remote = remote_engine(address, model)
+        engine, remote = remote_engine(address, model, chain)
         tokens, stats = generate(engine, tokenizer)
         assert tokens == local_tokens("none")
         assert remote.link.drafts_on_device > 0 and engine.drafter_ok
+        assert (engine.counters.chained > 0) == chain
         if mode == "honest":
             assert sum(s.accepted for s in stats) > 0
         remote.close()

@@ -7,6 +7,7 @@
 #   bash tools/gpu_round.sh services  # device-side ordering between two processes (stream_wait_probe)
 #   bash tools/gpu_round.sh prefill   # captured prefill: time to first token, the speculative ratios
 #   bash tools/gpu_round.sh capture   # eight and more streams' chained steps captured whole, or piecewise
+#   bash tools/gpu_round.sh chain     # the services' steps chained: GPU tests, tokens/s
 #   bash tools/gpu_round.sh train 20 --sampled-by-kind chat=1   # issue 10: the drafter continued 7.2 minutes
 # Everything printed also goes to $OUT/round.log as it comes (a call that runs out of time returns what
 # is under $OUT by then).
@@ -57,6 +58,17 @@ prefill)
   python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 512 --batch 8 --chain-capture 8 \
     --json-out "$OUT/split_capture8.json" 2>&1 | grep -v INFO | tail -2 | log
   ;;
+chain)
+  # the services' steps chained (StepRequest.chain, eighteenth session): the GPU tests of drafts in the
+  # target's buffer chained and step by step, honest and out-of-vocabulary; then tokens/s side by side
+  # (services chained now by default) and the long prompt through captured prefill
+  timeout 150 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "drafts_left" 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
+  timeout 150 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --json-out "$OUT/split_chain.json" 2>&1 | grep -v INFO | tail -2 | log
+  timeout 100 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_graphed_prefill.py 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
+  ;;
 capture)
   # chained steps captured whole at 4, 8 and 16 streams against piecewise, side by side in one run (seventeenth
   # session, two runs: eight streams 1.05x target-only whole against 0.99x piecewise, captures left out), before
@@ -83,7 +95,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|prefill|capture|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|prefill|capture|chain|train SEED [flags]" >&2
   exit 2
   ;;
 esac

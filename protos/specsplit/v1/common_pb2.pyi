@@ -39,6 +39,7 @@ class BufferRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BUFFER_ROLE_TARGET_EMBEDDING: _ClassVar[BufferRole]
     BUFFER_ROLE_TARGET_LM_HEAD: _ClassVar[BufferRole]
     BUFFER_ROLE_DRAFTS: _ClassVar[BufferRole]
+    BUFFER_ROLE_FEED: _ClassVar[BufferRole]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
@@ -57,6 +58,7 @@ BUFFER_ROLE_ROWS: BufferRole
 BUFFER_ROLE_TARGET_EMBEDDING: BufferRole
 BUFFER_ROLE_TARGET_LM_HEAD: BufferRole
 BUFFER_ROLE_DRAFTS: BufferRole
+BUFFER_ROLE_FEED: BufferRole
 
 class InlineRows(_message.Message):
     __slots__ = ("data", "dtype", "rows", "cols")

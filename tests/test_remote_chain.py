@@ -1,0 +1,254 @@
+"""Chained steps through the drafter service (StepRequest.chain): the same drafts, tokens and drafter state
+as the in-process chain, and a feed a target fills with anything cannot crash, stall or read through the
+drafter."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+from specsplit.drafter_service.server import DrafterServer, serve
+from specsplit.shared import wire
+from specsplit.shared import frames
+from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError, UnknownSequence
+from specsplit.shared.proposer import ProposeRequest
+from specsplit.target_service.drafter_client import RemoteProposer
+from specsplit.target_service.graphs import StepGraphs
+from tests.test_chain import _drafter_pair
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Water boils at", "Hello"]
+
+
+class Recorded:
+    """Wraps a drafter's chain_propose, keeping every draft it returned (row by row, per step)."""
+
+    def __init__(self, drafter) -> None:
+        self.drafts: list[list[list[int]]] = []
+        propose = drafter.chain_propose
+
+        def chain_propose(batch, anchors, positions, k):
+            out = propose(batch, anchors, positions, k)
+            self.drafts.append(out.tolist())
+            return out
+
+        drafter.chain_propose = chain_propose
+
+
+@pytest.fixture
+def pair(tiny_chat_dir, tmp_path):
+    """(target, in-process drafter, served drafter's address, the served drafter): two drafters of the same
+    seed, static forwards on the CPU (where the chain runs uncaptured)."""
+    target, (local, remote) = _drafter_pair(tiny_chat_dir)
+    server_obj = DrafterServer(remote, head=remote.head, device="cpu")
+    address = f"unix:{tmp_path}/d.sock"
+    server = serve(server_obj, [address])
+    yield target, local, address, remote
+    server.stop(None).wait()
+    server_obj.close()
+
+
+def _engine(target, proposer, chain: bool = True, max_batch: int = 4):
+    from specsplit.target_service.engine import Engine, EngineConfig
+
+    engine = Engine(target, proposer, EngineConfig(max_batch=max_batch, chain_steps=chain))
+    engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=max_batch,
+                               query_lens=(1, engine._max_drafts() + 1), max_len=256, use_graphs=False)
+    return engine
+
+
+def _run(engine, tokenizer, late_at: int = 5):
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.target_service.sequence import Request
+
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add(Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=30 + 5 * i, ignore_eos=True)))
+    events: dict[str, list[int]] = {}
+    for n in itertools.count():
+        if n == late_at:  # joins mid-chain: the batch changes, its feed comes from the host
+            engine.add(Request("late", tokenizer.encode(PROMPTS[3]), SamplingParams(max_tokens=12, ignore_eos=True)))
+        for e in engine.step():
+            events.setdefault(e.request_id, []).extend(e.token_ids)
+        if not engine.has_work:
+            return events
+
+
+def test_chained_steps_through_the_services_equal_the_in_process_chain(pair, tiny_chat_dir):
+    """The engine chains its steps through the drafter service: every propose drafts what the in-process
+    chained drafter drafts (its context K/V committed from the target's rows at the positions the feed
+    carried, its positions settled a step behind), so every token and every accepted count is the
+    in-process chain's and target-only decoding's; nothing stays allocated on either side."""
+    from specsplit.shared.tokenizer import Tokenizer
+
+    target, local, address, remote = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    alone = _run(_engine(target, None, chain=False), tokenizer)
+    here, there = Recorded(local), Recorded(remote)
+    in_process = _engine(target, local)
+    want = _run(in_process, tokenizer)
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        assert proposer._conn.feed is not None  # the drafter said it chains
+        through = _engine(target, proposer)
+        got = _run(through, tokenizer)
+        assert got == want == alone
+        assert through.counters.chained == in_process.counters.chained > 10
+        assert there.drafts == here.drafts and len(here.drafts) > 10
+        assert proposer.link.drafts_on_device == 0  # (on the CPU the drafts come in the answer)
+        proposer.flush()
+        assert len(remote.store) == 0 and remote.pool.num_free_blocks == remote.pool.num_blocks
+    finally:
+        proposer.close()
+
+
+def test_a_drafter_without_static_forwards_is_not_asked_to_chain(tiny_chat_dir, tmp_path):
+    """A drafter that cannot chain says so (DrafterDescription.chains false): the target steps as usual
+    through it, with the same tokens."""
+    from specsplit.shared.tokenizer import Tokenizer
+
+    target, (_, remote) = _drafter_pair(tiny_chat_dir)
+    remote.propose_graphs = remote.context_graphs = None
+    server_obj = DrafterServer(remote, head=remote.head, device="cpu")
+    address = f"unix:{tmp_path}/d.sock"
+    server = serve(server_obj, [address])
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        assert proposer._conn.feed is None
+        engine = _engine(target, proposer)
+        assert _run(engine, tokenizer) == _run(_engine(target, None, chain=False), tokenizer)
+        assert engine.counters.chained == 0 and sum(engine.counters.drafts[1:]) > 0  # (verified, step by step)
+    finally:
+        proposer.close()
+        server.stop(None).wait()
+        server_obj.close()
+
+
+def _chained_once(proposer: RemoteProposer, vocab: int):
+    """Two sequences prefilled, then one chained propose from whatever the feed holds."""
+    gen = torch.Generator().manual_seed(3)
+    dim = proposer.spec.feature_dim
+    for seq_id in (1, 2):
+        proposer.alloc(seq_id, 120)
+        proposer.prefill(seq_id, torch.randint(0, vocab, (6,), generator=gen).tolist(), torch.randn(6, dim, generator=gen))
+    return proposer.chain_batch([1, 2], [0, 0])
+
+
+@pytest.mark.parametrize("anchors, positions", [
+    ([10 ** 6, -5], [6, 6]),  # anchors outside the vocabulary (an embedding's device assert, unbounded)
+    ([3, 4], [-(2 ** 31), 2 ** 31 - 1]),  # positions at int32's ends
+    ([3, 4], [6, 6]),
+])
+def test_a_feed_holding_anything_gets_drafts_and_the_drafter_lives(pair, anchors, positions):
+    """The feed is the target's bytes: whatever anchors and positions it holds, a chained propose gets k
+    drafts in the vocabulary (verification keeps any of them exact) and the drafter serves on; a commit
+    at any positions writes only the sequence's own ring."""
+    target, _, address, remote = pair
+    vocab = remote.spec.vocab_size
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        batch = _chained_once(proposer, vocab)
+        assert batch is not None
+        rows = torch.randn(2 * 4, proposer.spec.feature_dim)
+        proposer.chain_commit(batch, rows, torch.tensor(positions), 4)
+        drafts = proposer.chain_propose(batch, torch.tensor(anchors), torch.tensor(positions), 5)
+        assert drafts.shape == (2, 5) and 0 <= int(drafts.min()) and int(drafts.max()) < vocab
+        proposer.chain_settle([1, 2], [1, 1])
+        assert [len(p.tokens) for p in proposer.propose([ProposeRequest(1, 3, 7, 3), ProposeRequest(2, 3, 7, 3)])] == [3, 3]
+    finally:
+        proposer.close()
+
+
+def test_a_chain_step_naming_the_wrong_buffers_ends_only_its_connection(pair):
+    """A ChainStep whose rows are the feed buffer, whose feed is a rows buffer, whose commit counts more rows
+    than referenced, or which names a sequence it never allocated: INVALID_ARGUMENT / NOT_FOUND for that
+    target (its stream ends), and the drafter serves the next one."""
+    target, _, address, remote = pair
+    vocab = remote.spec.vocab_size
+    want = {"rows are the feed": InvalidRequest, "feed is rows": InvalidRequest, "rows short": InvalidRequest,
+            "unknown sequence": UnknownSequence, "too many drafts": InvalidRequest}
+    for attack in want:
+        proposer = RemoteProposer(address, max_batch=4)
+        try:
+            batch = _chained_once(proposer, vocab)
+            conn = proposer._conn
+            proposer._write_feed(conn, 1, torch.tensor([3, 4]))
+            proposer._write_feed(conn, 2, torch.tensor([6, 6]))
+            conn.feed.record()
+            conn.feed_fresh = True
+            feed = conn.feed.ref(0, 3)
+            conn.step.put(torch.randn(8, proposer.spec.feature_dim))
+            conn.step.seal()
+            rows = conn.step.buffer.ref(0, 8)
+            commit = dict(commit_seq_ids=(1, 2), commit_rows=4, rows=rows, feed=feed)
+            propose = dict(seq_ids=(1, 2), ahead=(0, 0), num_drafts=3, feed=feed)
+            chain = {
+                "rows are the feed": wire.ChainStep(**{**commit, "rows": feed}),
+                "feed is rows": wire.ChainStep(**{**propose, "feed": conn.step.buffer.ref(0, 3)}),
+                "rows short": wire.ChainStep(**{**commit, "commit_rows": 5}),
+                "unknown sequence": wire.ChainStep(seq_ids=(1, 9), ahead=(0, 0), num_drafts=3, feed=feed),
+                "too many drafts": wire.ChainStep(seq_ids=(1, 2), ahead=(0, 0), num_drafts=99, feed=feed),
+            }[attack]
+            proposer._step_id += 1
+            pb = wire.step_to_proto(wire.StepBatch(proposer._step_id, chain=chain), columns=True)
+            frames.send_frame(conn.sock, pb.SerializeToString())
+            with pytest.raises(SpecsplitError) as raised:
+                proposer._answer(conn, 10.0)
+            assert type(raised.value) is want[attack], (attack, raised.value)
+        finally:
+            proposer.close()
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        batch = _chained_once(proposer, vocab)
+        assert proposer.chain_propose(batch, torch.tensor([3, 4]), torch.tensor([6, 6]), 3).shape == (2, 3)
+    finally:
+        proposer.close()
+    deadline = time.monotonic() + 10
+    while len(remote.store) and time.monotonic() < deadline:  # (a session ends with its stream, on its thread)
+        time.sleep(0.05)
+    assert len(remote.store) == 0
+
+
+def test_a_chained_batch_made_on_a_dropped_connection_is_refused(pair):
+    """The drafter re-attached between a chained batch and its propose: the propose is refused (the new
+    session never had the sequences), never sent."""
+    target, _, address, remote = pair
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        batch = _chained_once(proposer, remote.spec.vocab_size)
+        proposer.reset()
+        proposer._retry_at = 0.0
+        deadline = time.monotonic() + 10
+        while not proposer.available():  # (a probe sees the drafter up, then the next call attaches)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(DrafterUnavailable, match="re-attached"):
+            proposer.chain_propose(batch, torch.tensor([3, 4]), torch.tensor([6, 6]), 3)
+    finally:
+        proposer.close()
+
+
+@pytest.mark.parametrize("fields", [
+    dict(settle_seq_ids=[1, 2], settle_counts=[1]),  # columns of unequal lengths
+    dict(seq_ids=[1, 1], ahead=[0, 0], num_drafts=3),  # a sequence twice
+    dict(seq_ids=[-1], ahead=[0], num_drafts=3),  # a negative id
+    dict(seq_ids=[1], ahead=[-2], num_drafts=3),  # a negative count
+    dict(seq_ids=[1], ahead=[0], num_drafts=0),  # a propose of no drafts
+    dict(seq_ids=[1], ahead=[0], num_drafts=3),  # a propose without its feed
+    dict(commit_seq_ids=[1], commit_rows=4),  # a commit without its rows
+])
+def test_a_malformed_chain_step_is_refused_as_it_is_parsed(fields):
+    from specsplit.protos.v1 import drafter_pb2
+
+    pb = drafter_pb2.StepRequest(step_id=1, chain=drafter_pb2.ChainStep(**fields))
+    with pytest.raises(InvalidRequest):
+        wire.step_from_proto(pb)
+
+
+def test_a_step_proposes_chained_or_as_usual_not_both():
+    feed = wire.RowRef(1, 0, 3, 1)
+    with pytest.raises(InvalidRequest, match="not both"):
+        wire.StepBatch(1, proposes=(ProposeRequest(1, 3, 4, 2),),
+                       chain=wire.ChainStep(seq_ids=(1,), ahead=(0,), num_drafts=2, feed=feed))
