@@ -62,9 +62,9 @@ chain)
   # the services' steps chained (StepRequest.chain, eighteenth session): the GPU tests of drafts in the
   # target's buffer chained and step by step, honest and out-of-vocabulary; then tokens/s side by side
   # (services chained now by default) and the long prompt through captured prefill
-  timeout 150 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "drafts_left" 2>&1 \
+  timeout 110 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "drafts_left and chained" 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
-  timeout 150 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+  timeout 120 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
     --json-out "$OUT/split_chain.json" 2>&1 | grep -v INFO | tail -2 | log
   timeout 100 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_graphed_prefill.py 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
