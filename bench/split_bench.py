@@ -147,7 +147,8 @@ def main() -> None:
                     help="also run target-only and in-process with EngineConfig(decode_ahead=False), side by side")
     ap.add_argument("--no-chain", action="store_true", help="every engine with EngineConfig(chain_steps=False)")
     ap.add_argument("--also-unchained", action="store_true",
-                    help="also run in-process with EngineConfig(chain_steps=False), side by side")
+                    help="also run in-process and through the services with EngineConfig(chain_steps=False), "
+                         "side by side")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -237,6 +238,14 @@ def main() -> None:
                                   local["tokens_per_s_excluding_captures"] / result["tokens_per_s_excluding_captures"],
                               f"requests_differing_{default}_vs_{other}": sum(
                                   a != b for a, b in zip(local_tokens, other_tokens))})
+            if args.also_unchained:  # the services too: their steps chained (StepRequest.chain) or step by step
+                engine = Engine(model, remote, replace(conf, chain_steps=False))
+                run(engine, tokenizer, prompts, args.max_tokens, "warm")
+                other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "s")
+                plain.update({"services_unchained": result,
+                              "services_chained_over_unchained": split["tokens_per_s"] / result["tokens_per_s"],
+                              "requests_differing_services_chained_vs_unchained": sum(
+                                  a != b for a, b in zip(split_tokens, other_tokens))})
             results[f"batch_{batch}"] = {**plain,
                 "target_only": base, "in_process": local, "services": split,
                 "services_over_in_process": split["tokens_per_s"] / local["tokens_per_s"],

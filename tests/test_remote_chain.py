@@ -252,3 +252,57 @@ def test_a_step_proposes_chained_or_as_usual_not_both():
     with pytest.raises(InvalidRequest, match="not both"):
         wire.StepBatch(1, proposes=(ProposeRequest(1, 3, 4, 2),),
                        chain=wire.ChainStep(seq_ids=(1,), ahead=(0,), num_drafts=2, feed=feed))
+
+
+def test_a_drafter_gone_mid_chain_costs_no_token_and_the_chain_resumes_when_one_returns(tiny_chat_dir, tmp_path):
+    """The drafter service stops while the engine chains through it (a chained step's Step goes
+    unanswered): the engine goes on without it, then attaches the drafter started again at the same
+    address, re-prefills its sequences there and chains again. Every token equals target-only
+    decoding's."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.sequence import Request
+
+    target, (_, first) = _drafter_pair(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    address = f"unix:{tmp_path}/d.sock"
+
+    def start(drafter):
+        server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
+        return server_obj, serve(server_obj, [address])
+
+    def requests():
+        return [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=120, ignore_eos=True))
+                for i, p in enumerate(PROMPTS[:2])]
+
+    alone = _engine(target, None, chain=False).generate(requests())
+    want = {rid: [t for e in evs for t in e.token_ids] for rid, evs in alone.items()}
+    served = start(first)
+    proposer = RemoteProposer(address, max_batch=4, timeout=5.0)
+    engine = _engine(target, proposer)
+    for r in requests():
+        engine.add(r)
+    got: dict[str, list[int]] = {}
+    chained_before_stop = chained_after_return = 0
+    try:
+        for n in itertools.count():
+            if n == 8:
+                chained_before_stop = engine.counters.chained
+                served[1].stop(None).wait()
+                served[0].close()
+            if n == 12:
+                served = start(_drafter_pair(tiny_chat_dir)[1][1])
+                chained_after_return = engine.counters.chained
+            if n > 12 and not engine.drafter_ok:
+                time.sleep(0.05)  # (the re-attach backs off for a moment)
+            for e in engine.step():
+                got.setdefault(e.request_id, []).extend(e.token_ids)
+            if not engine.has_work:
+                break
+        assert got == want
+        assert chained_before_stop > 3 and engine.counters.fallbacks >= 1 and engine.counters.reattaches >= 1
+        assert engine.counters.chained > chained_after_return  # chained again through the new drafter
+    finally:
+        proposer.close()
+        served[1].stop(None).wait()
+        served[0].close()

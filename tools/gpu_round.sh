@@ -64,7 +64,7 @@ chain)
   # (services chained now by default) and the long prompt through captured prefill
   timeout 110 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "drafts_left and chained" 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
-  timeout 120 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+  timeout 200 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 --also-unchained \
     --json-out "$OUT/split_chain.json" 2>&1 | grep -v INFO | tail -2 | log
   timeout 100 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_graphed_prefill.py 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
