@@ -158,6 +158,8 @@ def main() -> None:
     ap.add_argument("--drafter-profile", nargs=2, default=None, metavar=("FIRST:LAST", "PATH"),
                     help="the drafter service records those Step messages with the torch profiler into PATH "
                          "(its --profile-steps / --profile-out)")
+    ap.add_argument("--drafter-chain-graphs", action="store_true",
+                    help="the drafter service replays chained steps as one CUDA graph each (its --chain-graphs)")
     ap.add_argument("--drafter-profile-host", action="store_true",
                     help="with --drafter-profile: the host only, with Python stacks (its --profile-host)")
     args = ap.parse_args()
@@ -170,7 +172,7 @@ def main() -> None:
     metrics = f"http://127.0.0.1:{port}/metrics"
     cmd = [sys.executable, "-m", "specsplit", "drafter", "serve", "--listen", sock, "--drafter", args.drafter,
            "--device", args.device, "--seed", "0", "--metrics-port", str(port)] + \
-        (["--dtype", args.dtype] if args.dtype else []) + \
+        (["--dtype", args.dtype] if args.dtype else []) + (["--chain-graphs"] if args.drafter_chain_graphs else []) + \
         (["--profile-steps", args.drafter_profile[0], "--profile-out", args.drafter_profile[1]]
          + (["--profile-host"] if args.drafter_profile_host else []) if args.drafter_profile else [])
     drafter_proc = subprocess.Popen(cmd)

@@ -101,6 +101,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self._seq_ids = itertools.count()
         self._closed = threading.Event()
         self.step_socket = ""  # where the Step stream is also served without gRPC (serve sets it)
+        self.chain_graphs = False  # chained steps' commit and propose as one CUDA graph each (--chain-graphs)
         self.instance = secrets.token_hex(16)  # this process, for targets to send back (Describe.instance)
         self.profile: StepWindow | None = None  # a window of Step messages to profile (--profile-steps)
         self.metrics = DrafterMetrics(functools.partial(_sessions_now, weakref.ref(self)))
@@ -154,7 +155,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             if not streaming:
                 self._make_room_for_a_session()
             session = Session(self.proposer, client_id=client, new_seq_id=lambda: next(self._seq_ids),
-                              head=self.head, device=self.device, limits=self.limits)
+                              head=self.head, device=self.device, limits=self.limits, chain_graphs=self.chain_graphs)
             self._sessions[client] = session
         return session
 

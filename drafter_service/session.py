@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from specsplit.drafter_service.heads import TargetHead
+from specsplit.shared.cuda_graphs import capture_serving, inlined
 from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.shared.errors import (
     AlreadyExists,
@@ -51,6 +52,12 @@ from specsplit.shared.wire import ChainStep, RowsOp, SeqError, SeqStep, StepBatc
 log = logging.getLogger(__name__)
 _SEQUENCE = re.compile(r"\bsequence (\d+)\b")
 MAX_CHAIN_POSITION = 1 << 30  # a feed's positions are bounded here before any arithmetic (int64 on the device)
+CHAIN_CAPTURE_AFTER = 8  # uncaptured runs of a chained step's shape before it is captured (with chain_graphs)
+
+
+def _bounded(values: torch.Tensor) -> torch.Tensor:
+    """A feed row as int64, in [0, MAX_CHAIN_POSITION] (on the device, nothing read back)."""
+    return values.to(torch.int64).clamp(0, MAX_CHAIN_POSITION)
 
 
 def chains(proposer: Proposer) -> bool:
@@ -108,7 +115,10 @@ class Session:
     """A client's sequences and buffers over the shared `proposer` (all ids here are the client's)."""
 
     def __init__(self, proposer: Proposer, *, client_id: str, new_seq_id: Callable[[], int],
-                 head: TargetHead | None, device: torch.device, limits: DrafterLimits = DrafterLimits()) -> None:
+                 head: TargetHead | None, device: torch.device, limits: DrafterLimits = DrafterLimits(),
+                 chain_graphs: bool = False) -> None:
+        # chain_graphs: a chained step's commit, propose and drafts copy replayed as one CUDA graph per
+        # shape once it has run CHAIN_CAPTURE_AFTER times (see _chain_device)
         self.proposer, self.client_id = proposer, client_id
         self.device = torch.device(device)
         self.limits = limits
@@ -131,6 +141,11 @@ class Session:
         self.closed = False
         self.last_phases = StepPhases()  # of the last step()
         self._rows_seconds = 0.0  # spent in _rows since the step began
+        self.chain_graphs = chain_graphs and self.device.type == "cuda"
+        self._chain_graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # by shape and addresses; None: broken
+        self._chain_runs: dict[tuple, int] = {}  # uncaptured runs of each shape
+        self._chain_pool = None  # the graphs' memory pool
+        self._deferred: tuple | None = None  # a chained commit left to run with its propose (_chain_device)
 
     # ---- ids ------------------------------------------------------------------------------------
 
@@ -185,6 +200,7 @@ class Session:
         """Open all the buffers or none; head buffers (re)bind the target head. Registering consumes the
         segments' names (shared.transport), so a target whose head is refused here registers fresh ones."""
         self.importer.register(descriptors)  # each descriptor is checked first: a bad one is INVALID_ARGUMENT
+        self._drop_chain_graphs()  # (a head bound anew, or buffers: graphs over the old ones go)
         try:
             self._check_buffers(descriptors)
         except CapacityExceeded:
@@ -202,6 +218,7 @@ class Session:
         buffer_ids = list(buffer_ids)
         self._finish_reads()  # a step that answered without waiting may still read (or write) them
         roles = {self.importer.descriptor(i).role for i in buffer_ids}
+        self._drop_chain_graphs()  # (graphs over a released buffer's memory must not replay)
         self.importer.release(buffer_ids)
         for buffer_id in buffer_ids:
             self._buffer_bytes.pop(buffer_id, None)
@@ -457,8 +474,9 @@ class Session:
         # the context forward straight to the propose, and this wait finds the work done.
         chain = batch.chain
         try:
+            self._deferred = None
             if chain is not None:  # before the message's other operations, as the target's device ran them
-                self._chain_commit(chain)
+                self._chain_commit(chain, defer=self._chain_fusable(chain, batch.drafts_buffer))
             with _batched_appends(self.proposer):
                 alone = self._apply_columns(batch.verified) if batch.verified is not None else []
                 for seq_step in alone + list(self._apply_verified_together(batch.seqs)):
@@ -498,10 +516,17 @@ class Session:
     # A failure here fails the whole Step (the stream ends, the session with it): the target's device
     # state and ours no longer agree, and the target re-attaches from what its host knows.
 
+    def _chain_fusable(self, chain: ChainStep, drafts_buffer: int) -> bool:
+        """Whether the chain's commit can run with its propose (the same sequences, drafts into a buffer on
+        our GPU, chain_graphs on): then both go into one graph."""
+        return self.chain_graphs and bool(drafts_buffer) and bool(chain.seq_ids) \
+            and chain.commit_seq_ids == chain.seq_ids
+
     @_in_client_ids
-    def _chain_commit(self, chain: ChainStep) -> None:
+    def _chain_commit(self, chain: ChainStep, defer: bool = False) -> None:
         """The chain's settles, then the context K/V of the last chained step's rows at the positions the
-        target's GPU left in feed row 0."""
+        target's GPU left in feed row 0 (`defer`: checked now, run with the propose; the sequences are
+        the propose's, so no operation of the message in between can free one)."""
         if chain.empty:
             return
         if not chains(self.proposer):
@@ -518,7 +543,11 @@ class Session:
         rows = self._rows(chain.rows)
         if rows.shape[0] != n * count:
             raise InvalidRequest(f"a chained commit of {n} sequences x {count} rows references {rows.shape[0]} rows")
-        self.proposer.chain_commit(batch, rows, self._feed(chain.feed, n)[0], count)
+        feed = self._feed_view(chain.feed, n)
+        if defer:
+            self._deferred = (rows, count)
+            return
+        self.proposer.chain_commit(batch, rows, _bounded(feed[0]), count)
 
     @_in_client_ids
     def _chain_propose(self, chain: ChainStep, drafts_buffer: int) -> tuple[tuple[tuple[int, int], ...], dict]:
@@ -533,18 +562,70 @@ class Session:
             raise InvalidRequest(f"a chained propose takes up to {spec.max_batch} sequences and {spec.max_drafts} drafts")
         self._bind_head()
         batch = self._chain_batch(chain.seq_ids, chain.ahead)
-        feed = self._feed(chain.feed, n)
-        # the peer's numbers: an anchor out of the vocabulary would be a device assert in the embedding
-        anchors = feed[1].clamp(0, spec.vocab_size - 1)
-        tokens = self.proposer.chain_propose(batch, anchors, feed[2], k)
+        feed = self._feed_view(chain.feed, n)
+        deferred, self._deferred = self._deferred, None
+        view = event = None
         if drafts_buffer:
             view, event = self.importer.drafts_target(drafts_buffer)
-            if n <= view.shape[0] and k <= view.shape[1] and view.device == tokens.device:
-                view[:n, :k].copy_(tokens)
-                event.record()
-                return tuple((seq_id, k) for seq_id in chain.seq_ids), {}
-        rows = tokens.cpu().tolist()
-        return (), {seq_id: Proposal(tokens=row) for seq_id, row in zip(chain.seq_ids, rows)}
+            if not (n <= view.shape[0] and k <= view.shape[1] and view.device == _indexed(self.device)):
+                view = event = None
+        if deferred is not None and view is None:  # (not fusable after all: the commit goes first)
+            self.proposer.chain_commit(batch, deferred[0], _bounded(feed[0]), deferred[1])
+            deferred = None
+        if view is None:
+            tokens = self._chain_drafts(batch, feed, k)
+            rows = tokens.cpu().tolist()
+            return (), {seq_id: Proposal(tokens=row) for seq_id, row in zip(chain.seq_ids, rows)}
+
+        def device_work() -> None:
+            if deferred is not None:
+                self.proposer.chain_commit(batch, deferred[0], _bounded(feed[0]), deferred[1])
+            view[:n, :k].copy_(self._chain_drafts(batch, feed, k))
+
+        if deferred is not None:  # one graph: its shape, and every address it reads or writes
+            key = (n, k, deferred[1], deferred[0].data_ptr(), feed.data_ptr(), view.data_ptr())
+            self._chain_device(key, batch, device_work)
+        else:
+            device_work()
+        event.record()
+        return tuple((seq_id, k) for seq_id in chain.seq_ids), {}
+
+    def _drop_chain_graphs(self) -> None:
+        """Forget every chained step's graph, and the runs counted towards one: a shape is captured again
+        only after its kernels have run uncaptured over the new buffers."""
+        self._chain_graphs.clear()
+        self._chain_runs.clear()
+
+    def _chain_drafts(self, batch, feed: torch.Tensor, k: int) -> torch.Tensor:
+        # the peer's numbers: an anchor out of the vocabulary would be a device assert in the embedding
+        anchors = _bounded(feed[1]).clamp(max=self.proposer.spec.vocab_size - 1)
+        return self.proposer.chain_propose(batch, anchors, _bounded(feed[2]), k)
+
+    def _chain_device(self, key: tuple, batch, device_work: Callable[[], None]) -> None:
+        """A chained step's commit, propose and drafts copy: replayed as one graph once its shape has run
+        CHAIN_CAPTURE_AFTER times uncaptured (its tables bound first, as the in-process engine binds
+        them before a whole step's capture or replay); uncaptured before, and for good if the capture
+        fails. The graph holds this connection's buffers' addresses (key); registering or releasing
+        buffers drops them all."""
+        graph = self._chain_graphs.get(key)
+        if graph is None and key not in self._chain_graphs:
+            runs = self._chain_runs[key] = self._chain_runs.get(key, 0) + 1
+            if runs > CHAIN_CAPTURE_AFTER:
+                self.proposer.chain_bind(batch)
+                try:
+                    if self._chain_pool is None:
+                        self._chain_pool = torch.cuda.graph_pool_handle()
+                    with inlined():  # the drafter's forwards record into this graph
+                        graph = capture_serving(device_work, self._chain_pool)
+                except Exception as exc:  # noqa: BLE001 - a step that cannot be captured runs uncaptured
+                    log.warning("a chained step of %d sequences and %d drafts could not be captured (%s: %s); "
+                                "it runs uncaptured", key[0], key[1], type(exc).__name__, exc)
+                self._chain_graphs[key] = graph
+        if graph is None:
+            device_work()
+            return
+        self.proposer.chain_bind(batch)
+        graph.replay()
 
     def _chain_batch(self, seq_ids: Sequence[int], ahead: Sequence[int]):
         batch = self.proposer.chain_batch([self._internal(i) for i in seq_ids], list(ahead))
@@ -553,14 +634,15 @@ class Session:
                                 "more than a batch, or the drafter's head elsewhere)")
         return batch
 
-    def _feed(self, ref: RowSource | None, n: int) -> torch.Tensor:
-        """A chained step's feed [3, n] int64 on our device, positions bounded (see BufferRole.FEED)."""
+    def _feed_view(self, ref: RowSource | None, n: int) -> torch.Tensor:
+        """A chained step's feed [3, n] int32 (see BufferRole.FEED): a view of the target's buffer, or a
+        copy of shared memory, on our device. The target's numbers: `_bounded` before any use."""
         if not isinstance(ref, RowRef) or ref.row_offset != 0 or ref.rows != FEED_ROWS:
             raise InvalidRequest(f"a chained step's feed is rows 0..{FEED_ROWS} of a feed buffer")
         feed = self.importer.resolve(ref, dtype=torch.int32, role=BufferRole.FEED)
         if n > feed.shape[1]:
             raise InvalidRequest(f"a feed buffer of {feed.shape[1]} columns holds no {n} sequences")
-        return feed[:, :n].to(self.device, torch.int64).clamp(0, MAX_CHAIN_POSITION)
+        return feed[:, :n].to(self.device)
 
     def _propose_into_buffer(self, batch: StepBatch, requests: Sequence[ProposeRequest]) -> tuple[tuple[int, int], ...]:
         """The step's drafts in its drafts buffer when it names one and they can go there (see
@@ -679,6 +761,7 @@ class Session:
             if forget is not None:
                 forget(self._head)
         self._head = None
+        self._drop_chain_graphs()
         self._finish_reads()  # no queued read or write of a mapping outlives it
         self.importer.close()
 

@@ -257,7 +257,7 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
                                                        security=server_security(args),
                                                        metrics=metrics_address(args),
                                                        context_pool_rows=args.context_pool_rows,
-                                                       profile=profile_window(args)))
+                                                       profile=profile_window(args), chain_graphs=args.chain_graphs))
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
     server.drain(args.drain_seconds)  # a target still connected keeps its Step stream until then
@@ -430,6 +430,9 @@ def add_service_parsers(sub) -> None:
                          "(default: the widest batch at the full window: 64 x 4112 for the shipped drafter); "
                          "a sequence that finds no room is refused with RESOURCE_EXHAUSTED and decoded "
                          "without speculation")
+    ds.add_argument("--chain-graphs", action="store_true",
+                    help="on a GPU, replay a chained step's context commit, propose and drafts copy (StepRequest.chain) "
+                         "as one CUDA graph per shape once it has run a few times (not yet measured: off by default)")
     ds.add_argument("--max-buffer-mib", type=float, default=4096.0,
                     help="MiB of row and head buffers one connection may register")
     ds.add_argument("--max-message-mib", type=float, default=None,

@@ -306,3 +306,60 @@ def test_a_drafter_gone_mid_chain_costs_no_token_and_the_chain_resumes_when_one_
         proposer.close()
         served[1].stop(None).wait()
         served[0].close()
+
+
+def test_a_chained_steps_graph_is_captured_after_its_runs_replayed_bound_and_given_up_if_it_fails(monkeypatch):
+    """`Session._chain_device` (drafter --chain-graphs): a shape runs uncaptured CHAIN_CAPTURE_AFTER times,
+    is captured on the next (its tables bound first, its forwards inlined), replayed from then with its
+    tables bound before each replay; a shape whose capture fails runs uncaptured for good, asked once;
+    registering or releasing buffers drops the graphs and their runs. (The CUDA capture itself: tests/test_split_gpu.py.)"""
+    from specsplit.drafter_service import session as session_module
+    from specsplit.shared.cuda_graphs import inlining
+
+    log = []
+
+    class Proposer:
+        def chain_bind(self, batch):
+            log.append(("bind", batch))
+
+    class Graph:
+        def __init__(self, work):
+            self.work = work
+
+        def replay(self):
+            log.append("replay")
+            self.work()
+
+    failing = {"shape": None}
+
+    def capture(work, pool):
+        assert inlining()
+        log.append("capture")
+        if failing["shape"] is not None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return Graph(work)
+
+    monkeypatch.setattr(session_module, "capture_serving", capture)
+    monkeypatch.setattr(session_module.torch.cuda, "graph_pool_handle", lambda: "pool")
+    session = session_module.Session(Proposer(), client_id="c", new_seq_id=lambda: 0, head=None, device="cpu")
+    session.chain_graphs = True
+    after = session_module.CHAIN_CAPTURE_AFTER
+
+    def work():
+        log.append("work")
+
+    for _ in range(after + 3):
+        session._chain_device((1, 3, "a"), "batch", work)
+    assert log[:after] == ["work"] * after
+    assert log[after:after + 4] == [("bind", "batch"), "capture", ("bind", "batch"), "replay"]
+    assert log[after + 4:] == ["work", ("bind", "batch"), "replay", "work", ("bind", "batch"), "replay", "work"]
+    log.clear()
+    failing["shape"] = "b"
+    for _ in range(after + 3):
+        session._chain_device((1, 3, "b"), "batch", work)
+    assert log.count("capture") == 1 and log.count("replay") == 0 and log.count("work") == after + 3
+    session._drop_chain_graphs()  # (what register and release do)
+    log.clear()
+    failing["shape"] = None
+    session._chain_device((1, 3, "a"), "batch", work)
+    assert log == ["work"]  # a shape captured before runs uncaptured again over new buffers first

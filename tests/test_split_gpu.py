@@ -83,11 +83,21 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
             event.record()
 
         tampered(garble)
+    replays = []
+    if mode == "graphs":  # counts the chained steps its graphs replayed (sent back when it stops)
+        device = Session._chain_device
+
+        def chain_device(self, key, batch, work):
+            device(self, key, batch, work)
+            replays.append(self._chain_graphs.get(key) is not None)
+
+        Session._chain_device = chain_device
     from specsplit.drafter_service.limits import DrafterLimits
 
     server_obj, server = start_drafter(DrafterSettings((address,), LocalSetup(drafter="dflash", device="cuda",
                                                                                dtype="float32", seed=0),
-                                                       limits=DrafterLimits(writes_wait_seconds=writes_wait)))
+                                                       limits=DrafterLimits(writes_wait_seconds=writes_wait),
+                                                       chain_graphs=mode == "graphs"))
     conn.send("ready")
     try:
         conn.recv()
@@ -95,12 +105,14 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
         pass
     server.stop(None)
     server_obj.close()
+    conn.send((len(replays), sum(replays)))
 
 
 @contextlib.contextmanager
-def spawned_drafter(tmp_path, mode: str = "honest", writes_wait: float = 10.0):
+def spawned_drafter(tmp_path, mode: str = "honest", writes_wait: float = 10.0, report: list | None = None):
     """A drafter service in a process of its own (`_drafter_main`), answering health checks: yields its
-    address; stopped at the end, killed if it does not stop (a stalled one's GPU work may not end)."""
+    address; stopped at the end, killed if it does not stop (a stalled one's GPU work may not end).
+    `report` gets what it sends back as it stops (mode "graphs": its chained steps, and those replayed)."""
     import multiprocessing as mp
 
     from specsplit.shared.serving import wait_healthy
@@ -117,6 +129,8 @@ def spawned_drafter(tmp_path, mode: str = "honest", writes_wait: float = 10.0):
     finally:
         if mode != "stalling":
             parent.send("stop")
+            if report is not None and parent.poll(60):
+                report.append(parent.recv())
             process.join(30)
         if process.is_alive():
             process.kill()
@@ -169,6 +183,28 @@ def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_pa
         if mode == "honest":
             assert sum(s.accepted for s in stats) > 0
         remote.close()
+
+
+def test_chained_steps_replayed_as_the_drafters_graphs_draft_as_uncaptured(tmp_path):
+    """A drafter service with --chain-graphs: each chained step's commit, propose and drafts copy replay as
+    one CUDA graph once the shape has run a few times. Every verify accepts as many drafts as through the
+    same drafter without graphs (float32: the same drafts), the tokens are target-only's, and chained
+    steps were replayed."""
+    model, tokenizer = default_target()
+    runs = {}
+    for mode in ("honest", "graphs"):
+        report: list = []
+        (tmp_path / mode).mkdir()
+        with spawned_drafter(tmp_path / mode, mode, report=report) as address:
+            engine, remote = remote_engine(address, model)
+            tokens, stats = generate(engine, tokenizer)
+            remote.close()
+        runs[mode] = tokens, [s.accepted for s in stats], engine.counters.chained, report
+    (tokens, accepted, chained, _), (graphed, graphed_accepted, graphed_chained, report) = runs.values()
+    assert graphed == tokens == local_tokens("none")
+    assert graphed_accepted == accepted and sum(accepted) > 0 and graphed_chained == chained >= 10
+    (steps, replayed), = report
+    assert steps >= 10 and replayed >= 3, report
 
 
 def test_a_drafter_whose_drafts_never_land_is_given_up_without_stalling_the_target(tmp_path, monkeypatch):
