@@ -348,7 +348,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         # The target's GPU writes into the buffers this step reads, awaited here, outside the lock: a
         # target whose writes never finish ends its own stream (WritesPending), no one else waits.
         session.await_writes(buffers_read(batch.seqs, batch.verified, batch.chain),
-                             head=bool(batch.proposes or (batch.chain is not None and batch.chain.seq_ids)))
+                             head=bool(batch.proposes or (batch.chain is not None
+                                                          and (batch.chain.seq_ids or batch.chain.commit_seq_ids))))
         ready = time.perf_counter()
         with self._lock:
             locked = time.perf_counter()

@@ -4,6 +4,7 @@ drafter."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -54,8 +55,9 @@ def _engine(target, proposer, chain: bool = True, max_batch: int = 4):
     from specsplit.target_service.engine import Engine, EngineConfig
 
     engine = Engine(target, proposer, EngineConfig(max_batch=max_batch, chain_steps=chain))
-    engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=max_batch,
-                               query_lens=(1, engine._max_drafts() + 1), max_len=256, use_graphs=False)
+    drafts = engine._max_drafts()  # (the engine's own graphs' geometry, uncaptured)
+    engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=max_batch, query_lens=(1, drafts + 1),
+                               max_len=target.config.max_position_embeddings + drafts + 1, use_graphs=False)
     return engine
 
 
@@ -94,11 +96,43 @@ def test_chained_steps_through_the_services_equal_the_in_process_chain(pair, tin
         through = _engine(target, proposer)
         got = _run(through, tokenizer)
         assert got == want == alone
-        assert through.counters.chained == in_process.counters.chained > 10
+        assert through.counters.chained == in_process.counters.chained > 10 and through.counters.fallbacks == 0
         assert there.drafts == here.drafts and len(here.drafts) > 10
         assert proposer.link.drafts_on_device == 0  # (on the CPU the drafts come in the answer)
         proposer.flush()
         assert len(remote.store) == 0 and remote.pool.num_free_blocks == remote.pool.num_blocks
+        assert through.cache.num_free_blocks == through.cache.num_blocks - 1  # all but the scratch block
+    finally:
+        proposer.close()
+
+
+def test_sequences_going_on_after_their_chain_stops_find_the_drafter_where_the_target_is(pair, tiny_chat_dir):
+    """Sequences whose chain stops short of the context's end (no room for two more chained steps) go on
+    step by step through the same drafter: its positions were settled a step behind and the last chained
+    step's commit went out with the next Step, so it takes their step-by-step commits and proposes
+    without a conflict (a drafter left behind would refuse them, and the engine would fall back)."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.sequence import Request
+
+    target, _, address, remote = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    context = 72  # a short context: a short test
+    target.config = dataclasses.replace(target.config, max_position_embeddings=context)
+
+    def requests():
+        return [Request(f"r{i}", ids, SamplingParams(max_tokens=context - len(ids) - 1 - 4 * i, ignore_eos=True))
+                for i, ids in enumerate(tokenizer.encode(p) for p in PROMPTS[:2])]
+
+    alone = _engine(target, None, chain=False).generate(requests())
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        engine = _engine(target, proposer)
+        got = engine.generate(requests())
+        assert {r: [t for e in evs for t in e.token_ids] for r, evs in got.items()} == \
+            {r: [t for e in evs for t in e.token_ids] for r, evs in alone.items()}
+        steps = sum(evs[-1].stats.steps for evs in got.values())
+        assert engine.counters.fallbacks == 0 and engine.counters.chained > 10 and steps > engine.counters.chained
     finally:
         proposer.close()
 
@@ -152,8 +186,13 @@ def test_a_feed_holding_anything_gets_drafts_and_the_drafter_lives(pair, anchors
         batch = _chained_once(proposer, vocab)
         assert batch is not None
         rows = torch.randn(2 * 4, proposer.spec.feature_dim)
+        rings = {b for seq_id in remote.store for b in remote.store.get(seq_id).ring}
+        others = [b for b in range(remote.pool.num_blocks + 1) if b not in rings and b != remote.pool.scratch]
+        before = remote.pool.k[:, others].clone(), remote.pool.v[:, others].clone()
         proposer.chain_commit(batch, rows, torch.tensor(positions), 4)
         drafts = proposer.chain_propose(batch, torch.tensor(anchors), torch.tensor(positions), 5)
+        # the commit wrote the two rings (and the propose its block there, or scratch), nothing else
+        assert others and torch.equal(remote.pool.k[:, others], before[0]) and torch.equal(remote.pool.v[:, others], before[1])
         assert drafts.shape == (2, 5) and 0 <= int(drafts.min()) and int(drafts.max()) < vocab
         proposer.chain_settle([1, 2], [1, 1])
         assert [len(p.tokens) for p in proposer.propose([ProposeRequest(1, 3, 7, 3), ProposeRequest(2, 3, 7, 3)])] == [3, 3]
@@ -162,13 +201,19 @@ def test_a_feed_holding_anything_gets_drafts_and_the_drafter_lives(pair, anchors
 
 
 def test_a_chain_step_naming_the_wrong_buffers_ends_only_its_connection(pair):
-    """A ChainStep whose rows are the feed buffer, whose feed is a rows buffer, whose commit counts more rows
-    than referenced, or which names a sequence it never allocated: INVALID_ARGUMENT / NOT_FOUND for that
-    target (its stream ends), and the drafter serves the next one."""
+    """A ChainStep whose rows are the feed buffer (or a feed buffer shaped like rows), whose feed is a rows
+    buffer, whose commit counts more rows than referenced, or which names a sequence it never allocated:
+    INVALID_ARGUMENT / NOT_FOUND for that target (its stream ends), while another target connected all
+    along goes on chaining, and the drafter serves the next one."""
+    from specsplit.shared.transport import BufferRole
+
     target, _, address, remote = pair
     vocab = remote.spec.vocab_size
-    want = {"rows are the feed": InvalidRequest, "feed is rows": InvalidRequest, "rows short": InvalidRequest,
-            "unknown sequence": UnknownSequence, "too many drafts": InvalidRequest}
+    want = {"rows are the feed": InvalidRequest, "rows in a feed buffer of rows' width": InvalidRequest,
+            "feed is rows": InvalidRequest, "rows short": InvalidRequest, "unknown sequence": UnknownSequence,
+            "too many drafts": InvalidRequest}
+    innocent = RemoteProposer(address, max_batch=4)
+    innocent_batch = _chained_once(innocent, vocab)
     for attack in want:
         proposer = RemoteProposer(address, max_batch=4)
         try:
@@ -183,22 +228,31 @@ def test_a_chain_step_naming_the_wrong_buffers_ends_only_its_connection(pair):
             conn.step.seal()
             rows = conn.step.buffer.ref(0, 8)
             commit = dict(commit_seq_ids=(1, 2), commit_rows=4, rows=rows, feed=feed)
+            # int32, [3, feature_dim]: as wide as rows, so only its role tells it apart
+            shaped = conn.exporter.create(3, proposer.spec.feature_dim, torch.int32, "cpu", BufferRole.FEED)
             propose = dict(seq_ids=(1, 2), ahead=(0, 0), num_drafts=3, feed=feed)
             chain = {
                 "rows are the feed": wire.ChainStep(**{**commit, "rows": feed}),
+                "rows in a feed buffer of rows' width": wire.ChainStep(**{**commit, "commit_seq_ids": (1,),
+                                                                         "commit_rows": 3, "rows": shaped.ref(0, 3)}),
                 "feed is rows": wire.ChainStep(**{**propose, "feed": conn.step.buffer.ref(0, 3)}),
                 "rows short": wire.ChainStep(**{**commit, "commit_rows": 5}),
                 "unknown sequence": wire.ChainStep(seq_ids=(1, 9), ahead=(0, 0), num_drafts=3, feed=feed),
                 "too many drafts": wire.ChainStep(seq_ids=(1, 2), ahead=(0, 0), num_drafts=99, feed=feed),
             }[attack]
             proposer._step_id += 1
-            pb = wire.step_to_proto(wire.StepBatch(proposer._step_id, chain=chain), columns=True)
+            pb = wire.step_to_proto(wire.StepBatch(proposer._step_id, chain=chain, register=(shaped.describe(),)),
+                                    columns=True)
             frames.send_frame(conn.sock, pb.SerializeToString())
             with pytest.raises(SpecsplitError) as raised:
                 proposer._answer(conn, 10.0)
             assert type(raised.value) is want[attack], (attack, raised.value)
+            if attack.startswith("rows"):
+                assert "holds feed, not rows" in str(raised.value) or attack == "rows short", raised.value
+            assert innocent.chain_propose(innocent_batch, torch.tensor([3, 4]), torch.tensor([6, 6]), 3).shape == (2, 3)
         finally:
             proposer.close()
+    innocent.close()
     proposer = RemoteProposer(address, max_batch=4)
     try:
         batch = _chained_once(proposer, vocab)

@@ -180,6 +180,7 @@ def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_pa
         assert tokens == local_tokens("none")
         assert remote.link.drafts_on_device > 0 and engine.drafter_ok
         assert (engine.counters.chained > 0) == chain
+        assert remote.link.drafts_on_device >= engine.counters.chained  # (each chained propose's drafts too)
         if mode == "honest":
             assert sum(s.accepted for s in stats) > 0
         remote.close()
