@@ -569,18 +569,21 @@ class Session:
             view, event = self.importer.drafts_target(drafts_buffer)
             if not (n <= view.shape[0] and k <= view.shape[1] and view.device == _indexed(self.device)):
                 view = event = None
-        if deferred is not None and view is None:  # (not fusable after all: the commit goes first)
-            self.proposer.chain_commit(batch, deferred[0], _bounded(feed[0]), deferred[1])
-            deferred = None
+        vocab = self.proposer.spec.vocab_size
+
+        def drafts() -> torch.Tensor:  # (after the deferred commit, if any: the propose reads its context)
+            bounded = _bounded(feed)  # the peer's numbers, all three rows at once
+            if deferred is not None:
+                self.proposer.chain_commit(batch, deferred[0], bounded[0], deferred[1])
+            # an anchor out of the vocabulary would be a device assert in the embedding
+            return self.proposer.chain_propose(batch, bounded[1].clamp(max=vocab - 1), bounded[2], k)
+
         if view is None:
-            tokens = self._chain_drafts(batch, feed, k)
-            rows = tokens.cpu().tolist()
+            rows = drafts().cpu().tolist()
             return (), {seq_id: Proposal(tokens=row) for seq_id, row in zip(chain.seq_ids, rows)}
 
         def device_work() -> None:
-            if deferred is not None:
-                self.proposer.chain_commit(batch, deferred[0], _bounded(feed[0]), deferred[1])
-            view[:n, :k].copy_(self._chain_drafts(batch, feed, k))
+            view[:n, :k].copy_(drafts())
 
         if deferred is not None:  # one graph: its shape, and every address it reads or writes
             key = (n, k, deferred[1], deferred[0].data_ptr(), feed.data_ptr(), view.data_ptr())
@@ -595,11 +598,6 @@ class Session:
         only after its kernels have run uncaptured over the new buffers."""
         self._chain_graphs.clear()
         self._chain_runs.clear()
-
-    def _chain_drafts(self, batch, feed: torch.Tensor, k: int) -> torch.Tensor:
-        # the peer's numbers: an anchor out of the vocabulary would be a device assert in the embedding
-        anchors = _bounded(feed[1]).clamp(max=self.proposer.spec.vocab_size - 1)
-        return self.proposer.chain_propose(batch, anchors, _bounded(feed[2]), k)
 
     def _chain_device(self, key: tuple, batch, device_work: Callable[[], None]) -> None:
         """A chained step's commit, propose and drafts copy: replayed as one graph once its shape has run
