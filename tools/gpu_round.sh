@@ -66,9 +66,9 @@ chain)
   # one run, and chained with the drafter's graphs (a second run: compare the services / in-process ratios)
   timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
     -k "graphs_draft_as_uncaptured or (drafts_left and chained)" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
-  timeout 200 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+  timeout 190 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
     --also-unchained --json-out "$OUT/split_chain.json" 2>&1 | grep -v INFO | tail -2 | log
-  timeout 150 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+  timeout 140 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
     --drafter-chain-graphs --json-out "$OUT/split_chain_graphs.json" 2>&1 | grep -v INFO | tail -2 | log
   ;;
 capture)
