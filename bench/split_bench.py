@@ -30,7 +30,7 @@ from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
 from specsplit.cli import drafts_by_batch
-from step_overhead import free_port, phase_seconds, served_seconds
+from step_overhead import free_port, labelled, phase_seconds, served_seconds
 
 PROMPTS = [
     "Explain how a hash map works.", "Write a Python function to reverse a linked list.",
@@ -207,10 +207,12 @@ def main() -> None:
             bytes_before = remote.link.inline_row_bytes
             served_before, ahead_before = served_seconds(metrics), remote.link.sent_ahead
             phases_before = phase_seconds(metrics)
+            graphs_before = labelled(metrics, "chain_graph_steps_total", "outcome")
             drafts_ahead_before, on_device_before = remote.link.drafts_ahead, remote.link.drafts_on_device
             split_tokens, split = run(split_engine, tokenizer, prompts, args.max_tokens, "s")
             served_after = served_seconds(metrics)
             phases_after = phase_seconds(metrics)
+            graphs_after = labelled(metrics, "chain_graph_steps_total", "outcome")
             steps = sorted(remote.link.step_seconds)
             over_grpc.link.step_seconds.clear()
             grpc_tokens, grpc_split = run(grpc_engine, tokenizer, prompts, args.max_tokens, "g")
@@ -276,6 +278,10 @@ def main() -> None:
                 "drafter_phase_mean_ms": {
                     phase: 1e3 * (spent - phases_before.get(phase, 0.0)) / max(served_after[1] - served_before[1], 1)
                     for phase, spent in phases_after.items()},
+                # with --drafter-chain-graphs: the chained steps whose commit and propose the drafter ran
+                # fused, by how (uncaptured, captured, replayed, failed: see its chain_graph_steps metric)
+                "drafter_chain_graph_steps": {outcome: int(n - graphs_before.get(outcome, 0.0))
+                                              for outcome, n in graphs_after.items()},
                 # Steps of commits sent ahead (steps without drafts): served, but no round trip waited for
                 "steps_sent_ahead": remote.link.sent_ahead - ahead_before,
                 # proposals taken from a Step sent ahead with the last step's commits (RemoteProposer.prefetch)

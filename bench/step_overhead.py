@@ -195,8 +195,13 @@ def conversions(seen: dict, repeats: int = 200) -> dict[str, float]:
 
 def phase_seconds(metrics_url: str) -> dict[str, float]:
     """Seconds the drafter service spent so far in each part of its Step messages (its own clock)."""
+    return labelled(metrics_url, "step_phase_seconds_total", "phase")
+
+
+def labelled(metrics_url: str, counter: str, label: str) -> dict[str, float]:
+    """The drafter service's counter `counter` (its name less the prefix) so far, by its one `label`."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    prefix = f'{PREFIX}_step_phase_seconds_total{{phase="'
+    prefix = f'{PREFIX}_{counter}{{{label}="'
     return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line.startswith(prefix)}
 

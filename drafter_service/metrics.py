@@ -9,6 +9,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from specsplit.drafter_service.session import CHAIN_GRAPH_OUTCOMES
 from specsplit.shared.metrics import ServiceMetrics
 from specsplit.shared.wire import SeqError, StepResult
 
@@ -39,6 +40,12 @@ class DrafterMetrics(ServiceMetrics):
         self.sequence_errors = Counter(f"{PREFIX}_sequence_errors", "sequences refused or failed inside a Step "
                                        "answer (the stream itself goes on), by status code", ["code"],
                                        registry=self.registry)
+        self.chain_graph_steps = Counter(f"{PREFIX}_chain_graph_steps", "chained steps whose commit and propose "
+                                         "ran fused (--chain-graphs), by how: uncaptured (their shape not "
+                                         "captured yet, or given up), captured (then replayed), replayed, "
+                                         "failed (the capture failed; run uncaptured, the shape given up)",
+                                         ["outcome"], registry=self.registry)
+        self._chain_graph = {o: self.chain_graph_steps.labels(o) for o in CHAIN_GRAPH_OUTCOMES}
         self.registry.register(_SessionCollector(sessions))
 
     def answered(self, result: StepResult, seconds: float, phases: Mapping[str, float] | None = None) -> None:
@@ -54,6 +61,9 @@ class DrafterMetrics(ServiceMetrics):
             self.proposals.inc(len(result.in_buffer))
             self.draft_tokens.inc(sum(n for _, n in result.in_buffer))
         self.failed(result.errors)
+
+    def chain_graph_step(self, outcome: str) -> None:
+        self._chain_graph[outcome].inc()
 
     def proposed(self, proposals: Iterable) -> None:
         proposals = list(proposals)

@@ -155,7 +155,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             if not streaming:
                 self._make_room_for_a_session()
             session = Session(self.proposer, client_id=client, new_seq_id=lambda: next(self._seq_ids),
-                              head=self.head, device=self.device, limits=self.limits, chain_graphs=self.chain_graphs)
+                              head=self.head, device=self.device, limits=self.limits, chain_graphs=self.chain_graphs,
+                              on_chain_graph=self.metrics.chain_graph_step)
             self._sessions[client] = session
         return session
 

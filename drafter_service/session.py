@@ -53,6 +53,14 @@ log = logging.getLogger(__name__)
 _SEQUENCE = re.compile(r"\bsequence (\d+)\b")
 MAX_CHAIN_POSITION = 1 << 30  # a feed's positions are bounded here before any arithmetic (int64 on the device)
 CHAIN_CAPTURE_AFTER = 8  # uncaptured runs of a chained step's shape before it is captured (with chain_graphs)
+# A connection's chained-step graphs (captured or given up) and the shapes counted towards one, at most: a
+# shape holds the addresses of the rows a target references, so a target naming new offsets every step
+# would otherwise grow both, and every graph holds memory. Past them, new shapes run uncaptured.
+MAX_CHAIN_GRAPHS = 16
+MAX_CHAIN_SHAPES = 64
+# How a chained step's fused device work ran (--chain-graphs): uncaptured (its shape not captured yet, or
+# given up), captured (this step, then replayed), replayed, failed (its capture failed: run uncaptured)
+CHAIN_GRAPH_OUTCOMES = ("uncaptured", "captured", "replayed", "failed")
 
 
 def _bounded(values: torch.Tensor) -> torch.Tensor:
@@ -116,9 +124,10 @@ class Session:
 
     def __init__(self, proposer: Proposer, *, client_id: str, new_seq_id: Callable[[], int],
                  head: TargetHead | None, device: torch.device, limits: DrafterLimits = DrafterLimits(),
-                 chain_graphs: bool = False) -> None:
+                 chain_graphs: bool = False, on_chain_graph: Callable[[str], None] | None = None) -> None:
         # chain_graphs: a chained step's commit, propose and drafts copy replayed as one CUDA graph per
-        # shape once it has run CHAIN_CAPTURE_AFTER times (see _chain_device)
+        # shape once it has run CHAIN_CAPTURE_AFTER times (see _chain_device); on_chain_graph is told
+        # how each such step ran (an outcome of CHAIN_GRAPH_OUTCOMES: the server's metrics)
         self.proposer, self.client_id = proposer, client_id
         self.device = torch.device(device)
         self.limits = limits
@@ -146,6 +155,8 @@ class Session:
         self._chain_runs: dict[tuple, int] = {}  # uncaptured runs of each shape
         self._chain_pool = None  # the graphs' memory pool
         self._deferred: tuple | None = None  # a chained commit left to run with its propose (_chain_device)
+        self._on_chain_graph = on_chain_graph or (lambda outcome: None)
+        self.chain_graph_error: str | None = None  # why the last capture that failed failed
 
     # ---- ids ------------------------------------------------------------------------------------
 
@@ -603,27 +614,43 @@ class Session:
         """A chained step's commit, propose and drafts copy: replayed as one graph once its shape has run
         CHAIN_CAPTURE_AFTER times uncaptured (its tables bound first, as the in-process engine binds
         them before a whole step's capture or replay); uncaptured before, and for good if the capture
-        fails. The graph holds this connection's buffers' addresses (key); registering or releasing
-        buffers drops them all."""
+        fails or the connection holds its most graphs (MAX_CHAIN_GRAPHS). The graph holds this
+        connection's buffers' addresses (key); registering or releasing buffers drops them all."""
         graph = self._chain_graphs.get(key)
-        if graph is None and key not in self._chain_graphs:
-            runs = self._chain_runs[key] = self._chain_runs.get(key, 0) + 1
-            if runs > CHAIN_CAPTURE_AFTER:
-                self.proposer.chain_bind(batch)
-                try:
-                    if self._chain_pool is None:
-                        self._chain_pool = torch.cuda.graph_pool_handle()
-                    with inlined():  # the drafter's forwards record into this graph
-                        graph = capture_serving(device_work, self._chain_pool)
-                except Exception as exc:  # noqa: BLE001 - a step that cannot be captured runs uncaptured
-                    log.warning("a chained step of %d sequences and %d drafts could not be captured (%s: %s); "
-                                "it runs uncaptured", key[0], key[1], type(exc).__name__, exc)
-                self._chain_graphs[key] = graph
+        outcome = "replayed"
+        if graph is None:
+            outcome = "uncaptured"
+            if key not in self._chain_graphs and self._counts_towards_a_graph(key):
+                runs = self._chain_runs[key] = self._chain_runs.get(key, 0) + 1
+                if runs > CHAIN_CAPTURE_AFTER:
+                    del self._chain_runs[key]
+                    graph = self._chain_graphs[key] = self._chain_capture(key, batch, device_work)
+                    outcome = "captured" if graph is not None else "failed"
+        self._on_chain_graph(outcome)
         if graph is None:
             device_work()
             return
         self.proposer.chain_bind(batch)
         graph.replay()
+
+    def _counts_towards_a_graph(self, key: tuple) -> bool:
+        if key in self._chain_runs:
+            return True
+        return len(self._chain_graphs) < MAX_CHAIN_GRAPHS and len(self._chain_runs) < MAX_CHAIN_SHAPES
+
+    def _chain_capture(self, key: tuple, batch, device_work: Callable[[], None]):
+        """The graph of a chained step's device work (not run: the caller replays it), or None."""
+        self.proposer.chain_bind(batch)
+        try:
+            if self._chain_pool is None:
+                self._chain_pool = torch.cuda.graph_pool_handle()
+            with inlined():  # the drafter's forwards record into this graph
+                return capture_serving(device_work, self._chain_pool)
+        except Exception as exc:  # noqa: BLE001 - a step that cannot be captured runs uncaptured
+            self.chain_graph_error = f"{type(exc).__name__}: {exc}"
+            log.warning("a chained step of %d sequences and %d drafts could not be captured (%s); it runs "
+                        "uncaptured", key[0], key[1], self.chain_graph_error)
+            return None
 
     def _chain_batch(self, seq_ids: Sequence[int], ahead: Sequence[int]):
         batch = self.proposer.chain_batch([self._internal(i) for i in seq_ids], list(ahead))

@@ -395,7 +395,9 @@ def test_a_chained_steps_graph_is_captured_after_its_runs_replayed_bound_and_giv
 
     monkeypatch.setattr(session_module, "capture_serving", capture)
     monkeypatch.setattr(session_module.torch.cuda, "graph_pool_handle", lambda: "pool")
-    session = session_module.Session(Proposer(), client_id="c", new_seq_id=lambda: 0, head=None, device="cpu")
+    outcomes = []
+    session = session_module.Session(Proposer(), client_id="c", new_seq_id=lambda: 0, head=None, device="cpu",
+                                     on_chain_graph=outcomes.append)
     session.chain_graphs = True
     after = session_module.CHAIN_CAPTURE_AFTER
 
@@ -407,13 +409,65 @@ def test_a_chained_steps_graph_is_captured_after_its_runs_replayed_bound_and_giv
     assert log[:after] == ["work"] * after
     assert log[after:after + 4] == [("bind", "batch"), "capture", ("bind", "batch"), "replay"]
     assert log[after + 4:] == ["work", ("bind", "batch"), "replay", "work", ("bind", "batch"), "replay", "work"]
+    assert outcomes == ["uncaptured"] * after + ["captured", "replayed", "replayed"]
+    assert session.chain_graph_error is None
     log.clear()
+    outcomes.clear()
     failing["shape"] = "b"
     for _ in range(after + 3):
         session._chain_device((1, 3, "b"), "batch", work)
     assert log.count("capture") == 1 and log.count("replay") == 0 and log.count("work") == after + 3
+    assert outcomes == ["uncaptured"] * after + ["failed", "uncaptured", "uncaptured"]
+    assert session.chain_graph_error == "RuntimeError: operation not permitted when stream is capturing"
     session._drop_chain_graphs()  # (what register and release do)
     log.clear()
     failing["shape"] = None
     session._chain_device((1, 3, "a"), "batch", work)
     assert log == ["work"]  # a shape captured before runs uncaptured again over new buffers first
+
+
+def test_a_target_naming_new_row_offsets_every_chained_step_grows_no_graphs_past_the_bound(monkeypatch):
+    """A chained step's graph is keyed by the addresses it reads, and a target picks its rows' offset: one
+    naming a new offset every step (a new shape each time) must not grow the shapes counted or the
+    graphs held without end. At most MAX_CHAIN_GRAPHS graphs and MAX_CHAIN_SHAPES shapes counted; past
+    them, new shapes run uncaptured and shapes captured before still replay."""
+    from specsplit.drafter_service import session as session_module
+
+    captured = []
+
+    class Graph:
+        def __init__(self, work):
+            self.work = work
+
+        def replay(self):
+            self.work()
+
+    def capture(work, pool):
+        captured.append(work)
+        return Graph(work)
+
+    monkeypatch.setattr(session_module, "capture_serving", capture)
+    monkeypatch.setattr(session_module.torch.cuda, "graph_pool_handle", lambda: "pool")
+
+    class Proposer:
+        def chain_bind(self, batch):
+            pass
+
+    outcomes = []
+    session = session_module.Session(Proposer(), client_id="c", new_seq_id=lambda: 0, head=None, device="cpu",
+                                     on_chain_graph=outcomes.append)
+    session.chain_graphs = True
+    ran = []
+    after, most = session_module.CHAIN_CAPTURE_AFTER, session_module.MAX_CHAIN_GRAPHS
+    for offset in range(most + 4):  # shapes run to their capture, one after another: the first `most` get one
+        for _ in range(after + 1):
+            session._chain_device((1, 3, offset), "batch", lambda: ran.append(1))
+    assert len(captured) == most and len(session._chain_graphs) == most
+    assert outcomes.count("captured") == most and len(ran) == (most + 4) * (after + 1)
+    outcomes.clear()
+    for offset in range(10_000):  # a new offset every step
+        session._chain_device((1, 3, 1000 + offset), "batch", lambda: None)
+    assert len(session._chain_runs) <= session_module.MAX_CHAIN_SHAPES and len(session._chain_graphs) == most
+    assert set(outcomes) == {"uncaptured"}
+    session._chain_device((1, 3, 0), "batch", lambda: ran.append(1))
+    assert outcomes[-1] == "replayed"
