@@ -132,6 +132,18 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
                     "per_step_ms": timer.per_step_ms()}
 
 
+def round_ratios(rates: dict[str, list[float]]) -> dict:
+    """Each round's tokens/s of target_only, in_process and services, the ratios within each round, and
+    the median of each (a ratio's median over rounds, not a ratio of medians: each round's are side by
+    side)."""
+    base, local, split = rates["target_only"], rates["in_process"], rates["services"]
+    ratios = {"in_process_over_target_only": [b / a for a, b in zip(base, local)],
+              "services_over_in_process": [c / b for b, c in zip(local, split)],
+              "services_over_target_only": [c / a for a, c in zip(base, split)]}
+    return {"tokens_per_s": rates, "ratios": ratios,
+            "median": {name: statistics.median(values) for name, values in {**rates, **ratios}.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cpu")
@@ -160,9 +172,15 @@ def main() -> None:
                          "(its --profile-steps / --profile-out)")
     ap.add_argument("--drafter-chain-graphs", action="store_true",
                     help="the drafter service replays chained steps as one CUDA graph each (its --chain-graphs)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run target-only, in-process and services this many times in turn (after the first "
+                         "round, which everything else reports): each round's tokens/s and ratios, and their "
+                         "medians (runs of one call differ by up to ~10%%)")
     ap.add_argument("--drafter-profile-host", action="store_true",
                     help="with --drafter-profile: the host only, with Python stacks (its --profile-host)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds takes 1 or more")
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     folder = target_dir(setup.target)
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
@@ -250,6 +268,14 @@ def main() -> None:
                               "services_chained_over_unchained": split["tokens_per_s"] / result["tokens_per_s"],
                               "requests_differing_services_chained_vs_unchained": sum(
                                   a != b for a, b in zip(split_tokens, other_tokens))})
+            if args.rounds > 1:  # the same three again, in turn: how far one round's ratios are from their median
+                engines = {"target_only": Engine(model, None, conf), "in_process": local_engine, "services": split_engine}
+                rates = {name: [r["tokens_per_s"]] for name, r in (("target_only", base), ("in_process", local),
+                                                                  ("services", split))}
+                for _ in range(args.rounds - 1):
+                    for name, engine in engines.items():
+                        rates[name].append(run(engine, tokenizer, prompts, args.max_tokens, name[0])[1]["tokens_per_s"])
+                plain["rounds"] = round_ratios(rates)
             results[f"batch_{batch}"] = {**plain,
                 "target_only": base, "in_process": local, "services": split,
                 "services_over_in_process": split["tokens_per_s"] / local["tokens_per_s"],
