@@ -210,6 +210,9 @@ class Session:
     def register(self, descriptors: Sequence[BufferDescriptor]) -> None:
         """Open all the buffers or none; head buffers (re)bind the target head. Registering consumes the
         segments' names (shared.transport), so a target whose head is refused here registers fresh ones."""
+        descriptors = list(descriptors)
+        if not descriptors:  # (every Step message comes through here: most register nothing)
+            return
         self.importer.register(descriptors)  # each descriptor is checked first: a bad one is INVALID_ARGUMENT
         self._drop_chain_graphs()  # (a head bound anew, or buffers: graphs over the old ones go)
         try:
@@ -606,7 +609,10 @@ class Session:
 
     def _drop_chain_graphs(self) -> None:
         """Forget every chained step's graph, and the runs counted towards one: a shape is captured again
-        only after its kernels have run uncaptured over the new buffers."""
+        only after its kernels have run uncaptured over the new buffers. A replay still queued finishes
+        first: its graph is not destroyed under it."""
+        if any(graph is not None for graph in self._chain_graphs.values()):
+            self._finish_reads()
         self._chain_graphs.clear()
         self._chain_runs.clear()
 

@@ -471,3 +471,39 @@ def test_a_target_naming_new_row_offsets_every_chained_step_grows_no_graphs_past
     assert set(outcomes) == {"uncaptured"}
     session._chain_device((1, 3, 0), "batch", lambda: ran.append(1))
     assert outcomes[-1] == "replayed"
+
+
+def test_a_chained_steps_graph_outlives_step_messages_that_register_nothing(pair, monkeypatch):
+    """Every Step message passes through `Session.register`, most with nothing to register: those keep the
+    chained steps' graphs and the runs counted towards them (the eighteenth session's drafter dropped both
+    on every message, so with --chain-graphs no shape ever reached its capture: 0 replays on the H200). A
+    message that does register a buffer drops them, as before."""
+    from specsplit.drafter_service import session as session_module
+    from specsplit.shared.transport import BufferExporter
+
+    class Graph:
+        def __init__(self, work):
+            self.work = work
+
+        def replay(self):
+            self.work()
+
+    monkeypatch.setattr(session_module, "capture_serving", lambda work, pool: Graph(work))
+    monkeypatch.setattr(session_module.torch.cuda, "graph_pool_handle", lambda: "pool")
+    _, _, _, proposer = pair
+    monkeypatch.setattr(proposer, "chain_bind", lambda batch: None, raising=False)
+    outcomes = []
+    session = session_module.Session(proposer, client_id="c", new_seq_id=lambda: 0, head=proposer.head, device="cpu",
+                                     on_chain_graph=outcomes.append)
+    session.chain_graphs = True
+    for step_id in range(session_module.CHAIN_CAPTURE_AFTER + 3):  # a Step message, then its chained step
+        session.step(wire.StepBatch(step_id))
+        session._chain_device((1, 3, "rows"), "batch", lambda: None)
+    after = session_module.CHAIN_CAPTURE_AFTER
+    assert outcomes == ["uncaptured"] * after + ["captured", "replayed", "replayed"]
+    with BufferExporter() as exporter:
+        buffer = exporter.create(4, 8)
+        session.step(wire.StepBatch(99, register=(buffer.describe(),)))
+        session._chain_device((1, 3, "rows"), "batch", lambda: None)
+        assert outcomes[-1] == "uncaptured" and not session._chain_graphs
+        session.close()
