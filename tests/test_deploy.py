@@ -358,6 +358,7 @@ def test_health_probe_exit_status_follows_the_serving_status(tmp_path):
         server.stop(None)
 
 
+@pytest.mark.slow  # (10-14 s on the CPU: the default run stays under five minutes)
 def test_health_probe_answers_for_the_real_drafter(specsplit_services):
     done = probe(specsplit_services.drafter_address)
     assert done.returncode == 0, done.stderr

@@ -74,6 +74,7 @@ def test_services_equal_local_and_target_only(kind, request, specsplit_factory, 
     assert client.describe().drafter_kind.value == kind.removeprefix("random-")
 
 
+@pytest.mark.slow  # (10-14 s on the CPU: the default run stays under five minutes)
 def test_sampling_through_services_is_seeded(specsplit_services):
     client = specsplit_services.client()
     params = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=11, ignore_eos=True)
@@ -85,6 +86,7 @@ def test_sampling_through_services_is_seeded(specsplit_services):
     assert other.token_ids != first.token_ids
 
 
+@pytest.mark.slow  # (10-14 s on the CPU: the default run stays under five minutes)
 def test_cli_server_prints_the_same_json_as_local(specsplit_services):
     base = [sys.executable, "-m", "specsplit", "generate", "--prompt", PROMPTS[1], "--max-tokens", "16",
             "--ignore-eos", "--json"]
