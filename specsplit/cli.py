@@ -492,6 +492,8 @@ def add_service_parsers(sub) -> None:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> None:
+    import torch
+
     from specsplit.train import TrainConfig, run
 
     minutes = 7.0 if args.minutes is None and args.steps is None else args.minutes
@@ -510,7 +512,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
     if args.eval_tokens < 0:
         raise InvalidRequest("--eval-tokens must be >= 0")
     run(cfg, target=args.target, out=args.out, device=args.device, init=args.init,
-        log=lambda line: print(line, flush=True), eval_tokens=args.eval_tokens)
+        log=lambda line: print(line, flush=True), eval_tokens=args.eval_tokens,
+        eval_dtype=getattr(torch, args.eval_dtype) if args.eval_dtype else None)
 
 
 def cmd_eval_acceptance(args: argparse.Namespace) -> None:
@@ -569,6 +572,10 @@ def add_training_parsers(sub) -> None:
     tr.add_argument("--eval-tokens", type=int, default=0, metavar="N",
                     help="after saving, evaluate the new checkpoint and the --init one on the held-out prompts, "
                          "N tokens each, in the same process (eval-acceptance's figures; default: 0, no evaluation)")
+    tr.add_argument("--eval-dtype", choices=DTYPES, default=None,
+                    help="the held-out eval's weights and activations (default: the training's, bfloat16 on "
+                         "CUDA); float32 keeps near-ties from flipping the target's greedy text between runs "
+                         "(bfloat16 evals of one checkpoint differ by up to 0.04 in tau)")
     tr.add_argument("--no-gen-graphs", action="store_true",
                     help="generate with eager decode steps instead of CUDA graphs (slower; for diagnosis)")
     tr.set_defaults(func=cmd_train_drafter)

@@ -726,10 +726,12 @@ def save_drafter(model: DrafterModel, out: str | Path) -> Path:
 
 
 def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: str | None = None,
-        log: Log = print, eval_tokens: int = 0, eval_limit: int | None = None) -> Path:
+        log: Log = print, eval_tokens: int = 0, eval_limit: int | None = None,
+        eval_dtype: torch.dtype | None = None) -> Path:
     """`specsplit train-drafter`: load the target and the training prompts, have the target write more,
     train, save; with `eval_tokens`, then evaluate the new checkpoint (and `init`) on the held-out
-    prompts with the target already loaded (`specsplit eval-acceptance`'s figures, batch 16)."""
+    prompts with the target already loaded (`specsplit eval-acceptance`'s figures, batch 16), or loaded
+    again in `eval_dtype` when that differs from the training's."""
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.local import target_dir
     from specsplit.target_service.model import load_target
@@ -759,10 +761,14 @@ def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: st
         del result  # the pool went with train_drafter; the drafter in training goes too
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+        where = "held-out eval"
+        if eval_dtype is not None and eval_dtype != dtype:
+            model = load_target(folder, dtype=eval_dtype, device=device)
+            where = f"held-out eval in {str(eval_dtype).removeprefix('torch.')}"
         for name, folder_ in (("this checkpoint", saved), ("the --init checkpoint", init)):
             if folder_ is not None:
                 rep = evaluate_checkpoint(model, tokenizer, str(folder_), device, eval_tokens, eval_limit)
-                log(f"held-out eval, {name}: {eval_summary(rep)}")
+                log(f"{where}, {name}: {eval_summary(rep)}")
     return saved
 
 
@@ -774,7 +780,8 @@ def evaluate_checkpoint(model: TargetModel, tokenizer, drafter: str, device: str
     from specsplit.train_data import HELDOUT_PATH, read_prompts
 
     prompts = [EvalPrompt(p.kind, p.encode(tokenizer)) for p in read_prompts(HELDOUT_PATH, limit)]
-    proposer = make_drafter(drafter, model, LocalSetup(drafter=drafter, device=device))
+    dtype = str(model.embed_weight.dtype).removeprefix("torch.")  # the drafter computes as the target does
+    proposer = make_drafter(drafter, model, LocalSetup(drafter=drafter, device=device, dtype=dtype))
     return evaluate(model, proposer, prompts, EvalSettings(max_tokens=max_tokens), eos_ids=tokenizer.eos_token_ids)
 
 

@@ -285,11 +285,11 @@ def test_the_command_writes_questions_trains_and_saves(tiny_chat_dir, tmp_path, 
                       max_prompt_tokens=32, gen_batch=64, self_prompts=64, minutes=0.5, log_every=10, pool_gb=0.1,
                       sampled_by_kind=(("code", 1.0), ("math", 0.0)))
     folder = run(cfg, target=str(tiny_chat_dir), out=tmp_path / "d", device="cpu", log=lines.append,
-                 eval_tokens=4, eval_limit=3)
+                 eval_tokens=4, eval_limit=3, eval_dtype=torch.bfloat16)
     text = "\n".join(lines)
     for needle in ("offline training prompts (seed 0)", "questions written by the target from 64 samples",
                    "training prompts within 32 tokens", "target layers [0, 2]", "generated tokens", "epochs",
-                   "held-out eval, this checkpoint: tau ", "3 prompts, 4 tokens",
+                   "held-out eval in bfloat16, this checkpoint: tau ", "3 prompts, 4 tokens",
                    "sampled continuations a prompt: chat 0.25, code 1, math 0"):
         assert needle in text
     (samples,) = given  # per prompt, by its kind (within 32 tokens only code prompts fit: chat's template is longer)
