@@ -219,7 +219,8 @@ def main() -> None:
             run(split_engine, tokenizer, prompts, args.max_tokens, "warm")
             grpc_engine = Engine(model, over_grpc, conf)
             run(grpc_engine, tokenizer, prompts, args.max_tokens, "warm")
-            base_tokens, base = run(Engine(model, None, conf), tokenizer, prompts, args.max_tokens, "t")
+            base_engine = Engine(model, None, conf)
+            base_tokens, base = run(base_engine, tokenizer, prompts, args.max_tokens, "t")
             local_tokens, local = run(local_engine, tokenizer, prompts, args.max_tokens, "l")
             remote.link.step_seconds.clear()
             bytes_before = remote.link.inline_row_bytes
@@ -269,7 +270,7 @@ def main() -> None:
                               "requests_differing_services_chained_vs_unchained": sum(
                                   a != b for a, b in zip(split_tokens, other_tokens))})
             if args.rounds > 1:  # the same three again, in turn: how far one round's ratios are from their median
-                engines = {"target_only": Engine(model, None, conf), "in_process": local_engine, "services": split_engine}
+                engines = {"target_only": base_engine, "in_process": local_engine, "services": split_engine}
                 rates = {name: [r["tokens_per_s"]] for name, r in (("target_only", base), ("in_process", local),
                                                                   ("services", split))}
                 for _ in range(args.rounds - 1):

@@ -55,7 +55,8 @@ MAX_CHAIN_POSITION = 1 << 30  # a feed's positions are bounded here before any a
 CHAIN_CAPTURE_AFTER = 8  # uncaptured runs of a chained step's shape before it is captured (with chain_graphs)
 # A connection's chained-step graphs (captured or given up) and the shapes counted towards one, at most: a
 # shape holds the addresses of the rows a target references, so a target naming new offsets every step
-# would otherwise grow both, and every graph holds memory. Past them, new shapes run uncaptured.
+# would otherwise grow both, and every graph holds memory. Past the graphs, shapes run uncaptured; past
+# the shapes, the one run longest ago is forgotten.
 MAX_CHAIN_GRAPHS = 16
 MAX_CHAIN_SHAPES = 64
 # How a chained step's fused device work ran (--chain-graphs): uncaptured (its shape not captured yet, or
@@ -615,6 +616,8 @@ class Session:
             self._finish_reads()
         self._chain_graphs.clear()
         self._chain_runs.clear()
+        # (a pool no graph holds any more cannot take a new capture: the next one starts another)
+        self._chain_pool = None
 
     def _chain_device(self, key: tuple, batch, device_work: Callable[[], None]) -> None:
         """A chained step's commit, propose and drafts copy: replayed as one graph once its shape has run
@@ -626,12 +629,11 @@ class Session:
         outcome = "replayed"
         if graph is None:
             outcome = "uncaptured"
-            if key not in self._chain_graphs and self._counts_towards_a_graph(key):
-                runs = self._chain_runs[key] = self._chain_runs.get(key, 0) + 1
-                if runs > CHAIN_CAPTURE_AFTER:
-                    del self._chain_runs[key]
-                    graph = self._chain_graphs[key] = self._chain_capture(key, batch, device_work)
-                    outcome = "captured" if graph is not None else "failed"
+            if key not in self._chain_graphs and len(self._chain_graphs) < MAX_CHAIN_GRAPHS \
+                    and self._counted_run(key) > CHAIN_CAPTURE_AFTER:
+                del self._chain_runs[key]
+                graph = self._chain_graphs[key] = self._chain_capture(key, batch, device_work)
+                outcome = "captured" if graph is not None else "failed"
         self._on_chain_graph(outcome)
         if graph is None:
             device_work()
@@ -639,10 +641,14 @@ class Session:
         self.proposer.chain_bind(batch)
         graph.replay()
 
-    def _counts_towards_a_graph(self, key: tuple) -> bool:
-        if key in self._chain_runs:
-            return True
-        return len(self._chain_graphs) < MAX_CHAIN_GRAPHS and len(self._chain_runs) < MAX_CHAIN_SHAPES
+    def _counted_run(self, key: tuple) -> int:
+        """One more uncaptured run of `key`'s shape: how many so far. The counts kept are the
+        MAX_CHAIN_SHAPES shapes run last (a shape run once and never again goes first)."""
+        runs = self._chain_runs.pop(key, 0) + 1
+        if len(self._chain_runs) >= MAX_CHAIN_SHAPES:
+            del self._chain_runs[next(iter(self._chain_runs))]
+        self._chain_runs[key] = runs
+        return runs
 
     def _chain_capture(self, key: tuple, batch, device_work: Callable[[], None]):
         """The graph of a chained step's device work (not run: the caller replays it), or None."""

@@ -420,6 +420,7 @@ def test_a_chained_steps_graph_is_captured_after_its_runs_replayed_bound_and_giv
     assert outcomes == ["uncaptured"] * after + ["failed", "uncaptured", "uncaptured"]
     assert session.chain_graph_error == "RuntimeError: operation not permitted when stream is capturing"
     session._drop_chain_graphs()  # (what register and release do)
+    assert session._chain_pool is None  # (a pool no graph holds cannot take a capture: a new one next time)
     log.clear()
     failing["shape"] = None
     session._chain_device((1, 3, "a"), "batch", work)
@@ -428,9 +429,10 @@ def test_a_chained_steps_graph_is_captured_after_its_runs_replayed_bound_and_giv
 
 def test_a_target_naming_new_row_offsets_every_chained_step_grows_no_graphs_past_the_bound(monkeypatch):
     """A chained step's graph is keyed by the addresses it reads, and a target picks its rows' offset: one
-    naming a new offset every step (a new shape each time) must not grow the shapes counted or the
-    graphs held without end. At most MAX_CHAIN_GRAPHS graphs and MAX_CHAIN_SHAPES shapes counted; past
-    them, new shapes run uncaptured and shapes captured before still replay."""
+    naming a new offset every step (a new shape each time), or cycling through many, must not grow the
+    shapes counted or the graphs held without end. At most MAX_CHAIN_SHAPES shapes counted (the one run
+    longest ago forgotten first, so a shape that keeps coming back is still captured) and
+    MAX_CHAIN_GRAPHS graphs; past those, shapes run uncaptured and the ones captured still replay."""
     from specsplit.drafter_service import session as session_module
 
     captured = []
@@ -453,24 +455,33 @@ def test_a_target_naming_new_row_offsets_every_chained_step_grows_no_graphs_past
         def chain_bind(self, batch):
             pass
 
-    outcomes = []
-    session = session_module.Session(Proposer(), client_id="c", new_seq_id=lambda: 0, head=None, device="cpu",
-                                     on_chain_graph=outcomes.append)
-    session.chain_graphs = True
-    ran = []
-    after, most = session_module.CHAIN_CAPTURE_AFTER, session_module.MAX_CHAIN_GRAPHS
-    for offset in range(most + 4):  # shapes run to their capture, one after another: the first `most` get one
-        for _ in range(after + 1):
-            session._chain_device((1, 3, offset), "batch", lambda: ran.append(1))
-    assert len(captured) == most and len(session._chain_graphs) == most
-    assert outcomes.count("captured") == most and len(ran) == (most + 4) * (after + 1)
-    outcomes.clear()
+    def new_session():
+        outcomes = []
+        session = session_module.Session(Proposer(), client_id="c", new_seq_id=lambda: 0, head=None, device="cpu",
+                                         on_chain_graph=outcomes.append)
+        session.chain_graphs = True
+        return session, outcomes
+
+    after, most, shapes = (session_module.CHAIN_CAPTURE_AFTER, session_module.MAX_CHAIN_GRAPHS,
+                           session_module.MAX_CHAIN_SHAPES)
+    session, outcomes = new_session()
     for offset in range(10_000):  # a new offset every step
-        session._chain_device((1, 3, 1000 + offset), "batch", lambda: None)
-    assert len(session._chain_runs) <= session_module.MAX_CHAIN_SHAPES and len(session._chain_graphs) == most
-    assert set(outcomes) == {"uncaptured"}
-    session._chain_device((1, 3, 0), "batch", lambda: ran.append(1))
-    assert outcomes[-1] == "replayed"
+        session._chain_device((1, 3, offset), "batch", lambda: None)
+    assert len(session._chain_runs) == shapes and not session._chain_graphs and set(outcomes) == {"uncaptured"}
+    for _ in range(after + 1):  # a shape that keeps coming back is counted anew, and captured
+        session._chain_device((1, 3, "steady"), "batch", lambda: None)
+    assert outcomes[-1] == "captured" and len(captured) == 1
+
+    session, outcomes = new_session()
+    ran = []
+    for _ in range(after + 2):  # `shapes` offsets in turn: each reaches its capture in the same round
+        for offset in range(shapes):
+            session._chain_device((1, 3, offset), "batch", lambda: ran.append(1))
+    assert len(session._chain_graphs) == most and outcomes.count("captured") == most
+    assert len(captured) == 1 + most and len(ran) == (after + 2) * shapes  # every step's work ran, once
+    assert len(session._chain_runs) <= shapes
+    session._chain_device((1, 3, 0), "batch", lambda: None)
+    assert outcomes[-1] == "replayed"  # (shape 0 was among the first captured)
 
 
 def test_a_chained_steps_graph_outlives_step_messages_that_register_nothing(pair, monkeypatch):
