@@ -215,7 +215,8 @@ class Session:
         if not descriptors:  # (every Step message comes through here: most register nothing)
             return
         self.importer.register(descriptors)  # each descriptor is checked first: a bad one is INVALID_ARGUMENT
-        self._drop_chain_graphs()  # (a head bound anew, or buffers: graphs over the old ones go)
+        if any(d.role in HEAD_ROLES for d in descriptors):
+            self._drop_chain_graphs()  # (the head is bound anew: graphs read the old one's weights)
         try:
             self._check_buffers(descriptors)
         except CapacityExceeded:
@@ -233,7 +234,8 @@ class Session:
         buffer_ids = list(buffer_ids)
         self._finish_reads()  # a step that answered without waiting may still read (or write) them
         roles = {self.importer.descriptor(i).role for i in buffer_ids}
-        self._drop_chain_graphs()  # (graphs over a released buffer's memory must not replay)
+        # graphs over a released buffer's memory must not replay (a head's: the head is bound anew)
+        self._drop_chain_graphs(None if roles & HEAD_ROLES else set(buffer_ids))
         self.importer.release(buffer_ids)
         for buffer_id in buffer_ids:
             self._buffer_bytes.pop(buffer_id, None)
@@ -560,7 +562,7 @@ class Session:
             raise InvalidRequest(f"a chained commit of {n} sequences x {count} rows references {rows.shape[0]} rows")
         feed = self._feed_view(chain.feed, n)
         if defer:
-            self._deferred = (rows, count)
+            self._deferred = (rows, count, chain.rows.buffer_id if isinstance(chain.rows, RowRef) else 0)
             return
         self.proposer.chain_commit(batch, rows, _bounded(feed[0]), count)
 
@@ -600,31 +602,37 @@ class Session:
         def device_work() -> None:
             view[:n, :k].copy_(drafts())
 
-        if deferred is not None:  # one graph: its shape, and every address it reads or writes
-            key = (n, k, deferred[1], deferred[0].data_ptr(), feed.data_ptr(), view.data_ptr())
+        if deferred is not None:  # one graph: its shape, every address it reads or writes, their buffers
+            key = (n, k, deferred[1], deferred[0].data_ptr(), feed.data_ptr(), view.data_ptr(),
+                   frozenset((deferred[2], chain.feed.buffer_id, drafts_buffer)))
             self._chain_device(key, batch, device_work)
         else:
             device_work()
         event.record()
         return tuple((seq_id, k) for seq_id in chain.seq_ids), {}
 
-    def _drop_chain_graphs(self) -> None:
-        """Forget every chained step's graph, and the runs counted towards one: a shape is captured again
-        only after its kernels have run uncaptured over the new buffers. A replay still queued finishes
-        first: its graph is not destroyed under it."""
-        if any(graph is not None for graph in self._chain_graphs.values()):
+    def _drop_chain_graphs(self, buffers: set[int] | None = None) -> None:
+        """Forget the chained steps' graphs that read or write any of `buffers` (None: every graph), and the
+        runs counted towards them: a shape is captured again only after its kernels have run uncaptured
+        over the new buffers. A replay still queued finishes first: its graph is not destroyed under it."""
+        def dropped(key: tuple) -> bool:
+            return buffers is None or not buffers.isdisjoint(key[-1])
+
+        if any(graph is not None and dropped(key) for key, graph in self._chain_graphs.items()):
             self._finish_reads()
-        self._chain_graphs.clear()
-        self._chain_runs.clear()
-        # (a pool no graph holds any more cannot take a new capture: the next one starts another)
-        self._chain_pool = None
+        self._chain_graphs = {key: graph for key, graph in self._chain_graphs.items() if not dropped(key)}
+        self._chain_runs = {key: runs for key, runs in self._chain_runs.items() if not dropped(key)}
+        if not any(graph is not None for graph in self._chain_graphs.values()):
+            # (a pool no graph holds any more cannot take a new capture: the next one starts another)
+            self._chain_pool = None
 
     def _chain_device(self, key: tuple, batch, device_work: Callable[[], None]) -> None:
         """A chained step's commit, propose and drafts copy: replayed as one graph once its shape has run
         CHAIN_CAPTURE_AFTER times uncaptured (its tables bound first, as the in-process engine binds
         them before a whole step's capture or replay); uncaptured before, and for good if the capture
         fails or the connection holds its most graphs (MAX_CHAIN_GRAPHS). The graph holds this
-        connection's buffers' addresses (key); registering or releasing buffers drops them all."""
+        connection's buffers' addresses, and the buffers' ids last (key): releasing a buffer drops the
+        graphs over it, registering or releasing a head drops them all."""
         graph = self._chain_graphs.get(key)
         outcome = "replayed"
         if graph is None:

@@ -484,13 +484,14 @@ def test_a_target_naming_new_row_offsets_every_chained_step_grows_no_graphs_past
     assert outcomes[-1] == "replayed"  # (shape 0 was among the first captured)
 
 
-def test_a_chained_steps_graph_outlives_step_messages_that_register_nothing(pair, monkeypatch):
+def test_a_chained_steps_graph_outlives_step_messages_and_buffers_it_does_not_read(pair, monkeypatch):
     """Every Step message passes through `Session.register`, most with nothing to register: those keep the
     chained steps' graphs and the runs counted towards them (the eighteenth session's drafter dropped both
-    on every message, so with --chain-graphs no shape ever reached its capture: 0 replays on the H200). A
-    message that does register a buffer drops them, as before."""
+    on every message, so with --chain-graphs no shape ever reached its capture: 0 replays on the H200).
+    So do a buffer registered or released that no graph reads (a target's bulk buffer grown for a long
+    prompt); releasing a buffer a graph reads drops that graph, registering a head drops them all."""
     from specsplit.drafter_service import session as session_module
-    from specsplit.shared.transport import BufferExporter
+    from specsplit.shared.transport import BufferExporter, BufferRole
 
     class Graph:
         def __init__(self, work):
@@ -507,14 +508,32 @@ def test_a_chained_steps_graph_outlives_step_messages_that_register_nothing(pair
     session = session_module.Session(proposer, client_id="c", new_seq_id=lambda: 0, head=proposer.head, device="cpu",
                                      on_chain_graph=outcomes.append)
     session.chain_graphs = True
-    for step_id in range(session_module.CHAIN_CAPTURE_AFTER + 3):  # a Step message, then its chained step
-        session.step(wire.StepBatch(step_id))
-        session._chain_device((1, 3, "rows"), "batch", lambda: None)
     after = session_module.CHAIN_CAPTURE_AFTER
-    assert outcomes == ["uncaptured"] * after + ["captured", "replayed", "replayed"]
     with BufferExporter() as exporter:
-        buffer = exporter.create(4, 8)
-        session.step(wire.StepBatch(99, register=(buffer.describe(),)))
-        session._chain_device((1, 3, "rows"), "batch", lambda: None)
-        assert outcomes[-1] == "uncaptured" and not session._chain_graphs
+        read = exporter.create(4, 8)  # the buffer the graphs' rows lie in
+        session.register([read.describe()])
+
+        def run_to_capture(key) -> None:
+            for _ in range(after + 1):
+                session._chain_device(key, "batch", lambda: None)
+            assert outcomes[-1] == "captured"
+
+        reads, other = (1, 3, "rows", frozenset({read.buffer_id, 0})), (1, 3, "other", frozenset({10**6}))
+        for step_id in range(after + 3):  # a Step message, then its chained step
+            session.step(wire.StepBatch(step_id))
+            session._chain_device(reads, "batch", lambda: None)
+        assert outcomes == ["uncaptured"] * after + ["captured", "replayed", "replayed"]
+        run_to_capture(other)
+        bulk = exporter.create(4, 8)
+        session.step(wire.StepBatch(99, register=(bulk.describe(),)))  # a buffer no graph reads, in and out
+        session.step(wire.StepBatch(100, release=(bulk.buffer_id,)))
+        assert set(session._chain_graphs) == {reads, other} and session._chain_pool is not None
+        session.release([read.buffer_id])  # the graph that reads it goes, the other stays
+        assert set(session._chain_graphs) == {other}
+        session._chain_device(other, "batch", lambda: None)
+        assert outcomes[-1] == "replayed"
+        head = exporter.create(2, 8, role=BufferRole.TARGET_EMBEDDING)
+        with pytest.raises(SpecsplitError):  # (a head of the wrong shape: refused, and the graphs dropped first)
+            session.register([head.describe()])
+        assert not session._chain_graphs and session._chain_pool is None
         session.close()
