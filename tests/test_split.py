@@ -109,6 +109,7 @@ def test_bad_generate_requests_get_invalid_argument(specsplit_services):
     assert client.generate("hi", SamplingParams(max_tokens=2)).token_ids  # still serving
 
 
+@pytest.mark.slow  # (9-12 s on the CPU: the default run stays under five minutes)
 def test_sigkill_of_the_drafter_mid_stream_changes_nothing(specsplit_factory, tiny_chat_dir):
     services = specsplit_factory(ServiceSpec(target=str(tiny_chat_dir), drafter="random-mtp"))
     client = services.client()
@@ -131,6 +132,7 @@ def test_sigkill_of_the_drafter_mid_stream_changes_nothing(specsplit_factory, ti
     assert result.stats.drafted > 0
 
 
+@pytest.mark.slow  # (9-12 s on the CPU: the default run stays under five minutes)
 def test_a_target_learning_its_draft_length_through_the_services_is_lossless(specsplit_factory, tiny_chat_dir):
     """`--num-drafts auto` over the Step stream: the tuner's draft lengths, steps without drafts (the
     drafter kept current by one-row commits) and back; the tokens are target-only's."""
@@ -160,6 +162,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # (9-12 s on the CPU: the default run stays under five minutes)
 def test_harness_leaves_no_process_behind(tmp_path, tiny_chat_dir):
     with spawn(ServiceSpec(target=str(tiny_chat_dir), drafter="random-dflash"), tmp_path) as services:
         assert len(_processes_mentioning(str(tmp_path))) == 2
