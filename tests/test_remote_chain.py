@@ -427,12 +427,10 @@ def test_a_chained_steps_graph_is_captured_after_its_runs_replayed_bound_and_giv
     assert log == ["work"]  # a shape captured before runs uncaptured again over new buffers first
 
 
-def test_a_target_naming_new_row_offsets_every_chained_step_grows_no_graphs_past_the_bound(monkeypatch):
-    """A chained step's graph is keyed by the addresses it reads, and a target picks its rows' offset: one
-    naming a new offset every step (a new shape each time), or cycling through many, must not grow the
-    shapes counted or the graphs held without end. At most MAX_CHAIN_SHAPES shapes counted (the one run
-    longest ago forgotten first, so a shape that keeps coming back is still captured) and
-    MAX_CHAIN_GRAPHS graphs; past those, shapes run uncaptured and the ones captured still replay."""
+@pytest.fixture
+def captured_graphs(monkeypatch) -> list:
+    """The drafter session's CUDA capture replaced on the CPU: a "graph" replays its work by running it
+    again. Returns the works captured, in order."""
     from specsplit.drafter_service import session as session_module
 
     captured = []
@@ -450,6 +448,18 @@ def test_a_target_naming_new_row_offsets_every_chained_step_grows_no_graphs_past
 
     monkeypatch.setattr(session_module, "capture_serving", capture)
     monkeypatch.setattr(session_module.torch.cuda, "graph_pool_handle", lambda: "pool")
+    return captured
+
+
+def test_a_target_naming_new_row_offsets_every_chained_step_grows_no_graphs_past_the_bound(captured_graphs):
+    """A chained step's graph is keyed by the addresses it reads, and a target picks its rows' offset: one
+    naming a new offset every step (a new shape each time), or cycling through many, must not grow the
+    shapes counted or the graphs held without end. At most MAX_CHAIN_SHAPES shapes counted (the one run
+    longest ago forgotten first, so a shape that keeps coming back is still captured) and
+    MAX_CHAIN_GRAPHS graphs; past those, shapes run uncaptured and the ones captured still replay."""
+    from specsplit.drafter_service import session as session_module
+
+    captured = captured_graphs
 
     class Proposer:
         def chain_bind(self, batch):
@@ -484,7 +494,8 @@ def test_a_target_naming_new_row_offsets_every_chained_step_grows_no_graphs_past
     assert outcomes[-1] == "replayed"  # (shape 0 was among the first captured)
 
 
-def test_a_chained_steps_graph_outlives_step_messages_and_buffers_it_does_not_read(pair, monkeypatch):
+def test_a_chained_steps_graph_outlives_step_messages_and_buffers_it_does_not_read(pair, monkeypatch,
+                                                                                     captured_graphs):
     """Every Step message passes through `Session.register`, most with nothing to register: those keep the
     chained steps' graphs and the runs counted towards them (the eighteenth session's drafter dropped both
     on every message, so with --chain-graphs no shape ever reached its capture: 0 replays on the H200).
@@ -493,15 +504,6 @@ def test_a_chained_steps_graph_outlives_step_messages_and_buffers_it_does_not_re
     from specsplit.drafter_service import session as session_module
     from specsplit.shared.transport import BufferExporter, BufferRole
 
-    class Graph:
-        def __init__(self, work):
-            self.work = work
-
-        def replay(self):
-            self.work()
-
-    monkeypatch.setattr(session_module, "capture_serving", lambda work, pool: Graph(work))
-    monkeypatch.setattr(session_module.torch.cuda, "graph_pool_handle", lambda: "pool")
     _, _, _, proposer = pair
     monkeypatch.setattr(proposer, "chain_bind", lambda batch: None, raising=False)
     outcomes = []
