@@ -101,7 +101,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self._seq_ids = itertools.count()
         self._closed = threading.Event()
         self.step_socket = ""  # where the Step stream is also served without gRPC (serve sets it)
-        self.chain_graphs = False  # chained steps' commit and propose as one CUDA graph each (--chain-graphs)
+        self.chain_graphs = True  # chained steps' commit and propose as one CUDA graph each (--no-chain-graphs: off)
         self.instance = secrets.token_hex(16)  # this process, for targets to send back (Describe.instance)
         self.profile: StepWindow | None = None  # a window of Step messages to profile (--profile-steps)
         self.metrics = DrafterMetrics(functools.partial(_sessions_now, weakref.ref(self)))

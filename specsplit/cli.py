@@ -430,9 +430,10 @@ def add_service_parsers(sub) -> None:
                          "(default: the widest batch at the full window: 64 x 4112 for the shipped drafter); "
                          "a sequence that finds no room is refused with RESOURCE_EXHAUSTED and decoded "
                          "without speculation")
-    ds.add_argument("--chain-graphs", action="store_true",
+    ds.add_argument("--chain-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="on a GPU, replay a chained step's context commit, propose and drafts copy (StepRequest.chain) "
-                         "as one CUDA graph per shape once it has run a few times (not yet measured: off by default)")
+                         "as one CUDA graph per shape once it has run a few times (default: on; the drafter's host "
+                         "time a Step fell from 1.06 to 0.43 ms on the H200)")
     ds.add_argument("--max-buffer-mib", type=float, default=4096.0,
                     help="MiB of row and head buffers one connection may register")
     ds.add_argument("--max-message-mib", type=float, default=None,

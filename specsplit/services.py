@@ -37,7 +37,7 @@ class DrafterSettings:
     metrics: MetricsAddress | None = None  # where Prometheus scrapes it (--metrics-host/--metrics-port); None: off
     context_pool_rows: int | None = None  # DFlash context rows held for all connections (None: the default)
     profile: StepWindow | None = None  # --profile-steps/--profile-out: a torch profile of those Step messages
-    chain_graphs: bool = False  # --chain-graphs: a chained step's commit and propose replayed as one CUDA graph
+    chain_graphs: bool = True  # --chain-graphs (--no-chain-graphs: off): a chained step's commit and propose replayed as one CUDA graph
 
     def __post_init__(self) -> None:
         if self.head not in ("auto", "checkpoint", "target"):
