@@ -275,6 +275,16 @@ def release(where: str, driver: Driver, how: str = "kernel") -> str:
     marker = torch.zeros(1, device="cuda")
     seven = torch.full((1,), 7, dtype=torch.int32, pin_memory=True)
     writer = torch.cuda.Stream()  # (made before the wait is queued)
+    # Every kernel launched while the wait holds runs once first. Under CUDA's lazy module loading (the
+    # default) a kernel's first launch loads its module, which waits for the whole context, the held
+    # stream included: the twentieth session's three release parts hung there, before "wait and kernel
+    # queued" (a wait no one releases then deadlocks the host that would release it).
+    marker.add_(1)
+    marker.sub_(1)
+    scratch = torch.zeros(2, dtype=torch.int32, device="cuda")
+    with torch.cuda.stream(writer):
+        scratch[0].fill_(7)
+        scratch[:1].copy_(seven, non_blocking=True)
     torch.cuda.synchronize()  # the flags (and the marker) zeroed before the wait is queued
     step("flags zeroed")
     settled = False
