@@ -140,6 +140,8 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
     ratios = {"in_process_over_target_only": [b / a for a, b in zip(base, local)],
               "services_over_in_process": [c / b for b, c in zip(local, split)],
               "services_over_target_only": [c / a for a, c in zip(base, split)]}
+    if "services_not_ahead" in rates:
+        ratios["services_ahead_over_not_ahead"] = [c / d for c, d in zip(split, rates["services_not_ahead"])]
     return {"tokens_per_s": rates, "ratios": ratios,
             "median": {name: statistics.median(values) for name, values in {**rates, **ratios}.items()}}
 
@@ -161,6 +163,9 @@ def main() -> None:
     ap.add_argument("--also-unchained", action="store_true",
                     help="also run in-process and through the services with EngineConfig(chain_steps=False), "
                          "side by side")
+    ap.add_argument("--also-not-ahead", action="store_true",
+                    help="also run the services with each chained propose sent only when its step launches "
+                         "(RemoteProposer(chain_ahead=False)), side by side, in every round")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -170,8 +175,9 @@ def main() -> None:
     ap.add_argument("--drafter-profile", nargs=2, default=None, metavar=("FIRST:LAST", "PATH"),
                     help="the drafter service records those Step messages with the torch profiler into PATH "
                          "(its --profile-steps / --profile-out)")
-    ap.add_argument("--drafter-chain-graphs", action="store_true",
-                    help="the drafter service replays chained steps as one CUDA graph each (its --chain-graphs)")
+    ap.add_argument("--drafter-chain-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="the drafter service replays chained steps as one CUDA graph each (its --chain-graphs, "
+                         "on by default)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run target-only, in-process and services this many times in turn (after the first "
                          "round, which everything else reports): each round's tokens/s and ratios, and their "
@@ -190,7 +196,7 @@ def main() -> None:
     metrics = f"http://127.0.0.1:{port}/metrics"
     cmd = [sys.executable, "-m", "specsplit", "drafter", "serve", "--listen", sock, "--drafter", args.drafter,
            "--device", args.device, "--seed", "0", "--metrics-port", str(port)] + \
-        (["--dtype", args.dtype] if args.dtype else []) + (["--chain-graphs"] if args.drafter_chain_graphs else []) + \
+        (["--dtype", args.dtype] if args.dtype else []) + ([] if args.drafter_chain_graphs else ["--no-chain-graphs"]) + \
         (["--profile-steps", args.drafter_profile[0], "--profile-out", args.drafter_profile[1]]
          + (["--profile-host"] if args.drafter_profile_host else []) if args.drafter_profile else [])
     drafter_proc = subprocess.Popen(cmd)
@@ -201,6 +207,10 @@ def main() -> None:
         # The same drafter with the Step stream over gRPC, beside the step socket's (services)
         over_grpc = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
                                    head=(model.embed_weight, model.lm_head_weight), step_socket=False)
+        # ... and one that sends each chained propose only when its step launches (--also-not-ahead)
+        not_ahead = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
+                                   head=(model.embed_weight, model.lm_head_weight),
+                                   chain_ahead=False) if args.also_not_ahead else None
         results = {"device": args.device, "drafter": args.drafter, "transport": remote.mode,
                    "step_transport": remote.step_transport}
         local_drafter = make_drafter(args.drafter, model, setup)
@@ -228,6 +238,7 @@ def main() -> None:
             phases_before = phase_seconds(metrics)
             graphs_before = labelled(metrics, "chain_graph_steps_total", "outcome")
             drafts_ahead_before, on_device_before = remote.link.drafts_ahead, remote.link.drafts_on_device
+            chain_sent_before, chain_taken_before = remote.link.chain_sent_ahead, remote.link.chain_taken_ahead
             split_tokens, split = run(split_engine, tokenizer, prompts, args.max_tokens, "s")
             served_after = served_seconds(metrics)
             phases_after = phase_seconds(metrics)
@@ -269,10 +280,19 @@ def main() -> None:
                               "services_chained_over_unchained": split["tokens_per_s"] / result["tokens_per_s"],
                               "requests_differing_services_chained_vs_unchained": sum(
                                   a != b for a, b in zip(split_tokens, other_tokens))})
-            if args.rounds > 1:  # the same three again, in turn: how far one round's ratios are from their median
-                engines = {"target_only": base_engine, "in_process": local_engine, "services": split_engine}
-                rates = {name: [r["tokens_per_s"]] for name, r in (("target_only", base), ("in_process", local),
-                                                                  ("services", split))}
+            engines = {"target_only": base_engine, "in_process": local_engine, "services": split_engine}
+            rates = {name: [r["tokens_per_s"]] for name, r in (("target_only", base), ("in_process", local),
+                                                              ("services", split))}
+            if not_ahead is not None:  # chained proposes sent as their steps launch, against ahead (the default)
+                engine = engines["services_not_ahead"] = Engine(model, not_ahead, conf)
+                run(engine, tokenizer, prompts, args.max_tokens, "warm")
+                other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "s")
+                rates["services_not_ahead"] = [result["tokens_per_s"]]
+                plain.update({"services_not_ahead": result,
+                              "services_ahead_over_not_ahead": split["tokens_per_s"] / result["tokens_per_s"],
+                              "requests_differing_services_ahead_vs_not_ahead": sum(
+                                  a != b for a, b in zip(split_tokens, other_tokens))})
+            if args.rounds > 1:  # the same again, in turn: how far one round's ratios are from their median
                 for _ in range(args.rounds - 1):
                     for name, engine in engines.items():
                         rates[name].append(run(engine, tokenizer, prompts, args.max_tokens, name[0])[1]["tokens_per_s"])
@@ -313,6 +333,9 @@ def main() -> None:
                 "steps_sent_ahead": remote.link.sent_ahead - ahead_before,
                 # proposals taken from a Step sent ahead with the last step's commits (RemoteProposer.prefetch)
                 "drafts_taken_ahead": remote.link.drafts_ahead - drafts_ahead_before,
+                # chained proposes sent as the step before them launched, and those the next step took
+                "chain_proposes_sent_ahead": remote.link.chain_sent_ahead - chain_sent_before,
+                "chain_proposes_taken_ahead": remote.link.chain_taken_ahead - chain_taken_before,
                 # proposals the verify read from the target's drafts buffer (written there by the drafter)
                 "drafts_on_device": remote.link.drafts_on_device - on_device_before,
                 # What the split adds to each step's drafter phases (round trip, serialisation, the
@@ -332,6 +355,8 @@ def main() -> None:
         results["empty_step_round_trip_p50_ms_over_grpc"] = 1e3 * statistics.median([over_grpc.ping() for _ in range(200)])
         remote.close()
         over_grpc.close()
+        if not_ahead is not None:
+            not_ahead.close()
         text = json.dumps(results, indent=2)
         print(text, flush=True)
         if args.json_out:

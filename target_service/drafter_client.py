@@ -86,6 +86,8 @@ class LinkStats:
     sent_ahead: int = 0  # Steps sent by send_pending or prefetch, answered later (not in step_seconds)
     drafts_ahead: int = 0  # proposals taken from a prefetch's answer (no round trip of their own)
     drafts_on_device: int = 0  # proposals the verify took from our drafts buffer (never read by the host)
+    chain_sent_ahead: int = 0  # chained proposes sent ahead (chain_prefetch; also in sent_ahead) ...
+    chain_taken_ahead: int = 0  # ... and those the next chained step took (the rest were dropped)
 
 
 class RowStager:
@@ -186,6 +188,12 @@ class _Pending:
         return (self.catchup is None and not self.free and self.stash is not None and self.commit is not None
                 and self.trim is not None and isinstance(self.stash[0], int)
                 and self.commit.num_rows == self.trim + 1)
+
+
+def _feed_key(t: torch.Tensor) -> tuple:
+    """What tells two feed tensors apart for a chained propose sent ahead: the same memory, shape and strides
+    (the engine's program feed, rewritten on the device by each step, never reallocated)."""
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride())
 
 
 def _same_request(a: ProposeRequest, b: ProposeRequest) -> bool:
@@ -338,15 +346,18 @@ class RemoteProposer:
 
     def __init__(self, address: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 max_batch: int = 64, security: ClientSecurity = ClientSecurity(), step_socket: bool = True) -> None:
+                 max_batch: int = 64, security: ClientSecurity = ClientSecurity(), step_socket: bool = True,
+                 chain_ahead: bool = True) -> None:
         # max_batch: the engine's widest step; security: the drafter's token and TLS (shared.security);
-        # step_socket: send the Step stream to the drafter's step socket when it offers one on this host
+        # step_socket: send the Step stream to the drafter's step socket when it offers one on this host;
+        # chain_ahead: send each chained step's propose as the step before it launches (chain_prefetch)
         self.address = grpc_target(address)
         self.security = security
         self.device, self.dtype, self.timeout = torch.device(device), dtype, timeout
         self.head = head  # (embedding, lm_head) shared with a drafter on the same GPU
         self.max_batch = max_batch
         self.use_step_socket = step_socket
+        self.chain_ahead = chain_ahead
         self.mode = "inline"
         self.step_transport = "grpc"  # or "socket": how the Step stream travels on the attached connection
         self.link = LinkStats()
@@ -364,6 +375,8 @@ class RemoteProposer:
         self._ahead_prefetched = False  # _ahead came from prefetch (not a Step propose_on_device sent)
         self._chain_commit: tuple[tuple[int, ...], int, int] | None = None  # (seq ids, rows each, offset) to send
         self._settles: tuple[list[int], list[int]] = ([], [])  # chained steps read: (seq ids, rows each) to send
+        self._chain_ahead: tuple | None = None  # the chained propose chain_prefetch sent: what chain_propose matches
+        self._chain_ahead_result: wire.StepResult | None = None  # its answer, once read
         self.spec: DrafterSpec | None = None
         try:
             self.spec = self._connect(open_channel(self.address, PEER_CHANNEL_OPTIONS, security.tls),
@@ -500,6 +513,7 @@ class RemoteProposer:
         self._settles = ([], [])
         self._unanswered = False
         self._ahead = self._ahead_result = None
+        self._chain_ahead = self._chain_ahead_result = None
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, 5.0)
 
@@ -558,11 +572,15 @@ class RemoteProposer:
         if self._unanswered:  # whatever comes next waits for it: the rows it referenced, the verbs' order
             self._unanswered = False
             try:
-                self._ahead_result = self._answer(self._conn, self.step_deadline(), timed=False)
+                result = self._answer(self._conn, self.step_deadline(), timed=False)
             except DrafterUnavailable:
                 raise
             except SpecsplitError as err:  # the earlier step's fault, not the call now being made
                 raise DrafterUnavailable(f"the drafter refused a Step sent ahead: {err}") from err
+            if self._chain_ahead is not None:
+                self._chain_ahead_result = result
+            else:
+                self._ahead_result = result
         return self._conn
 
     def _unary(self, method: str, request):
@@ -820,16 +838,47 @@ class RemoteProposer:
         self._write_feed(conn, 0, positions)
         self._chain_commit = (batch.seq_ids, count, offset)
 
-    def chain_propose(self, batch: RemoteChainBatch, anchors: torch.Tensor, positions: torch.Tensor,
-                      num_drafts: int) -> torch.Tensor:
-        """Drafts [B, num_drafts] on our device for anchors [B] at positions [B] (on the device): one Step
-        with the queued commit and settles. The ids are the peer's bytes: the engine bounds them."""
-        conn = self._chain_conn(batch)
-        self._ahead = self._ahead_result = None  # a prefetch's drafts were for the step-by-step path
+    def chain_prefetch(self, seq_ids: Sequence[int], anchors_ahead: Sequence[int], anchors: torch.Tensor,
+                       positions: torch.Tensor, num_drafts: int) -> None:
+        """Send the next chained step's propose now, with the commit just queued and the settles: anchors [B]
+        and positions [B] are the device tensors the step just launched writes (read by the drafter's GPU
+        once its host has seen them written, as every feed); `anchors_ahead` counts the rows of the steps
+        launched and not read yet, both of them (their settles go with a later Step). The answer is read
+        by the next use of the connection; `chain_propose` takes its drafts when asked for the same
+        sequences, k and feed tensors, and they are dropped otherwise (a propose changes no state)."""
+        if not self.chain_ahead:
+            return
+        conn = self._live()  # reads any answer still out: our buffers are ours to write again
+        if self._unanswered or conn.feed is None or any(s not in conn.allocated for s in seq_ids):
+            return
+        batch = RemoteChainBatch(tuple(seq_ids), tuple(int(a) for a in anchors_ahead), conn)
+        self._chain_ahead = self._chain_ahead_result = None
         self._write_feed(conn, 1, anchors)
         self._write_feed(conn, 2, positions)
         self._send(conn, [], into_buffer=True, chain=(batch, num_drafts))
-        answer = self._answer(conn, self.step_deadline())
+        self._unanswered = True
+        self._chain_ahead = (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn)
+        self.link.sent_ahead += 1
+        self.link.chain_sent_ahead += 1
+
+    def chain_propose(self, batch: RemoteChainBatch, anchors: torch.Tensor, positions: torch.Tensor,
+                      num_drafts: int) -> torch.Tensor:
+        """Drafts [B, num_drafts] on our device for anchors [B] at positions [B] (on the device): those
+        `chain_prefetch` asked for the same, or one Step now with the queued commit and settles. The ids
+        are the peer's bytes: the engine bounds them."""
+        conn = self._chain_conn(batch)  # (reads a prefetched answer, if one is out)
+        sent, answer = self._chain_ahead, self._chain_ahead_result
+        self._chain_ahead = self._chain_ahead_result = None
+        self._ahead = self._ahead_result = None  # a prefetch's drafts were for the step-by-step path
+        if sent is not None and answer is not None and self._chain_commit is None and \
+                sent == (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn):
+            self.link.drafts_ahead += len(batch.seq_ids)
+            self.link.chain_taken_ahead += 1
+        else:
+            self._write_feed(conn, 1, anchors)
+            self._write_feed(conn, 2, positions)
+            self._send(conn, [], into_buffer=True, chain=(batch, num_drafts))
+            answer = self._answer(conn, self.step_deadline())
         n = len(batch.seq_ids)
         want = tuple((seq_id, num_drafts) for seq_id in batch.seq_ids)
         if answer.in_buffer:
@@ -934,6 +983,8 @@ class RemoteProposer:
         verified = {seq_id: p for seq_id, p in self._pending.items() if fast and p.verified_only()}
         others = (self._seq_step(conn, seq_id, p) for seq_id, p in self._pending.items() if seq_id not in verified)
         conn.offered = into_buffer and conn.drafts is not None and (bool(proposes) or chain is not None)
+        if conn.offered:  # (this Step's drafts take the buffer: a chained propose sent ahead there is gone)
+            self._chain_ahead = self._chain_ahead_result = None
         if conn.offered and conn.drafts_read is not None:
             conn.drafts_read.synchronize()  # the drafter may now overwrite what we read last (done by now, mostly)
         batch = wire.StepBatch(self._step_id, tuple(others), tuple(proposes), draft_columns=conn.columns,

@@ -596,22 +596,22 @@ class Engine:
         k = self._max_drafts(len(seqs))
         if k < 1 or self.graphs.bucket(len(seqs), k + 1) is None:
             return 0, []
-        limit = min(self.model.config.max_position_embeddings, self.graphs.max_blocks * self.cache.block_size)
-        context = self.model.config.max_position_embeddings
         pending = self._chain
         ahead = {} if pending is None else {s.seq_id: n + 1 for s, n in zip(pending.seqs, pending.counts)}
-
-        def room(seq: Sequence, rows: int) -> bool:  # rows: those the step not read yet may have added
-            end = seq.last_position + rows + k + 1
-            if end > limit or end > seq.budget_tokens + k:
-                return False
-            return seq.request.params.greedy or rows == 0 or not seq.drafter_attached \
-                or min(seq.remaining - rows - 1, context - len(seq.tokens) - rows - 1) >= k
-
-        if not all(room(s, 0) for s in seqs):
+        if not all(self._chain_room(s, 0, k) for s in seqs):
             return 0, []  # one that could not chain even with nothing pending
-        chained = [s for s in seqs if room(s, ahead.get(s.seq_id, 0))]
+        chained = [s for s in seqs if self._chain_room(s, ahead.get(s.seq_id, 0), k)]
         return (k, chained) if any(s.drafter_attached for s in chained) else (0, [])
+
+    def _chain_room(self, seq: Sequence, rows: int, k: int) -> bool:
+        """Whether a chained step of k drafts has room for `seq` when the steps launched and not read yet may
+        have added `rows` (see _chain_plan)."""
+        limit = min(self.model.config.max_position_embeddings, self.graphs.max_blocks * self.cache.block_size)
+        end = seq.last_position + rows + k + 1
+        if end > limit or end > seq.budget_tokens + k:
+            return False
+        return seq.request.params.greedy or rows == 0 or not seq.drafter_attached \
+            or min(seq.remaining - rows - 1, self.model.config.max_position_embeddings - len(seq.tokens) - rows - 1) >= k
 
     @staticmethod
     def _chain_ends(seqs: list[Sequence], k: int, pending: ChainedStep | None) -> list[int]:
@@ -686,7 +686,28 @@ class Engine:
             return None
         if self._chain_buffers is None:
             self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
-        return self._chain_buffers.launch(seqs, k, counts, program, started)
+        launched = self._chain_buffers.launch(seqs, k, counts, program, started)
+        if among is None:
+            self._chain_send_ahead(seqs, k, counts, pending, program)
+        return launched
+
+    def _chain_send_ahead(self, seqs: list[Sequence], k: int, counts: list[int], pending: ChainedStep | None,
+                          program: ChainProgram) -> None:
+        """A drafter service asked for the next chained step's drafts now, from the feed the step just launched
+        leaves: its host receives them while our GPU verifies, and drafts as soon as the verify is done,
+        while our host reads the step before and emits it; the next launch takes the drafts if it chains
+        the same sequences with the same k (`RemoteProposer.chain_prefetch`), else a Step of its own goes.
+        Only when every sequence has room for that step with both steps not read yet behind it (they
+        are the drafter's too: the steps read since go with the Step after)."""
+        prefetch = _capability(self.proposer, "chain_prefetch")
+        if prefetch is None or not self.drafter_ok:
+            return
+        unread = {} if pending is None else {s.seq_id: n + 1 for s, n in zip(pending.seqs, pending.counts)}
+        rows = [unread.get(s.seq_id, 0) + n + 1 for s, n in zip(seqs, counts)]
+        if not all(self._chain_room(s, r, k) for s, r in zip(seqs, rows)):
+            return
+        anchors, positions = program.feed
+        self._drafter_call(prefetch, [s.seq_id for s in seqs], rows, anchors, positions, k)
 
     def _chain_program(self, n: int, k: int) -> ChainProgram:
         """The program of chained steps of n sequences and k drafts (made on first use; the least recently

@@ -97,11 +97,43 @@ def test_chained_steps_through_the_services_equal_the_in_process_chain(pair, tin
         got = _run(through, tokenizer)
         assert got == want == alone
         assert through.counters.chained == in_process.counters.chained > 10 and through.counters.fallbacks == 0
-        assert there.drafts == here.drafts and len(here.drafts) > 10
-        assert proposer.link.drafts_on_device == 0  # (on the CPU the drafts come in the answer)
         proposer.flush()
+        # Each chained propose after the first was sent ahead, as the step before it launched; those the next
+        # step did not take (its batch changed: a request joined or ended) drafted for nothing, in order
+        sent, taken = proposer.link.chain_sent_ahead, proposer.link.chain_taken_ahead
+        assert taken > 0 and len(there.drafts) == len(here.drafts) + sent - taken
+        rest = iter(there.drafts)
+        assert all(any(d == e for e in rest) for d in here.drafts) and len(here.drafts) > 10
+        assert proposer.link.drafts_on_device == 0  # (on the CPU the drafts come in the answer)
         assert len(remote.store) == 0 and remote.pool.num_free_blocks == remote.pool.num_blocks
         assert through.cache.num_free_blocks == through.cache.num_blocks - 1  # all but the scratch block
+    finally:
+        proposer.close()
+
+
+def test_one_streams_chained_proposes_go_ahead_of_their_steps_and_are_all_taken(pair, tiny_chat_dir):
+    """At one stream the batch never changes: each chained propose goes to the drafter as the step before it
+    launches (its feed), while the target still verifies, and the next step takes it, every one, until the
+    stream nears its end (two unread steps' rows and k more must fit its budget); tokens as target-only."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.sequence import Request
+
+    target, _, address, _ = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+
+    def requests():
+        return [Request("r", tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=80, ignore_eos=True))]
+
+    alone = _engine(target, None, chain=False).generate(requests())
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        engine = _engine(target, proposer)
+        got = engine.generate(requests())
+        assert [t for e in got["r"] for t in e.token_ids] == [t for e in alone["r"] for t in e.token_ids]
+        sent, taken = proposer.link.chain_sent_ahead, proposer.link.chain_taken_ahead
+        assert engine.counters.fallbacks == 0 and sent == taken >= engine.counters.chained // 2 > 10
+        assert proposer.link.drafts_ahead == taken
     finally:
         proposer.close()
 

@@ -62,20 +62,18 @@ prefill)
     --json-out "$OUT/split_capture8.json" 2>&1 | grep -v INFO | tail -2 | log
   ;;
 chain)
-  # the services' steps chained (StepRequest.chain, eighteenth session: its GPU tests passed there, and the
-  # services ran 0.49x / 0.57x in-process at 1 / 8 streams, the drafter's host ~1 ms a step). Now: the drafter's
-  # commit + propose as one CUDA graph (drafter --chain-graphs, built after that run, off by default): its
-  # GPU test (the same accepted drafts as without graphs), then tokens/s chained against step by step in
-  # one run, and chained with the drafter's graphs (a second run: compare the services / in-process ratios)
+  # the services' steps chained, each chained propose now sent as the step before it launches (twentieth
+  # session: RemoteProposer.chain_prefetch, so the drafter's host works while the target verifies, where the
+  # target's host time and the round trip ran in series: 2.34 ms a step against in-process 1.28), and the
+  # drafter's graphs on by default (they replayed there: its host 0.43 ms a Step against 1.06). GPU tests,
+  # then tokens/s with proposes ahead against not ahead and chained against step by step, three rounds
   timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
     -k "graphs_draft_as_uncaptured or (drafts_left and chained)" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
-  timeout 190 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
-    --also-unchained --rounds 3 --json-out "$OUT/split_chain.json" 2>&1 | grep -v INFO | tail -2 | log
-  timeout 140 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
-    --drafter-chain-graphs --rounds 3 --json-out "$OUT/split_chain_graphs.json" 2>&1 | grep -v INFO | tail -2 | log
-  # (nineteenth session: 0 replays in the test, slower in the bench, cause unknown; now counted by outcome)
-  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, d[b].get('drafter_chain_graph_steps'), d[b].get('rounds', {}).get('median'), \
-    d[b]['drafter_phase_mean_ms']) for b in d if b.startswith('batch_')]" "$OUT/split_chain_graphs.json" 2>&1 | log
+  timeout 300 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --also-not-ahead --also-unchained --rounds 3 --json-out "$OUT/split_chain.json" 2>&1 | grep -v INFO | tail -2 | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, d[b].get('chain_proposes_sent_ahead'), \
+    d[b].get('chain_proposes_taken_ahead'), d[b].get('drafter_chain_graph_steps'), d[b].get('rounds', {}).get('median'), \
+    d[b]['drafter_phase_mean_ms']) for b in d if b.startswith('batch_')]" "$OUT/split_chain.json" 2>&1 | log
   ;;
 capture)
   # chained steps captured whole at 4, 8 and 16 streams against piecewise, side by side in one run (seventeenth
