@@ -376,6 +376,7 @@ class RemoteProposer:
         self._chain_commit: tuple[tuple[int, ...], int, int] | None = None  # (seq ids, rows each, offset) to send
         self._settles: tuple[list[int], list[int]] = ([], [])  # chained steps read: (seq ids, rows each) to send
         self._chain_ahead: tuple | None = None  # the chained propose chain_prefetch sent: what chain_propose matches
+        self._unanswered_chain = False  # the Step not answered yet is that one
         self._chain_ahead_result: wire.StepResult | None = None  # its answer, once read
         self.spec: DrafterSpec | None = None
         try:
@@ -511,7 +512,7 @@ class RemoteProposer:
         self._pending = {}
         self._chain_commit = None
         self._settles = ([], [])
-        self._unanswered = False
+        self._unanswered = self._unanswered_chain = False
         self._ahead = self._ahead_result = None
         self._chain_ahead = self._chain_ahead_result = None
         self._retry_at = time.monotonic() + self._backoff
@@ -571,13 +572,14 @@ class RemoteProposer:
             raise DrafterUnavailable(self.last_error or "the drafter is disconnected")
         if self._unanswered:  # whatever comes next waits for it: the rows it referenced, the verbs' order
             self._unanswered = False
+            self._unanswered_chain, chain = False, self._unanswered_chain
             try:
                 result = self._answer(self._conn, self.step_deadline(), timed=False)
             except DrafterUnavailable:
                 raise
             except SpecsplitError as err:  # the earlier step's fault, not the call now being made
                 raise DrafterUnavailable(f"the drafter refused a Step sent ahead: {err}") from err
-            if self._chain_ahead is not None:
+            if chain:  # (each answer filed as what its Step was)
                 self._chain_ahead_result = result
             else:
                 self._ahead_result = result
@@ -856,7 +858,7 @@ class RemoteProposer:
         self._write_feed(conn, 1, anchors)
         self._write_feed(conn, 2, positions)
         self._send(conn, [], into_buffer=True, chain=(batch, num_drafts))
-        self._unanswered = True
+        self._unanswered = self._unanswered_chain = True
         self._chain_ahead = (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn)
         self.link.sent_ahead += 1
         self.link.chain_sent_ahead += 1
@@ -870,7 +872,7 @@ class RemoteProposer:
         sent, answer = self._chain_ahead, self._chain_ahead_result
         self._chain_ahead = self._chain_ahead_result = None
         self._ahead = self._ahead_result = None  # a prefetch's drafts were for the step-by-step path
-        if sent is not None and answer is not None and self._chain_commit is None and \
+        if sent is not None and answer is not None and self._chain_commit is None and not self._pending and \
                 sent == (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn):
             self.link.drafts_ahead += len(batch.seq_ids)
             self.link.chain_taken_ahead += 1
@@ -983,8 +985,9 @@ class RemoteProposer:
         verified = {seq_id: p for seq_id, p in self._pending.items() if fast and p.verified_only()}
         others = (self._seq_step(conn, seq_id, p) for seq_id, p in self._pending.items() if seq_id not in verified)
         conn.offered = into_buffer and conn.drafts is not None and (bool(proposes) or chain is not None)
-        if conn.offered:  # (this Step's drafts take the buffer: a chained propose sent ahead there is gone)
-            self._chain_ahead = self._chain_ahead_result = None
+        # A chained propose sent ahead is taken only as the next Step's: any other Step sent after it may
+        # change what it drafted from or overwrite its drafts (chain_prefetch sets it again after its own)
+        self._chain_ahead = self._chain_ahead_result = None
         if conn.offered and conn.drafts_read is not None:
             conn.drafts_read.synchronize()  # the drafter may now overwrite what we read last (done by now, mostly)
         batch = wire.StepBatch(self._step_id, tuple(others), tuple(proposes), draft_columns=conn.columns,

@@ -51,13 +51,14 @@ def pair(tiny_chat_dir, tmp_path):
     server_obj.close()
 
 
-def _engine(target, proposer, chain: bool = True, max_batch: int = 4):
+def _engine(target, proposer, chain: bool = True, max_batch: int = 4, drafts_by_batch=(), graphs_batch: int | None = None):
     from specsplit.target_service.engine import Engine, EngineConfig
 
-    engine = Engine(target, proposer, EngineConfig(max_batch=max_batch, chain_steps=chain))
+    engine = Engine(target, proposer, EngineConfig(max_batch=max_batch, chain_steps=chain, drafts_by_batch=drafts_by_batch))
     drafts = engine._max_drafts()  # (the engine's own graphs' geometry, uncaptured)
-    engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=max_batch, query_lens=(1, drafts + 1),
-                               max_len=target.config.max_position_embeddings + drafts + 1, use_graphs=False)
+    engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=graphs_batch or max_batch,
+                               query_lens=(1, drafts + 1), max_len=target.config.max_position_embeddings + drafts + 1,
+                               use_graphs=False)
     return engine
 
 
@@ -134,6 +135,53 @@ def test_one_streams_chained_proposes_go_ahead_of_their_steps_and_are_all_taken(
         sent, taken = proposer.link.chain_sent_ahead, proposer.link.chain_taken_ahead
         assert engine.counters.fallbacks == 0 and sent == taken >= engine.counters.chained // 2 > 10
         assert proposer.link.drafts_ahead == taken
+    finally:
+        proposer.close()
+
+
+@pytest.mark.parametrize("drafts_by_batch, graphs_batch", [(((3, 0),), None), ((), 2)],
+                         ids=["no-drafts-at-three", "graphs-narrower-than-the-batch"])
+def test_a_chained_propose_sent_ahead_that_no_step_takes_is_never_taken_for_another(pair, tiny_chat_dir,
+                                                                                      drafts_by_batch, graphs_batch):
+    """A request joining makes the next step stop chaining (no drafts at three streams; no captured step that
+    wide), so the propose sent ahead for two streams is never asked for: the step-by-step Steps after it get
+    their own answers (a reviewer found them filed as the chained propose's, and the chain, when it
+    resumed with the same sequences and k, took one of them as its drafts: a drafter dropped, or stale
+    drafts and a staging overflow). Every draft the target takes is the in-process chain's; nothing falls back."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.sequence import Request
+
+    target, local, address, _ = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+
+    def run(engine):
+        for i, p in enumerate(PROMPTS[:2]):
+            engine.add(Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=60, ignore_eos=True)))
+        events: dict[str, list[int]] = {}
+        for n in itertools.count():
+            if n == 6:
+                engine.add(Request("late", tokenizer.encode(PROMPTS[3]), SamplingParams(max_tokens=3, ignore_eos=True)))
+            for e in engine.step():
+                events.setdefault(e.request_id, []).extend(e.token_ids)
+            if not engine.has_work:
+                return events
+
+    def engine(proposer, chain=True):
+        return _engine(target, proposer, chain=chain, drafts_by_batch=drafts_by_batch, graphs_batch=graphs_batch)
+
+    alone = run(engine(None, chain=False))
+    here = Recorded(local)
+    in_process = engine(local)
+    want = run(in_process)
+    proposer = RemoteProposer(address, max_batch=4)
+    taken = Recorded(proposer)  # what the target's chained proposes returned, sent ahead or not
+    try:
+        through = engine(proposer)
+        assert run(through) == want == alone
+        assert through.counters.fallbacks == 0 and through.counters.chained == in_process.counters.chained > 10
+        assert taken.drafts == here.drafts
+        assert proposer.link.chain_taken_ahead > 10 and proposer.link.chain_sent_ahead > proposer.link.chain_taken_ahead
     finally:
         proposer.close()
 
