@@ -901,8 +901,9 @@ class RemoteProposer:
     def chain_settle(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
         """A chained step read: the drafter's positions of `seq_ids` advance by `counts` (sent with the next Step)."""
         ids, rows = self._settles
-        if any(seq_id in ids for seq_id in seq_ids):  # two steps' settles of one sequence: the first goes first
-            self._flush([])
+        if any(seq_id in ids for seq_id in seq_ids):  # two steps' settles of one sequence: the first goes first,
+            self._live()  # (after any answer still out)
+            self.send_pending()  # answered later: the host goes on reading the step
             ids, rows = self._settles
         ids.extend(seq_ids)
         rows.extend(int(c) for c in counts)

@@ -705,6 +705,12 @@ class Engine:
         unread = {} if pending is None else {s.seq_id: n + 1 for s, n in zip(pending.seqs, pending.counts)}
         rows = [unread.get(s.seq_id, 0) + n + 1 for s, n in zip(seqs, counts)]
         if not all(self._chain_room(s, r, k) for s, r in zip(seqs, rows)):
+            # The step's commit and the settles queued go now all the same, answered later: the next
+            # step's own Step then comes after the step read next, whose settles would otherwise meet
+            # these in the queue and send them at once, waiting for the answer.
+            send = _capability(self.proposer, "send_pending")
+            if send is not None:
+                self._drafter_call(send)
             return
         anchors, positions = program.feed
         self._drafter_call(prefetch, [s.seq_id for s in seqs], rows, anchors, positions, k)

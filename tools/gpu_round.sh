@@ -7,7 +7,7 @@
 #   bash tools/gpu_round.sh services  # device-side ordering between two processes (stream_wait_probe)
 #   bash tools/gpu_round.sh prefill   # captured prefill: time to first token, the speculative ratios
 #   bash tools/gpu_round.sh capture   # eight and more streams' chained steps captured whole, or piecewise
-#   bash tools/gpu_round.sh chain     # the services' steps chained: GPU tests, tokens/s
+#   bash tools/gpu_round.sh chain     # the services' steps chained, proposes sent ahead: GPU tests, tokens/s
 #   bash tools/gpu_round.sh train 20 --sampled-by-kind chat=1   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
