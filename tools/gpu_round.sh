@@ -8,7 +8,7 @@
 #   bash tools/gpu_round.sh prefill   # captured prefill: time to first token, the speculative ratios
 #   bash tools/gpu_round.sh capture   # eight and more streams' chained steps captured whole, or piecewise
 #   bash tools/gpu_round.sh chain     # the services' steps chained, proposes sent ahead: GPU tests, tokens/s
-#   bash tools/gpu_round.sh train 20 --sampled-by-kind chat=1   # issue 10: the drafter continued 7.2 minutes
+#   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
 # nineteenth session lost two fresh machines' start-up to a reply that came later than that.
@@ -83,19 +83,20 @@ capture)
     --chain-capture 16 --also-uncaptured --json-out "$OUT/split_capture.json" 2>&1 | grep -v INFO | tail -2 | log
   ;;
 train)
-  # continue the shipped DFlash drafter for 7.2 minutes (session 15's recipe) with a new seed and any extra
-  # train-drafter flags, e.g. `train 20 --sampled-by-kind chat=1` (the chat-sampling ablation the sixteenth
-  # and seventeenth sessions prepared: held-out chat lags, 2.65 against code 4.12 and math 3.28); the
-  # checkpoint and its log come back under $OUT (shards under 16 MiB), with the held-out eval of it and
-  # of its --init. Needs the call to carry drafter_service/checkpoints (see tools/device_tree.sh).
+  # continue the shipped DFlash drafter for 7.2 minutes with a new seed and any extra train-drafter flags
+  # (later ones win): the twentieth session's recipe (session 15's, every chat prompt also sampled once,
+  # half the peak LR: +0.05 tau in its first run against +0.02 at 4e-4), evaluated in float32 beside its
+  # --init in the same run; e.g. `train 27`, then `train 28 --init /var/tmp/ckpt/dflash-27`. The
+  # checkpoint and its log come back under $OUT (shards under 16 MiB). Needs the call to carry
+  # drafter_service/checkpoints (see tools/device_tree.sh).
   seed=${2:?usage: bash tools/gpu_round.sh train SEED [train-drafter flags...]}
   shift 2
   mkdir -p /var/tmp/ckpt
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m specsplit.cli train-drafter --kind dflash --device cuda \
     --init drafter_service/checkpoints/smollm2-135m-dflash --out /var/tmp/ckpt/dflash-$seed --minutes 7.2 \
     --pool-rounds 3 --gen-batch 2048 --gen-fraction 0.40 --pool-gb 90 --self-prompts 65536 --sampled-fraction 0.25 \
-    --seq-len 256 --batch 32 --anchors 32 --lr 4e-4 --ce-weight 0.2 --kl-weight 1.0 --seed "$seed" --log-every 250 \
-    --eval-tokens 128 "$@" 2>&1 | grep -v INFO > /var/tmp/train.log
+    --seq-len 256 --batch 32 --anchors 32 --lr 2e-4 --ce-weight 0.2 --kl-weight 1.0 --seed "$seed" --log-every 250 \
+    --eval-tokens 128 --sampled-by-kind chat=1 --eval-dtype float32 "$@" 2>&1 | grep -v INFO > /var/tmp/train.log
   cp /var/tmp/ckpt/dflash-$seed/* "$OUT/" 2>/dev/null
   cp /var/tmp/train.log "$OUT/train.log"
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
