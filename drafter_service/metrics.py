@@ -41,7 +41,7 @@ class DrafterMetrics(ServiceMetrics):
                                        "answer (the stream itself goes on), by status code", ["code"],
                                        registry=self.registry)
         self.chain_graph_steps = Counter(f"{PREFIX}_chain_graph_steps", "chained steps whose commit and propose "
-                                         "ran fused (--chain-graphs), by how: uncaptured (their shape not "
+                                         "ran fused (on a GPU unless --no-chain-graphs), by how: uncaptured (their shape not "
                                          "captured yet, or given up), captured (then replayed), replayed, "
                                          "failed (the capture failed; run uncaptured, the shape given up)",
                                          ["outcome"], registry=self.registry)
