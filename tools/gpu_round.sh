@@ -5,6 +5,7 @@
 #   bash tools/gpu_round.sh kernels   # the gpu tests of the kernels, the step and the chain
 #   bash tools/gpu_round.sh steps     # tokens/s side by side, where a step's time goes
 #   bash tools/gpu_round.sh services  # device-side ordering between two processes (stream_wait_probe)
+#   bash tools/gpu_round.sh profile   # the in-process chained step's kernels at one and eight streams
 #   bash tools/gpu_round.sh prefill   # captured prefill: time to first token, the speculative ratios
 #   bash tools/gpu_round.sh capture   # eight and more streams' chained steps captured whole, or piecewise
 #   bash tools/gpu_round.sh chain     # the services' steps chained, proposes sent ahead: GPU tests, tokens/s
@@ -46,6 +47,13 @@ steps)
     --json-out "$OUT/draft_length.json" 2>&1 | grep -v INFO | tail -16 | log
   python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 512 --batch 1 2 4 8 \
     --also-uncaptured --json-out "$OUT/split.json" 2>&1 | grep -v INFO | tail -2 | log
+  ;;
+profile)
+  # where the in-process chained step's time goes at eight streams (1.67 ms against target-only's 0.92 at
+  # tau 2.4: 1.07x, where the goal is 0.6 tau), beside one stream: kernels by GPU time, host ops
+  for batch in 1 8; do
+    timeout 150 python bench/profile_step.py --drafter dflash --batch $batch --steps 40 --out "$OUT" 2>&1 | grep -v INFO | head -24 | log
+  done
   ;;
 prefill)
   # short prompts through captured prefill forwards (EngineConfig.graphed_prefill): time to first token beside
@@ -102,7 +110,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|prefill|capture|chain|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|train SEED [flags]" >&2
   exit 2
   ;;
 esac
