@@ -62,16 +62,18 @@ def _engine(target, proposer, chain: bool = True, max_batch: int = 4, drafts_by_
     return engine
 
 
-def _run(engine, tokenizer, late_at: int = 5):
+def _run(engine, tokenizer, late_at: int = 5, lengths=(30, 35, 40), late_length: int = 12):
+    """Requests of `lengths` tokens, and one of `late_length` added at engine step `late_at`: each one's tokens."""
     from specsplit.shared.sampling import SamplingParams
     from specsplit.target_service.sequence import Request
 
-    for i, p in enumerate(PROMPTS[:3]):
-        engine.add(Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=30 + 5 * i, ignore_eos=True)))
+    for i, (p, n) in enumerate(zip(PROMPTS, lengths)):
+        engine.add(Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=n, ignore_eos=True)))
     events: dict[str, list[int]] = {}
     for n in itertools.count():
         if n == late_at:  # joins mid-chain: the batch changes, its feed comes from the host
-            engine.add(Request("late", tokenizer.encode(PROMPTS[3]), SamplingParams(max_tokens=12, ignore_eos=True)))
+            engine.add(Request("late", tokenizer.encode(PROMPTS[3]), SamplingParams(max_tokens=late_length,
+                                                                                      ignore_eos=True)))
         for e in engine.step():
             events.setdefault(e.request_id, []).extend(e.token_ids)
         if not engine.has_work:
@@ -164,24 +166,13 @@ def test_a_chained_propose_sent_ahead_that_no_step_takes_is_never_taken_for_anot
     their own answers (a reviewer found them filed as the chained propose's, and the chain, when it
     resumed with the same sequences and k, took one of them as its drafts: a drafter dropped, or stale
     drafts and a staging overflow). Every draft the target takes is the in-process chain's; nothing falls back."""
-    from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
-    from specsplit.target_service.sequence import Request
 
     target, local, address, _ = pair
     tokenizer = Tokenizer.from_dir(tiny_chat_dir)
 
     def run(engine):
-        for i, p in enumerate(PROMPTS[:2]):
-            engine.add(Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=60, ignore_eos=True)))
-        events: dict[str, list[int]] = {}
-        for n in itertools.count():
-            if n == 6:
-                engine.add(Request("late", tokenizer.encode(PROMPTS[3]), SamplingParams(max_tokens=3, ignore_eos=True)))
-            for e in engine.step():
-                events.setdefault(e.request_id, []).extend(e.token_ids)
-            if not engine.has_work:
-                return events
+        return _run(engine, tokenizer, late_at=6, lengths=(60, 60), late_length=3)
 
     def engine(proposer, chain=True):
         return _engine(target, proposer, chain=chain, drafts_by_batch=drafts_by_batch, graphs_batch=graphs_batch)
