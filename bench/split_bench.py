@@ -325,7 +325,7 @@ def main() -> None:
                 "drafter_phase_mean_ms": {
                     phase: 1e3 * (spent - phases_before.get(phase, 0.0)) / max(served_after[1] - served_before[1], 1)
                     for phase, spent in phases_after.items()},
-                # with --drafter-chain-graphs: the chained steps whose commit and propose the drafter ran
+                # (unless --no-drafter-chain-graphs) the chained steps whose commit and propose the drafter ran
                 # fused, by how (uncaptured, captured, replayed, failed: see its chain_graph_steps metric)
                 "drafter_chain_graph_steps": {outcome: int(n - graphs_before.get(outcome, 0.0))
                                               for outcome, n in graphs_after.items()},
