@@ -851,7 +851,7 @@ class RemoteProposer:
         if not self.chain_ahead:
             return
         conn = self._live()  # reads any answer still out: our buffers are ours to write again
-        if self._unanswered or conn.feed is None or any(s not in conn.allocated for s in seq_ids):
+        if conn.feed is None or any(s not in conn.allocated for s in seq_ids):
             return
         batch = RemoteChainBatch(tuple(seq_ids), tuple(int(a) for a in anchors_ahead), conn)
         self._chain_ahead = self._chain_ahead_result = None
