@@ -44,6 +44,7 @@ from specsplit.shared.errors import (
     WritesPending,
 )
 from specsplit.shared.proposer import CarriedKV, Proposal, Proposer, ProposeRequest
+from specsplit.shared.stream_ops import stream_ops
 from specsplit.shared.transport import (
     FEED_ROWS, BufferDescriptor, BufferImporter, BufferKind, BufferRole, HEAD_ROLES, InlineRows, RowRef, RowSource,
 )
@@ -67,6 +68,11 @@ CHAIN_GRAPH_OUTCOMES = ("uncaptured", "captured", "replayed", "failed")
 def _bounded(values: torch.Tensor) -> torch.Tensor:
     """A feed row as int64, in [0, MAX_CHAIN_POSITION] (on the device, nothing read back)."""
     return values.to(torch.int64).clamp(0, MAX_CHAIN_POSITION)
+
+
+def done_flags(device: torch.device) -> bool:
+    """Whether a drafter on `device` writes chained steps' done values (DrafterDescription.done_flags)."""
+    return device.type == "cuda" and stream_ops() is not None
 
 
 def chains(proposer: Proposer) -> bool:
@@ -577,6 +583,7 @@ class Session:
             raise StateConflict("this drafter does not serve chained steps (DrafterDescription.chains)")
         if n > spec.max_batch or k > spec.max_drafts:
             raise InvalidRequest(f"a chained propose takes up to {spec.max_batch} sequences and {spec.max_drafts} drafts")
+        done = self._done_target(chain)
         self._bind_head()
         batch = self._chain_batch(chain.seq_ids, chain.ahead)
         feed = self._feed_view(chain.feed, n)
@@ -597,6 +604,7 @@ class Session:
 
         if view is None:
             rows = drafts().cpu().tolist()
+            self._write_done(done, chain.done_value)
             return (), {seq_id: Proposal(tokens=row) for seq_id, row in zip(chain.seq_ids, rows)}
 
         def device_work() -> None:
@@ -608,8 +616,27 @@ class Session:
             self._chain_device(key, batch, device_work)
         else:
             device_work()
+        self._write_done(done, chain.done_value)  # (before the event: the event done means the value written)
         event.record()
         return tuple((seq_id, k) for seq_id in chain.seq_ids), {}
+
+    def _done_target(self, chain: ChainStep) -> torch.Tensor | None:
+        """The DONE buffer's view a chained propose writes its done value into (None: it names none),
+        checked before any of the step's work."""
+        if not chain.done_buffer:
+            return None
+        if not done_flags(self.device):
+            raise StateConflict("this drafter writes no done flags (DrafterDescription.done_flags)")
+        view = self.importer.done_target(chain.done_buffer)
+        if view.device != _indexed(self.device):
+            raise InvalidRequest(f"buffer {chain.done_buffer}: a done buffer lies on the drafter's GPU")
+        return view
+
+    @staticmethod
+    def _write_done(view: torch.Tensor | None, value: int) -> None:
+        """Queue the done value's write behind the step's work on our stream (the target's stream waits for it)."""
+        if view is not None:
+            stream_ops().write(torch.cuda.current_stream(view.device), view.data_ptr(), value)
 
     def _drop_chain_graphs(self, buffers: set[int] | None = None) -> None:
         """Forget the chained steps' graphs that read or write any of `buffers` (None: every graph), and the

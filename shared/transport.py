@@ -97,10 +97,12 @@ class BufferRole(str, enum.Enum):
     TARGET_LM_HEAD = "target_lm_head"  # [vocab, hidden], written once
     DRAFTS = "drafts"  # int32 draft ids the importer writes (CUDA_IPC only), ordered by the buffer's event
     FEED = "feed"  # int32 anchors and positions of a chained step the owner writes [3, cols] (StepRequest.chain)
+    DONE = "done"  # int32 [1, cols] (CUDA_IPC only): element 0 is the value the importer's stream writes after a
+    # chained step's work and the owner's stream waits for (ChainStep.done_value)
 
 
 HEAD_ROLES = frozenset({BufferRole.TARGET_EMBEDDING, BufferRole.TARGET_LM_HEAD})
-INT_ROLES = frozenset({BufferRole.DRAFTS, BufferRole.FEED})  # the buffers of token ids and positions
+INT_ROLES = frozenset({BufferRole.DRAFTS, BufferRole.FEED, BufferRole.DONE})  # the buffers of token ids and positions
 FEED_ROWS = 3  # a feed buffer's rows: the commit's positions, the anchors, their positions
 
 
@@ -132,6 +134,9 @@ class BufferDescriptor:
         if self.role is BufferRole.DRAFTS:
             if self.dtype != torch.int32 or self.kind is not BufferKind.CUDA_IPC:
                 raise InvalidRequest(f"buffer {self.buffer_id}: a drafts buffer is int32 CUDA_IPC memory")
+        elif self.role is BufferRole.DONE:
+            if self.dtype != torch.int32 or self.kind is not BufferKind.CUDA_IPC or self.rows != 1:
+                raise InvalidRequest(f"buffer {self.buffer_id}: a done buffer is int32 CUDA_IPC memory [1, cols]")
         elif self.role is BufferRole.FEED:
             if self.dtype != torch.int32 or self.rows != FEED_ROWS:
                 raise InvalidRequest(f"buffer {self.buffer_id}: a feed buffer is int32 [{FEED_ROWS}, cols]")
@@ -1031,6 +1036,13 @@ class BufferImporter:
         if imported.descriptor.role is not BufferRole.DRAFTS or imported.tensor is None:
             raise InvalidRequest(f"buffer {buffer_id} is not a drafts buffer")
         return imported.tensor, imported.event
+
+    def done_target(self, buffer_id: int) -> torch.Tensor:
+        """A registered DONE buffer's [1, cols] int32 device view (its element 0 takes chained steps' done values)."""
+        imported = self._get(buffer_id)
+        if imported.descriptor.role is not BufferRole.DONE or imported.tensor is None:
+            raise InvalidRequest(f"buffer {buffer_id} is not a done buffer")
+        return imported.tensor
 
     def whole(self, buffer_id: int) -> torch.Tensor:
         """The full [rows, cols] buffer written once (embedding, LM head): a copy (SHM) or a view (CUDA IPC).

@@ -77,6 +77,7 @@ _ROLE = {
     BufferRole.TARGET_LM_HEAD: common_pb2.BUFFER_ROLE_TARGET_LM_HEAD,
     BufferRole.DRAFTS: common_pb2.BUFFER_ROLE_DRAFTS,
     BufferRole.FEED: common_pb2.BUFFER_ROLE_FEED,
+    BufferRole.DONE: common_pb2.BUFFER_ROLE_DONE,
 }
 _STATUS_BY_NUMBER = {code.value[0]: code.name for code in grpc.StatusCode}
 # The inverse of shared.errors' grpc_code, for clients; FAILED_PRECONDITION from a running drafter is
@@ -200,6 +201,7 @@ class DrafterDescription:
     drafts_buffer: bool = False  # takes a DRAFTS buffer (StepRequest.drafts_buffer)
     instance: str = ""  # this drafter process (a target sends it back with its calls)
     chains: bool = False  # serves chained steps (StepRequest.chain)
+    done_flags: bool = False  # writes a chained step's done value into a DONE buffer (ChainStep.done_value)
 
 
 def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
@@ -223,6 +225,7 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
         drafts_buffer=d.drafts_buffer,
         instance=d.instance,
         chains=d.chains,
+        done_flags=d.done_flags,
     )
 
 
@@ -242,7 +245,7 @@ def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescrip
         window=pb.window,
     )
     return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns,
-                              pb.step_socket, pb.drafts_buffer, pb.instance, pb.chains)
+                              pb.step_socket, pb.drafts_buffer, pb.instance, pb.chains, pb.done_flags)
 
 
 def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:
@@ -413,6 +416,8 @@ class ChainStep:
     seq_ids: tuple[int, ...] = ()
     ahead: tuple[int, ...] = ()
     num_drafts: int = 0
+    done_buffer: int = 0  # a DONE buffer the drafter writes `done_value` into after the propose (0: none)
+    done_value: int = 0
 
     def __post_init__(self) -> None:
         for name in ("settle_seq_ids", "settle_counts", "commit_seq_ids", "seq_ids", "ahead"):
@@ -433,6 +438,9 @@ class ChainStep:
             raise InvalidRequest("a chained step's commit or propose reads a feed buffer")
         if self.rows is not None and not isinstance(self.rows, RowRef):
             raise InvalidRequest("a chained step's rows lie in a registered buffer")
+        if bool(self.done_buffer) != bool(self.done_value) or (self.done_buffer and not self.seq_ids) \
+                or self.done_buffer < 0 or not 0 <= self.done_value < 2 ** 32:
+            raise InvalidRequest("a chained step's done flag names a buffer and a value (1..2^32-1), with a propose")
 
     @property
     def empty(self) -> bool:
@@ -444,14 +452,14 @@ def chain_to_proto(c: ChainStep) -> drafter_pb2.ChainStep:
         settle_seq_ids=c.settle_seq_ids, settle_counts=c.settle_counts, commit_seq_ids=c.commit_seq_ids,
         commit_rows=c.commit_rows, rows=rows_to_proto(c.rows) if c.rows is not None else None,
         feed=rows_to_proto(c.feed) if c.feed is not None else None, seq_ids=c.seq_ids, ahead=c.ahead,
-        num_drafts=c.num_drafts)
+        num_drafts=c.num_drafts, done_buffer=c.done_buffer, done_value=c.done_value)
 
 
 def chain_from_proto(pb: drafter_pb2.ChainStep) -> ChainStep:
     return ChainStep(tuple(pb.settle_seq_ids), tuple(pb.settle_counts), tuple(pb.commit_seq_ids), pb.commit_rows,
                      rows_from_proto(pb.rows) if pb.HasField("rows") else None,
                      rows_from_proto(pb.feed) if pb.HasField("feed") else None,
-                     tuple(pb.seq_ids), tuple(pb.ahead), pb.num_drafts)
+                     tuple(pb.seq_ids), tuple(pb.ahead), pb.num_drafts, pb.done_buffer, pb.done_value)
 
 
 @dataclass(frozen=True)

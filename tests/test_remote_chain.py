@@ -14,7 +14,7 @@ import torch
 from specsplit.drafter_service.server import DrafterServer, serve
 from specsplit.shared import wire
 from specsplit.shared import frames
-from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError, UnknownSequence
+from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError, StateConflict, UnknownSequence
 from specsplit.shared.proposer import ProposeRequest
 from specsplit.target_service.drafter_client import RemoteProposer
 from specsplit.target_service.graphs import StepGraphs
@@ -298,7 +298,7 @@ def test_a_chain_step_naming_the_wrong_buffers_ends_only_its_connection(pair):
     vocab = remote.spec.vocab_size
     want = {"rows are the feed": InvalidRequest, "rows in a feed buffer of rows' width": InvalidRequest,
             "feed is rows": InvalidRequest, "rows short": InvalidRequest, "unknown sequence": UnknownSequence,
-            "too many drafts": InvalidRequest}
+            "too many drafts": InvalidRequest, "a done flag from a drafter that writes none": StateConflict}
     innocent = RemoteProposer(address, max_batch=4)
     innocent_batch = _chained_once(innocent, vocab)
     for attack in want:
@@ -326,6 +326,9 @@ def test_a_chain_step_naming_the_wrong_buffers_ends_only_its_connection(pair):
                 "rows short": wire.ChainStep(**{**commit, "commit_rows": 5}),
                 "unknown sequence": wire.ChainStep(seq_ids=(1, 9), ahead=(0, 0), num_drafts=3, feed=feed),
                 "too many drafts": wire.ChainStep(seq_ids=(1, 2), ahead=(0, 0), num_drafts=99, feed=feed),
+                # (a CPU drafter: DrafterDescription.done_flags is false, and its GPU could not write one)
+                "a done flag from a drafter that writes none": wire.ChainStep(**propose, done_buffer=shaped.buffer_id,
+                                                                               done_value=7),
             }[attack]
             proposer._step_id += 1
             pb = wire.step_to_proto(wire.StepBatch(proposer._step_id, chain=chain, register=(shaped.describe(),)),
@@ -379,6 +382,10 @@ def test_a_chained_batch_made_on_a_dropped_connection_is_refused(pair):
     dict(seq_ids=[1], ahead=[0], num_drafts=0),  # a propose of no drafts
     dict(seq_ids=[1], ahead=[0], num_drafts=3),  # a propose without its feed
     dict(commit_seq_ids=[1], commit_rows=4),  # a commit without its rows
+    dict(settle_seq_ids=[1], settle_counts=[1], done_buffer=3, done_value=1),  # a done flag without a propose
+    dict(seq_ids=[1], ahead=[0], num_drafts=3, feed=dict(buffer_id=1, rows=3), done_buffer=3),  # ... without a value
+    dict(seq_ids=[1], ahead=[0], num_drafts=3, feed=dict(buffer_id=1, rows=3), done_value=5),  # ... without a buffer
+    dict(seq_ids=[1], ahead=[0], num_drafts=3, feed=dict(buffer_id=1, rows=3), done_buffer=-3, done_value=5),
 ])
 def test_a_malformed_chain_step_is_refused_as_it_is_parsed(fields):
     from specsplit.protos.v1 import drafter_pb2

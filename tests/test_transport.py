@@ -655,6 +655,33 @@ def test_a_drafts_buffer_is_never_read_as_rows(monkeypatch):
         importer.drafts_target(9)
 
 
+def test_a_done_buffer_is_one_int32_row_of_cuda_memory_never_rows_nor_drafts():
+    """DONE descriptors (a chained step's done flag) must be int32 CUDA IPC memory of one row; a row
+    reference into one is refused, it is no drafts buffer, and only a DONE buffer takes done values."""
+    importer = BufferImporter()
+    cuda = dict(device_uuid="GPU-1", mem_handle=bytes(64), event_handle=bytes(64))
+    name = "specsplit-1-0123456789abcdef"
+    done = BufferDescriptor(7, BufferKind.CUDA_IPC, name, torch.int32, 1, 1, importer.host_id, role=BufferRole.DONE,
+                            **cuda)
+    for fields in (dict(kind=BufferKind.CUDA_IPC, dtype=torch.float32, rows=1, **cuda),
+                   dict(kind=BufferKind.SHM, dtype=torch.int32, rows=1),
+                   dict(kind=BufferKind.CUDA_IPC, dtype=torch.int32, rows=2, **cuda)):
+        with pytest.raises(InvalidRequest, match="done buffer"):
+            BufferDescriptor(buffer_id=1, name=name, cols=1, host_id="h", role=BufferRole.DONE, **fields)
+    drafts = dataclasses.replace(done, buffer_id=8, rows=4, cols=4, role=BufferRole.DRAFTS)
+    importer._buffers[7] = transport._Imported(done, segment=None, tensor=torch.zeros(1, 1, dtype=torch.int32))
+    importer._buffers[8] = transport._Imported(drafts, segment=None, tensor=torch.zeros(4, 4, dtype=torch.int32))
+    with pytest.raises(InvalidRequest, match="holds done"):
+        importer.resolve(RowRef(7, 0, 1, 1), cols=1)
+    with pytest.raises(InvalidRequest, match="not a drafts buffer"):
+        importer.drafts_target(7)
+    with pytest.raises(InvalidRequest, match="not a done buffer"):
+        importer.done_target(8)
+    with pytest.raises(InvalidRequest):
+        importer.done_target(9)
+    assert importer.done_target(7).shape == (1, 1)
+
+
 def _cuda_descriptor(rows: int, cols: int) -> BufferDescriptor:
     return BufferDescriptor(1, BufferKind.CUDA_IPC, "specsplit-1-0123456789abcdef", torch.float32, rows, cols, "h",
                             device_uuid="GPU-1", mem_handle=bytes(64), event_handle=bytes(64))

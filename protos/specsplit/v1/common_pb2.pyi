@@ -40,6 +40,7 @@ class BufferRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BUFFER_ROLE_TARGET_LM_HEAD: _ClassVar[BufferRole]
     BUFFER_ROLE_DRAFTS: _ClassVar[BufferRole]
     BUFFER_ROLE_FEED: _ClassVar[BufferRole]
+    BUFFER_ROLE_DONE: _ClassVar[BufferRole]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
@@ -59,6 +60,7 @@ BUFFER_ROLE_TARGET_EMBEDDING: BufferRole
 BUFFER_ROLE_TARGET_LM_HEAD: BufferRole
 BUFFER_ROLE_DRAFTS: BufferRole
 BUFFER_ROLE_FEED: BufferRole
+BUFFER_ROLE_DONE: BufferRole
 
 class InlineRows(_message.Message):
     __slots__ = ("data", "dtype", "rows", "cols")
