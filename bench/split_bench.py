@@ -142,6 +142,9 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
               "services_over_target_only": [c / a for a, c in zip(base, split)]}
     if "services_not_ahead" in rates:
         ratios["services_ahead_over_not_ahead"] = [c / d for c, d in zip(split, rates["services_not_ahead"])]
+    if "services_device_waits" in rates:
+        ratios["services_device_waits_over_host_polls"] = [d / c for c, d in zip(split, rates["services_device_waits"])]
+        ratios["services_device_waits_over_in_process"] = [d / b for b, d in zip(local, rates["services_device_waits"])]
     return {"tokens_per_s": rates, "ratios": ratios,
             "median": {name: statistics.median(values) for name, values in {**rates, **ratios}.items()}}
 
@@ -166,6 +169,9 @@ def main() -> None:
     ap.add_argument("--also-not-ahead", action="store_true",
                     help="also run the services with each chained propose sent only when its step launches "
                          "(RemoteProposer(chain_ahead=False)), side by side, in every round")
+    ap.add_argument("--also-device-waits", action="store_true",
+                    help="also run the services with the target's stream waiting on the device for each chained "
+                         "step's drafts (RemoteProposer(device_waits=True)), side by side, in every round")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -211,6 +217,10 @@ def main() -> None:
         not_ahead = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
                                    head=(model.embed_weight, model.lm_head_weight),
                                    chain_ahead=False) if args.also_not_ahead else None
+        # ... and one whose stream waits on the device for the chained drafts (--also-device-waits)
+        device_waits = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
+                                      head=(model.embed_weight, model.lm_head_weight),
+                                      device_waits=True) if args.also_device_waits else None
         results = {"device": args.device, "drafter": args.drafter, "transport": remote.mode,
                    "step_transport": remote.step_transport}
         local_drafter = make_drafter(args.drafter, model, setup)
@@ -292,6 +302,21 @@ def main() -> None:
                               "services_ahead_over_not_ahead": split["tokens_per_s"] / result["tokens_per_s"],
                               "requests_differing_services_ahead_vs_not_ahead": sum(
                                   a != b for a, b in zip(split_tokens, other_tokens))})
+            if device_waits is not None:  # the target's stream waits for the drafts, against its host polling
+                engine = engines["services_device_waits"] = Engine(model, device_waits, conf)
+                run(engine, tokenizer, prompts, args.max_tokens, "warm")
+                waited_before, released_before = device_waits.link.device_waits, device_waits.waits_released
+                other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "s")
+                rates["services_device_waits"] = [result["tokens_per_s"]]
+                plain.update({"services_device_waits": result,
+                              "services_device_waits_over_host_polls": result["tokens_per_s"] / split["tokens_per_s"],
+                              "services_device_waits_over_in_process": result["tokens_per_s"] / local["tokens_per_s"],
+                              # chained drafts our stream waited for, and waits we released ourselves (a
+                              # drafter late past a step's deadline: it is dropped)
+                              "device_waits": device_waits.link.device_waits - waited_before,
+                              "device_waits_released": device_waits.waits_released - released_before,
+                              "requests_differing_services_device_waits_vs_host_polls": sum(
+                                  a != b for a, b in zip(split_tokens, other_tokens))})
             if args.rounds > 1:  # the same again, in turn: how far one round's ratios are from their median
                 for _ in range(args.rounds - 1):
                     for name, engine in engines.items():
@@ -357,6 +382,8 @@ def main() -> None:
         over_grpc.close()
         if not_ahead is not None:
             not_ahead.close()
+        if device_waits is not None:
+            device_waits.close()
         text = json.dumps(results, indent=2)
         print(text, flush=True)
         if args.json_out:

@@ -277,7 +277,7 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
                           drafts_by_batch=args.drafts_by_batch, auto_drafts=auto)
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
                               drafter_timeout=args.drafter_timeout, step_socket=not args.step_over_grpc,
-                              max_streams=args.max_streams,
+                              device_waits=args.device_waits, max_streams=args.max_streams,
                               max_message_bytes=int(args.max_message_mib * (1 << 20)),
                               security=server_security(args), drafter_security=drafter_security(args),
                               metrics=metrics_address(args))
@@ -469,6 +469,11 @@ def add_service_parsers(sub) -> None:
     ts.add_argument("--step-over-grpc", action="store_true",
                     help="keep the Step stream on gRPC even where the drafter offers its step socket (a drafter on "
                          "this host: the socket's round trip is about a third of gRPC's)")
+    ts.add_argument("--device-waits", action="store_true",
+                    help="on a GPU shared with the drafter, let this target's stream wait on the device for each "
+                         "chained step's drafts (a value the drafter's stream writes; released by this target at "
+                         "the step's deadline if it never comes) instead of its host polling the drafter's event "
+                         "(default: off until measured on the H200; see README, 'Device waits')")
     ts.add_argument("--drafter-timeout", type=float, default=60.0,
                     help="seconds a drafter call may take before the target decodes without it; a Step answer "
                          "gets less once steps were measured (20x the p99 of recent round trips, at least 1 s), "

@@ -59,6 +59,7 @@ class TargetSettings:
     engine: EngineConfig = EngineConfig()
     drafter_timeout: float = 60.0
     step_socket: bool = True  # the Step stream over the drafter's step socket when it offers one (else gRPC)
+    device_waits: bool = False  # --device-waits: our stream waits for chained drafts on the device, not our host
     max_streams: int = 64  # Generate streams open at once; more are refused with RESOURCE_EXHAUSTED
     max_message_bytes: int = DEFAULT_MESSAGE_BYTES  # largest Generate request accepted
     security: ServerSecurity = ServerSecurity()  # token and TLS its callers need (--auth-token-file, --tls-*)
@@ -111,7 +112,8 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
         proposer = RemoteProposer(settings.drafter_address, device=setup.device, dtype=setup.torch_dtype,
                                   timeout=settings.drafter_timeout, max_batch=settings.engine.max_batch,
                                   head=(model.embed_weight, model.lm_head_weight),
-                                  security=settings.drafter_security, step_socket=settings.step_socket)
+                                  security=settings.drafter_security, step_socket=settings.step_socket,
+                                  device_waits=settings.device_waits)
     engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids,
                     text_stream=tokenizer.output_stream)
     loop = EngineLoop(engine)

@@ -40,10 +40,12 @@ from specsplit.shared.serving import CLIENT_HEADER, INSTANCE_HEADER, PEER_CHANNE
 from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError
 from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest
 from specsplit.shared.staging import to_host
+from specsplit.shared.stream_ops import next_value, stream_ops
 from specsplit.shared.transport import (
     FEED_ROWS, BufferExporter, BufferRole, RowBuffer, choose_mode, device_uuid, encode_inline, host_id,
     identity_digest,
 )
+from specsplit.target_service.device_waits import DeviceWaits
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class LinkStats:
     drafts_on_device: int = 0  # proposals the verify took from our drafts buffer (never read by the host)
     chain_sent_ahead: int = 0  # chained proposes sent ahead (chain_prefetch; also in sent_ahead) ...
     chain_taken_ahead: int = 0  # ... and those the next chained step took (the rest were dropped)
+    device_waits: int = 0  # drafts our stream waited for on the device (device_waits) instead of our host
 
 
 class RowStager:
@@ -239,6 +242,9 @@ class _Connection:
     drafts_read: "torch.cuda.Event | None" = None  # recorded after our last read of `drafts`
     feed: RowBuffer | None = None  # a chained step's anchors and positions (StepRequest.chain), when it chains
     feed_fresh: bool = True  # the next write into `feed` starts a new generation
+    done: RowBuffer | None = None  # the DONE buffer our stream waits on (RemoteProposer(device_waits=True))
+    done_value: int = 0  # the last done value a Step asked for ...
+    done_sent: int = 0  # ... and the one the last Step sent asked for (0: none)
     offered: bool = False  # the last Step sent named `drafts`
     allocated: set[int] = field(default_factory=set)  # seq ids this connection's drafter session holds
     dead: bool = False  # the Step stream ended: the drafter has dropped (or never had) this session
@@ -347,10 +353,12 @@ class RemoteProposer:
     def __init__(self, address: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
                  max_batch: int = 64, security: ClientSecurity = ClientSecurity(), step_socket: bool = True,
-                 chain_ahead: bool = True) -> None:
+                 chain_ahead: bool = True, device_waits: bool = False) -> None:
         # max_batch: the engine's widest step; security: the drafter's token and TLS (shared.security);
         # step_socket: send the Step stream to the drafter's step socket when it offers one on this host;
-        # chain_ahead: send each chained step's propose as the step before it launches (chain_prefetch)
+        # chain_ahead: send each chained step's propose as the step before it launches (chain_prefetch);
+        # device_waits: our stream waits on the device for a chained propose's drafts (target_service.device_waits)
+        # instead of our host polling the drafter's event, where the drafter writes done values
         self.address = grpc_target(address)
         self.security = security
         self.device, self.dtype, self.timeout = torch.device(device), dtype, timeout
@@ -358,6 +366,8 @@ class RemoteProposer:
         self.max_batch = max_batch
         self.use_step_socket = step_socket
         self.chain_ahead = chain_ahead
+        self.device_waits = device_waits
+        self._waits: DeviceWaits | None = None  # made with the first connection that waits on the device
         self.mode = "inline"
         self.step_transport = "grpc"  # or "socket": how the Step stream travels on the attached connection
         self.link = LinkStats()
@@ -371,7 +381,7 @@ class RemoteProposer:
         self._retry_at = 0.0
         self._backoff = 0.5
         self._probe: _Probe | None = None
-        self._retired: list[RowBuffer] = []  # drafts buffers of closed connections (see _retire)
+        self._retired: list[tuple[RowBuffer, RowBuffer | None]] = []  # (drafts, done) of closed connections (_retire)
         self._ahead_prefetched = False  # _ahead came from prefetch (not a Step propose_on_device sent)
         self._chain_commit: tuple[tuple[int, ...], int, int] | None = None  # (seq ids, rows each, offset) to send
         self._settles: tuple[list[int], list[int]] = ([], [])  # chained steps read: (seq ids, rows each) to send
@@ -385,6 +395,11 @@ class RemoteProposer:
         except DrafterUnavailable as exc:
             self._disconnect()
             self._note_unavailable(exc)
+
+    @property
+    def waits_released(self) -> int:
+        """Device waits on chained drafts we released ourselves (past a deadline, or dropping the drafter)."""
+        return self._waits.released if self._waits is not None else 0
 
     # ---- connection ------------------------------------------------------------------------------
 
@@ -463,6 +478,14 @@ class RemoteProposer:
             # (rows staged in host memory for a GPU target would make each chained step wait for its verify)
             conn.feed = conn.exporter.create(FEED_ROWS, self.max_batch, torch.int32, stage_on, BufferRole.FEED)
             buffers.append(conn.feed)
+        if self.device_waits and desc.done_flags and conn.feed is not None and conn.drafts is not None \
+                and stream_ops() is not None:
+            conn.done = conn.exporter.create(1, 1, torch.int32, self.device, BufferRole.DONE)
+            conn.done.tensor.zero_()
+            torch.cuda.current_stream(self.device).synchronize()  # (zero before the drafter can write it)
+            buffers.append(conn.done)
+            if self._waits is None:
+                self._waits = DeviceWaits(stream_ops(), self.device)
         if desc.needs_target_head:
             embed, lm_head = self.head
             conn.head_buffers = [conn.exporter.export_existing(embed, BufferRole.TARGET_EMBEDDING)]
@@ -494,19 +517,22 @@ class RemoteProposer:
                 conn.responses.cancel()
                 return
 
-    def _retire(self, drafts: RowBuffer) -> None:
-        """Keep a closed connection's drafts buffer (and its event) alive: a Step that offered it may still
-        be in the drafter's hands, or its work queued on the drafter's GPU, and would write into memory
-        freed and perhaps reused. The last RETIRED_DRAFTS_BUFFERS are kept, and any older one until the
-        drafter's last recorded work on it is seen done (a drafter given up for never finishing it)."""
-        self._retired.append(drafts)
+    def _retire(self, drafts: RowBuffer, done: RowBuffer | None = None) -> None:
+        """Keep a closed connection's drafts buffer (and its event, and its DONE buffer) alive: a Step that
+        offered it may still be in the drafter's hands, or its work queued on the drafter's GPU, and would
+        write into memory freed and perhaps reused. The last RETIRED_DRAFTS_BUFFERS are kept, and any older
+        one until the drafter's last recorded work on it is seen done (a drafter given up for never finishing
+        it; it writes a done value before it records that work)."""
+        self._retired.append((drafts, done))
         recent = self._retired[-RETIRED_DRAFTS_BUFFERS:]
-        self._retired = [b for b in self._retired[:-RETIRED_DRAFTS_BUFFERS] if not _importer_done(b)] + recent
+        self._retired = [b for b in self._retired[:-RETIRED_DRAFTS_BUFFERS] if not _importer_done(b[0])] + recent
 
     def _disconnect(self) -> None:
+        if self._waits is not None:
+            self._waits.release()  # no stream of ours waits on a drafter we drop
         if self._conn is not None:
             if self._conn.drafts is not None:
-                self._retire(self._conn.drafts)
+                self._retire(self._conn.drafts, self._conn.done)
             self._conn.close()
         self._conn = None
         self._pending = {}
@@ -548,6 +574,8 @@ class RemoteProposer:
 
     def close(self) -> None:
         self._disconnect()
+        if self._waits is not None:
+            self._waits.close()
         if self._probe is not None:
             self._probe.close()
             self._probe = None
@@ -570,6 +598,10 @@ class RemoteProposer:
                 "the drafter closed the step stream")
         if self._conn is None:
             raise DrafterUnavailable(self.last_error or "the drafter is disconnected")
+        if self._waits is not None and self._waits.failure is not None:
+            failure, self._waits.failure = self._waits.failure, None
+            self._disconnect()
+            raise DrafterUnavailable(failure)
         if self._unanswered:  # whatever comes next waits for it: the rows it referenced, the verbs' order
             self._unanswered = False
             self._unanswered_chain, chain = False, self._unanswered_chain
@@ -926,6 +958,7 @@ class RemoteProposer:
         settle_ids, settle_counts = self._settles
         commit = self._chain_commit
         if not settle_ids and commit is None and propose is None:
+            conn.done_sent = 0
             return None
         self._settles, self._chain_commit = ([], []), None
         feed = None
@@ -937,9 +970,14 @@ class RemoteProposer:
         commit_ids, count, offset = commit if commit is not None else ((), 0, 0)
         rows = conn.step.buffer.ref(offset, len(commit_ids) * count) if commit is not None else None
         batch, num_drafts = propose if propose is not None else (None, 0)
+        done_buffer = done_value = 0
+        if batch is not None and conn.done is not None:  # (our stream will wait for this value, not our host)
+            conn.done_value = done_value = next_value(conn.done_value)
+            done_buffer = conn.done.buffer_id
+        conn.done_sent = done_value
         return wire.ChainStep(tuple(settle_ids), tuple(settle_counts), commit_ids, count, rows, feed,
                               batch.seq_ids if batch is not None else (), batch.ahead if batch is not None else (),
-                              num_drafts)
+                              num_drafts, done_buffer, done_value)
 
     def take_kv(self, seq_id: int) -> CarriedKV:
         self._flush([])
@@ -1024,7 +1062,12 @@ class RemoteProposer:
             # The wait counts from the Step's sending, like the answer's (an answer read late, after a
             # prefetch, still gets STEP_DEADLINE_FLOOR).
             left = max(STEP_DEADLINE_FLOOR, conn.sent_at + timeout - time.perf_counter())
-            if not _importer_done(conn.drafts, left):
+            if conn.done_sent and self._waits is not None:
+                # Our stream waits for the drafter's done value instead (written after its drafts, before
+                # its event), released by us at the deadline if it never comes (target_service.device_waits)
+                self._waits.wait(conn.done.tensor, conn.done_sent, time.perf_counter() + left)
+                self.link.device_waits += 1
+            elif not _importer_done(conn.drafts, left):
                 self._disconnect()
                 raise DrafterUnavailable(f"the drafter's writes into the drafts buffer were not done "
                                          f"{time.perf_counter() - conn.sent_at:.1f} s after the step was sent")

@@ -1034,13 +1034,15 @@ def test_a_closed_connections_drafts_buffer_lives_until_the_drafters_work_on_it_
     keep = drafter_client.RETIRED_DRAFTS_BUFFERS
     pending, broken = _Drafts(False), _Drafts(DrafterUnavailable("bad handle"))
     done = [_Drafts(True) for _ in range(keep + 2)]
+    flag = object()  # a DONE buffer lives as long as its connection's drafts buffer (the value is written first)
     proposer = SimpleNamespace(_retired=[])
     for buffer in [pending, done[0], broken, *done[1:]]:
-        RemoteProposer._retire(proposer, buffer)
-    assert proposer._retired == [pending, broken, *done[-keep:]]
+        RemoteProposer._retire(proposer, buffer, flag if buffer is pending else None)
+    assert proposer._retired == [(pending, flag), (broken, None), *[(d, None) for d in done[-keep:]]]
     pending.done = True
     RemoteProposer._retire(proposer, _Drafts(True))
-    assert proposer._retired[0] is broken and pending not in proposer._retired
+    kept = [drafts for drafts, _ in proposer._retired]
+    assert kept[0] is broken and pending not in kept and flag not in [f for _, f in proposer._retired]
     assert len(proposer._retired) == keep + 1
 
 

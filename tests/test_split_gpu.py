@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -75,6 +76,8 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
                 self.importer.drafts_target(buffer_id)[1].record()
 
         tampered(stall)
+    if mode == "silent":  # it never writes a chained step's done value (DrafterDescription.done_flags)
+        Session._write_done = staticmethod(lambda view, value: None)
     if mode == "out-of-vocabulary":
         def garble(self, buffer_id):
             view, event = self.importer.drafts_target(buffer_id)
@@ -185,6 +188,39 @@ def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_pa
         assert remote.link.drafts_on_device >= engine.counters.chained  # (each chained propose's drafts too)
         if mode == "honest":
             assert sum(s.accepted for s in stats) > 0
+        remote.close()
+
+
+@pytest.mark.parametrize("mode", ["honest", "out-of-vocabulary"])
+def test_chained_drafts_waited_for_by_the_targets_stream_are_verified_as_polled_ones(tmp_path, mode):
+    """RemoteProposer(device_waits=True): the target's stream waits on the device for the done value the
+    drafter's stream writes after each chained propose's drafts, instead of its host polling the
+    drafter's event. Output equals target-only, every chained propose was waited for that way, and no
+    wait had to be released by the target."""
+    with spawned_drafter(tmp_path, mode) as address:
+        model, tokenizer = default_target()
+        engine, remote = remote_engine(address, model, device_waits=True)
+        tokens, stats = generate(engine, tokenizer)
+        assert tokens == local_tokens("none")
+        assert engine.drafter_ok and engine.counters.chained > 0
+        assert remote.link.device_waits >= engine.counters.chained and remote._waits.released == 0
+        if mode == "honest":
+            assert sum(s.accepted for s in stats) > 0
+        remote.close()
+
+
+def test_a_drafter_that_never_writes_its_done_value_costs_a_deadline_not_a_hang(tmp_path):
+    """A drafter that says it writes done values and never does: the target's stream waits for one, its
+    watchdog releases the wait at the step's deadline (writing the value itself) and the drafter is
+    dropped; the verify read whatever the drafts buffer held, so the output still equals target-only."""
+    want = local_tokens("none")
+    with spawned_drafter(tmp_path, "silent") as address:
+        model, tokenizer = default_target()
+        engine, remote = remote_engine(address, model, timeout=3.0, device_waits=True)
+        started = time.monotonic()
+        assert generate(engine, tokenizer)[0] == want
+        assert remote._waits.released >= 1 and remote._waits.pending == 0
+        assert time.monotonic() - started < 120
         remote.close()
 
 

@@ -9,6 +9,7 @@
 #   bash tools/gpu_round.sh prefill   # captured prefill: time to first token, the speculative ratios
 #   bash tools/gpu_round.sh capture   # eight and more streams' chained steps captured whole, or piecewise
 #   bash tools/gpu_round.sh chain     # the services' steps chained, proposes sent ahead: GPU tests, tokens/s
+#   bash tools/gpu_round.sh waits     # the target's stream waits on the device for chained drafts: tests, tokens/s
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
@@ -83,6 +84,22 @@ chain)
     d[b].get('chain_proposes_taken_ahead'), d[b].get('drafter_chain_graph_steps'), d[b].get('rounds', {}).get('median'), \
     d[b]['drafter_phase_mean_ms']) for b in d if b.startswith('batch_')]" "$OUT/split_chain.json" 2>&1 | log
   ;;
+waits)
+  # (twenty-first session, not measured yet) the target's stream waits on the device for each chained
+  # step's drafts (RemoteProposer(device_waits=True), target serve --device-waits): the drafter's stream
+  # writes a done value into the target's DONE buffer after them, where the target's host polled the
+  # drafter's event before it queued the verify. Measured there with proposes sent ahead: all 2,265 taken
+  # at one stream, yet 0.99x not ahead (services 2.46 ms a step against 1.28 in-process): the host poll kept
+  # the round in series. GPU tests (equal output; a drafter that never writes costs a deadline), then
+  # tokens/s with device waits against host polls and in-process, three rounds side by side
+  timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+    -k "waited_for or never_writes" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
+  timeout 330 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --also-device-waits --rounds 3 --json-out "$OUT/split_waits.json" 2>&1 | grep -v INFO | tail -2 | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, d[b].get('device_waits'), \
+    d[b].get('device_waits_released'), d[b].get('rounds', {}).get('median'), \
+    d[b]['services_device_waits']['per_step_ms']) for b in d if b.startswith('batch_')]" "$OUT/split_waits.json" 2>&1 | log
+  ;;
 capture)
   # chained steps captured whole at 4, 8 and 16 streams against piecewise, side by side in one run (seventeenth
   # session, two runs: eight streams 1.05x target-only whole against 0.99x piecewise, captures left out), before
@@ -110,7 +127,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|train SEED [flags]" >&2
   exit 2
   ;;
 esac

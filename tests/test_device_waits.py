@@ -1,0 +1,121 @@
+"""The target's stream waits on a drafter's done values (target_service.device_waits), on a stand-in device:
+waits the drafter satisfies are left alone, one it never satisfies is released by us at its deadline
+(and the drafter reported failed), and dropping the connection releases every wait still pending.
+(The real stream operations, across two processes: tests/test_split_gpu.py.)"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specsplit.shared.stream_ops import next_value
+from specsplit.target_service import device_waits
+from specsplit.target_service.device_waits import DeviceWaits
+
+
+def _reached(memory: dict, address: int, value: int) -> bool:
+    return (memory.get(address, 0) - value) % 2**32 < 2**31  # CU_STREAM_WAIT_VALUE_GEQ's wrap-aware >=
+
+
+class _Device:
+    """Streams, events and the two stream operations over a dict of int32 words (address -> value)."""
+
+    def __init__(self) -> None:
+        self.memory: dict[int, int] = {}
+        self.writes: list[tuple[str, int, int]] = []  # (stream, address, value)
+        self.main = SimpleNamespace(name="main", last_wait=None)
+        device = self
+
+        class Event:
+            def __init__(self) -> None:
+                self.waits_for = None
+
+            def record(self, stream) -> None:
+                self.waits_for = stream.last_wait
+
+            def query(self) -> bool:
+                return self.waits_for is None or _reached(device.memory, *self.waits_for)
+
+        self.torch = SimpleNamespace(cuda=SimpleNamespace(
+            Stream=lambda _device: SimpleNamespace(name="side", last_wait=None),
+            Event=Event, current_stream=lambda _device: self.main))
+
+    def wait(self, stream, address: int, value: int) -> None:
+        stream.last_wait = (address, value)
+
+    def write(self, stream, address: int, value: int) -> None:
+        self.writes.append((stream.name, address, value))
+        self.memory[address] = value
+
+
+@pytest.fixture
+def device(monkeypatch):
+    fake = _Device()
+    monkeypatch.setattr(device_waits, "torch", fake.torch)
+    return fake
+
+
+def _flag() -> torch.Tensor:
+    return torch.zeros(1, 1, dtype=torch.int32)
+
+
+def test_a_wait_the_drafter_satisfies_in_time_is_left_alone(device):
+    waits = DeviceWaits(device, "cuda")
+    flag = _flag()
+    try:
+        waits.wait(flag, 1, time.perf_counter() + 0.2)
+        device.write(SimpleNamespace(name="drafter"), flag.data_ptr(), 1)  # the drafter's stream, in time
+        time.sleep(0.4)
+        assert waits.failure is None and waits.released == 0 and waits.pending == 0  # (seen done at its deadline)
+        waits.wait(flag, 2, time.perf_counter() + 5)
+        assert waits.pending == 1 and waits.armed == 2
+    finally:
+        device.write(SimpleNamespace(name="drafter"), flag.data_ptr(), 2)
+        waits.close()
+    assert [w for w in device.writes if w[0] == "side"] == []
+
+
+def test_a_wait_the_drafter_never_satisfies_is_released_at_its_deadline_and_reported(device):
+    waits = DeviceWaits(device, "cuda")
+    flag = _flag()
+    try:
+        started = time.perf_counter()
+        waits.wait(flag, 5, started + 0.1)
+        waits.wait(flag, 6, started + 0.15)  # (behind it on the stream: released with it)
+        deadline = time.monotonic() + 10
+        while waits.failure is None:
+            assert time.monotonic() < deadline, "the watchdog never released the wait"
+            time.sleep(0.01)
+        assert time.perf_counter() - started >= 0.1
+        assert "done value" in waits.failure and waits.released == 1 and waits.pending == 0
+        assert device.writes == [("side", flag.data_ptr(), 6)]  # our side stream, the last value waited for
+    finally:
+        waits.close()
+
+
+def test_dropping_the_drafter_releases_every_pending_wait_once_per_buffer(device):
+    waits = DeviceWaits(device, "cuda")
+    one, other, satisfied = _flag(), _flag(), _flag()
+    try:
+        far = time.perf_counter() + 60
+        waits.wait(satisfied, 1, far)
+        device.write(SimpleNamespace(name="drafter"), satisfied.data_ptr(), 1)
+        waits.wait(one, 3, far)
+        waits.wait(one, 4, far)
+        waits.wait(other, 9, far)
+        waits.release()
+        assert sorted(device.writes[1:]) == sorted([("side", one.data_ptr(), 4), ("side", other.data_ptr(), 9)])
+        assert waits.released == 2 and waits.pending == 0 and waits.failure is None
+    finally:
+        waits.close()
+
+
+def test_done_values_wrap_past_zero_and_the_wait_compares_across_the_wrap():
+    assert next_value(0) == 1 and next_value(7) == 8 and next_value(2**32 - 1) == 1
+    memory = {0: 2**32 - 1}
+    assert _reached(memory, 0, 2**32 - 2) and not _reached(memory, 0, 1)
+    memory[0] = 1  # written after the wrap: it satisfies the last values before it
+    assert _reached(memory, 0, 2**32 - 1) and _reached(memory, 0, 1) and not _reached(memory, 0, 2)
