@@ -13,8 +13,9 @@ failed (`failure`; the client drops it). The verify then reads whatever the draf
 verification is exact, so wrong drafts cost speed, never a token. `release` lets every wait go at once
 (the connection is being dropped).
 
-Waits on one stream end in order, so the oldest pending one is the only one to watch; `wait` forgets the
-ones whose events show them done.
+Waits on one stream end in order; `wait` and the watchdog forget the ones whose events show them done. A
+released wait stays watched, and its value is written again every RELEASE_AGAIN seconds until its event
+is done: a drafter may still write an older value over ours (a wait behind it would block again).
 """
 
 from __future__ import annotations
@@ -32,12 +33,17 @@ from specsplit.shared.stream_ops import StreamOps
 log = logging.getLogger(__name__)
 
 
+RELEASE_AGAIN = 0.01  # seconds between writes of a released wait's value, until the stream is past it
+FAILED_WRITE_RETRY = 0.05  # seconds before the watchdog tries again after the driver refused a write
+
+
 @dataclass
 class _Armed:
     done: torch.Tensor  # the DONE buffer's element 0 (kept alive here while a stream may wait on it)
     value: int
     event: torch.cuda.Event  # recorded on the waiting stream right after the wait
     deadline: float  # time.perf_counter() by which the drafter must have written `value`
+    released: bool = False  # we write its value ourselves (past its deadline, or the drafter dropped)
 
 
 class DeviceWaits:
@@ -52,27 +58,29 @@ class DeviceWaits:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.failure: str | None = None  # why a wait was released at its deadline (read and cleared by the client)
+        self.failure: str | None = None  # why waits were released at a deadline (read and cleared by the client)
         self.armed = 0  # waits queued ...
         self.released = 0  # ... and those we released ourselves (deadline or dropped connection)
 
     def wait(self, done: torch.Tensor, value: int, deadline: float) -> None:
         """Queue on the current stream a wait until `done`'s element 0 is >= value (wrap-aware), watched
         until `deadline` (perf_counter)."""
+        if self._closed:
+            raise RuntimeError("DeviceWaits.wait after close")
         stream = torch.cuda.current_stream(self._device)
         self._ops.wait(stream, done.data_ptr(), value)
         event = torch.cuda.Event()
         event.record(stream)
         with self._lock:
-            while self._armed and self._armed[0].event.query():
-                self._armed.popleft()
+            self._forget_done()
+            earliest = self._earliest()
             self._armed.append(_Armed(done, value, event, deadline))
             self.armed += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="specsplit-device-waits", daemon=True)
                 self._thread.start()
-            if len(self._armed) == 1:  # the watchdog idles without a deadline: wake it (otherwise it wakes at
-                self._wake.notify()  # the oldest's deadline, and none after it can be done before it)
+            if earliest is None or deadline < earliest:  # the watchdog sleeps until the earliest deadline
+                self._wake.notify()
 
     @property
     def pending(self) -> int:
@@ -82,44 +90,79 @@ class DeviceWaits:
 
     def release(self) -> None:
         """Let every pending wait go now (the drafter is being dropped; what it writes later lands in a
-        buffer nobody waits on)."""
+        buffer nobody waits on once these are past)."""
         with self._lock:
-            self._release_locked()
+            self._release_safely()
+            self._wake.notify()
 
     def close(self) -> None:
-        """Release every wait and stop the watchdog."""
+        """Release every wait and stop the watchdog (the client is closing; no wait comes after)."""
         with self._lock:
-            self._release_locked()
+            self._release_safely()
             self._closed = True
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
 
+    def _release_safely(self) -> None:
+        try:
+            self._release_locked()
+        except Exception as exc:  # noqa: BLE001 - marked released already: the watchdog writes them again
+            log.warning("device waits: a release was refused (%s: %s); the watchdog tries again", type(exc).__name__, exc)
+
+    def _forget_done(self) -> None:
+        while self._armed and self._armed[0].event.query():
+            self._armed.popleft()
+
+    def _earliest(self) -> float | None:
+        deadlines = [entry.deadline for entry in self._armed if not entry.released]
+        return min(deadlines) if deadlines else None
+
     def _release_locked(self) -> None:
-        armed, self._armed = list(self._armed), deque()
-        highest: dict[int, _Armed] = {}  # per DONE buffer, the last value waited for releases all before it
-        for entry in armed:
-            if not entry.event.query():
-                highest[entry.done.data_ptr()] = entry
-        for entry in highest.values():
+        """Mark every pending wait released and write, per DONE buffer, the last value waited for there
+        (it releases every wait before it). Raises if the driver refuses a write (the caller retries)."""
+        self._forget_done()
+        fresh = [entry for entry in self._armed if not entry.released]
+        for entry in fresh:
+            entry.released = True
+        self.released += len({entry.done.data_ptr() for entry in fresh})
+        self._write_last_values()
+
+    def _write_last_values(self) -> None:
+        last: dict[int, _Armed] = {}
+        for entry in self._armed:
+            if entry.released:
+                last[entry.done.data_ptr()] = entry
+        for entry in last.values():
             self._ops.write(self._side, entry.done.data_ptr(), entry.value)
-            self.released += 1
 
     def _watch(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # (this thread's current context: our GPU's)
         with self._lock:
-            while not self._closed:
-                if not self._armed:
-                    self._wake.wait()
-                    continue
-                oldest = self._armed[0]
-                if oldest.event.query():
-                    self._armed.popleft()
-                    continue
-                left = oldest.deadline - time.perf_counter()
-                if left > 0:
-                    self._wake.wait(timeout=left)
-                    continue
-                self.failure = (f"the drafter did not write a chained step's done value within its deadline "
-                                f"(value {oldest.value}); the target's stream was released")
-                log.warning("%s", self.failure)
-                self._release_locked()
+            while True:
+                try:
+                    self._forget_done()
+                    if self._closed and not self._armed:
+                        return
+                    if not self._armed:
+                        self._wake.wait()
+                        continue
+                    if any(entry.released for entry in self._armed):
+                        self._write_last_values()  # again, until the stream is past them
+                        self._wake.wait(timeout=RELEASE_AGAIN)
+                        continue
+                    if self._closed:
+                        return
+                    left = self._earliest() - time.perf_counter()
+                    if left > 0:
+                        self._wake.wait(timeout=left)
+                        continue
+                    self.failure = ("the drafter did not write a chained step's done value within its deadline; "
+                                    "the target's stream was released")
+                    log.warning("%s", self.failure)
+                    self._release_locked()
+                except Exception as exc:  # noqa: BLE001 - the watchdog must outlive a refused write
+                    log.warning("device waits: %s: %s; trying again", type(exc).__name__, exc)
+                    self.failure = self.failure or f"a device wait could not be released ({exc})"
+                    self._wake.wait(timeout=FAILED_WRITE_RETRY)

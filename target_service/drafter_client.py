@@ -530,6 +530,7 @@ class RemoteProposer:
     def _disconnect(self) -> None:
         if self._waits is not None:
             self._waits.release()  # no stream of ours waits on a drafter we drop
+            self._waits.failure = None  # (a failure of the connection dropped now: the next one starts clean)
         if self._conn is not None:
             if self._conn.drafts is not None:
                 self._retire(self._conn.drafts, self._conn.done)
@@ -576,6 +577,7 @@ class RemoteProposer:
         self._disconnect()
         if self._waits is not None:
             self._waits.close()
+            self._waits = None
         if self._probe is not None:
             self._probe.close()
             self._probe = None
@@ -1027,7 +1029,12 @@ class RemoteProposer:
         # A chained propose sent ahead is taken only as the next Step's: any other Step sent after it may
         # change what it drafted from or overwrite its drafts (chain_prefetch sets it again after its own)
         self._chain_ahead = self._chain_ahead_result = None
-        if conn.offered and conn.drafts_read is not None:
+        # A chained propose whose feed is recorded with this Step (after our last read of the drafts, on the
+        # same stream) needs no wait here: the drafter writes drafts only once it has seen the feed's event
+        # done. With device waits the read is behind the drafter's own work, so this wait would hold our
+        # host for the drafter's GPU.
+        ordered_by_feed = chain is not None and conn.done is not None and not conn.feed_fresh
+        if conn.offered and conn.drafts_read is not None and not ordered_by_feed:
             conn.drafts_read.synchronize()  # the drafter may now overwrite what we read last (done by now, mostly)
         batch = wire.StepBatch(self._step_id, tuple(others), tuple(proposes), draft_columns=conn.columns,
                                drafts_buffer=conn.drafts.buffer_id if conn.offered else 0,

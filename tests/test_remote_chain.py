@@ -157,6 +157,72 @@ def test_one_streams_chained_proposes_go_ahead_of_their_steps_and_are_all_taken(
         proposer.close()
 
 
+class _FakeWaits:
+    """Stands for target_service.device_waits.DeviceWaits on the CPU: counts releases, holds a failure."""
+
+    def __init__(self) -> None:
+        self.failure, self.releases, self.closed, self.released = None, 0, False, 0
+
+    def release(self) -> None:
+        self.releases += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_drafter_its_watchdog_gave_up(
+        pair, tiny_chat_dir, monkeypatch):
+    """With a DONE buffer (device waits; on a GPU only, stood for here), every chained propose carries the
+    next done value, 1, 2, 3 ... (Steps without a propose carry none), and tokens are target-only's. A
+    failure the watchdog reports drops the drafter at our next call to it, with the watchdog's reason, and
+    every wait is released; the next connection starts without it."""
+    from types import SimpleNamespace
+
+    from specsplit.drafter_service.session import Session
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.sequence import Request
+
+    target, _, address, _ = pair
+    seen: list[int] = []
+    monkeypatch.setattr(Session, "_done_target", lambda self, chain: seen.append(chain.done_value))
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+
+    def requests():
+        return [Request(str(i), tokenizer.encode(p), SamplingParams(max_tokens=40, ignore_eos=True))
+                for i, p in enumerate(PROMPTS[:3])]
+
+    alone = _engine(target, None, chain=False).generate(requests())
+    proposer = RemoteProposer(address, max_batch=4)
+    waits = proposer._waits = _FakeWaits()
+    proposer._conn.done = SimpleNamespace(buffer_id=99, tensor=torch.zeros(1, 1, dtype=torch.int32))
+    part, sent = proposer._chain_part, []
+
+    def chain_part(conn, propose):  # what each Step's chain carries: (a propose?, its done value)
+        chain = part(conn, propose)
+        sent.append((propose is not None, chain.done_value if chain is not None else 0))
+        return chain
+
+    proposer._chain_part = chain_part
+    try:
+        engine = _engine(target, proposer)
+        got = engine.generate(requests())
+        assert {r: [t for e in ev for t in e.token_ids] for r, ev in got.items()} == \
+            {r: [t for e in ev for t in e.token_ids] for r, ev in alone.items()}
+        numbered = [value for proposing, value in sent if proposing]
+        assert engine.counters.chained > 10 and numbered == seen == list(range(1, len(seen) + 1))
+        assert len(seen) >= engine.counters.chained
+        assert [value for proposing, value in sent if not proposing] and all(
+            value == 0 for proposing, value in sent if not proposing)  # (Steps of settles and commits alone)
+        waits.failure = "the drafter did not write a chained step's done value within its deadline"
+        with pytest.raises(DrafterUnavailable, match="done value within its deadline"):
+            proposer.ping()
+        assert proposer._conn is None and waits.releases >= 1 and waits.failure is None
+    finally:
+        proposer.close()
+    assert waits.closed and proposer._waits is None
+
+
 @pytest.mark.parametrize("drafts_by_batch, graphs_batch", [(((3, 0),), None), ((), 2)],
                          ids=["no-drafts-at-three", "graphs-narrower-than-the-batch"])
 def test_a_chained_propose_sent_ahead_that_no_step_takes_is_never_taken_for_another(pair, tiny_chat_dir,

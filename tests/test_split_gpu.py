@@ -79,10 +79,18 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
     if mode == "silent":  # it never writes a chained step's done value (DrafterDescription.done_flags)
         Session._write_done = staticmethod(lambda view, value: None)
     if mode == "out-of-vocabulary":
+        # A chained step's done value (device waits) is written only after the garbage: a target whose stream
+        # waits for it reads the garbage, never the drafts before it
+        write_done, held = Session._write_done, []
+        Session._write_done = staticmethod(lambda view, value: held.append((view, value)))
+
         def garble(self, buffer_id):
             view, event = self.importer.drafts_target(buffer_id)
             garbage = torch.tensor([-7, 2**31 - 1, -2**31, 49152, 10**6], dtype=torch.int32, device=view.device)
             view.copy_(garbage.repeat(view.numel() // 5 + 1)[:view.numel()].view_as(view))
+            for done in held:
+                write_done(*done)
+            held.clear()
             event.record()
 
         tampered(garble)

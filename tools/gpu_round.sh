@@ -9,7 +9,8 @@
 #   bash tools/gpu_round.sh prefill   # captured prefill: time to first token, the speculative ratios
 #   bash tools/gpu_round.sh capture   # eight and more streams' chained steps captured whole, or piecewise
 #   bash tools/gpu_round.sh chain     # the services' steps chained, proposes sent ahead: GPU tests, tokens/s
-#   bash tools/gpu_round.sh waits     # the target's stream waits on the device for chained drafts: tests, tokens/s
+#   bash tools/gpu_round.sh waits     # the target's stream waits on the device for chained drafts: probe, GPU tests
+#   bash tools/gpu_round.sh waits-bench  # ... and its tokens/s against host polls and in-process
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
@@ -90,11 +91,19 @@ waits)
   # writes a done value into the target's DONE buffer after them, where the target's host polled the
   # drafter's event before it queued the verify. Measured there with proposes sent ahead: all 2,265 taken
   # at one stream, yet 0.99x not ahead (services 2.46 ms a step against 1.28 in-process): the host poll kept
-  # the round in series. GPU tests (equal output; a drafter that never writes costs a deadline), then
-  # tokens/s with device waits against host polls and in-process, three rounds side by side
-  timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
-    -k "waited_for or never_writes" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
-  timeout 330 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+  # the round in series. Here the probe and the GPU tests (equal output; a drafter that never writes costs a
+  # deadline), first the watchdog against lazy module loading, alone in fresh processes (kernels not loaded
+  # yet); tokens/s in `waits-bench`
+  echo "probe: a watchdog thread's release while a new kernel loads" | log
+  timeout 60 python tools/stream_wait_probe.py --part 7 2>&1 | tail -4 | log
+  timeout 150 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "never_writes" 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
+  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "waited_for" 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  ;;
+waits-bench)
+  # device waits against host polls and in-process, tokens/s, three rounds side by side (after `waits`)
+  timeout 500 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
     --also-device-waits --rounds 3 --json-out "$OUT/split_waits.json" 2>&1 | grep -v INFO | tail -2 | log
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, d[b].get('device_waits'), \
     d[b].get('device_waits_released'), d[b].get('rounds', {}).get('median'), \
@@ -127,7 +136,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|train SEED [flags]" >&2
   exit 2
   ;;
 esac

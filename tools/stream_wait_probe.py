@@ -319,6 +319,43 @@ def release(where: str, driver: Driver, how: str = "kernel") -> str:
             drop_host_flags(shm, flags, unlink=True)
 
 
+def watchdog_during_load(driver: Driver) -> str:
+    """The target's device waits (target_service.device_waits) at their worst: a stream waits on a value
+    nobody writes, the main thread launches a kernel never launched before in this process (under lazy
+    module loading its load waits for the whole context, the held stream included), and a watchdog
+    thread releases the wait 200 ms later with a stream write on a side stream. Does the release get
+    through while the main thread sits in the load, and does the load then finish?"""
+    flags = torch.zeros(2, dtype=torch.int32, device="cuda")
+    side, held = torch.cuda.Stream(), torch.cuda.Stream()
+    x = torch.rand(64, device="cuda")
+    torch.cuda.synchronize()
+    step("flags zeroed")
+    driver.wait(held, flags.data_ptr(), 7)
+    done = _recorded(held)
+    step("wait queued")
+    times: dict[str, float] = {}
+
+    def watchdog() -> None:
+        time.sleep(0.2)
+        times["release"] = time.perf_counter()
+        driver.write(side, flags.data_ptr(), 7)
+
+    thread = threading.Thread(target=watchdog, daemon=True)
+    started = time.perf_counter()
+    thread.start()
+    y = torch.special.bessel_j0(x)  # (a kernel nothing in this process has launched)
+    launched = time.perf_counter()
+    step(f"the new kernel's launch returned after {(launched - started) * 1e3:.0f} ms")
+    thread.join(timeout=DEADLINE_S)
+    if not wait_done(done, 5.0):
+        raise SystemExit("NOT released within 5 s of the watchdog's write: the probe stops here")
+    released = time.perf_counter()
+    return (f"the launch returned {(launched - started) * 1e3:.0f} ms after it began (the watchdog wrote at "
+            f"{(times['release'] - started) * 1e3:.0f} ms), the wait was seen released at "
+            f"{(released - started) * 1e3:.0f} ms; the kernel's result is right: "
+            f"{torch.allclose(y.cpu(), torch.special.bessel_j0(x.cpu()), atol=1e-5)}")
+
+
 def capture(driver: Driver) -> str:
     """A wait and a write captured in a CUDA graph (the flags set before the replay)."""
     flags = torch.zeros(2, dtype=torch.int32, device="cuda")
@@ -346,6 +383,7 @@ def parts(rounds: int, driver: Driver) -> dict[str, Callable[[], str]]:
     made["flags in device memory, release by a host-to-device copy"] = lambda: release("device", driver, "copy")
     made["flags in host memory, release by a plain store"] = lambda: release("host", driver)
     made["graph capture"] = lambda: capture(driver)
+    made["a watchdog thread's release while a new kernel loads"] = lambda: watchdog_during_load(driver)
     return made
 
 
