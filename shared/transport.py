@@ -784,8 +784,9 @@ class BufferExporter:
         rows, cols, device = int(rows), int(cols), torch.device(device)
         _nbytes(rows, cols, dtype)
         ints = role in INT_ROLES
-        if ints != (dtype == torch.int32) or (role is BufferRole.DRAFTS and device.type != "cuda"):
-            raise InvalidRequest("a drafts buffer is int32 CUDA memory, a feed buffer int32, and only they hold int32")
+        if ints != (dtype == torch.int32) or (role in (BufferRole.DRAFTS, BufferRole.DONE) and device.type != "cuda"):
+            raise InvalidRequest("drafts and done buffers are int32 CUDA memory, a feed buffer int32, and only they "
+                                 "hold int32")
         if device.type not in ("cpu", "cuda"):
             raise InvalidRequest(f"buffers live on the CPU or a CUDA device, not {device}")
         if not self.host_id:

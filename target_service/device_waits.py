@@ -52,6 +52,9 @@ class DeviceWaits:
     def __init__(self, ops: StreamOps, device: torch.device) -> None:
         self._ops = ops
         self._device = device
+        # (resolved here, on the caller's thread: the watchdog thread's current device is its own)
+        self._index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
         self._side = torch.cuda.Stream(device)  # releases go here (the waiting stream is blocked)
         self._armed: deque[_Armed] = deque()
         self._lock = threading.Lock()
@@ -137,8 +140,8 @@ class DeviceWaits:
             self._ops.write(self._side, entry.done.data_ptr(), entry.value)
 
     def _watch(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)  # (this thread's current context: our GPU's)
+        if self._index is not None:
+            torch.cuda.set_device(self._index)  # (this thread's current context: our GPU's)
         with self._lock:
             while True:
                 try:

@@ -533,7 +533,8 @@ def test_a_drafts_buffer_is_int32_cuda_memory_and_never_rows():
     before = _segments()
     with BufferExporter() as exporter:  # nor made: on the CPU, in floats, or int32 rows (no segment is left)
         for dtype, role in ((torch.int32, BufferRole.DRAFTS), (torch.float32, BufferRole.DRAFTS),
-                            (torch.int32, BufferRole.ROWS)):
+                            (torch.int32, BufferRole.ROWS), (torch.int32, BufferRole.DONE),
+                            (torch.float32, BufferRole.DONE)):
             with pytest.raises(InvalidRequest, match="drafts"):
                 exporter.create(2, 2, dtype, "cpu", role)
     assert _segments() == before
