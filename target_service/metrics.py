@@ -88,6 +88,11 @@ class _EngineCollector(Collector):
                            "step's commits, with the next step's proposes), their answers read later", link.sent_ahead)
             yield _counter("drafter_drafts_taken_ahead", "proposals taken from a Step sent ahead (no round trip "
                            "of their own)", link.drafts_ahead)
+            yield _counter("drafter_device_waits", "chained steps' drafts our stream waited for on the device "
+                           "(--device-waits), not our host", link.device_waits)
+            yield _counter("drafter_device_waits_released", "device waits we released ourselves: a drafter that "
+                           "missed a step's deadline (it is dropped), or one dropped with waits pending",
+                           getattr(engine.proposer, "waits_released", 0))
             transport = GaugeMetricFamily(f"{PREFIX}_drafter_step_transport", "1 for the carrier of the Step stream "
                                           "while a drafter is attached: socket (its step socket) or grpc",
                                           labels=["transport"])
