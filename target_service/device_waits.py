@@ -37,7 +37,7 @@ RELEASE_AGAIN = 0.01  # seconds between writes of a released wait's value, until
 FAILED_WRITE_RETRY = 0.05  # seconds before the watchdog tries again after the driver refused a write
 
 
-@dataclass
+@dataclass(eq=False)  # (compared by identity)
 class _Armed:
     done: torch.Tensor  # the DONE buffer's element 0 (kept alive here while a stream may wait on it)
     value: int
@@ -124,10 +124,12 @@ class DeviceWaits:
     def _release_locked(self) -> None:
         """Mark every pending wait released and write, per DONE buffer, the last value waited for there
         (it releases every wait before it). Raises if the driver refuses a write (the caller retries)."""
-        self._forget_done()
         fresh = [entry for entry in self._armed if not entry.released]
         for entry in fresh:
             entry.released = True
+        self._forget_done()
+        alive = {id(entry) for entry in self._armed}
+        fresh = [entry for entry in fresh if id(entry) in alive]
         self.released += len({entry.done.data_ptr() for entry in fresh})
         self._write_last_values()
 
@@ -140,11 +142,13 @@ class DeviceWaits:
             self._ops.write(self._side, entry.done.data_ptr(), entry.value)
 
     def _watch(self) -> None:
-        if self._index is not None:
-            torch.cuda.set_device(self._index)  # (this thread's current context: our GPU's)
         with self._lock:
+            placed = False
             while True:
                 try:
+                    if not placed and self._index is not None:
+                        torch.cuda.set_device(self._index)  # (this thread's current context: our GPU's)
+                    placed = True
                     self._forget_done()
                     if self._closed and not self._armed:
                         return
@@ -161,10 +165,10 @@ class DeviceWaits:
                     if left > 0:
                         self._wake.wait(timeout=left)
                         continue
+                    self._release_locked()  # (written before the client can see the failure)
                     self.failure = ("the drafter did not write a chained step's done value within its deadline; "
                                     "the target's stream was released")
                     log.warning("%s", self.failure)
-                    self._release_locked()
                 except Exception as exc:  # noqa: BLE001 - the watchdog must outlive a refused write
                     log.warning("device waits: %s: %s; trying again", type(exc).__name__, exc)
                     self.failure = self.failure or f"a device wait could not be released ({exc})"

@@ -90,8 +90,9 @@ class _EngineCollector(Collector):
                            "of their own)", link.drafts_ahead)
             yield _counter("drafter_device_waits", "chained steps' drafts our stream waited for on the device "
                            "(--device-waits), not our host", link.device_waits)
-            yield _counter("drafter_device_waits_released", "device waits we released ourselves: a drafter that "
-                           "missed a step's deadline (it is dropped), or one dropped with waits pending",
+            yield _counter("drafter_device_waits_released", "releases of device waits by the target itself (per "
+                           "DONE buffer): a drafter that missed a step's deadline (it is dropped), or a drafter "
+                           "dropped for any reason with waits pending",
                            getattr(engine.proposer, "waits_released", 0))
             transport = GaugeMetricFamily(f"{PREFIX}_drafter_step_transport", "1 for the carrier of the Step stream "
                                           "while a drafter is attached: socket (its step socket) or grpc",

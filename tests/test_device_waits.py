@@ -106,8 +106,9 @@ def test_a_released_wait_is_written_again_until_the_stream_is_past_it(device):
     flag = _flag()
     device.late = 4
     try:
-        waits.wait(flag, 5, time.perf_counter() + 0.05)
-        waits.wait(flag, 6, time.perf_counter() + 0.05)
+        deadline = time.perf_counter() + 0.2  # (one deadline: both are released by one write)
+        waits.wait(flag, 5, deadline)
+        waits.wait(flag, 6, deadline)
         deadline = time.monotonic() + 10
         while waits.pending:
             assert time.monotonic() < deadline, "the released waits were never seen past"

@@ -227,7 +227,11 @@ def test_a_drafter_that_never_writes_its_done_value_costs_a_deadline_not_a_hang(
         engine, remote = remote_engine(address, model, timeout=3.0, device_waits=True)
         started = time.monotonic()
         assert generate(engine, tokenizer)[0] == want
-        assert remote._waits.released >= 1 and remote._waits.pending == 0
+        assert remote._waits.released >= 1
+        deadline = time.monotonic() + 10
+        while remote._waits.pending:  # (the watchdog forgets released waits once the stream is past them)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         assert time.monotonic() - started < 120
         remote.close()
 

@@ -95,7 +95,7 @@ waits)
   # deadline), first the watchdog against lazy module loading, alone in fresh processes (kernels not loaded
   # yet); tokens/s in `waits-bench`
   echo "probe: a watchdog thread's release while a new kernel loads" | log
-  timeout 60 python tools/stream_wait_probe.py --part 7 2>&1 | tail -4 | log
+  timeout -k 10 60 python tools/stream_wait_probe.py --part 7 2>&1 | tail -4 | log
   timeout 150 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "never_writes" 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
   timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "waited_for" 2>&1 \
@@ -103,7 +103,7 @@ waits)
   ;;
 waits-bench)
   # device waits against host polls and in-process, tokens/s, three rounds side by side (after `waits`)
-  timeout 500 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+  timeout 420 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
     --also-device-waits --rounds 3 --json-out "$OUT/split_waits.json" 2>&1 | grep -v INFO | tail -2 | log
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, d[b].get('device_waits'), \
     d[b].get('device_waits_released'), d[b].get('rounds', {}).get('median'), \
