@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from multiprocessing import shared_memory
 from typing import Callable
 
@@ -35,48 +37,34 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: until (int32)(*addr - value) >= 0 (a signed, wrap-aware difference)
 RELEASE = 0x3FFFFFFF  # past every round's value and within that difference of each: a host's release
 DEADLINE_S = 10.0  # the most any part waits for the device before releasing what waits and saying so
 CHUNK = 100  # rounds queued between two looks at the clock (a stuck peer must not fill the queue unseen)
 
 
-class Driver:
-    """The two stream memory operations, and the device address of registered host memory."""
+def _stream_ops():
+    """shared/stream_ops.py loaded by its path: the probe runs on a machine where specsplit is not installed yet."""
+    path = Path(__file__).resolve().parents[1] / "shared" / "stream_ops.py"
+    spec = importlib.util.spec_from_file_location("_specsplit_stream_ops", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Driver(_stream_ops().StreamOps):
+    """The two stream memory operations (the services' own), and the device address of registered host memory."""
 
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
-        self.wait_fn = self._symbol(lib, "cuStreamWaitValue32")
-        self.write_fn = self._symbol(lib, "cuStreamWriteValue32")
+        super().__init__(lib)
         self.host_pointer_fn = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or lib.cuMemHostGetDevicePointer
         self.host_pointer_fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
         self.host_pointer_fn.restype = ctypes.c_int
-
-    @staticmethod
-    def _symbol(lib, name: str):
-        for candidate in (name + "_v2", name):  # _v2: CUDA 11.7+, usable without the v1 opt-in
-            fn = getattr(lib, candidate, None)
-            if fn is not None:
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-                return fn
-        raise RuntimeError(f"libcuda has no {name}")
-
-    def wait(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
-        self._check(self.wait_fn(stream.cuda_stream, address, value, WAIT_GEQ), "cuStreamWaitValue32")
-
-    def write(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
-        self._check(self.write_fn(stream.cuda_stream, address, value, 0), "cuStreamWriteValue32")
 
     def device_pointer(self, host_address: int) -> int:
         out = ctypes.c_uint64(0)
         self._check(self.host_pointer_fn(ctypes.byref(out), host_address, 0), "cuMemHostGetDevicePointer")
         return out.value
-
-    @staticmethod
-    def _check(code: int, what: str) -> None:
-        if code != 0:
-            raise RuntimeError(f"{what} returned CUresult {code}")
 
 
 def wait_done(event: torch.cuda.Event, seconds: float) -> bool:
