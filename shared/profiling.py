@@ -6,7 +6,10 @@ beside it, `trace.json.txt` with the ops' totals. CUDA kernels and runtime calls
 service runs on a GPU. Profiling slows the steps it records (each CUDA call a little, a graph launch
 by its nodes): read the order of things and their GPU times, not the recorded steps' wall time. With
 `--profile-host` only the host is recorded (no CUDA activity, so no CUPTI callback inflating each
-launch), with Python stacks: where a step's host time goes, op by op and by calling line.
+launch), with Python stacks: where a step's host time goes, op by op and by calling line. With
+`--profile-on-signal` the steps count from the latest SIGUSR1 instead of from the start (`kill -USR1
+PID`: the next Step messages FIRST to LAST, on a service already warm), and each signal after a window
+is written records another over the same path.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ def parse_window(text: str) -> tuple[int, int]:
 class StepWindow:
     """Counts steps (`enter` before one, `exit` after it) and profiles steps first..last, once."""
 
-    def __init__(self, first: int, last: int, out: str | Path, *, host_only: bool = False) -> None:
+    def __init__(self, first: int, last: int, out: str | Path, *, host_only: bool = False,
+                 on_signal: bool = False) -> None:
         if not 1 <= first <= last:
             raise ValueError(f"profile window {first}..{last}: steps count from 1 and first must not pass last")
         self.first, self.last, self.out = first, last, Path(out)
@@ -42,11 +46,24 @@ class StepWindow:
         self._lock = threading.Lock()
         self._count = 0
         self._profile: torch.profiler.profile | None = None
+        self._counting = not on_signal  # on_signal: nothing counts before the first arm()
+        self._armed = False
+        self.on_signal = on_signal
         self.written = False
 
+    def arm(self) -> None:
+        """Count steps from the next one (a signal handler may call this: it only sets a flag). A window
+        being recorded ends as it would; a later one then starts over, its trace replacing the last."""
+        self._armed = True
+
     def enter(self) -> int:
-        """Before a step: returns its number (from 1); the first of the window starts the profiler."""
+        """Before a step: returns its number (from 1; 0 while not counting); the first of the window
+        starts the profiler."""
         with self._lock:
+            if self._armed and self._profile is None:
+                self._armed, self._counting, self._count = False, True, 0
+            if not self._counting:
+                return 0
             self._count += 1
             if self._count == self.first:
                 activities = [torch.profiler.ProfilerActivity.CPU]
@@ -63,6 +80,7 @@ class StepWindow:
             return
         with self._lock:
             profile, self._profile = self._profile, None
+            self._counting = self._counting and not self.on_signal  # on a signal: until the next one
         if profile is None:
             return
         profile.__exit__(None, None, None)

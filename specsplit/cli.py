@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import uuid
 
@@ -224,14 +225,16 @@ def profile_window(args: argparse.Namespace):
     if (args.profile_steps is None) != (args.profile_out is None):
         raise InvalidRequest("--profile-steps and --profile-out go together")
     if args.profile_steps is None:
-        if getattr(args, "profile_host", False):
-            raise InvalidRequest("--profile-host goes with --profile-steps and --profile-out")
+        for flag in ("profile_host", "profile_on_signal"):
+            if getattr(args, flag, False):
+                raise InvalidRequest(f"--{flag.replace('_', '-')} goes with --profile-steps and --profile-out")
         return None
     try:
         first, last = parse_window(args.profile_steps)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
-    return StepWindow(first, last, args.profile_out, host_only=getattr(args, "profile_host", False))
+    return StepWindow(first, last, args.profile_out, host_only=getattr(args, "profile_host", False),
+                      on_signal=getattr(args, "profile_on_signal", False))
 
 
 def watch_parent() -> None:
@@ -252,12 +255,15 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
                            idle_seconds=args.session_idle_seconds, max_sequences=args.max_sequences,
                            max_rows=args.max_rows, max_buffer_mib=args.max_buffer_mib,
                            max_message_mib=args.max_message_mib, writes_wait_seconds=args.writes_wait_seconds)
+    window = profile_window(args)
     server_obj, server = start_drafter(DrafterSettings(tuple(args.listen), setup_from(args, args.drafter),
                                                        head=args.head, limits=limits,
                                                        security=server_security(args),
                                                        metrics=metrics_address(args),
                                                        context_pool_rows=args.context_pool_rows,
-                                                       profile=profile_window(args), chain_graphs=args.chain_graphs))
+                                                       profile=window, chain_graphs=args.chain_graphs))
+    if window is not None and window.on_signal:
+        signal.signal(signal.SIGUSR1, lambda *_: window.arm())
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
     server.drain(args.drain_seconds)  # a target still connected keeps its Step stream until then
@@ -422,6 +428,9 @@ def add_service_parsers(sub) -> None:
                          "kernels included on a GPU, into --profile-out (a Chrome trace; the ops' totals beside "
                          "it in PATH.txt); the recorded steps run slower (default: off)")
     ds.add_argument("--profile-out", default=None, metavar="PATH", help="where --profile-steps writes its trace (default: none)")
+    ds.add_argument("--profile-on-signal", action="store_true",
+                    help="--profile-steps counts from each SIGUSR1 instead of from the start: `kill -USR1 PID` "
+                         "records the next Step messages FIRST to LAST of a service already warm")
     ds.add_argument("--profile-host", action="store_true",
                     help="--profile-steps records the host only, with Python stacks (no CUDA activity: no CUPTI "
                          "callback inflating each launch)")

@@ -50,7 +50,33 @@ def test_the_window_of_step_messages_is_profiled_once(tmp_path, host_only):
         server_obj.close()
 
 
-@pytest.mark.parametrize("flags", [["--profile-steps", "3:9"], ["--profile-out", "x.json"],
+def test_a_window_on_signal_counts_from_each_arm(tmp_path):
+    """--profile-on-signal: steps before the first SIGUSR1 (arm) record nothing; after it, steps 2..3
+    counted from it are recorded; counting stops after the window, and a later arm records another over
+    the same path. An arm while a window records lets that window finish as it would."""
+    import torch
+
+    out = tmp_path / "trace.json"
+    window = StepWindow(2, 3, out, on_signal=True)
+
+    def step():
+        number = window.enter()
+        torch.ones(4).sum()
+        window.exit(number)
+        return number
+
+    assert [step() for _ in range(5)] == [0] * 5 and not out.exists()
+    window.arm()
+    assert [step() for _ in range(2)] == [1, 2]
+    window.arm()  # while step 2 of the window... (the profiler runs): no effect until it is written
+    assert step() == 3 and window.written and out.exists()
+    first = out.stat().st_mtime_ns
+    assert [step() for _ in range(3)] == [1, 2, 3]  # the arm taken once the window ended: a second window
+    assert out.stat().st_mtime_ns != first
+    assert [step() for _ in range(3)] == [0] * 3  # and then nothing until the next signal
+
+
+@pytest.mark.parametrize("flags", [["--profile-steps", "3:9"], ["--profile-out", "x.json"], ["--profile-on-signal"],
                                    ["--profile-steps", "9:3", "--profile-out", "x.json"],
                                    ["--profile-steps", "three", "--profile-out", "x.json"], ["--profile-host"]])
 def test_bad_profile_flags_are_refused_before_anything_loads(flags, capsys):

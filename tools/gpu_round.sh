@@ -11,6 +11,8 @@
 #   bash tools/gpu_round.sh chain     # the services' steps chained, proposes sent ahead: GPU tests, tokens/s
 #   bash tools/gpu_round.sh waits     # the target's stream waits on the device for chained drafts: probe, GPU tests
 #   bash tools/gpu_round.sh waits-bench  # ... and its tokens/s against host polls and in-process
+#   bash tools/gpu_round.sh probe-release  # the watchdog's release while a kernel module loads (no model)
+#   bash tools/gpu_round.sh timeline  # device waits' GPU tests, then both services' GPU work on one clock
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
@@ -26,6 +28,13 @@ if [ "${1:-}" = services ]; then
   # the next part, a device-memory wait released by its own host, hung until the round's timeout and took
   # the later parts along: each part now runs in its own process, at most 25 s)
   timeout 200 python tools/stream_wait_probe.py --rounds 2000 --part-timeout 25 2>&1 | log
+  exit
+fi
+if [ "${1:-}" = probe-release ]; then
+  # can the watchdog take back a device wait while CUDA's lazy loading loads a kernel's module (which
+  # waits for the whole context)? Needs no model; in a fresh process, kernels not loaded yet
+  echo "probe: a watchdog thread's release while a new kernel loads" | log
+  timeout -k 10 60 python tools/stream_wait_probe.py --part 7 2>&1 | tail -6 | log
   exit
 fi
 source tools/device_setup.sh
@@ -109,6 +118,19 @@ waits-bench)
     d[b].get('device_waits_released'), d[b].get('rounds', {}).get('median'), \
     d[b]['services_device_waits']['per_step_ms']) for b in d if b.startswith('batch_')]" "$OUT/split_waits.json" 2>&1 | log
   ;;
+timeline)
+  # (twenty-third session) device waits measured 1.06x / 1.04x over host polls at 1 / 8 streams, but the
+  # services still ran 0.57x / 0.55x in-process, a step 2.03 ms against ~1.2, its host waiting 1.9 ms on
+  # the drafter. Where does the GPU go? First the device waits' GPU tests (a drafter that never writes
+  # costs a deadline; equal output), then both processes' kernels on one clock (bench/timeline.py): GPU
+  # busy per side, time-sliced, idle because a host launched late or while the GPU waited
+  timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "never_writes or waited_for" 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  (cd bench && timeout 140 python timeline.py --batch 1 --max-tokens 256 --skip 50 --steps 150 --out "$OUT/b1" 2>&1 \
+    | grep -v INFO | tail -4 | log)
+  (cd bench && timeout 150 python timeline.py --batch 8 --max-tokens 1024 --skip 30 --steps 100 --out "$OUT/b8" 2>&1 \
+    | grep -v INFO | tail -4 | log)
+  ;;
 capture)
   # chained steps captured whole at 4, 8 and 16 streams against piecewise, side by side in one run (seventeenth
   # session, two runs: eight streams 1.05x target-only whole against 0.99x piecewise, captures left out), before
@@ -136,7 +158,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|train SEED [flags]" >&2
   exit 2
   ;;
 esac
