@@ -140,8 +140,10 @@ capture)
   ;;
 train)
   # continue the shipped DFlash drafter for 7.2 minutes with a new seed and any extra train-drafter flags
-  # (later ones win): the twentieth session's recipe (session 15's, every chat prompt also sampled once,
-  # half the peak LR: +0.05 tau in its first run against +0.02 at 4e-4), evaluated in float32 beside its
+  # (later ones win): the twenty-third session's recipe (the loss weights decaying as exp(-(k-1)/4): +0.02
+  # tau where the same recipe at the default decay had stopped paying) on the twentieth session's (session
+  # 15's, every chat prompt also sampled once, half the peak LR: +0.05 tau in its first run against +0.02
+  # at 4e-4), evaluated in float32 beside its
   # --init in the same run; e.g. `train 27`, then `train 28 --init /var/tmp/ckpt/dflash-27`. The
   # checkpoint and its log come back under $OUT (shards under 16 MiB). Needs the call to carry
   # drafter_service/checkpoints (see tools/device_tree.sh).
@@ -152,7 +154,7 @@ train)
     --init drafter_service/checkpoints/smollm2-135m-dflash --out /var/tmp/ckpt/dflash-$seed --minutes 7.2 \
     --pool-rounds 3 --gen-batch 2048 --gen-fraction 0.40 --pool-gb 90 --self-prompts 65536 --sampled-fraction 0.25 \
     --seq-len 256 --batch 32 --anchors 32 --lr 2e-4 --ce-weight 0.2 --kl-weight 1.0 --seed "$seed" --log-every 250 \
-    --eval-tokens 128 --sampled-by-kind chat=1 --eval-dtype float32 "$@" 2>&1 | grep -v INFO > /var/tmp/train.log
+    --eval-tokens 128 --sampled-by-kind chat=1 --eval-dtype float32 --loss-decay 4 "$@" 2>&1 | grep -v INFO > /var/tmp/train.log
   cp /var/tmp/ckpt/dflash-$seed/* "$OUT/" 2>/dev/null
   cp /var/tmp/train.log "$OUT/train.log"
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
