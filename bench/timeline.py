@@ -158,6 +158,7 @@ def record(args) -> None:
     from specsplit.shared.profiling import StepWindow
     from specsplit.shared.serving import wait_healthy
     from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service import drafter_client
     from specsplit.target_service.drafter_client import RemoteProposer
     from specsplit.target_service.engine import Engine, EngineConfig
     from specsplit.target_service.model import load_target
@@ -178,6 +179,9 @@ def record(args) -> None:
            "--profile-steps", f"1:{2 * args.steps}", "--profile-out", str(drafter_raw)] + \
         (["--dtype", args.dtype] if args.dtype else [])
     drafter_proc = subprocess.Popen(cmd)
+    # The Step during which the drafter's profiler starts takes over a second (CUPTI's start): a deadline
+    # drawn from the usual round trips would drop the drafter there (it did, once, in the first run)
+    drafter_client.STEP_DEADLINE_FLOOR = 30.0
     prompts = PROMPTS if args.batch == 1 else (PROMPTS * args.batch)[:args.batch]
     conf = EngineConfig(max_batch=args.batch)
     try:

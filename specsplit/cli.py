@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import signal
 import sys
@@ -12,6 +13,8 @@ import uuid
 from specsplit.options import ENV_PREFIX, Append, env_defaults, resolve_env
 from specsplit.shared import logs
 from specsplit.shared.errors import InvalidRequest, SpecsplitError
+
+log = logging.getLogger(__name__)
 
 # Kept here (not imported from specsplit.local) so `specsplit --help` and `--version` load no model code
 # (nor torch: this module imports only what argument parsing needs; commands import their work).
@@ -287,6 +290,10 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
                               max_message_bytes=int(args.max_message_mib * (1 << 20)),
                               security=server_security(args), drafter_security=drafter_security(args),
                               metrics=metrics_address(args))
+    if args.device_waits:
+        log.warning("--device-waits is for measurement only: a drafter that never writes can stall this target "
+                    "for good if it launches a kernel for the first time while a wait is queued (README, "
+                    "'Device waits')")
     loop, server = start_target(settings)
     print(f"target serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
@@ -481,8 +488,10 @@ def add_service_parsers(sub) -> None:
     ts.add_argument("--device-waits", action="store_true",
                     help="on a GPU shared with the drafter, let this target's stream wait on the device for each "
                          "chained step's drafts (a value the drafter's stream writes; released by this target at "
-                         "the step's deadline if it never comes) instead of its host polling the drafter's event "
-                         "(default: off until measured on the H200; see README, 'Device waits')")
+                         "the step's deadline if it never comes) instead of its host polling the drafter's event. "
+                         "For measurement only: 1.06x the host polls at one stream, but a kernel this process "
+                         "first launches while a wait is queued hangs, and the release cannot undo that if the "
+                         "drafter never writes (see README, 'Device waits'; default: off)")
     ts.add_argument("--drafter-timeout", type=float, default=60.0,
                     help="seconds a drafter call may take before the target decodes without it; a Step answer "
                          "gets less once steps were measured (20x the p99 of recent round trips, at least 1 s), "
