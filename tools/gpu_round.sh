@@ -13,6 +13,7 @@
 #   bash tools/gpu_round.sh waits-bench  # ... and its tokens/s against host polls and in-process
 #   bash tools/gpu_round.sh probe-release  # the watchdog's release while a kernel module loads (no model)
 #   bash tools/gpu_round.sh timeline  # device waits' GPU tests, then both services' GPU work on one clock
+#   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
@@ -131,6 +132,17 @@ timeline)
   (cd bench && timeout 150 python timeline.py --batch 8 --max-tokens 1024 --skip 30 --steps 100 --out "$OUT/b8" 2>&1 \
     | grep -v INFO | tail -4 | log)
   ;;
+eval)
+  # (after the twenty-third session) the shipped drafter's held-out tau with its speedup over target-only
+  # measured in the same run, as issue 10's "done" asks: float32 at batch 16 (the training's eval, now
+  # warmed up with the whole run, so the speedup no longer holds one-time captures), then bf16 at batch 1
+  # and 16 (the serving dtype; near-ties may move tau by a few hundredths)
+  specsplit eval-acceptance --device cuda --dtype float32 --drafter dflash --max-tokens 128 2>&1 | grep -v INFO | tail -20 | log
+  for batch in 1 16; do
+    specsplit eval-acceptance --device cuda --dtype bfloat16 --drafter dflash --max-tokens 128 --batch $batch 2>&1 \
+      | grep -v INFO | tail -20 | log
+  done
+  ;;
 capture)
   # chained steps captured whole at 4, 8 and 16 streams against piecewise, side by side in one run (seventeenth
   # session, two runs: eight streams 1.05x target-only whole against 0.99x piecewise, captures left out), before
@@ -160,7 +172,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|eval|train SEED [flags]" >&2
   exit 2
   ;;
 esac
