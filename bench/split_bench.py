@@ -142,6 +142,9 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
               "services_over_target_only": [c / a for a, c in zip(base, split)]}
     if "services_not_ahead" in rates:
         ratios["services_ahead_over_not_ahead"] = [c / d for c, d in zip(split, rates["services_not_ahead"])]
+    if "services_remote_tail" in rates:
+        ratios["services_remote_tail_over_uncaptured"] = [d / c for c, d in zip(split, rates["services_remote_tail"])]
+        ratios["services_remote_tail_over_in_process"] = [d / b for b, d in zip(local, rates["services_remote_tail"])]
     if "services_device_waits" in rates:
         ratios["services_device_waits_over_host_polls"] = [d / c for c, d in zip(split, rates["services_device_waits"])]
         ratios["services_device_waits_over_in_process"] = [d / b for b, d in zip(local, rates["services_device_waits"])]
@@ -172,6 +175,9 @@ def main() -> None:
     ap.add_argument("--also-device-waits", action="store_true",
                     help="also run the services with the target's stream waiting on the device for each chained "
                          "step's drafts (RemoteProposer(device_waits=True)), side by side, in every round")
+    ap.add_argument("--also-remote-tail", action="store_true",
+                    help="also the services with what follows each chained step's drafts replayed as one graph of "
+                         "the target's (EngineConfig.chain_capture_remote), side by side, in every round")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -221,6 +227,9 @@ def main() -> None:
         device_waits = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
                                       head=(model.embed_weight, model.lm_head_weight),
                                       device_waits=True) if args.also_device_waits else None
+        # ... and one whose engine replays what follows each chained step's drafts as a graph (--also-remote-tail)
+        tail_remote = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
+                                     head=(model.embed_weight, model.lm_head_weight)) if args.also_remote_tail else None
         results = {"device": args.device, "drafter": args.drafter, "transport": remote.mode,
                    "step_transport": remote.step_transport}
         local_drafter = make_drafter(args.drafter, model, setup)
@@ -317,6 +326,18 @@ def main() -> None:
                               "device_waits_released": device_waits.waits_released - released_before,
                               "requests_differing_services_device_waits_vs_host_polls": sum(
                                   a != b for a, b in zip(split_tokens, other_tokens))})
+            if tail_remote is not None:  # the target's side of a chained step captured, against uncaptured
+                engine = engines["services_remote_tail"] = Engine(model, tail_remote, replace(conf, chain_capture_remote=True))
+                run(engine, tokenizer, prompts, args.max_tokens, "warm")
+                replays_before = engine.counters.chain_replays
+                other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "s")
+                rates["services_remote_tail"] = [result["tokens_per_s"]]
+                plain.update({"services_remote_tail": result,
+                              "services_remote_tail_over_uncaptured": result["tokens_per_s"] / split["tokens_per_s"],
+                              "services_remote_tail_over_in_process": result["tokens_per_s"] / local["tokens_per_s"],
+                              "remote_tail_replays": engine.counters.chain_replays - replays_before,
+                              "requests_differing_services_remote_tail_vs_uncaptured": sum(
+                                  a != b for a, b in zip(split_tokens, other_tokens))})
             if args.rounds > 1:  # the same again, in turn: how far one round's ratios are from their median
                 for _ in range(args.rounds - 1):
                     for name, engine in engines.items():
@@ -384,6 +405,8 @@ def main() -> None:
             not_ahead.close()
         if device_waits is not None:
             device_waits.close()
+        if tail_remote is not None:
+            tail_remote.close()
         text = json.dumps(results, indent=2)
         print(text, flush=True)
         if args.json_out:

@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -189,7 +190,7 @@ def record(args) -> None:
         remote = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
                                 head=(model.embed_weight, model.lm_head_weight), device_waits=args.device_waits)
         engines = {"in_process": Engine(model, make_drafter(args.drafter, model, setup), conf),
-                   "services": Engine(model, remote, conf)}
+                   "services": Engine(model, remote, replace(conf, chain_capture_remote=args.remote_tail))}
         traces = {}
         for name, engine in engines.items():
             run(engine, tokenizer, prompts, args.max_tokens, "warm")  # captures, first launches
@@ -242,6 +243,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150, help="decode steps recorded")
     ap.add_argument("--device-waits", action=argparse.BooleanOptionalAction, default=True,
                     help="the services engine's stream waits for chained drafts on the device (RemoteProposer)")
+    ap.add_argument("--remote-tail", action="store_true",
+                    help="the services engine replays what follows each chained step's drafts as one graph "
+                         "(EngineConfig.chain_capture_remote)")
     ap.add_argument("--out", default="timeline")
     args = ap.parse_args()
     if args.analyze:

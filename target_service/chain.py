@@ -114,3 +114,14 @@ class ChainProgram:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.runs = 0  # uncaptured runs
         self.broken = False  # its capture failed once: not tried again
+        # Through a drafter service (EngineConfig.chain_capture_remote) the graph holds what follows the
+        # propose, a round trip: the drafts are its input, and the rows to commit and their positions (before
+        # the feed moves on) are kept for the commit queued after it
+        self.drafts = torch.zeros((n, k), dtype=torch.int64, device=device)
+        self.committed_at = torch.zeros(n, dtype=torch.int64, device=device)
+        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def keep(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """A step's verified rows [n * (k + 1), F] and their positions [n], for the commit after it (the
+        positions copied: the feed moves on after this)."""
+        self.kept = rows, self.committed_at.copy_(positions)

@@ -86,6 +86,12 @@ class EngineConfig:
     # out (eighteenth session; the earlier losses there were 0.4-s runs paying a capture per shape, which a
     # server pays once). Past 16 it was not measured.
     chain_capture: int = 16
+    # Through a drafter service the propose is a round trip, so a chained step cannot be captured whole:
+    # with this, everything after the drafts arrive (the verify, the accept, the outcome, the next feed)
+    # replays as one graph of its own (`Engine._chain_tail`), where it ran as some thirty launches around
+    # the verify's graph (bench/timeline.py, twenty-third session: the GPU idle while the target's host
+    # launched them). Off until measured on the H200.
+    chain_capture_remote: bool = False
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
@@ -682,7 +688,12 @@ class Engine:
         def device_work(call) -> bool:
             return self._chain_device(call, program, batch, fwd, seqs, counts, among)
 
-        if not self._chain_run(program, among is None and all(s.request.params.greedy for s in seqs), device_work):
+        whole = among is None and all(s.request.params.greedy for s in seqs)
+        if whole and self.config.chain_capture_remote and not getattr(self.proposer, "chain_captured_whole", True):
+            ran = self._chain_tail(program, batch, fwd, seqs, counts)
+        else:
+            ran = self._chain_run(program, whole, device_work)
+        if not ran:
             return None
         if self._chain_buffers is None:
             self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
@@ -734,18 +745,7 @@ class Engine:
         whole = whole and getattr(self.proposer, "chain_captured_whole", True)  # (the services' propose: a round trip)
         if whole and program.graph is None and program.runs >= _CHAIN_CAPTURE_AFTER and not program.broken \
                 and program.n <= self._chain_capture_most:
-            started = time.perf_counter()
-            try:
-                if self._chain_pool is None:
-                    self._chain_pool = torch.cuda.graph_pool_handle()
-                with inlined():  # the drafter's and the verify's forwards record into this graph
-                    program.graph = capture_serving(lambda: device_work(None), self._chain_pool)
-                self.counters.chain_captures += 1
-                self.counters.chain_capture_seconds += time.perf_counter() - started
-            except Exception as exc:  # noqa: BLE001 - a step that cannot be captured runs uncaptured
-                program.broken = True
-                log.warning("a chained step of %d sequences and %d drafts could not be captured (%s: %s); it "
-                            "runs uncaptured", program.n, program.k, type(exc).__name__, exc)
+            self._chain_capture(program, lambda: device_work(None))
         if whole and program.graph is not None:
             program.graph.replay()
             self.counters.chain_replays += 1
@@ -753,17 +753,71 @@ class Engine:
         program.runs += 1
         return device_work(self._drafter_call)
 
+    def _chain_capture(self, program: ChainProgram, work: Callable[[], object]) -> None:
+        """Capture `work` as the program's graph (a failure marks it broken: it runs uncaptured)."""
+        started = time.perf_counter()
+        try:
+            if self._chain_pool is None:
+                self._chain_pool = torch.cuda.graph_pool_handle()
+            with inlined():  # the forwards (the drafter's, the verify's) record into this graph
+                program.graph = capture_serving(work, self._chain_pool)
+            self.counters.chain_captures += 1
+            self.counters.chain_capture_seconds += time.perf_counter() - started
+        except Exception as exc:  # noqa: BLE001 - a step that cannot be captured runs uncaptured
+            program.broken = True
+            log.warning("a chained step of %d sequences and %d drafts could not be captured (%s: %s); it "
+                        "runs uncaptured", program.n, program.k, type(exc).__name__, exc)
+
     def _chain_device(self, call, program: ChainProgram, batch, fwd, seqs: list[Sequence], counts: list[int],
                       among: torch.Tensor | None) -> bool:
         """A chained step's device work, from `program.feed` to `program.outcome` and the next feed.
         `call` runs the drafter's verbs (`_drafter_call`; None while capturing: a failure then aborts
         the capture). False: the drafter failed before the verify (it is detached)."""
         call = call or (lambda verb, *args: verb(*args))
-        k = program.k
         anchors, positions = program.feed
-        drafts = self._chain_drafts(call, batch, anchors, positions, k, among, len(seqs))
+        drafts = self._chain_drafts(call, batch, anchors, positions, program.k, among, len(seqs))
         if drafts is None:
             return False
+        # failing (uncaptured), the drafter is detached; the picks stand (they never depended on the drafts)
+        self._chain_verify(program, fwd, seqs, counts, among, drafts,
+                           lambda rows, at: call(self.proposer.chain_commit, batch, rows, at, program.k + 1))
+        return True
+
+    def _chain_tail(self, program: ChainProgram, batch, fwd, seqs: list[Sequence], counts: list[int]) -> bool:
+        """A chained step through a drafter service (`EngineConfig.chain_capture_remote`; greedy, every
+        sequence drafting): the propose (the drafter's round trip, or the answer to the one sent ahead),
+        then everything from its drafts to the outcome and the next feed, replayed as one graph once the
+        shape has run uncaptured `_CHAIN_CAPTURE_AFTER` times (`program.drafts` its input), then the
+        verified rows' commit queued for the next Step from what the graph kept. False: the drafter
+        failed before the verify (it is detached)."""
+        anchors, positions = program.feed
+        drafts = self._chain_drafts(self._drafter_call, batch, anchors, positions, program.k, None, len(seqs))
+        if drafts is None:
+            return False
+        program.drafts.copy_(drafts)
+
+        def tail() -> None:
+            self._chain_verify(program, fwd, seqs, counts, None, program.drafts, program.keep)
+
+        if program.graph is None and program.runs >= _CHAIN_CAPTURE_AFTER and not program.broken \
+                and program.n <= self._chain_capture_most:
+            self._chain_capture(program, tail)
+        if program.graph is not None:
+            program.graph.replay()
+            self.counters.chain_replays += 1
+        else:
+            tail()
+            program.runs += 1
+        rows, at = program.kept
+        self._drafter_call(self.proposer.chain_commit, batch, rows, at, program.k + 1)
+        return True
+
+    def _chain_verify(self, program: ChainProgram, fwd, seqs: list[Sequence], counts: list[int],
+                      among: torch.Tensor | None, drafts: torch.Tensor, commit) -> None:
+        """A chained step's device work from its drafts [B, k] on: the verify, the accept, `program.outcome`,
+        `commit(rows, positions)` of the verified rows (the drafter's sequences'), then the next feed."""
+        k = program.k
+        anchors, positions = program.feed
         out = self.graphs.chain_run(fwd, torch.cat([anchors[:, None], drafts], dim=1), positions)
         accepted, final = self._chain_accept(seqs, counts, drafts, fwd, out, among)
         # What each sequence gains: its accepted drafts, then the final token (greedy: its picks up to there)
@@ -773,11 +827,9 @@ class Engine:
         at = positions
         if among is not None:
             rows, at = rows.index_select(0, among), positions[among]
-        # failing (uncaptured), the drafter is detached; the picks stand (they never depended on the drafts)
-        call(self.proposer.chain_commit, batch, rows.reshape(-1, rows.shape[-1]), at, k + 1)
+        commit(rows.reshape(-1, rows.shape[-1]), at)
         positions.add_(accepted + 1)  # the next feed, after everything above read this one
         anchors.copy_(final)
-        return True
 
     def _chain_feed(self, seqs: list[Sequence], firsts: list[int], pending: ChainedStep | None,
                     row_of: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

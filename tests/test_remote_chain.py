@@ -51,10 +51,12 @@ def pair(tiny_chat_dir, tmp_path):
     server_obj.close()
 
 
-def _engine(target, proposer, chain: bool = True, max_batch: int = 4, drafts_by_batch=(), graphs_batch: int | None = None):
+def _engine(target, proposer, chain: bool = True, max_batch: int = 4, drafts_by_batch=(), graphs_batch: int | None = None,
+            **config):
     from specsplit.target_service.engine import Engine, EngineConfig
 
-    engine = Engine(target, proposer, EngineConfig(max_batch=max_batch, chain_steps=chain, drafts_by_batch=drafts_by_batch))
+    engine = Engine(target, proposer, EngineConfig(max_batch=max_batch, chain_steps=chain, drafts_by_batch=drafts_by_batch,
+                                                   **config))
     drafts = engine._max_drafts()  # (the engine's own graphs' geometry, uncaptured)
     engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=graphs_batch or max_batch,
                                query_lens=(1, drafts + 1), max_len=target.config.max_position_embeddings + drafts + 1,
@@ -112,6 +114,94 @@ def test_chained_steps_through_the_services_equal_the_in_process_chain(pair, tin
         assert through.cache.num_free_blocks == through.cache.num_blocks - 1  # all but the scratch block
     finally:
         proposer.close()
+
+
+class Scripted:
+    """The served drafter's chained verbs, recorded: each propose's drafts, replaced by the target's own
+    continuation after each anchor (from `texts`, the target-only tokens of every request, looked up by
+    anchor token and position) except at every draft position divisible by 3, so how many drafts a step
+    accepts (0, 1 or 2) depends on where it stands; and each commit's positions and rows (their sum).
+    A step replayed over stale drafts, or committing at positions the feed has moved past, changes both.
+    (The tiny random drafter drafts one token everywhere, which the tiny target never picks.)"""
+
+    def __init__(self, drafter, vocab: int, texts: list[list[int]]) -> None:
+        self.proposes: list[list[list[int]]] = []
+        self.commits: list[tuple[list[int], float]] = []
+        truth: dict[tuple[int, int], list[int]] = {}
+        for text in texts:
+            for at in range(len(text) - 1):
+                truth.setdefault((text[at], at), text[at + 1:])
+        propose, commit = drafter.chain_propose, drafter.chain_commit
+
+        def chain_propose(batch, anchors, positions, k):
+            out = propose(batch, anchors, positions, k)  # (the drafter's own checks and state, as ever)
+            drafts = []
+            for anchor, at in zip(anchors.tolist(), positions.tolist()):
+                known = (truth.get((anchor, at), []) + [0] * k)[:k]
+                drafts.append([(t + 1) % vocab if (at + 1 + i) % 3 == 0 else t for i, t in enumerate(known)])
+            self.proposes.append(drafts)
+            return torch.tensor(drafts, dtype=out.dtype, device=out.device)
+
+        def chain_commit(batch, rows, positions, count):
+            self.commits.append((positions.tolist(), rows.double().sum().item()))
+            return commit(batch, rows, positions, count)
+
+        drafter.chain_propose, drafter.chain_commit = chain_propose, chain_commit
+
+
+def test_the_targets_side_of_a_services_chained_step_replays_what_it_captured(pair, tiny_chat_dir, monkeypatch):
+    """EngineConfig(chain_capture_remote=True): through the drafter service a shape's chained steps run
+    uncaptured a few times, then what follows the drafts (the verify, the accept, the outcome, the next
+    feed, the rows kept for the commit) is captured once, its forwards inlined, and replayed. Here a
+    stand-in graph replays the function it was captured from, closure and all, as a CUDA graph replays
+    its kernels over the buffers they were captured with: a step reading anything but what it was
+    captured over (its drafts input, the feed, the bucket's tables) would go wrong. Every token is
+    target-only's, and the drafter was asked the same proposes and told the same commits (positions and
+    rows) as without the capture, so every step accepted the same drafts."""
+    from specsplit.shared.cuda_graphs import inlining
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service import engine as engine_module
+
+    class Graph:
+        def __init__(self, work):
+            self.work = work
+
+        def replay(self):
+            self.work()
+
+    def capture(work, pool):
+        assert inlining() and pool == "pool"
+        return Graph(work)  # (a capture runs nothing)
+
+    monkeypatch.setattr(engine_module, "capture_serving", capture)
+    monkeypatch.setattr(engine_module.torch.cuda, "graph_pool_handle", lambda: "pool")
+    target, _, address, remote = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    lengths = (60, 66, 72)
+    alone = _run(_engine(target, None, chain=False), tokenizer, lengths=lengths)
+    prompts = {f"r{i}": PROMPTS[i] for i in range(len(lengths))} | {"late": PROMPTS[3]}
+    scripted = Scripted(remote, target.config.vocab_size,
+                        [tokenizer.encode(prompts[rid]) + tokens for rid, tokens in alone.items()])
+    runs = {}
+    for captured in (False, True):
+        scripted.proposes.clear()
+        scripted.commits.clear()
+        proposer = RemoteProposer(address, max_batch=4)
+        try:
+            engine = _engine(target, proposer, chain_capture_remote=captured)
+            engine._chain_capture_most = 4  # (0 on the CPU, where nothing is captured)
+            tokens = _run(engine, tokenizer, lengths=lengths)
+            runs[captured] = tokens, list(scripted.proposes), list(scripted.commits), engine.counters
+        finally:
+            proposer.close()
+    (tokens, proposes, commits, plain), (graphed, graphed_proposes, graphed_commits, counters) = runs[False], runs[True]
+    assert graphed == tokens == alone
+    assert graphed_proposes == proposes and graphed_commits == commits
+    accepted = counters.accepted  # steps by drafts accepted (0, 1, 2): most settle at 2 (anchors at 3m)
+    assert accepted == plain.accepted and len(accepted) == 3 and accepted[2] >= 10, accepted
+    assert plain.chain_replays == plain.chain_captures == 0
+    assert counters.chain_captures >= 1 and counters.chain_replays >= 5, (counters.chain_captures, counters.chain_replays)
+    assert counters.chained == plain.chained
 
 
 def test_one_streams_chained_proposes_go_ahead_of_their_steps_and_are_all_taken(pair, tiny_chat_dir):

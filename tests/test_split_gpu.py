@@ -160,15 +160,15 @@ def default_target():
     return load_target(folder, dtype=torch.float32, device="cuda"), Tokenizer.from_dir(folder)
 
 
-def remote_engine(address: str, model, chain: bool = True, **remote_kw):
+def remote_engine(address: str, model, chain: bool = True, config: dict | None = None, **remote_kw):
     """An engine of `model` drafting through the drafter service at `address`, its steps chained or step
-    by step: (engine, its RemoteProposer)."""
+    by step (and any other EngineConfig fields in `config`): (engine, its RemoteProposer)."""
     from specsplit.target_service.drafter_client import RemoteProposer
     from specsplit.target_service.engine import Engine, EngineConfig
 
     remote = RemoteProposer(address, device="cuda", dtype=torch.float32,
                             head=(model.embed_weight, model.lm_head_weight), max_batch=4, **remote_kw)
-    return Engine(model, remote, EngineConfig(max_batch=4, chain_steps=chain)), remote
+    return Engine(model, remote, EngineConfig(max_batch=4, chain_steps=chain, **(config or {}))), remote
 
 
 def generate(engine, tokenizer, params: SamplingParams = GREEDY) -> tuple[list[list[int]], list]:
@@ -258,6 +258,28 @@ def test_chained_steps_replayed_as_the_drafters_graphs_draft_as_uncaptured(tmp_p
     assert graphed_accepted == accepted and sum(accepted) > 0 and graphed_chained == chained >= 30
     (steps, replayed, errors), = report
     assert not errors and steps >= 20 and replayed >= 10, report
+
+
+def test_the_targets_side_of_a_services_chained_step_replayed_as_a_graph_accepts_as_uncaptured(tmp_path):
+    """EngineConfig(chain_capture_remote=True): through the drafter service, what follows each chained
+    step's drafts (the verify, the accept, the outcome, the next feed) replays as one CUDA graph of the
+    target's once the shape has run a few times. The tokens are target-only's, every request accepts as
+    many drafts as uncaptured (float32: the same drafts), and steps were replayed. (The data flow through
+    a stand-in graph on the CPU: tests/test_remote_chain.py.)"""
+    model, tokenizer = default_target()
+    params = SamplingParams(max_tokens=160, ignore_eos=True)
+    runs = {}
+    with spawned_drafter(tmp_path) as address:
+        for captured in (False, True):
+            engine, remote = remote_engine(address, model, config={"chain_capture_remote": captured})
+            tokens, stats = generate(engine, tokenizer, params)
+            remote.close()
+            runs[captured] = tokens, [s.accepted for s in stats], engine.counters
+    (tokens, accepted, plain), (graphed, graphed_accepted, counters) = runs[False], runs[True]
+    assert graphed == tokens == local_tokens("none", params)
+    assert graphed_accepted == accepted and sum(accepted) > 0
+    assert plain.chain_replays == 0 and counters.chain_captures >= 1 and counters.chain_replays >= 10, \
+        (counters.chain_captures, counters.chain_replays, counters.chained)
 
 
 def test_a_drafter_whose_drafts_never_land_is_given_up_without_stalling_the_target(tmp_path, monkeypatch):

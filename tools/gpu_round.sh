@@ -13,6 +13,7 @@
 #   bash tools/gpu_round.sh waits-bench  # ... and its tokens/s against host polls and in-process
 #   bash tools/gpu_round.sh probe-release  # the watchdog's release while a kernel module loads (no model)
 #   bash tools/gpu_round.sh timeline  # device waits' GPU tests, then both services' GPU work on one clock
+#   bash tools/gpu_round.sh tail      # the target's side of a services chained step as one graph: GPU test, tokens/s, timeline
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
@@ -132,6 +133,22 @@ timeline)
   (cd bench && timeout 150 python timeline.py --batch 8 --max-tokens 1024 --skip 30 --steps 100 --out "$OUT/b8" 2>&1 \
     | grep -v INFO | tail -4 | log)
   ;;
+tail)
+  # (twenty-third session, not measured yet) EngineConfig.chain_capture_remote: through the services, what
+  # follows each chained step's drafts (verify, accept, outcome, next feed) replays as one graph of the
+  # target's, where the timeline showed ~28 eager launches and ~11 copies a step around the verify's graph
+  # with the GPU idle (services 0.57x in-process with device waits, 0.52x without). The GPU test (equal
+  # tokens and acceptance, replays), then tokens/s against uncaptured, three rounds, then the timeline
+  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "replayed_as_a_graph" 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  timeout 300 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --also-remote-tail --rounds 3 --json-out "$OUT/split_tail.json" 2>&1 | grep -v INFO | tail -2 | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, d[b].get('remote_tail_replays'), \
+    d[b].get('rounds', {}).get('median'), d[b]['services_remote_tail']['per_step_ms']) for b in d if b.startswith('batch_')]" \
+    "$OUT/split_tail.json" 2>&1 | log
+  (cd bench && timeout 140 python timeline.py --batch 1 --max-tokens 256 --skip 50 --steps 150 --remote-tail --out "$OUT/b1" \
+    2>&1 | grep -v INFO | tail -3 | log)
+  ;;
 eval)
   # (after the twenty-third session) the shipped drafter's held-out tau with its speedup over target-only
   # measured in the same run, as issue 10's "done" asks: float32 at batch 16 (the training's eval, now
@@ -172,7 +189,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|eval|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|tail|eval|train SEED [flags]" >&2
   exit 2
   ;;
 esac
