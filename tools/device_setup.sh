@@ -10,19 +10,29 @@
 # .whl/ (gguf, grpcio-health-checking, grpcio-reflection, prometheus-client), installs this checkout
 # editable and converts the model once into $SPECSPLIT_CACHE (kept under /var/tmp while the machine
 # stays warm). Use `python -m pip` there: the image's `pip` belongs to another interpreter.
-set -e
+# (No `set -e`: sourced, it would end the calling shell at the first failure, silently where the call sends
+# this script's output to /dev/null. Each failure says what is missing and returns 1; `gpu_round.sh` stops
+# there.)
 export SPECSPLIT_CACHE=${SPECSPLIT_CACHE:-/var/tmp/cache} PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p /var/tmp/stage
 cp -n .model/part* /var/tmp/stage/ 2>/dev/null || true
 converted=$SPECSPLIT_CACHE/smollm2-135m-instruct/model.safetensors
 if [ ! -f "$converted" ]; then
+  if [ "$(head -c 4 /var/tmp/stage/part00 2>/dev/null)" != GGUF ]; then
+    echo "device_setup: no model here and no first piece (/var/tmp/stage/part00) to make it from: this machine" \
+      "is fresh; stage .model/part00 and the rest first (tools/device_tree.sh, tools/split_model.sh)" >&2
+    return 1
+  fi
   cat /var/tmp/stage/part* > /var/tmp/stage/model.gguf
 fi
 python -m pip install -q --no-deps --target /tmp/site .whl/*.whl > /tmp/pip-wheels.log 2>&1 || cat /tmp/pip-wheels.log
 python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip-project.log 2>&1 || cat /tmp/pip-project.log
 if [ ! -f "$converted" ]; then
-  python -c "
+  if ! python -c "
 from specsplit.shared.gguf_import import DEFAULT_SUBDIR, cache_root, convert_gguf, to_stderr
-convert_gguf('/var/tmp/stage/model.gguf', cache_root() / DEFAULT_SUBDIR, progress=to_stderr)"
+convert_gguf('/var/tmp/stage/model.gguf', cache_root() / DEFAULT_SUBDIR, progress=to_stderr)"; then
+    echo "device_setup: the pieces in /var/tmp/stage ($(ls /var/tmp/stage | tr '\n' ' ')) did not convert: one" \
+      "missing or cut short?" >&2
+    return 1
+  fi
 fi
-set +e

@@ -39,7 +39,7 @@ if [ "${1:-}" = probe-release ]; then
   timeout -k 10 60 python tools/stream_wait_probe.py --part 7 2>&1 | tail -6 | log
   exit
 fi
-source tools/device_setup.sh
+source tools/device_setup.sh || { echo "gpu_round: no model on this machine (above); nothing run" | log; exit 1; }
 case "${1:-}" in
 kernels)
   # the GPU tests of the kernels, the step graphs, the chain and the DFlash graphs (the k < 15 check prints
