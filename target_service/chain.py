@@ -123,5 +123,7 @@ class ChainProgram:
 
     def keep(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """A step's verified rows [n * (k + 1), F] and their positions [n], for the commit after it (the
-        positions copied: the feed moves on after this)."""
+        positions copied: the feed moves on after this). Captured, the rows live in the pool every chained
+        graph shares: valid until the next replay of any shape, so the commit must copy them at once, in
+        stream order (`RemoteProposer.chain_commit` does)."""
         self.kept = rows, self.committed_at.copy_(positions)

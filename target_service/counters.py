@@ -49,7 +49,7 @@ class EngineCounters:
     refusals: int = 0  # the drafter refused one sequence (its limits): that one decodes serially
     reattaches: int = 0  # a drafter attached after a fallback, or first answered after a start without it
     chained: int = 0  # speculative steps chained on the device (target_service/chain.py), counted when read
-    chain_captures: int = 0  # chained steps' shapes captured whole as one CUDA graph (chain.ChainProgram) ...
+    chain_captures: int = 0  # chained steps' shapes captured as one CUDA graph (chain.ChainProgram; whole, or after a service's drafts) ...
     chain_replays: int = 0  # ... and chained steps launched as a replay of one
     chain_capture_seconds: float = 0.0  # host seconds spent capturing them (a step that captures waits)
     # Host seconds of one batched step's phases, each ending at a point that already waits for the device:

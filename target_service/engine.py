@@ -90,7 +90,8 @@ class EngineConfig:
     # with this, everything after the drafts arrive (the verify, the accept, the outcome, the next feed)
     # replays as one graph of its own (`Engine._chain_tail`), where it ran as some thirty launches around
     # the verify's graph (bench/timeline.py, twenty-third session: the GPU idle while the target's host
-    # launched them). Off until measured on the H200.
+    # launched them). Up to `chain_capture` sequences, like the whole step's (0: never). Off until measured
+    # on the H200.
     chain_capture_remote: bool = False
 
     def __post_init__(self) -> None:
@@ -103,6 +104,8 @@ class EngineConfig:
             raise InvalidRequest("num_drafts must be >= 0")
         if isinstance(self.chain_capture, bool) or not isinstance(self.chain_capture, int) or self.chain_capture < 0:
             raise InvalidRequest(f"chain_capture is a number of sequences >= 0, got {self.chain_capture!r}")
+        if not isinstance(self.chain_capture_remote, bool):
+            raise InvalidRequest(f"chain_capture_remote is true or false, got {self.chain_capture_remote!r}")
         for pair in self.drafts_by_batch:
             if len(pair) != 2 or pair[0] < 1 or pair[1] < 0:
                 raise InvalidRequest(f"drafts_by_batch: {pair!r} is not a (sequences >= 1, drafts >= 0) pair")
@@ -790,18 +793,21 @@ class Engine:
         shape has run uncaptured `_CHAIN_CAPTURE_AFTER` times (`program.drafts` its input), then the
         verified rows' commit queued for the next Step from what the graph kept. False: the drafter
         failed before the verify (it is detached)."""
+
+        def tail() -> None:
+            self._chain_verify(program, fwd, seqs, counts, None, program.drafts, program.keep)
+
+        # Captured before the propose: the graph reads the drafts by address, and nothing waits on our stream
+        # yet (with device waits the propose queues a wait for the drafter's done value, and a capture's first
+        # allocations must not meet it: a cudaFree would wait for that value)
+        if program.graph is None and program.runs >= _CHAIN_CAPTURE_AFTER and not program.broken \
+                and program.n <= self._chain_capture_most:
+            self._chain_capture(program, tail)
         anchors, positions = program.feed
         drafts = self._chain_drafts(self._drafter_call, batch, anchors, positions, program.k, None, len(seqs))
         if drafts is None:
             return False
         program.drafts.copy_(drafts)
-
-        def tail() -> None:
-            self._chain_verify(program, fwd, seqs, counts, None, program.drafts, program.keep)
-
-        if program.graph is None and program.runs >= _CHAIN_CAPTURE_AFTER and not program.broken \
-                and program.n <= self._chain_capture_most:
-            self._chain_capture(program, tail)
         if program.graph is not None:
             program.graph.replay()
             self.counters.chain_replays += 1

@@ -397,10 +397,12 @@ class StepGraphs:
             graph.replay()
             return fwd.output
         kept = fwd.output
-        with torch.inference_mode():
-            out = fwd.run()
-        if graph is not None:
-            fwd.output = kept  # the graph's outputs, which its replays rewrite
+        try:
+            with torch.inference_mode():
+                out = fwd.run()
+        finally:
+            if graph is not None:
+                fwd.output = kept  # the graph's outputs, which its replays rewrite (a failed capture's neither)
         return out
 
     def _run(self, step: StepBatch, drafts: DeviceDrafts | None) -> tuple[StaticForward, torch.Tensor, ForwardOutput]:

@@ -68,8 +68,8 @@ class _EngineCollector(Collector):
                        "a re-attach's recomputed rows)", c.graphed_prefills)
         yield _counter("chained_steps", "speculative steps chained on the device: accepted there, the next one "
                        "launched before the host read this one", c.chained)
-        yield _counter("chain_captures", "shapes of chained steps captured whole as one CUDA graph (a replay "
-                       "a step from then on)", c.chain_captures)
+        yield _counter("chain_captures", "shapes of chained steps captured as one CUDA graph (whole in-process; "
+                       "through a drafter service, what follows the drafts), a replay a step from then on", c.chain_captures)
         yield _counter("chain_capture_seconds", "host seconds spent capturing them (the step that captures "
                        "waits for it)", c.chain_capture_seconds)
         yield _counter("tokens", "tokens generated and sent to clients", c.tokens)

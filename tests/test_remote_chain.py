@@ -162,16 +162,28 @@ def test_the_targets_side_of_a_services_chained_step_replays_what_it_captured(pa
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.target_service import engine as engine_module
 
+    replaying = {"on": False}
+
     class Graph:
         def __init__(self, work):
             self.work = work
 
         def replay(self):
-            self.work()
+            replaying["on"] = True  # (a graph replays device work: no drafter verb, no host effect inside)
+            try:
+                self.work()
+            finally:
+                replaying["on"] = False
 
     def capture(work, pool):
         assert inlining() and pool == "pool"
         return Graph(work)  # (a capture runs nothing)
+
+    def guarded(call):
+        def drafter_call(*args):
+            assert not replaying["on"], "a drafter verb inside the captured part of a step"
+            return call(*args)
+        return drafter_call
 
     monkeypatch.setattr(engine_module, "capture_serving", capture)
     monkeypatch.setattr(engine_module.torch.cuda, "graph_pool_handle", lambda: "pool")
@@ -190,6 +202,7 @@ def test_the_targets_side_of_a_services_chained_step_replays_what_it_captured(pa
         try:
             engine = _engine(target, proposer, chain_capture_remote=captured)
             engine._chain_capture_most = 4  # (0 on the CPU, where nothing is captured)
+            engine._drafter_call = guarded(engine._drafter_call)
             tokens = _run(engine, tokenizer, lengths=lengths)
             runs[captured] = tokens, list(scripted.proposes), list(scripted.commits), engine.counters
         finally:

@@ -260,25 +260,33 @@ def test_chained_steps_replayed_as_the_drafters_graphs_draft_as_uncaptured(tmp_p
     assert not errors and steps >= 20 and replayed >= 10, report
 
 
-def test_the_targets_side_of_a_services_chained_step_replayed_as_a_graph_accepts_as_uncaptured(tmp_path):
+@pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])
+def test_the_targets_side_of_a_services_chained_step_replayed_as_a_graph_accepts_as_uncaptured(tmp_path, device_waits):
     """EngineConfig(chain_capture_remote=True): through the drafter service, what follows each chained
     step's drafts (the verify, the accept, the outcome, the next feed) replays as one CUDA graph of the
-    target's once the shape has run a few times. The tokens are target-only's, every request accepts as
-    many drafts as uncaptured (float32: the same drafts), and steps were replayed. (The data flow through
-    a stand-in graph on the CPU: tests/test_remote_chain.py.)"""
+    target's once the shape has run a few times. Requests of three lengths, so three, then two, then one
+    sequence run long enough to be captured (three graphs sharing one pool, replayed out of capture
+    order, each fed anew as the batch shrinks); host polls and device waits. The tokens are target-only's,
+    every request accepts as many drafts as uncaptured (float32: the same drafts), and steps were
+    replayed. (The data flow through a stand-in graph on the CPU: tests/test_remote_chain.py.)"""
     model, tokenizer = default_target()
-    params = SamplingParams(max_tokens=160, ignore_eos=True)
+    lengths = (260, 180, 100)
+    requests = lambda: [Request(str(i), tokenizer.encode(p), SamplingParams(max_tokens=n, ignore_eos=True))  # noqa: E731
+                        for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
     runs = {}
     with spawned_drafter(tmp_path) as address:
         for captured in (False, True):
-            engine, remote = remote_engine(address, model, config={"chain_capture_remote": captured})
-            tokens, stats = generate(engine, tokenizer, params)
+            engine, remote = remote_engine(address, model, config={"chain_capture_remote": captured},
+                                           device_waits=device_waits)
+            events = engine.generate(requests())
             remote.close()
-            runs[captured] = tokens, [s.accepted for s in stats], engine.counters
+            runs[captured] = ([[t for e in events[str(i)] for t in e.token_ids] for i in range(len(lengths))],
+                              [events[str(i)][-1].stats.accepted for i in range(len(lengths))], engine.counters)
     (tokens, accepted, plain), (graphed, graphed_accepted, counters) = runs[False], runs[True]
-    assert graphed == tokens == local_tokens("none", params)
-    assert graphed_accepted == accepted and sum(accepted) > 0
-    assert plain.chain_replays == 0 and counters.chain_captures >= 1 and counters.chain_replays >= 10, \
+    want = [local_tokens("none", SamplingParams(max_tokens=n, ignore_eos=True))[i] for i, n in enumerate(lengths)]
+    assert graphed == tokens == want
+    assert graphed_accepted == accepted and sum(accepted) > 0 and counters.chained == plain.chained
+    assert plain.chain_replays == 0 and counters.chain_captures >= 3 and counters.chain_replays >= 20, \
         (counters.chain_captures, counters.chain_replays, counters.chained)
 
 
