@@ -746,8 +746,7 @@ class Engine:
         (`_CHAIN_CAPTURE_AFTER`); run uncaptured otherwise, each drafter verb guarded (a failure
         detaches it). False: the drafter failed before the verify."""
         whole = whole and getattr(self.proposer, "chain_captured_whole", True)  # (the services' propose: a round trip)
-        if whole and program.graph is None and program.runs >= _CHAIN_CAPTURE_AFTER and not program.broken \
-                and program.n <= self._chain_capture_most:
+        if whole and self._chain_capturable(program):
             self._chain_capture(program, lambda: device_work(None))
         if whole and program.graph is not None:
             program.graph.replay()
@@ -755,6 +754,11 @@ class Engine:
             return True
         program.runs += 1
         return device_work(self._drafter_call)
+
+    def _chain_capturable(self, program: ChainProgram) -> bool:
+        """Not captured yet, run uncaptured often enough, never failed, and small enough."""
+        return program.graph is None and program.runs >= _CHAIN_CAPTURE_AFTER and not program.broken \
+            and program.n <= self._chain_capture_most
 
     def _chain_capture(self, program: ChainProgram, work: Callable[[], object]) -> None:
         """Capture `work` as the program's graph (a failure marks it broken: it runs uncaptured)."""
@@ -800,8 +804,7 @@ class Engine:
         # Captured before the propose: the graph reads the drafts by address, and nothing waits on our stream
         # yet (with device waits the propose queues a wait for the drafter's done value, and a capture's first
         # allocations must not meet it: a cudaFree would wait for that value)
-        if program.graph is None and program.runs >= _CHAIN_CAPTURE_AFTER and not program.broken \
-                and program.n <= self._chain_capture_most:
+        if self._chain_capturable(program):
             self._chain_capture(program, tail)
         anchors, positions = program.feed
         drafts = self._chain_drafts(self._drafter_call, batch, anchors, positions, program.k, None, len(seqs))
