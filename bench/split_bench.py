@@ -302,42 +302,42 @@ def main() -> None:
             engines = {"target_only": base_engine, "in_process": local_engine, "services": split_engine}
             rates = {name: [r["tokens_per_s"]] for name, r in (("target_only", base), ("in_process", local),
                                                               ("services", split))}
+
+            def services_variant(name: str, proposer: RemoteProposer, config: EngineConfig, before=None):
+                """The services with one thing changed, warmed and run once beside the rest (its engine goes
+                on with the rounds; `before(engine)` is read just before the measured run): the engine, its
+                result, what `before` returned, and how many requests' tokens differ from the services'."""
+                engine = engines[name] = Engine(model, proposer, config)
+                run(engine, tokenizer, prompts, args.max_tokens, "warm")
+                seen = before(engine) if before is not None else None
+                other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "s")
+                rates[name] = [result["tokens_per_s"]]
+                plain[name] = result
+                return engine, result, seen, sum(a != b for a, b in zip(split_tokens, other_tokens))
+
             if not_ahead is not None:  # chained proposes sent as their steps launch, against ahead (the default)
-                engine = engines["services_not_ahead"] = Engine(model, not_ahead, conf)
-                run(engine, tokenizer, prompts, args.max_tokens, "warm")
-                other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "s")
-                rates["services_not_ahead"] = [result["tokens_per_s"]]
-                plain.update({"services_not_ahead": result,
-                              "services_ahead_over_not_ahead": split["tokens_per_s"] / result["tokens_per_s"],
-                              "requests_differing_services_ahead_vs_not_ahead": sum(
-                                  a != b for a, b in zip(split_tokens, other_tokens))})
+                _, result, _, differing = services_variant("services_not_ahead", not_ahead, conf)
+                plain.update({"services_ahead_over_not_ahead": split["tokens_per_s"] / result["tokens_per_s"],
+                              "requests_differing_services_ahead_vs_not_ahead": differing})
             if device_waits is not None:  # the target's stream waits for the drafts, against its host polling
-                engine = engines["services_device_waits"] = Engine(model, device_waits, conf)
-                run(engine, tokenizer, prompts, args.max_tokens, "warm")
-                waited_before, released_before = device_waits.link.device_waits, device_waits.waits_released
-                other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "s")
-                rates["services_device_waits"] = [result["tokens_per_s"]]
-                plain.update({"services_device_waits": result,
-                              "services_device_waits_over_host_polls": result["tokens_per_s"] / split["tokens_per_s"],
+                _, result, (waited, released), differing = services_variant(
+                    "services_device_waits", device_waits, conf,
+                    lambda _: (device_waits.link.device_waits, device_waits.waits_released))
+                plain.update({"services_device_waits_over_host_polls": result["tokens_per_s"] / split["tokens_per_s"],
                               "services_device_waits_over_in_process": result["tokens_per_s"] / local["tokens_per_s"],
                               # chained drafts our stream waited for, and waits we released ourselves (a
                               # drafter late past a step's deadline: it is dropped)
-                              "device_waits": device_waits.link.device_waits - waited_before,
-                              "device_waits_released": device_waits.waits_released - released_before,
-                              "requests_differing_services_device_waits_vs_host_polls": sum(
-                                  a != b for a, b in zip(split_tokens, other_tokens))})
+                              "device_waits": device_waits.link.device_waits - waited,
+                              "device_waits_released": device_waits.waits_released - released,
+                              "requests_differing_services_device_waits_vs_host_polls": differing})
             if tail_remote is not None:  # the target's side of a chained step captured, against uncaptured
-                engine = engines["services_remote_tail"] = Engine(model, tail_remote, replace(conf, chain_capture_remote=True))
-                run(engine, tokenizer, prompts, args.max_tokens, "warm")
-                replays_before = engine.counters.chain_replays
-                other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "s")
-                rates["services_remote_tail"] = [result["tokens_per_s"]]
-                plain.update({"services_remote_tail": result,
-                              "services_remote_tail_over_uncaptured": result["tokens_per_s"] / split["tokens_per_s"],
+                engine, result, replays, differing = services_variant(
+                    "services_remote_tail", tail_remote, replace(conf, chain_capture_remote=True),
+                    lambda engine: engine.counters.chain_replays)
+                plain.update({"services_remote_tail_over_uncaptured": result["tokens_per_s"] / split["tokens_per_s"],
                               "services_remote_tail_over_in_process": result["tokens_per_s"] / local["tokens_per_s"],
-                              "remote_tail_replays": engine.counters.chain_replays - replays_before,
-                              "requests_differing_services_remote_tail_vs_uncaptured": sum(
-                                  a != b for a, b in zip(split_tokens, other_tokens))})
+                              "remote_tail_replays": engine.counters.chain_replays - replays,
+                              "requests_differing_services_remote_tail_vs_uncaptured": differing})
             if args.rounds > 1:  # the same again, in turn: how far one round's ratios are from their median
                 for _ in range(args.rounds - 1):
                     for name, engine in engines.items():
