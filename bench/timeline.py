@@ -243,9 +243,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150, help="decode steps recorded")
     ap.add_argument("--device-waits", action=argparse.BooleanOptionalAction, default=True,
                     help="the services engine's stream waits for chained drafts on the device (RemoteProposer)")
-    ap.add_argument("--remote-tail", action="store_true",
+    ap.add_argument("--remote-tail", action=argparse.BooleanOptionalAction, default=True,
                     help="the services engine replays what follows each chained step's drafts as one graph "
-                         "(EngineConfig.chain_capture_remote)")
+                         "(EngineConfig.chain_capture_remote, the default; --no-remote-tail: uncaptured)")
     ap.add_argument("--out", default="timeline")
     args = ap.parse_args()
     if args.analyze:
