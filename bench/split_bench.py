@@ -142,9 +142,10 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
               "services_over_target_only": [c / a for a, c in zip(base, split)]}
     if "services_not_ahead" in rates:
         ratios["services_ahead_over_not_ahead"] = [c / d for c, d in zip(split, rates["services_not_ahead"])]
-    if "services_remote_tail" in rates:
-        ratios["services_remote_tail_over_uncaptured"] = [d / c for c, d in zip(split, rates["services_remote_tail"])]
-        ratios["services_remote_tail_over_in_process"] = [d / b for b, d in zip(local, rates["services_remote_tail"])]
+    if "services_unprepared" in rates:
+        ratios["services_over_unprepared"] = [c / d for c, d in zip(split, rates["services_unprepared"])]
+    if "services_tail_uncaptured" in rates:
+        ratios["services_over_tail_uncaptured"] = [c / d for c, d in zip(split, rates["services_tail_uncaptured"])]
     if "services_device_waits" in rates:
         ratios["services_device_waits_over_host_polls"] = [d / c for c, d in zip(split, rates["services_device_waits"])]
         ratios["services_device_waits_over_in_process"] = [d / b for b, d in zip(local, rates["services_device_waits"])]
@@ -175,9 +176,13 @@ def main() -> None:
     ap.add_argument("--also-device-waits", action="store_true",
                     help="also run the services with the target's stream waiting on the device for each chained "
                          "step's drafts (RemoteProposer(device_waits=True)), side by side, in every round")
-    ap.add_argument("--also-remote-tail", action="store_true",
-                    help="also the services with what follows each chained step's drafts replayed as one graph of "
-                         "the target's (EngineConfig.chain_capture_remote), side by side, in every round")
+    ap.add_argument("--also-tail-uncaptured", action="store_true",
+                    help="also the services with what follows each chained step's drafts run uncaptured "
+                         "(EngineConfig(chain_capture_remote=False); the services replay it as one graph of the "
+                         "target's), side by side, in every round")
+    ap.add_argument("--also-unprepared", action="store_true",
+                    help="also the services through a second drafter service with --no-prepare-chains (each chained "
+                         "step's host work after the target's writes are seen done), side by side, in every round")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -211,7 +216,12 @@ def main() -> None:
         (["--dtype", args.dtype] if args.dtype else []) + ([] if args.drafter_chain_graphs else ["--no-chain-graphs"]) + \
         (["--profile-steps", args.drafter_profile[0], "--profile-out", args.drafter_profile[1]]
          + (["--profile-host"] if args.drafter_profile_host else []) if args.drafter_profile else [])
-    drafter_proc = subprocess.Popen(cmd)
+    drafter_procs = [subprocess.Popen(cmd)]
+    # (--also-unprepared) a second drafter service, each chained step's host work after the target's writes
+    second = f"unix:{tempfile.mkdtemp(prefix='specsplit-bench-')}/drafter.sock"
+    if args.also_unprepared:
+        drafter_procs.append(subprocess.Popen(cmd[:cmd.index("--listen") + 1] + [second] + cmd[cmd.index("--listen") + 2:]
+                                              + ["--no-prepare-chains", "--metrics-port", str(free_port())]))
     try:
         wait_healthy(sock, 300)
         remote = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
@@ -227,9 +237,14 @@ def main() -> None:
         device_waits = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
                                       head=(model.embed_weight, model.lm_head_weight),
                                       device_waits=True) if args.also_device_waits else None
-        # ... and one whose engine replays what follows each chained step's drafts as a graph (--also-remote-tail)
-        tail_remote = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
-                                     head=(model.embed_weight, model.lm_head_weight)) if args.also_remote_tail else None
+        # ... and one whose engine runs what follows each chained step's drafts uncaptured (--also-tail-uncaptured)
+        tail_uncaptured = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
+                                         head=(model.embed_weight, model.lm_head_weight)) if args.also_tail_uncaptured else None
+        # ... and one to the second drafter service (--also-unprepared)
+        if args.also_unprepared:
+            wait_healthy(second, 300)
+        unprepared = RemoteProposer(second, device=setup.device, dtype=setup.torch_dtype,
+                                    head=(model.embed_weight, model.lm_head_weight)) if args.also_unprepared else None
         results = {"device": args.device, "drafter": args.drafter, "transport": remote.mode,
                    "step_transport": remote.step_transport}
         local_drafter = make_drafter(args.drafter, model, setup)
@@ -330,14 +345,15 @@ def main() -> None:
                               "device_waits": device_waits.link.device_waits - waited,
                               "device_waits_released": device_waits.waits_released - released,
                               "requests_differing_services_device_waits_vs_host_polls": differing})
-            if tail_remote is not None:  # the target's side of a chained step captured, against uncaptured
-                engine, result, replays, differing = services_variant(
-                    "services_remote_tail", tail_remote, replace(conf, chain_capture_remote=True),
-                    lambda engine: engine.counters.chain_replays)
-                plain.update({"services_remote_tail_over_uncaptured": result["tokens_per_s"] / split["tokens_per_s"],
-                              "services_remote_tail_over_in_process": result["tokens_per_s"] / local["tokens_per_s"],
-                              "remote_tail_replays": engine.counters.chain_replays - replays,
-                              "requests_differing_services_remote_tail_vs_uncaptured": differing})
+            if tail_uncaptured is not None:  # the target's side of a chained step uncaptured, against captured
+                _, result, _, differing = services_variant(
+                    "services_tail_uncaptured", tail_uncaptured, replace(conf, chain_capture_remote=False))
+                plain.update({"services_over_tail_uncaptured": split["tokens_per_s"] / result["tokens_per_s"],
+                              "requests_differing_services_vs_tail_uncaptured": differing})
+            if unprepared is not None:  # chained steps' host work after the target's writes, against before
+                _, result, _, differing = services_variant("services_unprepared", unprepared, conf)
+                plain.update({"services_over_unprepared": split["tokens_per_s"] / result["tokens_per_s"],
+                              "requests_differing_services_vs_unprepared": differing})
             if args.rounds > 1:  # the same again, in turn: how far one round's ratios are from their median
                 for _ in range(args.rounds - 1):
                     for name, engine in engines.items():
@@ -405,20 +421,23 @@ def main() -> None:
             not_ahead.close()
         if device_waits is not None:
             device_waits.close()
-        if tail_remote is not None:
-            tail_remote.close()
+        if tail_uncaptured is not None:
+            tail_uncaptured.close()
+        if unprepared is not None:
+            unprepared.close()
         text = json.dumps(results, indent=2)
         print(text, flush=True)
         if args.json_out:
             with open(args.json_out, "w") as f:
                 f.write(text)
     finally:
-        drafter_proc.terminate()
-        try:
-            drafter_proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            print("drafter did not stop on SIGTERM within 10 s; killing it", file=sys.stderr)
-            drafter_proc.kill()
+        for proc in drafter_procs:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                print("drafter did not stop on SIGTERM within 10 s; killing it", file=sys.stderr)
+                proc.kill()
 
 
 if __name__ == "__main__":

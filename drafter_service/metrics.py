@@ -29,7 +29,7 @@ class DrafterMetrics(ServiceMetrics):
         self.phases = Counter(f"{PREFIX}_step_phase_seconds", "host seconds spent in each part of the Step "
                               "messages: parse, ready (polling, outside the lock, until the target's GPU writes "
                               "into the rows it sends are done), lock (the wait for the drafter lock), commit (less "
-                              "rows and context), rows (resolving row references and their checks), context (the "
+                              "rows and context; a chained step prepared before the wait: its preparation), rows (resolving row references and their checks), context (the "
                               "batched context forward: its launch on a GPU), propose (the "
                               "drafts' GPU work and read-back; their launch alone when they go into the "
                               "target's drafts buffer), wait (for the target's rows to be read), encode",
@@ -43,7 +43,8 @@ class DrafterMetrics(ServiceMetrics):
         self.chain_graph_steps = Counter(f"{PREFIX}_chain_graph_steps", "chained steps whose commit and propose "
                                          "ran fused (on a GPU unless --no-chain-graphs), by how: uncaptured (their shape not "
                                          "captured yet, or given up), captured (then replayed), replayed, "
-                                         "failed (the capture failed; run uncaptured, the shape given up)",
+                                         "failed (the capture failed; run uncaptured, the shape given up), prepared (replayed, its host "
+                                         "work done before the target's writes were: a chained step sent ahead)",
                                          ["outcome"], registry=self.registry)
         self._chain_graph = {o: self.chain_graph_steps.labels(o) for o in CHAIN_GRAPH_OUTCOMES}
         self.registry.register(_SessionCollector(sessions))

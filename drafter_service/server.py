@@ -102,6 +102,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self._closed = threading.Event()
         self.step_socket = ""  # where the Step stream is also served without gRPC (serve sets it)
         self.chain_graphs = True  # chained steps' commit and propose as one CUDA graph each (--no-chain-graphs: off)
+        self.prepare_chains = True  # a chained step's host work before the target's writes are done (Session.prepare_chain)
         self.instance = secrets.token_hex(16)  # this process, for targets to send back (Describe.instance)
         self.profile: StepWindow | None = None  # a window of Step messages to profile (--profile-steps)
         self.metrics = DrafterMetrics(functools.partial(_sessions_now, weakref.ref(self)))
@@ -118,6 +119,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         with self._lock:
             self._sweep_idle()
             session = self._get_or_create(client)
+            session.turns += 1
             session.last_call = time.monotonic()
             if client in self._streams:
                 self._streams[client].last_work = session.last_call
@@ -347,6 +349,14 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                     return None
                 session.register(batch.register)
             batch = dataclasses.replace(batch, register=())
+        launch = None
+        if batch.chain is not None and self.prepare_chains:  # sent ahead: its host work now, while the target verifies
+            with self._lock:
+                if session.closed:
+                    return None
+                session.turns += 1
+                launch = session.prepare_chain(batch) if not errors else None
+        prepared = time.perf_counter()
         # The target's GPU writes into the buffers this step reads, awaited here, outside the lock: a
         # target whose writes never finish ends its own stream (WritesPending), no one else waits.
         session.await_writes(buffers_read(batch.seqs, batch.verified, batch.chain),
@@ -359,13 +369,17 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                 return None
             if working:  # again, after the wait
                 stream.last_work = time.monotonic()
-            result = session.step(batch, errors)
+            if launch is not None:
+                result = launch()
+            else:
+                session.turns += 1
+                result = session.step(batch, errors)
             phases = session.last_phases
         stepped = time.perf_counter()
         answer = wire.step_result_to_proto(result, columns=batch.draft_columns)
         done = time.perf_counter()
         self.metrics.answered(result, done - started, {
-            "parse": parsed - started, "ready": ready - parsed, "lock": locked - ready, "commit": phases.commit,
+            "parse": parsed - started, "ready": ready - prepared, "lock": locked - ready, "commit": phases.commit,
             "rows": phases.rows,
             "context": phases.context, "propose": phases.propose, "wait": phases.wait, "encode": done - stepped})
         return answer

@@ -982,13 +982,15 @@ class BufferImporter:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         role: BufferRole = BufferRole.ROWS,
+        before_written: bool = False,
     ) -> torch.Tensor:
         """RowRef → [rows, cols]: a copy of shared-memory rows, a view of CUDA IPC rows; InlineRows → decoded.
 
         cols/dtype, when given, are what the caller expects. A CUDA view is given only once the host
         has seen the owner's writes of its generation done (WritesPending otherwise; see
-        `await_written`). `device` applies to inline rows only. `role`: what the buffer must hold (a
-        chained step's feed, or rows).
+        `await_written`), or with `before_written` at once, for work queued only after `check_current`
+        passes. `device` applies to inline rows only. `role`: what the buffer must hold (a chained
+        step's feed, or rows).
         """
         if isinstance(source, InlineRows):
             if role is not BufferRole.ROWS:
@@ -1013,8 +1015,22 @@ class BufferImporter:
             )
         if imported.tensor is None:
             return imported.segment.read_rows(described, source.row_offset, source.rows)
-        imported.check_written(current)
+        if not before_written:
+            imported.check_written(current)
         return imported.tensor[source.row_offset : source.row_offset + source.rows]
+
+    def check_current(self, source: RowRef) -> None:
+        """Before queuing work that reads a view `resolve(before_written=True)` gave: StateConflict if its
+        buffer is gone or has moved to another generation since, WritesPending unless the host has seen
+        the owner's writes of it done. Never waits."""
+        imported = self._get(source.buffer_id)
+        current = imported.segment.generation()
+        if source.generation != current:
+            raise StateConflict(
+                f"buffer {source.buffer_id} is at generation {current}; reference to {source.generation} is stale"
+            )
+        if imported.event is not None:
+            imported.check_written(current)
 
     def await_written(self, buffer_ids: Iterable[int], timeout: float, stop: Callable[[], bool] | None = None) -> None:
         """Poll, from the host and for at most `timeout` seconds in all (or until `stop()` turns true), until

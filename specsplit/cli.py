@@ -264,7 +264,8 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
                                                        security=server_security(args),
                                                        metrics=metrics_address(args),
                                                        context_pool_rows=args.context_pool_rows,
-                                                       profile=window, chain_graphs=args.chain_graphs))
+                                                       profile=window, chain_graphs=args.chain_graphs,
+                                                       prepare_chains=args.prepare_chains))
     if window is not None and window.on_signal:
         signal.signal(signal.SIGUSR1, lambda *_: window.arm())
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
@@ -450,6 +451,10 @@ def add_service_parsers(sub) -> None:
                     help="on a GPU, replay a chained step's context commit, propose and drafts copy (StepRequest.chain) "
                          "as one CUDA graph per shape once it has run a few times (default: on; the drafter's host "
                          "time a Step fell from 1.06 to 0.43 ms on the H200)")
+    ds.add_argument("--prepare-chains", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --chain-graphs: a chained propose sent ahead has its host work (checks, settles, "
+                         "tables) done as it arrives, while the target's GPU still verifies, and only its graph's "
+                         "replay after the target's writes are done (default: on)")
     ds.add_argument("--max-buffer-mib", type=float, default=4096.0,
                     help="MiB of row and head buffers one connection may register")
     ds.add_argument("--max-message-mib", type=float, default=None,

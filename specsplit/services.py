@@ -38,6 +38,7 @@ class DrafterSettings:
     context_pool_rows: int | None = None  # DFlash context rows held for all connections (None: the default)
     profile: StepWindow | None = None  # --profile-steps/--profile-out: a torch profile of those Step messages
     chain_graphs: bool = True  # --chain-graphs (--no-chain-graphs: off): a chained step's commit and propose replayed as one CUDA graph
+    prepare_chains: bool = True  # --prepare-chains: a chained step sent ahead prepared before the target's writes are done
 
     def __post_init__(self) -> None:
         if self.head not in ("auto", "checkpoint", "target"):
@@ -94,6 +95,7 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
     server = DrafterServer(drafter, head=head, device=setup.device, limits=settings.limits)
     server.profile = settings.profile
     server.chain_graphs = settings.chain_graphs
+    server.prepare_chains = settings.prepare_chains
     return server
 
 

@@ -14,7 +14,8 @@ import torch
 from specsplit.drafter_service.server import DrafterServer, serve
 from specsplit.shared import wire
 from specsplit.shared import frames
-from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError, StateConflict, UnknownSequence
+from specsplit.shared.errors import (DrafterUnavailable, InvalidRequest, SpecsplitError, StateConflict, UnknownSequence,
+                                     WritesPending)
 from specsplit.shared.proposer import ProposeRequest
 from specsplit.target_service.drafter_client import RemoteProposer
 from specsplit.target_service.graphs import StepGraphs
@@ -802,3 +803,126 @@ def test_a_chained_steps_graph_outlives_step_messages_and_buffers_it_does_not_re
             session.register([head.describe()])
         assert not session._chain_graphs and session._chain_pool is None
         session.close()
+
+
+class _PreparedWorld:
+    """A drafter session over stand-ins, for `Session.prepare_chain` on the CPU: a proposer that logs its chain
+    verbs, an importer whose rows and feed are "CUDA IPC" views written or not yet, a drafts buffer whose
+    event logs its records, and a captured graph for the step's shape that logs its replays."""
+
+    def __init__(self, monkeypatch):
+        from specsplit.drafter_service import session as session_module
+        from specsplit.shared.transport import BufferKind, RowRef
+
+        log = self.log = []
+
+        class Spec:
+            max_batch, max_drafts, feature_dim = 4, 7, 8
+
+        class Proposer:
+            spec = Spec()
+            propose_graphs = context_graphs = object()
+            head = None
+
+            def chain_settle(self, ids, counts):
+                log.append(("settle", tuple(ids), tuple(counts)))
+
+            def chain_batch(self, ids, ahead):
+                log.append(("batch", tuple(ids)))
+                return ("batch", tuple(ids))
+
+            def chain_bind(self, batch):
+                log.append(("bind", batch))
+
+        world = self
+        self.written = {1: False, 2: False}  # the target's writes into rows (1) and feed (2), seen done
+        self.generation = {1: 5, 2: 5}
+        rows, feed, drafts = torch.zeros(6, 8), torch.zeros(3, 4, dtype=torch.int32), torch.zeros(4, 7, dtype=torch.int32)
+
+        class Event:
+            def record(self):
+                log.append("record")
+
+        class Importer:
+            def descriptor(self, buffer_id):
+                return type("D", (), {"kind": BufferKind.CUDA_IPC})
+
+            def resolve(self, ref, *, cols=None, dtype=None, device=None, role=None, before_written=False):
+                assert before_written or world.written[ref.buffer_id]
+                whole = rows if ref.buffer_id == 1 else feed
+                return whole[ref.row_offset:ref.row_offset + ref.rows]
+
+            def drafts_target(self, buffer_id):
+                assert buffer_id == 3
+                return drafts, Event()
+
+            def check_current(self, ref):
+                if world.generation[ref.buffer_id] != ref.generation:
+                    raise StateConflict("stale")
+                if not world.written[ref.buffer_id]:
+                    raise WritesPending("not written")
+
+        class Graph:
+            def replay(self):
+                log.append("replay")
+
+        self.session = session = session_module.Session(Proposer(), client_id="c", new_seq_id=lambda: 0,
+                                                        head=object(), device="cpu")
+        session.importer = Importer()
+        session.chain_graphs = True
+        session._seqs = {0: 100, 1: 101}
+        self.chain = wire.ChainStep(settle_seq_ids=(0, 1), settle_counts=(2, 3), commit_seq_ids=(0, 1), commit_rows=3,
+                                    rows=RowRef(1, 0, 6, 5), feed=RowRef(2, 0, 3, 5), seq_ids=(0, 1), ahead=(1, 1),
+                                    num_drafts=7)
+        self.batch = wire.StepBatch(9, chain=self.chain, drafts_buffer=3)
+        key = session_module._chain_key(2, 7, 3, rows, feed[:, :2], drafts, self.chain, 3)
+        session._chain_graphs[key] = Graph()
+
+
+def test_a_chained_step_prepared_before_the_targets_writes_launches_after_them_or_not_at_all(monkeypatch):
+    """`Session.prepare_chain` (the drafter's host work for a chained propose sent ahead, done while the
+    target's GPU still verifies): the settles and the batch's checks run at once, before the target's writes
+    are seen done, and nothing reaches the GPU; the launch, after them, binds the tables again, replays the
+    step's graph and records the drafts' event. A launch refuses to replay when another call of the
+    connection came between, when the rows or feed moved to another generation, or when their writes are
+    still not seen done; a step the graphs do not cover is left to `step`, nothing done."""
+    world = _PreparedWorld(monkeypatch)
+    session, log = world.session, world.log
+    launch = session.prepare_chain(world.batch)
+    assert launch is not None
+    assert log == [("settle", (100, 101), (2, 3)), ("batch", (100, 101))]  # no bind, no replay yet
+    with pytest.raises(WritesPending):  # (the server launches only after await_writes)
+        launch()
+    assert "replay" not in log
+    world.written.update({1: True, 2: True})
+    log.clear()
+    result = launch()
+    assert log == [("batch", (100, 101)), ("bind", ("batch", (100, 101))), "replay", "record"]
+    assert result.step_id == 9 and result.in_buffer == ((0, 7), (1, 7)) and not result.proposals and not result.errors
+    assert session.last_phases.commit > 0 and session.last_phases.propose > 0
+
+    for spoil, error in ((lambda: setattr(session, "turns", session.turns + 1), StateConflict),  # a call between
+                         (lambda: world.generation.update({2: 6}), StateConflict)):  # the feed's generation moved
+        world.generation.update({1: 5, 2: 5})
+        launch = session.prepare_chain(world.batch)
+        spoil()
+        log.clear()
+        with pytest.raises(error):
+            launch()
+        assert "replay" not in log and "record" not in log
+    world.generation.update({1: 5, 2: 5})
+
+    # Not covered (nothing done, `step` runs it): no graph for the shape, rows in shared memory, a message
+    # that does more than chain, a head whose writes were not seen done
+    from specsplit.shared.transport import BufferKind
+
+    log.clear()
+    assert session.prepare_chain(dataclasses.replace(world.batch, chain=dataclasses.replace(world.chain, num_drafts=6))) is None
+    assert session.prepare_chain(dataclasses.replace(world.batch, release=(1,))) is None
+    describe = session.importer.descriptor
+    session.importer.descriptor = lambda buffer_id: type("D", (), {"kind": BufferKind.SHM})
+    assert session.prepare_chain(world.batch) is None
+    session.importer.descriptor = describe
+    session._head, session._head_written = object(), False
+    assert session.prepare_chain(world.batch) is None
+    assert log == []

@@ -94,7 +94,7 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
             event.record()
 
         tampered(garble)
-    replays, errors = [], []
+    replays, errors, launched = [], [], []
     if mode == "graphs":  # counts the chained steps its graphs replayed, keeps why a capture failed (sent back)
         device = Session._chain_device
 
@@ -105,6 +105,15 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
                 errors.append(self.chain_graph_error)
 
         Session._chain_device = chain_device
+        launch = Session._launch_prepared
+
+        def launch_prepared(self, prepared):  # a chained step sent ahead, prepared before the target's writes
+            result = launch(self, prepared)
+            replays.append(True)
+            launched.append(True)
+            return result
+
+        Session._launch_prepared = launch_prepared
     from specsplit.drafter_service.limits import DrafterLimits
 
     server_obj, server = start_drafter(DrafterSettings((address,), LocalSetup(drafter="dflash", device="cuda",
@@ -118,14 +127,15 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
         pass
     server.stop(None)
     server_obj.close()
-    conn.send((len(replays), sum(replays), errors))
+    conn.send((len(replays), sum(replays), errors, len(launched)))
 
 
 @contextlib.contextmanager
 def spawned_drafter(tmp_path, mode: str = "honest", writes_wait: float = 10.0, report: list | None = None):
     """A drafter service in a process of its own (`_drafter_main`), answering health checks: yields its
     address; stopped at the end, killed if it does not stop (a stalled one's GPU work may not end).
-    `report` gets what it sends back as it stops (mode "graphs": its chained steps, and those replayed)."""
+    `report` gets what it sends back as it stops (mode "graphs": its chained steps, those replayed, why
+    captures failed, and those replayed as prepared before the target's writes were done)."""
     import multiprocessing as mp
 
     from specsplit.shared.serving import wait_healthy
@@ -238,7 +248,8 @@ def test_a_drafter_that_never_writes_its_done_value_costs_a_deadline_not_a_hang(
 
 def test_chained_steps_replayed_as_the_drafters_graphs_draft_as_uncaptured(tmp_path):
     """A drafter service with --chain-graphs: each chained step's commit, propose and drafts copy replay as
-    one CUDA graph once the shape has run a few times. Every verify accepts as many drafts as through the
+    one CUDA graph once the shape has run a few times, most of them prepared before the target's writes
+    were done (Session.prepare_chain: chained proposes sent ahead). Every verify accepts as many drafts as through the
     same drafter without graphs (float32: the same drafts), the tokens are target-only's, and chained
     steps were replayed. (Long enough that one shape, three sequences, runs past its capture: the
     eighteenth session's 48 tokens spread 16 fused steps over three shapes, none captured.)"""
@@ -256,8 +267,8 @@ def test_chained_steps_replayed_as_the_drafters_graphs_draft_as_uncaptured(tmp_p
     (tokens, accepted, chained, _), (graphed, graphed_accepted, graphed_chained, report) = runs.values()
     assert graphed == tokens == local_tokens("none", params)
     assert graphed_accepted == accepted and sum(accepted) > 0 and graphed_chained == chained >= 30
-    (steps, replayed, errors), = report
-    assert not errors and steps >= 20 and replayed >= 10, report
+    (steps, replayed, errors, prepared), = report
+    assert not errors and steps >= 20 and replayed >= 10 and prepared >= 5, report
 
 
 @pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])

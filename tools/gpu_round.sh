@@ -14,6 +14,7 @@
 #   bash tools/gpu_round.sh probe-release  # the watchdog's release while a kernel module loads (no model)
 #   bash tools/gpu_round.sh timeline  # device waits' GPU tests, then both services' GPU work on one clock
 #   bash tools/gpu_round.sh tail      # the target's side of a services chained step as one graph: GPU test, tokens/s, timeline
+#   bash tools/gpu_round.sh prepare   # the drafter's chained steps prepared before the target's writes: GPU tests, tokens/s
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
@@ -142,12 +143,25 @@ tail)
   timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "replayed_as_a_graph" 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
   timeout 300 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
-    --also-remote-tail --rounds 3 --json-out "$OUT/split_tail.json" 2>&1 | grep -v INFO | tail -2 | log
-  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, d[b].get('remote_tail_replays'), \
-    d[b].get('rounds', {}).get('median'), d[b]['services_remote_tail']['per_step_ms']) for b in d if b.startswith('batch_')]" \
-    "$OUT/split_tail.json" 2>&1 | log
-  (cd bench && timeout 140 python timeline.py --batch 1 --max-tokens 256 --skip 50 --steps 150 --remote-tail --out "$OUT/b1" \
+    --also-tail-uncaptured --rounds 3 --json-out "$OUT/split_tail.json" 2>&1 | grep -v INFO | tail -2 | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, d[b].get('rounds', {}).get('median'), \
+    d[b]['services']['per_step_ms']) for b in d if b.startswith('batch_')]" "$OUT/split_tail.json" 2>&1 | log
+  (cd bench && timeout 140 python timeline.py --batch 1 --max-tokens 256 --skip 50 --steps 150 --out "$OUT/b1" \
     2>&1 | grep -v INFO | tail -3 | log)
+  ;;
+prepare)
+  # (twenty-fourth session, not measured yet) the drafter's host work for a chained propose sent ahead done as
+  # it arrives, while the target's GPU still verifies (Session.prepare_chain), where it sat between the two
+  # GPUs (~0.2 ms of a 1.8-ms services step); and the target's tail graph now on by default. Every GPU test
+  # of the services first (both changes are the default for all of them), then tokens/s against a second
+  # drafter service with --no-prepare-chains and against the tail uncaptured, three rounds
+  timeout 330 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
+  timeout 250 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --also-unprepared --also-tail-uncaptured --rounds 3 --json-out "$OUT/split_prepare.json" 2>&1 | grep -v INFO | tail -2 | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, d[b].get('rounds', {}).get('median'), \
+    d[b]['drafter_chain_graph_steps'], d[b]['drafter_phase_mean_ms'], d[b]['services']['per_step_ms']) \
+    for b in d if b.startswith('batch_')]" "$OUT/split_prepare.json" 2>&1 | log
   ;;
 eval)
   # (after the twenty-third session) the shipped drafter's held-out tau with its speedup over target-only
@@ -189,7 +203,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|tail|eval|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|tail|prepare|eval|train SEED [flags]" >&2
   exit 2
   ;;
 esac
