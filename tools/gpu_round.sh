@@ -135,11 +135,10 @@ timeline)
     | grep -v INFO | tail -4 | log)
   ;;
 tail)
-  # (twenty-third session, not measured yet) EngineConfig.chain_capture_remote: through the services, what
-  # follows each chained step's drafts (verify, accept, outcome, next feed) replays as one graph of the
-  # target's, where the timeline showed ~28 eager launches and ~11 copies a step around the verify's graph
-  # with the GPU idle (services 0.57x in-process with device waits, 0.52x without). The GPU test (equal
-  # tokens and acceptance, replays), then tokens/s against uncaptured, three rounds, then the timeline
+  # EngineConfig.chain_capture_remote (on by default since the twenty-fourth session, which measured it at
+  # 1.15x / 1.09x the uncaptured tail's tokens/s at 1 / 8 streams): through the services, what follows each
+  # chained step's drafts (verify, accept, outcome, next feed) replays as one graph of the target's. The GPU
+  # test (equal tokens and acceptance, replays), then tokens/s against uncaptured, three rounds, then the timeline
   timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "replayed_as_a_graph" 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
   timeout 300 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
