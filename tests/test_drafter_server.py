@@ -1077,3 +1077,63 @@ def test_a_unary_call_whose_rows_are_pending_fails_alone_and_frees_nothing(env):
         thread.join(10)
         assert result["code"] == ("OK" if late else "DEADLINE_EXCEEDED")
         assert server._sessions["target-u"].num_sequences == 1
+
+
+@pytest.mark.parametrize("between", [False, True], ids=["nothing-between", "a-call-between"])
+def test_a_chained_step_is_prepared_before_its_writes_and_launched_after_them(env, monkeypatch, between):
+    """A chained Step message (a propose sent ahead, `Session.prepare_chain`) is prepared under the lock as it
+    arrives, while the target's writes into its rows are pending (a gate stands for their CUDA event), and
+    launched once they are done. A unary call of the same connection while the Step waits counts as a call
+    between (`Session.turns`): the launch refuses it (FAILED_PRECONDITION), that stream alone ends, and
+    another target is served throughout. (What the launch checks: tests/test_remote_chain.py.)"""
+    from specsplit.shared.errors import StateConflict
+
+    _, server, channel = env.start(writes_wait_seconds=10.0)
+    a, b = Client(channel, "target-a", env.exporter), Client(channel, "target-b", env.exporter)
+    for seed, client in enumerate((a, b)):
+        alloc_prefill(client, make_drafter(), 0, [3, 14, 15], seed=seed)
+        client.open()
+    imported = server._sessions["target-a"].importer._buffers[a.buffer.buffer_id]
+    gate = _Gate()
+    imported.tensor, imported.event = a.buffer.tensor, gate  # read as a CUDA view behind its event
+    seen = []
+
+    def prepare(session, batch):  # a stand-in for the real preparation (CUDA only): what the server does around it
+        seen.append(("prepared", gate.open))
+        turn = session.turns
+
+        def launch():
+            seen.append(("launched", gate.open))
+            if session.turns != turn:
+                raise StateConflict("another call of this connection ran between")
+            return wire.StepResult(batch.step_id, {}, (), ())
+
+        return launch
+
+    monkeypatch.setattr(Session, "prepare_chain", prepare)
+    a.new_generation()
+    chain = wire.ChainStep(commit_seq_ids=(0,), commit_rows=1, rows=a.shm(rows(1, 9)), feed=a.buffer.ref(1, 3))
+    done = threading.Event()
+    answer: dict = {}
+
+    def step_a() -> None:
+        try:
+            answer["result"] = a.step(wire.StepBatch(1, chain=chain))
+        except grpc.RpcError as err:
+            answer["error"] = err
+        done.set()
+
+    threading.Thread(target=step_a, daemon=True).start()
+    wait_until(lambda: gate.queries > 3)  # A's Step waits for its writes, prepared already
+    assert seen == [("prepared", False)]
+    if between:
+        a.call("AllocState", wire.alloc_to_proto(1, BUDGET))
+    assert not b.step(wire.StepBatch(1, proposes=(ProposeRequest(0, 8, 3, GAMMA - 1),))).errors
+    gate.open = True
+    assert done.wait(10) and seen == [("prepared", False), ("launched", True)]
+    if between:
+        assert answer["error"].code() is grpc.StatusCode.FAILED_PRECONDITION
+        wait_until(lambda: "target-a" not in server._sessions)
+    else:
+        assert answer["result"].step_id == 1 and not answer["result"].errors
+    assert not b.step(wire.StepBatch(2, proposes=(ProposeRequest(0, 8, 3, GAMMA - 1),))).errors
