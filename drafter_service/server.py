@@ -347,6 +347,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             with self._lock:
                 if session.closed:
                     return None
+                session.turns += 1
                 session.register(batch.register)
             batch = dataclasses.replace(batch, register=())
         launch = None

@@ -661,12 +661,16 @@ class Session:
                 or any(self.importer.descriptor(ref.buffer_id).kind is not BufferKind.CUDA_IPC
                        for ref in (chain.rows, chain.feed)):
             return None
+        # views of the target's buffers on our GPU, nothing copied (a copy would be queued before the writes)
         rows = self.importer.resolve(chain.rows, cols=spec.feature_dim, before_written=True)
-        feed = self._feed_view(chain.feed, n, before_written=True)
+        feed = self.importer.resolve(chain.feed, dtype=torch.int32, role=BufferRole.FEED, before_written=True)
         view, event = self.importer.drafts_target(batch.drafts_buffer)
-        if rows.shape[0] != n * count or not (n <= view.shape[0] and k <= view.shape[1]
-                                              and view.device == _indexed(self.device) == rows.device == feed.device):
+        here = _indexed(self.device)
+        if rows.shape[0] != n * count or chain.feed.row_offset != 0 or chain.feed.rows != FEED_ROWS \
+                or n > feed.shape[1] or n > view.shape[0] or k > view.shape[1] \
+                or not view.device == rows.device == feed.device == here:
             return None
+        feed = feed[:, :n]
         graph = self._chain_graphs.get(_chain_key(n, k, count, rows, feed, view, chain, batch.drafts_buffer))
         if graph is None:
             return None
@@ -683,7 +687,7 @@ class Session:
     def _launch_prepared(self, prepared: "_Prepared") -> StepResult:
         started = time.perf_counter()
         chain = prepared.chain
-        if self.turns != prepared.turn:
+        if self.closed or self.turns != prepared.turn:
             raise StateConflict("another call of this connection ran between a chained step's arrival and its launch")
         self.importer.check_current(chain.rows)
         self.importer.check_current(chain.feed)
@@ -783,12 +787,12 @@ class Session:
                                 "more than a batch, or the drafter's head elsewhere)")
         return batch
 
-    def _feed_view(self, ref: RowSource | None, n: int, before_written: bool = False) -> torch.Tensor:
+    def _feed_view(self, ref: RowSource | None, n: int) -> torch.Tensor:
         """A chained step's feed [3, n] int32 (see BufferRole.FEED): a view of the target's buffer, or a
         copy of shared memory, on our device. The target's numbers: `_bounded` before any use."""
         if not isinstance(ref, RowRef) or ref.row_offset != 0 or ref.rows != FEED_ROWS:
             raise InvalidRequest(f"a chained step's feed is rows 0..{FEED_ROWS} of a feed buffer")
-        feed = self.importer.resolve(ref, dtype=torch.int32, role=BufferRole.FEED, before_written=before_written)
+        feed = self.importer.resolve(ref, dtype=torch.int32, role=BufferRole.FEED)
         if n > feed.shape[1]:
             raise InvalidRequest(f"a feed buffer of {feed.shape[1]} columns holds no {n} sequences")
         return feed[:, :n].to(self.device)

@@ -832,12 +832,13 @@ class _PreparedWorld:
                 return ("batch", tuple(ids))
 
             def chain_bind(self, batch):
-                log.append(("bind", batch))
+                log.append(("bind", batch, self.head))
 
         world = self
         self.written = {1: False, 2: False}  # the target's writes into rows (1) and feed (2), seen done
         self.generation = {1: 5, 2: 5}
-        rows, feed, drafts = torch.zeros(6, 8), torch.zeros(3, 4, dtype=torch.int32), torch.zeros(4, 7, dtype=torch.int32)
+        rows, drafts = torch.zeros(6, 8), torch.zeros(4, 7, dtype=torch.int32)
+        self.feed = feed = torch.zeros(3, 4, dtype=torch.int32)
 
         class Event:
             def record(self):
@@ -849,7 +850,7 @@ class _PreparedWorld:
 
             def resolve(self, ref, *, cols=None, dtype=None, device=None, role=None, before_written=False):
                 assert before_written or world.written[ref.buffer_id]
-                whole = rows if ref.buffer_id == 1 else feed
+                whole = rows if ref.buffer_id == 1 else world.feed
                 return whole[ref.row_offset:ref.row_offset + ref.rows]
 
             def drafts_target(self, buffer_id):
@@ -866,8 +867,9 @@ class _PreparedWorld:
             def replay(self):
                 log.append("replay")
 
+        self.head = object()  # the server's own head, this connection's
         self.session = session = session_module.Session(Proposer(), client_id="c", new_seq_id=lambda: 0,
-                                                        head=object(), device="cpu")
+                                                        head=self.head, device="cpu")
         session.importer = Importer()
         session.chain_graphs = True
         session._seqs = {0: 100, 1: 101}
@@ -895,15 +897,22 @@ def test_a_chained_step_prepared_before_the_targets_writes_launches_after_them_o
         launch()
     assert "replay" not in log
     world.written.update({1: True, 2: True})
+    session.proposer.head = "another connection's head"  # bound by another connection's step meanwhile
     log.clear()
     result = launch()
-    assert log == [("batch", (100, 101)), ("bind", ("batch", (100, 101))), "replay", "record"]
+    assert log == [("batch", (100, 101)), ("bind", ("batch", (100, 101)), world.head), "replay", "record"]
     assert result.step_id == 9 and result.in_buffer == ((0, 7), (1, 7)) and not result.proposals and not result.errors
     assert session.last_phases.commit > 0 and session.last_phases.propose > 0
 
     for spoil, error in ((lambda: setattr(session, "turns", session.turns + 1), StateConflict),  # a call between
-                         (lambda: world.generation.update({2: 6}), StateConflict)):  # the feed's generation moved
+                         (lambda: world.generation.update({2: 6}), StateConflict),  # the feed's generation moved
+                         (lambda: world.generation.update({1: 6}), StateConflict),  # the rows' generation moved
+                         (lambda: world.written.update({2: False}), WritesPending),  # rows written, the feed not
+                         (lambda: world.written.update({1: False}), WritesPending),  # the feed written, the rows not
+                         (lambda: setattr(session, "closed", True), StateConflict)):  # the connection closed
         world.generation.update({1: 5, 2: 5})
+        world.written.update({1: True, 2: True})
+        session.closed = False
         launch = session.prepare_chain(world.batch)
         spoil()
         log.clear()
@@ -911,6 +920,15 @@ def test_a_chained_step_prepared_before_the_targets_writes_launches_after_them_o
             launch()
         assert "replay" not in log and "record" not in log
     world.generation.update({1: 5, 2: 5})
+    session.closed = False
+
+    # A step naming a done value: written after the replay, before the drafts' event
+    monkeypatch.setattr(session, "_done_target", lambda chain: "the done buffer's view")
+    monkeypatch.setattr(type(session), "_write_done", staticmethod(lambda view, value: log.append(("done", view, value))))
+    launch = session.prepare_chain(dataclasses.replace(world.batch, chain=dataclasses.replace(world.chain, done_buffer=4, done_value=42)))
+    log.clear()
+    launch()
+    assert log[-3:] == ["replay", ("done", "the done buffer's view", 42), "record"]
 
     # Not covered (nothing done, `step` runs it): no graph for the shape, rows in shared memory, a message
     # that does more than chain, a head whose writes were not seen done
@@ -923,6 +941,8 @@ def test_a_chained_step_prepared_before_the_targets_writes_launches_after_them_o
     session.importer.descriptor = lambda buffer_id: type("D", (), {"kind": BufferKind.SHM})
     assert session.prepare_chain(world.batch) is None
     session.importer.descriptor = describe
+    world.feed = torch.zeros(3, 4, dtype=torch.int32, device="meta")  # a feed on another device (a copy would be queued)
+    assert session.prepare_chain(world.batch) is None
     session._head, session._head_written = object(), False
     assert session.prepare_chain(world.batch) is None
     assert log == []

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specsplit.shared import transport
-from specsplit.shared.errors import AlreadyExists, InvalidRequest, StateConflict, WritesPending
+from specsplit.shared.errors import AlreadyExists, InvalidRequest, SpecsplitError, StateConflict, WritesPending
 from specsplit.shared.transport import (
     SHM_DIR,
     SHM_PREFIX,
@@ -152,6 +152,45 @@ def test_stale_generation_is_refused_after_the_owner_reuses_slots(child):
         torch.testing.assert_close(importer.resolve(new), _pattern(4, 3, 2)[1:], rtol=0, atol=0)
         with pytest.raises(StateConflict):  # a generation the owner has not reached yet
             importer.resolve(RowRef(descriptor.buffer_id, 0, 1, new.generation + 1))
+    child.ask("release", descriptor.buffer_id)
+
+
+def test_a_view_given_before_its_writes_is_read_only_after_check_current(child):
+    """`resolve(before_written=True)` gives a CUDA view while the owner's writes are pending (a gate stands for
+    its event here), for work queued later; `check_current` is what lets that work go: WritesPending until
+    the writes are seen done, StateConflict once the owner has moved the buffer to another generation or
+    released it. A plain `resolve` never gives the view before the writes."""
+    descriptor, ref = child.ask("create", 4, 3, torch.float32)
+
+    class Gate:
+        open = False
+
+        def done(self):
+            return self.open
+
+    with BufferImporter() as importer:
+        importer.register([descriptor])
+        imported = importer._buffers[descriptor.buffer_id]
+        gate = Gate()
+        imported.tensor, imported.event = torch.zeros(4, 3), gate  # read as a CUDA view behind its event
+        with pytest.raises(WritesPending):
+            importer.resolve(ref)
+        view = importer.resolve(ref, before_written=True)
+        assert view.data_ptr() == imported.tensor.data_ptr()
+        with pytest.raises(WritesPending):
+            importer.check_current(ref)
+        gate.open = True
+        importer.check_current(ref)
+        gate.open = False  # seen done once for this generation: not asked again
+        importer.check_current(ref)
+        new = child.ask("bump", descriptor.buffer_id)
+        with pytest.raises(StateConflict, match="stale"):
+            importer.check_current(ref)
+        with pytest.raises(WritesPending):  # the new generation's writes not seen done yet
+            importer.check_current(new)
+        importer.release([descriptor.buffer_id])
+        with pytest.raises(SpecsplitError):
+            importer.check_current(new)
     child.ask("release", descriptor.buffer_id)
 
 
