@@ -32,7 +32,8 @@ class DrafterMetrics(ServiceMetrics):
                               "rows and context; a chained step prepared before the wait: its preparation), rows (resolving row references and their checks), context (the "
                               "batched context forward: its launch on a GPU), propose (the "
                               "drafts' GPU work and read-back; their launch alone when they go into the "
-                              "target's drafts buffer), wait (for the target's rows to be read), encode",
+                              "target's drafts buffer; less the next), replay (launching chained steps' CUDA "
+                              "graphs: the host's side of cudaGraphLaunch), wait (for the target's rows to be read), encode",
                               ["phase"], registry=self.registry)
         self._phase = {}  # phase → its counter child, looked up once
         self.proposals = Counter(f"{PREFIX}_proposals", "sequences drafts were proposed for", registry=self.registry)

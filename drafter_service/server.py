@@ -382,7 +382,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self.metrics.answered(result, done - started, {
             "parse": parsed - started, "ready": ready - prepared, "lock": locked - ready, "commit": phases.commit,
             "rows": phases.rows,
-            "context": phases.context, "propose": phases.propose, "wait": phases.wait, "encode": done - stepped})
+            "context": phases.context, "propose": phases.propose, "replay": phases.replay, "wait": phases.wait,
+            "encode": done - stepped})
         return answer
 
     def end_stream(self, session: Session, stream: _Stream) -> None:

@@ -118,12 +118,14 @@ class StepPhases:
     """Host seconds of one step's parts: the commits (register, stash, commit, trim, catch-up; less the
     two below), resolving their row references (`rows`: their checks), the
     batched context forward they end with (`context`: its launch, or its work on the CPU), the proposes
-    (with their drafts' read-back, or only their launch into the drafts buffer), and the last wait
-    before the target's buffers are free."""
+    (with their drafts' read-back, or only their launch into the drafts buffer; less the next), the
+    launches of chained steps' CUDA graphs (`replay`: the host's side of cudaGraphLaunch), and the last
+    wait before the target's buffers are free."""
     commit: float = 0.0
     rows: float = 0.0
     context: float = 0.0
     propose: float = 0.0
+    replay: float = 0.0
     wait: float = 0.0
 
 
@@ -170,6 +172,7 @@ class Session:
         self.closed = False
         self.last_phases = StepPhases()  # of the last step()
         self._rows_seconds = 0.0  # spent in _rows since the step began
+        self._replay_seconds = 0.0  # spent launching chained steps' graphs since the step began
         self.chain_graphs = chain_graphs and self.device.type == "cuda"
         self._chain_graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # by shape and addresses; None: broken
         self._chain_runs: dict[tuple, int] = {}  # uncaptured runs of each shape
@@ -501,7 +504,7 @@ class Session:
         self.register(batch.register)
         errors = list(errors)
         in_buffer: tuple[tuple[int, int], ...] = ()
-        self._rows_seconds = 0.0
+        self._rows_seconds = self._replay_seconds = 0.0
         self._in_step = True
         # Every sequence's committed rows in one forward. Inside the block the drafter borrows the rows
         # (views of the target's buffers) until the block ends, so the wait for its reads comes after
@@ -542,9 +545,9 @@ class Session:
         waited = time.perf_counter()
         # host seconds of each part (the GPU's work shows where the host waits for it: the proposes
         # read their drafts back, so "propose" holds the context forward's GPU time too)
-        rows = self._rows_seconds
+        rows, replay = self._rows_seconds, self._replay_seconds
         self.last_phases = StepPhases(commit=applied - started - rows, rows=rows, context=committed - applied,
-                                      propose=proposed - committed, wait=waited - proposed)
+                                      propose=proposed - committed - replay, replay=replay, wait=waited - proposed)
         if batch.release:
             self.release(batch.release)
         return StepResult(batch.step_id, proposals, tuple(errors + propose_errors), in_buffer)
@@ -695,10 +698,13 @@ class Session:
         batch = self._chain_batch(chain.seq_ids, chain.ahead)  # (its tables in place, unless another connection's)
         self._on_chain_graph("prepared")
         self.proposer.chain_bind(batch)
+        replaying = time.perf_counter()
         prepared.graph.replay()
+        replayed = time.perf_counter()
         self._write_done(prepared.done, chain.done_value)
         prepared.event.record()
-        self.last_phases = StepPhases(commit=prepared.seconds, propose=time.perf_counter() - started)
+        self.last_phases = StepPhases(commit=prepared.seconds, propose=time.perf_counter() - started - (replayed - replaying),
+                                      replay=replayed - replaying)
         return StepResult(prepared.step_id, {}, (), tuple((seq_id, chain.num_drafts) for seq_id in chain.seq_ids))
 
     def _done_target(self, chain: ChainStep) -> torch.Tensor | None:
@@ -755,7 +761,9 @@ class Session:
             device_work()
             return
         self.proposer.chain_bind(batch)
+        replaying = time.perf_counter()
         graph.replay()
+        self._replay_seconds += time.perf_counter() - replaying
 
     def _counted_run(self, key: tuple) -> int:
         """One more uncaptured run of `key`'s shape: how many so far. The counts kept are the

@@ -115,7 +115,7 @@ def test_a_request_moves_the_target_and_drafter_counters_consistently(pair):
     assert d("proposals_total") == proposing
     assert d("step_seconds_count") >= proposing
     # The parts of the Step messages add up to within their whole.
-    phases = ("parse", "ready", "lock", "commit", "rows", "context", "propose", "wait", "encode")
+    phases = ("parse", "ready", "lock", "commit", "rows", "context", "propose", "replay", "wait", "encode")
     assert all(d("step_phase_seconds_total", phase=p) >= 0 for p in phases)
     assert 0 < sum(d("step_phase_seconds_total", phase=p) for p in phases) <= d("step_seconds_sum")
     assert d("step_phase_seconds_total", phase="propose") > 0
