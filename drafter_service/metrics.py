@@ -29,11 +29,12 @@ class DrafterMetrics(ServiceMetrics):
         self.phases = Counter(f"{PREFIX}_step_phase_seconds", "host seconds spent in each part of the Step "
                               "messages: parse, ready (polling, outside the lock, until the target's GPU writes "
                               "into the rows it sends are done), lock (the wait for the drafter lock), commit (less "
-                              "rows and context; a chained step prepared before the wait: its preparation), rows (resolving row references and their checks), context (the "
-                              "batched context forward: its launch on a GPU), propose (the "
-                              "drafts' GPU work and read-back; their launch alone when they go into the "
-                              "target's drafts buffer; less the next), replay (launching chained steps' CUDA "
-                              "graphs: the host's side of cudaGraphLaunch), wait (for the target's rows to be read), encode",
+                              "rows and context; for a chained step prepared before the wait, its preparation), "
+                              "rows (resolving row references and their checks), context (the batched context "
+                              "forward: its launch on a GPU), propose (the drafts' GPU work and read-back; their "
+                              "launch alone when they go into the target's drafts buffer; less the next), replay "
+                              "(launching chained steps' CUDA graphs: the host's side of cudaGraphLaunch), wait "
+                              "(for the target's rows to be read), encode",
                               ["phase"], registry=self.registry)
         self._phase = {}  # phase → its counter child, looked up once
         self.proposals = Counter(f"{PREFIX}_proposals", "sequences drafts were proposed for", registry=self.registry)
@@ -44,8 +45,9 @@ class DrafterMetrics(ServiceMetrics):
         self.chain_graph_steps = Counter(f"{PREFIX}_chain_graph_steps", "chained steps whose commit and propose "
                                          "ran fused (on a GPU unless --no-chain-graphs), by how: uncaptured (their shape not "
                                          "captured yet, or given up), captured (then replayed), replayed, "
-                                         "failed (the capture failed; run uncaptured, the shape given up), prepared (replayed, its host "
-                                         "work done before the target's writes were: a chained step sent ahead)",
+                                         "failed (the capture failed; run uncaptured, the shape given up), "
+                                         "prepared (replayed, its host work done before the target's writes "
+                                         "were: a chained step sent ahead)",
                                          ["outcome"], registry=self.registry)
         self._chain_graph = {o: self.chain_graph_steps.labels(o) for o in CHAIN_GRAPH_OUTCOMES}
         self.registry.register(_SessionCollector(sessions))

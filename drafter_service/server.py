@@ -102,7 +102,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self._closed = threading.Event()
         self.step_socket = ""  # where the Step stream is also served without gRPC (serve sets it)
         self.chain_graphs = True  # chained steps' commit and propose as one CUDA graph each (--no-chain-graphs: off)
-        self.prepare_chains = True  # a chained step's host work before the target's writes are done (Session.prepare_chain)
+        self.prepare_chains = True  # chained steps' host work before the target's writes (Session.prepare_chain)
         self.instance = secrets.token_hex(16)  # this process, for targets to send back (Describe.instance)
         self.profile: StepWindow | None = None  # a window of Step messages to profile (--profile-steps)
         self.metrics = DrafterMetrics(functools.partial(_sessions_now, weakref.ref(self)))

@@ -690,7 +690,9 @@ class Session:
     def _launch_prepared(self, prepared: "_Prepared") -> StepResult:
         started = time.perf_counter()
         chain = prepared.chain
-        if self.closed or self.turns != prepared.turn:
+        if self.closed:
+            raise StateConflict("the connection closed before its chained step's launch")
+        if self.turns != prepared.turn:
             raise StateConflict("another call of this connection ran between a chained step's arrival and its launch")
         self.importer.check_current(chain.rows)
         self.importer.check_current(chain.feed)
@@ -703,8 +705,9 @@ class Session:
         replayed = time.perf_counter()
         self._write_done(prepared.done, chain.done_value)
         prepared.event.record()
-        self.last_phases = StepPhases(commit=prepared.seconds, propose=time.perf_counter() - started - (replayed - replaying),
-                                      replay=replayed - replaying)
+        replay = replayed - replaying
+        self.last_phases = StepPhases(commit=prepared.seconds, propose=time.perf_counter() - started - replay,
+                                      replay=replay)
         return StepResult(prepared.step_id, {}, (), tuple((seq_id, chain.num_drafts) for seq_id in chain.seq_ids))
 
     def _done_target(self, chain: ChainStep) -> torch.Tensor | None:

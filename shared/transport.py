@@ -1020,9 +1020,9 @@ class BufferImporter:
         return imported.tensor[source.row_offset : source.row_offset + source.rows]
 
     def check_current(self, source: RowRef) -> None:
-        """Before queuing work that reads a view `resolve(before_written=True)` gave: StateConflict if its
-        buffer is gone or has moved to another generation since, WritesPending unless the host has seen
-        the owner's writes of it done. Never waits."""
+        """Before queuing work that reads a view `resolve(before_written=True)` gave: UnknownBuffer if its
+        buffer is gone, StateConflict if it has moved to another generation since, WritesPending unless the
+        host has seen the owner's writes of it done. Never waits."""
         imported = self._get(source.buffer_id)
         current = imported.segment.generation()
         if source.generation != current:
