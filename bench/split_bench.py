@@ -218,7 +218,7 @@ def main() -> None:
          + (["--profile-host"] if args.drafter_profile_host else []) if args.drafter_profile else [])
     drafter_procs = [subprocess.Popen(cmd)]
     # (--also-unprepared) a second drafter service, each chained step's host work after the target's writes
-    second = f"unix:{tempfile.mkdtemp(prefix='specsplit-bench-')}/drafter.sock"
+    second = f"unix:{tempfile.mkdtemp(prefix='specsplit-bench-')}/drafter.sock" if args.also_unprepared else ""
     if args.also_unprepared:
         drafter_procs.append(subprocess.Popen(cmd[:cmd.index("--listen") + 1] + [second] + cmd[cmd.index("--listen") + 2:]
                                               + ["--no-prepare-chains", "--metrics-port", str(free_port())]))
