@@ -914,6 +914,19 @@ class _Gate:
         return self.open
 
 
+def _two_targets_one_gated(env, server, channel) -> tuple[Client, Client, _Gate]:
+    """Targets A and B, each with a sequence prefilled and its Step stream open; A's row buffer is read as a
+    CUDA view behind its event, a gate that stays shut until opened."""
+    a, b = Client(channel, "target-a", env.exporter), Client(channel, "target-b", env.exporter)
+    for seed, client in enumerate((a, b)):
+        alloc_prefill(client, make_drafter(), 0, [3, 14, 15], seed=seed)
+        client.open()
+    imported = server._sessions["target-a"].importer._buffers[a.buffer.buffer_id]
+    gate = _Gate()
+    imported.tensor, imported.event = a.buffer.tensor, gate
+    return a, b, gate
+
+
 @pytest.mark.parametrize("finish", [True, False], ids=["writes-done-late", "writes-never-done"])
 def test_a_target_whose_gpu_writes_are_pending_waits_alone(env, finish):
     """A Step whose rows lie in a CUDA buffer the target has not finished writing (its IPC event; here a
@@ -921,13 +934,7 @@ def test_a_target_whose_gpu_writes_are_pending_waits_alone(env, finish):
     meanwhile. Done late, the waiting Step is answered as usual; never done, its stream alone ends with
     DEADLINE_EXCEEDED after --writes-wait-seconds, its session is freed, and the other target goes on."""
     _, server, channel = env.start(writes_wait_seconds=10.0 if finish else 0.5)
-    a, b = Client(channel, "target-a", env.exporter), Client(channel, "target-b", env.exporter)
-    for seed, client in enumerate((a, b)):
-        alloc_prefill(client, make_drafter(), 0, [3, 14, 15], seed=seed)
-        client.open()
-    imported = server._sessions["target-a"].importer._buffers[a.buffer.buffer_id]
-    gate = _Gate()
-    imported.tensor, imported.event = a.buffer.tensor, gate  # read as a CUDA view behind its event
+    a, b, gate = _two_targets_one_gated(env, server, channel)
 
     def verify_step(client: Client, step_id: int) -> wire.StepBatch:
         client.new_generation()
@@ -1089,13 +1096,7 @@ def test_a_chained_step_is_prepared_before_its_writes_and_launched_after_them(en
     from specsplit.shared.errors import StateConflict
 
     _, server, channel = env.start(writes_wait_seconds=10.0)
-    a, b = Client(channel, "target-a", env.exporter), Client(channel, "target-b", env.exporter)
-    for seed, client in enumerate((a, b)):
-        alloc_prefill(client, make_drafter(), 0, [3, 14, 15], seed=seed)
-        client.open()
-    imported = server._sessions["target-a"].importer._buffers[a.buffer.buffer_id]
-    gate = _Gate()
-    imported.tensor, imported.event = a.buffer.tensor, gate  # read as a CUDA view behind its event
+    a, b, gate = _two_targets_one_gated(env, server, channel)
     seen = []
 
     def prepare(session, batch):  # a stand-in for the real preparation (CUDA only): what the server does around it
