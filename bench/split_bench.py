@@ -149,6 +149,12 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
     if "services_device_waits" in rates:
         ratios["services_device_waits_over_host_polls"] = [d / c for c, d in zip(split, rates["services_device_waits"])]
         ratios["services_device_waits_over_in_process"] = [d / b for b, d in zip(local, rates["services_device_waits"])]
+    if "services_both_waits" in rates:
+        both = rates["services_both_waits"]
+        ratios["services_both_waits_over_host_polls"] = [d / c for c, d in zip(split, both)]
+        ratios["services_both_waits_over_in_process"] = [d / b for b, d in zip(local, both)]
+        if "services_device_waits" in rates:
+            ratios["services_both_waits_over_target_waits"] = [d / c for c, d in zip(rates["services_device_waits"], both)]
     return {"tokens_per_s": rates, "ratios": ratios,
             "median": {name: statistics.median(values) for name, values in {**rates, **ratios}.items()}}
 
@@ -183,6 +189,10 @@ def main() -> None:
     ap.add_argument("--also-unprepared", action="store_true",
                     help="also the services through a second drafter service with --no-prepare-chains (each chained "
                          "step's host work after the target's writes are seen done), side by side, in every round")
+    ap.add_argument("--also-both-waits", action="store_true",
+                    help="also the services with both streams waiting on the device: a third drafter service with "
+                         "--device-waits --max-targets 1 (its stream waits for the target's writes) and the target's "
+                         "stream waiting for the drafts (RemoteProposer(device_waits=True)), side by side, in every round")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -222,6 +232,14 @@ def main() -> None:
     if args.also_unprepared:
         drafter_procs.append(subprocess.Popen(cmd[:cmd.index("--listen") + 1] + [second] + cmd[cmd.index("--listen") + 2:]
                                               + ["--no-prepare-chains", "--metrics-port", str(free_port())]))
+    # (--also-both-waits) a third, whose stream waits for the target's writes on the device
+    third = f"unix:{tempfile.mkdtemp(prefix='specsplit-bench-')}/drafter.sock" if args.also_both_waits else ""
+    third_metrics = ""
+    if args.also_both_waits:
+        third_port = free_port()
+        third_metrics = f"http://127.0.0.1:{third_port}/metrics"
+        drafter_procs.append(subprocess.Popen(cmd[:cmd.index("--listen") + 1] + [third] + cmd[cmd.index("--listen") + 2:]
+                                              + ["--device-waits", "--max-targets", "1", "--metrics-port", str(third_port)]))
     try:
         wait_healthy(sock, 300)
         remote = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
@@ -245,6 +263,12 @@ def main() -> None:
             wait_healthy(second, 300)
         unprepared = RemoteProposer(second, device=setup.device, dtype=setup.torch_dtype,
                                     head=(model.embed_weight, model.lm_head_weight)) if args.also_unprepared else None
+        # ... and one to the third, both streams waiting on the device (--also-both-waits)
+        if args.also_both_waits:
+            wait_healthy(third, 300)
+        both_waits = RemoteProposer(third, device=setup.device, dtype=setup.torch_dtype,
+                                    head=(model.embed_weight, model.lm_head_weight),
+                                    device_waits=True) if args.also_both_waits else None
         results = {"device": args.device, "drafter": args.drafter, "transport": remote.mode,
                    "step_transport": remote.step_transport}
         local_drafter = make_drafter(args.drafter, model, setup)
@@ -354,6 +378,23 @@ def main() -> None:
                 _, result, _, differing = services_variant("services_unprepared", unprepared, conf)
                 plain.update({"services_over_unprepared": split["tokens_per_s"] / result["tokens_per_s"],
                               "requests_differing_services_vs_unprepared": differing})
+            if both_waits is not None:  # both streams wait on the device, against both hosts polling
+                _, result, (waited, released, launches), differing = services_variant(
+                    "services_both_waits", both_waits, conf,
+                    lambda _: (both_waits.link.device_waits, both_waits.waits_released,
+                               labelled(third_metrics, "chain_graph_steps_total", "outcome")))
+                after = labelled(third_metrics, "chain_graph_steps_total", "outcome")
+                plain.update({"services_both_waits_over_host_polls": result["tokens_per_s"] / split["tokens_per_s"],
+                              "services_both_waits_over_in_process": result["tokens_per_s"] / local["tokens_per_s"],
+                              "both_waits_target_device_waits": both_waits.link.device_waits - waited,
+                              "both_waits_target_waits_released": both_waits.waits_released - released,
+                              # the drafter's chained steps by how they ran ("waited": its stream waited on the device)
+                              "both_waits_drafter_chain_graph_steps": {o: int(n - launches.get(o, 0.0))
+                                                                      for o, n in after.items()},
+                              "requests_differing_services_both_waits_vs_host_polls": differing})
+                if device_waits is not None:
+                    plain["services_both_waits_over_target_waits"] = \
+                        result["tokens_per_s"] / plain["services_device_waits"]["tokens_per_s"]
             if args.rounds > 1:  # the same again, in turn: how far one round's ratios are from their median
                 for _ in range(args.rounds - 1):
                     for name, engine in engines.items():
@@ -425,6 +466,8 @@ def main() -> None:
             tail_uncaptured.close()
         if unprepared is not None:
             unprepared.close()
+        if both_waits is not None:
+            both_waits.close()
         text = json.dumps(results, indent=2)
         print(text, flush=True)
         if args.json_out:

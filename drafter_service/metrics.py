@@ -47,7 +47,8 @@ class DrafterMetrics(ServiceMetrics):
                                          "captured yet, or given up), captured (then replayed), replayed, "
                                          "failed (the capture failed; run uncaptured, the shape given up), "
                                          "prepared (replayed, its host work done before the target's writes "
-                                         "were: a chained step sent ahead)",
+                                         "were: a chained step sent ahead), waited (prepared, and launched at "
+                                         "once, our stream waiting on the device for those writes: --device-waits)",
                                          ["outcome"], registry=self.registry)
         self._chain_graph = {o: self.chain_graph_steps.labels(o) for o in CHAIN_GRAPH_OUTCOMES}
         self.registry.register(_SessionCollector(sessions))

@@ -38,9 +38,11 @@ from specsplit.shared.errors import AlreadyExists, CapacityExceeded, DrafterUnav
 from specsplit.shared.metrics import MetricsAddress
 from specsplit.shared.profiling import StepWindow
 from specsplit.shared.proposer import Proposer
+from specsplit.shared.device_waits import DeviceWaits
 from specsplit.shared.security import ServerSecurity, grpc_target, is_unix
 from specsplit.shared.serving import CLIENT_HEADER, INSTANCE_HEADER, SPARE_THREADS, Served, start_server
 from specsplit.shared.status import Throttle, rpc_errors
+from specsplit.shared.stream_ops import stream_ops
 from specsplit.shared.transport import device_uuid, host_id, identity_digest
 
 __all__ = ["CLIENT_HEADER", "SERVICE_NAME", "DrafterLimits", "DrafterServer", "serve"]
@@ -103,11 +105,23 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self.step_socket = ""  # where the Step stream is also served without gRPC (serve sets it)
         self.chain_graphs = True  # chained steps' commit and propose as one CUDA graph each (--no-chain-graphs: off)
         self.prepare_chains = True  # chained steps' host work before the target's writes (Session.prepare_chain)
+        # --device-waits: a prepared chained step's graph launched at once, our stream waiting on the device for
+        # the target's written value (ChainStep.written_value) instead of our host for its events. Only for a
+        # drafter serving one target: a target whose value never comes blocks the stream (every session's
+        # GPU work) until --writes-wait-seconds, when the watchdog releases it and that target's stream ends.
+        self.device_waits = False
         self.instance = secrets.token_hex(16)  # this process, for targets to send back (Describe.instance)
         self.profile: StepWindow | None = None  # a window of Step messages to profile (--profile-steps)
         self.metrics = DrafterMetrics(functools.partial(_sessions_now, weakref.ref(self)))
         threading.Thread(target=_reap_idle, args=(weakref.ref(self), self._closed, self.limits.idle_seconds),
                          name="drafter-idle-reaper", daemon=True).start()
+
+    @property
+    def written_flags(self) -> bool:
+        """Whether Step streams' sessions wait on the device for the target's written values (see
+        `device_waits`; DrafterDescription.written_flags)."""
+        return self.device_waits and self.prepare_chains and self.chain_graphs and self.max_targets == 1 \
+            and chains(self.proposer) and done_flags(self.device)
 
     # ---- sessions -------------------------------------------------------------------------------
 
@@ -215,7 +229,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             device_uuid=identity_digest(client, device_uuid(self.device)),
             needs_target_head=self.head is None, step_columns=True, step_socket=self.step_socket,
             drafts_buffer=True, instance=self.instance, chains=chains(self.proposer),
-            done_flags=chains(self.proposer) and done_flags(self.device),
+            done_flags=chains(self.proposer) and done_flags(self.device), written_flags=self.written_flags,
         )
         return wire.description_to_proto(description)
 
@@ -359,10 +373,12 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                 launch = session.prepare_chain(batch) if not errors else None
         prepared = time.perf_counter()
         # The target's GPU writes into the buffers this step reads, awaited here, outside the lock: a
-        # target whose writes never finish ends its own stream (WritesPending), no one else waits.
-        session.await_writes(buffers_read(batch.seqs, batch.verified, batch.chain),
-                             head=bool(batch.proposes or (batch.chain is not None
-                                                          and (batch.chain.seq_ids or batch.chain.commit_seq_ids))))
+        # target whose writes never finish ends its own stream (WritesPending), no one else waits. (A
+        # launch whose stream waits for them on the device instead is called at once.)
+        if launch is None or not launch.device_waited:
+            session.await_writes(buffers_read(batch.seqs, batch.verified, batch.chain),
+                                 head=bool(batch.proposes or (batch.chain is not None
+                                                              and (batch.chain.seq_ids or batch.chain.commit_seq_ids))))
         ready = time.perf_counter()
         with self._lock:
             locked = time.perf_counter()
@@ -406,6 +422,9 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                                        "(--max-targets)")
             session = self._get_or_create(client, streaming=True)
             session.streaming = True
+            if self.written_flags and session.waits is None:  # (its chained steps' launches wait on the device)
+                session.waits = DeviceWaits(stream_ops(), self.device, peer="target",
+                                            what="a chained step's written value")
             self._streams[client] = stream = _Stream(call)
             return session, stream
 

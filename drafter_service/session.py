@@ -33,6 +33,7 @@ import torch
 
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.shared.cuda_graphs import capture_serving, inlined
+from specsplit.shared.device_waits import DeviceWaits
 from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.shared.errors import (
     AlreadyExists,
@@ -62,8 +63,9 @@ MAX_CHAIN_GRAPHS = 16
 MAX_CHAIN_SHAPES = 64
 # How a chained step's fused device work ran (--chain-graphs): uncaptured (its shape not captured yet, or
 # given up), captured (this step, then replayed), replayed, failed (its capture failed: run uncaptured),
-# prepared (replayed, its host work done before the target's writes were: Session.prepare_chain)
-CHAIN_GRAPH_OUTCOMES = ("uncaptured", "captured", "replayed", "failed", "prepared")
+# prepared (replayed, its host work done before the target's writes were: Session.prepare_chain), waited
+# (prepared and launched at once, our stream waiting on the device for the target's writes: --device-waits)
+CHAIN_GRAPH_OUTCOMES = ("uncaptured", "captured", "replayed", "failed", "prepared", "waited")
 
 
 def _bounded(values: torch.Tensor) -> torch.Tensor:
@@ -139,6 +141,18 @@ class _Prepared(NamedTuple):
     event: object  # the drafts buffer's event
     turn: int  # Session.turns when prepared
     seconds: float  # the host time it took
+    written: torch.Tensor | None  # the DONE buffer's element 1, when our stream waits for the target's writes there
+
+
+class PreparedLaunch:
+    """What `Session.prepare_chain` gives: call it to launch. `device_waited`: our stream waits on the device
+    for the target's writes (ChainStep.written_value), so the server's host waits for none before the call."""
+
+    def __init__(self, launch: Callable[[], StepResult], device_waited: bool) -> None:
+        self._launch, self.device_waited = launch, device_waited
+
+    def __call__(self) -> StepResult:
+        return self._launch()
 
 
 class Session:
@@ -146,10 +160,12 @@ class Session:
 
     def __init__(self, proposer: Proposer, *, client_id: str, new_seq_id: Callable[[], int],
                  head: TargetHead | None, device: torch.device, limits: DrafterLimits = DrafterLimits(),
-                 chain_graphs: bool = False, on_chain_graph: Callable[[str], None] | None = None) -> None:
+                 chain_graphs: bool = False, on_chain_graph: Callable[[str], None] | None = None,
+                 waits: DeviceWaits | None = None) -> None:
         # chain_graphs: a chained step's commit, propose and drafts copy replayed as one CUDA graph per
         # shape once it has run CHAIN_CAPTURE_AFTER times (see _chain_device); on_chain_graph is told
-        # how each such step ran (an outcome of CHAIN_GRAPH_OUTCOMES: the server's metrics)
+        # how each such step ran (an outcome of CHAIN_GRAPH_OUTCOMES: the server's metrics); waits: our
+        # stream's device waits for the target's written values (drafter --device-waits; see prepare_chain)
         self.proposer, self.client_id = proposer, client_id
         self.device = torch.device(device)
         self.limits = limits
@@ -181,6 +197,7 @@ class Session:
         self._on_chain_graph = on_chain_graph or (lambda outcome: None)
         self.chain_graph_error: str | None = None  # why the last capture that failed failed
         self.turns = 0  # calls the server has run for this connection (see prepare_chain)
+        self.waits = waits
 
     # ---- ids ------------------------------------------------------------------------------------
 
@@ -644,15 +661,21 @@ class Session:
     # before the wait instead, and launched after it; nothing reaches the GPU before the wait.
 
     @_in_client_ids
-    def prepare_chain(self, batch: StepBatch) -> Callable[[], StepResult] | None:
+    def prepare_chain(self, batch: StepBatch) -> PreparedLaunch | None:
         """The launch of a Step that only chains (its commit fused with its propose into the drafts buffer,
         the graph of its shape and addresses captured), with its host work done now, before the target's
         writes are seen done: call it under the drafter lock once they are (`await_writes`). It binds the
         shared drafter's head and tables again (another connection may have used them since), checks the
         buffers it reads, and refuses (StateConflict) if another call of this connection came between
         (`turns` moved: the server counts each call it runs for a connection). None: not such a step,
-        nothing done (`step` runs it)."""
+        nothing done (`step` runs it).
+
+        With `waits` and a written value in the step (ChainStep.written_value), the launch is
+        `device_waited`: it may be called at once, before the target's writes are done, since our stream
+        waits for that value on the device before the graph reads them (the target's stream writes it
+        after them), released by our watchdog at the writes' deadline (the session then fails)."""
         started = time.perf_counter()
+        self._check_waits()
         chain, spec = batch.chain, self.proposer.spec
         if chain is None or batch.register or batch.release or batch.seqs or batch.verified is not None \
                 or batch.proposes or not self._chain_fusable(chain, batch.drafts_buffer) or not chains(self.proposer) \
@@ -679,12 +702,19 @@ class Session:
             return None
         # as `step` would, from here on: what is checked before any work, the settles, the batch's checks
         done = self._done_target(chain)
+        written = None
+        if self.waits is not None and chain.written_value:
+            if done is None or done.shape[1] < 2:
+                raise InvalidRequest(f"buffer {chain.done_buffer}: a written value goes into a done buffer's "
+                                     f"element 1, and it has {0 if done is None else done.shape[1]} columns")
+            written = done[0, 1:]
         if chain.settle_seq_ids:
             self.proposer.chain_settle([self._internal(i) for i in chain.settle_seq_ids], list(chain.settle_counts))
         self._bind_head()
         self._chain_batch(chain.seq_ids, chain.ahead)
-        return functools.partial(self._launch_prepared, _Prepared(
-            batch.step_id, chain, graph, done, event, self.turns, time.perf_counter() - started))
+        prepared = _Prepared(batch.step_id, chain, graph, done, event, self.turns, time.perf_counter() - started,
+                             written)
+        return PreparedLaunch(functools.partial(self._launch_prepared, prepared), written is not None)
 
     @_in_client_ids
     def _launch_prepared(self, prepared: "_Prepared") -> StepResult:
@@ -694,12 +724,17 @@ class Session:
             raise StateConflict("the connection closed before its chained step's launch")
         if self.turns != prepared.turn:
             raise StateConflict("another call of this connection ran between a chained step's arrival and its launch")
-        self.importer.check_current(chain.rows)
-        self.importer.check_current(chain.feed)
+        self._check_waits()
+        waited = prepared.written is not None  # (else the server saw the target's writes done before this call)
+        self.importer.check_current(chain.rows, written=not waited)
+        self.importer.check_current(chain.feed, written=not waited)
         self._bind_head()
         batch = self._chain_batch(chain.seq_ids, chain.ahead)  # (its tables in place, unless another connection's)
-        self._on_chain_graph("prepared")
+        self._on_chain_graph("waited" if waited else "prepared")
         self.proposer.chain_bind(batch)
+        if waited:  # our stream, not our host, waits for the target's writes
+            self.waits.wait(prepared.written, chain.written_value,
+                            time.perf_counter() + self.limits.writes_wait_seconds)
         replaying = time.perf_counter()
         prepared.graph.replay()
         replayed = time.perf_counter()
@@ -709,6 +744,12 @@ class Session:
         self.last_phases = StepPhases(commit=prepared.seconds, propose=time.perf_counter() - started - replay,
                                       replay=replay)
         return StepResult(prepared.step_id, {}, (), tuple((seq_id, chain.num_drafts) for seq_id in chain.seq_ids))
+
+    def _check_waits(self) -> None:
+        """WritesPending once our watchdog has released a device wait the target never satisfied (the
+        stream then ends: what the step after it read may have been half written)."""
+        if self.waits is not None and self.waits.failure is not None:
+            raise WritesPending(self.waits.failure)
 
     def _done_target(self, chain: ChainStep) -> torch.Tensor | None:
         """The DONE buffer's view a chained propose writes its done value into (None: it names none),
@@ -910,6 +951,8 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        if self.waits is not None:  # our stream waits for nothing the target may no longer write
+            self.waits.close()
         for seq_id, internal in list(self._seqs.items()):
             _quietly(f"free sequence {seq_id}", self.proposer.free, internal)
         for handle in list(self._handles):

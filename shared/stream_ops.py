@@ -3,7 +3,7 @@
 Two processes on one GPU order their streams through a flag this way without either host waiting: the
 drafter's stream writes a chained step's done value into the target's DONE buffer (CUDA IPC memory)
 after its drafts, and the target's stream waits for it before its verify reads them
-(`target_service.device_waits`). Unlike a stream waiting on the other process's CUDA event, a wait on a
+(`shared.device_waits`). Unlike a stream waiting on the other process's CUDA event, a wait on a
 value can be released by its own process (it writes the value itself), so a peer that never writes
 costs a deadline, not a hang. Measured on the H200 (`tools/stream_wait_probe.py`): 10 µs a round trip
 between two processes' streams through device memory.

@@ -1019,17 +1019,18 @@ class BufferImporter:
             imported.check_written(current)
         return imported.tensor[source.row_offset : source.row_offset + source.rows]
 
-    def check_current(self, source: RowRef) -> None:
+    def check_current(self, source: RowRef, *, written: bool = True) -> None:
         """Before queuing work that reads a view `resolve(before_written=True)` gave: UnknownBuffer if its
         buffer is gone, StateConflict if it has moved to another generation since, WritesPending unless the
-        host has seen the owner's writes of it done. Never waits."""
+        host has seen the owner's writes of it done (with `written`; without, the caller's stream waits
+        for them on the device). Never waits."""
         imported = self._get(source.buffer_id)
         current = imported.segment.generation()
         if source.generation != current:
             raise StateConflict(
                 f"buffer {source.buffer_id} is at generation {current}; reference to {source.generation} is stale"
             )
-        if imported.event is not None:
+        if written and imported.event is not None:
             imported.check_written(current)
 
     def await_written(self, buffer_ids: Iterable[int], timeout: float, stop: Callable[[], bool] | None = None) -> None:

@@ -202,6 +202,7 @@ class DrafterDescription:
     instance: str = ""  # this drafter process (a target sends it back with its calls)
     chains: bool = False  # serves chained steps (StepRequest.chain)
     done_flags: bool = False  # writes a chained step's done value into a DONE buffer (ChainStep.done_value)
+    written_flags: bool = False  # its stream may wait on the device for ChainStep.written_value
 
 
 def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
@@ -226,6 +227,7 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
         instance=d.instance,
         chains=d.chains,
         done_flags=d.done_flags,
+        written_flags=d.written_flags,
     )
 
 
@@ -245,7 +247,8 @@ def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescrip
         window=pb.window,
     )
     return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns,
-                              pb.step_socket, pb.drafts_buffer, pb.instance, pb.chains, pb.done_flags)
+                              pb.step_socket, pb.drafts_buffer, pb.instance, pb.chains, pb.done_flags,
+                              pb.written_flags)
 
 
 def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:
@@ -418,6 +421,7 @@ class ChainStep:
     num_drafts: int = 0
     done_buffer: int = 0  # a DONE buffer the drafter writes `done_value` into after the propose (0: none)
     done_value: int = 0
+    written_value: int = 0  # written by the target's stream into the DONE buffer's element 1 after its writes (0: none)
 
     def __post_init__(self) -> None:
         for name in ("settle_seq_ids", "settle_counts", "commit_seq_ids", "seq_ids", "ahead"):
@@ -441,6 +445,8 @@ class ChainStep:
         if bool(self.done_buffer) != bool(self.done_value) or (self.done_buffer and not self.seq_ids) \
                 or self.done_buffer < 0 or not 0 <= self.done_value < 2 ** 32:
             raise InvalidRequest("a chained step's done flag names a buffer and a value (1..2^32-1), with a propose")
+        if not 0 <= self.written_value < 2 ** 32 or (self.written_value and not self.done_buffer):
+            raise InvalidRequest("a chained step's written value (1..2^32-1) goes with its done buffer")
 
     @property
     def empty(self) -> bool:
@@ -452,14 +458,16 @@ def chain_to_proto(c: ChainStep) -> drafter_pb2.ChainStep:
         settle_seq_ids=c.settle_seq_ids, settle_counts=c.settle_counts, commit_seq_ids=c.commit_seq_ids,
         commit_rows=c.commit_rows, rows=rows_to_proto(c.rows) if c.rows is not None else None,
         feed=rows_to_proto(c.feed) if c.feed is not None else None, seq_ids=c.seq_ids, ahead=c.ahead,
-        num_drafts=c.num_drafts, done_buffer=c.done_buffer, done_value=c.done_value)
+        num_drafts=c.num_drafts, done_buffer=c.done_buffer, done_value=c.done_value,
+        written_value=c.written_value)
 
 
 def chain_from_proto(pb: drafter_pb2.ChainStep) -> ChainStep:
     return ChainStep(tuple(pb.settle_seq_ids), tuple(pb.settle_counts), tuple(pb.commit_seq_ids), pb.commit_rows,
                      rows_from_proto(pb.rows) if pb.HasField("rows") else None,
                      rows_from_proto(pb.feed) if pb.HasField("feed") else None,
-                     tuple(pb.seq_ids), tuple(pb.ahead), pb.num_drafts, pb.done_buffer, pb.done_value)
+                     tuple(pb.seq_ids), tuple(pb.ahead), pb.num_drafts, pb.done_buffer, pb.done_value,
+                     pb.written_value)
 
 
 @dataclass(frozen=True)

@@ -265,7 +265,8 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
                                                        metrics=metrics_address(args),
                                                        context_pool_rows=args.context_pool_rows,
                                                        profile=window, chain_graphs=args.chain_graphs,
-                                                       prepare_chains=args.prepare_chains))
+                                                       prepare_chains=args.prepare_chains,
+                                                       device_waits=args.device_waits))
     if window is not None and window.on_signal:
         signal.signal(signal.SIGUSR1, lambda *_: window.arm())
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
@@ -455,6 +456,12 @@ def add_service_parsers(sub) -> None:
                     help="with --chain-graphs: a chained propose sent ahead has its host work (checks, settles, "
                          "tables) done as it arrives, while the target's GPU still verifies, and only its graph's "
                          "replay after the target's writes are done (default: on)")
+    ds.add_argument("--device-waits", action="store_true",
+                    help="with --max-targets 1: a prepared chained step's graph is launched as the Step arrives, "
+                         "our GPU stream waiting for the target's writes on the device (a value its stream writes "
+                         "after them; the target needs its own --device-waits) instead of our host polling their "
+                         "events. A target whose value never comes holds this drafter's GPU stream, every "
+                         "caller's work on it, until --writes-wait-seconds; then its Step stream ends")
     ds.add_argument("--max-buffer-mib", type=float, default=4096.0,
                     help="MiB of row and head buffers one connection may register")
     ds.add_argument("--max-message-mib", type=float, default=None,

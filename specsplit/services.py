@@ -39,12 +39,16 @@ class DrafterSettings:
     profile: StepWindow | None = None  # --profile-steps/--profile-out: a torch profile of those Step messages
     chain_graphs: bool = True  # --chain-graphs (--no-chain-graphs: off): a chained step's commit and propose replayed as one CUDA graph
     prepare_chains: bool = True  # --prepare-chains: a chained step sent ahead prepared before the target's writes are done
+    device_waits: bool = False  # --device-waits: ... and launched at once, our stream waiting for them (one target only)
 
     def __post_init__(self) -> None:
         if self.head not in ("auto", "checkpoint", "target"):
             raise InvalidRequest("--head must be auto, checkpoint or target")
         if not self.listen:
             raise InvalidRequest("give at least one --listen address")
+        if self.device_waits and (self.limits.max_targets != 1 or not self.prepare_chains or not self.chain_graphs):
+            raise InvalidRequest("--device-waits serves one target with prepared chained graphs: give it with "
+                                 "--max-targets 1, and without --no-prepare-chains or --no-chain-graphs")
 
     @property
     def head_from_checkpoint(self) -> bool:
@@ -96,6 +100,7 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
     server.profile = settings.profile
     server.chain_graphs = settings.chain_graphs
     server.prepare_chains = settings.prepare_chains
+    server.device_waits = settings.device_waits
     return server
 
 

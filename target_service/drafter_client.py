@@ -45,7 +45,7 @@ from specsplit.shared.transport import (
     FEED_ROWS, BufferExporter, BufferRole, RowBuffer, choose_mode, device_uuid, encode_inline, host_id,
     identity_digest,
 )
-from specsplit.target_service.device_waits import DeviceWaits
+from specsplit.shared.device_waits import DeviceWaits
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +245,7 @@ class _Connection:
     done: RowBuffer | None = None  # the DONE buffer our stream waits on (RemoteProposer(device_waits=True))
     done_value: int = 0  # the last done value a Step asked for ...
     done_sent: int = 0  # ... and the one the last Step sent asked for (0: none)
+    written_value: int = 0  # the last value our stream wrote into `done`'s element 1 (a drafter with written_flags)
     offered: bool = False  # the last Step sent named `drafts`
     allocated: set[int] = field(default_factory=set)  # seq ids this connection's drafter session holds
     dead: bool = False  # the Step stream ended: the drafter has dropped (or never had) this session
@@ -292,6 +293,11 @@ def _importer_done(drafts: RowBuffer, wait: float = 0.0) -> bool:
         return drafts.await_importer(wait)
     except SpecsplitError:
         return False
+
+
+def _write_on_stream(view: torch.Tensor, value: int) -> None:
+    """Queue on our current stream the write of `value` into the int32 `view` (after the stream's earlier work)."""
+    stream_ops().write(torch.cuda.current_stream(view.device), view.data_ptr(), value)
 
 
 def _close_channel(channel: grpc.Channel) -> None:
@@ -357,7 +363,7 @@ class RemoteProposer:
         # max_batch: the engine's widest step; security: the drafter's token and TLS (shared.security);
         # step_socket: send the Step stream to the drafter's step socket when it offers one on this host;
         # chain_ahead: send each chained step's propose as the step before it launches (chain_prefetch);
-        # device_waits: our stream waits on the device for a chained propose's drafts (target_service.device_waits)
+        # device_waits: our stream waits on the device for a chained propose's drafts (shared.device_waits)
         # instead of our host polling the drafter's event, where the drafter writes done values
         self.address = grpc_target(address)
         self.security = security
@@ -480,7 +486,9 @@ class RemoteProposer:
             buffers.append(conn.feed)
         if self.device_waits and desc.done_flags and conn.feed is not None and conn.drafts is not None \
                 and stream_ops() is not None:
-            conn.done = conn.exporter.create(1, 1, torch.int32, self.device, BufferRole.DONE)
+            # (element 1: the written values our stream writes for a drafter that waits on them on its device)
+            conn.done = conn.exporter.create(1, 2 if desc.written_flags else 1, torch.int32, self.device,
+                                             BufferRole.DONE)
             conn.done.tensor.zero_()
             torch.cuda.current_stream(self.device).synchronize()  # (zero before the drafter can write it)
             buffers.append(conn.done)
@@ -972,14 +980,19 @@ class RemoteProposer:
         commit_ids, count, offset = commit if commit is not None else ((), 0, 0)
         rows = conn.step.buffer.ref(offset, len(commit_ids) * count) if commit is not None else None
         batch, num_drafts = propose if propose is not None else (None, 0)
-        done_buffer = done_value = 0
+        done_buffer = done_value = written_value = 0
         if batch is not None and conn.done is not None:  # (our stream will wait for this value, not our host)
             conn.done_value = done_value = next_value(conn.done_value)
             done_buffer = conn.done.buffer_id
+            if conn.done.tensor.shape[1] > 1:
+                # The drafter's stream may wait for this one instead of its host for our events: written
+                # by our stream after every write this step reads (the rows sealed, the feed recorded above)
+                conn.written_value = written_value = next_value(conn.written_value)
+                _write_on_stream(conn.done.tensor[0, 1:], written_value)
         conn.done_sent = done_value
         return wire.ChainStep(tuple(settle_ids), tuple(settle_counts), commit_ids, count, rows, feed,
                               batch.seq_ids if batch is not None else (), batch.ahead if batch is not None else (),
-                              num_drafts, done_buffer, done_value)
+                              num_drafts, done_buffer, done_value, written_value)
 
     def take_kv(self, seq_id: int) -> CarriedKV:
         self._flush([])
@@ -1071,7 +1084,7 @@ class RemoteProposer:
             left = max(STEP_DEADLINE_FLOOR, conn.sent_at + timeout - time.perf_counter())
             if conn.done_sent and self._waits is not None:
                 # Our stream waits for the drafter's done value instead (written after its drafts, before
-                # its event), released by us at the deadline if it never comes (target_service.device_waits)
+                # its event), released by us at the deadline if it never comes (shared.device_waits)
                 self._waits.wait(conn.done.tensor, conn.done_sent, time.perf_counter() + left)
                 self.link.device_waits += 1
             elif not _importer_done(conn.drafts, left):

@@ -1,4 +1,4 @@
-"""The target's stream waits on a drafter's done values (target_service.device_waits), on a stand-in device:
+"""The target's stream waits on a drafter's done values (shared.device_waits), on a stand-in device:
 waits the drafter satisfies are left alone, one it never satisfies is released by us at its deadline
 (and the drafter reported failed), and dropping the connection releases every wait still pending.
 (The real stream operations, across two processes: tests/test_split_gpu.py.)"""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from specsplit.shared.stream_ops import next_value
-from specsplit.target_service import device_waits
-from specsplit.target_service.device_waits import DeviceWaits
+from specsplit.shared import device_waits
+from specsplit.shared.device_waits import DeviceWaits
 
 
 def _reached(memory: dict, address: int, value: int) -> bool:

@@ -17,7 +17,9 @@ from specsplit.drafter_service.checkpoint import random_drafter
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.server import CLIENT_HEADER, SERVICE_NAME, DrafterServer, serve
 from specsplit.shared.serving import INSTANCE_HEADER
-from specsplit.drafter_service.session import Session
+from specsplit.local import LocalSetup
+from specsplit.drafter_service.limits import DrafterLimits
+from specsplit.drafter_service.session import PreparedLaunch, Session
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import wire
 from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, WritesPending
@@ -1109,7 +1111,7 @@ def test_a_chained_step_is_prepared_before_its_writes_and_launched_after_them(en
                 raise StateConflict("another call of this connection ran between")
             return wire.StepResult(batch.step_id, {}, (), ())
 
-        return launch
+        return PreparedLaunch(launch, device_waited=False)
 
     monkeypatch.setattr(Session, "prepare_chain", prepare)
     a.new_generation()
@@ -1138,3 +1140,58 @@ def test_a_chained_step_is_prepared_before_its_writes_and_launched_after_them(en
     else:
         assert answer["result"].step_id == 1 and not answer["result"].errors
     assert not b.step(wire.StepBatch(2, proposes=(ProposeRequest(0, 8, 3, GAMMA - 1),))).errors
+
+
+def test_a_device_waited_chained_step_is_launched_as_it_arrives(env, monkeypatch):
+    """Drafter --device-waits: a prepared launch whose stream waits for the target's writes on the device
+    (`PreparedLaunch.device_waited`) is called at once, the target's writes still pending (the gate
+    stays shut), and answered; the host waits for none of them. (The launch itself: tests/test_remote_chain.py.)"""
+    _, server, channel = env.start(writes_wait_seconds=10.0)
+    a, b, gate = _two_targets_one_gated(env, server, channel)
+    seen = []
+
+    def prepare(session, batch):
+        seen.append(("prepared", gate.open))
+        return PreparedLaunch(lambda: seen.append(("launched", gate.open)) or wire.StepResult(batch.step_id, {}, (), ()),
+                              device_waited=True)
+
+    monkeypatch.setattr(Session, "prepare_chain", prepare)
+    a.new_generation()
+    chain = wire.ChainStep(commit_seq_ids=(0,), commit_rows=1, rows=a.shm(rows(1, 9)), feed=a.buffer.ref(1, 3))
+    result = a.step(wire.StepBatch(1, chain=chain))
+    assert result.step_id == 1 and not result.errors
+    assert seen == [("prepared", False), ("launched", False)] and not gate.open
+
+
+def test_device_waits_are_offered_only_to_one_target_with_prepared_graphs_on_a_gpu(monkeypatch):
+    """DrafterDescription.written_flags: --device-waits, --max-targets 1, prepared chained graphs, and a
+    GPU whose stream can wait on a value; and --device-waits is refused at the command line without them."""
+    from specsplit.drafter_service import server as server_module
+    from specsplit.services import DrafterSettings
+
+    class Proposer:
+        spec = None
+
+    monkeypatch.setattr(server_module, "chains", lambda proposer: True)
+    monkeypatch.setattr(server_module, "done_flags", lambda device: True)
+    server = DrafterServer(Proposer(), head=None, device="cpu", max_targets=1)
+    try:
+        assert not server.written_flags  # (off by default)
+        server.device_waits = True
+        assert server.written_flags
+        for name, value in (("prepare_chains", False), ("chain_graphs", False), ("max_targets", 2)):
+            kept = getattr(server, name)
+            setattr(server, name, value)
+            assert not server.written_flags, name
+            setattr(server, name, kept)
+        monkeypatch.setattr(server_module, "done_flags", lambda device: False)
+        assert not server.written_flags
+    finally:
+        server.close()
+    setup = LocalSetup(drafter="dflash", device="cpu")
+    with pytest.raises(InvalidRequest, match="--max-targets 1"):
+        DrafterSettings(("unix:/tmp/x.sock",), setup, device_waits=True)
+    for changed in ({"prepare_chains": False}, {"chain_graphs": False}):
+        with pytest.raises(InvalidRequest):
+            DrafterSettings(("unix:/tmp/x.sock",), setup, limits=DrafterLimits(max_targets=1), device_waits=True, **changed)
+    assert DrafterSettings(("unix:/tmp/x.sock",), setup, limits=DrafterLimits(max_targets=1), device_waits=True).device_waits

@@ -121,7 +121,7 @@ def test_a_request_moves_the_target_and_drafter_counters_consistently(pair):
     assert d("step_phase_seconds_total", phase="propose") > 0
     # (no GPU, so no fused chained steps: exported, all zero)
     graphed = {o: after_d.get(("specsplit_drafter_chain_graph_steps_total", (("outcome", o),)))
-               for o in ("uncaptured", "captured", "replayed", "failed", "prepared")}
+               for o in ("uncaptured", "captured", "replayed", "failed", "prepared", "waited")}
     assert graphed == dict.fromkeys(graphed, 0.0), graphed
     assert d("rpcs_total", method="/specsplit.v1.DrafterService/AllocState", code="OK") == 1
     assert value(after_d, "specsplit_drafter_sessions", stream="open") == 1

@@ -17,6 +17,7 @@ from specsplit.shared import frames
 from specsplit.shared.errors import (DrafterUnavailable, InvalidRequest, SpecsplitError, StateConflict, UnknownSequence,
                                      WritesPending)
 from specsplit.shared.proposer import ProposeRequest
+from specsplit.target_service import drafter_client
 from specsplit.target_service.drafter_client import RemoteProposer
 from specsplit.target_service.graphs import StepGraphs
 from tests.test_chain import _drafter_pair
@@ -262,7 +263,7 @@ def test_one_streams_chained_proposes_go_ahead_of_their_steps_and_are_all_taken(
 
 
 class _FakeWaits:
-    """Stands for target_service.device_waits.DeviceWaits on the CPU: counts releases, holds a failure."""
+    """Stands for shared.device_waits.DeviceWaits on the CPU: counts releases, holds a failure."""
 
     def __init__(self) -> None:
         self.failure, self.releases, self.closed, self.released = None, 0, False, 0
@@ -274,12 +275,15 @@ class _FakeWaits:
         self.closed = True
 
 
+@pytest.mark.parametrize("columns", [1, 2], ids=["done-values", "and-written-values"])
 def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_drafter_its_watchdog_gave_up(
-        pair, tiny_chat_dir, monkeypatch):
+        pair, tiny_chat_dir, monkeypatch, columns):
     """With a DONE buffer (device waits; on a GPU only, stood for here), every chained propose carries the
-    next done value, 1, 2, 3 ... (Steps without a propose carry none), and tokens are target-only's. A
-    failure the watchdog reports drops the drafter at our next call to it, with the watchdog's reason, and
-    every wait is released; the next connection starts without it."""
+    next done value, 1, 2, 3 ... (Steps without a propose carry none), and tokens are target-only's. With
+    a second column (a drafter with written_flags), every chained propose also carries the next written
+    value, which our stream writes into that column before the Step goes out. A failure the watchdog
+    reports drops the drafter at our next call to it, with the watchdog's reason, and every wait is
+    released; the next connection starts without it."""
     from types import SimpleNamespace
 
     from specsplit.drafter_service.session import Session
@@ -289,7 +293,16 @@ def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_dra
 
     target, _, address, _ = pair
     seen: list[int] = []
-    monkeypatch.setattr(Session, "_done_target", lambda self, chain: seen.append(chain.done_value))
+    written: list[tuple[int, int]] = []  # (value, the write's address) as the drafter's Session sees them
+    writes: list[tuple[int, int]] = []  # (value, address) our stream was asked to write
+
+    def done_target(self, chain):
+        seen.append(chain.done_value)
+        if chain.written_value:
+            written.append(chain.written_value)
+
+    monkeypatch.setattr(Session, "_done_target", done_target)
+    monkeypatch.setattr(drafter_client, "_write_on_stream", lambda view, value: writes.append((value, view.data_ptr())))
     tokenizer = Tokenizer.from_dir(tiny_chat_dir)
 
     def requests():
@@ -299,12 +312,18 @@ def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_dra
     alone = _engine(target, None, chain=False).generate(requests())
     proposer = RemoteProposer(address, max_batch=4)
     waits = proposer._waits = _FakeWaits()
-    proposer._conn.done = SimpleNamespace(buffer_id=99, tensor=torch.zeros(1, 1, dtype=torch.int32))
+    done = torch.zeros(1, columns, dtype=torch.int32)
+    proposer._conn.done = SimpleNamespace(buffer_id=99, tensor=done)
     part, sent = proposer._chain_part, []
 
     def chain_part(conn, propose):  # what each Step's chain carries: (a propose?, its done value)
+        queued = len(writes)
         chain = part(conn, propose)
         sent.append((propose is not None, chain.done_value if chain is not None else 0))
+        if chain is not None and chain.written_value:  # (queued on our stream as the chain part was made)
+            assert writes[queued:] == [(chain.written_value, done.data_ptr() + 4)]
+        else:
+            assert len(writes) == queued
         return chain
 
     proposer._chain_part = chain_part
@@ -316,6 +335,8 @@ def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_dra
         numbered = [value for proposing, value in sent if proposing]
         assert engine.counters.chained > 10 and numbered == seen == list(range(1, len(seen) + 1))
         assert len(seen) >= engine.counters.chained
+        assert written == ([] if columns == 1 else seen) and [value for value, _ in writes] == \
+            ([] if columns == 1 else list(range(1, len(numbered) + 1)))
         assert [value for proposing, value in sent if not proposing] and all(
             value == 0 for proposing, value in sent if not proposing)  # (Steps of settles and commits alone)
         waits.failure = "the drafter did not write a chained step's done value within its deadline"
@@ -857,10 +878,10 @@ class _PreparedWorld:
                 assert buffer_id == 3
                 return drafts, Event()
 
-            def check_current(self, ref):
+            def check_current(self, ref, *, written=True):
                 if world.generation[ref.buffer_id] != ref.generation:
                     raise StateConflict("stale")
-                if not world.written[ref.buffer_id]:
+                if written and not world.written[ref.buffer_id]:
                     raise WritesPending("not written")
 
         class Graph:
@@ -948,3 +969,75 @@ def test_a_chained_step_prepared_before_the_targets_writes_launches_after_them_o
     session._head, session._head_written = object(), False
     assert session.prepare_chain(world.batch) is None
     assert log == []
+
+
+class _Waits:
+    """Stands for shared.device_waits.DeviceWaits on the drafter's side: logs the waits queued."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.failure, self.closed = log, None, False
+
+    def wait(self, view, value, deadline):
+        self.log.append(("wait", view.data_ptr(), value))
+        assert deadline > time.perf_counter()
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_device_waited_chained_step_launches_before_the_targets_writes_its_stream_waiting_for_them(monkeypatch):
+    """Drafter --device-waits (`Session.waits`): a prepared chained step that carries a written value
+    (ChainStep.written_value) is `device_waited`: the server calls its launch at once, and the launch, with
+    the target's writes not seen done yet, queues our stream's wait for that value in the DONE buffer's
+    element 1 before the graph's replay (then the done value, then the drafts' event). Generations are still
+    checked; a done buffer of one column, a failure our watchdog reported, and a session without waits are
+    each told apart; closing the session releases its waits."""
+    world = _PreparedWorld(monkeypatch)
+    session, log = world.session, world.log
+    session.waits = waits = _Waits(log)
+    done = torch.zeros(1, 2, dtype=torch.int32)
+    monkeypatch.setattr(session, "_done_target", lambda chain: done)
+    monkeypatch.setattr(type(session), "_write_done", staticmethod(lambda view, value: log.append(("done", value))))
+    waited = dataclasses.replace(world.batch, chain=dataclasses.replace(world.chain, done_buffer=4, done_value=42,
+                                                                        written_value=7))
+    launch = session.prepare_chain(waited)
+    assert launch.device_waited
+    log.clear()
+    result = launch()  # (the rows and feed not seen written: our stream waits for them)
+    assert log == [("batch", (100, 101)), ("bind", ("batch", (100, 101)), world.head),
+                   ("wait", done.data_ptr() + 4, 7), "replay", ("done", 42), "record"]
+    assert result.in_buffer == ((0, 7), (1, 7))
+
+    launch = session.prepare_chain(waited)  # a generation moved: refused as before, nothing queued
+    world.generation[2] = 6
+    log.clear()
+    with pytest.raises(StateConflict):
+        launch()
+    assert log == []
+    world.generation[2] = 5
+
+    assert not session.prepare_chain(dataclasses.replace(waited, chain=dataclasses.replace(waited.chain, written_value=0))).device_waited
+    monkeypatch.setattr(session, "_done_target", lambda chain: torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(InvalidRequest, match="element 1"):
+        session.prepare_chain(waited)
+    monkeypatch.setattr(session, "_done_target", lambda chain: done)
+
+    launch = session.prepare_chain(waited)
+    waits.failure = "the target did not write a chained step's written value within its deadline"
+    log.clear()
+    with pytest.raises(WritesPending, match="written value"):  # (the launch prepared before the release)
+        launch()
+    assert "replay" not in log
+    with pytest.raises(WritesPending):
+        session.prepare_chain(waited)
+    waits.failure = None
+
+    session.waits = None  # a session without waits: its launch waits for the host to see the writes done
+    launch = session.prepare_chain(waited)
+    assert not launch.device_waited
+    with pytest.raises(WritesPending):
+        launch()
+    session.waits = waits
+    session._seqs, session.importer.close = {}, lambda: None  # (the stand-ins hold nothing to free)
+    session.close()
+    assert waits.closed

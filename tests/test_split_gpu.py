@@ -95,7 +95,8 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
 
         tampered(garble)
     replays, errors, launched = [], [], []
-    if mode == "graphs":  # counts the chained steps its graphs replayed, keeps why a capture failed (sent back)
+    waits = mode == "graphs-waits"  # as "graphs", with --device-waits (one target): its launches counted if device-waited
+    if mode in ("graphs", "graphs-waits"):  # counts the chained steps its graphs replayed, keeps why a capture failed (sent back)
         device = Session._chain_device
 
         def chain_device(self, key, batch, work):
@@ -110,7 +111,8 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
         def launch_prepared(self, prepared):  # a chained step sent ahead, prepared before the target's writes
             result = launch(self, prepared)
             replays.append(True)
-            launched.append(True)
+            if prepared.written is not None or not waits:
+                launched.append(True)
             return result
 
         Session._launch_prepared = launch_prepared
@@ -118,8 +120,10 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
 
     server_obj, server = start_drafter(DrafterSettings((address,), LocalSetup(drafter="dflash", device="cuda",
                                                                                dtype="float32", seed=0),
-                                                       limits=DrafterLimits(writes_wait_seconds=writes_wait),
-                                                       chain_graphs=mode == "graphs"))
+                                                       limits=DrafterLimits(writes_wait_seconds=writes_wait,
+                                                                            max_targets=1 if waits else 8),
+                                                       chain_graphs=mode in ("graphs", "graphs-waits"),
+                                                       device_waits=waits))
     conn.send("ready")
     try:
         conn.recv()
@@ -135,7 +139,8 @@ def spawned_drafter(tmp_path, mode: str = "honest", writes_wait: float = 10.0, r
     """A drafter service in a process of its own (`_drafter_main`), answering health checks: yields its
     address; stopped at the end, killed if it does not stop (a stalled one's GPU work may not end).
     `report` gets what it sends back as it stops (mode "graphs": its chained steps, those replayed, why
-    captures failed, and those replayed as prepared before the target's writes were done)."""
+    captures failed, and those replayed as prepared before the target's writes were done; "graphs-waits":
+    the same, with --device-waits, the last counting those launched behind a device wait)."""
     import multiprocessing as mp
 
     from specsplit.shared.serving import wait_healthy
@@ -272,6 +277,58 @@ def test_chained_steps_replayed_as_the_drafters_graphs_draft_as_uncaptured(tmp_p
 
 
 @pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])
+def test_chained_steps_launched_behind_the_drafters_device_waits_draft_as_host_polled_ones(tmp_path):
+    """Drafter --device-waits with a target's --device-waits: each prepared chained step's graph is launched
+    as its Step arrives, the drafter's stream waiting on the device for the value the target's stream
+    writes after its rows and feed (ChainStep.written_value), and the target's stream waiting for the
+    drafter's done value: neither host waits for the other's GPU. Every verify accepts as many drafts as
+    with the drafter's host polling (float32: the same drafts), the tokens are target-only's, most
+    chained steps were launched that way, and no wait was released on either side."""
+    model, tokenizer = default_target()
+    params = SamplingParams(max_tokens=160, ignore_eos=True)
+    runs = {}
+    for mode in ("graphs", "graphs-waits"):
+        report: list = []
+        (tmp_path / mode).mkdir()
+        with spawned_drafter(tmp_path / mode, mode, report=report) as address:
+            engine, remote = remote_engine(address, model, device_waits=True)
+            tokens, stats = generate(engine, tokenizer, params)
+            released = remote._waits.released
+            remote.close()
+        runs[mode] = tokens, [s.accepted for s in stats], engine.counters.chained, released, report
+    (tokens, accepted, chained, _, _), (waited, waited_accepted, waited_chained, released, report) = runs.values()
+    assert waited == tokens == local_tokens("none", params)
+    assert waited_accepted == accepted and sum(accepted) > 0 and waited_chained == chained >= 30
+    (steps, replayed, errors, launched), = report
+    assert not errors and released == 0 and replayed >= 10 and launched >= 5, report
+
+
+def test_a_target_that_never_writes_its_written_value_costs_the_drafter_a_deadline_not_its_stream(tmp_path, monkeypatch):
+    """A target whose stream never writes the written values its chained steps name: the drafter's stream
+    waits for one until --writes-wait-seconds, its watchdog releases it (writing the value itself) and that
+    target's Step stream ends; the target goes on target-only (its output equals target-only's), and the
+    drafter, serving one target, then serves the next connection with drafts."""
+    from specsplit.target_service import drafter_client
+
+    want = local_tokens("none")
+    with spawned_drafter(tmp_path, "graphs-waits", writes_wait=3.0) as address:
+        model, tokenizer = default_target()
+        write = drafter_client._write_on_stream
+        monkeypatch.setattr(drafter_client, "_write_on_stream", lambda view, value: None)
+        engine, remote = remote_engine(address, model, timeout=30.0, device_waits=True)
+        started = time.monotonic()
+        params = SamplingParams(max_tokens=160, ignore_eos=True)
+        assert generate(engine, tokenizer, params)[0] == local_tokens("none", params)
+        assert time.monotonic() - started < 120
+        print("the silent target's drafter:", remote.last_error)
+        remote.close()
+        monkeypatch.setattr(drafter_client, "_write_on_stream", write)
+        engine, remote = remote_engine(address, model, device_waits=True)
+        tokens, stats = generate(engine, tokenizer)
+        assert tokens == want and sum(s.accepted for s in stats) > 0 and engine.drafter_ok
+        remote.close()
+
+
 def test_the_targets_side_of_a_services_chained_step_replayed_as_a_graph_accepts_as_uncaptured(tmp_path, device_waits):
     """EngineConfig(chain_capture_remote=True): through the drafter service, what follows each chained
     step's drafts (the verify, the accept, the outcome, the next feed) replays as one CUDA graph of the

@@ -15,6 +15,8 @@
 #   bash tools/gpu_round.sh timeline  # device waits' GPU tests, then both services' GPU work on one clock
 #   bash tools/gpu_round.sh tail      # the target's side of a services chained step as one graph: GPU test, tokens/s, timeline
 #   bash tools/gpu_round.sh prepare   # the drafter's chained steps prepared before the target's writes: GPU tests, tokens/s
+#   bash tools/gpu_round.sh drafter-waits  # the drafter's stream waits on the device for the target's writes: GPU tests
+#   bash tools/gpu_round.sh drafter-waits-bench  # ... and its tokens/s beside host polls and the target's waits alone
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
@@ -162,6 +164,25 @@ prepare)
     d[b]['drafter_chain_graph_steps'], d[b]['drafter_phase_mean_ms'], d[b]['services']['per_step_ms']) \
     for b in d if b.startswith('batch_')]" "$OUT/split_prepare.json" 2>&1 | log
   ;;
+drafter-waits)
+  # (twenty-fifth session, not measured yet) drafter --device-waits: a prepared chained step's graph launched as
+  # its Step arrives, the drafter's stream waiting on the device for the value the target's stream writes after
+  # its rows and feed, where its host polled their events (then launched: ~0.13 ms of a 1.79-ms services step,
+  # in series). Its GPU tests: equal acceptance with both streams waiting on the device, and a target that never
+  # writes its value (a deadline, then that stream ends; the next target is served)
+  timeout 330 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+    -k "drafters_device_waits or never_writes_its_written_value" 2>&1 | grep -E "drafter:|Error|assert|FAILED|passed|failed" | tail -12 | log
+  ;;
+drafter-waits-bench)
+  # ... and tokens/s: host polls on both sides (the default), the target's stream waiting (--also-device-waits),
+  # both streams waiting (--also-both-waits: a third drafter service, --device-waits --max-targets 1), 3 rounds
+  timeout 330 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --also-device-waits --also-both-waits --rounds 3 --json-out "$OUT/split_both.json" 2>&1 | grep -v INFO | tail -2 | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, d[b].get('rounds', {}).get('median'), \
+    d[b].get('both_waits_drafter_chain_graph_steps'), d[b].get('both_waits_target_waits_released'), \
+    d[b]['services']['per_step_ms'], d[b]['services_both_waits']['per_step_ms']) for b in d if b.startswith('batch_')]" \
+    "$OUT/split_both.json" 2>&1 | log
+  ;;
 eval)
   # (after the twenty-third session) the shipped drafter's held-out tau with its speedup over target-only
   # measured in the same run, as issue 10's "done" asks: float32 at batch 16 (the training's eval, now
@@ -202,7 +223,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|tail|prepare|eval|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|tail|prepare|drafter-waits|drafter-waits-bench|eval|train SEED [flags]" >&2
   exit 2
   ;;
 esac

@@ -308,7 +308,7 @@ def release(where: str, driver: Driver, how: str = "kernel") -> str:
 
 
 def watchdog_during_load(driver: Driver) -> str:
-    """The target's device waits (target_service.device_waits) at their worst: a stream waits on a value
+    """The target's device waits (shared.device_waits) at their worst: a stream waits on a value
     nobody writes, the main thread launches a kernel never launched before in this process (under lazy
     module loading its load waits for the whole context, the held stream included), and a watchdog
     thread releases the wait 200 ms later with a stream write on a side stream. Does the release get

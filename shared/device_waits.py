@@ -1,21 +1,25 @@
-"""The target's stream waiting on a drafter's done values, each wait watched against a deadline.
+"""A stream waiting on the device for a peer's values, each wait watched against a deadline.
 
-With `RemoteProposer(device_waits=True)` a chained propose's answer no longer makes the target's host poll
-the drafter's event before it queues the verify that reads the drafts: the target's stream waits on the
-device for the value the drafter's stream writes into our DONE buffer after them
-(`shared.stream_ops`, BUFFER_ROLE_DONE), so our host queues the verify while the drafter still drafts.
+Either side of the split may order its stream after the other's work this way, with no host waiting
+(`shared.stream_ops`):
+- the target's stream waits for the done value the drafter's stream writes into the target's DONE
+  buffer after a chained step's drafts (`RemoteProposer(device_waits=True)`), so the target's host
+  queues the verify while the drafter still drafts;
+- the drafter's stream waits for the written value the target's stream writes into the DONE buffer's
+  element 1 after its writes into the buffers a chained step reads (drafter `--device-waits`), so the
+  drafter's host launches the step's graph while the target still verifies.
 
-A drafter that never writes (hung, killed, hostile) would leave that stream waiting for good, and with it
-every later read of the stream. So every wait is armed with the step's deadline, and a watchdog thread
-releases a wait still pending at its deadline by writing the value itself from a side stream (a stream
-memory operation: no kernel, so no module to load while the context waits), then reports the drafter
-failed (`failure`; the client drops it). The verify then reads whatever the drafts buffer holds:
-verification is exact, so wrong drafts cost speed, never a token. `release` lets every wait go at once
-(the connection is being dropped).
+A peer that never writes (hung, killed, hostile) would leave that stream waiting for good, and with it
+every later read of the stream. So every wait is armed with a deadline, and a watchdog thread releases
+a wait still pending at its deadline by writing the value itself from a side stream (a stream memory
+operation: no kernel, so no module to load while the context waits), then reports the peer failed
+(`failure`). What the released stream then reads may be half written: the target's verify is exact, so
+wrong drafts cost speed, never a token. `release` lets every wait go at once (the connection is being
+dropped).
 
 Waits on one stream end in order; `wait` and the watchdog forget the ones whose events show them done. A
 released wait stays watched, and its value is written again every RELEASE_AGAIN seconds until its event
-is done: a drafter may still write an older value over ours (a wait behind it would block again).
+is done: a peer may still write an older value over ours (a wait behind it would block again).
 """
 
 from __future__ import annotations
@@ -42,15 +46,18 @@ class _Armed:
     done: torch.Tensor  # the DONE buffer's element 0 (kept alive here while a stream may wait on it)
     value: int
     event: torch.cuda.Event  # recorded on the waiting stream right after the wait
-    deadline: float  # time.perf_counter() by which the drafter must have written `value`
-    released: bool = False  # we write its value ourselves (past its deadline, or the drafter dropped)
+    deadline: float  # time.perf_counter() by which the peer must have written `value`
+    released: bool = False  # we write its value ourselves (past its deadline, or the peer dropped)
 
 
 class DeviceWaits:
-    """Stream waits on done values, each released by us at its deadline if the drafter has not written it."""
+    """Stream waits on a peer's values, each released by us at its deadline if the peer has not written it.
+    `what` names the values in `failure` (e.g. "a chained step's done value")."""
 
-    def __init__(self, ops: StreamOps, device: torch.device) -> None:
+    def __init__(self, ops: StreamOps, device: torch.device, *, peer: str = "drafter",
+                 what: str = "a chained step's done value") -> None:
         self._ops = ops
+        self._peer, self._what = peer, what
         self._device = device
         # (resolved here, on the caller's thread: the watchdog thread's current device is its own)
         self._index = (device.index if device.index is not None else torch.cuda.current_device()) \
@@ -61,7 +68,7 @@ class DeviceWaits:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.failure: str | None = None  # why waits were released at a deadline (read and cleared by the client)
+        self.failure: str | None = None  # why waits were released at a deadline (read and cleared by the owner)
         self.armed = 0  # waits queued ...
         self.released = 0  # ... and those we released ourselves (deadline or dropped connection)
 
@@ -92,14 +99,14 @@ class DeviceWaits:
             return len(self._armed)
 
     def release(self) -> None:
-        """Let every pending wait go now (the drafter is being dropped; what it writes later lands in a
+        """Let every pending wait go now (the peer is being dropped; what it writes later lands in a
         buffer nobody waits on once these are past)."""
         with self._lock:
             self._release_safely()
             self._wake.notify()
 
     def close(self) -> None:
-        """Release every wait and stop the watchdog (the client is closing; no wait comes after)."""
+        """Release every wait and stop the watchdog (the connection is closing; no wait comes after)."""
         with self._lock:
             self._release_safely()
             self._closed = True
@@ -166,8 +173,8 @@ class DeviceWaits:
                         self._wake.wait(timeout=left)
                         continue
                     self._release_locked()  # (written before the client can see the failure)
-                    self.failure = ("the drafter did not write a chained step's done value within its deadline; "
-                                    "the target's stream was released")
+                    self.failure = (f"the {self._peer} did not write {self._what} within its deadline; "
+                                    "our stream waiting for it was released")
                     log.warning("%s", self.failure)
                 except Exception as exc:  # noqa: BLE001 - the watchdog must outlive a refused write
                     log.warning("device waits: %s: %s; trying again", type(exc).__name__, exc)
