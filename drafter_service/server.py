@@ -34,7 +34,7 @@ from specsplit.drafter_service.session import Session, buffers_read, chains, don
 from specsplit.drafter_service.step_socket import StepSocketServer
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import logs, wire
-from specsplit.shared.errors import AlreadyExists, CapacityExceeded, DrafterUnavailable, InvalidRequest
+from specsplit.shared.errors import AlreadyExists, CapacityExceeded, DrafterUnavailable, InvalidRequest, WritesPending
 from specsplit.shared.metrics import MetricsAddress
 from specsplit.shared.profiling import StepWindow
 from specsplit.shared.proposer import Proposer
@@ -123,6 +123,19 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         return self.device_waits and self.prepare_chains and self.chain_graphs and self.max_targets == 1 \
             and chains(self.proposer) and done_flags(self.device)
 
+    def _quiesce(self, but: Session | None = None) -> None:
+        """Under the lock, before any work but a prepared launch: wait until no session's stream waits on the
+        device (--device-waits). Such work may load a kernel module, which waits for the whole context: a
+        stream waiting for a target's value would hold it, and the watchdog's release could not get through,
+        so a target that never writes would hang the process (README, "Device waits"). A target that writes
+        holds this up for the rest of its verify; one that does not, until its deadline (the release).
+        `but`: a session about to release its own waits (closing). WritesPending if they are not done even
+        then (the release refused)."""
+        for session in list(self._sessions.values()):
+            if session is not but and session.waits is not None and session.waits.pending \
+                    and not session.waits.drain(self.limits.writes_wait_seconds + 5.0):
+                raise WritesPending(f"client {session.client_id}'s device waits were not done past their deadline")
+
     # ---- sessions -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -131,6 +144,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         client = client_id(context)
         self._check_instance(context)
         with self._lock:
+            self._quiesce()
             self._sweep_idle()
             session = self._get_or_create(client)
             session.turns += 1
@@ -192,6 +206,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
     def _end(self, session: Session, *, quiet: bool = False) -> None:
         """Free everything the session holds (idempotent; called when its Step stream ends)."""
         with self._lock:
+            self._quiesce(but=session)
             if self._sessions.get(session.client_id) is session:
                 del self._sessions[session.client_id]
             if not session.closed and not quiet:
@@ -362,6 +377,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                 if session.closed:
                     return None
                 session.turns += 1
+                self._quiesce()
                 session.register(batch.register)
             batch = dataclasses.replace(batch, register=())
         launch = None
@@ -390,6 +406,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                 result = launch()
             else:
                 session.turns += 1
+                self._quiesce()
                 result = session.step(batch, errors)
             phases = session.last_phases
         stepped = time.perf_counter()

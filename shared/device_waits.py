@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from specsplit.shared.stream_ops import StreamOps
+from specsplit.shared.transport import poll_until
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,17 @@ class DeviceWaits:
                 self._thread.start()
             if earliest is None or deadline < earliest:  # the watchdog sleeps until the earliest deadline
                 self._wake.notify()
+
+    def drain(self, timeout: float) -> bool:
+        """Poll until every wait is seen done (True), or for `timeout` seconds (False): before our host
+        queues work that may load a kernel module, which waits for the whole context, so a stream waiting
+        here would hold it, and our watchdog's release could not get through (README, "Device waits")."""
+        def done() -> bool:
+            with self._lock:
+                self._forget_done()
+                return not self._armed
+
+        return poll_until(done, timeout)
 
     @property
     def pending(self) -> int:

@@ -146,3 +146,19 @@ def test_done_values_wrap_past_zero_and_the_wait_compares_across_the_wrap():
     assert _reached(memory, 0, 2**32 - 2) and not _reached(memory, 0, 1)
     memory[0] = 1  # written after the wrap: it satisfies the last values before it
     assert _reached(memory, 0, 2**32 - 1) and _reached(memory, 0, 1) and not _reached(memory, 0, 2)
+
+
+def test_drain_returns_once_every_wait_is_seen_done_or_at_its_timeout(device):
+    """`drain` (the drafter's host, before work that may load a kernel module): False while a wait is
+    pending past the timeout, True once the peer's write is seen, at once with nothing pending."""
+    waits = DeviceWaits(device, torch.device("cpu"), peer="target", what="a chained step's written value")
+    flag = _flag()
+    try:
+        assert waits.drain(0.0)
+        waits.wait(flag, 3, time.perf_counter() + 30)
+        started = time.perf_counter()
+        assert not waits.drain(0.05) and time.perf_counter() - started >= 0.05 and waits.pending == 1
+        device.write(SimpleNamespace(name="target"), flag.data_ptr(), 3)
+        assert waits.drain(1.0) and waits.pending == 0 and waits.failure is None
+    finally:
+        waits.close()

@@ -1163,6 +1163,53 @@ def test_a_device_waited_chained_step_is_launched_as_it_arrives(env, monkeypatch
     assert seen == [("prepared", False), ("launched", False)] and not gate.open
 
 
+class _PendingWaits:
+    """Stands for a session's DeviceWaits with one wait pending until `done` is set (or never, for `drain`'s timeout)."""
+
+    def __init__(self) -> None:
+        self.done, self.drains = threading.Event(), []
+
+    @property
+    def pending(self) -> int:
+        return 0 if self.done.is_set() else 1
+
+    def drain(self, timeout: float) -> bool:
+        self.drains.append(timeout)
+        return self.done.wait(min(timeout, 2.0))
+
+    def close(self) -> None:
+        self.done.set()
+
+
+def test_work_waits_until_no_stream_waits_on_the_device(env):
+    """--device-waits: any call but a prepared launch (here another target's unary call and Step) is held,
+    under the lock, until the waiting session's stream waits for nothing (`DrafterServer._quiesce`): a
+    kernel module loaded while a stream waits would hang the process. Waits not done even past their
+    deadline fail the call (DEADLINE_EXCEEDED), not the server; a session closing releases its own first."""
+    _, server, channel = env.start(writes_wait_seconds=0.5)
+    a, b, _ = _two_targets_one_gated(env, server, channel)
+    waits = server._sessions["target-a"].waits = _PendingWaits()
+    answered = threading.Event()
+
+    def call_b() -> None:
+        b.call("AllocState", wire.alloc_to_proto(1, BUDGET))
+        answered.set()
+
+    threading.Thread(target=call_b, daemon=True).start()
+    wait_until(lambda: waits.drains)
+    assert not answered.wait(0.3)  # held while A's stream waits
+    waits.done.set()
+    assert answered.wait(10)
+    assert not b.step(wire.StepBatch(1, proposes=(ProposeRequest(0, 8, 3, GAMMA - 1),))).errors
+    waits = server._sessions["target-a"].waits = _PendingWaits()  # pending past its deadline: the call fails
+    with pytest.raises(grpc.RpcError) as raised:
+        b.call("AllocState", wire.alloc_to_proto(2, BUDGET))
+    assert raised.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED and "device waits" in raised.value.details()
+    assert waits.drains == [5.5]
+    server._end(server._sessions["target-a"])  # (closing releases its own waits: nothing drained for it)
+    assert waits.done.is_set() and waits.drains == [5.5]
+
+
 def test_device_waits_are_offered_only_to_one_target_with_prepared_graphs_on_a_gpu(monkeypatch):
     """DrafterDescription.written_flags: --device-waits, --max-targets 1, prepared chained graphs, and a
     GPU whose stream can wait on a value; and --device-waits is refused at the command line without them."""
