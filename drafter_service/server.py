@@ -147,6 +147,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             self._quiesce()
             self._sweep_idle()
             session = self._get_or_create(client)
+            session.check_waits()
             session.turns += 1
             session.last_call = time.monotonic()
             if client in self._streams:
@@ -391,7 +392,9 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         # The target's GPU writes into the buffers this step reads, awaited here, outside the lock: a
         # target whose writes never finish ends its own stream (WritesPending), no one else waits. (A
         # launch whose stream waits for them on the device instead is called at once.)
-        if launch is None or not launch.device_waited:
+        # (with more than one launch already queued behind waits the host waits too: a target that never writes
+        # may not queue launches without end)
+        if launch is None or not launch.device_waited or session.waits.pending > 1:
             session.await_writes(buffers_read(batch.seqs, batch.verified, batch.chain),
                                  head=bool(batch.proposes or (batch.chain is not None
                                                               and (batch.chain.seq_ids or batch.chain.commit_seq_ids))))
@@ -406,6 +409,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                 result = launch()
             else:
                 session.turns += 1
+                session.check_waits()  # (a released wait ends the stream, whatever comes next)
                 self._quiesce()
                 result = session.step(batch, errors)
             phases = session.last_phases

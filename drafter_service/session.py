@@ -675,7 +675,7 @@ class Session:
         waits for that value on the device before the graph reads them (the target's stream writes it
         after them), released by our watchdog at the writes' deadline (the session then fails)."""
         started = time.perf_counter()
-        self._check_waits()
+        self.check_waits()
         chain, spec = batch.chain, self.proposer.spec
         if chain is None or batch.register or batch.release or batch.seqs or batch.verified is not None \
                 or batch.proposes or not self._chain_fusable(chain, batch.drafts_buffer) or not chains(self.proposer) \
@@ -724,7 +724,7 @@ class Session:
             raise StateConflict("the connection closed before its chained step's launch")
         if self.turns != prepared.turn:
             raise StateConflict("another call of this connection ran between a chained step's arrival and its launch")
-        self._check_waits()
+        self.check_waits()
         waited = prepared.written is not None  # (else the server saw the target's writes done before this call)
         self.importer.check_current(chain.rows, written=not waited)
         self.importer.check_current(chain.feed, written=not waited)
@@ -745,7 +745,7 @@ class Session:
                                       replay=replay)
         return StepResult(prepared.step_id, {}, (), tuple((seq_id, chain.num_drafts) for seq_id in chain.seq_ids))
 
-    def _check_waits(self) -> None:
+    def check_waits(self) -> None:
         """WritesPending once our watchdog has released a device wait the target never satisfied (the
         stream then ends: what the step after it read may have been half written)."""
         if self.waits is not None and self.waits.failure is not None:
@@ -970,6 +970,8 @@ class Session:
         self._head = None
         self._drop_chain_graphs()
         self._finish_reads()  # no queued read or write of a mapping outlives it
+        if self.waits is not None:  # ... nor a release the watchdog was still writing into the target's DONE buffer
+            self.waits.join()
         self.importer.close()
 
 

@@ -126,6 +126,14 @@ class DeviceWaits:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
 
+    def join(self, timeout: float = 60.0) -> None:
+        """After `close` and a sync of the waiting stream: wait for the watchdog to end, so that no release of
+        ours is still being written into the peer's buffer when it is unmapped."""
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+            if self._thread.is_alive():
+                log.warning("device waits: the watchdog did not end within %.0f s of the stream's sync", timeout)
+
     def _release_safely(self) -> None:
         try:
             self._release_locked()

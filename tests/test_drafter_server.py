@@ -1145,9 +1145,13 @@ def test_a_chained_step_is_prepared_before_its_writes_and_launched_after_them(en
 def test_a_device_waited_chained_step_is_launched_as_it_arrives(env, monkeypatch):
     """Drafter --device-waits: a prepared launch whose stream waits for the target's writes on the device
     (`PreparedLaunch.device_waited`) is called at once, the target's writes still pending (the gate
-    stays shut), and answered; the host waits for none of them. (The launch itself: tests/test_remote_chain.py.)"""
+    stays shut), and answered; the host waits for none of them, unless more than one launch waits on the
+    device already (a target that never writes may not queue launches without end): then the host waits
+    for the writes first. (The launch itself: tests/test_remote_chain.py.)"""
     _, server, channel = env.start(writes_wait_seconds=10.0)
     a, b, gate = _two_targets_one_gated(env, server, channel)
+    waits = server._sessions["target-a"].waits = _PendingWaits()
+    waits.done.set()  # (none pending)
     seen = []
 
     def prepare(session, batch):
@@ -1162,15 +1166,27 @@ def test_a_device_waited_chained_step_is_launched_as_it_arrives(env, monkeypatch
     assert result.step_id == 1 and not result.errors
     assert seen == [("prepared", False), ("launched", False)] and not gate.open
 
+    waits.pending_now = 2  # two launches queued behind waits already: this one waits for the writes on the host
+    seen.clear()
+    answered = threading.Event()
+    threading.Thread(target=lambda: a.step(wire.StepBatch(2, chain=chain)) and answered.set(), daemon=True).start()
+    wait_until(lambda: gate.queries > 3)
+    assert seen == [("prepared", False)] and not answered.is_set()
+    gate.open = True
+    assert answered.wait(10) and seen == [("prepared", False), ("launched", True)]
+
 
 class _PendingWaits:
     """Stands for a session's DeviceWaits with one wait pending until `done` is set (or never, for `drain`'s timeout)."""
 
     def __init__(self) -> None:
-        self.done, self.drains = threading.Event(), []
+        self.done, self.drains, self.failure = threading.Event(), [], None
+        self.pending_now: int | None = None  # (a count to report instead)
 
     @property
     def pending(self) -> int:
+        if self.pending_now is not None:
+            return self.pending_now
         return 0 if self.done.is_set() else 1
 
     def drain(self, timeout: float) -> bool:
@@ -1179,6 +1195,9 @@ class _PendingWaits:
 
     def close(self) -> None:
         self.done.set()
+
+    def join(self) -> None:
+        pass
 
 
 def test_work_waits_until_no_stream_waits_on_the_device(env):
@@ -1208,6 +1227,25 @@ def test_work_waits_until_no_stream_waits_on_the_device(env):
     assert waits.drains == [5.5]
     server._end(server._sessions["target-a"])  # (closing releases its own waits: nothing drained for it)
     assert waits.done.is_set() and waits.drains == [5.5]
+
+
+def test_a_wait_its_watchdog_released_ends_that_targets_stream_at_its_next_call(env):
+    """--device-waits: once a session's watchdog has released a wait (the target never wrote its value: what
+    the step behind it read may have been half written), its next call of any kind fails with
+    DEADLINE_EXCEEDED and its Step stream ends; another target goes on."""
+    _, server, channel = env.start()
+    a, b, _ = _two_targets_one_gated(env, server, channel)
+    waits = server._sessions["target-a"].waits = _PendingWaits()
+    waits.done.set()
+    waits.failure = "the target did not write a chained step's written value within its deadline"
+    with pytest.raises(grpc.RpcError) as raised:
+        a.call("AllocState", wire.alloc_to_proto(1, BUDGET))
+    assert raised.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED and "written value" in raised.value.details()
+    with pytest.raises(grpc.RpcError) as raised:
+        a.step(wire.StepBatch(1, proposes=(ProposeRequest(0, 8, 3, GAMMA - 1),)))
+    assert raised.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: "target-a" not in server._sessions)
+    assert not b.step(wire.StepBatch(1, proposes=(ProposeRequest(0, 8, 3, GAMMA - 1),))).errors
 
 
 def test_device_waits_are_offered_only_to_one_target_with_prepared_graphs_on_a_gpu(monkeypatch):

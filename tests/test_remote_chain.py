@@ -984,6 +984,9 @@ class _Waits:
     def close(self):
         self.closed = True
 
+    def join(self):
+        self.joined = self.closed  # (after close)
+
 
 def test_a_device_waited_chained_step_launches_before_the_targets_writes_its_stream_waiting_for_them(monkeypatch):
     """Drafter --device-waits (`Session.waits`): a prepared chained step that carries a written value
@@ -1040,4 +1043,4 @@ def test_a_device_waited_chained_step_launches_before_the_targets_writes_its_str
     session.waits = waits
     session._seqs, session.importer.close = {}, lambda: None  # (the stand-ins hold nothing to free)
     session.close()
-    assert waits.closed
+    assert waits.closed and waits.joined

@@ -116,8 +116,12 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
             return result
 
         Session._launch_prepared = launch_prepared
+    from specsplit.drafter_service import server as server_module
     from specsplit.drafter_service.limits import DrafterLimits
 
+    made = []  # every session's device waits (--device-waits), for the waits its watchdog released
+    real_waits = server_module.DeviceWaits
+    server_module.DeviceWaits = lambda *args, **kwargs: made.append(real_waits(*args, **kwargs)) or made[-1]
     server_obj, server = start_drafter(DrafterSettings((address,), LocalSetup(drafter="dflash", device="cuda",
                                                                                dtype="float32", seed=0),
                                                        limits=DrafterLimits(writes_wait_seconds=writes_wait,
@@ -131,7 +135,7 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
         pass
     server.stop(None)
     server_obj.close()
-    conn.send((len(replays), sum(replays), errors, len(launched)))
+    conn.send((len(replays), sum(replays), errors, len(launched), sum(w.released for w in made)))
 
 
 @contextlib.contextmanager
@@ -272,11 +276,10 @@ def test_chained_steps_replayed_as_the_drafters_graphs_draft_as_uncaptured(tmp_p
     (tokens, accepted, chained, _), (graphed, graphed_accepted, graphed_chained, report) = runs.values()
     assert graphed == tokens == local_tokens("none", params)
     assert graphed_accepted == accepted and sum(accepted) > 0 and graphed_chained == chained >= 30
-    (steps, replayed, errors, prepared), = report
+    (steps, replayed, errors, prepared, _), = report
     assert not errors and steps >= 20 and replayed >= 10 and prepared >= 5, report
 
 
-@pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])
 def test_chained_steps_launched_behind_the_drafters_device_waits_draft_as_host_polled_ones(tmp_path):
     """Drafter --device-waits with a target's --device-waits: each prepared chained step's graph is launched
     as its Step arrives, the drafter's stream waiting on the device for the value the target's stream
@@ -299,8 +302,8 @@ def test_chained_steps_launched_behind_the_drafters_device_waits_draft_as_host_p
     (tokens, accepted, chained, _, _), (waited, waited_accepted, waited_chained, released, report) = runs.values()
     assert waited == tokens == local_tokens("none", params)
     assert waited_accepted == accepted and sum(accepted) > 0 and waited_chained == chained >= 30
-    (steps, replayed, errors, launched), = report
-    assert not errors and released == 0 and replayed >= 10 and launched >= 5, report
+    (steps, replayed, errors, launched, drafter_released), = report
+    assert not errors and released == drafter_released == 0 and replayed >= 10 and launched >= 5, report
 
 
 def test_a_target_that_never_writes_its_written_value_costs_the_drafter_a_deadline_not_its_stream(tmp_path, monkeypatch):
@@ -311,7 +314,8 @@ def test_a_target_that_never_writes_its_written_value_costs_the_drafter_a_deadli
     from specsplit.target_service import drafter_client
 
     want = local_tokens("none")
-    with spawned_drafter(tmp_path, "graphs-waits", writes_wait=3.0) as address:
+    report: list = []
+    with spawned_drafter(tmp_path, "graphs-waits", writes_wait=3.0, report=report) as address:
         model, tokenizer = default_target()
         write = drafter_client._write_on_stream
         monkeypatch.setattr(drafter_client, "_write_on_stream", lambda view, value: None)
@@ -327,8 +331,11 @@ def test_a_target_that_never_writes_its_written_value_costs_the_drafter_a_deadli
         tokens, stats = generate(engine, tokenizer)
         assert tokens == want and sum(s.accepted for s in stats) > 0 and engine.drafter_ok
         remote.close()
+    (_, _, errors, launched, drafter_released), = report
+    assert not errors and launched >= 1 and drafter_released >= 1, report  # (the silent target's waits released)
 
 
+@pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])
 def test_the_targets_side_of_a_services_chained_step_replayed_as_a_graph_accepts_as_uncaptured(tmp_path, device_waits):
     """EngineConfig(chain_capture_remote=True): through the drafter service, what follows each chained
     step's drafts (the verify, the accept, the outcome, the next feed) replays as one CUDA graph of the
