@@ -12,6 +12,7 @@
 #   bash tools/gpu_round.sh waits     # the target's stream waits on the device for chained drafts: probe, GPU tests
 #   bash tools/gpu_round.sh waits-bench  # ... and its tokens/s against host polls and in-process
 #   bash tools/gpu_round.sh probe-release  # the watchdog's release while a kernel module loads (no model)
+#   bash tools/gpu_round.sh cross-gpu  # 2-GPU kind: a step's two graphs ordered by stream flags, drafter on GPU 0 or 1 (no model)
 #   bash tools/gpu_round.sh timeline  # device waits' GPU tests, then both services' GPU work on one clock
 #   bash tools/gpu_round.sh tail      # the target's side of a services chained step as one graph: GPU test, tokens/s, timeline
 #   bash tools/gpu_round.sh prepare   # the drafter's chained steps prepared before the target's writes: GPU tests, tokens/s
@@ -33,6 +34,14 @@ if [ "${1:-}" = services ]; then
   # the next part, a device-memory wait released by its own host, hung until the round's timeout and took
   # the later parts along: each part now runs in its own process, at most 25 s)
   timeout 200 python tools/stream_wait_probe.py --rounds 2000 --part-timeout 25 2>&1 | log
+  exit
+fi
+if [ "${1:-}" = cross-gpu ]; then
+  # (twenty-fifth session, not run yet; on the 2-GPU kind, nvidia-h200-x2) the split's step reduced to two graphs
+  # ordered by stream flags across two processes, the drafter on GPU 0 (time-sliced with the target, as the
+  # services run now) and on GPU 1 (its own, rows read across NVLink): ms a step against one process. On one GPU
+  # the services' step is 1.63 ms against 1.27 in-process; is a GPU of its own the way to 0.97x? Needs no model
+  timeout 300 python tools/cross_gpu_probe.py --drafter-gpu 0 1 2>&1 | log
   exit
 fi
 if [ "${1:-}" = probe-release ]; then
@@ -223,7 +232,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|tail|prepare|drafter-waits|drafter-waits-bench|eval|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|cross-gpu|tail|prepare|drafter-waits|drafter-waits-bench|eval|train SEED [flags]" >&2
   exit 2
   ;;
 esac

@@ -1,0 +1,215 @@
+"""What does the split cost per step when both streams order each other on the device, on one GPU or two?
+
+The services' chained step, reduced to its skeleton: a "target" graph writes rows into a buffer of its own
+GPU memory, then its stream writes a flag; the "drafter" (another process) has its stream wait for that
+flag, replay a graph that reads the rows through CUDA IPC, and write a flag back, which the target's
+stream waits for before its next step. Both hosts queue every step up front, so what is measured is the
+GPU side alone: work, context switches, flag latency, and the rows read across NVLink when the drafter
+has a GPU of its own (its IPC mapping opened in its own device's context, peer access enabled lazily).
+
+    python tools/cross_gpu_probe.py [--drafter-gpu 1] [--work 120] [--steps 400]
+
+Prints ms a step for both graphs in one process (the in-process floor) and through the two processes,
+and whether the drafter read the rows the target wrote. On one GPU (the default) the two processes'
+contexts time-slice: DEVICE.md measured +0.2 ms a step with IPC events between them; `--drafter-gpu 1`
+(the 2-GPU kind) is what a drafter on a GPU of its own would gain. Needs cupy (CUDA IPC) and libcuda's
+stream memory operations; every wait is released from the host if a step is not done in time, so the
+probe ends instead of hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+ROWS, COLS = 16, 5184  # one step's feature rows at one stream (k + 1 rows of 9 target layers x 576)
+DEADLINE_S = 20.0
+RELEASE = 0x3FFFFFFF
+
+
+def _stream_ops():
+    """shared/stream_ops.py by its path (the probe runs where specsplit may not be installed)."""
+    path = Path(__file__).resolve().parents[1] / "shared" / "stream_ops.py"
+    spec = importlib.util.spec_from_file_location("_specsplit_stream_ops", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def work_graph(work: int, seed: int, before=None, after=None) -> torch.cuda.CUDAGraph:
+    """`work` small bf16 matmuls (a step's GPU time), with `before()` / `after()` captured around them."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(576, 576, device="cuda", dtype=torch.bfloat16, generator=gen) / 24
+    x = torch.randn(16, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def body():
+        if before is not None:
+            before()
+        y = x
+        for _ in range(work):
+            y = torch.tanh(y @ w)
+        if after is not None:
+            after(y)
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
+
+
+def in_process(work: int, steps: int) -> float:
+    """Both graphs on one stream of one process: ms a step."""
+    rows = torch.zeros(ROWS, COLS, device="cuda", dtype=torch.bfloat16)
+    local = torch.empty_like(rows)
+    target = work_graph(work, 0, after=lambda y: rows.copy_(y[:, :1].expand(ROWS, COLS)))
+    drafter = work_graph(work // 4, 1, before=lambda: local.copy_(rows))
+    for _ in range(20):
+        target.replay()
+        drafter.replay()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        target.replay()
+        drafter.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / steps * 1e3
+
+
+def drafter_main(pipe, gpu: int, work: int, steps: int, handle: bytes) -> None:
+    """The drafter: its GPU's stream waits for the target's flag 0 >= i, replays (reading the target's rows
+    through IPC), writes flag 1 = i. Reports whether the rows it read last are the target's."""
+    try:
+        import cupy as cp
+
+        torch.cuda.set_device(gpu)
+        ops = _stream_ops().StreamOps(__import__("ctypes").CDLL("libcuda.so.1"))
+        with cp.cuda.Device(gpu):  # mapped into this device's context: its kernels read the target's GPU
+            pointer = cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+        flags = pointer  # int32 flags[2], then the rows (16-byte aligned)
+        nbytes = ROWS * COLS * 2
+        memory = cp.cuda.UnownedMemory(pointer, 16 + nbytes, None, gpu)
+        raw = cp.ndarray((16 + nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(memory, 0))
+        rows = torch.as_tensor(raw[16:], device=f"cuda:{gpu}").view(torch.bfloat16).view(ROWS, COLS)
+        local = torch.empty(ROWS, COLS, device=f"cuda:{gpu}", dtype=torch.bfloat16)
+        graph = work_graph(work // 4, 1, before=lambda: local.copy_(rows))
+        stream = torch.cuda.Stream()
+        pipe.send("ready")
+        if not pipe.poll(120) or pipe.recv() != "go":
+            raise RuntimeError("no go from the target within 120 s")
+        with torch.cuda.stream(stream):
+            for i in range(1, steps + 1):
+                ops.wait(stream, flags, i)
+                graph.replay()
+                ops.write(stream, flags + 4, i)
+        done = torch.cuda.Event()
+        done.record(stream)
+        deadline = time.perf_counter() + 2 * DEADLINE_S
+        while not done.query():
+            if time.perf_counter() > deadline:
+                pipe.send("drafter stuck")
+                os._exit(3)
+            time.sleep(1e-4)
+        pipe.send(("done", float(local.float().mean()), float(rows.float().mean())))
+        os._exit(0)
+    except Exception as exc:  # noqa: BLE001 - a probe reports what failed
+        pipe.send(f"drafter failed: {type(exc).__name__}: {exc}")
+        os._exit(2)
+
+
+def split(work: int, steps: int, drafter_gpu: int) -> str:
+    import cupy as cp
+
+    ops = _stream_ops().StreamOps(__import__("ctypes").CDLL("libcuda.so.1"))
+    nbytes = ROWS * COLS * 2
+    with cp.cuda.Device(0):
+        memory = cp.cuda.memory.Memory(16 + nbytes)  # one plain cudaMalloc: the IPC handle names exactly it
+        cp.cuda.runtime.memset(memory.ptr, 0, 16 + nbytes)
+        handle = bytes(cp.cuda.runtime.ipcGetMemHandle(memory.ptr))
+    raw = cp.ndarray((16 + nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(memory, 0))
+    rows = torch.as_tensor(raw[16:], device="cuda:0").view(torch.bfloat16).view(ROWS, COLS)
+    flags = memory.ptr
+    torch.cuda.synchronize()
+    target = work_graph(work, 0, after=lambda y: rows.copy_(y[:, :1].expand(ROWS, COLS)))
+    stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=drafter_main, args=(theirs, drafter_gpu, work, steps, handle), daemon=True)
+    proc.start()
+    theirs.close()
+    try:
+        if not ours.poll(180):
+            return "the drafter did not start within 180 s"
+        said = ours.recv()
+        if said != "ready":
+            return str(said)
+        ours.send("go")
+        started = time.perf_counter()
+        with torch.cuda.stream(stream):
+            for i in range(1, steps + 1):
+                if i > 1:
+                    ops.wait(stream, flags + 4, i - 1)  # the drafter read the last rows: ours to write again
+                target.replay()
+                ops.write(stream, flags, i)
+            ops.wait(stream, flags + 4, steps)
+        done = torch.cuda.Event()
+        done.record(stream)
+        while not done.query():
+            if time.perf_counter() - started > DEADLINE_S:
+                ops.write(side, flags, RELEASE)  # let both sides' waits go (stream operations: no kernel)
+                ops.write(side, flags + 4, RELEASE)
+                return f"STUCK: {steps} steps not done in {DEADLINE_S:.0f} s (released from the host)"
+            time.sleep(1e-4)
+        elapsed = time.perf_counter() - started
+        if not ours.poll(DEADLINE_S):
+            return "the drafter did not report"
+        said = ours.recv()
+        if not (isinstance(said, tuple) and said[0] == "done"):
+            return str(said)
+        _, read, mapped = said
+        want = float(rows.float().mean())
+        same = abs(read - want) <= 1e-3 * max(1.0, abs(want)) and abs(mapped - want) <= 1e-3 * max(1.0, abs(want))
+        return (f"{elapsed / steps * 1e3:.3f} ms a step (the host queued everything up front); rows read "
+                f"{'as written' if same else f'WRONG: read {read:.4f}, mapped {mapped:.4f}, want {want:.4f}'}")
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter-gpu", type=int, nargs="+", default=[0],
+                    help="the drafter's GPU(s), one run each (the target is on GPU 0)")
+    ap.add_argument("--work", type=int, default=120, help="matmuls in the target's graph (the drafter's: a quarter)")
+    ap.add_argument("--steps", type=int, default=400)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("cross_gpu_probe: needs a CUDA GPU")
+    if any(not 0 <= g < torch.cuda.device_count() for g in args.drafter_gpu):
+        sys.exit(f"cross_gpu_probe: this machine has {torch.cuda.device_count()} GPU(s)")
+    torch.cuda.set_device(0)
+    floor = in_process(args.work, args.steps)
+    print(f"in one process, both graphs on GPU 0: {floor:.3f} ms a step", flush=True)
+    for gpu in args.drafter_gpu:
+        if gpu != 0:
+            print(f"  peer access GPU {gpu} -> 0: {torch.cuda.can_device_access_peer(gpu, 0)}", flush=True)
+        print(f"two processes, the drafter on GPU {gpu}, ordered by stream flags: "
+              f"{split(args.work, args.steps, gpu)}", flush=True)
+        print(f"  (in one process: {in_process(args.work, args.steps):.3f} ms a step, measured again)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
