@@ -255,6 +255,23 @@ def test_a_drafter_that_never_writes_its_done_value_costs_a_deadline_not_a_hang(
         remote.close()
 
 
+def _runs_against(tmp_path, modes, params: SamplingParams, **remote_kw) -> list[tuple]:
+    """The default target through a drafter service of each mode in turn (`spawned_drafter`): per mode its
+    tokens, accepted drafts per request, chained steps, the target's released waits, and the drafter's report."""
+    model, tokenizer = default_target()
+    runs = []
+    for mode in modes:
+        report: list = []
+        (tmp_path / mode).mkdir()
+        with spawned_drafter(tmp_path / mode, mode, report=report) as address:
+            engine, remote = remote_engine(address, model, **remote_kw)
+            tokens, stats = generate(engine, tokenizer, params)
+            released = remote._waits.released if remote._waits is not None else 0
+            remote.close()
+        runs.append((tokens, [s.accepted for s in stats], engine.counters.chained, released, report))
+    return runs
+
+
 def test_chained_steps_replayed_as_the_drafters_graphs_draft_as_uncaptured(tmp_path):
     """A drafter service with --chain-graphs: each chained step's commit, propose and drafts copy replay as
     one CUDA graph once the shape has run a few times, most of them prepared before the target's writes
@@ -262,18 +279,9 @@ def test_chained_steps_replayed_as_the_drafters_graphs_draft_as_uncaptured(tmp_p
     same drafter without graphs (float32: the same drafts), the tokens are target-only's, and chained
     steps were replayed. (Long enough that one shape, three sequences, runs past its capture: the
     eighteenth session's 48 tokens spread 16 fused steps over three shapes, none captured.)"""
-    model, tokenizer = default_target()
     params = SamplingParams(max_tokens=160, ignore_eos=True)
-    runs = {}
-    for mode in ("honest", "graphs"):
-        report: list = []
-        (tmp_path / mode).mkdir()
-        with spawned_drafter(tmp_path / mode, mode, report=report) as address:
-            engine, remote = remote_engine(address, model)
-            tokens, stats = generate(engine, tokenizer, params)
-            remote.close()
-        runs[mode] = tokens, [s.accepted for s in stats], engine.counters.chained, report
-    (tokens, accepted, chained, _), (graphed, graphed_accepted, graphed_chained, report) = runs.values()
+    (tokens, accepted, chained, _, _), (graphed, graphed_accepted, graphed_chained, _, report) = \
+        _runs_against(tmp_path, ("honest", "graphs"), params)
     assert graphed == tokens == local_tokens("none", params)
     assert graphed_accepted == accepted and sum(accepted) > 0 and graphed_chained == chained >= 30
     (steps, replayed, errors, prepared, _), = report
@@ -287,19 +295,9 @@ def test_chained_steps_launched_behind_the_drafters_device_waits_draft_as_host_p
     drafter's done value: neither host waits for the other's GPU. Every verify accepts as many drafts as
     with the drafter's host polling (float32: the same drafts), the tokens are target-only's, most
     chained steps were launched that way, and no wait was released on either side."""
-    model, tokenizer = default_target()
     params = SamplingParams(max_tokens=160, ignore_eos=True)
-    runs = {}
-    for mode in ("graphs", "graphs-waits"):
-        report: list = []
-        (tmp_path / mode).mkdir()
-        with spawned_drafter(tmp_path / mode, mode, report=report) as address:
-            engine, remote = remote_engine(address, model, device_waits=True)
-            tokens, stats = generate(engine, tokenizer, params)
-            released = remote._waits.released
-            remote.close()
-        runs[mode] = tokens, [s.accepted for s in stats], engine.counters.chained, released, report
-    (tokens, accepted, chained, _, _), (waited, waited_accepted, waited_chained, released, report) = runs.values()
+    (tokens, accepted, chained, _, _), (waited, waited_accepted, waited_chained, released, report) = \
+        _runs_against(tmp_path, ("graphs", "graphs-waits"), params, device_waits=True)
     assert waited == tokens == local_tokens("none", params)
     assert waited_accepted == accepted and sum(accepted) > 0 and waited_chained == chained >= 30
     (steps, replayed, errors, launched, drafter_released), = report

@@ -20,27 +20,17 @@ probe ends instead of hanging.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from stream_wait_probe import Driver  # (tools/, beside this file: the services' own stream operations)
 
 ROWS, COLS = 16, 5184  # one step's feature rows at one stream (k + 1 rows of 9 target layers x 576)
 DEADLINE_S = 20.0
 RELEASE = 0x3FFFFFFF
-
-
-def _stream_ops():
-    """shared/stream_ops.py by its path (the probe runs where specsplit may not be installed)."""
-    path = Path(__file__).resolve().parents[1] / "shared" / "stream_ops.py"
-    spec = importlib.util.spec_from_file_location("_specsplit_stream_ops", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def work_graph(work: int, seed: int, before=None, after=None) -> torch.cuda.CUDAGraph:
@@ -94,7 +84,7 @@ def drafter_main(pipe, gpu: int, work: int, steps: int, handle: bytes) -> None:
         import cupy as cp
 
         torch.cuda.set_device(gpu)
-        ops = _stream_ops().StreamOps(__import__("ctypes").CDLL("libcuda.so.1"))
+        ops = Driver()
         with cp.cuda.Device(gpu):  # mapped into this device's context: its kernels read the target's GPU
             pointer = cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
         flags = pointer  # int32 flags[2], then the rows (16-byte aligned)
@@ -131,7 +121,7 @@ def drafter_main(pipe, gpu: int, work: int, steps: int, handle: bytes) -> None:
 def split(work: int, steps: int, drafter_gpu: int) -> str:
     import cupy as cp
 
-    ops = _stream_ops().StreamOps(__import__("ctypes").CDLL("libcuda.so.1"))
+    ops = Driver()
     nbytes = ROWS * COLS * 2
     with cp.cuda.Device(0):
         memory = cp.cuda.memory.Memory(16 + nbytes)  # one plain cudaMalloc: the IPC handle names exactly it

@@ -218,7 +218,9 @@ train)
   # at 4e-4), evaluated in float32 beside its
   # --init in the same run; e.g. `train 27`, then `train 28 --init /var/tmp/ckpt/dflash-27`. The
   # checkpoint and its log come back under $OUT (shards under 16 MiB). Needs the call to carry
-  # drafter_service/checkpoints (see tools/device_tree.sh).
+  # drafter_service/checkpoints (see tools/device_tree.sh). A checkpoint not shipped goes as a later --init,
+  # carried alone beside .whl: the twenty-fifth session's 8-layer one (60 MiB, kept in the ignored
+  # .ckpt/dflash-33 of the session's machine) by `train 34 --init .ckpt/dflash-33`, carry [".ckpt/dflash-33", ".whl"].
   seed=${2:?usage: bash tools/gpu_round.sh train SEED [train-drafter flags...]}
   shift 2
   mkdir -p /var/tmp/ckpt
