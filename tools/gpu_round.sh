@@ -46,9 +46,14 @@ if [ "${1:-}" = cross-gpu ]; then
 fi
 if [ "${1:-}" = probe-release ]; then
   # can the watchdog take back a device wait while CUDA's lazy loading loads a kernel's module (which
-  # waits for the whole context)? Needs no model; in a fresh process, kernels not loaded yet
+  # waits for the whole context)? Needs no model; in a fresh process, kernels not loaded yet. Part 7 (a
+  # flag in device memory, released by a stream write) hung in the twenty-third session; part 8 (twenty-fifth,
+  # not run yet): the flag in registered host memory, released by a plain store, no CUDA call. If it gets
+  # through, device waits on host-memory flags can be safe, and on by default
   echo "probe: a watchdog thread's release while a new kernel loads" | log
   timeout -k 10 60 python tools/stream_wait_probe.py --part 7 2>&1 | tail -6 | log
+  echo "probe: a watchdog thread's plain store into host memory while a new kernel loads" | log
+  timeout -k 10 60 python tools/stream_wait_probe.py --part 8 2>&1 | tail -6 | log
   exit
 fi
 source tools/device_setup.sh || { echo "gpu_round: no model on this machine (above); nothing run" | log; exit 1; }

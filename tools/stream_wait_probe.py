@@ -307,28 +307,40 @@ def release(where: str, driver: Driver, how: str = "kernel") -> str:
             drop_host_flags(shm, flags, unlink=True)
 
 
-def watchdog_during_load(driver: Driver) -> str:
+def watchdog_during_load(driver: Driver, where: str = "device") -> str:
     """The target's device waits (shared.device_waits) at their worst: a stream waits on a value
     nobody writes, the main thread launches a kernel never launched before in this process (under lazy
     module loading its load waits for the whole context, the held stream included), and a watchdog
-    thread releases the wait 200 ms later with a stream write on a side stream. Does the release get
-    through while the main thread sits in the load, and does the load then finish?"""
-    flags = torch.zeros(2, dtype=torch.int32, device="cuda")
+    thread releases the wait 200 ms later: with a stream write on a side stream for a flag in device
+    memory (the twenty-third session: the release did not get through, the launch never returned), or,
+    for a flag in registered host memory (`where` "host"), with a plain store, no CUDA call at all. Does
+    the release get through while the main thread sits in the load, and does the load then finish?"""
+    shm = host = None
+    if where == "host":
+        shm, host, address = host_flags(None, driver)
+    else:
+        flags = torch.zeros(2, dtype=torch.int32, device="cuda")
+        address = flags.data_ptr()
     side, held = torch.cuda.Stream(), torch.cuda.Stream()
     x = torch.rand(64, device="cuda")
     torch.cuda.synchronize()
     step("flags zeroed")
-    driver.wait(held, flags.data_ptr(), 7)
+    driver.wait(held, address, 7)
     done = _recorded(held)
     step("wait queued")
     times: dict[str, float] = {}
 
     def watchdog() -> None:
         try:
+            if host is not None:  # no CUDA call in this thread: nothing a module load could hold up
+                time.sleep(0.2)
+                times["release"] = time.perf_counter()
+                host[0] = 7
+                return
             torch.cuda.set_device(0)  # (a new thread's current context: the GPU's)
             time.sleep(0.2)
             times["release"] = time.perf_counter()
-            driver.write(side, flags.data_ptr(), 7)
+            driver.write(side, address, 7)
         except Exception as exc:  # noqa: BLE001 - said below, not mistaken for the hang
             times["error"] = exc
 
@@ -345,6 +357,8 @@ def watchdog_during_load(driver: Driver) -> str:
     if not wait_done(done, 5.0):
         raise SystemExit("NOT released within 5 s of the watchdog's write: the probe stops here")
     released = time.perf_counter()
+    if shm is not None:
+        drop_host_flags(shm, host, unlink=True)
     return (f"the launch returned {(launched - started) * 1e3:.0f} ms after it began (the watchdog wrote at "
             f"{(times['release'] - started) * 1e3:.0f} ms), the wait was seen released at "
             f"{(released - started) * 1e3:.0f} ms; the kernel's result is right: "
@@ -380,6 +394,8 @@ def parts(rounds: int, driver: Driver) -> dict[str, Callable[[], str]]:
     made["flags in host memory, release by a plain store"] = lambda: release("host", driver)
     made["graph capture"] = lambda: capture(driver)
     made["a watchdog thread's release while a new kernel loads"] = lambda: watchdog_during_load(driver)
+    made["a watchdog thread's plain store into host memory while a new kernel loads"] = \
+        lambda: watchdog_during_load(driver, "host")
     return made
 
 
