@@ -207,7 +207,11 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
     def _end(self, session: Session, *, quiet: bool = False) -> None:
         """Free everything the session holds (idempotent; called when its Step stream ends)."""
         with self._lock:
-            self._quiesce(but=session)
+            try:
+                self._quiesce(but=session)
+            except WritesPending as exc:  # (a session is freed whatever another's waits do)
+                log.warning("freeing client %s while %s", session.client_id, exc,
+                            extra=logs.fields(client_id=session.client_id))
             if self._sessions.get(session.client_id) is session:
                 del self._sessions[session.client_id]
             if not session.closed and not quiet:

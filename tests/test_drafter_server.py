@@ -1225,8 +1225,10 @@ def test_work_waits_until_no_stream_waits_on_the_device(env):
         b.call("AllocState", wire.alloc_to_proto(2, BUDGET))
     assert raised.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED and "device waits" in raised.value.details()
     assert waits.drains == [5.5]
+    server._end(server._sessions["target-b"])  # another session is freed even while A's waits never end
+    assert "target-b" not in server._sessions and waits.drains == [5.5, 5.5]
     server._end(server._sessions["target-a"])  # (closing releases its own waits: nothing drained for it)
-    assert waits.done.is_set() and waits.drains == [5.5]
+    assert waits.done.is_set() and waits.drains == [5.5, 5.5]
 
 
 def test_a_wait_its_watchdog_released_ends_that_targets_stream_at_its_next_call(env):
