@@ -134,7 +134,9 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         for session in list(self._sessions.values()):
             if session is not but and session.waits is not None and session.waits.pending \
                     and not session.waits.drain(self.limits.writes_wait_seconds + 5.0):
-                raise WritesPending(f"client {session.client_id}'s device waits were not done past their deadline")
+                log.warning("client %s's device waits were not done past their deadline", session.client_id,
+                            extra=logs.fields(client_id=session.client_id))
+                raise WritesPending("a target's device waits on this drafter were not done past their deadline")
 
     # ---- sessions -------------------------------------------------------------------------------
 
@@ -147,7 +149,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             self._quiesce()
             self._sweep_idle()
             session = self._get_or_create(client)
-            session.check_waits()
+            session.check_waits()  # (fails this call; the stream ends at its next Step)
             session.turns += 1
             session.last_call = time.monotonic()
             if client in self._streams:
@@ -208,10 +210,11 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         """Free everything the session holds (idempotent; called when its Step stream ends)."""
         with self._lock:
             try:
-                self._quiesce(but=session)
-            except WritesPending as exc:  # (a session is freed whatever another's waits do)
-                log.warning("freeing client %s while %s", session.client_id, exc,
-                            extra=logs.fields(client_id=session.client_id))
+                if not session.closed:
+                    self._quiesce(but=session)
+            except Exception as exc:  # noqa: BLE001 - a session is freed whatever another's waits do
+                log.warning("freeing client %s while another's device waits are not done (%s)", session.client_id,
+                            exc, extra=logs.fields(client_id=session.client_id))
             if self._sessions.get(session.client_id) is session:
                 del self._sessions[session.client_id]
             if not session.closed and not quiet:
@@ -383,6 +386,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                     return None
                 session.turns += 1
                 self._quiesce()
+                session.check_waits()
                 session.register(batch.register)
             batch = dataclasses.replace(batch, register=())
         launch = None
@@ -396,8 +400,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         # The target's GPU writes into the buffers this step reads, awaited here, outside the lock: a
         # target whose writes never finish ends its own stream (WritesPending), no one else waits. (A
         # launch whose stream waits for them on the device instead is called at once.)
-        # (with more than one launch already queued behind waits the host waits too: a target that never writes
-        # may not queue launches without end)
+        # (with two launches already queued behind waits the host waits too: a target that never writes may
+        # not queue launches without end)
         if launch is None or not launch.device_waited or session.waits.pending > 1:
             session.await_writes(buffers_read(batch.seqs, batch.verified, batch.chain),
                                  head=bool(batch.proposes or (batch.chain is not None
@@ -413,8 +417,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                 result = launch()
             else:
                 session.turns += 1
-                session.check_waits()  # (a released wait ends the stream, whatever comes next)
                 self._quiesce()
+                session.check_waits()  # (a released wait ends the stream, whatever comes next)
                 result = session.step(batch, errors)
             phases = session.last_phases
         stepped = time.perf_counter()
@@ -446,10 +450,10 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                 raise CapacityExceeded(f"the drafter serves its limit of {self.max_targets} targets "
                                        "(--max-targets)")
             session = self._get_or_create(client, streaming=True)
-            session.streaming = True
             if self.written_flags and session.waits is None:  # (its chained steps' launches wait on the device)
                 session.waits = DeviceWaits(stream_ops(), self.device, peer="target",
                                             what="a chained step's written value")
+            session.streaming = True
             self._streams[client] = stream = _Stream(call)
             return session, stream
 

@@ -1151,7 +1151,7 @@ def test_a_device_waited_chained_step_is_launched_as_it_arrives(env, monkeypatch
     _, server, channel = env.start(writes_wait_seconds=10.0)
     a, b, gate = _two_targets_one_gated(env, server, channel)
     waits = server._sessions["target-a"].waits = _PendingWaits()
-    waits.done.set()  # (none pending)
+    waits.pending_now = 1  # (one launch queued behind a wait already: this one goes at once too)
     seen = []
 
     def prepare(session, batch):
@@ -1207,19 +1207,20 @@ def test_work_waits_until_no_stream_waits_on_the_device(env):
     deadline fail the call (DEADLINE_EXCEEDED), not the server; a session closing releases its own first."""
     _, server, channel = env.start(writes_wait_seconds=0.5)
     a, b, _ = _two_targets_one_gated(env, server, channel)
-    waits = server._sessions["target-a"].waits = _PendingWaits()
-    answered = threading.Event()
+    for call in (lambda: b.call("AllocState", wire.alloc_to_proto(1, BUDGET)),  # a unary call ...
+                 lambda: b.step(wire.StepBatch(1, proposes=(ProposeRequest(0, 8, 3, GAMMA - 1),)))):  # ... and a Step
+        waits = server._sessions["target-a"].waits = _PendingWaits()
+        answered = threading.Event()
 
-    def call_b() -> None:
-        b.call("AllocState", wire.alloc_to_proto(1, BUDGET))
-        answered.set()
+        def run(call=call, answered=answered) -> None:
+            call()
+            answered.set()
 
-    threading.Thread(target=call_b, daemon=True).start()
-    wait_until(lambda: waits.drains)
-    assert not answered.wait(0.3)  # held while A's stream waits
-    waits.done.set()
-    assert answered.wait(10)
-    assert not b.step(wire.StepBatch(1, proposes=(ProposeRequest(0, 8, 3, GAMMA - 1),))).errors
+        threading.Thread(target=run, daemon=True).start()
+        wait_until(lambda: waits.drains)
+        assert not answered.wait(0.3)  # held while A's stream waits
+        waits.done.set()
+        assert answered.wait(10)
     waits = server._sessions["target-a"].waits = _PendingWaits()  # pending past its deadline: the call fails
     with pytest.raises(grpc.RpcError) as raised:
         b.call("AllocState", wire.alloc_to_proto(2, BUDGET))
@@ -1231,10 +1232,10 @@ def test_work_waits_until_no_stream_waits_on_the_device(env):
     assert waits.done.is_set() and waits.drains == [5.5, 5.5]
 
 
-def test_a_wait_its_watchdog_released_ends_that_targets_stream_at_its_next_call(env):
+def test_a_wait_its_watchdog_released_fails_that_targets_calls_and_ends_its_stream_at_its_next_step(env):
     """--device-waits: once a session's watchdog has released a wait (the target never wrote its value: what
-    the step behind it read may have been half written), its next call of any kind fails with
-    DEADLINE_EXCEEDED and its Step stream ends; another target goes on."""
+    the step behind it read may have been half written), its calls of any kind fail with DEADLINE_EXCEEDED,
+    and its next Step ends its Step stream; another target goes on."""
     _, server, channel = env.start()
     a, b, _ = _two_targets_one_gated(env, server, channel)
     waits = server._sessions["target-a"].waits = _PendingWaits()
