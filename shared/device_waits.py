@@ -106,8 +106,9 @@ class DeviceWaits:
 
     @property
     def pending(self) -> int:
-        """Waits not seen done yet (some may be done on the device by now)."""
+        """Waits not done yet (their events queried now)."""
         with self._lock:
+            self._forget_done()
             return len(self._armed)
 
     def release(self) -> None:

@@ -70,7 +70,9 @@ def test_a_wait_the_drafter_satisfies_in_time_is_left_alone(device):
     flag = _flag()
     try:
         waits.wait(flag, 1, time.perf_counter() + 0.2)
+        assert waits.pending == 1
         device.write(SimpleNamespace(name="drafter"), flag.data_ptr(), 1)  # the drafter's stream, in time
+        assert waits.pending == 0  # (seen done when asked, not only by the watchdog)
         time.sleep(0.4)
         assert waits.failure is None and waits.released == 0 and waits.pending == 0  # (seen done at its deadline)
         waits.wait(flag, 2, time.perf_counter() + 5)
