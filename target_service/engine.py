@@ -1188,7 +1188,10 @@ class Engine:
         self.counters.fallbacks += self.drafter_ok  # once per outage, however many verbs then fail
         self.drafter_ok = False
         self._prefetched = self._launched = None
-        self._chain_programs.clear()  # (their graphs read the drafter's buffers: none outlives its trust)
+        if getattr(self.proposer, "chain_captured_whole", True):
+            # (their graphs read the drafter's buffers: none outlives its trust; a drafter service's, the
+            # tails after its drafts, read only ours, and stay for the re-attached connection)
+            self._chain_programs.clear()
         attached = [s for s in self.running.values() if s.drafter_attached]
         for seq in self.running.values():
             seq.drafter_attached = False

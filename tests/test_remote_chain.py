@@ -1044,3 +1044,27 @@ def test_a_device_waited_chained_step_launches_before_the_targets_writes_its_str
     session._seqs, session.importer.close = {}, lambda: None  # (the stand-ins hold nothing to free)
     session.close()
     assert waits.closed and waits.joined
+
+
+def test_detaching_a_drafter_service_keeps_the_chained_tails_an_in_process_drafter_drops_its_programs(pair, tiny_chat_dir):
+    """`Engine._detach`: an in-process drafter's chained programs go (their graphs, captured whole, read the
+    drafter's buffers); through a drafter service they hold only what follows the drafts (reading our own
+    buffers), so they stay for the connection that re-attaches: no recapture per shape after an outage."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.sequence import Request
+
+    target, local, address, _ = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    remote = RemoteProposer(address, max_batch=4)
+    try:
+        for proposer, kept in ((local, False), (remote, True)):
+            engine = _engine(target, proposer)
+            engine.generate([Request(str(i), tokenizer.encode(p), SamplingParams(max_tokens=24, ignore_eos=True))
+                             for i, p in enumerate(PROMPTS[:2])])
+            programs = dict(engine._chain_programs)
+            assert programs and engine.counters.chained > 0
+            engine._detach()
+            assert engine._chain_programs == (programs if kept else {})
+    finally:
+        remote.close()
