@@ -1111,6 +1111,19 @@ class RemoteProposer:
         stash = conn.step.source(*p.stash) if p.stash is not None else None
         return wire.SeqStep(seq_id, catchup=catchup, stash=stash, commit=p.commit, trim=p.trim, free=p.free)
 
+    def drain_waits(self) -> None:
+        """Return once our stream waits on the device for no drafts (device waits), before the engine
+        launches work that may load a kernel module (Engine._quiesce): a module's load waits for the whole
+        context, and the watchdog's release of a drafter that never writes could not get through then. A
+        wait still pending past the timeout (the watchdog releases each at its deadline before that) drops
+        the drafter (DrafterUnavailable)."""
+        waits = self._waits
+        if waits is None or not waits.pending:
+            return
+        if not waits.drain(self.timeout + STEP_DEADLINE_FLOOR):
+            self._disconnect()
+            raise DrafterUnavailable("our stream's waits for the drafter's drafts were not done past their deadline")
+
     def step_deadline(self) -> float:
         """Seconds the next Step answer may take (see STEP_DEADLINE_FACTOR): a drafter that stopped
         answering is given up on after a few of its usual step times, not after --drafter-timeout."""

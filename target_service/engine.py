@@ -330,6 +330,7 @@ class Engine:
             self._prefilling[seq.seq_id] = _Prefill(seq)
         if not self._prefilling:
             return []
+        self._quiesce()
         started = time.perf_counter()
         try:
             return self._prefill()
@@ -451,6 +452,7 @@ class Engine:
             if events is not None:
                 return events
         self._chain_read_at = None
+        self._quiesce()
         if self._decodes_ahead(seqs):
             self._launched = None
             return self._decode_step_ahead(seqs)
@@ -658,6 +660,12 @@ class Engine:
         before the verify (it is detached; the sequences' host records are as they were) or the cache
         lacks the blocks."""
         ids = [s.seq_id for s in seqs]
+        before = pending.program if pending is not None else None
+        if before is None or before is not self._chain_programs.get((len(seqs), k)) \
+                or [s.seq_id for s in pending.seqs] != ids or self._chain_capturable(before):
+            # Only the same step again (its shape's kernels launched before, the feed in place, no capture)
+            # runs while our stream may wait on the device for the drafts of the step before
+            self._quiesce()
         ends = self._chain_ends(seqs, k, pending)
         firsts = [s.last_position for s in seqs]
         # The drafter's sequences (the others ride along, offering no drafts), and how far each anchor may
@@ -1182,6 +1190,25 @@ class Engine:
             self._detach()
             return _FAILED
 
+    def _quiesce(self) -> None:
+        """Before work that may launch a kernel this process has not launched yet (a prefill, a step of
+        another shape, a capture, anything step by step): our stream's device waits for a drafter
+        service's drafts done first (`RemoteProposer.drain_waits`). A kernel's first launch loads its
+        module, which waits for the whole context, a waiting stream included, and a release of the wait
+        by our watchdog could not get through meanwhile: a drafter that never writes would hang us for good
+        (README, "Device waits"). The chained step of the same sequences and shape as the one before runs
+        without it: that is where device waits save the host its wait."""
+        drain = _capability(self.proposer, "drain_waits")
+        if drain is None:
+            return
+        if self.drafter_ok:
+            self._drafter_call(drain)  # (a failure detaches the drafter)
+            return
+        try:  # detached: the waits it left, released, still pass first
+            drain()
+        except Exception as exc:  # noqa: BLE001 - by design: a drafter fault must not fail requests
+            log.warning("the detached drafter's device waits: %s: %s", type(exc).__name__, exc)
+
     def _detach(self) -> None:
         """Stop trusting the drafter's state: a remote drafter's connection is dropped (it frees
         everything this engine held there; re-attach rebuilds it), an in-process one is told to free."""
@@ -1232,6 +1259,7 @@ class Engine:
             return
         if self._chain is not None:  # a chained step is still out: rebuild from what the host has read of it
             return
+        self._quiesce()  # (the released waits of the connection dropped: the re-capture below runs forwards)
         self.drafter_ok = True
         self.counters.reattaches += 1
         if self._spec is None:

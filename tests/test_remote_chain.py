@@ -267,9 +267,14 @@ class _FakeWaits:
 
     def __init__(self) -> None:
         self.failure, self.releases, self.closed, self.released = None, 0, False, 0
+        self.pending, self.drains = 1, 0  # (as if a wait were always pending: every drain counted)
 
     def release(self) -> None:
         self.releases += 1
+
+    def drain(self, timeout: float) -> bool:
+        self.drains += 1
+        return True
 
     def close(self) -> None:
         self.closed = True
@@ -1068,3 +1073,53 @@ def test_detaching_a_drafter_service_keeps_the_chained_tails_an_in_process_draft
             assert engine._chain_programs == (programs if kept else {})
     finally:
         remote.close()
+
+
+def test_a_target_lets_its_device_waits_pass_before_work_that_may_load_a_kernel(pair, tiny_chat_dir, monkeypatch):
+    """`Engine._quiesce` (device waits): a kernel launched for the first time while our stream waits for a
+    drafter's value loads its module, which waits for the whole context, and a drafter that never writes
+    would then hang us. So every prefill, and every chained step that is not the same as the one before
+    (another shape or batch: kernels perhaps not launched yet, or a capture), first lets the waits pass
+    (`RemoteProposer.drain_waits`); the same chained step again does not, which is where device waits
+    save the host its wait. (A stand-in stands for the waits; the real ones: tests/test_split_gpu.py.)"""
+    from types import SimpleNamespace
+
+    from specsplit.drafter_service.session import Session
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.sequence import Request
+
+    target, _, address, _ = pair
+    monkeypatch.setattr(Session, "_done_target", lambda self, chain: None)  # (the CPU drafter writes none)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    proposer = RemoteProposer(address, max_batch=4)
+    log: list[str] = []
+    waits = proposer._waits = _FakeWaits()
+    waits.drain = lambda timeout: log.append("drain") or True
+    proposer._conn.done = SimpleNamespace(buffer_id=99, tensor=torch.zeros(1, 1, dtype=torch.int32))
+    try:
+        engine = _engine(target, proposer)
+        prefill, launch = engine._prefill, engine._chain_launch
+        engine._prefill = lambda: log.append("prefill") or prefill()
+        engine._chain_launch = lambda seqs, k, *rest: log.append(("launch", tuple(s.seq_id for s in seqs), k)) \
+            or launch(seqs, k, *rest)
+        requests = [Request(str(i), tokenizer.encode(p), SamplingParams(max_tokens=n, ignore_eos=True))
+                    for i, (p, n) in enumerate(zip(PROMPTS[:3], (40, 24, 32)))]
+        engine.add(requests[0])
+        for _ in range(6):  # the first alone for a few steps, then two more arrive
+            engine.step()
+        for request in requests[1:]:
+            engine.add(request)
+        while engine.has_work:
+            engine.step()
+        assert engine.counters.chained > 20 and log.count("prefill") >= 2
+        assert all(log[i - 1] == "drain" for i, what in enumerate(log) if what == "prefill")
+        # Each launch of another batch or k than the launch before lets the waits pass; the same step again
+        # does not (a launch whose batch is the same may still drain: e.g. a capture, a step not chained before)
+        launches = [i for i, what in enumerate(log) if what[0] == "launch"]
+        drains = [log[i + 1:i + 2] == ["drain"] for i in launches]
+        changed = [True] + [log[a][1:] != log[b][1:] for a, b in zip(launches, launches[1:])]
+        assert all(d for d, c in zip(drains, changed) if c), log
+        assert sum(changed) >= 3 and drains.count(False) >= 10, log
+    finally:
+        proposer.close()
