@@ -374,6 +374,7 @@ class RemoteProposer:
         self.chain_ahead = chain_ahead
         self.device_waits = device_waits
         self._waits: DeviceWaits | None = None  # made with the first connection that waits on the device
+        self._host_waits_next = False  # the next drafts in the buffer are waited for by our host (wait_on_host_next)
         self.mode = "inline"
         self.step_transport = "grpc"  # or "socket": how the Step stream travels on the attached connection
         self.link = LinkStats()
@@ -1082,7 +1083,8 @@ class RemoteProposer:
             # The wait counts from the Step's sending, like the answer's (an answer read late, after a
             # prefetch, still gets STEP_DEADLINE_FLOOR).
             left = max(STEP_DEADLINE_FLOOR, conn.sent_at + timeout - time.perf_counter())
-            if conn.done_sent and self._waits is not None:
+            on_host, self._host_waits_next = self._host_waits_next, False
+            if conn.done_sent and self._waits is not None and not on_host:
                 # Our stream waits for the drafter's done value instead (written after its drafts, before
                 # its event), released by us at the deadline if it never comes (shared.device_waits)
                 self._waits.wait(conn.done.tensor, conn.done_sent, time.perf_counter() + left)
@@ -1110,6 +1112,11 @@ class RemoteProposer:
             catchup = wire.RowsOp(tokens, conn.step.source(staged, rows), base_pos)
         stash = conn.step.source(*p.stash) if p.stash is not None else None
         return wire.SeqStep(seq_id, catchup=catchup, stash=stash, commit=p.commit, trim=p.trim, free=p.free)
+
+    def wait_on_host_next(self) -> None:
+        """The next drafts answered in our buffer are waited for by our host, not our stream (device waits):
+        the engine runs work after them that may launch a kernel for the first time (Engine._quiesce)."""
+        self._host_waits_next = True
 
     def drain_waits(self) -> None:
         """Return once our stream waits on the device for no drafts (device waits), before the engine

@@ -664,8 +664,11 @@ class Engine:
         if before is None or before is not self._chain_programs.get((len(seqs), k)) \
                 or [s.seq_id for s in pending.seqs] != ids or self._chain_capturable(before):
             # Only the same step again (its shape's kernels launched before, the feed in place, no capture)
-            # runs while our stream may wait on the device for the drafts of the step before
+            # runs while our stream may wait on the device for the drafts, the step before's or its own
             self._quiesce()
+            on_host = _capability(self.proposer, "wait_on_host_next")
+            if on_host is not None:
+                on_host()
         ends = self._chain_ends(seqs, k, pending)
         firsts = [s.last_position for s in seqs]
         # The drafter's sequences (the others ride along, offering no drafts), and how far each anchor may

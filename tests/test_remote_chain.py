@@ -1096,6 +1096,7 @@ def test_a_target_lets_its_device_waits_pass_before_work_that_may_load_a_kernel(
     log: list[str] = []
     waits = proposer._waits = _FakeWaits()
     waits.drain = lambda timeout: log.append("drain") or True
+    proposer.wait_on_host_next = lambda: log.append("on-host")
     proposer._conn.done = SimpleNamespace(buffer_id=99, tensor=torch.zeros(1, 1, dtype=torch.int32))
     try:
         engine = _engine(target, proposer)
@@ -1120,6 +1121,34 @@ def test_a_target_lets_its_device_waits_pass_before_work_that_may_load_a_kernel(
         drains = [log[i + 1:i + 2] == ["drain"] for i in launches]
         changed = [True] + [log[a][1:] != log[b][1:] for a, b in zip(launches, launches[1:])]
         assert all(d for d, c in zip(drains, changed) if c), log
+        # ... and has its own drafts waited for by the host, its eager work after them perhaps a kernel's first
+        assert all(log[i + 2:i + 3] == ["on-host"] for i, c in zip(launches, changed) if c), log
+        assert log.count("on-host") <= drains.count(True) < len(launches) - 10, log
         assert sum(changed) >= 3 and drains.count(False) >= 10, log
     finally:
+        proposer.close()
+
+
+def test_drafts_the_engine_asks_to_wait_for_on_the_host_are_not_waited_for_by_our_stream(pair, monkeypatch):
+    """`RemoteProposer.wait_on_host_next` (Engine._quiesce, before a chained step whose eager work may launch a
+    kernel for the first time): the next drafts answered in our buffer are awaited by our host (the drafts
+    buffer's event polled), not by our stream's device wait; the answer after is our stream's again."""
+    from types import SimpleNamespace
+
+    _, _, address, _ = pair
+    proposer = RemoteProposer(address, max_batch=4)
+    how: list[str] = []
+    try:
+        conn = proposer._conn
+        conn.offered, conn.done_sent, conn.sent_at = True, 5, time.perf_counter()
+        conn.done = SimpleNamespace(buffer_id=99, tensor=torch.zeros(1, 2, dtype=torch.int32))
+        proposer._waits = SimpleNamespace(wait=lambda *args: how.append("stream"), failure=None)
+        monkeypatch.setattr(drafter_client, "_importer_done", lambda drafts, wait: how.append("host") or True)
+        monkeypatch.setattr(proposer, "_receive", lambda conn, timeout: wire.StepResult(1, in_buffer=((0, 3),)))
+        proposer.wait_on_host_next()
+        proposer._answer(conn, 1.0)
+        proposer._answer(conn, 1.0)
+        assert how == ["host", "stream"]
+    finally:
+        proposer._waits = None
         proposer.close()
