@@ -37,6 +37,11 @@ def check_report(rep: dict, prompts, max_tokens: int) -> None:
     assert set(rep["by_kind"]) == {p.kind for p in prompts}
     assert sum(k["generated"] for k in rep["by_kind"].values()) == rep["generated"]
     assert rep["tokens_per_s"]["speedup"] > 0
+    # The speed is the bare drafter's run (the engine's fast paths): the same tokens and τ as the recorded one
+    served = rep["served"]
+    assert served["mismatches"] == 0 and served["tau"] == pytest.approx(rep["tau"])
+    assert rep["tokens_per_s"]["speculative"] == pytest.approx(rep["generated"] / rep["seconds"]["speculative"])
+    assert served["recorded_tokens_per_s"] > 0
     json.dumps(rep)
     assert "mismatches" in format_report(rep)
 

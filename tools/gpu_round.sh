@@ -18,6 +18,7 @@
 #   bash tools/gpu_round.sh prepare   # the drafter's chained steps prepared before the target's writes: GPU tests, tokens/s
 #   bash tools/gpu_round.sh drafter-waits  # the drafter's stream waits on the device for the target's writes: GPU tests
 #   bash tools/gpu_round.sh drafter-waits-bench  # ... and its tokens/s beside host polls and the target's waits alone
+#   bash tools/gpu_round.sh serving   # held-out prompts through 1/8/16 slots, served speed; the 8-stream step's host and kernels
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
@@ -210,6 +211,18 @@ eval)
       | grep -v INFO | tail -20 | log
   done
   ;;
+serving)
+  # (twenty-sixth session) what a server sees: the 80 held-out prompts through 1, 8 and 16 slots, requests
+  # admitted as others end, bf16; eval-acceptance now times the bare drafter (the engine's chained, captured
+  # steps), where its recorded run went step by step through the plain verbs (0.73x target-only at 16).
+  # Then where a steady eight-stream in-process step's host time goes, and its kernels
+  for batch in 1 8 16; do
+    specsplit eval-acceptance --device cuda --dtype bfloat16 --drafter dflash --max-tokens 128 --batch $batch 2>&1 \
+      | grep -v INFO | grep -E "prompts|^tau |generated|target steps|tokens/s|speculative|outputs" | log
+  done
+  timeout 150 python bench/host_profile.py --device cuda --batch 8 --steps 60 --out "$OUT" 2>&1 | grep -v INFO | head -50 | log
+  timeout 150 python bench/profile_step.py --drafter dflash --batch 8 --steps 40 --out "$OUT" 2>&1 | grep -v INFO | head -24 | log
+  ;;
 capture)
   # chained steps captured whole at 4, 8 and 16 streams against piecewise, side by side in one run (seventeenth
   # session, two runs: eight streams 1.05x target-only whole against 0.99x piecewise, captures left out), before
@@ -241,7 +254,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|cross-gpu|tail|prepare|drafter-waits|drafter-waits-bench|eval|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|cross-gpu|tail|prepare|drafter-waits|drafter-waits-bench|serving|eval|train SEED [flags]" >&2
   exit 2
   ;;
 esac
