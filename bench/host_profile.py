@@ -59,16 +59,47 @@ def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int,
     prof.disable()
     for request_id in list(engine.running):
         engine.abort(request_id)
+    return profile_lines(prof, steps, f"batch {batch}: {wall * 1e3:.3f} ms/step unprofiled")
+
+
+def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int, device: str) -> str:
+    """Requests admitted as others end (what a server sees): every prompt through `batch` slots, run once to
+    warm up, then timed, then profiled; per engine step."""
+    def run(tag: str) -> int:
+        for i, ids in enumerate(prompts):
+            engine.add(Request(f"{tag}{i}", ids, SamplingParams(max_tokens=max_tokens)))
+        steps = 0
+        while engine.has_work:
+            engine.step()
+            steps += 1
+        sync(device)
+        return steps
+
+    run("w")
+    started = time.perf_counter()
+    steps = run("t")
+    wall = (time.perf_counter() - started) / steps
+    prof = cProfile.Profile()
+    prof.enable()
+    steps = run("p")
+    prof.disable()
+    return profile_lines(prof, steps, f"serving {len(prompts)} prompts through {batch} slots, {max_tokens} tokens: "
+                                      f"{steps} engine steps, {wall * 1e3:.3f} ms/step unprofiled")
+
+
+def profile_lines(prof: cProfile.Profile, steps: int, head: str) -> str:
     stats = pstats.Stats(prof)
     total = sum(v[2] for v in stats.stats.values())  # own time, all functions
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])
-    out = [f"batch {batch}: {wall * 1e3:.3f} ms/step unprofiled; profiled own time {total / steps * 1e6:.0f} µs/step",
+    out = [f"{head}; profiled own time {total / steps * 1e6:.0f} µs/step",
            f"{'own µs/step':>12} {'cum µs/step':>12} {'calls/step':>10}  function"]
     for (path, line, name), (_, ncalls, own, cum, _) in rows[:45]:
         where = "/".join(path.rsplit("/", 2)[-2:]) if path != "~" else "builtin"
         out.append(f"{own / steps * 1e6:12.1f} {cum / steps * 1e6:12.1f} {ncalls / steps:10.1f}  {where}:{line} {name}")
     phases = {"_decode_step", "_propose", "_verify_forward", "_sample", "_after_verify", "_emit", "_admit",
-              "_maybe_reattach", "forward", "load", "step_call", "_drafter_call", "propose", "__exit__"}
+              "_maybe_reattach", "forward", "load", "step_call", "_drafter_call", "propose", "__exit__", "_prefill",
+              "_attach", "_chain_step", "_chain_launch", "_chain_read", "_chain_run", "_finish_verify",
+              "_decode_step_ahead", "_release"}
     out.append("engine phases (cumulative µs/step):")
     for (path, line, name), (_, ncalls, own, cum, _) in sorted(stats.stats.items(), key=lambda kv: -kv[1][3]):
         if name in phases and ("specsplit" in path or "_service" in path or "/shared/" in path):
@@ -84,6 +115,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--split", action="store_true", help="profile the target side of the split too")
+    ap.add_argument("--serving", type=int, default=0, metavar="N",
+                    help="instead: N held-out prompts through --batch slots, admitted as others end, in-process")
+    ap.add_argument("--max-tokens", type=int, default=128, help="(--serving) tokens per request")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -93,6 +127,18 @@ def main() -> None:
     tokenizer = Tokenizer.from_dir(folder)
     local = make_drafter(args.drafter, model, setup)
     texts = []
+    if args.serving:
+        from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+        prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH, args.serving)]
+        for batch in args.batch:
+            for name, drafter in (("target-only", None), ("in-process", local)):
+                engine = Engine(model, drafter, EngineConfig(max_batch=batch), eos_ids=tokenizer.eos_token_ids)
+                text = f"{name} " + profile_serving(engine, prompts,
+                                                    args.max_tokens, batch, args.device)
+                print(text, flush=True)
+                texts.append(text)
+        args.batch = []  # (the steady-state profiles below are not run)
     for batch in args.batch:
         text = "in-process " + profile_engine(Engine(model, local, EngineConfig(max_batch=batch)), tokenizer, batch,
                                               args.steps, args.device)

@@ -34,7 +34,7 @@ from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.errors import CheckpointError, InvalidRequest
 from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
-from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer
+from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer, head_logits
 from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal
 from specsplit.shared.ragged import ragged_arange
 
@@ -306,7 +306,7 @@ class DFlashModel(nn.Module):
     def logits(self, hidden: torch.Tensor, head: TargetHead) -> torch.Tensor:
         """Draft-vocabulary logits (float32), scaled and soft-capped as the reference's compute_logits."""
         weight = head.lm_head if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden.to(weight.device, weight.dtype), weight).float()
+        logits = head_logits(hidden.to(weight.device, weight.dtype), weight)
         if self.cfg.output_multiplier != 1.0:  # a multiply by 1 is exact: no launch for it
             logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping

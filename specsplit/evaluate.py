@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -121,6 +121,7 @@ class Run:
     tokens: list[list[int]]
     stats: list[RequestStats]
     seconds: float
+    engine: dict = field(default_factory=dict)  # how the engine ran its steps (run_engine)
 
     @property
     def generated(self) -> int:
@@ -144,8 +145,11 @@ def run_engine(model: TargetModel, proposer: Proposer | None, prompts: Sequence[
     _sync(model)
     seconds = time.perf_counter() - start
     ordered = [events[r.request_id] for r in requests]
+    counters = engine.counters
     return Run([[t for e in evs for t in e.token_ids] for evs in ordered], [evs[-1].stats for evs in ordered],
-               seconds)
+               seconds, {"steps": counters.steps, "chained": counters.chained, "replayed_whole": counters.chain_replays,
+                         "captures": counters.chain_captures, "capture_s": counters.chain_capture_seconds,
+                         "prefills": counters.prefills, "prefill_s": engine.prefill_seconds})
 
 
 def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPrompt], settings: EvalSettings, *,
@@ -278,7 +282,10 @@ def report(prompts: Sequence[EvalPrompt], spec: Run, base: Run, records: Sequenc
         rep["served"] = {"tau": tau_figures(served.stats)["tau"],
                          "mismatches": sum(a != b for a, b in zip(served.tokens, base.tokens)) if greedy else None,
                          # the recorded run's speed: the plain verbs, step by step
-                         "recorded_tokens_per_s": spec.generated / spec.seconds}
+                         "recorded_tokens_per_s": spec.generated / spec.seconds,
+                         # how its steps ran: engine steps, chained ones, replays of a captured chained step
+                         # and captures, prefills and the host seconds in them (the target-only run's beside it)
+                         "engine": served.engine, "target_only_engine": base.engine}
     return rep
 
 
@@ -311,6 +318,12 @@ def format_report(rep: dict) -> str:
     if served is not None:
         lines.append(f"  (speculative: the bare drafter's run, tau {served['tau']:.3f}; the recorded run's plain "
                      f"verbs {served['recorded_tokens_per_s']:.1f} tokens/s)")
+        for name, seconds, run in (("speculative", rep["seconds"]["speculative"], served["engine"]),
+                                   ("target-only", rep["seconds"]["target_only"], served["target_only_engine"])):
+            if run:
+                lines.append(f"  {name} engine: {run['steps']} steps ({run['chained']} chained, {run['replayed_whole']} "
+                             f"replayed whole, {run['captures']} captures in {run['capture_s']:.3f} s), "
+                             f"{run['prefills']} prefills in {run['prefill_s']:.3f} s of {seconds:.3f} s")
     mism = rep["mismatches"]
     lines.append("outputs vs target-only: not compared (sampling)" if mism is None
                  else f"outputs vs target-only: {mism} mismatches of {rep['prompts']}"

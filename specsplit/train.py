@@ -34,6 +34,7 @@ from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.mtp import MTPModel
 from specsplit.drafter_service.training import dflash_block_hidden, mtp_step_outputs
 from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
+from specsplit.shared.layers import head_logits
 from specsplit.target_service.dense import DenseDecoder, Generated, generate
 from specsplit.target_service.model import CaptureSpec, TargetModel
 from specsplit.train_data import KINDS as PROMPT_KINDS
@@ -413,7 +414,7 @@ def distill_loss(hidden: torch.Tensor, targets: torch.Tensor, teacher: torch.Ten
         if teacher is None:
             raise InvalidRequest("KL distillation needs the target's final hidden rows in the pool")
         with torch.no_grad():
-            log_p = F.log_softmax(F.linear(teacher[chosen].to(head.lm_head.dtype), head.lm_head).float(), -1)
+            log_p = F.log_softmax(head_logits(teacher[chosen].to(head.lm_head.dtype), head.lm_head), -1)
         per_row = per_row + cfg.kl_weight * F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
     loss = (per_row * w).sum() / w.sum().clamp(min=1e-6)
     accuracy = (logits.argmax(-1) == y).float().mean() if y.numel() else logits.new_zeros(())

@@ -17,7 +17,8 @@ import torch
 
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.cuda_graphs import capture
-from specsplit.shared.layers import SelfAttention, TokenMixer, grouped_attention, grouped_mask, padded_visibility
+from specsplit.shared.layers import (SelfAttention, TokenMixer, grouped_attention, grouped_mask, head_logits,
+                                     padded_visibility)
 from specsplit.target_service.model import CaptureSpec, TargetModel
 
 
@@ -130,7 +131,7 @@ def _layers(model: TargetModel, keys: _Keys, token_ids: torch.Tensor, positions:
     x = x.view(batch, width, -1)
     features = [captured[i].view(batch, width, -1) for i in capture.layer_ids]
     return DenseOutput(
-        logits=model.lm_head(model.model.norm(x[:, -1])).float() if last_logits else None,
+        logits=head_logits(model.model.norm(x[:, -1]), model.lm_head.weight) if last_logits else None,
         layer_features=torch.cat(features, -1) if features else None,
         last_hidden=x if capture.last_hidden else None,
     )

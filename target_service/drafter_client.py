@@ -91,6 +91,7 @@ class LinkStats:
     chain_sent_ahead: int = 0  # chained proposes sent ahead (chain_prefetch; also in sent_ahead) ...
     chain_taken_ahead: int = 0  # ... and those the next chained step took (the rest were dropped)
     device_waits: int = 0  # drafts our stream waited for on the device (device_waits) instead of our host
+    host_waits: int = 0  # ... and those our host waited for instead, as the engine asked (wait_on_host_next)
 
 
 class RowStager:
@@ -1084,6 +1085,7 @@ class RemoteProposer:
             # prefetch, still gets STEP_DEADLINE_FLOOR).
             left = max(STEP_DEADLINE_FLOOR, conn.sent_at + timeout - time.perf_counter())
             on_host, self._host_waits_next = self._host_waits_next, False
+            self.link.host_waits += bool(on_host and conn.done_sent and self._waits is not None)
             if conn.done_sent and self._waits is not None and not on_host:
                 # Our stream waits for the drafter's done value instead (written after its drafts, before
                 # its event), released by us at the deadline if it never comes (shared.device_waits)

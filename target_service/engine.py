@@ -268,6 +268,11 @@ class Engine:
         """Admitted sequences (counted in `running`) whose prompts are still going in, a chunk per step."""
         return len(self._prefilling)
 
+    @property
+    def prefill_seconds(self) -> float:
+        """Host seconds spent in admission's prefill forwards so far (each waits for the device)."""
+        return self._prefill_seconds
+
     def step(self) -> list[StepEvent]:
         """Admit waiting requests and run one prefill forward, then one speculative (or serial) step for
         the sequences whose prompts were in before it."""

@@ -27,7 +27,7 @@ from specsplit.kernels.workspace import arrival_counters
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture, inlining
 from specsplit.shared.errors import InvalidRequest, StateConflict
 from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
-from specsplit.shared.layers import SelfAttention
+from specsplit.shared.layers import SelfAttention, head_logits
 from specsplit.shared.ragged import ragged_arange
 from specsplit.target_service.kv_cache import PagedKVCache
 from specsplit.target_service.model import CaptureSpec, ForwardOutput, TargetModel
@@ -242,7 +242,7 @@ class StaticForward:
                 captured[i] = x
         layers = self.capture.layer_ids
         self.output = ForwardOutput(
-            logits=model.lm_head(stack.norm(x)).float(),
+            logits=head_logits(stack.norm(x), model.lm_head.weight),
             layer_features=torch.cat([captured[i] for i in layers], -1) if layers else None,
             last_hidden=x if self.capture.last_hidden else None,
         )
@@ -270,7 +270,7 @@ class StaticForward:
                 captured[i] = residual  # the layer's output
         layers = self.capture.layer_ids
         self.output = ForwardOutput(
-            logits=self.model.lm_head(h).float(),  # h is the final norm of the last layer's output
+            logits=head_logits(h, self.model.lm_head.weight),  # h is the final norm of the last layer's output
             layer_features=torch.cat([captured[i] for i in layers], -1) if layers else None,
             last_hidden=residual if self.capture.last_hidden else None,
         )

@@ -23,7 +23,7 @@ from specsplit.shared.config import ModelConfig
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.layers import (
     DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, attention, grouped_attention, grouped_mask,
-    padded_visibility, visibility_mask,
+    head_logits, padded_visibility, visibility_mask,
 )
 from specsplit.shared.staging import to_host
 from specsplit.target_service.kv_cache import PagedKVCache
@@ -190,7 +190,7 @@ class TargetModel(nn.Module):
     def _logits(self, x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
         if logits_index is not None:
             x = x[logits_index.to(x.device)]
-        return self.lm_head(self.model.norm(x)).float()  # [R, vocab]
+        return head_logits(self.model.norm(x), self.lm_head.weight)  # [R, vocab]
 
     def _attend_batched(self, step: _Step, layer: int, attn: SelfAttention, x: torch.Tensor) -> torch.Tensor:
         q = attn.query(x, step.cos, step.sin)  # [T, Hq, D]

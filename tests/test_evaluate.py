@@ -42,6 +42,11 @@ def check_report(rep: dict, prompts, max_tokens: int) -> None:
     assert served["mismatches"] == 0 and served["tau"] == pytest.approx(rep["tau"])
     assert rep["tokens_per_s"]["speculative"] == pytest.approx(rep["generated"] / rep["seconds"]["speculative"])
     assert served["recorded_tokens_per_s"] > 0
+    for run in (served["engine"], served["target_only_engine"]):
+        assert run["prefills"] == len(prompts) and run["steps"] > 0 and run["prefill_s"] >= 0
+    # target-only decodes one token a step: a step per generated token but each prompt's first (its prefill's)
+    assert served["target_only_engine"]["steps"] >= max_tokens - 1
+    assert "engine:" in format_report(rep)
     json.dumps(rep)
     assert "mismatches" in format_report(rep)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import filecmp
 import re
 import subprocess
-import sys
 from concurrent import futures
 from pathlib import Path
 

@@ -1149,6 +1149,7 @@ def test_drafts_the_engine_asks_to_wait_for_on_the_host_are_not_waited_for_by_ou
         proposer._answer(conn, 1.0)
         proposer._answer(conn, 1.0)
         assert how == ["host", "stream"]
+        assert (proposer.link.host_waits, proposer.link.device_waits) == (1, 1)
     finally:
         proposer._waits = None
         proposer.close()

@@ -222,15 +222,17 @@ def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_pa
 def test_chained_drafts_waited_for_by_the_targets_stream_are_verified_as_polled_ones(tmp_path, mode):
     """RemoteProposer(device_waits=True): the target's stream waits on the device for the done value the
     drafter's stream writes after each chained propose's drafts, instead of its host polling the
-    drafter's event. Output equals target-only, every chained propose was waited for that way, and no
-    wait had to be released by the target."""
+    drafter's event. Output equals target-only, every chained propose was waited for that way but those
+    the engine had our host wait for (a chained step other than the one before, whose work after the drafts
+    may load a kernel: Engine._quiesce), and no wait had to be released by the target."""
     with spawned_drafter(tmp_path, mode) as address:
         model, tokenizer = default_target()
         engine, remote = remote_engine(address, model, device_waits=True)
         tokens, stats = generate(engine, tokenizer)
         assert tokens == local_tokens("none")
         assert engine.drafter_ok and engine.counters.chained > 0
-        assert remote.link.device_waits >= engine.counters.chained and remote._waits.released == 0
+        assert remote.link.device_waits > 0 and remote._waits.released == 0
+        assert remote.link.device_waits + remote.link.host_waits >= engine.counters.chained
         if mode == "honest":
             assert sum(s.accepted for s in stats) > 0
         remote.close()

@@ -19,6 +19,7 @@
 #   bash tools/gpu_round.sh drafter-waits  # the drafter's stream waits on the device for the target's writes: GPU tests
 #   bash tools/gpu_round.sh drafter-waits-bench  # ... and its tokens/s beside host polls and the target's waits alone
 #   bash tools/gpu_round.sh serving   # held-out prompts through 1/8/16 slots, served speed; the 8-stream step's host and kernels
+#   bash tools/gpu_round.sh head      # the LM head as one float32-out GEMM: GPU tests; head-bench: steps side by side
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
@@ -223,6 +224,26 @@ serving)
   timeout 150 python bench/host_profile.py --device cuda --batch 8 --steps 60 --out "$OUT" 2>&1 | grep -v INFO | head -50 | log
   timeout 150 python bench/profile_step.py --drafter dflash --batch 8 --steps 40 --out "$OUT" 2>&1 | grep -v INFO | head -24 | log
   ;;
+head)
+  # (twenty-sixth session) the LM head as one GEMM writing float32 (shared.layers.head_logits; 24 against 39 µs
+  # at 128 rows in bench/lm_head_bench.py): its GPU tests, the step graphs', the chain's (greedy equality in
+  # float32) and the DFlash graphs', then the drafter-waits test whose count now takes the host's waits in
+  timeout 330 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_head_logits.py tests/test_step_graphs.py \
+    tests/test_chain.py tests/test_dflash_graphs.py tests/test_split_gpu.py -k "not split_gpu or waited_for_by_the_targets" \
+    2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -20 | log
+  ;;
+head-bench)
+  # ... whole steps with each head side by side (target only and in-process DFlash, steady batches of 1, 8, 16),
+  # then what a server sees (the held-out prompts through 8 and 16 slots) with the new head
+  timeout 300 python bench/head_step_bench.py --batch 1 8 16 --out "$OUT" 2>&1 | grep -v INFO | log
+  for batch in 8 16; do
+    specsplit eval-acceptance --device cuda --dtype bfloat16 --drafter dflash --max-tokens 128 --batch $batch 2>&1 \
+      | grep -v INFO | grep -E "prompts|^tau |tokens/s|speculative|engine:|outputs" | log
+  done
+  # where a served run's host time goes (admissions, prefills, chained steps) at 8 and 16 slots
+  timeout 200 python bench/host_profile.py --device cuda --serving 80 --batch 8 16 --out "$OUT" 2>&1 | grep -v INFO \
+    | grep -E -A14 "serving" | log
+  ;;
 capture)
   # chained steps captured whole at 4, 8 and 16 streams against piecewise, side by side in one run (seventeenth
   # session, two runs: eight streams 1.05x target-only whole against 0.99x piecewise, captures left out), before
@@ -254,7 +275,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|cross-gpu|tail|prepare|drafter-waits|drafter-waits-bench|serving|eval|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|cross-gpu|tail|prepare|drafter-waits|drafter-waits-bench|serving|head|head-bench|eval|train SEED [flags]" >&2
   exit 2
   ;;
 esac
