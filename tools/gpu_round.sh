@@ -227,10 +227,9 @@ serving)
 head)
   # (twenty-sixth session) the LM head as one GEMM writing float32 (shared.layers.head_logits; 24 against 39 µs
   # at 128 rows in bench/lm_head_bench.py): its GPU tests, the step graphs', the chain's (greedy equality in
-  # float32) and the DFlash graphs', then the drafter-waits test whose count now takes the host's waits in
+  # float32) and the DFlash graphs'
   timeout 330 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_head_logits.py tests/test_step_graphs.py \
-    tests/test_chain.py tests/test_dflash_graphs.py tests/test_split_gpu.py -k "not split_gpu or waited_for_by_the_targets" \
-    2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -20 | log
+    tests/test_chain.py tests/test_dflash_graphs.py 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -20 | log
   ;;
 head-bench)
   # ... whole steps with each head side by side (target only and in-process DFlash, steady batches of 1, 8, 16),
