@@ -98,7 +98,7 @@ def profile_lines(prof: cProfile.Profile, steps: int, head: str) -> str:
         out.append(f"{own / steps * 1e6:12.1f} {cum / steps * 1e6:12.1f} {ncalls / steps:10.1f}  {where}:{line} {name}")
     phases = {"_decode_step", "_propose", "_verify_forward", "_sample", "_after_verify", "_emit", "_admit",
               "_maybe_reattach", "forward", "load", "step_call", "_drafter_call", "propose", "__exit__", "_prefill",
-              "_attach", "_chain_step", "_chain_launch", "_chain_read", "_chain_run", "_finish_verify",
+              "_attach", "_chain_step", "_chain_launch", "_chain_read", "_chain_run", "_finish_verify", "_finish_prefill",
               "_decode_step_ahead", "_release"}
     out.append("engine phases (cumulative µs/step):")
     for (path, line, name), (_, ncalls, own, cum, _) in sorted(stats.stats.items(), key=lambda kv: -kv[1][3]):

@@ -94,6 +94,10 @@ class EngineConfig:
     # (twenty-fourth session, bf16, medians of three rounds): 1.15x / 1.09x the uncaptured services'
     # tokens/s at one / eight streams, every request's tokens equal.
     chain_capture_remote: bool = True
+    # A step that completes a prompt reads its first token (a wait for the device) after launching the
+    # decode step of the others, when a step launched ahead is out (Engine.step): with requests admitted
+    # as others end, reading it first left the device idle from each prefill's end to the next launch.
+    overlap_prefill: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
@@ -275,15 +279,35 @@ class Engine:
 
     def step(self) -> list[StepEvent]:
         """Admit waiting requests and run one prefill forward, then one speculative (or serial) step for
-        the sequences whose prompts were in before it."""
+        the sequences whose prompts were in before it.
+
+        The prefill's first tokens are read (a wait for the device) after the decode step is launched when
+        a step launched ahead is out (a chained step, or target-only decoding one step ahead): the device
+        then runs that step, the prefill and the next step back to back while the host samples, attaches
+        the drafter and emits, where reading them first left it idle from the prefill's end to the next
+        launch (`_overlaps_prefill`)."""
         self._maybe_reattach(list(self.running.values()))
-        events = self._admit()
-        just_prefilled = {e.request_id for e in events}
-        decoding = [s for s in self.running.values()
-                    if s.request.request_id not in just_prefilled and s.seq_id not in self._prefilling]
+        prefill = self._admit()
+        done = {seq.seq_id for seq in prefill.done} if prefill is not None else set()
+        decoding = [s for s in self.running.values() if s.seq_id not in done and s.seq_id not in self._prefilling]
+        overlap = prefill is not None and bool(decoding) and self._overlaps_prefill()
+        events = [] if overlap else self._finish_prefill(prefill)
         if decoding:
             events += self._decode_step(decoding)
+        if overlap:
+            events += self._finish_prefill(prefill)
         return events
+
+    def _overlaps_prefill(self) -> bool:
+        """Whether this step's prefill is read after its decode step launches (see `step`): target-only, or a
+        chained step out with an in-process drafter or a service whose drafts our host waits for. Not with
+        device waits: reading the prefill (its sampling, the drafter's attach) may launch a kernel for the
+        first time, which must not happen while our stream waits on the device (`_quiesce`)."""
+        if not self.config.overlap_prefill:
+            return False
+        if self.proposer is None:
+            return True
+        return self._chain is not None and not getattr(self.proposer, "device_waits", False)
 
     def generate(self, requests: list[Request]) -> dict[str, list[StepEvent]]:
         """Run requests to completion; returns each request's events in order."""
@@ -320,8 +344,9 @@ class Engine:
         extra = (spec.max_drafts + 1) if spec is not None else 1
         return -(-(tokens + extra) // self.config.kv_block_size)
 
-    def _admit(self) -> list[StepEvent]:
-        """Admit what fits, then run one prefill forward for the prompts not yet in (see _prefill)."""
+    def _admit(self) -> "_Prefilled | None":
+        """Admit what fits, then launch one prefill forward for the prompts not yet in (see _prefill); None
+        when no prompt is going in."""
         reserved = sum(self._blocks_for(s.budget_tokens) for s in self.running.values())
         while self.waiting and len(self.running) < self.config.max_batch:
             seq = self.waiting[0]
@@ -334,7 +359,7 @@ class Engine:
             self.cache.allocate(seq.seq_id)
             self._prefilling[seq.seq_id] = _Prefill(seq)
         if not self._prefilling:
-            return []
+            return None
         self._quiesce()
         started = time.perf_counter()
         try:
@@ -342,13 +367,14 @@ class Engine:
         finally:
             self._prefill_seconds += time.perf_counter() - started
 
-    def _prefill(self) -> list[StepEvent]:
+    def _prefill(self) -> "_Prefilled":
         """One prefill forward per engine step, packed: it takes the next chunk of as many prompts as fit
         (see `_prefill_plan`), so admitting many short prompts costs a few forwards, not one each, and a
         long prompt goes in over several steps while the running sequences keep decoding between its
         chunks (a cancel between two of them ends it there, without an event). Through the captured
         forwards (`_graphed_prefill_plan`) it may be two: a long prompt's chunk and short prompts'. The
-        prompts it completes get their first token, and the drafter their rows, in one context forward."""
+        prompts it completes get their first token, and the drafter their rows, in one context forward,
+        when `_finish_prefill` reads what this launched."""
         pending = list(self._prefilling.values())
         offsets = {p.seq.seq_id: p.offset for p in pending}
         plans = self._graphed_prefill_plan([p.seq for p in pending], offsets) \
@@ -359,7 +385,9 @@ class Engine:
             ids, starts = [seq.seq_id for seq, _ in group], [offsets[s.seq_id] for s, _ in group]
             if forwards is not None:
                 out = forwards.forward(StepBatch(ids, inputs, starts))  # rows in token order
-                ends = torch.tensor(list(itertools.accumulate(n for _, n in group)), device=out.logits.device) - 1
+                # (from pinned memory: a pageable copy would wait for the device, and a chunk that completes
+                # no prompt has nothing else to wait for, so the chained step launched before runs on)
+                ends = device_longs(list(itertools.accumulate(n for _, n in group)), out.logits.device) - 1
                 out = ForwardOutput(out.logits.index_select(0, ends), out.layer_features, out.last_hidden)
                 self.counters.graphed_prefills += 1
             else:
@@ -378,8 +406,44 @@ class Engine:
                     last_logits.append(out.logits[i])
                     rows[seq.seq_id] = state.rows
         if not done:
+            return _Prefilled([], {}, None, None)
+        # Their first tokens picked on the device and copied into pinned memory, in stream order before
+        # anything launched after: `_finish_prefill` waits for this copy alone, not for a step launched since
+        picks = self._first_picks(done, torch.stack(last_logits))
+        host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=picks.is_cuda)
+        host.copy_(picks, non_blocking=picks.is_cuda)
+        copied = None
+        if picks.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        return _Prefilled(done, rows, host, copied)
+
+    def _first_picks(self, done: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """[D] int64 on the device: each completed prompt's first token, what `_sample` with no drafts gives
+        (greedy: the argmax; sampled: `sample_tokens`, from the same uniform of its generator)."""
+        picks = logits.argmax(dim=-1)
+        sampled = [i for i, seq in enumerate(done) if not seq.request.params.greedy]
+        if sampled:
+            drawn = sample_tokens(logits, sampled, [done[i].request.params for i in sampled],
+                                  [done[i].generator for i in sampled])
+            picks.index_copy_(0, device_longs(sampled, picks.device), drawn)
+        return picks
+
+    def _finish_prefill(self, prefill: "_Prefilled | None") -> list[StepEvent]:
+        """The first tokens of the prompts `prefill` completed (a wait for their copy), the drafter's rows
+        for them, their events."""
+        if prefill is None or not prefill.done:
             return []
-        firsts = self._sample(done, torch.stack(last_logits), [[] for _ in done])
+        started = time.perf_counter()
+        try:
+            if prefill.copied is not None:
+                prefill.copied.synchronize()
+            return self._first_tokens(prefill.done, [[t] for t in prefill.firsts.tolist()], prefill.rows)
+        finally:
+            self._prefill_seconds += time.perf_counter() - started
+
+    def _first_tokens(self, done: list[Sequence], firsts: list[list[int]],
+                      rows: dict[int, list[torch.Tensor]]) -> list[StepEvent]:
         for seq in done:
             seq.stats.steps += 1
             self.counters.prefills += 1
@@ -1447,6 +1511,18 @@ class _Prefill:
     seq: Sequence
     offset: int = 0
     rows: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Prefilled:
+    """A prefill forward launched and not read yet: the prompts it completed, their feature rows (each one's
+    chunks', by seq_id) and first tokens [D] in (pinned) host memory, there once `copied` is done (None on
+    the CPU: there already)."""
+
+    done: list[Sequence]
+    rows: dict[int, list[torch.Tensor]]
+    firsts: torch.Tensor | None
+    copied: "torch.cuda.Event | None"
 
 
 @dataclass(frozen=True)

@@ -327,8 +327,9 @@ def test_prompts_admitted_together_are_prefilled_together(kind, target, tokenize
         batches, prefilled = [], {}  # batches: the drafter's context forwards while prompts go in
         if proposer is not None:
             inner, prefill = proposer.append_rows_batch, proposer.prefill
-            admit, inside = engine._admit, []
-            monkeypatch.setattr(engine, "_admit", lambda: (inside.append(1), admit(), inside.clear())[1])
+            finish, inside = engine._finish_prefill, []  # (where the prompts a forward completed are attached)
+            monkeypatch.setattr(engine, "_finish_prefill",
+                                lambda prefill: (inside.append(1), finish(prefill), inside.clear())[1])
             monkeypatch.setattr(proposer, "append_rows_batch",
                                 lambda appends: (inside and batches.append(len(appends)), inner(appends)))
 
@@ -502,3 +503,58 @@ def test_steps_without_drafts_keep_the_drafter_current_in_one_call(target, token
         for k, plain_k in zip(context, plain_context):
             torch.testing.assert_close(k, plain_k)
     assert calls["catchup"] == 0 and calls["many"] > 0 and plain_calls["catchup"] > 0
+
+
+@pytest.mark.parametrize("kind", [None, "dflash"])
+def test_a_prefill_is_read_after_the_decode_step_launches_when_a_step_is_out(kind, target, tokenizer, monkeypatch):
+    """`Engine.step` reads a prefill's first tokens (a wait for the device) after launching the step of the
+    sequences already decoding when a step launched ahead is out (target-only here; a chained step on a
+    GPU), so the device is not left idle while the host samples, attaches and emits; otherwise first, as
+    before. Every request's tokens, greedy and seeded sampled ones, are those of the same engine reading
+    its prefills first, and target-only's those of each request run alone."""
+    reqs = [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=n, ignore_eos=True, **extra))
+            for i, (p, n, extra) in enumerate([(PROMPTS[0], 14, {}), (PROMPTS[1], 5, {"temperature": 0.8, "seed": 3}),
+                                               (PROMPTS[2], 9, {"temperature": 0.7, "seed": 5}), (PROMPTS[1], 6, {})])]
+
+    def serve(overlap: bool | None) -> tuple[dict[str, list[int]], list[str]]:
+        engine = Engine(target, drafter(kind, target) if kind else None, EngineConfig(max_batch=2))
+        order: list[str] = []
+        decode, first = engine._decode_step, engine._first_tokens
+        monkeypatch.setattr(engine, "_decode_step", lambda seqs: order.append("decode") or decode(seqs))
+        monkeypatch.setattr(engine, "_first_tokens", lambda *a: order.append("first") or first(*a))
+        if overlap is not None:
+            monkeypatch.setattr(engine, "_overlaps_prefill", lambda: overlap)
+        for r in reqs:
+            engine.add(Request(r.request_id, r.prompt_ids, r.params))
+        emitted: dict[str, list[int]] = {}
+        while engine.has_work:
+            order.append("step")
+            for e in engine.step():
+                emitted.setdefault(e.request_id, []).extend(e.token_ids)
+        steps = "".join({"step": "|", "decode": "d", "first": "f"}[o] for o in order).split("|")[1:]
+        return emitted, [s for s in steps if "f" in s and "d" in s]  # steps where a prompt completed as others decoded
+
+    emitted, admitting = serve(None)
+    assert admitting
+    expected = "df" if kind is None else "fd"  # (on the CPU no chained step is ever out)
+    assert all(s == expected for s in admitting), admitting
+    for overlap in (True, False):
+        tokens, steps = serve(overlap)
+        assert tokens == emitted and set(steps) == {"df" if overlap else "fd"}
+    if kind is None:
+        assert emitted == {r.request_id: run(target, None, [r])[0][r.request_id] for r in reqs}
+
+
+def test_overlapping_prefills_wait_for_device_waits_to_be_off(target):
+    """With a service whose drafts our stream waits for on the device, a prefill is read first: reading it
+    may launch a kernel for the first time (`Engine._quiesce`)."""
+    engine = Engine(target, None, EngineConfig())
+    assert engine._overlaps_prefill()
+    engine.proposer = type("Waiting", (), {"device_waits": True})()
+    engine._chain = object()
+    assert not engine._overlaps_prefill()
+    engine.proposer = type("Polling", (), {"device_waits": False})()
+    assert engine._overlaps_prefill()
+    engine._chain = None
+    assert not engine._overlaps_prefill()
+    assert not Engine(target, None, EngineConfig(overlap_prefill=False))._overlaps_prefill()
