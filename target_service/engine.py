@@ -299,15 +299,19 @@ class Engine:
         return events
 
     def _overlaps_prefill(self) -> bool:
-        """Whether this step's prefill is read after its decode step launches (see `step`): target-only, or a
-        chained step out with an in-process drafter or a service whose drafts our host waits for. Not with
-        device waits: reading the prefill (its sampling, the drafter's attach) may launch a kernel for the
-        first time, which must not happen while our stream waits on the device (`_quiesce`)."""
+        """Whether this step's prefill is read after its decode step launches (see `step`): target-only with a
+        decode step launched ahead, or an in-process drafter with a chained step out. Otherwise the decode
+        step reads its own step at once, and reading the prefill after it would only hold the new requests'
+        first tokens back a step. Not through a drafter service: its attach (a round trip) waits for the
+        chained step just launched, whose drafts the service is answering, so the host would wait a whole
+        step for nothing (and with device waits a first kernel launch may come while our stream waits,
+        `_quiesce`)."""
         if not self.config.overlap_prefill:
             return False
         if self.proposer is None:
-            return True
-        return self._chain is not None and not getattr(self.proposer, "device_waits", False)
+            return self._ahead is not None
+        return self._chain is not None and _capability(self.proposer, "chain_prefetch") is None \
+            and not getattr(self.proposer, "device_waits", False)
 
     def generate(self, requests: list[Request]) -> dict[str, list[StepEvent]]:
         """Run requests to completion; returns each request's events in order."""

@@ -536,8 +536,7 @@ def test_a_prefill_is_read_after_the_decode_step_launches_when_a_step_is_out(kin
 
     emitted, admitting = serve(None)
     assert admitting
-    expected = "df" if kind is None else "fd"  # (on the CPU no chained step is ever out)
-    assert all(s == expected for s in admitting), admitting
+    assert all(s == "fd" for s in admitting), admitting  # (on the CPU no step is ever launched ahead)
     for overlap in (True, False):
         tokens, steps = serve(overlap)
         assert tokens == emitted and set(steps) == {"df" if overlap else "fd"}
@@ -545,16 +544,61 @@ def test_a_prefill_is_read_after_the_decode_step_launches_when_a_step_is_out(kin
         assert emitted == {r.request_id: run(target, None, [r])[0][r.request_id] for r in reqs}
 
 
-def test_overlapping_prefills_wait_for_device_waits_to_be_off(target):
-    """With a service whose drafts our stream waits for on the device, a prefill is read first: reading it
-    may launch a kernel for the first time (`Engine._quiesce`)."""
+def test_a_prefill_is_read_after_the_decode_step_only_when_that_step_runs_ahead(target):
+    """Target-only with a decode step launched ahead, or an in-process drafter with a chained step out; never
+    through a drafter service (its attach waits for the step just launched: `chain_prefetch` marks one), nor
+    with device waits (reading the prefill may launch a kernel for the first time, `Engine._quiesce`), nor
+    with `overlap_prefill` off."""
     engine = Engine(target, None, EngineConfig())
+    assert not engine._overlaps_prefill()  # nothing out: the decode step reads its own step at once
+    engine._ahead = object()
     assert engine._overlaps_prefill()
-    engine.proposer = type("Waiting", (), {"device_waits": True})()
+    engine._ahead = None
     engine._chain = object()
-    assert not engine._overlaps_prefill()
-    engine.proposer = type("Polling", (), {"device_waits": False})()
+    engine.proposer = type("InProcess", (), {})()
     assert engine._overlaps_prefill()
-    engine._chain = None
+    engine.proposer = type("Service", (), {"chain_prefetch": lambda self, *a: None})()
     assert not engine._overlaps_prefill()
-    assert not Engine(target, None, EngineConfig(overlap_prefill=False))._overlaps_prefill()
+    engine.proposer = type("Waiting", (), {"device_waits": True})()
+    assert not engine._overlaps_prefill()
+    engine._chain = None
+    engine.proposer = type("InProcess", (), {})()
+    assert not engine._overlaps_prefill()
+    off = Engine(target, None, EngineConfig(overlap_prefill=False))
+    off._ahead = object()
+    assert not off._overlaps_prefill()
+
+
+def test_a_prompts_first_token_picked_on_the_device_is_the_one_verify_sampled_gives(target, tokenizer, monkeypatch):
+    """`Engine._first_picks` (a completed prompt's first token, picked on the device so the host can read it
+    after a step launched since): the argmax for greedy requests, and for sampled ones the token
+    `verify_sampled` with no drafts gives from the same generator state, top-k/top-p and temperature too."""
+    from specsplit.shared.verify import verify_sampled
+
+    params = [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, temperature=0.9, seed=3),
+              SamplingParams(max_tokens=4, temperature=1.3, top_k=5, seed=5),
+              SamplingParams(max_tokens=4, temperature=0.7, top_p=0.8, seed=7)]
+    engine = Engine(target, None, EngineConfig(max_batch=4))
+    seen = []
+    picks = engine._first_picks
+
+    def record(done, logits):
+        states = [seq.generator.get_state() for seq in done]
+        got = picks(done, logits)
+        seen.append((done, logits, states, got.tolist()))
+        return got
+    monkeypatch.setattr(engine, "_first_picks", record)
+    for i, (p, sp) in enumerate(zip(PROMPTS + PROMPTS[:1], params)):
+        engine.add(Request(f"r{i}", tokenizer.encode(p), sp))
+    engine.step()
+    (done, logits, states, got), = seen
+    assert len(done) == 4
+    generators = []
+    for seq, state in zip(done, states):
+        g = torch.Generator(device=seq.generator.device)
+        g.set_state(state)
+        generators.append(g)
+    cu = torch.arange(len(done) + 1)
+    want = verify_sampled([[] for _ in done], logits, cu, [s.request.params for s in done], generators).tokens
+    assert [[t] for t in got] == want
+    assert got[0] == int(logits[0].argmax())

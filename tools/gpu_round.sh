@@ -20,7 +20,8 @@
 #   bash tools/gpu_round.sh drafter-waits-bench  # ... and its tokens/s beside host polls and the target's waits alone
 #   bash tools/gpu_round.sh serving   # held-out prompts through 1/8/16 slots, served speed; the 8-stream step's host and kernels
 #   bash tools/gpu_round.sh head      # the LM head as one float32-out GEMM: GPU tests; head-bench: steps side by side
-#   bash tools/gpu_round.sh overlap   # prefills read after the next launch: GPU tests, sync sites; overlap-bench: tokens/s
+#   bash tools/gpu_round.sh overlap   # prefills read after the next launch: GPU tests, tokens/s on and off
+#   bash tools/gpu_round.sh sync      # where a served run's host still waits for the device, by call site
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
@@ -248,16 +249,15 @@ overlap)
   # (twenty-sixth session) a step that completes a prompt reads its first token after launching the others'
   # step (EngineConfig.overlap_prefill; the served runs' host profile put ~1 ms a step of host waits on the
   # device at 16 slots, prefills 40 % of the run). The GPU tests of graphed prefill, the chain and the step
-  # graphs (equal tokens with admissions, float32), then what still makes a served run's host wait
-  timeout 270 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_graphed_prefill.py tests/test_chain.py \
-    tests/test_step_graphs.py tests/test_engine.py tests/test_split_gpu.py -k "not split_gpu or drafts_left_in_the_targets and honest" \
-    2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -20 | log
-  timeout 200 python bench/sync_sites.py --requests 80 --batch 8 16 --out "$OUT" 2>&1 | grep -v INFO | head -60 | log
+  # graphs (equal tokens with admissions, float32), then tokens/s side by side: held-out prompts through 8
+  # and 16 slots, overlap on and off, 3 rounds (at one slot no prompt completes while others decode)
+  timeout 170 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_graphed_prefill.py tests/test_chain.py \
+    tests/test_step_graphs.py tests/test_engine.py 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -20 | log
+  timeout 220 python bench/serving_bench.py --batch 8 16 --rounds 3 --out "$OUT" 2>&1 | grep -v INFO | log
   ;;
-overlap-bench)
-  # ... and tokens/s side by side: held-out prompts through 8 and 16 slots, overlap on and off, 3 rounds (at one
-  # slot no prompt completes while others decode: nothing to overlap)
-  timeout 400 python bench/serving_bench.py --batch 8 16 --rounds 3 --out "$OUT" 2>&1 | grep -v INFO | log
+sync)
+  # what still makes a served run's host wait for the device (torch's sync debug mode), by call site
+  timeout 200 python bench/sync_sites.py --requests 80 --batch 8 16 --out "$OUT" 2>&1 | grep -v INFO | head -60 | log
   ;;
 capture)
   # chained steps captured whole at 4, 8 and 16 streams against piecewise, side by side in one run (seventeenth
@@ -290,7 +290,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|cross-gpu|tail|prepare|drafter-waits|drafter-waits-bench|serving|head|head-bench|overlap|overlap-bench|eval|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|cross-gpu|tail|prepare|drafter-waits|drafter-waits-bench|serving|head|head-bench|overlap|sync|eval|train SEED [flags]" >&2
   exit 2
   ;;
 esac
