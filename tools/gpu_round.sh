@@ -275,8 +275,9 @@ train)
   # --init in the same run; e.g. `train 27`, then `train 28 --init /var/tmp/ckpt/dflash-27`. The
   # checkpoint and its log come back under $OUT (shards under 16 MiB). Needs the call to carry
   # drafter_service/checkpoints (see tools/device_tree.sh). A checkpoint not shipped goes as a later --init,
-  # carried alone beside .whl: the twenty-fifth session's 8-layer one (60 MiB, kept in the ignored
-  # .ckpt/dflash-33 of the session's machine) by `train 34 --init .ckpt/dflash-33`, carry [".ckpt/dflash-33", ".whl"].
+  # carried alone beside .whl, e.g. `train 34 --init .ckpt/dflash-33`, carry [".ckpt/dflash-33", ".whl"] (the
+  # twenty-fifth session's 8-layer one was kept there and did not outlive that session's machine: land a
+  # checkpoint worth continuing, or train again)
   seed=${2:?usage: bash tools/gpu_round.sh train SEED [train-drafter flags...]}
   shift 2
   mkdir -p /var/tmp/ckpt
