@@ -3,9 +3,10 @@
 Terms: τ = generated tokens / target steps, the engine's own figure (its prefill counts as a step);
 τ without prefill = (generated - 1) / (steps - 1) per request, summed over requests, the usual
 "acceptance length". Acceptance at draft position j is the share of verified proposals whose first
-j+1 drafts were all accepted, so it never rises with j. Both runs (speculative and target-only) use
-the same prompts, model and engine settings in one process; with greedy decoding their outputs must
-match token for token, and every mismatch is counted.
+j+1 drafts were all accepted, so it never rises with j. The runs (target-only; speculative with the
+drafter behind a recorder of what each proposal offered, for τ and acceptance; and speculative with the
+bare drafter, the engine's fast paths, for the speed) use the same prompts, model and engine settings in
+one process; with greedy decoding their outputs must match token for token, and every mismatch is counted.
 
 Teacher forcing (DFlash, greedy): every generated token of the target-only run as an anchor, the
 training forward's block drafts scored against the continuation (what the training loss sees). It
@@ -145,21 +146,24 @@ def run_engine(engine: Engine, prompts: Sequence[EvalPrompt], settings: EvalSett
     speculative = engine.proposer is not None
     requests = [Request(f"{tag}{i}", list(p.ids), settings.params(i), speculative=speculative)
                 for i, p in enumerate(prompts)]
-    counters = engine.counters
-    before = (counters.steps, counters.chained, counters.chain_replays, counters.chain_captures,
-              counters.chain_capture_seconds, counters.prefills, engine.prefill_seconds)
+    before = _tally(engine)
     _sync(engine.model)
     start = time.perf_counter()
     events = engine.generate(requests)
     _sync(engine.model)
     seconds = time.perf_counter() - start
     ordered = [events[r.request_id] for r in requests]
-    after = (counters.steps, counters.chained, counters.chain_replays, counters.chain_captures,
-             counters.chain_capture_seconds, counters.prefills, engine.prefill_seconds)
-    ran = dict(zip(("steps", "chained", "replayed_whole", "captures", "capture_s", "prefills", "prefill_s"),
-                   (b - a for a, b in zip(before, after))))
+    ran = {name: value - before[name] for name, value in _tally(engine).items()}
     return Run([[t for e in evs for t in e.token_ids] for evs in ordered], [evs[-1].stats for evs in ordered],
                seconds, ran)
+
+
+def _tally(engine: Engine) -> dict[str, float]:
+    """How an engine has run its steps so far: engine steps, chained ones, replays of a captured chained step
+    and captures (with their host seconds), prefills (with the host seconds in them)."""
+    c = engine.counters
+    return {"steps": c.steps, "chained": c.chained, "replayed_whole": c.chain_replays, "captures": c.chain_captures,
+            "capture_s": c.chain_capture_seconds, "prefills": c.prefills, "prefill_s": engine.prefill_seconds}
 
 
 def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPrompt], settings: EvalSettings, *,

@@ -274,7 +274,7 @@ class Engine:
 
     @property
     def prefill_seconds(self) -> float:
-        """Host seconds spent in admission's prefill forwards so far (each waits for the device)."""
+        """Host seconds spent so far launching admission's prefill forwards and reading their first tokens."""
         return self._prefill_seconds
 
     def step(self) -> list[StepEvent]:
