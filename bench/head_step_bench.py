@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import time
@@ -22,13 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+import served
 from specsplit.drafter_service import dflash
-from specsplit.local import LocalSetup, make_drafter, target_dir
 from specsplit.shared.sampling import SamplingParams
-from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service import dense, graphs, model as target_model
 from specsplit.target_service.engine import Engine, EngineConfig
-from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
 
 PROMPT = "Explain how a hash map works, with an example in Python."
@@ -77,11 +74,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
-    torch.set_grad_enabled(False)
-    setup = LocalSetup(drafter="dflash", device="cuda", dtype="bfloat16", seed=0)
-    folder = target_dir("default")
-    model = load_target(folder, dtype=torch.bfloat16, device="cuda")
-    tokenizer = Tokenizer.from_dir(folder)
+    setup, model, tokenizer = served.default_model()
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     budget = (24 + (args.rounds + 1) * args.steps) * 16  # every step at most 16 tokens
     results, lines = {}, []
@@ -90,7 +83,7 @@ def main() -> None:
         for kind in ("one GEMM", "rounded"):
             with head(kind):
                 for spec in ("target only", "dflash"):
-                    drafter = make_drafter("dflash", model, setup) if spec == "dflash" else None
+                    drafter = served.dflash(model, setup) if spec == "dflash" else None
                     blocks = batch * -(-(len(prompt) + budget + 32) // 16)
                     engine = Engine(model, drafter, EngineConfig(max_batch=batch, kv_blocks=blocks))
                     for i in range(batch):
@@ -116,10 +109,7 @@ def main() -> None:
                          f"{old['gpu_busy_ms_per_step']:.3f}): {old['ms_per_step'] / new['ms_per_step']:.3f}x")
         results[f"batch_{batch}"] = row
         print(lines[-2], lines[-1], sep="\n", flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "head_step_bench.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    served.save(args.out, "head_step_bench.json", results)
 
 
 if __name__ == "__main__":

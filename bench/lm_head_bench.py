@@ -13,11 +13,12 @@ its µs per call printed per row count, and its result checked against F.linear(
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 import torch.nn.functional as F
+
+from served import save
 
 VOCAB, HIDDEN = 49_152, 576
 COPIES = 6  # 6 x 57 MB: more than the H200's L2, so each call reads its weight from HBM
@@ -88,10 +89,7 @@ def main() -> None:
     head = f"{'µs per call, rows ->':<46}" + "".join(f"{r:>12}" for r in args.rows)
     lines = [head] + [f"{name:<46}" + "".join(f"{str(v[r]):>12}" for r in args.rows) for name, v in table.items()]
     print("\n".join(lines))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "lm_head_bench.json"), "w") as f:
-            json.dump(table, f, indent=1)
+    save(args.out, "lm_head_bench.json", table)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ request's tokens were the same with and without it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -20,13 +19,10 @@ from dataclasses import replace
 
 import torch
 
-from specsplit.local import LocalSetup, make_drafter, target_dir
+from served import default_model, dflash, heldout, save
 from specsplit.shared.sampling import SamplingParams
-from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service.engine import Engine, EngineConfig
-from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
-from specsplit.train_data import HELDOUT_PATH, read_prompts
 
 
 def served(engine: Engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, list[list[int]]]:
@@ -48,13 +44,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
-    torch.set_grad_enabled(False)
-    setup = LocalSetup(drafter="dflash", device="cuda", dtype="bfloat16", seed=0)
-    folder = target_dir("default")
-    model = load_target(folder, dtype=torch.bfloat16, device="cuda")
-    tokenizer = Tokenizer.from_dir(folder)
-    prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH, args.requests)]
-    drafter = make_drafter("dflash", model, setup)
+    setup, model, tokenizer = default_model()
+    prompts = heldout(tokenizer, args.requests)
+    drafter = dflash(model, setup)
     results = {}
     for batch in args.batch:
         base = EngineConfig(max_batch=batch)
@@ -83,10 +75,7 @@ def main() -> None:
         print(f"batch {batch}, {len(prompts)} prompts, {args.max_tokens} tokens, medians of {args.rounds} rounds:", flush=True)
         for name, value in row.items():
             print(f"  {name}: {value:.3f}" if isinstance(value, float) else f"  {name}: {value}", flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "serving_bench.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    save(args.out, "serving_bench.json", results)
 
 
 if __name__ == "__main__":

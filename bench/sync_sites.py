@@ -14,7 +14,6 @@ its events are not listed.)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import traceback
 import warnings
@@ -22,13 +21,10 @@ from collections import Counter
 
 import torch
 
-from specsplit.local import LocalSetup, make_drafter, target_dir
+from served import default_model, dflash, heldout, save
 from specsplit.shared.sampling import SamplingParams
-from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service.engine import Engine, EngineConfig
-from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
-from specsplit.train_data import HELDOUT_PATH, read_prompts
 
 OURS = ("_service/", "/shared/", "specsplit/", "/kernels/")
 
@@ -80,13 +76,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
-    torch.set_grad_enabled(False)
-    setup = LocalSetup(drafter="dflash", device="cuda", dtype="bfloat16", seed=0)
-    folder = target_dir("default")
-    model = load_target(folder, dtype=torch.bfloat16, device="cuda")
-    tokenizer = Tokenizer.from_dir(folder)
-    prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH, args.requests)]
-    drafter = make_drafter("dflash", model, setup)
+    setup, model, tokenizer = default_model()
+    prompts = heldout(tokenizer, args.requests)
+    drafter = dflash(model, setup)
     report = {}
     for batch in args.batch:
         for name, proposer in (("in-process", drafter), ("target-only", None)):
@@ -97,10 +89,7 @@ def main() -> None:
             for where, n in counts.most_common(25):
                 print(f"  {n / steps:6.2f}/step  {where}", flush=True)
             report[f"{name}_b{batch}"] = {"steps": steps, "sites": dict(counts)}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "sync_sites.json"), "w") as f:
-            json.dump(report, f, indent=1)
+    save(args.out, "sync_sites.json", report)
 
 
 if __name__ == "__main__":
