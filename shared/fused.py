@@ -3,10 +3,12 @@
 One GEMM for q/k/v and one for gate/up (the layer's projection weights concatenated once, the modules'
 own weights becoming views of the result, so nothing is stored twice and the eager forward reads the
 same memory), the residual add fused into each RMSNorm, RoPE fused with the write of k/v into a paged
-pool, SiLU·mul in one kernel. (Fusing SiLU·mul into the down projection, or the post-attention norm
-into gate/up, was measured slower on the H200 in whole steps: every program of the GEMM recomputes
-the activation or the norm for its rows; see the README's fifteenth session.) Where keys come from
-and how queries attend is the caller's: the target attends causally over its KV cache, the DFlash
+pool, SiLU·mul in one kernel. Each projection goes through `kernels.skinny_linear.linear`: cuBLAS, but
+for a few rows against a weight too large for L2 (a wide model's decode step) a kernel that streams it.
+(Fusing SiLU·mul into the down projection, or the post-attention norm into gate/up, was measured slower
+on the H200 in whole steps: every program of the GEMM recomputes the activation or the norm for its rows;
+see the README's fifteenth session, and kernels/skinny_linear.py for the same at Qwen3-8B's widths.)
+Where keys come from and how queries attend is the caller's: the target attends causally over its KV cache, the DFlash
 drafter's block over its context pool.
 """
 
@@ -16,10 +18,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from specsplit.kernels.activation import silu_mul
 from specsplit.kernels.norm import add_rms_norm, rms_norm
+from specsplit.kernels.skinny_linear import linear
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.layers import DecoderLayer
 
@@ -71,15 +73,15 @@ def fused_layer(cfg: ModelConfig, index: int, layer: DecoderLayer, weights: Fuse
     layer's normed input (normed with `next_norm`: the next layer's input norm, or the final norm) and
     this layer's output."""
     attn = layer.self_attn
-    qkv = F.linear(h, weights.qkv, weights.qkv_bias)
+    qkv = linear(h, weights.qkv, weights.qkv_bias)
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     q, k, v = (t.view(t.shape[0], -1, cfg.head_dim) for t in (q, k, v))
     if attn.q_norm is not None:
         q, k = rms_norm(q, attn.q_norm.weight, cfg.rms_norm_eps), rms_norm(k, attn.k_norm.weight, cfg.rms_norm_eps)
     out = attend(index, q, k, v)
-    attended = attn.o_proj(out.reshape(out.shape[0], -1))
+    attended = linear(out.reshape(out.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
     h, residual = add_rms_norm(attended, residual, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-    mlp_out = layer.mlp.down_proj(silu_mul(F.linear(h, weights.gate_up)))
+    mlp_out = linear(silu_mul(linear(h, weights.gate_up)), layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
     return add_rms_norm(mlp_out, residual, next_norm, cfg.rms_norm_eps)
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch import nn
 
+from specsplit.kernels import skinny_linear
 from specsplit.shared.config import ModelConfig, RopeConfig
 
 
@@ -40,7 +41,10 @@ def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     `bench/lm_head_bench.py`): 24.4 µs against 38.9 at 128 rows (an eight-stream verify), 17.1 against 21.0
     at 16, 16.1 against 19.2 at one. Every logits path of the target and the drafters goes through here,
     so decoding, verifying and a teacher's logits in training see the same numerics (a drafter's own logits
-    under autograd keep F.linear, whose backward is torch's)."""
+    under autograd keep F.linear, whose backward is torch's). A decode step's few rows against a head too
+    large for L2 (151,936 x 4,096 is 1.2 GB) stream it through `kernels.skinny_linear` instead."""
+    if skinny_linear.takes_kernel(x, weight):
+        return skinny_linear.linear_triton(x, weight, out_dtype=torch.float32)
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and not grads:
         flat = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)

@@ -1,0 +1,100 @@
+"""y = x @ w.T (+ bias) for a few rows against a large weight: a decode step's projections on a wide model.
+
+A decode step of an 8B-class model reads ~15 GB of weights for one to sixteen rows, so each projection is
+bandwidth-bound and should stream its weight at the copy rate. cuBLAS does not quite, at those shapes on
+the H200 (`bench/gemm_probe.py --geometry qwen3-8b`, one row): the down projection (12,288 -> 4,096, 96 MiB)
+30.4 µs against 23.6 at the copy rate, and a split-K second kernel for o and down. This kernel gives each
+program BLOCK_N output columns of every row and streams their weight rows once over K in BLOCK_K tiles,
+float32 accumulation, no split (26.6 µs for that down projection). The Qwen3-8B-shaped decode step at one
+stream (`bench/floor_profile.py`, a replay of its graph): 4.83 ms with cuBLAS, 4.51 with this kernel.
+
+It pays only where the weight must come from HBM and each program has a long K to stream: on SmolLM2's
+widths (weights of 0.6-3.4 MiB, K of 576 or 1,536) a GEMM is latency-bound at ~4 µs either way and cuBLAS's
+launch is the better one (the ninth session, README), and its 57-MB LM head (K = 576) took 18.5 µs here
+against 16.5 for cuBLAS. So `linear` takes it for 16-bit CUDA inputs of at most MAX_ROWS rows against a
+weight of at least MIN_WEIGHT_BYTES and MIN_K columns, and F.linear otherwise; benches set MIN_WEIGHT_BYTES
+to compare both in one run.
+
+Measured and dropped (twenty-seventh session, `bench/floor_profile.py`, Qwen3-8B's geometry, one row, H200):
+- SiLU·mul folded into the down projection's kernel (each program reading the gate/up rows and applying the
+  activation as kernels/activation.py does): 88 µs where the projection took 27 and SiLU·mul 1.5. Every
+  program computed the activation of sixteen rows, fifteen of them padding, over the whole of K.
+- A one-row kernel without tl.dot (each program multiplying its weight rows by the row elementwise in
+  float32, summing once at the end): the step 6.50 ms against 4.51 with the 16-row tiles (qkv 21.1 µs against
+  14.5, the down projection 60.5 against 26.8). The fold in it: 6.74 ms.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import HAVE_TRITON, tl, triton
+
+MAX_ROWS = 16  # tl.dot's least tile; more rows go to cuBLAS, where they stop being a weight stream alone
+MIN_WEIGHT_BYTES = 16 * 2 ** 20  # below, the weight can sit in L2 and a launch's latency is the cost
+MIN_K = 2048  # below, a program's stream is too short to beat cuBLAS (SmolLM2's head, K = 576)
+BLOCK_K = 256
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear, converted to out_dtype (default x's)."""
+    return F.linear(x, weight, bias).to(out_dtype or x.dtype)
+
+
+def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` runs the kernel for x [..., K] and this weight [N, K]."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (HAVE_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and 1 <= rows <= MAX_ROWS and weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES
+            and weight.dim() == 2 and weight.shape[1] >= MIN_K and weight.stride(1) == 1 and x.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the kernel where it streams a large weight for a few rows."""
+    if takes_kernel(x, weight):
+        return linear_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """Program n: columns n*BLOCK_N.. of all M (<= BLOCK_M) rows, over the whole of K."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                    other=0.0)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
+                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] (at most MAX_ROWS rows), weight [N, K] (rows contiguous), bias [N] -> [..., N] in out_dtype
+    (default x's; float32 keeps the accumulator, as the LM head wants)."""
+    n, k = weight.shape
+    assert x.shape[-1] == k, (x.shape, weight.shape)
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    assert 1 <= rows <= MAX_ROWS and weight.stride(1) == 1 and flat.stride(1) == 1
+    assert x.dtype == weight.dtype and (bias is None or (bias.shape == (n,) and bias.is_contiguous()))
+    y = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    block_n = 32 if n >= 16384 else 16  # (the best of the probe's tiles at Qwen3-8B's widths)
+    _skinny_linear_kernel[(triton.cdiv(n, block_n),)](
+        flat, weight, bias if bias is not None else flat, y, rows, n, k, flat.stride(0), weight.stride(0),
+        y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
+        BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(k))), num_warps=2, num_stages=4)
+    return y.view(*x.shape[:-1], n)
+
