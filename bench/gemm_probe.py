@@ -33,6 +33,10 @@ import triton.language as tl  # noqa: E402
 
 # (name, K in, N out) of SmolLM2-135M's layers (hidden 576, 9/3 heads of 64, FFN 1536) and its head
 SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576), ("lm_head", 576, 49152)]
+# ... and of Qwen3-8B's (hidden 4096, 32/8 heads of 128, FFN 12288, vocab 151936): weights of 32-1,188 MiB, read
+# from HBM whatever the copies (`--geometry qwen3-8b`; where a step's GEMMs are bandwidth-bound, not latency-bound)
+SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576), ("down", 12288, 4096),
+             ("lm_head", 4096, 151936)]
 
 
 @triton.jit
@@ -86,12 +90,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--geometry", choices=["smollm2", "qwen3-8b"], default="smollm2")
     parser.add_argument("--shapes", nargs="+", choices=[s[0] for s in SHAPES], default=[s[0] for s in SHAPES])
+    parser.add_argument("--blas-lt", action="store_true",
+                        help="also time F.linear with torch's preferred BLAS library set to cuBLASLt")
     parser.add_argument("--quick", action="store_true", help="a smaller tile grid: less compile time")
     parser.add_argument("--cold-copies", type=int, default=0,
                         help="also time with N copies of W, one per call, so W comes from HBM (0: off)")
     args = parser.parse_args()
-    shapes = [s for s in SHAPES if s[0] in args.shapes]
+    shapes = [s for s in (SHAPES_8B if args.geometry == "qwen3-8b" else SHAPES) if s[0] in args.shapes]
     if args.quick:
         block_ns, block_ks, warp_counts, stage_counts = (16, 32), (64, 256), (2, 4), (4,)
     else:
@@ -104,6 +111,14 @@ def main() -> None:
         w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
         expected = F.linear(x, w)
         torch_us = time_us(lambda: F.linear(x, w), args.calls, args.replays, graph=True)
+        lt_us = None
+        if args.blas_lt:
+            default_library = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            try:
+                lt_us = time_us(lambda: F.linear(x, w), args.calls, args.replays, graph=True)
+            finally:
+                torch.backends.cuda.preferred_blas_library(default_library)
         best = None
         block_ms = [16] if m <= 16 else [16, 64]
         for bm, bn, bk, warps, stages in itertools.product(block_ms, block_ns, block_ks, warp_counts, stage_counts):
@@ -120,7 +135,9 @@ def main() -> None:
                 best = (us, dict(block_m=bm, block_n=bn, block_k=bk, warps=warps, stages=stages))
         tile = best[1]
         line = (f"{name:>8} M={m:>4} K={k:>5} N={n:>6}: torch {torch_us:7.2f}  best triton {best[0]:7.2f} "
-                f"({torch_us / best[0]:.2f}x) {tile}")
+                f"({torch_us / best[0]:.2f}x) {tile}  floor {n * k * 2 / 4.27e6:.2f}")
+        if lt_us is not None:
+            line += f"  cuBLASLt {lt_us:.2f}"
         torch_cold_us = triton_cold_us = None
         n_copies = 0
         if args.cold_copies > 0:
@@ -134,7 +151,7 @@ def main() -> None:
             del copies
             line += (f"  cold ({n_copies} x {n * k * 2 / 2**20:.1f} MiB): torch {torch_cold_us:.2f} "
                      f"triton {triton_cold_us:.2f} ({torch_cold_us / triton_cold_us:.2f}x)")
-        row = dict(shape=name, M=m, K=k, N=n, torch_us=torch_us, triton_us=best[0], tile=tile,
+        row = dict(shape=name, M=m, K=k, N=n, torch_us=torch_us, cublaslt_us=lt_us, triton_us=best[0], tile=tile,
                    weight_floor_us=n * k * 2 / 4.27e6, cold_copies=n_copies, torch_cold_us=torch_cold_us,
                    triton_cold_us=triton_cold_us)
         results.append(row)
