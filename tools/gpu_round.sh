@@ -22,6 +22,9 @@
 #   bash tools/gpu_round.sh head      # the LM head as one float32-out GEMM: GPU tests; head-bench: steps side by side
 #   bash tools/gpu_round.sh overlap   # prefills read after the next launch: GPU tests, tokens/s on and off
 #   bash tools/gpu_round.sh sync      # where a served run's host still waits for the device, by call site
+#   bash tools/gpu_round.sh floor     # the 8B-shaped step kernel by kernel against its floor; its GEMMs, cuBLAS vs Triton
+#   bash tools/gpu_round.sh skinny    # the few-rows projection kernel: GPU tests, the 8B step with it, the heads
+#   bash tools/gpu_round.sh skinny-step  # ... its GPU tests with the graphs', the 8B step's variants, step_bench 8B
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
@@ -259,6 +262,44 @@ sync)
   # what still makes a served run's host wait for the device (torch's sync debug mode), by call site
   timeout 200 python bench/sync_sites.py --requests 80 --batch 8 16 --out "$OUT" 2>&1 | grep -v INFO | head -60 | log
   ;;
+floor)
+  # (twenty-seventh session) the Qwen3-8B-shaped decode step is 1.37x its floor (goal 1.15x): one replay traced
+  # kernel by kernel (a layer's kernels averaged over the 36, the gaps between them, each projection's TB/s),
+  # then the same for the default model, then the 8B projections alone: cuBLAS, cuBLASLt, Triton tiles
+  timeout 150 python bench/floor_profile.py --target qwen3-8b --batch 1 --query 1 --out "$OUT" 2>&1 | grep -v INFO | log
+  timeout 100 python bench/floor_profile.py --target default --batch 1 --query 1 --out "$OUT" 2>&1 | grep -v INFO | log
+  timeout 250 python bench/gemm_probe.py --geometry qwen3-8b --rows 1 8 --quick --blas-lt --calls 20 --replays 10 \
+    --out "$OUT/gemm_probe_8b.json" 2>&1 | grep -v INFO | log
+  ;;
+skinny)
+  # (twenty-seventh session) kernels/skinny_linear.py where cuBLAS streamed the 8B step's weights at 2-3.6 TB/s
+  # (floor phase): its GPU tests and the graphs' that run it, the 8B step and the default model's in three
+  # variants (the table sized for the context / like the engine's / with the kernel), the LM heads at both
+  # widths, and the 8B projections read cold (qkv and o fit in L2 when one copy is reused)
+  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py tests/test_head_logits.py \
+    tests/test_step_graphs.py 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -20 | log
+  timeout 150 python bench/floor_profile.py --target qwen3-8b --out "$OUT" 2>&1 | grep -v INFO \
+    | grep -E -v "^ +[0-9.]+ µs  (void|Memset)" | log
+  timeout 100 python bench/floor_profile.py --target default --out "$OUT" 2>&1 | grep -v INFO | grep -E "replay|x  " | log
+  for geometry in smollm2 qwen3-8b; do
+    timeout 100 python bench/lm_head_bench.py --geometry $geometry --rows 1 8 16 128 --out "$OUT" 2>&1 | grep -v INFO | log
+  done
+  timeout 150 python bench/gemm_probe.py --geometry qwen3-8b --shapes qkv o down --rows 1 8 --quick --calls 20 \
+    --replays 10 --cold-copies 40 --out "$OUT/gemm_probe_8b_cold.json" 2>&1 | grep -v INFO | grep -v skip | log
+  ;;
+skinny-step)
+  # (twenty-seventh session) the skinny phase put the 8B step at 1.16x its floor (4.51 ms, from 4.94 in the
+  # table sized for the context and 4.76 sized like the engine's), and K >= 2048 for the kernel (SmolLM2's head
+  # lost with it): GPU tests with the graphs that run the layers, the 8B step's variants, then the goal's table
+  # (bench/step_bench.py, now with the engine's table). Two variants of the kernel measured here the same
+  # session were dropped (SiLU·mul folded in; a one-row kernel without tl.dot): see kernels/skinny_linear.py
+  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py tests/test_head_logits.py \
+    tests/test_step_graphs.py tests/test_fused_kernels.py 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -20 | log
+  timeout 150 python bench/floor_profile.py --target qwen3-8b --out "$OUT" 2>&1 | grep -v INFO \
+    | grep -E -v "^ +[0-9.]+ µs  (void|Memset)" | log
+  timeout 200 python bench/step_bench.py --target qwen3-8b --batch 1 8 --query 1 16 --repeats 50 --out "$OUT" 2>&1 \
+    | grep -v INFO | log
+  ;;
 capture)
   # chained steps captured whole at 4, 8 and 16 streams against piecewise, side by side in one run (seventeenth
   # session, two runs: eight streams 1.05x target-only whole against 0.99x piecewise, captures left out), before
@@ -291,7 +332,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|cross-gpu|tail|prepare|drafter-waits|drafter-waits-bench|serving|head|head-bench|overlap|sync|eval|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|cross-gpu|tail|prepare|drafter-waits|drafter-waits-bench|serving|head|head-bench|overlap|sync|floor|skinny|skinny-step|eval|train SEED [flags]" >&2
   exit 2
   ;;
 esac
