@@ -101,8 +101,11 @@ def tokens_of(events):
     return {rid: [t for e in evs for t in e.token_ids] for rid, evs in events.items()}
 
 
-@pytest.mark.parametrize("chunk", [32, 128])
-@pytest.mark.parametrize("kind", [None, "dflash", "mtp"])
+@pytest.mark.parametrize("kind, chunk", [
+    (None, 32), ("dflash", 128), ("mtp", 32),
+    # (5 s each on the CPU; the default run stays under five minutes with one chunk length a kind)
+    pytest.param(None, 128, marks=pytest.mark.slow), pytest.param("dflash", 32, marks=pytest.mark.slow),
+    pytest.param("mtp", 128, marks=pytest.mark.slow)])
 def test_prompts_go_in_through_the_static_forwards_and_change_no_token(kind, chunk, target, tokenizer):
     """Prompts with at most `graphed_prefill` tokens still to go in go in through the short static forwards
     (chunks of min(prefill_chunk, 64) tokens, up to four prompts a forward), longer ones alone through the
@@ -299,7 +302,7 @@ def test_a_drafter_that_answers_late_gets_its_rows_from_the_static_prefill(targe
     assert got[second.request_id][-1].stats.drafted > 0 and engine.drafter_ok
 
 
-@pytest.mark.parametrize("chunk", [32, 128])
+@pytest.mark.parametrize("chunk", [pytest.param(32, marks=pytest.mark.slow), 128])  # (5 s each on the CPU)
 def test_a_reattach_recomputes_the_rows_through_the_static_prefill(chunk, target, tokenizer):
     """After a drafter outage the engine rebuilds each running sequence's drafter state from its history's
     rows: through the static prefill forwards (long ones where there are, short ones otherwise), not

@@ -96,9 +96,9 @@ INTERPRETED = [
     (2, 2, 3, 8, 2, 128, 100, 16, None, 4),
     (3, 2, 8, 4, 4, 32, 120, 8, 20, 2),
     (4, 1, 8, 9, 3, 64, 640, 16, None, 32),  # one stream's verify on the H200: 32 key splits, many of them empty
-    (5, 2, 16, 32, 8, 64, 100, 16, None, 2),  # 64 rows a group: two row tiles
+    (5, 1, 16, 8, 2, 64, 100, 16, None, 2),  # 64 rows a group (4 heads x 16 queries): two row tiles
     (6, 2, 13, 9, 3, 32, 70, 16, 5, 4),  # 39 rows: a full tile and a partial one
-    (7, 1, 150, 9, 3, 16, 220, 16, None, 2),  # a captured prefill's long chunk: 450 rows a group, 15 tiles
+    (7, 1, 150, 3, 1, 16, 220, 16, None, 2),  # a captured prefill's long chunk: 450 rows a group, 15 tiles
 ]
 
 

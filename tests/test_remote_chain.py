@@ -353,8 +353,9 @@ def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_dra
     assert waits.closed and proposer._waits is None
 
 
-@pytest.mark.parametrize("drafts_by_batch, graphs_batch", [(((3, 0),), None), ((), 2)],
-                         ids=["no-drafts-at-three", "graphs-narrower-than-the-batch"])
+@pytest.mark.parametrize("drafts_by_batch, graphs_batch", [
+    (((3, 0),), None), pytest.param((), 2, marks=pytest.mark.slow)],  # (5 s each on the CPU)
+    ids=["no-drafts-at-three", "graphs-narrower-than-the-batch"])
 def test_a_chained_propose_sent_ahead_that_no_step_takes_is_never_taken_for_another(pair, tiny_chat_dir,
                                                                                       drafts_by_batch, graphs_batch):
     """A request joining makes the next step stop chaining (no drafts at three streams; no captured step that

@@ -177,6 +177,7 @@ def test_generate_server_sends_the_token_file(secured, tmp_path, capsys, monkeyp
     assert '"token_ids"' in capsys.readouterr().out
 
 
+@pytest.mark.slow  # (11 s on the CPU: it spawns a pair; the default run stays under five minutes)
 def test_a_spawned_pair_shares_its_token(tmp_path, tiny_chat_dir, monkeypatch):
     """specsplit.pair: both services get the spec's token (in their environment, never argv) and its
     client sends it; a token in this process's environment is not what they use."""
