@@ -8,8 +8,8 @@ for a few rows against a weight too large for L2 (a wide model's decode step) a 
 (Fusing SiLU·mul into the down projection, or the post-attention norm into gate/up, was measured slower
 on the H200 in whole steps: every program of the GEMM recomputes the activation or the norm for its rows;
 see the README's fifteenth session, and kernels/skinny_linear.py for the same at Qwen3-8B's widths.)
-Where keys come from and how queries attend is the caller's: the target attends causally over its KV cache, the DFlash
-drafter's block over its context pool.
+Where keys come from and how queries attend is the caller's: the target attends causally over its KV
+cache, the DFlash drafter's block over its context pool.
 """
 
 from __future__ import annotations
