@@ -3,12 +3,40 @@ checkpoints of each supported family plus one that speaks the default model's to
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+
+def _import_installed_kernels_package() -> None:
+    """Put an installed package named `kernels` into sys.modules before the repository's folder can shadow it.
+
+    Under pytest the repository's root is on sys.path, so `import kernels` finds our top-level kernels/
+    folder (installed as specsplit.kernels) before any installed package of that name. transformers >= 5.25
+    depends on Hugging Face's `kernels` package and imports it when it is installed, so every test that
+    imports transformers failed with "cannot import name 'CUDAProperties' from 'kernels'". Importing the
+    installed one first, with the root off the path, makes later imports find it in sys.modules. Our code
+    never imports the top-level name (only specsplit.kernels)."""
+    root = Path(__file__).resolve().parent.parent
+    saved = list(sys.path)
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != root]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:
+        pass  # none installed: nothing to shadow
+    finally:
+        sys.path[:] = saved
+    loaded = sys.modules.get("kernels")
+    if loaded is not None and Path(getattr(loaded, "__file__", None) or "/").resolve().parent == root / "kernels":
+        del sys.modules["kernels"]  # (our own folder after all: never leave it under the top-level name)
+
+
+_import_installed_kernels_package()
 
 # One intra-op thread in this process and in every service it spawns (they inherit the variable).
 # Tests run a pytest process and two services at once on CI machines of 2 cores shared with other
