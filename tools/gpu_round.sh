@@ -25,6 +25,7 @@
 #   bash tools/gpu_round.sh floor     # the 8B-shaped step kernel by kernel against its floor; its GEMMs, cuBLAS vs Triton
 #   bash tools/gpu_round.sh skinny    # the few-rows projection kernel: GPU tests, the 8B step with it, the heads
 #   bash tools/gpu_round.sh skinny-step  # ... its GPU tests with the graphs', the 8B step's variants, step_bench 8B
+#   bash tools/gpu_round.sh floor-batch  # the 8B step's variants at 8 streams and in verifies (1 and 4 x 16 rows)
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
@@ -300,6 +301,17 @@ skinny-step)
   timeout 200 python bench/step_bench.py --target qwen3-8b --batch 1 8 --query 1 16 --repeats 50 --out "$OUT" 2>&1 \
     | grep -v INFO | log
   ;;
+floor-batch)
+  # (after the twenty-seventh session, not run yet) the 8B step kernel by kernel beyond one stream's decode:
+  # eight streams' decode and a verify of 16 rows (both taking kernels/skinny_linear.py), and four streams'
+  # verify (64 rows: cuBLAS), each against its floor with the narrow table, the engine's, and the kernel
+  timeout 200 python bench/floor_profile.py --target qwen3-8b --batch 8 --query 1 --out "$OUT" 2>&1 | grep -v INFO \
+    | grep -E "replay|x  |a layer" | log
+  timeout 200 python bench/floor_profile.py --target qwen3-8b --batch 1 --query 16 --out "$OUT" 2>&1 | grep -v INFO \
+    | grep -E "replay|x  |a layer" | log
+  timeout 200 python bench/floor_profile.py --target qwen3-8b --batch 4 --query 16 --out "$OUT" 2>&1 | grep -v INFO \
+    | grep -E "replay|x  |a layer" | log
+  ;;
 capture)
   # chained steps captured whole at 4, 8 and 16 streams against piecewise, side by side in one run (seventeenth
   # session, two runs: eight streams 1.05x target-only whole against 0.99x piecewise, captures left out), before
@@ -332,7 +344,7 @@ train)
   grep -E "held-out|saved|pool [0-9]|prompts" /var/tmp/train.log | log
   ;;
 *)
-  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|cross-gpu|tail|prepare|drafter-waits|drafter-waits-bench|serving|head|head-bench|overlap|sync|floor|skinny|skinny-step|eval|train SEED [flags]" >&2
+  echo "usage: bash tools/gpu_round.sh kernels|steps|services|profile|prefill|capture|chain|waits|waits-bench|timeline|probe-release|cross-gpu|tail|prepare|drafter-waits|drafter-waits-bench|serving|head|head-bench|overlap|sync|floor|skinny|skinny-step|floor-batch|eval|train SEED [flags]" >&2
   exit 2
   ;;
 esac
