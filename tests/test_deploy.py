@@ -101,6 +101,7 @@ def test_overlay_is_valid_for_its_kubernetes_versions(overlay, rendered, tmp_pat
     assert done.stdout.count("INFO ") == len(versions) * len(documents(rendered[overlay]))
 
 
+@pytest.mark.slow  # (5-6 s on the CPU; the default run stays under five minutes)
 def test_checkov_passes_on_overlays_and_dockerfiles(rendered, tmp_path):
     checkov = tool("checkov")
     if checkov is None:

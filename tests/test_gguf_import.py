@@ -226,6 +226,7 @@ def test_smollm2_conversion_is_cached(smollm2_dir):
     assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not written again
 
 
+@pytest.mark.slow  # (transformers builds its GGUF tokenizer, 8 s on the CPU; the default run stays under five minutes)
 def test_smollm2_tokenizer_matches_transformers_gguf_tokenizer(tokenizer, hf_gguf_tokenizer):
     for text in TEXTS:
         ids = tokenizer.encode(text)
@@ -234,6 +235,7 @@ def test_smollm2_tokenizer_matches_transformers_gguf_tokenizer(tokenizer, hf_ggu
     assert tokenizer.encode("<|im_start|>") == [1] and tokenizer.eos_token_ids == (2,)
 
 
+@pytest.mark.slow  # (the same tokenizer as above)
 def test_smollm2_chat_template_matches_transformers(tokenizer, hf_gguf_tokenizer):
     chats = [
         [{"role": "user", "content": "Hi"}],

@@ -207,6 +207,7 @@ def test_registering_consumes_the_name_and_the_rows_stay_readable(child):
     torch.testing.assert_close(importer.resolve(ref), _pattern(2, 2, 1), rtol=0, atol=0)  # the fd keeps the memory
 
 
+@pytest.mark.slow  # (5-7 s on the CPU: child processes; test_buffer_security covers a killed target)
 def test_child_leaves_no_segments_on_close_or_on_normal_exit():
     for farewell in ("close", "exit_without_close"):
         child = Child()
