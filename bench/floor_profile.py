@@ -4,9 +4,10 @@
 
 The step is the engine's captured target forward (`StepGraphs`, fused layers) with --context cached tokens
 per sequence, in three variants side by side: the block table sized for the context (as bench/step_bench.py
-captures it), sized like the engine's (the model's whole context: more key splits for the attention), and
-that with the projections' few-rows kernel (kernels/skinny_linear.py) where cuBLAS ran before. (The twenty-
-seventh session also measured two variants of that kernel here, both dropped: see its docstring.) One replay is traced (torch.profiler, CUPTI): its kernels in launch order, the gaps between
+captured it until the twenty-seventh session), sized like the engine's (the model's whole context: more key
+splits for the attention), and that with the few-rows kernel (kernels/skinny_linear.py) for the projections
+and the LM head where cuBLAS ran before (two more variants of that kernel measured here were dropped: see
+its docstring). One replay is traced (torch.profiler, CUPTI): its kernels in launch order, the gaps between
 them (the device idle inside the graph), and, since every decoder layer launches the same kernels, each
 position of a layer averaged over the layers, with the bytes of weights it reads where it is a projection
 (matched by order: the layer's GEMMs are qkv, o, gate/up, down) and the bandwidth that makes. The floor is
@@ -134,7 +135,7 @@ def main() -> None:
     engine_len = cfg.max_position_embeddings + q
     variants = [("table for the context, cuBLAS", ctx + q, math.inf),
                 ("table like the engine's, cuBLAS", engine_len, math.inf),
-                ("table like the engine's, skinny projections", engine_len, skinny_linear.MIN_WEIGHT_BYTES)]
+                ("table like the engine's, skinny projections and head", engine_len, skinny_linear.MIN_WEIGHT_BYTES)]
     cache = model.new_cache(num_blocks=b * (-(-(ctx + q) // 16)) + 2, block_size=16)
     gen = torch.Generator().manual_seed(0)
     for s in range(b):

@@ -39,10 +39,12 @@ def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rounding it to 16 bits and converting after: the logits keep the accumulator's precision, and the
     conversion's launch goes. Measured on the H200 with SmolLM2's head (49,152 x 576, cold weights,
     `bench/lm_head_bench.py`): 24.4 µs against 38.9 at 128 rows (an eight-stream verify), 17.1 against 21.0
-    at 16, 16.1 against 19.2 at one. Every logits path of the target and the drafters goes through here,
-    so decoding, verifying and a teacher's logits in training see the same numerics (a drafter's own logits
-    under autograd keep F.linear, whose backward is torch's). A decode step's few rows against a head too
-    large for L2 (151,936 x 4,096 is 1.2 GB) stream it through `kernels.skinny_linear` instead."""
+    at 16, 16.1 against 19.2 at one. Every logits path of the target and the drafters goes through here
+    (a drafter's own logits under autograd keep F.linear, whose backward is torch's). At most 16 rows
+    against a head too large for L2 with K >= 2048 (Qwen3-8B's 151,936 x 4,096 is 1.2 GB; never SmolLM2's)
+    stream it through `kernels.skinny_linear` instead: its float32 sums run in another order than cuBLAS's,
+    as cuBLAS's own kernels for other row counts do, so a step of few rows and one of many may differ in the
+    logits' low bits (greedy tokens only at near-ties)."""
     if skinny_linear.takes_kernel(x, weight):
         return skinny_linear.linear_triton(x, weight, out_dtype=torch.float32)
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)

@@ -23,6 +23,12 @@ def _import_installed_kernels_package() -> None:
     installed one first, with the root off the path, makes later imports find it in sys.modules. Our code
     never imports the top-level name (only specsplit.kernels)."""
     root = Path(__file__).resolve().parent.parent
+
+    def ours(module) -> bool:
+        return Path(getattr(module, "__file__", None) or "/").resolve().parent == root / "kernels"
+
+    if "kernels" in sys.modules and ours(sys.modules["kernels"]):
+        del sys.modules["kernels"]  # (imported under the top-level name already: make room for the installed one)
     saved = list(sys.path)
     sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != root]
     try:
@@ -31,8 +37,7 @@ def _import_installed_kernels_package() -> None:
         pass  # none installed: nothing to shadow
     finally:
         sys.path[:] = saved
-    loaded = sys.modules.get("kernels")
-    if loaded is not None and Path(getattr(loaded, "__file__", None) or "/").resolve().parent == root / "kernels":
+    if "kernels" in sys.modules and ours(sys.modules["kernels"]):
         del sys.modules["kernels"]  # (our own folder after all: never leave it under the top-level name)
 
 

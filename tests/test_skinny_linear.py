@@ -72,9 +72,9 @@ def test_which_calls_take_the_kernel(monkeypatch):
     monkeypatch.setattr(skinny_linear, "HAVE_TRITON", True)
 
     class Cuda:  # what takes_kernel reads of a tensor, on a pretend device
-        def __init__(self, shape, dtype=torch.bfloat16, grad=False, itemsize=2):
-            self.shape, self.dtype, self.is_cuda, self.requires_grad = shape, dtype, True, grad
-            self._itemsize = itemsize
+        def __init__(self, shape, dtype=torch.bfloat16, grad=False, itemsize=2, contiguous=True, last_stride=1):
+            self.shape, self.dtype, self.is_cuda, self.requires_grad = torch.Size(shape), dtype, True, grad
+            self._itemsize, self._contiguous, self._last_stride = itemsize, contiguous, last_stride
 
         def numel(self):
             return math.prod(self.shape)
@@ -83,7 +83,10 @@ def test_which_calls_take_the_kernel(monkeypatch):
             return len(self.shape)
 
         def stride(self, dim):
-            return 1 if dim in (-1, len(self.shape) - 1) else self.shape[-1]
+            return self._last_stride if dim in (-1, len(self.shape) - 1) else self.shape[-1]
+
+        def is_contiguous(self):
+            return self._contiguous
 
         def element_size(self):
             return self._itemsize
@@ -100,7 +103,13 @@ def test_which_calls_take_the_kernel(monkeypatch):
         assert not takes_kernel(Cuda((1, 4096), torch.float32, itemsize=4), Cuda((6144, 4096), torch.float32,
                                                                                    itemsize=4)), "float32"
         assert not takes_kernel(Cuda((0, 4096)), big), "no rows"
+        assert takes_kernel(Cuda((1, 4096)), big, Cuda((6144,))), "a bias of the weight's rows"
+        assert not takes_kernel(Cuda((1, 4096)), big, Cuda((6145,))), "a bias of another length"
+        assert not takes_kernel(Cuda((1, 4096)), big, Cuda((6144,), torch.float32, itemsize=4)), "a float32 bias"
+        assert not takes_kernel(Cuda((1, 4096)), big, Cuda((6144,), contiguous=False)), "a strided bias"
+        assert not takes_kernel(Cuda((1, 4096), last_stride=2), big), "x's columns strided"
     assert not takes_kernel(Cuda((1, 4096), grad=True), big), "under autograd: F.linear's backward"
+    assert not takes_kernel(Cuda((1, 4096)), big, Cuda((6144,), grad=True)), "a bias that wants its gradient"
     monkeypatch.setattr(skinny_linear, "MIN_WEIGHT_BYTES", math.inf)
     with torch.no_grad():
         assert not takes_kernel(Cuda((1, 4096)), big), "benches turn it off this way"
@@ -114,7 +123,25 @@ def test_which_calls_take_the_kernel(monkeypatch):
 def test_triton_matches_torch_cuda(k, n, rows):
     x, w, b = operands(rows, k, n, n == 6144, 5, "cuda")
     assert_matches(x, w, b)
-    torch.testing.assert_close(linear_triton(x, w, b), F.linear(x, w, b), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(linear_triton(x, w, b), linear_reference(x, w, b), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_the_layouts_it_takes_cuda():
+    """Rows further apart than K (a slice of wider rows) and a 3-D x, through `linear`, equal the kernel on
+    a contiguous copy; x with strided columns goes to F.linear."""
+    wide, w, b = operands(4, 8192, 6144, True, 13, "cuda")
+    x = wide[:, :4096]
+    w = w[:, :4096].contiguous()
+    with torch.no_grad():
+        assert x.stride(0) == 8192 and takes_kernel(x, w, b)
+        assert torch.equal(linear(x, w, b), linear_triton(x.contiguous(), w, b))
+        cube = x.contiguous().view(2, 2, 4096)
+        assert torch.equal(linear(cube, w, b), linear_triton(x.contiguous(), w, b).view(2, 2, 6144))
+        strided = wide[:, ::2]
+        assert not takes_kernel(strided, w, b)
+        assert torch.equal(linear(strided, w, b), F.linear(strided, w, b))
 
 
 @pytest.mark.gpu
