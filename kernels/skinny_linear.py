@@ -46,11 +46,12 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether `linear` runs the kernel for x [..., K], this weight [N, K] and bias [N]. Never where autograd
     would need the product's graph (the kernel has no backward): F.linear's then."""
+    if not (HAVE_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype):
+        return False  # (first: every projection of an eager forward asks, on the CPU too)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                          or (bias is not None and bias.requires_grad))
-    return (HAVE_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and 1 <= rows <= MAX_ROWS and weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES
+    return (1 <= rows <= MAX_ROWS and weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES
             and weight.dim() == 2 and weight.shape[1] >= MIN_K and weight.stride(1) == 1 and x.stride(-1) == 1
             and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == x.dtype
                                   and bias.is_contiguous()))
