@@ -6,7 +6,8 @@ The step is the engine's captured target forward (`StepGraphs`, fused layers) wi
 per sequence, in three variants side by side: the block table sized for the context (as bench/step_bench.py
 captured it until the twenty-seventh session), sized like the engine's (the model's whole context: more key
 splits for the attention), and that with the few-rows kernel (kernels/skinny_linear.py) for the projections
-and the LM head where cuBLAS ran before (two more variants of that kernel measured here were dropped: see
+and the LM head where cuBLAS ran before, and that with the layers' norms, residual adds and SiLU·mul folded
+into the kernel's launches (shared/fused.py; two more variants of the kernel measured here were dropped: see
 its docstring). One replay is traced (torch.profiler, CUPTI): its kernels in launch order, the gaps between
 them (the device idle inside the graph), and, since every decoder layer launches the same kernels, each
 position of a layer averaged over the layers, with the bytes of weights it reads where it is a projection
@@ -32,6 +33,7 @@ from step_bench import QWEN3_8B, copy_bandwidth, random_model, step_bytes  # noq
 
 from specsplit.kernels import skinny_linear  # noqa: E402
 from specsplit.local import target_dir  # noqa: E402
+from specsplit.shared import fused  # noqa: E402
 from specsplit.target_service.graphs import StepBatch, StepGraphs  # noqa: E402
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target  # noqa: E402
 
@@ -133,9 +135,11 @@ def main() -> None:
     # The block table's capacity sets the attention's key splits (kernels.paged_attention.default_splits):
     # the engine captures its steps for the model's whole context; bench/step_bench.py for the context at hand
     engine_len = cfg.max_position_embeddings + q
-    variants = [("table for the context, cuBLAS", ctx + q, math.inf),
-                ("table like the engine's, cuBLAS", engine_len, math.inf),
-                ("table like the engine's, skinny projections and head", engine_len, skinny_linear.MIN_WEIGHT_BYTES)]
+    kernel = skinny_linear.MIN_WEIGHT_BYTES
+    variants = [("table for the context, cuBLAS", ctx + q, math.inf, False),
+                ("table like the engine's, cuBLAS", engine_len, math.inf, False),
+                ("table like the engine's, skinny projections and head", engine_len, kernel, False),
+                ("... norms, residual adds and SiLU·mul folded into them", engine_len, kernel, True)]
     cache = model.new_cache(num_blocks=b * (-(-(ctx + q) // 16)) + 2, block_size=16)
     gen = torch.Generator().manual_seed(0)
     for s in range(b):
@@ -149,8 +153,8 @@ def main() -> None:
     results = []
     default_min = skinny_linear.MIN_WEIGHT_BYTES
     try:
-        for name, max_len, min_bytes in variants:
-            skinny_linear.MIN_WEIGHT_BYTES = min_bytes
+        for name, max_len, min_bytes, fold in variants:
+            skinny_linear.MIN_WEIGHT_BYTES, fused.FOLD = min_bytes, fold
             graphs = StepGraphs(model, cache, CaptureSpec(), max_batch=b, query_lens=(q,), max_len=max_len)
             graphs.forward(step)
             graph = graphs.graphs[(b, q)]
@@ -169,7 +173,7 @@ def main() -> None:
             del graphs, graph
             torch.cuda.empty_cache()
     finally:
-        skinny_linear.MIN_WEIGHT_BYTES = default_min
+        skinny_linear.MIN_WEIGHT_BYTES, fused.FOLD = default_min, True
     base = results[0]["replay_us"]
     print("\nside by side (replay µs, over the floor, speedup over the first):")
     for r in results:

@@ -33,7 +33,7 @@ from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.errors import CheckpointError, InvalidRequest
-from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
+from specsplit.shared.fused import FusedWeights, fuse_projections, run_fused_layers
 from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer, head_logits
 from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal
 from specsplit.shared.ragged import ragged_arange
@@ -297,11 +297,7 @@ class DFlashModel(nn.Module):
             return paged_attention(q.view(*local.shape, *q.shape[1:]), ctx.k_pool[i], ctx.v_pool[i], ctx.tables,
                                    mask_pos, self.layers[i].self_attn.scale, window).flatten(0, 1)
 
-        h, residual = first_norm(dec, self.layers, x), x
-        for i, (layer, weights) in enumerate(zip(self.layers, fused)):
-            h, residual = fused_layer(dec, i, layer, weights, h, residual, attend,
-                                      next_norm_weight(self.layers, self.norm, i))
-        return h
+        return run_fused_layers(dec, self.layers, fused, x, attend, self.norm.weight)[0]
 
     def logits(self, hidden: torch.Tensor, head: TargetHead) -> torch.Tensor:
         """Draft-vocabulary logits (float32), scaled and soft-capped as the reference's compute_logits."""

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, tl, triton
+from .activation import silu_mul_reference
+from .norm import rms_norm_reference
 
 MAX_ROWS = 16  # tl.dot's least tile; more rows go to cuBLAS, where they stop being a weight stream alone
 MIN_WEIGHT_BYTES = 16 * 2 ** 20  # below, the weight can sit in L2 and a launch's latency is the cost
@@ -38,9 +40,19 @@ BLOCK_K = 256
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """F.linear, converted to out_dtype (default x's)."""
-    return F.linear(x, weight, bias).to(out_dtype or x.dtype)
+                     out_dtype: torch.dtype | None = None, *, norm: torch.Tensor | None = None, eps: float = 0.0,
+                     swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, converted to out_dtype (default x's), with what a decoder layer does around it: x RMS-normed
+    with weight `norm` first (kernels/norm.py's math), SiLU·mul of the product's halves after (weight [2F, K]:
+    gate rows, then up rows), and `residual` added last, each rounded to x's dtype as its own launch would."""
+    if norm is not None:
+        x = rms_norm_reference(x, norm, eps)
+    y = F.linear(x, weight, bias)
+    if swiglu:
+        y = silu_mul_reference(y.to(x.dtype))
+    if residual is not None:
+        y = y.to(x.dtype) + residual
+    return y.to(out_dtype or x.dtype)
 
 
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -66,41 +78,80 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
+                          stride_rm, stride_ym, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                          SWIGLU: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr):
-    """Program n: columns n*BLOCK_N.. of all M (<= BLOCK_M) rows, over the whole of K."""
+    """Program n: columns n*BLOCK_N.. of all M (<= BLOCK_M) rows, over the whole of K. With NORM, x is
+    RMS-normed on the way in: each tile is scaled by the norm's weight and its squares summed, and the row's
+    1/rms scales the sums at the end (it is the same for every column). With SWIGLU, the program also streams
+    the up rows N.. below its gate rows and stores silu(gate) * up. With ADD, the residual's columns are added
+    to the rounded result."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    squares = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
                     other=0.0)
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
-                    mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-        acc += tl.dot(x, tl.trans(w))
+        if NORM:
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            x = (xf * tl.load(norm_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]).to(dtype)
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        w_mask = (rn[:, None] < N) & (rk[None, :] < K)
+        acc += tl.dot(x, tl.trans(tl.load(w_rows, mask=w_mask, other=0.0)))
+        if SWIGLU:
+            acc_up += tl.dot(x, tl.trans(tl.load(w_rows + N * stride_wn, mask=w_mask, other=0.0)))
+    if NORM:
+        scale = tl.math.rsqrt(squares / K + eps)[:, None]
+        acc *= scale
+        acc_up *= scale
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if SWIGLU:
+            acc_up += tl.load(bias_ptr + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:  # as kernels/activation.py from the rounded projection
+        gate = acc.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = silu * acc_up.to(dtype).to(tl.float32)
+    if ADD:  # the rounded result plus the residual, rounded, as `linear(...) + residual`
+        acc = acc.to(dtype).to(tl.float32) + tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :],
+                                                     mask=(rm[:, None] < M) & (rn[None, :] < N),
+                                                     other=0.0).to(tl.float32)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, *, norm: torch.Tensor | None = None, eps: float = 0.0,
+                  swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows), weight [N, K] (rows contiguous), bias [N] -> [..., N] in out_dtype
-    (default x's; float32 keeps the accumulator, as the LM head wants)."""
+    (default x's; float32 keeps the accumulator, as the LM head wants). norm [K], swiglu (-> [..., N / 2]) and
+    residual [..., N / 2 or N] as `linear_reference`: folded into the one launch (the norm's rounding differs:
+    the reference rounds x / rms before the norm's weight, here x * weight is rounded and 1/rms applied to the
+    float32 sums)."""
     n, k = weight.shape
     assert x.shape[-1] == k, (x.shape, weight.shape)
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
     assert 1 <= rows <= MAX_ROWS and weight.stride(1) == 1 and flat.stride(1) == 1
     assert x.dtype == weight.dtype and (bias is None or (bias.shape == (n,) and bias.is_contiguous()))
-    y = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
-    block_n = 32 if n >= 16384 else 16  # (the best of the probe's tiles at Qwen3-8B's widths)
-    _skinny_linear_kernel[(triton.cdiv(n, block_n),)](
-        flat, weight, bias if bias is not None else flat, y, rows, n, k, flat.stride(0), weight.stride(0),
-        y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
+    assert norm is None or (norm.shape == (k,) and norm.dtype == x.dtype and norm.is_contiguous()), norm
+    assert not swiglu or n % 2 == 0, n
+    out_n = n // 2 if swiglu else n
+    if residual is not None:
+        residual = residual.reshape(-1, out_n)
+        assert residual.shape[0] == rows and residual.dtype == x.dtype and residual.stride(1) == 1, residual.shape
+    y = torch.empty(rows, out_n, dtype=out_dtype or x.dtype, device=x.device)
+    block_n = 32 if n >= 16384 and not swiglu else 16  # (the best of the probe's tiles at Qwen3-8B's widths)
+    _skinny_linear_kernel[(triton.cdiv(out_n, block_n),)](
+        flat, weight, bias if bias is not None else flat, norm if norm is not None else flat,
+        residual if residual is not None else flat, y, rows, out_n, k, flat.stride(0), weight.stride(0),
+        residual.stride(0) if residual is not None else 0, y.stride(0), eps, HAS_BIAS=bias is not None,
+        NORM=norm is not None, SWIGLU=swiglu, ADD=residual is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(k))), num_warps=2, num_stages=4)
-    return y.view(*x.shape[:-1], n)
-
+    return y.view(*x.shape[:-1], out_n)

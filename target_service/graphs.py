@@ -26,7 +26,7 @@ from specsplit.kernels.row_max import row_max
 from specsplit.kernels.workspace import arrival_counters
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture, inlining
 from specsplit.shared.errors import InvalidRequest, StateConflict
-from specsplit.shared.fused import FusedWeights, first_norm, fuse_projections, fused_layer, next_norm_weight
+from specsplit.shared.fused import FusedWeights, fuse_projections, run_fused_layers
 from specsplit.shared.layers import SelfAttention, head_logits
 from specsplit.shared.ragged import ragged_arange
 from specsplit.target_service.kv_cache import PagedKVCache
@@ -249,7 +249,7 @@ class StaticForward:
         return self.output
 
     def _run_fused(self) -> ForwardOutput:
-        """The fused layers (`shared.fused`: about ten launches a layer), attending causally over the
+        """The fused layers (`shared.fused`: ten launches a layer, or six), attending causally over the
         KV cache through the block tables."""
         cfg, stack = self.model.config, self.model.model
         positions = self.positions.view(-1)
@@ -262,17 +262,13 @@ class StaticForward:
                                    self.cache.v_pool[i], self.block_tables, self.positions,
                                    stack.layers[i].self_attn.scale, cfg.layer_window(i)).flatten(0, 1)
 
-        h = first_norm(cfg, stack.layers, residual)
-        captured = {}
-        for i, (layer, w) in enumerate(zip(stack.layers, self.fused)):
-            h, residual = fused_layer(cfg, i, layer, w, h, residual, attend, next_norm_weight(stack.layers, stack.norm, i))
-            if i in self.capture.layer_ids:
-                captured[i] = residual  # the layer's output
+        h, last, captured = run_fused_layers(cfg, stack.layers, self.fused, residual, attend, stack.norm.weight,
+                                             self.capture.layer_ids)
         layers = self.capture.layer_ids
         self.output = ForwardOutput(
             logits=head_logits(h, self.model.lm_head.weight),  # h is the final norm of the last layer's output
             layer_features=torch.cat([captured[i] for i in layers], -1) if layers else None,
-            last_hidden=residual if self.capture.last_hidden else None,
+            last_hidden=last if self.capture.last_hidden else None,
         )
         return self.output
 

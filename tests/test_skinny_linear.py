@@ -1,6 +1,7 @@
 """The few-rows projection kernel (kernels/skinny_linear.py) against F.linear: under Triton's CPU interpreter
 here (a child process, see tests/kernel_checks.py), on CUDA at Qwen3-8B's widths and inside a CUDA graph in
-the gpu tests; and which calls `linear` sends to it."""
+the gpu tests; and which calls `linear` sends to it. Also what it folds in (a norm on the way in, SiLU·mul
+and a residual on the way out) against its reference, alone and in whole fused layers (shared/fused.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.kernels import skinny_linear
+from specsplit.shared import fused
+from specsplit.shared.config import ModelConfig
+from specsplit.shared.layers import DecoderLayer
+from specsplit.kernels.norm import rms_norm_reference
 from specsplit.kernels.skinny_linear import MAX_ROWS, linear, linear_reference, linear_triton, takes_kernel
 from tests.kernel_checks import captured, run_interpreted
 
@@ -38,12 +43,100 @@ def assert_matches(x, w, b) -> None:
     assert rounded.dtype == x.dtype and torch.equal(rounded, got.to(x.dtype))
 
 
+def fold_operands(rows: int, k: int, n: int, bias: bool, seed: int, swiglu: bool, device: str = "cpu",
+                  dtype=torch.bfloat16):
+    """x, weight, bias as `operands` (x at an RMS of ~3, so a norm left out shows), the norm's weight (not
+    ones, so that it shows too) and a residual of the output's width."""
+    x, w, b = operands(rows, k, n, bias, seed, device, dtype)
+    gen = torch.Generator().manual_seed(seed + 100)
+    norm = (1 + 0.3 * torch.randn(k, generator=gen)).to(device=device, dtype=dtype)
+    residual = torch.randn(rows, n // 2 if swiglu else n, generator=gen).to(device=device, dtype=dtype)
+    return 3 * x, w, b, norm, residual
+
+
+def assert_folds_match(x, w, b, norm, residual, swiglu: bool, eps: float = 1e-6) -> None:
+    """The kernel with each fold against `linear_reference` with the same: within a few roundings of the
+    output dtype (the norm's rounding differs by design: see linear_triton)."""
+    for kwargs in ({"norm": norm}, {"swiglu": swiglu, "residual": residual},
+                   {"norm": norm, "swiglu": swiglu, "residual": residual}):
+        got = linear_triton(x, w, b, norm=kwargs.get("norm"), eps=eps, swiglu=kwargs.get("swiglu", False),
+                            residual=kwargs.get("residual"))
+        want = linear_reference(x.float(), w.float(), None if b is None else b.float(), norm=(
+            None if kwargs.get("norm") is None else kwargs["norm"].float()), eps=eps,
+            swiglu=kwargs.get("swiglu", False), residual=None if kwargs.get("residual") is None
+            else kwargs["residual"].float())
+        assert got.shape == want.shape and got.dtype == x.dtype, (got.shape, want.shape, kwargs.keys())
+        err = (got.float() - want).abs().max().item()
+        assert err <= 0.02 * max(1.0, want.abs().max().item()), (err, sorted(kwargs))
+
+
+def fold_config(model_type: str = "qwen3") -> ModelConfig:
+    return ModelConfig(model_type=model_type, vocab_size=64, hidden_size=64, intermediate_size=96,
+                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       qk_norm=model_type == "qwen3", attention_bias=model_type == "qwen3")
+
+
+def random_layers(cfg: ModelConfig, device: str, dtype) -> list[DecoderLayer]:
+    torch.manual_seed(11)
+    layers = [DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
+    for layer in layers:
+        for name, param in layer.named_parameters():
+            if "norm" in name:  # not ones: a norm's weight left out must show
+                param.data = 1 + 0.3 * torch.randn_like(param)
+    return [layer.to(device=device, dtype=dtype) for layer in layers]
+
+
+def fused_outputs(cfg: ModelConfig, layers, x: torch.Tensor, final_norm: torch.Tensor):
+    """run_fused_layers over x with a stand-in attention (each query plus its group's value)."""
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+
+    def attend(i, q, k, v):
+        return q * 0.5 + v.repeat_interleave(group, dim=1) + 0.1 * i
+
+    weights = fused.fuse_projections(torch.nn.Module(), layers)
+    with torch.no_grad():
+        return fused.run_fused_layers(cfg, layers, weights, x, attend, final_norm, keep=(0, 1))
+
+
+def assert_fused_layers_fold(device: str, dtype, cfg: ModelConfig, layers, rows: int) -> None:
+    """The layers with every projection folding (forced by `take`) equal them unfolded, up to rounding."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(rows, cfg.hidden_size, generator=gen).to(device=device, dtype=dtype)
+    final_norm = (1 + 0.3 * torch.randn(cfg.hidden_size, generator=gen)).to(device=device, dtype=dtype)
+    fused.FOLD = False
+    try:
+        want = fused_outputs(cfg, layers, x, final_norm)
+    finally:
+        fused.FOLD = True
+    with torch.no_grad():
+        assert all(fused.folds_into_projections(x, layer, w) for layer, w in
+                   zip(layers, fused.fuse_projections(torch.nn.Module(), layers)))
+    got = fused_outputs(cfg, layers, x, final_norm)
+    for g, w in ((got[0], want[0]), (got[1], want[1]), *((got[2][i], want[2][i]) for i in (0, 1))):
+        scale = w.float().abs().max().item()
+        assert (g.float() - w.float()).abs().max().item() <= 0.03 * scale, (g.float() - w.float()).abs().max()
+    assert sorted(got[2]) == [0, 1]
+
+
+def check_fused_layers_interpreted() -> None:
+    """Whole fused layers, every projection folding (takes_kernel forced: the interpreter runs on the CPU),
+    against the same layers unfolded (F.linear and the norms' references), Llama's and Qwen3's."""
+    fused.takes_kernel = lambda x, weight, bias=None: True
+    for model_type in ("llama", "qwen3"):
+        cfg = fold_config(model_type)
+        assert_fused_layers_fold("cpu", torch.float16, cfg, random_layers(cfg, "cpu", torch.float16), rows=3)
+
+
 def check_triton_interpreted() -> None:
     """Run with TRITON_INTERPRET=1 set before triton is imported (test_triton_interpreted does). Float16:
     the interpreter computes with numpy, which has no bfloat16 (its bf16 loads read garbage)."""
     for rows, k, n, bias, seed in ((1, 300, 40, False, 0), (MAX_ROWS, 520, 33, True, 1), (5, 64, 16, False, 2),
                                    (1, 520, 33, True, 3)):
         assert_matches(*operands(rows, k, n, bias, seed, dtype=torch.float16))
+    for rows, k, n, bias, seed, swiglu in ((1, 300, 40, False, 0, True), (MAX_ROWS, 520, 33, True, 1, False),
+                                           (5, 64, 32, True, 2, True)):
+        assert_folds_match(*fold_operands(rows, k, n, bias, seed, swiglu, dtype=torch.float16), swiglu)
+    check_fused_layers_interpreted()
     print("interpreted skinny linear ok")
 
 
@@ -62,6 +155,56 @@ def test_a_broken_kernel_fails_the_check(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "linear_triton", short_k)
     with pytest.raises(AssertionError):
         assert_matches(x, w, b)
+
+
+def test_a_fold_left_out_fails_the_check(monkeypatch):
+    """The fold check catches a kernel that forgets the norm's 1/rms, or its weight, or the residual."""
+    x, w, b, norm, residual = fold_operands(3, 300, 40, True, 4, True, dtype=torch.float32)
+
+    def forgets(what):
+        def kernel(x_, w_, b_=None, out_dtype=None, *, norm=None, eps=0.0, swiglu=False, residual=None):
+            if what == "rms" and norm is not None:
+                return linear_reference(x_ * norm, w_, b_, swiglu=swiglu, residual=residual)
+            if what == "weight" and norm is not None:
+                norm = torch.ones_like(norm)
+            return linear_reference(x_, w_, b_, norm=norm, eps=eps, swiglu=swiglu,
+                                    residual=None if what == "residual" else residual)
+        return kernel
+
+    for what in ("rms", "weight", "residual"):
+        monkeypatch.setattr(sys.modules[__name__], "linear_triton", forgets(what))
+        with pytest.raises(AssertionError):
+            assert_folds_match(x, w, b, norm, residual, True)
+    monkeypatch.setattr(sys.modules[__name__], "linear_triton", forgets("nothing"))
+    assert_folds_match(x, w, b, norm, residual, True)
+
+
+def test_layers_fold_only_where_every_projection_takes_the_kernel(monkeypatch):
+    """On the CPU nothing folds and run_fused_layers is the plain layer stack; forced, a layer folds, and a
+    layer that does not is refused a norm left to it."""
+    cfg = fold_config("llama")
+    layers = random_layers(cfg, "cpu", torch.float32)
+    x = torch.randn(2, cfg.hidden_size)
+    weights = fused.fuse_projections(torch.nn.Module(), layers)
+    assert not fused.folds_into_projections(x, layers[0], weights[0])
+    h, last, kept = fused_outputs(cfg, layers, x, torch.ones(cfg.hidden_size))
+    with torch.no_grad():
+        y = x
+        for i, layer in enumerate(layers):
+            y = layer(y, lambda attn, hn: attn.o_proj(
+                0.5 * attn.q_proj(hn) + attn.v_proj(hn).view(2, 2, 16).repeat_interleave(2, dim=1).flatten(1)
+                + 0.1 * i))
+            if i in (0, 1):
+                torch.testing.assert_close(kept[i], y)
+    torch.testing.assert_close(last, y)
+    torch.testing.assert_close(h, rms_norm_reference(y, torch.ones(cfg.hidden_size), cfg.rms_norm_eps))
+    with torch.no_grad(), pytest.raises(AssertionError, match="only a folding layer"):
+        fused.fused_layer(cfg, 0, layers[0], weights[0], None, x, lambda *a: a[1], None)
+    monkeypatch.setattr(fused, "takes_kernel", lambda x, weight, bias=None: weight.shape[0] != 2 * 96)
+    assert not fused.folds_into_projections(x, layers[0], weights[0]), "gate/up to cuBLAS: no fold"
+    monkeypatch.setattr(fused, "FOLD", False)
+    monkeypatch.setattr(fused, "takes_kernel", lambda x, weight, bias=None: True)
+    assert not fused.folds_into_projections(x, layers[0], weights[0]), "benches turn the folds off"
 
 
 def test_which_calls_take_the_kernel(monkeypatch):
@@ -142,6 +285,29 @@ def test_the_layouts_it_takes_cuda():
         strided = wide[:, ::2]
         assert not takes_kernel(strided, w, b)
         assert torch.equal(linear(strided, w, b), F.linear(strided, w, b))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k,n,swiglu", [(4096, 6144, False), (4096, 24576, True), (12288, 4096, False),
+                                        (4096, 4096, False)])
+@pytest.mark.parametrize("rows", [1, 8, MAX_ROWS])
+def test_folds_match_torch_cuda(k, n, swiglu, rows):
+    assert_folds_match(*fold_operands(rows, k, n, n == 6144, 9, swiglu, "cuda"), swiglu)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_fused_layers_fold_cuda(model_type):
+    """Two layers of Qwen3-8B's widths (every projection takes the kernel, none forced) folded against
+    unfolded, at one and sixteen rows."""
+    cfg = ModelConfig(model_type=model_type, vocab_size=64, hidden_size=4096, intermediate_size=12288,
+                      num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      qk_norm=model_type == "qwen3")
+    layers = random_layers(cfg, "cuda", torch.bfloat16)
+    for rows in (1, MAX_ROWS):
+        assert_fused_layers_fold("cuda", torch.bfloat16, cfg, layers, rows)
 
 
 @pytest.mark.gpu

@@ -26,6 +26,8 @@
 #   bash tools/gpu_round.sh skinny    # the few-rows projection kernel: GPU tests, the 8B step with it, the heads
 #   bash tools/gpu_round.sh skinny-step  # ... its GPU tests with the graphs', the 8B step's variants, step_bench 8B
 #   bash tools/gpu_round.sh floor-batch  # the 8B step's variants at 8 streams and in verifies (1 and 4 x 16 rows)
+#   bash tools/gpu_round.sh fold      # norms, residual adds and SiLU·mul folded into the skinny kernel: GPU tests, 8B step
+#   bash tools/gpu_round.sh fold-more # ... step_bench 8B with them, and the projections' tiles chosen cold
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
@@ -300,6 +302,30 @@ skinny-step)
     | grep -E -v "^ +[0-9.]+ µs  (void|Memset)" | log
   timeout 200 python bench/step_bench.py --target qwen3-8b --batch 1 8 --query 1 16 --repeats 50 --out "$OUT" 2>&1 \
     | grep -v INFO | log
+  ;;
+fold)
+  # (twenty-eighth session) the 8B step was 4.51 ms a replay, 1.16x its floor, with ten launches a layer; four
+  # of them (two add+RMSNorms, SiLU·mul, and their gaps) cost ~7.5 µs a layer. Folded into the skinny kernel's
+  # loads and stores: GPU tests (the kernel's with the folds, whole layers folded against unfolded, the
+  # graphs'), then the 8B step's four variants at one stream, at eight, and in a 16-row verify, then the
+  # goal's table
+  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py tests/test_head_logits.py \
+    tests/test_step_graphs.py tests/test_fused_kernels.py 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -20 | log
+  timeout 150 python bench/floor_profile.py --target qwen3-8b --out "$OUT" 2>&1 | grep -v INFO \
+    | grep -E -v "^ +[0-9.]+ µs  (void|Memset)" | log
+  for bq in "8 1" "1 16"; do
+    set -- $bq
+    timeout 100 python bench/floor_profile.py --target qwen3-8b --batch $1 --query $2 --out "$OUT" 2>&1 | grep -v INFO \
+      | grep -E "replay|x  |a layer" | log
+  done
+  ;;
+fold-more)
+  # ... the goal's table with the folds, then which tiles stream qkv, o and down fastest from HBM (the
+  # tiles were chosen warm, where qkv and o sit in L2; cold they ran at 3.1-3.5 TB/s against 4.25)
+  timeout 150 python bench/step_bench.py --target qwen3-8b --batch 1 8 --query 1 16 --repeats 50 --out "$OUT" 2>&1 \
+    | grep -v INFO | log
+  timeout 300 python bench/gemm_probe.py --geometry qwen3-8b --shapes qkv o down --rows 1 --tune-cold --calls 20 \
+    --replays 10 --cold-copies 40 --out "$OUT/gemm_probe_8b_tune.json" 2>&1 | grep -v INFO | grep -v skip | log
   ;;
 floor-batch)
   # (after the twenty-seventh session, not run yet) the 8B step kernel by kernel beyond one stream's decode:
