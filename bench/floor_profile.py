@@ -3,12 +3,12 @@
     python bench/floor_profile.py --target qwen3-8b --batch 1 --query 1 [--context 512] [--out DIR]
 
 The step is the engine's captured target forward (`StepGraphs`, fused layers) with --context cached tokens
-per sequence, in three variants side by side: the block table sized for the context (as bench/step_bench.py
+per sequence, in five variants side by side: the block table sized for the context (as bench/step_bench.py
 captured it until the twenty-seventh session), sized like the engine's (the model's whole context: more key
 splits for the attention), and that with the few-rows kernel (kernels/skinny_linear.py) for the projections
-and the LM head where cuBLAS ran before, and that with the layers' norms, residual adds and SiLU·mul folded
-into the kernel's launches (shared/fused.py; two more variants of the kernel measured here were dropped: see
-its docstring). One replay is traced (torch.profiler, CUPTI): its kernels in launch order, the gaps between
+and the LM head where cuBLAS ran before, that with the layers' residual adds and SiLU·mul folded into the
+kernel's launches, and that with the norms handed between them too (shared/fused.py; more variants of the
+kernel measured here were dropped: see its docstring). One replay is traced (torch.profiler, CUPTI): its kernels in launch order, the gaps between
 them (the device idle inside the graph), and, since every decoder layer launches the same kernels, each
 position of a layer averaged over the layers, with the bytes of weights it reads where it is a projection
 (matched by order: the layer's GEMMs are qkv, o, gate/up, down) and the bandwidth that makes. The floor is
@@ -136,10 +136,11 @@ def main() -> None:
     # the engine captures its steps for the model's whole context; bench/step_bench.py for the context at hand
     engine_len = cfg.max_position_embeddings + q
     kernel = skinny_linear.MIN_WEIGHT_BYTES
-    variants = [("table for the context, cuBLAS", ctx + q, math.inf, False),
-                ("table like the engine's, cuBLAS", engine_len, math.inf, False),
-                ("table like the engine's, skinny projections and head", engine_len, kernel, False),
-                ("... norms, residual adds and SiLU·mul folded into them", engine_len, kernel, True)]
+    variants = [("table for the context, cuBLAS", ctx + q, math.inf, False, False),
+                ("table like the engine's, cuBLAS", engine_len, math.inf, False, False),
+                ("table like the engine's, skinny projections and head", engine_len, kernel, False, False),
+                ("... residual adds and SiLU·mul folded into them, norms apart", engine_len, kernel, True, False),
+                ("... and the norms handed between them", engine_len, kernel, True, True)]
     cache = model.new_cache(num_blocks=b * (-(-(ctx + q) // 16)) + 2, block_size=16)
     gen = torch.Generator().manual_seed(0)
     for s in range(b):
@@ -153,8 +154,8 @@ def main() -> None:
     results = []
     default_min = skinny_linear.MIN_WEIGHT_BYTES
     try:
-        for name, max_len, min_bytes, fold in variants:
-            skinny_linear.MIN_WEIGHT_BYTES, fused.FOLD = min_bytes, fold
+        for name, max_len, min_bytes, fold, fold_norms in variants:
+            skinny_linear.MIN_WEIGHT_BYTES, fused.FOLD, fused.FOLD_NORMS = min_bytes, fold, fold_norms
             graphs = StepGraphs(model, cache, CaptureSpec(), max_batch=b, query_lens=(q,), max_len=max_len)
             graphs.forward(step)
             graph = graphs.graphs[(b, q)]
@@ -173,7 +174,7 @@ def main() -> None:
             del graphs, graph
             torch.cuda.empty_cache()
     finally:
-        skinny_linear.MIN_WEIGHT_BYTES, fused.FOLD = default_min, True
+        skinny_linear.MIN_WEIGHT_BYTES, fused.FOLD, fused.FOLD_NORMS = default_min, True, True
     base = results[0]["replay_us"]
     print("\nside by side (replay µs, over the floor, speedup over the first):")
     for r in results:

@@ -5,9 +5,10 @@ own weights becoming views of the result, so nothing is stored twice and the eag
 same memory), the residual add fused into each RMSNorm, RoPE fused with the write of k/v into a paged
 pool, SiLU·mul in one kernel. Each projection goes through `kernels.skinny_linear.linear`: cuBLAS, but
 for a few rows against a weight too large for L2 (a wide model's decode step) a kernel that streams it.
-Where every projection of a layer takes that kernel, it also does the norms, the residual adds and SiLU·mul
-(`folds_into_projections`): the sum of squares and the norm's weight ride on the tiles it loads anyway,
-and SiLU·mul and the residual on the tile it stores, so no program recomputes anything. (Fusing them into
+Where every projection of a layer takes that kernel, it also does the residual adds and SiLU·mul on the
+tile it stores, and the norms between projections: the projection that writes a norm's input also writes
+it times the norm's weight and its programs' sums of squares (`kernels.skinny_linear.PendingNorm`), and the
+one that reads it scales its sums by 1/rms at the end (`folds_into_projections`). (Fusing them into
 cuBLAS's neighbours instead was measured slower on the H200: every program of a GEMM recomputed the
 activation or the norm for its rows; see the README's fifteenth session and kernels/skinny_linear.py.)
 Where keys come from and how queries attend is the caller's: the target attends causally over its KV
@@ -23,7 +24,8 @@ import torch
 
 from specsplit.kernels.activation import silu_mul
 from specsplit.kernels.norm import add_rms_norm, rms_norm
-from specsplit.kernels.skinny_linear import linear, linear_triton, takes_kernel
+from specsplit.kernels.skinny_linear import (PendingNorm, linear, linear_triton, linear_triton_norm_out,
+                                             takes_kernel)
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.layers import DecoderLayer
 
@@ -69,32 +71,33 @@ def _concat_into_views(params: list[torch.nn.Parameter]) -> torch.Tensor:
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-FOLD = True  # benches set it False to compare a step with the folds and without
+FOLD = True  # benches set it False to compare a step with the folds and without ...
+FOLD_NORMS = True  # ... or only this, to keep the norms' own launches
 
 
 def folds_into_projections(x: torch.Tensor, layer: DecoderLayer, weights: FusedWeights) -> bool:
     """Whether, for x's rows, every projection of this layer takes the few-rows kernel, which then also does
-    the layer's norms (on the way in), its residual adds and SiLU·mul (on the way out): six launches a layer
-    instead of ten. Each of the four small kernels cost 1.3-2.2 µs and ~0.45 µs of gap after it at Qwen3-8B's
-    widths, where the kernel's extra work is a multiply and a sum per loaded tile."""
+    the layer's residual adds and SiLU·mul (on the way out) and hands each norm to the next projection (a
+    PendingNorm): six launches a layer instead of ten. The four small kernels cost 1.3-2.2 µs each at
+    Qwen3-8B's widths, and ~0.45 µs of gap after each."""
     attn, mlp = layer.self_attn, layer.mlp
     return FOLD and all(takes_kernel(x, weight, bias) for weight, bias in (
         (weights.qkv, weights.qkv_bias), (attn.o_proj.weight, attn.o_proj.bias), (weights.gate_up, None),
         (mlp.down_proj.weight, mlp.down_proj.bias)))
 
 
-def fused_layer(cfg: ModelConfig, index: int, layer: DecoderLayer, weights: FusedWeights, h: torch.Tensor | None,
-                residual: torch.Tensor, attend: Attend,
-                next_norm: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """One pre-norm decoder layer. residual: its input; h: that normed with the layer's input norm, or None
-    where the layer folds (`folds_into_projections`) and its qkv projection norms on the way in. Returns the
-    next layer's normed input (normed with `next_norm`: the next layer's input norm, or the final norm; None
-    where next_norm is None, left to the next layer, which must fold) and this layer's output."""
+def fused_layer(cfg: ModelConfig, index: int, layer: DecoderLayer, weights: FusedWeights,
+                h: torch.Tensor | PendingNorm, residual: torch.Tensor, attend: Attend, next_norm: torch.Tensor,
+                fold_next: bool = False) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+    """One pre-norm decoder layer. residual: its input; h: that normed with the layer's input norm, or
+    where the layer folds (`folds_into_projections`) the norm pending. Returns the next layer's normed input
+    (normed with `next_norm`: the next layer's input norm, or the final norm; left pending where this layer
+    folds and so does the next, `fold_next`) and this layer's output."""
     attn, mlp, eps = layer.self_attn, layer.mlp, cfg.rms_norm_eps
     fold = folds_into_projections(residual, layer, weights)
-    assert fold or (h is not None and next_norm is not None), "only a folding layer leaves a norm to another"
-    if h is None:
-        qkv = linear_triton(residual, weights.qkv, weights.qkv_bias, norm=layer.input_layernorm.weight, eps=eps)
+    if isinstance(h, PendingNorm):
+        assert fold, "a norm is left pending only to a layer that folds"
+        qkv = linear_triton(h.weighted, weights.qkv, weights.qkv_bias, norm_in=h.squares, eps=eps)
     else:
         qkv = linear(h, weights.qkv, weights.qkv_bias)
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -103,34 +106,39 @@ def fused_layer(cfg: ModelConfig, index: int, layer: DecoderLayer, weights: Fuse
         q, k = rms_norm(q, attn.q_norm.weight, eps), rms_norm(k, attn.k_norm.weight, eps)
     out = attend(index, q, k, v)
     out = out.reshape(out.shape[0], -1)
-    down, down_bias = mlp.down_proj.weight, mlp.down_proj.bias
-    if fold:
-        residual = linear_triton(out, attn.o_proj.weight, attn.o_proj.bias, residual=residual)
-        act = linear_triton(residual, weights.gate_up, norm=layer.post_attention_layernorm.weight, eps=eps,
-                            swiglu=True)
-        if next_norm is None:
-            return None, linear_triton(act, down, down_bias, residual=residual)
+    post_norm, down, down_bias = layer.post_attention_layernorm.weight, mlp.down_proj.weight, mlp.down_proj.bias
+    if not fold:
+        h, residual = add_rms_norm(linear(out, attn.o_proj.weight, attn.o_proj.bias), residual, post_norm, eps)
+        return add_rms_norm(linear(silu_mul(linear(h, weights.gate_up)), down, down_bias), residual, next_norm, eps)
+    if FOLD_NORMS:
+        residual, pending = linear_triton_norm_out(out, attn.o_proj.weight, attn.o_proj.bias, residual=residual,
+                                                   norm=post_norm)
+        act = linear_triton(pending.weighted, weights.gate_up, swiglu=True, norm_in=pending.squares, eps=eps)
     else:
-        h, residual = add_rms_norm(linear(out, attn.o_proj.weight, attn.o_proj.bias), residual,
-                                   layer.post_attention_layernorm.weight, eps)
-        act = silu_mul(linear(h, weights.gate_up))
-    return add_rms_norm(linear(act, down, down_bias), residual, next_norm, eps)
+        residual = linear_triton(out, attn.o_proj.weight, attn.o_proj.bias, residual=residual)
+        act = linear_triton(rms_norm(residual, post_norm, eps), weights.gate_up, swiglu=True)
+    if fold_next and FOLD_NORMS:
+        residual, pending = linear_triton_norm_out(act, down, down_bias, residual=residual, norm=next_norm)
+        return pending, residual
+    residual = linear_triton(act, down, down_bias, residual=residual)
+    return rms_norm(residual, next_norm, eps), residual
 
 
 def run_fused_layers(cfg: ModelConfig, layers: Sequence[DecoderLayer], fused: Sequence[FusedWeights],
                      x: torch.Tensor, attend: Attend, final_norm: torch.Tensor,
                      keep: Collection[int] = ()) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """The layers over x [T, hidden] (the embeddings): (the last layer's output normed with `final_norm`,
-    that output, {i: layer i's output for i in keep}). Between two layers that fold, the first's down
-    projection adds the residual and the second's qkv projection norms it; otherwise one kernel does both."""
+    that output, {i: layer i's output for i in keep}). Between two layers that fold, the norm is left
+    pending from the first's down projection to the second's qkv projection."""
     folds = [folds_into_projections(x, layer, weights) for layer, weights in zip(layers, fused)]
-    h = None if folds[0] else rms_norm(x, layers[0].input_layernorm.weight, cfg.rms_norm_eps)
+    h = rms_norm(x, layers[0].input_layernorm.weight, cfg.rms_norm_eps)
     residual, kept = x, {}
     for i, (layer, weights) in enumerate(zip(layers, fused)):
-        leave_next = i + 1 < len(layers) and folds[i] and folds[i + 1]
-        next_norm = None if leave_next else (layers[i + 1].input_layernorm.weight if i + 1 < len(layers)
-                                             else final_norm)
-        h, residual = fused_layer(cfg, i, layer, weights, h, residual, attend, next_norm)
+        last = i + 1 == len(layers)
+        h, residual = fused_layer(cfg, i, layer, weights, h, residual, attend,
+                                  final_norm if last else layers[i + 1].input_layernorm.weight,
+                                  fold_next=not last and folds[i + 1])
         if i in keep:
             kept[i] = residual
+    assert isinstance(h, torch.Tensor)
     return h, residual, kept

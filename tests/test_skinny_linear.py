@@ -17,7 +17,8 @@ from specsplit.shared import fused
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.layers import DecoderLayer
 from specsplit.kernels.norm import rms_norm_reference
-from specsplit.kernels.skinny_linear import MAX_ROWS, linear, linear_reference, linear_triton, takes_kernel
+from specsplit.kernels.skinny_linear import (MAX_ROWS, linear, linear_reference, linear_triton,
+                                             linear_triton_norm_out, takes_kernel)
 from tests.kernel_checks import captured, run_interpreted
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -43,31 +44,42 @@ def assert_matches(x, w, b) -> None:
     assert rounded.dtype == x.dtype and torch.equal(rounded, got.to(x.dtype))
 
 
-def fold_operands(rows: int, k: int, n: int, bias: bool, seed: int, swiglu: bool, device: str = "cpu",
-                  dtype=torch.bfloat16):
-    """x, weight, bias as `operands` (x at an RMS of ~3, so a norm left out shows), the norm's weight (not
-    ones, so that it shows too) and a residual of the output's width."""
+def fold_operands(rows: int, k: int, n: int, bias: bool, seed: int, device: str = "cpu", dtype=torch.bfloat16):
+    """x (at an RMS of ~3, so that a norm left out shows), weight [n, k] and bias as `operands`; residuals of
+    n and n / 2 columns; a norm's weight over n (not ones, so that it shows too); and a next weight [48, n]."""
     x, w, b = operands(rows, k, n, bias, seed, device, dtype)
     gen = torch.Generator().manual_seed(seed + 100)
-    norm = (1 + 0.3 * torch.randn(k, generator=gen)).to(device=device, dtype=dtype)
-    residual = torch.randn(rows, n // 2 if swiglu else n, generator=gen).to(device=device, dtype=dtype)
-    return 3 * x, w, b, norm, residual
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(device=device, dtype=dtype)
+
+    return (3 * x, w, b, rand(rows, n), rand(rows, n // 2), (1 + 0.3 * torch.randn(n, generator=gen)).to(
+        device=device, dtype=dtype), rand(48, n, scale=n ** -0.5))
 
 
-def assert_folds_match(x, w, b, norm, residual, swiglu: bool, eps: float = 1e-6) -> None:
-    """The kernel with each fold against `linear_reference` with the same: within a few roundings of the
-    output dtype (the norm's rounding differs by design: see linear_triton)."""
-    for kwargs in ({"norm": norm}, {"swiglu": swiglu, "residual": residual},
-                   {"norm": norm, "swiglu": swiglu, "residual": residual}):
-        got = linear_triton(x, w, b, norm=kwargs.get("norm"), eps=eps, swiglu=kwargs.get("swiglu", False),
-                            residual=kwargs.get("residual"))
-        want = linear_reference(x.float(), w.float(), None if b is None else b.float(), norm=(
-            None if kwargs.get("norm") is None else kwargs["norm"].float()), eps=eps,
-            swiglu=kwargs.get("swiglu", False), residual=None if kwargs.get("residual") is None
-            else kwargs["residual"].float())
-        assert got.shape == want.shape and got.dtype == x.dtype, (got.shape, want.shape, kwargs.keys())
-        err = (got.float() - want).abs().max().item()
-        assert err <= 0.02 * max(1.0, want.abs().max().item()), (err, sorted(kwargs))
+def assert_close_enough(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Within a few roundings of the output dtype (a folded norm rounds elsewhere, by design)."""
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= 0.02 * max(1.0, want.abs().max().item()), (what, err)
+
+
+def assert_folds_match(x, w, b, residual, half_residual, norm, w2, eps: float = 1e-6) -> None:
+    """What the kernel folds in against `linear_reference` (in float32): SiLU·mul and a residual on the way
+    out, and a norm handed from one projection (its output y) to the next (linear_triton_norm_out)."""
+    def ref(x_, w_, b_=None, **kwargs):
+        kwargs = {key: value.float() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+        return linear_reference(x_.float(), w_.float(), None if b_ is None else b_.float(), **kwargs)
+
+    for swiglu, res in ((False, residual), (True, half_residual)):
+        got = linear_triton(x, w, b, swiglu=swiglu, residual=res)
+        assert got.dtype == x.dtype
+        assert_close_enough(got, ref(x, w, b, swiglu=swiglu, residual=res), f"swiglu {swiglu} and residual")
+    y, pending = linear_triton_norm_out(x, w, b, residual=residual, norm=norm)
+    assert torch.equal(y, linear_triton(x, w, b, residual=residual)), "the output is the plain kernel's"
+    for swiglu in (False, True):
+        got = linear_triton(pending.weighted, w2, swiglu=swiglu, norm_in=pending.squares, eps=eps)
+        assert_close_enough(got, ref(y, w2, norm=norm, eps=eps, swiglu=swiglu), f"norm handed on, swiglu {swiglu}")
 
 
 def fold_config(model_type: str = "qwen3") -> ModelConfig:
@@ -99,7 +111,8 @@ def fused_outputs(cfg: ModelConfig, layers, x: torch.Tensor, final_norm: torch.T
 
 
 def assert_fused_layers_fold(device: str, dtype, cfg: ModelConfig, layers, rows: int) -> None:
-    """The layers with every projection folding (forced by `take`) equal them unfolded, up to rounding."""
+    """The layers with every projection folding equal them unfolded, up to rounding: with the norms handed
+    on between projections, and with the norms' own launches."""
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(rows, cfg.hidden_size, generator=gen).to(device=device, dtype=dtype)
     final_norm = (1 + 0.3 * torch.randn(cfg.hidden_size, generator=gen)).to(device=device, dtype=dtype)
@@ -111,11 +124,16 @@ def assert_fused_layers_fold(device: str, dtype, cfg: ModelConfig, layers, rows:
     with torch.no_grad():
         assert all(fused.folds_into_projections(x, layer, w) for layer, w in
                    zip(layers, fused.fuse_projections(torch.nn.Module(), layers)))
-    got = fused_outputs(cfg, layers, x, final_norm)
-    for g, w in ((got[0], want[0]), (got[1], want[1]), *((got[2][i], want[2][i]) for i in (0, 1))):
-        scale = w.float().abs().max().item()
-        assert (g.float() - w.float()).abs().max().item() <= 0.03 * scale, (g.float() - w.float()).abs().max()
-    assert sorted(got[2]) == [0, 1]
+    for fold_norms in (True, False):
+        fused.FOLD_NORMS = fold_norms
+        try:
+            got = fused_outputs(cfg, layers, x, final_norm)
+        finally:
+            fused.FOLD_NORMS = True
+        for g, w in ((got[0], want[0]), (got[1], want[1]), *((got[2][i], want[2][i]) for i in (0, 1))):
+            scale = w.float().abs().max().item()
+            assert (g.float() - w.float()).abs().max().item() <= 0.03 * scale, (fold_norms, (g - w).abs().max())
+        assert sorted(got[2]) == [0, 1]
 
 
 def check_fused_layers_interpreted() -> None:
@@ -133,9 +151,8 @@ def check_triton_interpreted() -> None:
     for rows, k, n, bias, seed in ((1, 300, 40, False, 0), (MAX_ROWS, 520, 33, True, 1), (5, 64, 16, False, 2),
                                    (1, 520, 33, True, 3)):
         assert_matches(*operands(rows, k, n, bias, seed, dtype=torch.float16))
-    for rows, k, n, bias, seed, swiglu in ((1, 300, 40, False, 0, True), (MAX_ROWS, 520, 33, True, 1, False),
-                                           (5, 64, 32, True, 2, True)):
-        assert_folds_match(*fold_operands(rows, k, n, bias, seed, swiglu, dtype=torch.float16), swiglu)
+    for rows, k, n, bias, seed in ((1, 300, 40, False, 0), (MAX_ROWS, 520, 34, True, 1), (5, 64, 32, True, 2)):
+        assert_folds_match(*fold_operands(rows, k, n, bias, seed, dtype=torch.float16))
     check_fused_layers_interpreted()
     print("interpreted skinny linear ok")
 
@@ -158,25 +175,32 @@ def test_a_broken_kernel_fails_the_check(monkeypatch):
 
 
 def test_a_fold_left_out_fails_the_check(monkeypatch):
-    """The fold check catches a kernel that forgets the norm's 1/rms, or its weight, or the residual."""
-    x, w, b, norm, residual = fold_operands(3, 300, 40, True, 4, True, dtype=torch.float32)
+    """The fold check catches a kernel that forgets the residual, the norm's weight or its 1/rms (here
+    stand-ins built from the reference, which pass when they forget nothing)."""
+    operands_ = fold_operands(3, 300, 40, True, 4, dtype=torch.float32)
 
-    def forgets(what):
-        def kernel(x_, w_, b_=None, out_dtype=None, *, norm=None, eps=0.0, swiglu=False, residual=None):
-            if what == "rms" and norm is not None:
-                return linear_reference(x_ * norm, w_, b_, swiglu=swiglu, residual=residual)
-            if what == "weight" and norm is not None:
-                norm = torch.ones_like(norm)
-            return linear_reference(x_, w_, b_, norm=norm, eps=eps, swiglu=swiglu,
-                                    residual=None if what == "residual" else residual)
-        return kernel
+    def kernels(forgets: str):
+        def plain(x, w, b=None, out_dtype=None, *, swiglu=False, residual=None, norm_in=None, eps=0.0):
+            if norm_in is not None and forgets != "rms":  # 1/rms scales the sums: x, before bias and SiLU·mul
+                x = x * torch.rsqrt(norm_in.sum(-1, keepdim=True) / x.shape[-1] + eps)
+            return linear_reference(x, w, b, swiglu=swiglu, residual=None if forgets == "residual" else residual)
 
-    for what in ("rms", "weight", "residual"):
-        monkeypatch.setattr(sys.modules[__name__], "linear_triton", forgets(what))
-        with pytest.raises(AssertionError):
-            assert_folds_match(x, w, b, norm, residual, True)
-    monkeypatch.setattr(sys.modules[__name__], "linear_triton", forgets("nothing"))
-    assert_folds_match(x, w, b, norm, residual, True)
+        def norm_out(x, w, b=None, *, residual=None, norm):
+            y = plain(x, w, b, residual=residual)
+            squares = (y * y).sum(-1, keepdim=True)
+            return y, skinny_linear.PendingNorm(y if forgets == "weight" else y * norm, squares)
+
+        return plain, norm_out
+
+    for forgets in ("residual", "weight", "rms", "nothing"):
+        plain, norm_out = kernels(forgets)
+        monkeypatch.setattr(sys.modules[__name__], "linear_triton", plain)
+        monkeypatch.setattr(sys.modules[__name__], "linear_triton_norm_out", norm_out)
+        if forgets == "nothing":
+            assert_folds_match(*operands_)
+        else:
+            with pytest.raises(AssertionError):
+                assert_folds_match(*operands_)
 
 
 def test_layers_fold_only_where_every_projection_takes_the_kernel(monkeypatch):
@@ -198,8 +222,9 @@ def test_layers_fold_only_where_every_projection_takes_the_kernel(monkeypatch):
                 torch.testing.assert_close(kept[i], y)
     torch.testing.assert_close(last, y)
     torch.testing.assert_close(h, rms_norm_reference(y, torch.ones(cfg.hidden_size), cfg.rms_norm_eps))
-    with torch.no_grad(), pytest.raises(AssertionError, match="only a folding layer"):
-        fused.fused_layer(cfg, 0, layers[0], weights[0], None, x, lambda *a: a[1], None)
+    pending = skinny_linear.PendingNorm(x, torch.ones(2, 1))
+    with torch.no_grad(), pytest.raises(AssertionError, match="only to a layer that folds"):
+        fused.fused_layer(cfg, 0, layers[0], weights[0], pending, x, lambda *a: a[1], torch.ones(64))
     monkeypatch.setattr(fused, "takes_kernel", lambda x, weight, bias=None: weight.shape[0] != 2 * 96)
     assert not fused.folds_into_projections(x, layers[0], weights[0]), "gate/up to cuBLAS: no fold"
     monkeypatch.setattr(fused, "FOLD", False)
@@ -289,11 +314,10 @@ def test_the_layouts_it_takes_cuda():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("k,n,swiglu", [(4096, 6144, False), (4096, 24576, True), (12288, 4096, False),
-                                        (4096, 4096, False)])
+@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 24576), (12288, 4096), (4096, 4096)])
 @pytest.mark.parametrize("rows", [1, 8, MAX_ROWS])
-def test_folds_match_torch_cuda(k, n, swiglu, rows):
-    assert_folds_match(*fold_operands(rows, k, n, n == 6144, 9, swiglu, "cuda"), swiglu)
+def test_folds_match_torch_cuda(k, n, rows):
+    assert_folds_match(*fold_operands(rows, k, n, n == 6144, 9, "cuda"))
 
 
 @pytest.mark.gpu
