@@ -3,16 +3,18 @@
     python bench/floor_profile.py --target qwen3-8b --batch 1 --query 1 [--context 512] [--out DIR]
 
 The step is the engine's captured target forward (`StepGraphs`, fused layers) with --context cached tokens
-per sequence, in five variants side by side: the block table sized for the context (as bench/step_bench.py
-captured it until the twenty-seventh session), sized like the engine's (the model's whole context: more key
-splits for the attention), and that with the few-rows kernel (kernels/skinny_linear.py) for the projections
-and the LM head where cuBLAS ran before, that with the layers' residual adds and SiLU·mul folded into the
-kernel's launches, and that with the norms handed between them too (shared/fused.py; more variants of the
-kernel measured here were dropped: see its docstring). One replay is traced (torch.profiler, CUPTI): its kernels in launch order, the gaps between
-them (the device idle inside the graph), and, since every decoder layer launches the same kernels, each
-position of a layer averaged over the layers, with the bytes of weights it reads where it is a projection
-(matched by order: the layer's GEMMs are qkv, o, gate/up, down) and the bandwidth that makes. The floor is
-the bytes the step must read over the device copy bandwidth measured in the same run (bench/step_bench.py).
+per sequence, in variants side by side: the block table sized for the context (as bench/step_bench.py
+captured it until the twenty-seventh session); sized like the engine's (the model's whole context: more key
+splits for the attention); that with the few-rows kernel (kernels/skinny_linear.py) for the projections
+and the LM head where cuBLAS ran before; that with the layers' residual adds and SiLU·mul folded into the
+kernel's launches; with the norms handed between them too (shared/fused.py); with SiLU·mul's programs
+twice as wide; and with --unbounded, the kernel and its folds for every projection whatever its size (more
+variants of the kernel measured here were dropped: see its docstring). One replay is traced
+(torch.profiler, CUPTI): its kernels in launch order, the gaps between them (the device idle inside the
+graph), and, since every decoder layer launches the same kernels, each position of a layer averaged over
+the layers, with the bytes of weights it reads where it is a projection (matched by order: the layer's
+GEMMs are qkv, o, gate/up, down) and the bandwidth that makes. The floor is the bytes the step must read
+over the device copy bandwidth measured in the same run (bench/step_bench.py).
 """
 
 from __future__ import annotations
@@ -122,6 +124,9 @@ def main() -> None:
     ap.add_argument("--query", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--replays", type=int, default=50, help="replays timed for the wall figure")
+    ap.add_argument("--unbounded", action="store_true",
+                    help="two more variants: the kernel (alone, then with every fold) for every projection and the "
+                         "head, whatever their size (the default model's fall below its bounds)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -135,12 +140,20 @@ def main() -> None:
     # The block table's capacity sets the attention's key splits (kernels.paged_attention.default_splits):
     # the engine captures its steps for the model's whole context; bench/step_bench.py for the context at hand
     engine_len = cfg.max_position_embeddings + q
-    kernel = skinny_linear.MIN_WEIGHT_BYTES
-    variants = [("table for the context, cuBLAS", ctx + q, math.inf, False, False),
-                ("table like the engine's, cuBLAS", engine_len, math.inf, False, False),
-                ("table like the engine's, skinny projections and head", engine_len, kernel, False, False),
-                ("... residual adds and SiLU·mul folded into them, norms apart", engine_len, kernel, True, False),
-                ("... and the norms handed between them", engine_len, kernel, True, True)]
+    # (name, table length, settings of kernels.skinny_linear and shared.fused for the variant)
+    cublas = {"MIN_WEIGHT_BYTES": math.inf, "FOLD": False}
+    skinny = {"FOLD": False}
+    folds_apart = {"FOLD_NORMS": False}
+    variants = [("table for the context, cuBLAS", ctx + q, cublas),
+                ("table like the engine's, cuBLAS", engine_len, cublas),
+                ("table like the engine's, skinny projections and head", engine_len, skinny),
+                ("... residual adds and SiLU·mul folded into them, norms apart", engine_len, folds_apart),
+                ("... and the norms handed between them", engine_len, {}),
+                ("... with SiLU·mul's programs 32 columns wide", engine_len, {"SWIGLU_BLOCK_N": 32})]
+    if args.unbounded:  # a small model's projections fall below the bounds: through the kernel all the same
+        variants += [("every projection and the head through the kernel, no folds", engine_len,
+                      {"MIN_WEIGHT_BYTES": 0, "MIN_K": 0, "FOLD": False}),
+                     ("... and every fold", engine_len, {"MIN_WEIGHT_BYTES": 0, "MIN_K": 0})]
     cache = model.new_cache(num_blocks=b * (-(-(ctx + q) // 16)) + 2, block_size=16)
     gen = torch.Generator().manual_seed(0)
     for s in range(b):
@@ -152,10 +165,13 @@ def main() -> None:
     print(f"{args.target} B={b} Q={q} context {ctx}: floor {floor_us:.1f} µs at copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s")
     results = []
-    default_min = skinny_linear.MIN_WEIGHT_BYTES
+    modules = {"MIN_WEIGHT_BYTES": skinny_linear, "MIN_K": skinny_linear, "SWIGLU_BLOCK_N": skinny_linear,
+               "FOLD": fused, "FOLD_NORMS": fused}
+    defaults = {name: getattr(module, name) for name, module in modules.items()}
     try:
-        for name, max_len, min_bytes, fold, fold_norms in variants:
-            skinny_linear.MIN_WEIGHT_BYTES, fused.FOLD, fused.FOLD_NORMS = min_bytes, fold, fold_norms
+        for name, max_len, settings in variants:
+            for setting, value in {**defaults, **settings}.items():
+                setattr(modules[setting], setting, value)
             graphs = StepGraphs(model, cache, CaptureSpec(), max_batch=b, query_lens=(q,), max_len=max_len)
             graphs.forward(step)
             graph = graphs.graphs[(b, q)]
@@ -167,14 +183,15 @@ def main() -> None:
             print(f"\n{name}: replay {wall:.1f} µs ({wall / floor_us:.2f}x the floor); {len(kernels)} kernels, busy "
                   f"{busy:.1f} µs, gaps {sum(gaps):.1f} µs; attention {attention:.1f} µs")
             rows, outside = layer_table(model, kernels, bandwidth)
-            results.append({"variant": name, "table_len": max_len, "replay_us": wall, "over_floor": wall / floor_us,
-                            "kernels": len(kernels), "busy_us": busy, "gaps_us": sum(gaps),
-                            "attention_us": attention, "layer": rows,
+            results.append({"variant": name, "table_len": max_len, "settings": settings, "replay_us": wall,
+                            "over_floor": wall / floor_us, "kernels": len(kernels), "busy_us": busy,
+                            "gaps_us": sum(gaps), "attention_us": attention, "layer": rows,
                             "outside": [{"name": n, "us": d} for n, _, d in outside]})
             del graphs, graph
             torch.cuda.empty_cache()
     finally:
-        skinny_linear.MIN_WEIGHT_BYTES, fused.FOLD, fused.FOLD_NORMS = default_min, True, True
+        for setting, value in defaults.items():
+            setattr(modules[setting], setting, value)
     base = results[0]["replay_us"]
     print("\nside by side (replay µs, over the floor, speedup over the first):")
     for r in results:

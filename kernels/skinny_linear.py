@@ -50,6 +50,7 @@ MAX_ROWS = 16  # tl.dot's least tile; more rows go to cuBLAS, where they stop be
 MIN_WEIGHT_BYTES = 16 * 2 ** 20  # below, the weight can sit in L2 and a launch's latency is the cost
 MIN_K = 2048  # below, a program's stream is too short to beat cuBLAS (SmolLM2's head, K = 576)
 BLOCK_K = 256
+SWIGLU_BLOCK_N = 16  # output columns of a SiLU·mul program, which streams twice as many weight rows
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -194,7 +195,8 @@ def _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, norm_out
     assert norm_out is None or (norm_out.shape == (out_n,) and norm_out.dtype == x.dtype
                                 and norm_out.is_contiguous()), norm_out
     y = torch.empty(rows, out_n, dtype=out_dtype or x.dtype, device=x.device)
-    block_n = 32 if n >= 16384 and not swiglu else 16  # (the best of the probe's tiles at Qwen3-8B's widths)
+    # (the best of the probe's tiles at Qwen3-8B's widths)
+    block_n = SWIGLU_BLOCK_N if swiglu else 32 if n >= 16384 else 16
     programs = triton.cdiv(out_n, block_n)
     weighted = squares = None
     if norm_out is not None:

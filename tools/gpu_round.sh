@@ -28,6 +28,7 @@
 #   bash tools/gpu_round.sh floor-batch  # the 8B step's variants at 8 streams and in verifies (1 and 4 x 16 rows)
 #   bash tools/gpu_round.sh fold      # norms, residual adds and SiLU·mul folded into the skinny kernel: GPU tests, 8B step
 #   bash tools/gpu_round.sh fold-more # ... step_bench 8B with them, and the projections' tiles chosen cold
+#   bash tools/gpu_round.sh fold-small  # the default model's step with the kernel and its folds below their bounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
@@ -326,6 +327,21 @@ fold-more)
     | grep -v INFO | log
   timeout 300 python bench/gemm_probe.py --geometry qwen3-8b --shapes qkv o down --rows 1 --tune-cold --calls 20 \
     --replays 10 --cold-copies 40 --out "$OUT/gemm_probe_8b_tune.json" 2>&1 | grep -v INFO | grep -v skip | log
+  ;;
+fold-small)
+  # (twenty-eighth session) the folds took the 8B step from 4.51 to 4.41 ms (1.13x its floor); the default model
+  # never takes the kernel (its weights are below the bounds), but its step is launch-bound: 311 kernels in
+  # 0.90 ms, ten a layer. Its step with the kernel and every fold for every projection, at one stream, in a
+  # 16-row verify and at eight streams; then the 8B step's variants again with SiLU·mul's wider programs
+  timeout 150 python bench/floor_profile.py --target default --unbounded --out "$OUT" 2>&1 | grep -v INFO \
+    | grep -E -v "^ +[0-9.]+ µs  (void|Memset)" | log
+  for bq in "1 16" "8 1"; do
+    set -- $bq
+    timeout 100 python bench/floor_profile.py --target default --unbounded --batch $1 --query $2 --out "$OUT" 2>&1 \
+      | grep -v INFO | grep -E "replay|x  |a layer" | log
+  done
+  timeout 150 python bench/floor_profile.py --target qwen3-8b --out "$OUT" 2>&1 | grep -v INFO \
+    | grep -E "replay|x  |a layer|_skinny" | log
   ;;
 floor-batch)
   # (after the twenty-seventh session, not run yet) the 8B step kernel by kernel beyond one stream's decode:
