@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from specsplit.shared import fused
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.tokenizer import Tokenizer
 from specsplit.local import LocalSetup, make_drafter, target_dir
@@ -193,6 +194,9 @@ def main() -> None:
                     help="also the services with both streams waiting on the device: a third drafter service with "
                          "--device-waits --max-targets 1 (its stream waits for the target's writes) and the target's "
                          "stream waiting for the drafts (RemoteProposer(device_waits=True)), side by side, in every round")
+    ap.add_argument("--also-unfolded", action="store_true",
+                    help="also target-only and in-process with their engines' graphs captured without the few-rows "
+                         "kernel's folds (shared.fused.FOLD, read at capture), side by side")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -330,6 +334,23 @@ def main() -> None:
                                   local["tokens_per_s_excluding_captures"] / result["tokens_per_s_excluding_captures"],
                               f"requests_differing_{default}_vs_{other}": sum(
                                   a != b for a, b in zip(local_tokens, other_tokens))})
+            if args.also_unfolded:  # the engines' graphs without the kernel's folds (shared.fused.FOLD), same run
+                fused.FOLD = False  # (read as each graph is captured: the engines below capture their own)
+                try:
+                    for name, drafter, folded, folded_tokens in (("target_only", None, base, base_tokens),
+                                                                 ("in_process", local_drafter, local, local_tokens)):
+                        engine = Engine(model, drafter, conf)
+                        run(engine, tokenizer, prompts, args.max_tokens, "warm")
+                        other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, name[0])
+                        plain.update({f"{name}_unfolded": result,
+                                      f"{name}_folded_over_unfolded": folded["tokens_per_s"] / result["tokens_per_s"],
+                                      f"requests_differing_{name}_folded_vs_unfolded": sum(
+                                          a != b for a, b in zip(folded_tokens, other_tokens))})
+                        print(f"batch {batch} {name}: {folded['tokens_per_s']:.0f} tok/s with the folds, "
+                              f"{result['tokens_per_s']:.0f} without ({plain[f'{name}_folded_over_unfolded']:.3f}x)",
+                              flush=True)
+                finally:
+                    fused.FOLD = True
             if args.also_unchained:  # the services too: their steps chained (StepRequest.chain) or step by step
                 engine = Engine(model, remote, replace(conf, chain_steps=False))
                 run(engine, tokenizer, prompts, args.max_tokens, "warm")

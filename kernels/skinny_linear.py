@@ -8,12 +8,14 @@ program BLOCK_N output columns of every row and streams their weight rows once o
 float32 accumulation, no split (26.6 µs for that down projection). The Qwen3-8B-shaped decode step at one
 stream (`bench/floor_profile.py`, a replay of its graph): 4.83 ms with cuBLAS, 4.51 with this kernel.
 
-It pays only where the weight must come from HBM and each program has a long K to stream: on SmolLM2's
-widths (weights of 0.6-3.4 MiB, K of 576 or 1,536) a GEMM is latency-bound at ~4 µs either way and cuBLAS's
-launch is the better one (the ninth session, README), and its 57-MB LM head (K = 576) took 18.5 µs here
-against 16.5 for cuBLAS. So `linear` takes it for 16-bit CUDA inputs of at most MAX_ROWS rows against a
-weight of at least MIN_WEIGHT_BYTES and MIN_K columns, and F.linear otherwise; benches set MIN_WEIGHT_BYTES
-to compare both in one run.
+Alone, at SmolLM2's widths (weights of 0.6-3.4 MiB, K of 576 or 1,536, latency-bound), it measured about
+as fast as cuBLAS (the twenty-eighth session, one stream's captured step: qkv 2.8 µs against 3.7, o 2.8
+against 3.2, gate/up 3.5 against 3.7, down 3.8 against 4.7, where the ninth session had found cuBLAS's
+launch the better), and its 57-MB LM head (K = 576) took 18.5-18.9 µs against 16.5-16.8 for cuBLAS. So
+`linear` takes it for 16-bit CUDA inputs of at most MAX_ROWS rows against a weight of at least
+MIN_WEIGHT_BYTES and MIN_K columns (`takes_kernel`), F.linear otherwise; a decoder layer takes it for every
+projection whatever their size (`bounded=False`), where it also does the layer's norms, SiLU·mul and
+residual adds (below). Benches set MIN_WEIGHT_BYTES to compare in one run.
 
 Measured and dropped (twenty-seventh session, `bench/floor_profile.py`, Qwen3-8B's geometry, one row, H200):
 - SiLU·mul folded into the down projection's kernel (each program reading the gate/up rows and applying the
@@ -69,16 +71,21 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y.to(out_dtype or x.dtype)
 
 
-def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether `linear` runs the kernel for x [..., K], this weight [N, K] and bias [N]. Never where autograd
-    would need the product's graph (the kernel has no backward): F.linear's then."""
+def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 bounded: bool = True) -> bool:
+    """Whether `linear` runs the kernel for x [..., K], this weight [N, K] and bias [N]: 16-bit CUDA tensors,
+    at most MAX_ROWS rows, and (`bounded`) a weight of at least MIN_WEIGHT_BYTES and MIN_K columns. A decoder
+    layer asks unbounded (shared/fused.py): where the kernel also does the norms, SiLU·mul and the residual
+    adds, it wins at any width. Never where autograd would need the product's graph (the kernel has no
+    backward): F.linear's then."""
     if not (HAVE_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype):
         return False  # (first: every projection of an eager forward asks, on the CPU too)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                          or (bias is not None and bias.requires_grad))
-    return (1 <= rows <= MAX_ROWS and weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES
-            and weight.dim() == 2 and weight.shape[1] >= MIN_K and weight.stride(1) == 1 and x.stride(-1) == 1
+    large = weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES and weight.shape[-1] >= MIN_K
+    return (1 <= rows <= MAX_ROWS and (large or not bounded) and weight.dim() == 2 and weight.stride(1) == 1
+            and x.stride(-1) == 1
             and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == x.dtype
                                   and bias.is_contiguous()))
             and not grads)

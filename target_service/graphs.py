@@ -249,7 +249,7 @@ class StaticForward:
         return self.output
 
     def _run_fused(self) -> ForwardOutput:
-        """The fused layers (`shared.fused`: ten launches a layer, or six), attending causally over the
+        """The fused layers (`shared.fused`: ten launches a layer, or seven), attending causally over the
         KV cache through the block tables."""
         cfg, stack = self.model.config, self.model.model
         positions = self.positions.view(-1)

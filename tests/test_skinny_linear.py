@@ -139,7 +139,7 @@ def assert_fused_layers_fold(device: str, dtype, cfg: ModelConfig, layers, rows:
 def check_fused_layers_interpreted() -> None:
     """Whole fused layers, every projection folding (takes_kernel forced: the interpreter runs on the CPU),
     against the same layers unfolded (F.linear and the norms' references), Llama's and Qwen3's."""
-    fused.takes_kernel = lambda x, weight, bias=None: True
+    fused.takes_kernel = lambda x, weight, bias=None, bounded=True: True
     for model_type in ("llama", "qwen3"):
         cfg = fold_config(model_type)
         assert_fused_layers_fold("cpu", torch.float16, cfg, random_layers(cfg, "cpu", torch.float16), rows=3)
@@ -225,10 +225,10 @@ def test_layers_fold_only_where_every_projection_takes_the_kernel(monkeypatch):
     pending = skinny_linear.PendingNorm(x, torch.ones(2, 1))
     with torch.no_grad(), pytest.raises(AssertionError, match="only to a layer that folds"):
         fused.fused_layer(cfg, 0, layers[0], weights[0], pending, x, lambda *a: a[1], torch.ones(64))
-    monkeypatch.setattr(fused, "takes_kernel", lambda x, weight, bias=None: weight.shape[0] != 2 * 96)
+    monkeypatch.setattr(fused, "takes_kernel", lambda x, weight, bias=None, bounded=True: weight.shape[0] != 2 * 96)
     assert not fused.folds_into_projections(x, layers[0], weights[0]), "gate/up to cuBLAS: no fold"
     monkeypatch.setattr(fused, "FOLD", False)
-    monkeypatch.setattr(fused, "takes_kernel", lambda x, weight, bias=None: True)
+    monkeypatch.setattr(fused, "takes_kernel", lambda x, weight, bias=None, bounded=True: True)
     assert not fused.folds_into_projections(x, layers[0], weights[0]), "benches turn the folds off"
 
 
@@ -276,6 +276,11 @@ def test_which_calls_take_the_kernel(monkeypatch):
         assert not takes_kernel(Cuda((1, 4096)), big, Cuda((6144,), torch.float32, itemsize=4)), "a float32 bias"
         assert not takes_kernel(Cuda((1, 4096)), big, Cuda((6144,), contiguous=False)), "a strided bias"
         assert not takes_kernel(Cuda((1, 4096), last_stride=2), big), "x's columns strided"
+        assert takes_kernel(Cuda((1, 576)), small, bounded=False) and takes_kernel(Cuda((16, 576)), narrow,
+                                                                                   bounded=False), "a layer's ask"
+        assert not takes_kernel(Cuda((MAX_ROWS + 1, 576)), small, bounded=False), "more rows than a tile, unbounded"
+        assert not takes_kernel(Cuda((1, 576), torch.float32, itemsize=4), Cuda((960, 576), torch.float32,
+                                                                               itemsize=4), bounded=False)
     assert not takes_kernel(Cuda((1, 4096), grad=True), big), "under autograd: F.linear's backward"
     assert not takes_kernel(Cuda((1, 4096)), big, Cuda((6144,), grad=True)), "a bias that wants its gradient"
     monkeypatch.setattr(skinny_linear, "MIN_WEIGHT_BYTES", math.inf)
@@ -322,13 +327,15 @@ def test_folds_match_torch_cuda(k, n, rows):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_fused_layers_fold_cuda(model_type):
-    """Two layers of Qwen3-8B's widths (every projection takes the kernel, none forced) folded against
-    unfolded, at one and sixteen rows."""
-    cfg = ModelConfig(model_type=model_type, vocab_size=64, hidden_size=4096, intermediate_size=12288,
-                      num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                      qk_norm=model_type == "qwen3")
+@pytest.mark.parametrize("model_type,widths", [("llama", "qwen3-8b"), ("qwen3", "qwen3-8b"), ("llama", "smollm2")])
+def test_fused_layers_fold_cuda(model_type, widths):
+    """Two layers of Qwen3-8B's or SmolLM2-135M's widths (every projection takes the kernel, none forced)
+    folded against unfolded, at one and sixteen rows."""
+    hidden, ffn, heads, kv_heads, head_dim = (4096, 12288, 32, 8, 128) if widths == "qwen3-8b" else (576, 1536, 9,
+                                                                                                   3, 64)
+    cfg = ModelConfig(model_type=model_type, vocab_size=64, hidden_size=hidden, intermediate_size=ffn,
+                      num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, qk_norm=model_type == "qwen3")
     layers = random_layers(cfg, "cuda", torch.bfloat16)
     for rows in (1, MAX_ROWS):
         assert_fused_layers_fold("cuda", torch.bfloat16, cfg, layers, rows)

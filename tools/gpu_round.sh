@@ -29,6 +29,8 @@
 #   bash tools/gpu_round.sh fold      # norms, residual adds and SiLU·mul folded into the skinny kernel: GPU tests, 8B step
 #   bash tools/gpu_round.sh fold-more # ... step_bench 8B with them, and the projections' tiles chosen cold
 #   bash tools/gpu_round.sh fold-small  # the default model's step with the kernel and its folds below their bounds
+#   bash tools/gpu_round.sh fold-default  # ... taken by every decoder layer: GPU tests, step_bench default
+#   bash tools/gpu_round.sh fold-served   # ... served tokens/s with the folds against without
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
@@ -342,6 +344,23 @@ fold-small)
   done
   timeout 150 python bench/floor_profile.py --target qwen3-8b --out "$OUT" 2>&1 | grep -v INFO \
     | grep -E "replay|x  |a layer|_skinny" | log
+  ;;
+fold-default)
+  # (twenty-eighth session) the kernel and its folds took the default model's captured step from 0.90 ms to 0.77
+  # (fold-small, bench/floor_profile.py --unbounded); decoder layers now take them whatever their widths. The
+  # GPU tests of everything that runs those layers (the step graphs, the chain, the DFlash graphs, captured
+  # prefill); then (fold-served) served tokens/s with the folds against without, target-only and in-process,
+  # at one and eight streams
+  timeout 330 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py tests/test_step_graphs.py \
+    tests/test_chain.py tests/test_dflash_graphs.py tests/test_graphed_prefill.py 2>&1 \
+    | grep -E "drafts accepted|Error|error|assert|FAILED|passed|failed" | tail -30 | log
+  ;;
+fold-served)
+  timeout 330 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --also-unfolded --json-out "$OUT/split_fold.json" 2>&1 | grep -v INFO | grep -E "folds|^\{" | cut -c1-600 | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
+    for k, v in d[b].items() if 'over' in k or 'differing' in k}) for b in d if b.startswith('batch')]" \
+    "$OUT/split_fold.json" 2>&1 | log
   ;;
 floor-batch)
   # (after the twenty-seventh session, not run yet) the 8B step kernel by kernel beyond one stream's decode:
