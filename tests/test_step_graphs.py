@@ -127,7 +127,14 @@ def test_buckets_and_refusals(tiny_llama_dir):
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
 def test_cuda_graph_replay_equals_eager(family, fused, dtype, request):
-    model = load_target(request.getfixturevalue(f"tiny_{family}_dir"), dtype=dtype, device="cuda")
+    folder = request.getfixturevalue(f"tiny_{family}_dir")
+    model = load_target(folder, dtype=dtype, device="cuda")
+    # bf16: both paths round at every stage, in different places (the fused layers of a few rows fold their
+    # norms, residual adds and SiLU·mul into the projections' kernel: shared.fused); each is held to the
+    # float32 forward's, at most twice as far as the eager bf16 forward is (on the CPU, emulating the folds in
+    # torch: 0.7-1.5x as far, where the two bf16 paths differed by up to 0.02 of the largest logit)
+    truth = load_target(folder, dtype=torch.float32, device="cuda") if dtype == torch.bfloat16 else None
+    truth_cache = prefilled_pair(truth, [9, 14, 6])[0][0] if truth is not None else None
     capture = CaptureSpec(layer_ids=(0, 1), last_hidden=True)
     (ref_cache, cache), _ = prefilled_pair(model, [9, 14, 6])
     graphs = StepGraphs(model, cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, fused=fused)
@@ -139,12 +146,16 @@ def test_cuda_graph_replay_equals_eager(family, fused, dtype, request):
         step = StepBatch(list(range(len(tokens))), tokens, ends[:len(tokens)])
         ends[:len(tokens)] = [e + n for e, n in zip(ends, query_lens)]
         want = eager(model, ref_cache, step, capture)
+        exact = eager(truth, truth_cache, step, capture) if truth is not None else None
         got = graphs.forward(step)
-        for got_t, want_t in ((got.logits, want.logits), (got.layer_features, want.layer_features)):
-            want_t = want_t.float()
-            # bf16: 8 mantissa bits, rounded at every stage of the few layers, on values of this size
-            tol = atol(model, want_t) if dtype == torch.float32 else 2 ** -6 * float(want_t.abs().max())
-            assert_close(got_t.float(), want_t, atol=tol, rtol=0)
+        for name in ("logits", "layer_features"):
+            got_t, want_t = getattr(got, name).float(), getattr(want, name).float()
+            if exact is None:
+                assert_close(got_t, want_t, atol=atol(model, want_t), rtol=0)
+                continue
+            exact_t = getattr(exact, name).float()
+            eager_err, got_err = (float((t - exact_t).abs().max()) for t in (want_t, got_t))
+            assert got_err <= 2 * eager_err + 2 ** -8 * float(exact_t.abs().max()), (name, got_err, eager_err)
 
 
 def test_engine_on_static_steps_is_lossless(tiny_chat_dir):
