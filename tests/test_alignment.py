@@ -516,6 +516,7 @@ def test_f_rope_positions_of_context_and_block(qwen3, sequences, monkeypatch):
 # ---- teacher forcing against the real run, on the shipped drafter ------------------------------
 
 
+@pytest.mark.slow  # (10-11 s on the CPU: the default run stays under five minutes)
 def test_shipped_drafter_teacher_forced_equals_real_acceptance(smollm2, smollm2_tokenizer):
     """On the real model: every proposal the engine verified was accepted exactly as far as teacher
     forcing at its anchor predicts (the training forward's drafts against the training labels)."""

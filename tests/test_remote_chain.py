@@ -151,6 +151,7 @@ class Scripted:
         drafter.chain_propose, drafter.chain_commit = chain_propose, chain_commit
 
 
+@pytest.mark.slow  # (5-6 s on the CPU: the default run stays under five minutes)
 def test_the_targets_side_of_a_services_chained_step_replays_what_it_captured(pair, tiny_chat_dir, monkeypatch):
     """EngineConfig(chain_capture_remote=True): through the drafter service a shape's chained steps run
     uncaptured a few times, then what follows the drafts (the verify, the accept, the outcome, the next
@@ -280,7 +281,8 @@ class _FakeWaits:
         self.closed = True
 
 
-@pytest.mark.parametrize("columns", [1, 2], ids=["done-values", "and-written-values"])
+@pytest.mark.parametrize("columns", [1, pytest.param(2, marks=pytest.mark.slow)],  # (4-5 s each on the CPU)
+                         ids=["done-values", "and-written-values"])
 def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_drafter_its_watchdog_gave_up(
         pair, tiny_chat_dir, monkeypatch, columns):
     """With a DONE buffer (device waits; on a GPU only, stood for here), every chained propose carries the
@@ -354,7 +356,7 @@ def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_dra
 
 
 @pytest.mark.parametrize("drafts_by_batch, graphs_batch", [
-    (((3, 0),), None), pytest.param((), 2, marks=pytest.mark.slow)],  # (5 s each on the CPU)
+    pytest.param(((3, 0),), None, marks=pytest.mark.slow), pytest.param((), 2, marks=pytest.mark.slow)],  # (5-8 s each)
     ids=["no-drafts-at-three", "graphs-narrower-than-the-batch"])
 def test_a_chained_propose_sent_ahead_that_no_step_takes_is_never_taken_for_another(pair, tiny_chat_dir,
                                                                                       drafts_by_batch, graphs_batch):

@@ -84,7 +84,7 @@ def assert_folds_match(x, w, b, residual, half_residual, norm, w2, eps: float = 
 
 def fold_config(model_type: str = "qwen3") -> ModelConfig:
     return ModelConfig(model_type=model_type, vocab_size=64, hidden_size=64, intermediate_size=96,
-                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        qk_norm=model_type == "qwen3", attention_bias=model_type == "qwen3")
 
 

@@ -232,6 +232,7 @@ def test_a_grown_drafter_computes_what_it_grew_from_and_trains_its_new_parts(lla
     assert big.fc.weight.grad[:, hidden:2 * hidden].abs().sum() > 0  # and so do the new feature columns
 
 
+@pytest.mark.slow  # (7-9 s on the CPU, building a session's training prompts: the default run stays under five minutes)
 def test_heldout_prompts_are_never_trained_on():
     heldout = train_data.read_prompts(train_data.HELDOUT_PATH)
     assert len(heldout) == 80 and [p.kind for p in heldout].count("math") == 16
