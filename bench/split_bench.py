@@ -196,7 +196,8 @@ def main() -> None:
                          "stream waiting for the drafts (RemoteProposer(device_waits=True)), side by side, in every round")
     ap.add_argument("--also-unfolded", action="store_true",
                     help="also target-only and in-process with their engines' graphs captured without the few-rows "
-                         "kernel's folds (shared.fused.FOLD, read at capture), side by side")
+                         "kernel's folds (shared.fused.FOLD, read at capture), side by side; the in-process engine "
+                         "shares the drafter, whose own graphs the first run captured with them")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -335,7 +336,8 @@ def main() -> None:
                               f"requests_differing_{default}_vs_{other}": sum(
                                   a != b for a, b in zip(local_tokens, other_tokens))})
             if args.also_unfolded:  # the engines' graphs without the kernel's folds (shared.fused.FOLD), same run
-                fused.FOLD = False  # (read as each graph is captured: the engines below capture their own)
+                fused.FOLD = False  # (read as each graph is captured: the engines below capture their own; the
+                # drafter is the in-process run's, its own graphs captured there with the folds)
                 try:
                     for name, drafter, folded, folded_tokens in (("target_only", None, base, base_tokens),
                                                                  ("in_process", local_drafter, local, local_tokens)):

@@ -138,7 +138,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, norm_ptr, weig
         w_mask = (rn[:, None] < N) & (rk[None, :] < K)
         acc += tl.dot(x, tl.trans(tl.load(w_rows, mask=w_mask, other=0.0)))
         if SWIGLU:
-            acc_up += tl.dot(x, tl.trans(tl.load(w_rows + N * stride_wn, mask=w_mask, other=0.0)))
+            up_rows = w_rows + N.to(tl.int64) * stride_wn  # (64-bit: N * K may pass 2**31)
+            acc_up += tl.dot(x, tl.trans(tl.load(up_rows, mask=w_mask, other=0.0)))
     if NORM_IN:
         acc *= scale
         acc_up *= scale

@@ -3,14 +3,14 @@
 One GEMM for q/k/v and one for gate/up (the layer's projection weights concatenated once, the modules'
 own weights becoming views of the result, so nothing is stored twice and the eager forward reads the
 same memory), the residual add fused into each RMSNorm, RoPE fused with the write of k/v into a paged
-pool, SiLU·mul in one kernel. Each projection goes through `kernels.skinny_linear.linear`: cuBLAS, but
-for a few rows against a weight too large for L2 (a wide model's decode step) a kernel that streams it.
-Where every projection of a layer takes that kernel, it also does the residual adds and SiLU·mul on the
-tile it stores, and the norms between projections: the projection that writes a norm's input also writes
-it times the norm's weight and its programs' sums of squares (`kernels.skinny_linear.PendingNorm`), and the
-one that reads it scales its sums by 1/rms at the end (`folds_into_projections`). (Fusing them into
-cuBLAS's neighbours instead was measured slower on the H200: every program of a GEMM recomputed the
-activation or the norm for its rows; see the README's fifteenth session and kernels/skinny_linear.py.)
+pool, SiLU·mul in one kernel: ten launches a layer. For up to 16 rows of 16-bit CUDA tensors (decode steps,
+one stream's verify) every projection goes through `kernels.skinny_linear`'s kernel whatever its width
+(`folds_into_projections`), which also does the residual adds and SiLU·mul on the tile it stores, and the
+norms between projections: the projection that writes a norm's input also writes it times the norm's weight and its programs' sums of
+squares (`kernels.skinny_linear.PendingNorm`), and the one that reads it scales its sums by 1/rms at the end
+(bfloat16 only, see `HANDED_NORM_DTYPES`): seven launches a layer. (Fusing them into cuBLAS's neighbours
+instead was measured slower on the H200: every program of a GEMM recomputed the activation or the norm for
+its rows; see the README's fifteenth session and kernels/skinny_linear.py.)
 Where keys come from and how queries attend is the caller's: the target attends causally over its KV
 cache, the DFlash drafter's block over its context pool.
 """
@@ -73,12 +73,16 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 FOLD = True  # benches set it False to compare a step with the folds and without ...
 FOLD_NORMS = True  # ... or only this, to keep the norms' own launches
+# The dtypes whose norms are handed between projections: the writer stores its output times the norm's weight
+# before 1/rms applies, which float16 cannot hold for residual channels in the thousands (3,000 x a weight of
+# 30 is past its 65,504); bfloat16 has float32's range. Float16 keeps the norms' own launches.
+HANDED_NORM_DTYPES = (torch.bfloat16,)
 
 
 def folds_into_projections(x: torch.Tensor, layer: DecoderLayer, weights: FusedWeights) -> bool:
     """Whether, for x's rows, every projection of this layer takes the few-rows kernel (whatever the
-    weights' size), which then also does the layer's residual adds and SiLU·mul on the way out and hands
-    each norm on to the next projection (a PendingNorm): seven launches a layer instead of ten. On the H200
+    weights' size), which then also does the layer's residual adds and SiLU·mul on the way out and (in
+    bfloat16) hands each norm on to the next projection (a PendingNorm): seven launches a layer instead of ten. On the H200
     (bench/floor_profile.py, one stream's decode step) that took SmolLM2-135M's step from 0.90 ms to 0.77 and
     the Qwen3-8B-shaped one from 4.51 to 4.41."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -111,14 +115,15 @@ def fused_layer(cfg: ModelConfig, index: int, layer: DecoderLayer, weights: Fuse
     if not fold:
         h, residual = add_rms_norm(linear(out, attn.o_proj.weight, attn.o_proj.bias), residual, post_norm, eps)
         return add_rms_norm(linear(silu_mul(linear(h, weights.gate_up)), down, down_bias), residual, next_norm, eps)
-    if FOLD_NORMS:
+    hand_norms = FOLD_NORMS and residual.dtype in HANDED_NORM_DTYPES
+    if hand_norms:
         residual, pending = linear_triton_norm_out(out, attn.o_proj.weight, attn.o_proj.bias, residual=residual,
                                                    norm=post_norm)
         act = linear_triton(pending.weighted, weights.gate_up, swiglu=True, norm_in=pending.squares, eps=eps)
     else:
         residual = linear_triton(out, attn.o_proj.weight, attn.o_proj.bias, residual=residual)
         act = linear_triton(rms_norm(residual, post_norm, eps), weights.gate_up, swiglu=True)
-    if fold_next and FOLD_NORMS:
+    if fold_next and hand_norms:
         residual, pending = linear_triton_norm_out(act, down, down_bias, residual=residual, norm=next_norm)
         return pending, residual
     residual = linear_triton(act, down, down_bias, residual=residual)

@@ -140,6 +140,7 @@ def check_fused_layers_interpreted() -> None:
     """Whole fused layers, every projection folding (takes_kernel forced: the interpreter runs on the CPU),
     against the same layers unfolded (F.linear and the norms' references), Llama's and Qwen3's."""
     fused.takes_kernel = lambda x, weight, bias=None, bounded=True: True
+    fused.HANDED_NORM_DTYPES = (torch.float16,)  # the interpreter has no bfloat16; these values stay in range
     for model_type in ("llama", "qwen3"):
         cfg = fold_config(model_type)
         assert_fused_layers_fold("cpu", torch.float16, cfg, random_layers(cfg, "cpu", torch.float16), rows=3)
@@ -174,26 +175,27 @@ def test_a_broken_kernel_fails_the_check(monkeypatch):
         assert_matches(x, w, b)
 
 
+def stand_in_kernels(forgets: str = "nothing"):
+    """linear_triton and linear_triton_norm_out built from the reference, forgetting one thing (or nothing)."""
+    def plain(x, w, b=None, out_dtype=None, *, swiglu=False, residual=None, norm_in=None, eps=0.0):
+        if norm_in is not None and forgets != "rms":  # 1/rms scales the sums: x, before bias and SiLU·mul
+            x = (x.float() * torch.rsqrt(norm_in.sum(-1, keepdim=True) / x.shape[-1] + eps)).to(x.dtype)
+        return linear_reference(x, w, b, swiglu=swiglu, residual=None if forgets == "residual" else residual)
+
+    def norm_out(x, w, b=None, *, residual=None, norm):
+        y = plain(x, w, b, residual=residual)
+        squares = (y.float() ** 2).sum(-1, keepdim=True)
+        return y, skinny_linear.PendingNorm(y if forgets == "weight" else y * norm, squares)
+
+    return plain, norm_out
+
+
 def test_a_fold_left_out_fails_the_check(monkeypatch):
     """The fold check catches a kernel that forgets the residual, the norm's weight or its 1/rms (here
     stand-ins built from the reference, which pass when they forget nothing)."""
     operands_ = fold_operands(3, 300, 40, True, 4, dtype=torch.float32)
-
-    def kernels(forgets: str):
-        def plain(x, w, b=None, out_dtype=None, *, swiglu=False, residual=None, norm_in=None, eps=0.0):
-            if norm_in is not None and forgets != "rms":  # 1/rms scales the sums: x, before bias and SiLU·mul
-                x = x * torch.rsqrt(norm_in.sum(-1, keepdim=True) / x.shape[-1] + eps)
-            return linear_reference(x, w, b, swiglu=swiglu, residual=None if forgets == "residual" else residual)
-
-        def norm_out(x, w, b=None, *, residual=None, norm):
-            y = plain(x, w, b, residual=residual)
-            squares = (y * y).sum(-1, keepdim=True)
-            return y, skinny_linear.PendingNorm(y if forgets == "weight" else y * norm, squares)
-
-        return plain, norm_out
-
     for forgets in ("residual", "weight", "rms", "nothing"):
-        plain, norm_out = kernels(forgets)
+        plain, norm_out = stand_in_kernels(forgets)
         monkeypatch.setattr(sys.modules[__name__], "linear_triton", plain)
         monkeypatch.setattr(sys.modules[__name__], "linear_triton_norm_out", norm_out)
         if forgets == "nothing":
@@ -201,6 +203,23 @@ def test_a_fold_left_out_fails_the_check(monkeypatch):
         else:
             with pytest.raises(AssertionError):
                 assert_folds_match(*operands_)
+
+
+def test_float16_layers_keep_their_norms_launches(monkeypatch):
+    """Folding layers hand their norms between projections in bfloat16 only: float16 cannot hold a residual
+    channel times the norm's weight before 1/rms applies. (Stand-in kernels: this is the CPU.)"""
+    plain, norm_out = stand_in_kernels()
+    handed = []
+    monkeypatch.setattr(fused, "takes_kernel", lambda x, weight, bias=None, bounded=True: True)
+    monkeypatch.setattr(fused, "linear_triton", plain)
+    monkeypatch.setattr(fused, "linear_triton_norm_out", lambda *a, **k: handed.append(1) or norm_out(*a, **k))
+    cfg = fold_config("llama")
+    for dtype in (torch.float16, torch.bfloat16):
+        handed.clear()
+        layers = random_layers(cfg, "cpu", dtype)
+        h, last, _ = fused_outputs(cfg, layers, torch.randn(3, cfg.hidden_size).to(dtype), torch.ones(64).to(dtype))
+        assert h.dtype == last.dtype == dtype
+        assert len(handed) == (0 if dtype == torch.float16 else 3), (dtype, len(handed))  # o, down, o
 
 
 def test_layers_fold_only_where_every_projection_takes_the_kernel(monkeypatch):
