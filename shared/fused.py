@@ -82,9 +82,9 @@ HANDED_NORM_DTYPES = (torch.bfloat16,)
 def folds_into_projections(x: torch.Tensor, layer: DecoderLayer, weights: FusedWeights) -> bool:
     """Whether, for x's rows, every projection of this layer takes the few-rows kernel (whatever the
     weights' size), which then also does the layer's residual adds and SiLU·mul on the way out and (in
-    bfloat16) hands each norm on to the next projection (a PendingNorm): seven launches a layer instead of ten. On the H200
-    (bench/floor_profile.py, one stream's decode step) that took SmolLM2-135M's step from 0.90 ms to 0.77 and
-    the Qwen3-8B-shaped one from 4.51 to 4.41."""
+    bfloat16) hands each norm on to the next projection (a PendingNorm): seven launches a layer instead of
+    ten. On the H200 (bench/floor_profile.py, one stream's decode step) that took SmolLM2-135M's step from
+    0.90 ms to 0.77 and the Qwen3-8B-shaped one from 4.51 to 4.41."""
     attn, mlp = layer.self_attn, layer.mlp
     return FOLD and all(takes_kernel(x, weight, bias, bounded=False) for weight, bias in (
         (weights.qkv, weights.qkv_bias), (attn.o_proj.weight, attn.o_proj.bias), (weights.gate_up, None),
