@@ -141,6 +141,9 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
     ratios = {"in_process_over_target_only": [b / a for a, b in zip(base, local)],
               "services_over_in_process": [c / b for b, c in zip(local, split)],
               "services_over_target_only": [c / a for a, c in zip(base, split)]}
+    for name in ("target_only", "in_process"):
+        if f"{name}_unfolded" in rates:
+            ratios[f"{name}_folded_over_unfolded"] = [a / b for a, b in zip(rates[name], rates[f"{name}_unfolded"])]
     if "services_not_ahead" in rates:
         ratios["services_ahead_over_not_ahead"] = [c / d for c, d in zip(split, rates["services_not_ahead"])]
     if "services_unprepared" in rates:
@@ -335,13 +338,14 @@ def main() -> None:
                                   local["tokens_per_s_excluding_captures"] / result["tokens_per_s_excluding_captures"],
                               f"requests_differing_{default}_vs_{other}": sum(
                                   a != b for a, b in zip(local_tokens, other_tokens))})
+            unfolded_engines = {}
             if args.also_unfolded:  # the engines' graphs without the kernel's folds (shared.fused.FOLD), same run
                 fused.FOLD = False  # (read as each graph is captured: the engines below capture their own; the
                 # drafter is the in-process run's, its own graphs captured there with the folds)
                 try:
                     for name, drafter, folded, folded_tokens in (("target_only", None, base, base_tokens),
                                                                  ("in_process", local_drafter, local, local_tokens)):
-                        engine = Engine(model, drafter, conf)
+                        engine = unfolded_engines[f"{name}_unfolded"] = Engine(model, drafter, conf)
                         run(engine, tokenizer, prompts, args.max_tokens, "warm")
                         other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, name[0])
                         plain.update({f"{name}_unfolded": result,
@@ -364,6 +368,9 @@ def main() -> None:
             engines = {"target_only": base_engine, "in_process": local_engine, "services": split_engine}
             rates = {name: [r["tokens_per_s"]] for name, r in (("target_only", base), ("in_process", local),
                                                               ("services", split))}
+            for name, engine in unfolded_engines.items():  # (their graphs were all captured unfolded above)
+                engines[name] = engine
+                rates[name] = [plain[name]["tokens_per_s"]]
 
             def services_variant(name: str, proposer: RemoteProposer, config: EngineConfig, before=None):
                 """The services with one thing changed, warmed and run once beside the rest (its engine goes
@@ -421,7 +428,11 @@ def main() -> None:
             if args.rounds > 1:  # the same again, in turn: how far one round's ratios are from their median
                 for _ in range(args.rounds - 1):
                     for name, engine in engines.items():
-                        rates[name].append(run(engine, tokenizer, prompts, args.max_tokens, name[0])[1]["tokens_per_s"])
+                        fused.FOLD = not name.endswith("_unfolded")  # (a graph captured late stays as its engine's)
+                        try:
+                            rates[name].append(run(engine, tokenizer, prompts, args.max_tokens, name[0])[1]["tokens_per_s"])
+                        finally:
+                            fused.FOLD = True
                 plain["rounds"] = round_ratios(rates)
             results[f"batch_{batch}"] = {**plain,
                 "target_only": base, "in_process": local, "services": split,

@@ -31,6 +31,7 @@
 #   bash tools/gpu_round.sh fold-small  # the default model's step with the kernel and its folds below their bounds
 #   bash tools/gpu_round.sh fold-default  # ... taken by every decoder layer: GPU tests, step_bench default
 #   bash tools/gpu_round.sh fold-served   # ... served tokens/s with the folds against without
+#   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
@@ -361,6 +362,19 @@ fold-served)
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
     for k, v in d[b].items() if 'over' in k or 'differing' in k}) for b in d if b.startswith('batch')]" \
     "$OUT/split_fold.json" 2>&1 | log
+  ;;
+fold-check)
+  # (after the twenty-eighth session, not run yet) what that session changed after its device time was spent:
+  # the bf16 graph test held to the float32 forward (it failed against its old bound with the folds), the
+  # float16 layers keeping their norms' launches, the up rows' 64-bit offset; then served tokens/s with the
+  # folds against without over three rounds (one round put in-process at eight streams at 0.92x, 0.25 s runs)
+  timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py tests/test_step_graphs.py \
+    tests/test_dflash_graphs.py 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -20 | log
+  timeout 330 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --also-unfolded --rounds 3 --json-out "$OUT/split_fold3.json" 2>&1 | grep -v INFO | grep -E "folds" | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
+    for k, v in d[b].items() if 'over' in k or 'differing' in k or k == 'rounds'}) for b in d if b.startswith('batch')]" \
+    "$OUT/split_fold3.json" 2>&1 | log
   ;;
 floor-batch)
   # (after the twenty-seventh session, not run yet) the 8B step kernel by kernel beyond one stream's decode:
