@@ -181,8 +181,7 @@ def linear_triton_norm_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     [N], for the next projection: `linear_triton(pending.weighted, w2, norm_in=pending.squares, eps=eps)` is
     `linear_reference(y, w2, norm=norm, eps=eps)` up to rounding (y times the weight is rounded and 1/rms
     scales the float32 sums, where the reference rounds y / rms before the weight)."""
-    y, pending = _launch(x, weight, bias, None, False, residual, None, 0.0, norm)
-    return y, pending
+    return _launch(x, weight, bias, None, False, residual, None, 0.0, norm)
 
 
 def _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, norm_out):

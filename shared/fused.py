@@ -93,13 +93,12 @@ def folds_into_projections(x: torch.Tensor, layer: DecoderLayer, weights: FusedW
 
 def fused_layer(cfg: ModelConfig, index: int, layer: DecoderLayer, weights: FusedWeights,
                 h: torch.Tensor | PendingNorm, residual: torch.Tensor, attend: Attend, next_norm: torch.Tensor,
-                fold_next: bool = False) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+                fold: bool = False, fold_next: bool = False) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
     """One pre-norm decoder layer. residual: its input; h: that normed with the layer's input norm, or
-    where the layer folds (`folds_into_projections`) the norm pending. Returns the next layer's normed input
-    (normed with `next_norm`: the next layer's input norm, or the final norm; left pending where this layer
-    folds and so does the next, `fold_next`) and this layer's output."""
+    where the layer folds (`fold`: `folds_into_projections` holds for it) the norm pending. Returns the next
+    layer's normed input (normed with `next_norm`: the next layer's input norm, or the final norm; left
+    pending where this layer folds and so does the next, `fold_next`) and this layer's output."""
     attn, mlp, eps = layer.self_attn, layer.mlp, cfg.rms_norm_eps
-    fold = folds_into_projections(residual, layer, weights)
     if isinstance(h, PendingNorm):
         assert fold, "a norm is left pending only to a layer that folds"
         qkv = linear_triton(h.weighted, weights.qkv, weights.qkv_bias, norm_in=h.squares, eps=eps)
@@ -143,7 +142,7 @@ def run_fused_layers(cfg: ModelConfig, layers: Sequence[DecoderLayer], fused: Se
         last = i + 1 == len(layers)
         h, residual = fused_layer(cfg, i, layer, weights, h, residual, attend,
                                   final_norm if last else layers[i + 1].input_layernorm.weight,
-                                  fold_next=not last and folds[i + 1])
+                                  fold=folds[i], fold_next=not last and folds[i + 1])
         if i in keep:
             kept[i] = residual
     assert isinstance(h, torch.Tensor)
