@@ -127,6 +127,10 @@ def main() -> None:
     ap.add_argument("--unbounded", action="store_true",
                     help="two more variants: the kernel (alone, then with every fold) for every projection and the "
                          "head, whatever their size (the default model's fall below its bounds)")
+    ap.add_argument("--row-tiles", action="store_true",
+                    help="three more variants for steps of more than 16 rows: the folds kept to one tile of rows "
+                         "(as before the twenty-ninth session: cuBLAS and the norms' launches beyond it), and row "
+                         "tiles of 16 and of 64 rows instead of kernels.skinny_linear.WIDE_BLOCK_M")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -154,6 +158,10 @@ def main() -> None:
         variants += [("every projection and the head through the kernel, no folds", engine_len,
                       {"MIN_WEIGHT_BYTES": 0, "MIN_K": 0, "FOLD": False}),
                      ("... and every fold", engine_len, {"MIN_WEIGHT_BYTES": 0, "MIN_K": 0})]
+    if args.row_tiles:
+        variants += [("... folds within one tile of rows", engine_len, {"MAX_FOLD_ROWS": skinny_linear.MAX_ROWS}),
+                     ("... row tiles of 16 rows", engine_len, {"WIDE_BLOCK_M": 16}),
+                     ("... row tiles of 64 rows", engine_len, {"WIDE_BLOCK_M": 64})]
     cache = model.new_cache(num_blocks=b * (-(-(ctx + q) // 16)) + 2, block_size=16)
     gen = torch.Generator().manual_seed(0)
     for s in range(b):
@@ -166,7 +174,7 @@ def main() -> None:
           f"{bandwidth / 1e12:.2f} TB/s")
     results = []
     modules = {"MIN_WEIGHT_BYTES": skinny_linear, "MIN_K": skinny_linear, "SWIGLU_BLOCK_N": skinny_linear,
-               "FOLD": fused, "FOLD_NORMS": fused}
+               "MAX_FOLD_ROWS": skinny_linear, "WIDE_BLOCK_M": skinny_linear, "FOLD": fused, "FOLD_NORMS": fused}
     defaults = {name: getattr(module, name) for name, module in modules.items()}
     try:
         for name, max_len, settings in variants:

@@ -6,6 +6,13 @@
 B sequences with --context cached tokens each run one step of Q tokens (decode: Q = 1; verify:
 Q = k + 1). The floor is the bytes a step must read (every weight once, plus the cached K/V its
 queries attend to) divided by the device copy bandwidth measured in the same run.
+
+    python bench/step_bench.py --target qwen3-8b --batch 1 8 --served 256
+
+--served also runs the engine itself (target only, greedy, --context random prompt tokens per stream, EOS
+ignored) for that many tokens at each batch size: ms a decode step as a server's loop makes them (a step
+launched ahead of the host's reading, so the host's part of a step hides behind the device's) against the
+floor at the context halfway through.
 """
 
 from __future__ import annotations
@@ -21,8 +28,11 @@ import torch
 from specsplit.shared.checkpoint import load_config
 from specsplit.shared.config import ModelConfig, RopeConfig
 from specsplit.local import target_dir
+from specsplit.shared.sampling_params import SamplingParams
+from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.graphs import StepBatch, StepGraphs
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, TargetModel, load_target
+from specsplit.target_service.sequence import Request
 
 QWEN3_8B = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -103,6 +113,36 @@ def bench(model: TargetModel, batch: int, query: int, context: int, repeats: int
             "eager_over_graph": eager_ms / graph_ms}
 
 
+def served(model: TargetModel, batch: int, context: int, tokens: int, bandwidth: float) -> dict:
+    """The engine's decode steps, target only: `batch` requests of `context` random prompt tokens, `tokens`
+    each, admitted together after a short warm-up run; ms a step between the second and the last step that
+    emitted (the first carries the prefill), their median, and the floor at the context halfway through."""
+    blocks = batch * -(-(context + tokens + 16) // 16) + 16
+    engine = Engine(model, None, EngineConfig(max_batch=batch, graphed_prefill=0, kv_blocks=blocks))
+    gen = torch.Generator().manual_seed(1)
+
+    def requests(tag: str, count: int) -> list[Request]:
+        return [Request(f"{tag}{i}", torch.randint(10, 10000, (context,), generator=gen).tolist(),
+                        SamplingParams(max_tokens=count, ignore_eos=True)) for i in range(batch)]
+
+    engine.generate(requests("warm-up ", 16))
+    for request in requests("timed ", tokens):
+        engine.add(request)
+    stamps = []
+    while engine.has_work:
+        emitted = sum(len(event.token_ids) for event in engine.step())
+        if emitted:
+            stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
+    step_ms = (stamps[-1] - stamps[1]) / len(gaps) * 1e3
+    floor_ms = step_bytes(model, batch, context + tokens // 2) / bandwidth * 1e3
+    del engine
+    torch.cuda.empty_cache()
+    return {"batch": batch, "context": context, "tokens": tokens, "steps": len(gaps), "served_step_ms": step_ms,
+            "served_median_ms": statistics.median(gaps) * 1e3, "floor_ms": floor_ms,
+            "served_over_floor": step_ms / floor_ms}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="default", help="default, qwen3-8b (random weights) or an HF folder")
@@ -112,6 +152,8 @@ def main() -> None:
     ap.add_argument("--query", type=int, nargs="+", default=[1, 8, 16], help="tokens per sequence per step")
     ap.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
     ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--served", type=int, default=0, metavar="TOKENS",
+                    help="also time the engine's own decode steps over this many tokens a stream (see above)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for step_bench-<target>.json")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -133,10 +175,20 @@ def main() -> None:
             print(f"{b:>3} {q:>3} {r['eager_ms']:>9.3f} {r['unfused_graph_step_ms']:>9.3f} {r['graph_step_ms']:>9.3f} {r['graph_replay_ms']:>9.3f} "
                   f"{r['floor_ms']:>9.3f} {r['graph_over_floor']:>11.2f} {r['eager_over_graph']:>11.1f}", flush=True)
             torch.cuda.empty_cache()
+    served_rows = []
+    if args.served:
+        print(f"\nthe engine's own steps, target only, {args.served} tokens a stream from {args.context}:")
+        print(f"{'B':>3} {'ms a step':>9} {'median':>9} {'floor ms':>9} {'over floor':>10}")
+        for b in args.batch:
+            r = served(model, b, args.context, args.served, bandwidth)
+            served_rows.append(r)
+            print(f"{b:>3} {r['served_step_ms']:>9.3f} {r['served_median_ms']:>9.3f} {r['floor_ms']:>9.3f} "
+                  f"{r['served_over_floor']:>10.2f}", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"step_bench-{os.path.basename(args.target)}.json"), "w") as f:
-            json.dump({"target": args.target, "dtype": args.dtype, "bandwidth": bandwidth, "rows": rows}, f, indent=1)
+            json.dump({"target": args.target, "dtype": args.dtype, "bandwidth": bandwidth, "rows": rows,
+                       "served": served_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,10 @@ Measured and dropped (twenty-seventh session, `bench/floor_profile.py`, Qwen3-8B
 What the kernel folds in beside the product (shared/fused.py uses them where every projection of a layer
 takes the kernel): SiLU·mul of the gate and up halves (each program streams its gate rows and its up rows),
 a residual added to the rounded result, and an RMSNorm handed from the projection that writes its input to
-the one that reads it (`linear_triton_norm_out`, `PendingNorm`).
+the one that reads it (`linear_triton_norm_out`, `PendingNorm`). So that a small model's layers keep the folds
+beyond one tile of rows (eight streams' verify of 16 tokens, the DFlash drafter's blocks at eight streams),
+the kernel also runs row tiles side by side (WIDE_BLOCK_M rows each, up to MAX_FOLD_ROWS), each reading the
+weight's columns again, from L2 where the weight is below MIN_WEIGHT_BYTES; a heavier weight stays at one tile.
 """
 
 from __future__ import annotations
@@ -48,10 +51,15 @@ from ._triton import HAVE_TRITON, tl, triton
 from .activation import silu_mul_reference
 from .norm import rms_norm_reference
 
-MAX_ROWS = 16  # tl.dot's least tile; more rows go to cuBLAS, where they stop being a weight stream alone
+MAX_ROWS = 16  # tl.dot's least tile; more rows go to cuBLAS, where they stop being a weight stream alone ...
+# ... except in a decoder layer whose weights are small enough to stay in L2 (below MIN_WEIGHT_BYTES: SmolLM2's),
+# where the kernel runs row tiles of WIDE_BLOCK_M rows side by side to keep its folds (eight streams' verify)
+MAX_FOLD_ROWS = 128
+WIDE_BLOCK_M = 32
 MIN_WEIGHT_BYTES = 16 * 2 ** 20  # below, the weight can sit in L2 and a launch's latency is the cost
 MIN_K = 2048  # below, a program's stream is too short to beat cuBLAS (SmolLM2's head, K = 576)
 BLOCK_K = 256
+MAX_COLUMN_BLOCKS = 65535  # programs along N (a CUDA grid's y): 1 M columns at the narrowest tile
 SWIGLU_BLOCK_N = 16  # output columns of a SiLU·mul program, which streams twice as many weight rows
 
 
@@ -76,15 +84,19 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """Whether `linear` runs the kernel for x [..., K], this weight [N, K] and bias [N]: 16-bit CUDA tensors,
     at most MAX_ROWS rows, and (`bounded`) a weight of at least MIN_WEIGHT_BYTES and MIN_K columns. A decoder
     layer asks unbounded (shared/fused.py): where the kernel also does the norms, SiLU·mul and the residual
-    adds, it wins at any width. Never where autograd would need the product's graph (the kernel has no
+    adds, it wins at any width, and for a weight below MIN_WEIGHT_BYTES (read from L2 by every row tile) up
+    to MAX_FOLD_ROWS rows. Never where autograd would need the product's graph (the kernel has no
     backward): F.linear's then."""
     if not (HAVE_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype):
         return False  # (first: every projection of an eager forward asks, on the CPU too)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                          or (bias is not None and bias.requires_grad))
-    large = weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES and weight.shape[-1] >= MIN_K
-    return (1 <= rows <= MAX_ROWS and (large or not bounded) and weight.dim() == 2 and weight.stride(1) == 1
+    heavy = weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES
+    large = heavy and weight.shape[-1] >= MIN_K
+    most = MAX_ROWS if bounded or heavy else MAX_FOLD_ROWS  # (a heavy weight streams once, in one row tile)
+    return (1 <= rows <= most and (large or not bounded) and weight.dim() == 2 and weight.stride(1) == 1
+            and weight.shape[0] <= MAX_COLUMN_BLOCKS * MAX_ROWS  # (the launch grid's second axis)
             and x.stride(-1) == 1
             and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == x.dtype
                                   and bias.is_contiguous()))
@@ -113,15 +125,16 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, norm_ptr, weig
                           SWIGLU: tl.constexpr, ADD: tl.constexpr, NORM_OUT: tl.constexpr, NORM_IN: tl.constexpr,
                           SQUARES_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr):
-    """Program n: columns n*BLOCK_N.. of all M (<= BLOCK_M) rows, over the whole of K. With SWIGLU, the
+    """Program (m, n): columns n*BLOCK_N.. of rows m*BLOCK_M.., over the whole of K (the row tiles of one
+    column block are neighbours in launch order, so all but the first read its weight rows from L2). With SWIGLU, the
     program also streams the up rows N.. below its gate rows and stores silu(gate) * up. With ADD, the
     residual's columns are added to the rounded result. With NORM_OUT, it also writes the result times the
     norm's weight and the sum of its squares over the program's columns (a PendingNorm); with NORM_IN, x is
     such a weighted input and the first `squares_in` columns of squares_ptr its partial sums, which scale
     the float32 sums by the row's 1/rms. The loop itself is the plain kernel's: a norm folded into it
     (squares and weight on each loaded tile) made every program 2-3x slower."""
-    rm = tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     dtype = x_ptr.dtype.element_ty
     if NORM_IN:  # loaded before the loop: in flight while the weights stream
         parts = tl.arange(0, SQUARES_BLOCK)
@@ -158,7 +171,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, norm_ptr, weig
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     if NORM_OUT:  # from the rounded output, as kernels/norm.py reads it
         out = tl.where(out_mask, acc.to(dtype).to(tl.float32), 0.0)
-        tl.store(squares_ptr + rm * tl.num_programs(0) + tl.program_id(0), tl.sum(out * out, axis=1), mask=rm < M)
+        tl.store(squares_ptr + rm * tl.num_programs(1) + tl.program_id(1), tl.sum(out * out, axis=1), mask=rm < M)
         weight = tl.load(norm_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         tl.store(weighted_ptr + rm[:, None] * N + rn[None, :], (out * weight[None, :]).to(dtype), mask=out_mask)
 
@@ -167,7 +180,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   out_dtype: torch.dtype | None = None, *, swiglu: bool = False,
                   residual: torch.Tensor | None = None, norm_in: torch.Tensor | None = None,
                   eps: float = 0.0) -> torch.Tensor:
-    """x [..., K] (at most MAX_ROWS rows), weight [N, K] (rows contiguous), bias [N] -> [..., N] in out_dtype
+    """x [..., K] (any rows: MAX_ROWS a tile), weight [N, K] (rows contiguous), bias [N] -> [..., N] in out_dtype
     (default x's; float32 keeps the accumulator, as the LM head wants). swiglu (-> [..., N / 2]) and residual
     [..., N / 2 or N] as `linear_reference`. norm_in: x is a PendingNorm's `weighted` and this its `squares`
     (see `linear_triton_norm_out`), with the norm's eps."""
@@ -189,7 +202,7 @@ def _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, norm_out
     assert x.shape[-1] == k, (x.shape, weight.shape)
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    assert 1 <= rows <= MAX_ROWS and weight.stride(1) == 1 and flat.stride(1) == 1
+    assert rows >= 1 and weight.stride(1) == 1 and flat.stride(1) == 1
     assert x.dtype == weight.dtype and (bias is None or (bias.shape == (n,) and bias.is_contiguous()))
     assert not swiglu or n % 2 == 0, n
     out_n = n // 2 if swiglu else n
@@ -209,7 +222,8 @@ def _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, norm_out
     if norm_out is not None:
         weighted = torch.empty(rows, out_n, dtype=x.dtype, device=x.device)
         squares = torch.empty(rows, programs, dtype=torch.float32, device=x.device)
-    _skinny_linear_kernel[(programs,)](
+    block_m = MAX_ROWS if rows <= MAX_ROWS else WIDE_BLOCK_M
+    _skinny_linear_kernel[(triton.cdiv(rows, block_m), programs)](
         flat, weight, flat if bias is None else bias, flat if residual is None else residual, y,
         flat if norm_out is None else norm_out, y if weighted is None else weighted,
         norm_in if norm_in is not None else (y if squares is None else squares), rows, out_n, k, flat.stride(0),
@@ -217,7 +231,7 @@ def _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, norm_out
         0 if norm_in is None else norm_in.shape[1], eps, HAS_BIAS=bias is not None, SWIGLU=swiglu,
         ADD=residual is not None, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
         SQUARES_BLOCK=1 if norm_in is None else triton.next_power_of_2(norm_in.shape[1]),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(k))),
-        num_warps=2, num_stages=4)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(k))),
+        num_warps=2 if block_m <= MAX_ROWS else 4, num_stages=4)
     shape = (*x.shape[:-1], out_n)
     return y.view(shape), None if norm_out is None else PendingNorm(weighted.view(shape), squares)

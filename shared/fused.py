@@ -3,12 +3,13 @@
 One GEMM for q/k/v and one for gate/up (the layer's projection weights concatenated once, the modules' own
 weights becoming views of the result, so nothing is stored twice and the eager forward reads the same memory),
 the residual add fused into each RMSNorm, RoPE fused with the write of k/v into a paged pool, SiLU·mul in one
-kernel: ten launches a layer. For up to 16 rows of 16-bit CUDA tensors (decode steps, one stream's verify)
-every projection goes through `kernels.skinny_linear`'s kernel whatever its width (`folds_into_projections`),
-which also does the residual adds and SiLU·mul on the tile it stores, and the norms between projections: the
-projection that writes a norm's input also writes it times the norm's weight and its programs' sums of squares
-(`kernels.skinny_linear.PendingNorm`), and the one that reads it scales its sums by 1/rms at the end (bfloat16
-only, see `HANDED_NORM_DTYPES`): seven launches a layer. (Fusing them into cuBLAS's neighbours instead was
+kernel: ten launches a layer. For up to 16 rows of 16-bit CUDA tensors (decode steps, one stream's verify), or
+up to 128 where every weight of the layer is small enough to stay in L2 (a model of SmolLM2's size: eight
+streams' verify, the DFlash drafter's blocks), every projection goes through `kernels.skinny_linear`'s kernel
+whatever its width (`folds_into_projections`), which also does the residual adds and SiLU·mul on the tile it
+stores, and the norms between projections: the projection that writes a norm's input also writes it times the
+norm's weight and its programs' sums of squares (`kernels.skinny_linear.PendingNorm`), and the one that reads
+it scales its sums by 1/rms at the end (bfloat16 only, see `HANDED_NORM_DTYPES`): seven launches a layer. (Fusing them into cuBLAS's neighbours instead was
 measured slower on the H200: every program of a GEMM recomputed the activation or the norm for its rows; see
 the README's fifteenth session and kernels/skinny_linear.py.)
 Where keys come from and how queries attend is the caller's: the target attends causally over its KV

@@ -17,7 +17,7 @@ from specsplit.shared import fused
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.layers import DecoderLayer
 from specsplit.kernels.norm import rms_norm_reference
-from specsplit.kernels.skinny_linear import (MAX_ROWS, linear, linear_reference, linear_triton,
+from specsplit.kernels.skinny_linear import (MAX_FOLD_ROWS, MAX_ROWS, linear, linear_reference, linear_triton,
                                              linear_triton_norm_out, takes_kernel)
 from tests.kernel_checks import captured, run_interpreted
 
@@ -143,16 +143,22 @@ def check_fused_layers_interpreted() -> None:
     fused.HANDED_NORM_DTYPES = (torch.float16,)  # the interpreter has no bfloat16; these values stay in range
     for model_type in ("llama", "qwen3"):
         cfg = fold_config(model_type)
-        assert_fused_layers_fold("cpu", torch.float16, cfg, random_layers(cfg, "cpu", torch.float16), rows=3)
+        layers = random_layers(cfg, "cpu", torch.float16)
+        for rows in (3, WIDE + 3):
+            assert_fused_layers_fold("cpu", torch.float16, cfg, layers, rows)
+
+
+WIDE = skinny_linear.WIDE_BLOCK_M
 
 
 def check_triton_interpreted() -> None:
     """Run with TRITON_INTERPRET=1 set before triton is imported (test_triton_interpreted does). Float16:
     the interpreter computes with numpy, which has no bfloat16 (its bf16 loads read garbage)."""
     for rows, k, n, bias, seed in ((1, 300, 40, False, 0), (MAX_ROWS, 520, 33, True, 1), (5, 64, 16, False, 2),
-                                   (1, 520, 33, True, 3)):
+                                   (1, 520, 33, True, 3), (2 * WIDE + 5, 300, 40, True, 4)):
         assert_matches(*operands(rows, k, n, bias, seed, dtype=torch.float16))
-    for rows, k, n, bias, seed in ((1, 300, 40, False, 0), (MAX_ROWS, 520, 34, True, 1), (5, 64, 32, True, 2)):
+    for rows, k, n, bias, seed in ((1, 300, 40, False, 0), (MAX_ROWS, 520, 34, True, 1), (5, 64, 32, True, 2),
+                                   (2 * WIDE + 5, 300, 34, True, 3)):  # (row tiles side by side, one partial)
         assert_folds_match(*fold_operands(rows, k, n, bias, seed, dtype=torch.float16))
     check_fused_layers_interpreted()
     print("interpreted skinny linear ok")
@@ -297,7 +303,10 @@ def test_which_calls_take_the_kernel(monkeypatch):
         assert not takes_kernel(Cuda((1, 4096), last_stride=2), big), "x's columns strided"
         assert takes_kernel(Cuda((1, 576)), small, bounded=False) and takes_kernel(Cuda((16, 576)), narrow,
                                                                                    bounded=False), "a layer's ask"
-        assert not takes_kernel(Cuda((MAX_ROWS + 1, 576)), small, bounded=False), "more rows than a tile, unbounded"
+        assert takes_kernel(Cuda((MAX_FOLD_ROWS, 576)), small, bounded=False), "row tiles of a weight in L2"
+        assert not takes_kernel(Cuda((MAX_FOLD_ROWS + 1, 576)), small, bounded=False), "more rows than that"
+        assert not takes_kernel(Cuda((MAX_ROWS + 1, 4096)), big, bounded=False), "a heavy weight: one tile"
+        assert not takes_kernel(Cuda((1, 576)), Cuda((16 * 65536, 576)), bounded=False), "past the grid's columns"
         assert not takes_kernel(Cuda((1, 576), torch.float32, itemsize=4), Cuda((960, 576), torch.float32,
                                                                                itemsize=4), bounded=False)
     assert not takes_kernel(Cuda((1, 4096), grad=True), big), "under autograd: F.linear's backward"
@@ -346,17 +355,28 @@ def test_folds_match_torch_cuda(k, n, rows):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("k,n", [(576, 960), (576, 576), (576, 3072), (1536, 576)])  # SmolLM2's projections
+@pytest.mark.parametrize("rows", [17, 64, 100, MAX_FOLD_ROWS])
+def test_folds_match_torch_cuda_row_tiles(k, n, rows):
+    """Past one tile of rows, where a layer's weights stay in L2: the product and every fold."""
+    assert_matches(*operands(rows, k, n, n == 960, 5, "cuda"))
+    assert_folds_match(*fold_operands(rows, k, n, n == 960, 9, "cuda"))
+    assert_folds_match(*fold_operands(rows, k, n, n == 6144, 9, "cuda"))
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("model_type,widths", [("llama", "qwen3-8b"), ("qwen3", "qwen3-8b"), ("llama", "smollm2")])
 def test_fused_layers_fold_cuda(model_type, widths):
     """Two layers of Qwen3-8B's or SmolLM2-135M's widths (every projection takes the kernel, none forced)
-    folded against unfolded, at one and sixteen rows."""
+    folded against unfolded, at one and sixteen rows (SmolLM2's also at 40 and 128: row tiles)."""
     hidden, ffn, heads, kv_heads, head_dim = (4096, 12288, 32, 8, 128) if widths == "qwen3-8b" else (576, 1536, 9,
                                                                                                    3, 64)
     cfg = ModelConfig(model_type=model_type, vocab_size=64, hidden_size=hidden, intermediate_size=ffn,
                       num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       head_dim=head_dim, qk_norm=model_type == "qwen3")
     layers = random_layers(cfg, "cuda", torch.bfloat16)
-    for rows in (1, MAX_ROWS):
+    for rows in (1, MAX_ROWS) + ((40, MAX_FOLD_ROWS) if widths == "smollm2" else ()):
         assert_fused_layers_fold("cuda", torch.bfloat16, cfg, layers, rows)
 
 

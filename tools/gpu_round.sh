@@ -31,6 +31,10 @@
 #   bash tools/gpu_round.sh fold-small  # the default model's step with the kernel and its folds below their bounds
 #   bash tools/gpu_round.sh fold-default  # ... taken by every decoder layer: GPU tests, step_bench default
 #   bash tools/gpu_round.sh fold-served   # ... served tokens/s with the folds against without
+#   bash tools/gpu_round.sh tiles     # the folds past 16 rows (row tiles, small weights): the default step's variants, served steps
+#   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
+#   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
+#   bash tools/gpu_round.sh served-8b     # the 8B-shaped step as the engine serves it, against its floor
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
@@ -362,6 +366,38 @@ fold-served)
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
     for k, v in d[b].items() if 'over' in k or 'differing' in k}) for b in d if b.startswith('batch')]" \
     "$OUT/split_fold.json" 2>&1 | log
+  ;;
+tiles)
+  # (twenty-ninth session) the folds stopped at 16 rows: eight streams' verify (128 rows) and the DFlash
+  # drafter's blocks at eight streams kept cuBLAS and ten launches a layer. Row tiles side by side for weights
+  # in L2: the default model's step at 8 x 16 and 4 x 16 in variants (folds kept to one tile; row tiles of
+  # 16 / 32 / 64 rows), then the goal's table with the engine's own served steps
+  for bq in "8 16" "4 16"; do
+    set -- $bq
+    timeout 120 python bench/floor_profile.py --target default --row-tiles --batch $1 --query $2 --out "$OUT" 2>&1 \
+      | grep -v INFO | grep -E "replay|x  |a layer" | log
+  done
+  timeout 250 python bench/step_bench.py --target default --batch 1 8 --query 1 16 --repeats 50 --served 256 \
+    --out "$OUT" 2>&1 | grep -v INFO | log
+  ;;
+tiles-tests)
+  timeout 500 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py tests/test_step_graphs.py \
+    tests/test_dflash_graphs.py tests/test_chain.py tests/test_graphed_prefill.py 2>&1 \
+    | grep -E "drafts accepted|Error|error|assert|FAILED|passed|failed" | tail -30 | log
+  ;;
+tiles-served)
+  timeout 500 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --also-unfolded --rounds 3 --json-out "$OUT/split_tiles.json" 2>&1 | grep -v INFO | grep -E "folds" | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
+    for k, v in d[b].items() if 'over' in k or 'differing' in k or k == 'rounds' or 'tok' in k}) for b in d if b.startswith('batch')]" \
+    "$OUT/split_tiles.json" 2>&1 | log
+  ;;
+served-8b)
+  # (twenty-ninth session) the goal is the 8B step at one stream within 1.15x its floor: step_bench's "step" is the
+  # host's packing, a launch and a wait in series (4.65 ms, 1.21x), its replay 4.43 (1.15x); the engine launches
+  # a decode step before reading the one before, so what it serves is between the two
+  timeout 500 python bench/step_bench.py --target qwen3-8b --batch 1 8 --query 1 16 --repeats 50 --served 256 \
+    --out "$OUT" 2>&1 | grep -v INFO | log
   ;;
 fold-check)
   # (after the twenty-eighth session, not run yet) what that session changed after its device time was spent:
