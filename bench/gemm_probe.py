@@ -100,6 +100,9 @@ def main() -> None:
     parser.add_argument("--tune-cold", action="store_true",
                         help="with --cold-copies: time every tile cold (BLOCK_K up to 512, 3-6 stages) and take "
                              "the best cold tile, printing the five best")
+    parser.add_argument("--row-tiles", action="store_true",
+                        help="past 16 rows, a GEMM's grid of tiles (32-128 rows by 32-128 columns, 4 or 8 warps) "
+                             "instead of the few-rows kernel's (kernels/skinny_linear.py's row tiles, 29th session)")
     args = parser.parse_args()
     if args.tune_cold and args.cold_copies <= 0:
         parser.error("--tune-cold needs --cold-copies")
@@ -133,7 +136,12 @@ def main() -> None:
             cold_copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5 for _ in range(count)]
         tiles_cold = []
         block_ms = [16] if m <= 16 else [16, 64]
-        for bm, bn, bk, warps, stages in itertools.product(block_ms, block_ns, block_ks, warp_counts, stage_counts):
+        grid = itertools.product(block_ms, block_ns, block_ks, warp_counts, stage_counts)
+        shipped = [(16, 16, 256, 2, 4), (32, 16, 256, 4, 4)]  # (the few-rows kernel's tiles, at 16 and past)
+        if args.row_tiles and m > 16:
+            grid = itertools.chain(itertools.product((32, 64, 128), (32, 64, 128), (64, 128), (4, 8), (3,)), shipped)
+        timed = []
+        for bm, bn, bk, warps, stages in grid:
             try:
                 got = skinny(x, w, bm, bn, bk, warps, stages)
             except Exception as e:  # a tile that does not fit the SM's shared memory: skip it
@@ -149,9 +157,14 @@ def main() -> None:
                 tiles_cold.append((us, tile))
             else:
                 us = time_us(lambda: skinny(x, w, bm, bn, bk, warps, stages), args.calls, args.replays, graph=True)
+            timed.append((us, (bm, bn, bk, warps, stages)))
             if best is None or us < best[0]:
                 best = (us, tile)
         del cold_copies
+        if args.row_tiles and m > 16:
+            ranked = sorted(timed)
+            for us, t in ranked[:5] + [r for r in ranked if r[1] in shipped]:
+                print(f"  {name} M={m}: {us:7.2f} µs  {t}{'  (shipped)' if t in shipped else ''}")
         for us, t in sorted(tiles_cold, key=lambda c: c[0])[:5]:
             print(f"  cold {name} M={m}: {us:7.2f} µs  {t}")
         tile = best[1]
