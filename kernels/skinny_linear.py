@@ -36,8 +36,8 @@ takes the kernel): SiLU·mul of the gate and up halves (each program streams its
 a residual added to the rounded result, and an RMSNorm handed from the projection that writes its input to
 the one that reads it (`linear_triton_norm_out`, `PendingNorm`). So that a small model's layers keep the folds
 beyond one tile of rows (eight streams' verify of 16 tokens, the DFlash drafter's blocks at eight streams),
-the kernel also runs row tiles side by side (WIDE_BLOCK_M rows each, up to MAX_FOLD_ROWS), each reading the
-weight's columns again, from L2 where the weight is below MIN_WEIGHT_BYTES; a heavier weight stays at one tile.
+the kernel also runs row tiles side by side (WIDE_TILE's, up to MAX_FOLD_ROWS rows), each reading the weight's
+columns again, from L2 where the weight is below MIN_WEIGHT_BYTES; a heavier weight stays at one tile.
 """
 
 from __future__ import annotations
@@ -53,9 +53,12 @@ from .norm import rms_norm_reference
 
 MAX_ROWS = 16  # tl.dot's least tile; more rows go to cuBLAS, where they stop being a weight stream alone ...
 # ... except in a decoder layer whose weights are small enough to stay in L2 (below MIN_WEIGHT_BYTES: SmolLM2's),
-# where the kernel runs row tiles of WIDE_BLOCK_M rows side by side to keep its folds (eight streams' verify)
+# where the kernel runs row tiles side by side (WIDE_TILE) to keep its folds (eight streams' verify)
 MAX_FOLD_ROWS = 128
-WIDE_BLOCK_M = 32
+# (rows, columns, K) of a program past MAX_ROWS rows, its warps and pipeline stages: a GEMM's tile (the best of
+# bench/gemm_probe.py --row-tiles at 64 and 128 rows of SmolLM2's projections on the H200, 2.9-4.7 µs each,
+# 0.95-1.07x cuBLAS; the few-rows tile stacked 32 rows deep took 4.3-10.5 µs, 2.9x cuBLAS for gate/up)
+WIDE_TILE = (64, 32, 128, 4, 3)
 MIN_WEIGHT_BYTES = 16 * 2 ** 20  # below, the weight can sit in L2 and a launch's latency is the cost
 MIN_K = 2048  # below, a program's stream is too short to beat cuBLAS (SmolLM2's head, K = 576)
 BLOCK_K = 256
@@ -215,14 +218,16 @@ def _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, norm_out
     assert norm_out is None or (norm_out.shape == (out_n,) and norm_out.dtype == x.dtype
                                 and norm_out.is_contiguous()), norm_out
     y = torch.empty(rows, out_n, dtype=out_dtype or x.dtype, device=x.device)
-    # (the best of the probe's tiles at Qwen3-8B's widths)
-    block_n = SWIGLU_BLOCK_N if swiglu else 32 if n >= 16384 else 16
+    if rows <= MAX_ROWS:  # (the best of the probe's tiles at Qwen3-8B's widths)
+        block_n = SWIGLU_BLOCK_N if swiglu else 32 if n >= 16384 else 16
+        block_m, block_k, warps, stages = MAX_ROWS, BLOCK_K, 2, 4
+    else:
+        block_m, block_n, block_k, warps, stages = WIDE_TILE
     programs = triton.cdiv(out_n, block_n)
     weighted = squares = None
     if norm_out is not None:
         weighted = torch.empty(rows, out_n, dtype=x.dtype, device=x.device)
         squares = torch.empty(rows, programs, dtype=torch.float32, device=x.device)
-    block_m = MAX_ROWS if rows <= MAX_ROWS else WIDE_BLOCK_M
     _skinny_linear_kernel[(triton.cdiv(rows, block_m), programs)](
         flat, weight, flat if bias is None else bias, flat if residual is None else residual, y,
         flat if norm_out is None else norm_out, y if weighted is None else weighted,
@@ -231,7 +236,7 @@ def _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, norm_out
         0 if norm_in is None else norm_in.shape[1], eps, HAS_BIAS=bias is not None, SWIGLU=swiglu,
         ADD=residual is not None, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
         SQUARES_BLOCK=1 if norm_in is None else triton.next_power_of_2(norm_in.shape[1]),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(k))),
-        num_warps=2 if block_m <= MAX_ROWS else 4, num_stages=4)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))),
+        num_warps=warps, num_stages=stages)
     shape = (*x.shape[:-1], out_n)
     return y.view(shape), None if norm_out is None else PendingNorm(weighted.view(shape), squares)

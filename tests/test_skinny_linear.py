@@ -148,7 +148,7 @@ def check_fused_layers_interpreted() -> None:
             assert_fused_layers_fold("cpu", torch.float16, cfg, layers, rows)
 
 
-WIDE = skinny_linear.WIDE_BLOCK_M
+WIDE = skinny_linear.WIDE_TILE[0]
 
 
 def check_triton_interpreted() -> None:

@@ -381,7 +381,7 @@ tiles)
     --out "$OUT" 2>&1 | grep -v INFO | log
   ;;
 tiles-tests)
-  timeout 500 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py tests/test_step_graphs.py \
+  timeout 470 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py tests/test_step_graphs.py \
     tests/test_dflash_graphs.py tests/test_chain.py tests/test_graphed_prefill.py 2>&1 \
     | grep -E "drafts accepted|Error|error|assert|FAILED|passed|failed" | tail -30 | log
   ;;
