@@ -276,11 +276,15 @@ def training_prompts(seed: int = 0, **sizes: int) -> list[Prompt]:
 
 
 def heldout_prompts(*, written: int = 24, templated: int = 8, requests: int = 8, code: int = 24, math: int = 16,
-                    seed: int = 0) -> list[Prompt]:
+                    seed: int = 0, trained: bool = False) -> list[Prompt]:
     """A deterministic held-out set: by default 40 chat prompts of three sources, 24 code prefixes and 16
     word problems (kind math) from held-out templates. (Before math was a kind, the templated chat
-    source drew word problems too, as chat prompts held out by their text; they stay so.)"""
-    files = [f for f in stdlib_files() if is_heldout(f[0])]
+    source drew word problems too, as chat prompts held out by their text; they stay so.)
+
+    `trained`: the same draw from the training side instead (keys outside the held-out bucket, none of the
+    held-out file's texts, math from the trained templates): the drafter's tau on prompts like those it
+    trained on, beside the held-out tau, says whether a kind is short of data or of the drafter."""
+    files = [f for f in stdlib_files() if is_heldout(f[0]) != trained]
     chat_problems = [Prompt("chat", p.text, p.text) for p in word_problems(600, seed)]
     sources = (
         (written_instructions(), written),
@@ -288,12 +292,13 @@ def heldout_prompts(*, written: int = 24, templated: int = 8, requests: int = 8,
         (code_requests(files, 1, seed), requests),
         (code_prefixes(files, 1, seed, min_chars=200, max_chars=480), code),
         # Only templates no checkpoint trained on (until math was a kind, word problems were split by text).
-        (word_problems(200, seed, heldout_templates=True), math),
+        (word_problems(200, seed, heldout_templates=not trained), math),
     )
+    banned = {p.text for p in read_prompts(HELDOUT_PATH)} if trained and HELDOUT_PATH.is_file() else set()
     rng = random.Random(seed)
     out: list[Prompt] = []
     for prompts, count in sources:
-        held = [p for p in prompts if is_heldout(p.key)]
+        held = [p for p in prompts if is_heldout(p.key) != trained and p.text not in banned]
         out += rng.sample(held, min(count, len(held)))
     return out
 

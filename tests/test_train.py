@@ -244,6 +244,19 @@ def test_heldout_prompts_are_never_trained_on():
     assert not {p.key for p in heldout if p.kind in ("code", "math")} & {p.key for p in training}
 
 
+@pytest.mark.slow  # (~5 s: the standard library's files are read)
+def test_the_trained_side_draw_is_the_held_out_draws_twin():
+    """heldout_prompts(trained=True): as many prompts of each kind as the held-out set, none of them held out
+    by key or text (so a drafter's tau on them is its tau on prompts like those it trained on)."""
+    heldout = train_data.read_prompts(train_data.HELDOUT_PATH)
+    trained = train_data.heldout_prompts(trained=True)
+    kinds = [p.kind for p in heldout]
+    assert sorted(p.kind for p in trained) == sorted(kinds)
+    assert not any(train_data.is_heldout(p.key) for p in trained)
+    assert not {p.text for p in heldout} & {p.text for p in trained}
+    assert all(train_data.is_heldout(p.key) for p in train_data.heldout_prompts())
+
+
 def test_word_problems_are_held_out_by_template():
     """A held-out template's problems never reach training, whatever numbers are drawn into them; the
     held-out file's math prompts come only from templates no checkpoint was trained on."""

@@ -35,6 +35,7 @@
 #   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
 #   bash tools/gpu_round.sh served-8b     # the 8B-shaped step as the engine serves it, against its floor
+#   bash tools/gpu_round.sh tau-sides     # issue 10: the shipped drafter's tau on held-out prompts and on trained-side ones
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
@@ -226,6 +227,18 @@ eval)
   for batch in 1 16; do
     specsplit eval-acceptance --device cuda --dtype bfloat16 --drafter dflash --max-tokens 128 --batch $batch 2>&1 \
       | grep -v INFO | tail -20 | log
+  done
+  ;;
+tau-sides)
+  # (twenty-ninth session, issue 10) chat's held-out tau has stood at 3.02-3.06 over six runs whatever the recipe:
+  # is chat short of data like it (a drafter that does better on prompts like those it trained on) or is it the
+  # drafter? The shipped drafter on the held-out prompts and on the same draw from the training side, float32
+  python -c "from specsplit.train_data import heldout_prompts, write_prompts; import sys; \
+    write_prompts(sys.argv[1], heldout_prompts(trained=True))" /tmp/trained_side.jsonl
+  for prompts in specsplit/data/heldout_prompts.jsonl /tmp/trained_side.jsonl; do
+    echo "prompts: $prompts" | log
+    specsplit eval-acceptance --device cuda --dtype float32 --drafter dflash --max-tokens 128 --prompts $prompts 2>&1 \
+      | grep -v INFO | tail -12 | log
   done
   ;;
 serving)
