@@ -118,6 +118,9 @@ def main() -> None:
     ap.add_argument("--serving", type=int, default=0, metavar="N",
                     help="instead: N held-out prompts through --batch slots, admitted as others end, in-process")
     ap.add_argument("--max-tokens", type=int, default=128, help="(--serving) tokens per request")
+    ap.add_argument("--target-only", action="store_true",
+                    help="the steady-state profiles of the engine with no drafter too (its decode steps launched "
+                         "ahead: where the host's part of a step outlasts the device's, the device waits)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -139,6 +142,11 @@ def main() -> None:
                 print(text, flush=True)
                 texts.append(text)
         args.batch = []  # (the steady-state profiles below are not run)
+    for batch in args.batch if args.target_only else ():
+        text = "target-only " + profile_engine(Engine(model, None, EngineConfig(max_batch=batch)), tokenizer, batch,
+                                               args.steps, args.device)
+        print(text, flush=True)
+        texts.append(text)
     for batch in args.batch:
         text = "in-process " + profile_engine(Engine(model, local, EngineConfig(max_batch=batch)), tokenizer, batch,
                                               args.steps, args.device)

@@ -35,6 +35,7 @@
 #   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
 #   bash tools/gpu_round.sh served-8b     # the 8B-shaped step as the engine serves it, against its floor
+#   bash tools/gpu_round.sh host-steps    # where the host's part of a steady decode step goes, target only and in-process
 #   bash tools/gpu_round.sh tau-sides     # issue 10: the shipped drafter's tau on held-out prompts and on trained-side ones
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
@@ -228,6 +229,13 @@ eval)
     specsplit eval-acceptance --device cuda --dtype bfloat16 --drafter dflash --max-tokens 128 --batch $batch 2>&1 \
       | grep -v INFO | tail -20 | log
   done
+  ;;
+host-steps)
+  # (twenty-ninth session) the engine served the default model's decode at 0.90 ms a step against a replay of 0.82
+  # (step_bench --served): with each step launched before the last is read, the host's part of a step outlasts
+  # the device's. Where it goes, target only and in-process, one and eight streams, steady state
+  timeout 300 python bench/host_profile.py --batch 1 8 --target-only --steps 300 --out "$OUT" 2>&1 | grep -v INFO \
+    | grep -E -A22 "ms/step" | log
   ;;
 tau-sides)
   # (twenty-ninth session, issue 10) chat's held-out tau has stood at 3.02-3.06 over six runs whatever the recipe:
