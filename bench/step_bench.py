@@ -113,7 +113,7 @@ def bench(model: TargetModel, batch: int, query: int, context: int, repeats: int
             "eager_over_graph": eager_ms / graph_ms}
 
 
-def served(model: TargetModel, batch: int, context: int, tokens: int, bandwidth: float) -> dict:
+def served(model: TargetModel, batch: int, context: int, tokens: int, bandwidth: float, trace: bool = False) -> dict:
     """The engine's decode steps, target only: `batch` requests of `context` random prompt tokens, `tokens`
     each, admitted together after a short warm-up run; ms a step between the second and the last step that
     emitted (the first carries the prefill), their median, and the floor at the context halfway through."""
@@ -136,11 +136,52 @@ def served(model: TargetModel, batch: int, context: int, tokens: int, bandwidth:
     gaps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
     step_ms = (stamps[-1] - stamps[1]) / len(gaps) * 1e3
     floor_ms = step_bytes(model, batch, context + tokens // 2) / bandwidth * 1e3
+    idle = device_idle(engine, requests("traced ", 48)) if trace else None
     del engine
     torch.cuda.empty_cache()
     return {"batch": batch, "context": context, "tokens": tokens, "steps": len(gaps), "served_step_ms": step_ms,
             "served_median_ms": statistics.median(gaps) * 1e3, "floor_ms": floor_ms,
-            "served_over_floor": step_ms / floor_ms}
+            "served_over_floor": step_ms / floor_ms, "device_idle": idle}
+
+
+def device_idle(engine: Engine, batch: list[Request]) -> dict:
+    """The engine's steps over `batch` under the torch profiler (CUDA activity): how long the device stood idle
+    between its kernels and copies, and where (the pairs of work on either side of the longest total idle). A
+    device idle before each step's graph is the host's part of a step showing; none means the served step's
+    time over a replay is device work outside the graph (copies, the fed token's kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for request in batch:
+        engine.add(request)
+    for _ in range(4):  # the prefill and the first launches
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        steps = 0
+        while engine.has_work:
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+    work = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    sites: dict[tuple[str, str], float] = {}
+    idle, end, before = 0.0, work[0][1], work[0][2]
+    for start, stop, name in work[1:]:
+        if start > end:
+            idle += start - end
+            site = (short_name(before), short_name(name))
+            sites[site] = sites.get(site, 0.0) + start - end
+        if stop >= end:
+            end, before = stop, name
+    span = end - work[0][0]
+    top = sorted(sites.items(), key=lambda kv: -kv[1])[:6]
+    return {"steps": steps, "span_us_per_step": span / steps, "idle_us_per_step": idle / steps,
+            "work_items_per_step": len(work) / steps,
+            "idle_sites_us_per_step": [{"after": a, "before": b, "us": us / steps} for (a, b), us in top]}
+
+
+def short_name(name: str) -> str:
+    return name if len(name) <= 48 else name[:45] + "..."
 
 
 def main() -> None:
@@ -154,6 +195,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--served", type=int, default=0, metavar="TOKENS",
                     help="also time the engine's own decode steps over this many tokens a stream (see above)")
+    ap.add_argument("--trace-served", action="store_true",
+                    help="with --served: 48 more tokens under the profiler, where the device stood idle")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for step_bench-<target>.json")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -180,10 +223,17 @@ def main() -> None:
         print(f"\nthe engine's own steps, target only, {args.served} tokens a stream from {args.context}:")
         print(f"{'B':>3} {'ms a step':>9} {'median':>9} {'floor ms':>9} {'over floor':>10}")
         for b in args.batch:
-            r = served(model, b, args.context, args.served, bandwidth)
+            r = served(model, b, args.context, args.served, bandwidth, trace=args.trace_served)
             served_rows.append(r)
             print(f"{b:>3} {r['served_step_ms']:>9.3f} {r['served_median_ms']:>9.3f} {r['floor_ms']:>9.3f} "
                   f"{r['served_over_floor']:>10.2f}", flush=True)
+            if r["device_idle"]:
+                idle = r["device_idle"]
+                print(f"    traced ({idle['steps']} steps): device busy from first to last "
+                      f"{idle['span_us_per_step']:.1f} µs a step, idle {idle['idle_us_per_step']:.1f} µs of it, "
+                      f"{idle['work_items_per_step']:.1f} kernels and copies a step; idle by site (µs a step):")
+                for site in idle["idle_sites_us_per_step"]:
+                    print(f"      {site['us']:7.1f}  after {site['after']}  before {site['before']}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"step_bench-{os.path.basename(args.target)}.json"), "w") as f:

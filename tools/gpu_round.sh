@@ -36,6 +36,7 @@
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
 #   bash tools/gpu_round.sh served-8b     # the 8B-shaped step as the engine serves it, against its floor
 #   bash tools/gpu_round.sh host-steps    # where the host's part of a steady decode step goes, target only and in-process
+#   bash tools/gpu_round.sh served-trace  # the served decode steps under the profiler: where the device stands idle
 #   bash tools/gpu_round.sh tau-sides     # issue 10: the shipped drafter's tau on held-out prompts and on trained-side ones
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
@@ -237,6 +238,15 @@ host-steps)
   timeout 300 python bench/host_profile.py --batch 1 8 --target-only --steps 300 --out "$OUT" 2>&1 | grep -v INFO \
     | grep -E -A22 "ms/step" | log
   ;;
+served-trace)
+  # (twenty-ninth session) the engine's served decode step took 0.897 ms against a replay of 0.825 (default model)
+  # and 4.59 against 4.47 (8B shape): is that the device idle, waiting for the host, or device work outside the
+  # graph? The served steps under the profiler, where the device stood idle
+  timeout 200 python bench/step_bench.py --target default --batch 1 8 --query 1 --repeats 20 --served 256 \
+    --trace-served --out "$OUT" 2>&1 | grep -v INFO | log
+  timeout 200 python bench/step_bench.py --target qwen3-8b --batch 1 --query 1 --repeats 20 --served 128 \
+    --trace-served --out "$OUT" 2>&1 | grep -v INFO | log
+  ;;
 tau-sides)
   # (twenty-ninth session, issue 10) chat's held-out tau has stood at 3.02-3.06 over six runs whatever the recipe:
   # is chat short of data like it (a drafter that does better on prompts like those it trained on) or is it the
@@ -246,7 +256,7 @@ tau-sides)
   for prompts in specsplit/data/heldout_prompts.jsonl /tmp/trained_side.jsonl; do
     echo "prompts: $prompts" | log
     specsplit eval-acceptance --device cuda --dtype float32 --drafter dflash --max-tokens 128 --prompts $prompts 2>&1 \
-      | grep -v INFO | tail -12 | log
+      | grep -v INFO | tail -24 | log
   done
   ;;
 serving)
