@@ -117,7 +117,9 @@ def served(model: TargetModel, batch: int, context: int, tokens: int, bandwidth:
     """The engine's decode steps, target only: `batch` requests of `context` random prompt tokens, `tokens`
     each, admitted together after a short warm-up run; ms a step between the second and the last step that
     emitted (the first carries the prefill), their median, and the floor at the context halfway through."""
-    blocks = batch * -(-(context + tokens + 16) // 16) + 16
+    if tokens < 3:
+        raise SystemExit("--served needs at least 3 tokens (the first step carries the prefill)")
+    blocks = batch * -(-(context + max(tokens, 48) + 16) // 16) + 16
     engine = Engine(model, None, EngineConfig(max_batch=batch, graphed_prefill=0, kv_blocks=blocks))
     gen = torch.Generator().manual_seed(1)
 
@@ -164,6 +166,8 @@ def device_idle(engine: Engine, batch: list[Request]) -> dict:
         torch.cuda.synchronize()
     work = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not work or not steps:
+        return {"steps": steps, "note": "the profiler saw no device work"}
     sites: dict[tuple[str, str], float] = {}
     idle, end, before = 0.0, work[0][1], work[0][2]
     for start, stop, name in work[1:]:
@@ -227,7 +231,9 @@ def main() -> None:
             served_rows.append(r)
             print(f"{b:>3} {r['served_step_ms']:>9.3f} {r['served_median_ms']:>9.3f} {r['floor_ms']:>9.3f} "
                   f"{r['served_over_floor']:>10.2f}", flush=True)
-            if r["device_idle"]:
+            if r["device_idle"] and "note" in r["device_idle"]:
+                print(f"    traced: {r['device_idle']['note']}")
+            elif r["device_idle"]:
                 idle = r["device_idle"]
                 print(f"    traced ({idle['steps']} steps): device busy from first to last "
                       f"{idle['span_us_per_step']:.1f} µs a step, idle {idle['idle_us_per_step']:.1f} µs of it, "

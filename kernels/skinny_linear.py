@@ -63,6 +63,7 @@ MIN_WEIGHT_BYTES = 16 * 2 ** 20  # below, the weight can sit in L2 and a launch'
 MIN_K = 2048  # below, a program's stream is too short to beat cuBLAS (SmolLM2's head, K = 576)
 BLOCK_K = 256
 MAX_COLUMN_BLOCKS = 65535  # programs along N (a CUDA grid's y): 1 M columns at the narrowest tile
+NARROWEST_BLOCK_N = 16  # (a few-rows program's columns, SWIGLU_BLOCK_N's included)
 SWIGLU_BLOCK_N = 16  # output columns of a SiLU·mul program, which streams twice as many weight rows
 
 
@@ -99,7 +100,7 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     large = heavy and weight.shape[-1] >= MIN_K
     most = MAX_ROWS if bounded or heavy else MAX_FOLD_ROWS  # (a heavy weight streams once, in one row tile)
     return (1 <= rows <= most and (large or not bounded) and weight.dim() == 2 and weight.stride(1) == 1
-            and weight.shape[0] <= MAX_COLUMN_BLOCKS * MAX_ROWS  # (the launch grid's second axis)
+            and weight.shape[0] <= MAX_COLUMN_BLOCKS * NARROWEST_BLOCK_N  # (the launch grid's second axis)
             and x.stride(-1) == 1
             and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == x.dtype
                                   and bias.is_contiguous()))
@@ -183,7 +184,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   out_dtype: torch.dtype | None = None, *, swiglu: bool = False,
                   residual: torch.Tensor | None = None, norm_in: torch.Tensor | None = None,
                   eps: float = 0.0) -> torch.Tensor:
-    """x [..., K] (any rows: MAX_ROWS a tile), weight [N, K] (rows contiguous), bias [N] -> [..., N] in out_dtype
+    """x [..., K] (up to MAX_FOLD_ROWS rows: MAX_ROWS a tile, WIDE_TILE's past it), weight [N, K] (rows contiguous), bias [N] -> [..., N] in out_dtype
     (default x's; float32 keeps the accumulator, as the LM head wants). swiglu (-> [..., N / 2]) and residual
     [..., N / 2 or N] as `linear_reference`. norm_in: x is a PendingNorm's `weighted` and this its `squares`
     (see `linear_triton_norm_out`), with the norm's eps."""
@@ -205,7 +206,8 @@ def _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, norm_out
     assert x.shape[-1] == k, (x.shape, weight.shape)
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    assert rows >= 1 and weight.stride(1) == 1 and flat.stride(1) == 1
+    # (rows up to MAX_FOLD_ROWS: the kernel's row offsets are 32-bit)
+    assert 1 <= rows <= MAX_FOLD_ROWS and weight.stride(1) == 1 and flat.stride(1) == 1
     assert x.dtype == weight.dtype and (bias is None or (bias.shape == (n,) and bias.is_contiguous()))
     assert not swiglu or n % 2 == 0, n
     out_n = n // 2 if swiglu else n
@@ -224,6 +226,7 @@ def _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, norm_out
     else:
         block_m, block_n, block_k, warps, stages = WIDE_TILE
     programs = triton.cdiv(out_n, block_n)
+    assert programs <= MAX_COLUMN_BLOCKS, (out_n, block_n)
     weighted = squares = None
     if norm_out is not None:
         weighted = torch.empty(rows, out_n, dtype=x.dtype, device=x.device)

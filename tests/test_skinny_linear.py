@@ -155,10 +155,10 @@ def check_triton_interpreted() -> None:
     """Run with TRITON_INTERPRET=1 set before triton is imported (test_triton_interpreted does). Float16:
     the interpreter computes with numpy, which has no bfloat16 (its bf16 loads read garbage)."""
     for rows, k, n, bias, seed in ((1, 300, 40, False, 0), (MAX_ROWS, 520, 33, True, 1), (5, 64, 16, False, 2),
-                                   (1, 520, 33, True, 3), (2 * WIDE + 5, 300, 40, True, 4)):
+                                   (1, 520, 33, True, 3), (MAX_FOLD_ROWS - 3, 300, 40, True, 4)):
         assert_matches(*operands(rows, k, n, bias, seed, dtype=torch.float16))
     for rows, k, n, bias, seed in ((1, 300, 40, False, 0), (MAX_ROWS, 520, 34, True, 1), (5, 64, 32, True, 2),
-                                   (2 * WIDE + 5, 300, 34, True, 3)):  # (row tiles side by side, one partial)
+                                   (MAX_FOLD_ROWS - 3, 300, 34, True, 3)):  # (row tiles side by side, one partial)
         assert_folds_match(*fold_operands(rows, k, n, bias, seed, dtype=torch.float16))
     check_fused_layers_interpreted()
     print("interpreted skinny linear ok")
