@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_bench import QWEN3_8B, copy_bandwidth, random_model, step_bytes  # noqa: E402  (bench/ is not a package)
 
-from specsplit.kernels import skinny_linear  # noqa: E402
+from specsplit.kernels import _triton, skinny_linear  # noqa: E402
 from specsplit.local import target_dir  # noqa: E402
 from specsplit.shared import fused  # noqa: E402
 from specsplit.target_service.graphs import StepBatch, StepGraphs  # noqa: E402
@@ -138,6 +138,9 @@ def main() -> None:
                     help="two more variants for steps of more than 16 rows: the folds kept to one tile of rows "
                          "(as before the twenty-ninth session: cuBLAS and the norms' launches beyond it), and the "
                          "few-rows kernel's narrow tiles instead of kernels.skinny_linear.WIDE_TILE")
+    ap.add_argument("--pdl", action="store_true",
+                    help="one more variant: the defaults with every Triton kernel launched dependent (programmatic "
+                         "dependent launch, kernels/_triton.py), the gaps between kernels overlapped")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -168,6 +171,8 @@ def main() -> None:
     if args.row_tiles:
         variants += [("... folds within one tile of rows", engine_len, {"MAX_FOLD_ROWS": skinny_linear.MAX_ROWS}),
                      ("... row tiles of 32 x 16 columns", engine_len, {"WIDE_TILE": (32, 16, 256, 4, 4)})]
+    if args.pdl:
+        variants.append(("... every Triton kernel launched dependent (PDL)", engine_len, {"PDL": True}))
     cache = model.new_cache(num_blocks=b * (-(-(ctx + q) // 16)) + 2, block_size=16)
     gen = torch.Generator().manual_seed(0)
     for s in range(b):
@@ -180,7 +185,7 @@ def main() -> None:
           f"{bandwidth / 1e12:.2f} TB/s")
     results = []
     modules = {"MIN_WEIGHT_BYTES": skinny_linear, "MIN_K": skinny_linear, "SWIGLU_BLOCK_N": skinny_linear,
-               "MAX_FOLD_ROWS": skinny_linear, "WIDE_TILE": skinny_linear, "FOLD": fused, "FOLD_NORMS": fused}
+               "MAX_FOLD_ROWS": skinny_linear, "WIDE_TILE": skinny_linear, "FOLD": fused, "FOLD_NORMS": fused, "PDL": _triton}
     defaults = {name: getattr(module, name) for name, module in modules.items()}
     try:
         for name, max_len, settings in variants:

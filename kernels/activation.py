@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, tl, triton
+from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
 BLOCK = 1024  # columns per program
 
@@ -28,13 +28,15 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         (gate_up.shape, gate_up.stride())
     tokens, ffn = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, ffn), dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_kernel[(tokens, triton.cdiv(ffn, BLOCK))](gate_up, gate_up.stride(0), out, ffn, BLOCK=BLOCK)
+    _silu_mul_kernel[(tokens, triton.cdiv(ffn, BLOCK))](gate_up, gate_up.stride(0), out, ffn, BLOCK=BLOCK,
+                                                        **dependent_launch(gate_up.device))
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, stride, out_ptr, ffn, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up_ptr, stride, out_ptr, ffn, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     """Program (t, j) writes columns j*BLOCK.. of row t; out is contiguous [T, F]."""
+    gdc_enter(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < ffn

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, tl, triton
+from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
 MAX_HIDDEN = 8192  # one program holds a whole row in registers
 
@@ -93,14 +93,15 @@ def _launch(x, residual, weight, out, new_residual, eps: float, add: bool, heads
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(x.shape[0] if rows is None else rows,)](
         x, x.stride(0), heads[0], heads[1], residual, residual.stride(0), weight, out, new_residual, hidden, eps,
-        ADD=add, BLOCK=block, num_warps=min(max(block // 512, 1), 16))
+        ADD=add, BLOCK=block, num_warps=min(max(block // 512, 1), 16), **dependent_launch(x.device))
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, x_stride, heads, head_stride, res_ptr, res_stride, w_ptr, out_ptr, new_res_ptr,
-                     hidden, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
+                     hidden, eps, ADD: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     """One program per row; out and new_res are contiguous [rows, hidden]. Row r of x starts at
     (r // heads) * x_stride + (r % heads) * head_stride (heads = 1: r * x_stride)."""
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ._triton import HAVE_TRITON, tl, triton
+from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, positions, scale, window=None):
@@ -63,11 +63,12 @@ def _paged_attention_kernel(
     stride_tb, stride_pb, stride_pq,
     Q_LEN: tl.constexpr, Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, TILES: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, TILES: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """One program per (sequence, kv head, row tile, split): the group's heads x queries in tiles of
     ROWS rows (TILES of them), so each key is read once per tile. Writes out [B, Q, Hq, NUM_SPLITS, D]
     (normalised within the split) and, when split, the log2-sum-exp of each row's scores in its split."""
+    gdc_enter(USE_GDC)
     seq, split = tl.program_id(0), tl.program_id(2)
     kv_head, tile = tl.program_id(1) // TILES, tl.program_id(1) % TILES
     rows = tile * ROWS + tl.arange(0, ROWS)
@@ -119,8 +120,10 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _combine_splits_kernel(partial_ptr, lse_ptr, out_ptr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _combine_splits_kernel(partial_ptr, lse_ptr, out_ptr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           USE_GDC: tl.constexpr):
     """One program per (sequence, query, head): the splits' outputs weighted by their share of the sum."""
+    gdc_enter(USE_GDC)
     row = tl.program_id(0)  # over [B * Q * Hq]; partial [.., NUM_SPLITS, D] and lse [.., NUM_SPLITS]
     splits, dims = tl.arange(0, NUM_SPLITS), tl.arange(0, HEAD_DIM)
     lse = tl.load(lse_ptr + row * NUM_SPLITS + splits)
@@ -163,11 +166,11 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, 
         Q_LEN=q_len, Q_HEADS=q_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         ROWS=rows, BLOCK_N=block_n, WINDOW=window or 0, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: no effect on 16-bit inputs
-        TILES=tiles, num_warps=8 if rows * head_dim >= 8192 else 4,
+        TILES=tiles, num_warps=8 if rows * head_dim >= 8192 else 4, **dependent_launch(q.device),
     )
     if num_splits > 1:
         _combine_splits_kernel[(batch * q_len * q_heads,)](partial, lse, out, NUM_SPLITS=num_splits,
-                                                          HEAD_DIM=head_dim)
+                                                          HEAD_DIM=head_dim, **dependent_launch(q.device))
     return out
 
 

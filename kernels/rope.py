@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, tl, triton
+from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def rope_and_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, slots) -> t
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         cos, sin, cos.stride(0), slots, q_out, k_cache, v_cache, hq, hkv,
         DIM=dim, BLOCK_HQ=max(triton.next_power_of_2(hq), 1), BLOCK_HKV=triton.next_power_of_2(hkv),
-        num_warps=4, enable_fp_fusion=False)  # no FMA: x*cos + r*sin rounds each product, as torch does
+        num_warps=4, enable_fp_fusion=False, **dependent_launch(q.device))  # no FMA: x*cos + r*sin rounds each product, as torch does
     return q_out
 
 
@@ -86,9 +86,10 @@ def _rotate(x_ptr, x_sh, out_ptr, out_sh, heads, cos1, cos2, sin1, sin2, DIM: tl
 @triton.jit
 def _rope_kernel(q_ptr, q_st, q_sh, k_ptr, k_st, k_sh, v_ptr, v_st, v_sh, cos_ptr, sin_ptr, cs_st, slots_ptr,
                  q_out_ptr, k_cache_ptr, v_cache_ptr, hq, hkv,
-                 DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr):
+                 DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, USE_GDC: tl.constexpr):
     """One program per token: rotates its q heads into q_out and its k heads into the cache row
     slots[t], and copies its v heads there."""
+    gdc_enter(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, DIM // 2)
     cos1 = tl.load(cos_ptr + t * cs_st + d).to(tl.float32)[None, :]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, tl, triton
+from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
 BLOCK = 2048  # columns a program reads
 
@@ -31,8 +31,9 @@ def row_max(x: torch.Tensor, workspace: torch.Tensor | None = None) -> tuple[tor
 
 @triton.jit
 def _row_max_kernel(x_ptr, stride_x, vocab, part_val_ptr, part_idx_ptr, arrivals_ptr, val_ptr, idx_ptr,
-                    SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr):
+                    SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     """Program (row, split) reads columns split*BLOCK.. of its row; the row's last arrival reduces."""
+    gdc_enter(USE_GDC)
     row, split = tl.program_id(0), tl.program_id(1)
     cols = split * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
@@ -74,5 +75,5 @@ def row_max_triton(x: torch.Tensor, workspace: torch.Tensor) -> tuple[torch.Tens
     indices = torch.empty(rows, dtype=torch.int64, device=x.device)
     _row_max_kernel[(rows, splits)](x, x.stride(0), vocab, part_val, part_idx, workspace, values, indices,
                                     SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits), BLOCK=BLOCK,
-                                    num_warps=4)
+                                    num_warps=4, **dependent_launch(x.device))
     return values, indices

@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, tl, triton
+from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 from .activation import silu_mul_reference
 from .norm import rms_norm_reference
 
@@ -128,7 +128,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, norm_ptr, weig
                           stride_xm, stride_wn, stride_rm, stride_ym, squares_in, eps, HAS_BIAS: tl.constexpr,
                           SWIGLU: tl.constexpr, ADD: tl.constexpr, NORM_OUT: tl.constexpr, NORM_IN: tl.constexpr,
                           SQUARES_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):
     """Program (m, n): columns n*BLOCK_N.. of rows m*BLOCK_M.., over the whole of K (the row tiles of one
     column block are neighbours in launch order, so all but the first read its weight rows from L2). With SWIGLU, the
     program also streams the up rows N.. below its gate rows and stores silu(gate) * up. With ADD, the
@@ -137,6 +137,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, norm_ptr, weig
     such a weighted input and the first `squares_in` columns of squares_ptr its partial sums, which scale
     the float32 sums by the row's 1/rms. The loop itself is the plain kernel's: a norm folded into it
     (squares and weight on each loaded tile) made every program 2-3x slower."""
+    gdc_enter(USE_GDC)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     dtype = x_ptr.dtype.element_ty
@@ -240,6 +241,6 @@ def _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, norm_out
         ADD=residual is not None, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
         SQUARES_BLOCK=1 if norm_in is None else triton.next_power_of_2(norm_in.shape[1]),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))),
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **dependent_launch(x.device))
     shape = (*x.shape[:-1], out_n)
     return y.view(shape), None if norm_out is None else PendingNorm(weighted.view(shape), squares)

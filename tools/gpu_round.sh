@@ -36,6 +36,7 @@
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
 #   bash tools/gpu_round.sh served-8b     # the 8B-shaped step as the engine serves it, against its floor
 #   bash tools/gpu_round.sh host-steps    # where the host's part of a steady decode step goes, target only and in-process
+#   bash tools/gpu_round.sh pdl           # (next) Triton kernels launched dependent: GPU tests, the steps' replays on and off
 #   bash tools/gpu_round.sh served-trace  # the served decode steps under the profiler: where the device stands idle
 #   bash tools/gpu_round.sh tau-sides     # issue 10: the shipped drafter's tau on held-out prompts and on trained-side ones
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
@@ -237,6 +238,21 @@ host-steps)
   # the device's. Where it goes, target only and in-process, one and eight streams, steady state
   timeout 300 python bench/host_profile.py --batch 1 8 --target-only --steps 300 --out "$OUT" 2>&1 | grep -v INFO \
     | grep -E -A22 "ms/step" | log
+  ;;
+pdl)
+  # (after the twenty-ninth session, not run yet) the served 8B step's device idle was 131 µs a step, all of it
+  # the gaps between the graph's own kernels. Every Triton kernel can now be launched dependent (PDL: scheduled
+  # while the one before runs, waiting at its first line). Its GPU tests (equal bits with and without), the
+  # graphs' tests with it on, then the steps' variants side by side
+  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_pdl.py 2>&1 \
+    | grep -E "Error|error|assert|FAILED|passed|failed" | tail -8 | log
+  SPECSPLIT_PDL=1 timeout 300 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py \
+    tests/test_step_graphs.py tests/test_dflash_graphs.py tests/test_chain.py tests/test_row_max.py 2>&1 \
+    | grep -E "Error|error|assert|FAILED|passed|failed" | tail -12 | log
+  for target in default qwen3-8b; do
+    timeout 100 python bench/floor_profile.py --target $target --pdl --out "$OUT" 2>&1 | grep -v INFO \
+      | grep -E "replay|x  " | log
+  done
   ;;
 served-trace)
   # (twenty-ninth session) the engine's served decode step took 0.897 ms against a replay of 0.825 (default model)
