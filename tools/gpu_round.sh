@@ -48,6 +48,11 @@
 # Everything printed also goes to $OUT/round.log as it comes (a call that runs out of time returns what
 # is under $OUT by then).
 log() { tee -a "$OUT/round.log"; }
+fused_layer_tests() {  # the GPU tests of everything that runs the fused layers, within $1 seconds
+  timeout "$1" python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py tests/test_step_graphs.py \
+    tests/test_chain.py tests/test_dflash_graphs.py tests/test_graphed_prefill.py 2>&1 \
+    | grep -E "drafts accepted|Error|error|assert|FAILED|passed|failed" | tail -30 | log
+}
 if [ "${1:-}" = services ]; then
   # can the target's and the drafter's streams order each other through a flag, with no host waiting
   # (the services' steps in series through both hosts cost ~2.4x an in-process chained step)? Needs no
@@ -403,9 +408,7 @@ fold-default)
   # GPU tests of everything that runs those layers (the step graphs, the chain, the DFlash graphs, captured
   # prefill); then (fold-served) served tokens/s with the folds against without, target-only and in-process,
   # at one and eight streams
-  timeout 330 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py tests/test_step_graphs.py \
-    tests/test_chain.py tests/test_dflash_graphs.py tests/test_graphed_prefill.py 2>&1 \
-    | grep -E "drafts accepted|Error|error|assert|FAILED|passed|failed" | tail -30 | log
+  fused_layer_tests 330
   ;;
 fold-served)
   timeout 330 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
@@ -428,9 +431,7 @@ tiles)
     --out "$OUT" 2>&1 | grep -v INFO | log
   ;;
 tiles-tests)
-  timeout 470 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py tests/test_step_graphs.py \
-    tests/test_dflash_graphs.py tests/test_chain.py tests/test_graphed_prefill.py 2>&1 \
-    | grep -E "drafts accepted|Error|error|assert|FAILED|passed|failed" | tail -30 | log
+  fused_layer_tests 470
   ;;
 tiles-served)
   timeout 500 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
