@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specsplit.kernels._triton import tl, triton
+
 from specsplit.kernels import _triton
 from specsplit.shared.config import ModelConfig
 from tests.kernel_checks import captured
@@ -29,6 +31,120 @@ def test_which_launches_ask_for_it(monkeypatch):
     assert _triton.dependent_launch(torch.device("cuda", 0)) == {"USE_GDC": False}, "before Hopper"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert _triton.dependent_launch(torch.device("cuda", 1)) == {"USE_GDC": False}, "never interpreted"
+
+
+# Each kernel with constexprs of a real launch (a decode of the default model's shapes) and its pointers' types;
+# every other argument an int32 but the float ones named here.
+KERNELS = {
+    "activation._silu_mul_kernel": ({"BLOCK": 1024}, {}),
+    "norm._rms_norm_kernel": ({"ADD": True, "BLOCK": 1024}, {}),
+    "paged_attention._paged_attention_kernel": (
+        {"Q_LEN": 1, "Q_HEADS": 9, "GROUPS": 3, "HEAD_DIM": 64, "BLOCK_SIZE": 16, "ROWS": 16, "BLOCK_N": 64,
+         "WINDOW": 0, "NUM_SPLITS": 8, "DOT_PRECISION": "tf32", "TILES": 1},
+        {"tables_ptr": "*i32", "positions_ptr": "*i64", "out_ptr": "*fp32", "lse_ptr": "*fp32"}),
+    "paged_attention._combine_splits_kernel": ({"NUM_SPLITS": 8, "HEAD_DIM": 64}, {"partial_ptr": "*fp32",
+                                                                                  "lse_ptr": "*fp32"}),
+    "rope._rope_kernel": ({"DIM": 64, "BLOCK_HQ": 16, "BLOCK_HKV": 4}, {"slots_ptr": "*i64"}),
+    "row_max._row_max_kernel": ({"SPLITS": 12, "SPLITS_POW2": 16, "BLOCK": 4096},
+                                {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "arrivals_ptr": "*i32",
+                                 "val_ptr": "*fp32", "idx_ptr": "*i64"}),
+    "skinny_linear._skinny_linear_kernel": (
+        {"HAS_BIAS": False, "SWIGLU": True, "ADD": False, "NORM_OUT": False, "NORM_IN": True, "SQUARES_BLOCK": 64,
+         "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256}, {"squares_ptr": "*fp32"}),
+}
+FLOATS = {"eps", "scale_log2"}
+MEMORY_OPS = ("ld.global", "st.global", "atom.global", "red.global", "cp.async", "ld.volatile.global")
+
+
+def sm90_ptx(name: str, use_gdc: bool) -> str:
+    """The kernel compiled on this machine (no GPU needed) for compute capability 9.0, as PTX."""
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, kernel_name = name.split(".")
+    kernel = getattr(importlib.import_module(f"specsplit.kernels.{module}"), kernel_name)
+    constexprs, pointers = KERNELS[name]
+    constexprs = {**constexprs, "USE_GDC": use_gdc}
+    signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "*bf16") if p.name.endswith("_ptr")
+                 else "fp32" if p.name in FLOATS else "i32" for p in kernel.params}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": use_gdc})
+    return compiled.asm["ptx"]
+
+
+def touches_memory(line: str) -> bool:
+    """Whether a PTX line is a global load, store, atomic or async copy (predicated or not)."""
+    words = line.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return bool(words) and any(words[0].startswith(op) for op in MEMORY_OPS)
+
+
+def assert_waits_first(ptx: str) -> None:
+    """The PTX's griddepcontrol.wait comes before its first global load, store or atomic, and it lets the
+    next kernel launch."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
+    first_memory = next(i for i, line in enumerate(lines) if touches_memory(line))
+    assert wait < first_memory, lines[first_memory]
+    assert any(line.startswith("griddepcontrol.launch_dependents") for line in lines)
+
+
+needs_triton = pytest.mark.skipif(not _triton.HAVE_TRITON, reason="needs triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_each_kernel_waits_before_it_touches_memory(name):
+    """Compiled for Hopper (on this machine: ~1 s a kernel) with USE_GDC, a kernel's first global load, store
+    or atomic comes after its griddepcontrol.wait (a read before it could see the kernel before it unfinished);
+    without, no grid dependency control at all. Every Triton kernel of kernels/ is here."""
+    assert_waits_first(sm90_ptx(name, True))
+    assert "griddepcontrol" not in sm90_ptx(name, False)
+
+
+@needs_triton
+def test_a_kernel_that_reads_first_fails_the_check():
+    """The check catches a kernel that loads before it waits (a module of its own, compiled the same way)."""
+    KERNELS["test_pdl._reads_first_kernel"] = ({"USE_GDC": True}, {})
+    try:
+        import importlib
+        import sys
+
+        sys.modules.setdefault("specsplit.kernels.test_pdl", importlib.import_module(__name__))
+        with pytest.raises(AssertionError):
+            assert_waits_first(sm90_ptx("test_pdl._reads_first_kernel", True))
+    finally:
+        del KERNELS["test_pdl._reads_first_kernel"]
+        sys.modules.pop("specsplit.kernels.test_pdl", None)
+
+
+if _triton.HAVE_TRITON:
+    @triton.jit
+    def _reads_first_kernel(x_ptr, out_ptr, USE_GDC: tl.constexpr):
+        x = tl.load(x_ptr)
+        _triton.gdc_enter(USE_GDC)
+        tl.store(out_ptr, x)
+
+
+def test_every_kernel_is_checked():
+    """A Triton kernel added to kernels/ without a place in KERNELS (and its USE_GDC) fails here."""
+    import pkgutil
+    import importlib
+
+    import specsplit.kernels as package
+
+    found = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"specsplit.kernels.{info.name}")
+        for attr, value in vars(module).items():
+            if attr.endswith("_kernel") and hasattr(value, "params"):
+                found.add(f"{info.name}.{attr}")
+                assert any(p.name == "USE_GDC" and p.is_constexpr for p in value.params), attr
+    if _triton.HAVE_TRITON:
+        assert found == set(KERNELS), found ^ set(KERNELS)
 
 
 @pytest.mark.gpu
