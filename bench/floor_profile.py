@@ -185,7 +185,8 @@ def main() -> None:
           f"{bandwidth / 1e12:.2f} TB/s")
     results = []
     modules = {"MIN_WEIGHT_BYTES": skinny_linear, "MIN_K": skinny_linear, "SWIGLU_BLOCK_N": skinny_linear,
-               "MAX_FOLD_ROWS": skinny_linear, "WIDE_TILE": skinny_linear, "FOLD": fused, "FOLD_NORMS": fused, "PDL": _triton}
+               "MAX_FOLD_ROWS": skinny_linear, "WIDE_TILE": skinny_linear, "FOLD": fused, "FOLD_NORMS": fused,
+               "PDL": _triton}
     defaults = {name: getattr(module, name) for name, module in modules.items()}
     try:
         for name, max_len, settings in variants:

@@ -130,8 +130,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, norm_ptr, weig
                           SQUARES_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):
     """Program (m, n): columns n*BLOCK_N.. of rows m*BLOCK_M.., over the whole of K (the row tiles of one
-    column block are neighbours in launch order, so all but the first read its weight rows from L2). With SWIGLU, the
-    program also streams the up rows N.. below its gate rows and stores silu(gate) * up. With ADD, the
+    column block are neighbours in launch order, so all but the first read its weight rows from L2). With
+    SWIGLU, the program also streams the up rows N.. below its gate rows and stores silu(gate) * up. With ADD, the
     residual's columns are added to the rounded result. With NORM_OUT, it also writes the result times the
     norm's weight and the sum of its squares over the program's columns (a PendingNorm); with NORM_IN, x is
     such a weighted input and the first `squares_in` columns of squares_ptr its partial sums, which scale
@@ -185,9 +185,9 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   out_dtype: torch.dtype | None = None, *, swiglu: bool = False,
                   residual: torch.Tensor | None = None, norm_in: torch.Tensor | None = None,
                   eps: float = 0.0) -> torch.Tensor:
-    """x [..., K] (up to MAX_FOLD_ROWS rows: MAX_ROWS a tile, WIDE_TILE's past it), weight [N, K] (rows contiguous), bias [N] -> [..., N] in out_dtype
-    (default x's; float32 keeps the accumulator, as the LM head wants). swiglu (-> [..., N / 2]) and residual
-    [..., N / 2 or N] as `linear_reference`. norm_in: x is a PendingNorm's `weighted` and this its `squares`
+    """x [..., K] (up to MAX_FOLD_ROWS rows: MAX_ROWS a tile, WIDE_TILE's past it), weight [N, K] (rows
+    contiguous), bias [N] -> [..., N] in out_dtype (default x's; float32 keeps the accumulator, as the LM head
+    wants). swiglu (-> [..., N / 2]) and residual [..., N / 2 or N] as `linear_reference`. norm_in: x is a PendingNorm's `weighted` and this its `squares`
     (see `linear_triton_norm_out`), with the norm's eps."""
     return _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, None)[0]
 

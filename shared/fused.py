@@ -9,9 +9,10 @@ streams' verify, the DFlash drafter's blocks), every projection goes through `ke
 whatever its width (`folds_into_projections`), which also does the residual adds and SiLU·mul on the tile it
 stores, and the norms between projections: the projection that writes a norm's input also writes it times the
 norm's weight and its programs' sums of squares (`kernels.skinny_linear.PendingNorm`), and the one that reads
-it scales its sums by 1/rms at the end (bfloat16 only, see `HANDED_NORM_DTYPES`): seven launches a layer. (Fusing them into cuBLAS's neighbours instead was
-measured slower on the H200: every program of a GEMM recomputed the activation or the norm for its rows; see
-the README's fifteenth session and kernels/skinny_linear.py.)
+it scales its sums by 1/rms at the end (bfloat16 only, see `HANDED_NORM_DTYPES`): seven launches a layer.
+(Fusing them into cuBLAS's neighbours instead was measured slower on the H200: every program of a GEMM
+recomputed the activation or the norm for its rows; see the README's fifteenth session and
+kernels/skinny_linear.py.)
 Where keys come from and how queries attend is the caller's: the target attends causally over its KV
 cache, the DFlash drafter's block over its context pool.
 """
