@@ -187,8 +187,8 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   eps: float = 0.0) -> torch.Tensor:
     """x [..., K] (up to MAX_FOLD_ROWS rows: MAX_ROWS a tile, WIDE_TILE's past it), weight [N, K] (rows
     contiguous), bias [N] -> [..., N] in out_dtype (default x's; float32 keeps the accumulator, as the LM head
-    wants). swiglu (-> [..., N / 2]) and residual [..., N / 2 or N] as `linear_reference`. norm_in: x is a PendingNorm's `weighted` and this its `squares`
-    (see `linear_triton_norm_out`), with the norm's eps."""
+    wants). swiglu (-> [..., N / 2]) and residual [..., N / 2 or N] as `linear_reference`. norm_in: x is a
+    PendingNorm's `weighted` and this its `squares` (see `linear_triton_norm_out`), with the norm's eps."""
     return _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, None)[0]
 
 
