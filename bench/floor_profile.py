@@ -31,7 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_bench import QWEN3_8B, copy_bandwidth, random_model, step_bytes  # noqa: E402  (bench/ is not a package)
+from step_bench import QWEN3_8B, copy_bandwidth, random_model, short_name, step_bytes  # noqa: E402  (bench/ is not a package)
 
 from specsplit.kernels import _triton, skinny_linear  # noqa: E402
 from specsplit.local import target_dir  # noqa: E402
@@ -62,12 +62,8 @@ def layer_period(names: list[str], layers: int) -> tuple[int, int] | None:
                 return offset, period
     print(f"no period of {layers} repeating layers in {len(names)} kernels; the first 24:")
     for name in names[:24]:
-        print(f"     {short(name)}")
+        print(f"     {short_name(name, 70)}")
     return None
-
-
-def short(name: str) -> str:
-    return name if len(name) <= 70 else name[:67] + "..."
 
 
 def replay_us(graph, replays: int) -> float:
@@ -110,13 +106,13 @@ def layer_table(model, kernels: list[tuple[str, float, float]], bandwidth: float
         weight = projection_bytes[gemm_index] if is_gemm and gemm_index < len(projection_bytes) else None
         gemm_index += bool(is_gemm)
         rate = f"{weight / mean / 1e6:6.2f} TB/s of {weight / 2**20:6.1f} MiB" if weight else ""
-        print(f"  {i:>2} {mean:8.2f} µs  gap after {statistics.mean(gap_after):5.2f}  {rate:28} {short(name)}")
+        print(f"  {i:>2} {mean:8.2f} µs  gap after {statistics.mean(gap_after):5.2f}  {rate:28} {short_name(name, 70)}")
         rows.append({"position": i, "name": name, "mean_us": mean, "gap_after_us": statistics.mean(gap_after),
                      "weight_bytes": weight})
     outside = kernels[:offset] + kernels[offset + layers * period:]
     print(f"outside the layers: {len(outside)} kernels, {sum(k[2] for k in outside):.1f} µs")
     for name, _, dur in outside:
-        print(f"     {dur:8.2f} µs  {short(name)}")
+        print(f"     {dur:8.2f} µs  {short_name(name, 70)}")
     layer_total = sum(r["mean_us"] + r["gap_after_us"] for r in rows)
     layer_floor = sum(projection_bytes) / bandwidth * 1e6
     print(f"a layer: {layer_total:.1f} µs with gaps against its weights' floor {layer_floor:.1f} µs "

@@ -184,8 +184,9 @@ def device_idle(engine: Engine, batch: list[Request]) -> dict:
             "idle_sites_us_per_step": [{"after": a, "before": b, "us": us / steps} for (a, b), us in top]}
 
 
-def short_name(name: str) -> str:
-    return name if len(name) <= 48 else name[:45] + "..."
+def short_name(name: str, width: int = 48) -> str:
+    """A kernel's name cut to `width` characters."""
+    return name if len(name) <= width else name[:width - 3] + "..."
 
 
 def main() -> None:
