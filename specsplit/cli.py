@@ -543,7 +543,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
                       steps=args.steps, minutes=minutes, gen_batch=args.gen_batch, gen_fraction=args.gen_fraction,
                       pool_gb=args.pool_gb, pool_rounds=args.pool_rounds, sampled_fraction=args.sampled_fraction,
                       sampled_by_kind=args.sampled_by_kind, self_prompts=args.self_prompts,
-                      ce_weight=args.ce_weight, kl_weight=args.kl_weight, gen_graphs=not args.no_gen_graphs,
+                      ce_weight=args.ce_weight, kl_weight=args.kl_weight, walk_share=args.walk_anchors,
+                      gen_graphs=not args.no_gen_graphs,
                       seed=args.seed, log_every=args.log_every)
     if args.eval_tokens < 0:
         raise InvalidRequest("--eval-tokens must be >= 0")
@@ -589,6 +590,8 @@ def add_training_parsers(sub) -> None:
             ("--seq-len", int, 256, "tokens generated per prompt"),
             ("--lr", float, 6e-4, "peak learning rate"),
             ("--loss-decay", float, None, "w in exp(-(k-1)/w) (default: 1 + 3γ/8 for DFlash, 2 for MTP)"),
+            ("--walk-anchors", float, 0.0, "DFlash: share of each row's anchors moved one step of decoding's walk, "
+                                           "past the drafts the drafter gets right from a random anchor (0 to 1)"),
             ("--gen-batch", int, 1024, "sequences generated at once"),
             ("--gen-fraction", float, 0.35, "share of --minutes spent generating, at most"),
             ("--pool-gb", float, 48.0, "device memory for feature rows, in GiB"),

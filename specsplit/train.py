@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from specsplit.drafter_service.base import DraftVocab
 from specsplit.drafter_service.checkpoint import DrafterModel, load_model, random_model, save_dflash, save_mtp
 from specsplit.drafter_service.dflash import DFlashModel, build_target_layer_ids
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
@@ -70,6 +71,9 @@ class TrainConfig:
     warmup: float = 0.04  # share of training spent warming up
     weight_decay: float = 0.01
     loss_decay: float | None = None  # w; None: 1 + 3γ/8 for DFlash (7 at γ=16), 2 for MTP
+    # DFlash: the share of each row's anchors moved one step of decoding's walk, from a random anchor a to
+    # a + m + 1 past the m drafts its block gets right (`walk_anchors`): where decoding's next step starts
+    walk_share: float = 0.0
     steps: int | None = None
     minutes: float | None = None  # wall-time bound for everything, generation included
     gen_fraction: float = 0.35  # of `minutes`, the most spent generating
@@ -97,6 +101,10 @@ class TrainConfig:
             raise InvalidRequest("--steps and --minutes must be positive")
         if not (0 <= self.sampled_fraction <= 1 and 0 < self.gen_fraction < 1 and 0 <= self.warmup < 1):
             raise InvalidRequest("sampled_fraction must lie in [0, 1], gen_fraction in (0, 1), warmup in [0, 1)")
+        if not 0 <= self.walk_share <= 1:
+            raise InvalidRequest(f"walk_share must lie in [0, 1], got {self.walk_share}")
+        if self.walk_share > 0 and self.kind != "dflash":
+            raise InvalidRequest("walk_share moves DFlash anchors; MTP trains at every index")
         kinds = [kind for kind, _ in self.sampled_by_kind]
         if len(set(kinds)) != len(kinds) or any(kind not in PROMPT_KINDS for kind in kinds) or \
                 any(not 0 <= n <= MAX_SAMPLED for _, n in self.sampled_by_kind):
@@ -399,6 +407,25 @@ def sample_anchors(batch: Batch, count: int, gen: torch.Generator) -> tuple[torc
     return order.masked_fill(~real, 0), real
 
 
+@torch.no_grad()
+def walk_anchors(model: DFlashModel, head: TargetHead, batch: Batch, anchors: torch.Tensor,
+                 real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors [B, N] each moved one step of decoding's walk: a → a + m + 1, m the leading drafts of a's
+    block equal to x_{a+1}, ... (greedy verification's accepted count, as `evaluate.anchor_matches`).
+    That is the anchor decoding's next step starts from, right after a rejected draft when m < γ-1:
+    where decoding spends its steps, and where the drafter does worst (teacher-forced τ 3.59 over
+    decoding's walk against 5.43 over every anchor, session 25). An anchor whose step leaves the
+    generated tokens with one after them (or that was not real) is no longer real."""
+    gamma = model.cfg.block_size
+    hidden = dflash_block_hidden(model, head, batch.rows, batch.tokens, batch.positions, batch.valid, anchors)
+    drafts = DraftVocab(model.d2t, head.vocab_size).to_target(model.logits(hidden[:, :, 1:], head).argmax(-1))
+    targets, ok = block_targets(batch.tokens, batch.lengths, anchors, real, gamma)
+    matched = ((drafts == targets[:, :, 1:]) & ok[:, :, 1:]).long().cumprod(-1).sum(-1)  # [B, N]
+    moved = anchors + matched + 1
+    still = real & (moved <= batch.lengths[:, None] - 2)
+    return moved.masked_fill(~still, 0), still
+
+
 def distill_loss(hidden: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor | None, weights: torch.Tensor,
                  model: DrafterModel, head: TargetHead, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ w·(ce_weight·CE(x) + kl_weight·KL(p ‖ q)) / Σ w over the rows with weight > 0, and the drafter's
@@ -445,9 +472,14 @@ def block_targets(tokens: torch.Tensor, lengths: torch.Tensor, anchors: torch.Te
 
 def dflash_loss(model: DFlashModel, head: TargetHead, batch: Batch, cfg: TrainConfig,
                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block k of an anchor a predicts x_{a+k}, k = 1..γ-1, weighted exp(-(k-1)/w) where a+k is real."""
+    """Block k of an anchor a predicts x_{a+k}, k = 1..γ-1, weighted exp(-(k-1)/w) where a+k is real.
+    The first walk_share of each row's (randomly ordered) anchors are moved one step of decoding's walk."""
     gamma = model.cfg.block_size
     anchors, real = sample_anchors(batch, cfg.anchors, gen)
+    walked = round(cfg.walk_share * anchors.shape[1])
+    if walked:
+        moved, still = walk_anchors(model, head, batch, anchors[:, :walked], real[:, :walked])
+        anchors, real = torch.cat([moved, anchors[:, walked:]], 1), torch.cat([still, real[:, walked:]], 1)
     hidden = dflash_block_hidden(model, head, batch.rows, batch.tokens, batch.positions, batch.valid, anchors)
     targets, ok = block_targets(batch.tokens, batch.lengths, anchors, real, gamma)
     k = torch.arange(gamma, device=anchors.device)

@@ -32,7 +32,7 @@ from specsplit.target_service.dense import capture_features, generate
 from specsplit.target_service.engine import Engine, EngineConfig, capture_for
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
 from specsplit.target_service.sequence import Request
-from specsplit.train import Batch, block_targets, capture_for_model, sample_anchors
+from specsplit.train import Batch, block_targets, capture_for_model, sample_anchors, walk_anchors
 from tests.conftest import TINY
 from tests.oracle import OracleDrafter
 from tests.rounding import network_atol
@@ -287,6 +287,68 @@ def test_b_anchor_sampling(sequences, monkeypatch):
     bad = torch.arange(width).expand(len(PROMPTS), -1)
     with pytest.raises(AssertionError):
         check_anchors(batch, bad, cols < gen.lengths[:, None])
+
+
+def walk_case(qwen3, sequences):
+    """Sequence B with the tokens after its second anchor overwritten by that block's first three drafts
+    (a block's drafts depend on its anchor token and the rows before it, not on the tokens after it), so
+    its block gets exactly three right; and a batch of the three sequences over those tokens."""
+    gen, rows = sequences
+    drafter = sharp_drafter(qwen3)
+    tokens = gen.tokens.clone()
+    forced = ANCHORS[1]
+    before = anchor_matches(drafter.model, drafter.head, rows[B], tokens[B], int(gen.lengths[B]), [forced])
+    cols = torch.arange(tokens.shape[1]).expand_as(tokens)
+    batch = Batch(tokens, cols, cols < gen.lengths[:, None], gen.prompt_lengths, gen.lengths, rows)
+    index = torch.tensor([[forced]])
+    hidden = dflash_block_hidden(drafter.model, drafter.head, rows[B:B + 1], tokens[B:B + 1], cols[:1],
+                                 batch.valid[B:B + 1], index)
+    drafts = drafter.model.logits(hidden[0, 0, 1:4], drafter.head).argmax(-1)
+    tokens[B, forced + 1:forced + 4] = drafts
+    tokens[B, forced + 4] = (drafts[0] + 1) % TINY["vocab_size"] if drafts[0] == tokens[B, forced + 4] else \
+        tokens[B, forced + 4]
+    assert before != [3]  # the case is made, not found
+    return drafter, batch
+
+
+def test_b_walk_anchors_move_past_the_drafts_the_block_gets_right(qwen3, sequences):
+    gen, _ = sequences
+    drafter, batch = walk_case(qwen3, sequences)
+    last = int(gen.lengths[B]) - 2
+    anchors = torch.tensor([[3, 2, 1], [2, 2, 2], [ANCHORS[0], ANCHORS[1], last]])
+    real = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
+    real &= (anchors >= gen.prompt_lengths[:, None]) & (anchors <= gen.lengths[:, None] - 2)
+    moved, still = walk_anchors(drafter.model, drafter.head, batch, anchors, real)
+    for b in range(len(PROMPTS)):
+        matches = anchor_matches(drafter.model, drafter.head, batch.rows[b], batch.tokens[b],
+                                 int(gen.lengths[b]), anchors[b].tolist())
+        for n, (a, m) in enumerate(zip(anchors[b].tolist(), matches)):
+            expected = bool(real[b, n]) and a + m + 1 <= int(gen.lengths[b]) - 2
+            assert bool(still[b, n]) == expected
+            assert int(moved[b, n]) == (a + m + 1 if expected else 0)
+    assert int(moved[B, 1]) == ANCHORS[1] + 4  # three drafts right, the next anchor one past them
+    assert not still[B, 2]  # the walk's step from the last anchor leaves the labelled tokens
+    for b in range(len(PROMPTS)):  # the moved anchors are generated tokens with a label after them
+        assert all(batch.starts[b] <= a <= batch.lengths[b] - 2 for a in moved[b][still[b]].tolist())
+
+
+def test_a_training_step_trains_on_the_walks_anchors(qwen3, sequences, monkeypatch):
+    """--walk-anchors 0.5: half of each row's sampled anchors (the first half; they are in random order)
+    reach the loss's block forward moved, the rest as drawn."""
+    from specsplit import train
+
+    drafter, batch = walk_case(qwen3, sequences)
+    seen = []
+    real_forward = train.dflash_block_hidden
+    monkeypatch.setattr(train, "dflash_block_hidden", lambda *a: seen.append(a[-1]) or real_forward(*a))
+    cfg = train.TrainConfig(steps=1, block_size=GAMMA, anchors=4, walk_share=0.5, kl_weight=0.0, ce_weight=1.0)
+    drawn, drawn_real = sample_anchors(batch, 4, torch.Generator().manual_seed(9))
+    loss, _ = train.dflash_loss(drafter.model, drafter.head, batch, cfg, torch.Generator().manual_seed(9))
+    assert torch.isfinite(loss)
+    scored, trained = seen
+    assert torch.equal(scored, drawn[:, :2])
+    moved, _ = walk_anchors(drafter.model, drafter.head, batch, drawn[:, :2], drawn_real[:, :2])
+    assert torch.equal(trained, torch.cat([moved, drawn[:, 2:]], 1))
 
 
 def test_b_inference_context_is_the_committed_rows_before_the_anchor(qwen3, sequences):
