@@ -167,8 +167,16 @@ def main() -> None:
     if args.row_tiles:
         variants += [("... folds within one tile of rows", engine_len, {"MAX_FOLD_ROWS": skinny_linear.MAX_ROWS}),
                      ("... row tiles of 32 x 16 columns", engine_len, {"WIDE_TILE": (32, 16, 256, 4, 4)})]
-    if args.pdl:
-        variants.append(("... every Triton kernel launched dependent (PDL)", engine_len, {"PDL": True}))
+    if args.pdl:  # which trigger, and which kernels gain or lose by it (a family launched plain is in PDL_SKIP)
+        projections = frozenset({"skinny_linear"})
+        variants += [("... every Triton kernel launched dependent (PDL)", engine_len, {"PDL": True}),
+                     ("... PDL, the next kernel launched at each one's exit", engine_len,
+                      {"PDL": True, "PDL_TRIGGER": "exit"}),
+                     ("... PDL but for the projections", engine_len, {"PDL": True, "PDL_SKIP": projections}),
+                     ("... PDL for the projections alone", engine_len,
+                      {"PDL": True, "PDL_SKIP": frozenset(_triton.FAMILIES) - projections}),
+                     ("... PDL but for attention", engine_len,
+                      {"PDL": True, "PDL_SKIP": frozenset({"paged_attention", "combine_splits"})})]
     cache = model.new_cache(num_blocks=b * (-(-(ctx + q) // 16)) + 2, block_size=16)
     gen = torch.Generator().manual_seed(0)
     for s in range(b):
@@ -182,7 +190,7 @@ def main() -> None:
     results = []
     modules = {"MIN_WEIGHT_BYTES": skinny_linear, "MIN_K": skinny_linear, "SWIGLU_BLOCK_N": skinny_linear,
                "MAX_FOLD_ROWS": skinny_linear, "WIDE_TILE": skinny_linear, "FOLD": fused, "FOLD_NORMS": fused,
-               "PDL": _triton}
+               "PDL": _triton, "PDL_TRIGGER": _triton, "PDL_SKIP": _triton}
     defaults = {name: getattr(module, name) for name, module in modules.items()}
     try:
         for name, max_len, settings in variants:
@@ -199,7 +207,8 @@ def main() -> None:
             print(f"\n{name}: replay {wall:.1f} µs ({wall / floor_us:.2f}x the floor); {len(kernels)} kernels, busy "
                   f"{busy:.1f} µs, gaps {sum(gaps):.1f} µs; attention {attention:.1f} µs")
             rows, outside = layer_table(model, kernels, bandwidth)
-            results.append({"variant": name, "table_len": max_len, "settings": settings, "replay_us": wall,
+            results.append({"variant": name, "table_len": max_len, "replay_us": wall,
+                            "settings": {k: sorted(v) if isinstance(v, frozenset) else v for k, v in settings.items()},
                             "over_floor": wall / floor_us, "kernels": len(kernels), "busy_us": busy,
                             "gaps_us": sum(gaps), "attention_us": attention, "layer": rows,
                             "outside": [{"name": n, "us": d} for n, _, d in outside]})

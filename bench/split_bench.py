@@ -17,10 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
 
+from specsplit.kernels import _triton
 from specsplit.shared import fused
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.tokenizer import Tokenizer
@@ -133,6 +135,35 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
                     "per_step_ms": timer.per_step_ms()}
 
 
+# Engines like target_only's and in_process's with one kernel setting changed, side by side (--also-unfolded,
+# --also-pdl), named by a suffix: the setting's module, attribute and value for the variant, the ratio's name,
+# and whether that ratio is the variant's rate over the default's (else the default's over the variant's)
+KERNEL_VARIANTS = {"unfolded": (fused, "FOLD", False, "folded_over_unfolded", False),
+                   "pdl": (_triton, "PDL", True, "pdl_over_plain", True)}
+
+
+@contextmanager
+def kernel_setting(engine: str):
+    """The setting an engine named *_unfolded or *_pdl captures its graphs and launches its kernels with
+    (read at capture and at each eager launch: a graph keeps what it was captured with)."""
+    suffix = engine.rsplit("_", 1)[-1]
+    if suffix not in KERNEL_VARIANTS:
+        yield
+        return
+    module, attr, value = KERNEL_VARIANTS[suffix][:3]
+    old = getattr(module, attr)
+    setattr(module, attr, value)
+    try:
+        yield
+    finally:
+        setattr(module, attr, old)
+
+
+def variant_ratio(suffix: str, default_rate: float, variant_rate: float) -> float:
+    variant_first = KERNEL_VARIANTS[suffix][4]
+    return variant_rate / default_rate if variant_first else default_rate / variant_rate
+
+
 def round_ratios(rates: dict[str, list[float]]) -> dict:
     """Each round's tokens/s of target_only, in_process and services, the ratios within each round, and
     the median of each (a ratio's median over rounds, not a ratio of medians: each round's are side by
@@ -142,8 +173,10 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
               "services_over_in_process": [c / b for b, c in zip(local, split)],
               "services_over_target_only": [c / a for a, c in zip(base, split)]}
     for name in ("target_only", "in_process"):
-        if f"{name}_unfolded" in rates:
-            ratios[f"{name}_folded_over_unfolded"] = [a / b for a, b in zip(rates[name], rates[f"{name}_unfolded"])]
+        for suffix, (*_, label, _) in KERNEL_VARIANTS.items():
+            if f"{name}_{suffix}" in rates:
+                ratios[f"{name}_{label}"] = [variant_ratio(suffix, a, b)
+                                             for a, b in zip(rates[name], rates[f"{name}_{suffix}"])]
     if "services_not_ahead" in rates:
         ratios["services_ahead_over_not_ahead"] = [c / d for c, d in zip(split, rates["services_not_ahead"])]
     if "services_unprepared" in rates:
@@ -201,6 +234,10 @@ def main() -> None:
                     help="also target-only and in-process with their engines' graphs captured without the few-rows "
                          "kernel's folds (shared.fused.FOLD, read at capture), side by side; the in-process engine "
                          "shares the drafter, whose own graphs the first run captured with them")
+    ap.add_argument("--also-pdl", action="store_true",
+                    help="also target-only and in-process with their engines' Triton kernels launched dependent "
+                         "(kernels._triton.PDL, read at capture and at each eager launch), side by side; the "
+                         "in-process engine shares the drafter, whose own graphs the first run captured without")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -338,25 +375,22 @@ def main() -> None:
                                   local["tokens_per_s_excluding_captures"] / result["tokens_per_s_excluding_captures"],
                               f"requests_differing_{default}_vs_{other}": sum(
                                   a != b for a, b in zip(local_tokens, other_tokens))})
-            unfolded_engines = {}
-            if args.also_unfolded:  # the engines' graphs without the kernel's folds (shared.fused.FOLD), same run
-                fused.FOLD = False  # (read as each graph is captured: the engines below capture their own; the
-                # drafter is the in-process run's, its own graphs captured there with the folds)
-                try:
-                    for name, drafter, folded, folded_tokens in (("target_only", None, base, base_tokens),
-                                                                 ("in_process", local_drafter, local, local_tokens)):
-                        engine = unfolded_engines[f"{name}_unfolded"] = Engine(model, drafter, conf)
+            kernel_engines = {}  # the engines' graphs with one kernel setting changed (KERNEL_VARIANTS), same run
+            for suffix in [s for s, on in (("unfolded", args.also_unfolded), ("pdl", args.also_pdl)) if on]:
+                label = KERNEL_VARIANTS[suffix][3]
+                for name, drafter, default, default_tokens in (("target_only", None, base, base_tokens),
+                                                               ("in_process", local_drafter, local, local_tokens)):
+                    variant = f"{name}_{suffix}"
+                    with kernel_setting(variant):  # (the drafter is the in-process run's: its graphs are its own)
+                        engine = kernel_engines[variant] = Engine(model, drafter, conf)
                         run(engine, tokenizer, prompts, args.max_tokens, "warm")
                         other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, name[0])
-                        plain.update({f"{name}_unfolded": result,
-                                      f"{name}_folded_over_unfolded": folded["tokens_per_s"] / result["tokens_per_s"],
-                                      f"requests_differing_{name}_folded_vs_unfolded": sum(
-                                          a != b for a, b in zip(folded_tokens, other_tokens))})
-                        print(f"batch {batch} {name}: {folded['tokens_per_s']:.0f} tok/s with the folds, "
-                              f"{result['tokens_per_s']:.0f} without ({plain[f'{name}_folded_over_unfolded']:.3f}x)",
-                              flush=True)
-                finally:
-                    fused.FOLD = True
+                    ratio = variant_ratio(suffix, default["tokens_per_s"], result["tokens_per_s"])
+                    plain.update({variant: result, f"{name}_{label}": ratio,
+                                  f"requests_differing_{name}_{label.replace('_over_', '_vs_')}": sum(
+                                      a != b for a, b in zip(default_tokens, other_tokens))})
+                    print(f"batch {batch} {name}: {default['tokens_per_s']:.0f} tok/s as default, "
+                          f"{result['tokens_per_s']:.0f} {suffix} ({label} {ratio:.3f}x)", flush=True)
             if args.also_unchained:  # the services too: their steps chained (StepRequest.chain) or step by step
                 engine = Engine(model, remote, replace(conf, chain_steps=False))
                 run(engine, tokenizer, prompts, args.max_tokens, "warm")
@@ -368,7 +402,7 @@ def main() -> None:
             engines = {"target_only": base_engine, "in_process": local_engine, "services": split_engine}
             rates = {name: [r["tokens_per_s"]] for name, r in (("target_only", base), ("in_process", local),
                                                               ("services", split))}
-            for name, engine in unfolded_engines.items():  # (their graphs were all captured unfolded above)
+            for name, engine in kernel_engines.items():  # (their graphs were all captured above, each its way)
                 engines[name] = engine
                 rates[name] = [plain[name]["tokens_per_s"]]
 
@@ -428,11 +462,8 @@ def main() -> None:
             if args.rounds > 1:  # the same again, in turn: how far one round's ratios are from their median
                 for _ in range(args.rounds - 1):
                     for name, engine in engines.items():
-                        fused.FOLD = not name.endswith("_unfolded")  # (a graph captured late stays as its engine's)
-                        try:
+                        with kernel_setting(name):  # (a graph captured late keeps its engine's setting)
                             rates[name].append(run(engine, tokenizer, prompts, args.max_tokens, name[0])[1]["tokens_per_s"])
-                        finally:
-                            fused.FOLD = True
                 plain["rounds"] = round_ratios(rates)
             results[f"batch_{batch}"] = {**plain,
                 "target_only": base, "in_process": local, "services": split,

@@ -31,6 +31,14 @@ except ImportError:
         constexpr = None
 
 PDL = os.environ.get("SPECSPLIT_PDL", "0") == "1"
+# Where a kernel launched dependent lets the next one be scheduled: "start", right after its own wait (the
+# next kernel's programs are resident and waiting by the time this one ends), or "exit", when it ends (only
+# the launch's processing overlaps)
+PDL_TRIGGER = "start"
+# The kernel families that launch plain even where PDL is on (names of FAMILIES)
+PDL_SKIP: frozenset[str] = frozenset()
+FAMILIES = ("skinny_linear", "rms_norm", "rope", "paged_attention", "combine_splits", "silu_mul", "row_max")
+TRIGGERS = {"start": 1, "exit": 2}  # USE_GDC's values where PDL is on (0: off)
 
 
 @functools.cache
@@ -40,22 +48,27 @@ def _hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def dependent_launch(device) -> dict:
-    """The launch options of a kernel on `device` (a torch.device): {USE_GDC: True, launch_pdl: True} where
-    PDL is on, the device a CUDA GPU of compute capability 9.0 or later and Triton not interpreted; else
-    {USE_GDC: False}."""
-    use = (PDL and HAVE_TRITON and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+def dependent_launch(device, family: str) -> dict:
+    """The launch options of a kernel of `family` on `device` (a torch.device): {USE_GDC: 1 (trigger at
+    start) or 2 (at exit), launch_pdl: True} where PDL is on and the family not in PDL_SKIP, the device a
+    CUDA GPU of compute capability 9.0 or later and Triton not interpreted; else {USE_GDC: 0}."""
+    assert family in FAMILIES, family
+    use = (PDL and family not in PDL_SKIP and HAVE_TRITON and device.type == "cuda"
+           and os.environ.get("TRITON_INTERPRET", "0") != "1"
            and _hopper_or_later(device.index if device.index is not None else 0))
-    return {"USE_GDC": True, "launch_pdl": True} if use else {"USE_GDC": False}
+    return {"USE_GDC": TRIGGERS[PDL_TRIGGER], "launch_pdl": True} if use else {"USE_GDC": 0}
 
 
 @triton.jit
 def gdc_enter(USE_GDC: tl.constexpr):
-    """A kernel's first line: with USE_GDC, wait until the kernel before it in the stream is done and its
-    writes visible, then let the next kernel be scheduled (it waits likewise before touching memory)."""
+    """A kernel's first line: with USE_GDC (1 or 2), wait until the kernel before it in the stream is done
+    and its writes visible; with 1, then let the next kernel be scheduled (it waits likewise before touching
+    memory); with 2 the next is scheduled when this one ends."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_GDC == 1:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
-__all__ = ["HAVE_TRITON", "PDL", "dependent_launch", "gdc_enter", "tl", "triton"]
+__all__ = ["FAMILIES", "HAVE_TRITON", "PDL", "PDL_SKIP", "PDL_TRIGGER", "dependent_launch", "gdc_enter", "tl",
+           "triton"]

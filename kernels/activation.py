@@ -29,7 +29,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     tokens, ffn = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, ffn), dtype=gate_up.dtype, device=gate_up.device)
     _silu_mul_kernel[(tokens, triton.cdiv(ffn, BLOCK))](gate_up, gate_up.stride(0), out, ffn, BLOCK=BLOCK,
-                                                        **dependent_launch(gate_up.device))
+                                                        **dependent_launch(gate_up.device, "silu_mul"))
     return out
 
 

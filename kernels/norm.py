@@ -93,7 +93,7 @@ def _launch(x, residual, weight, out, new_residual, eps: float, add: bool, heads
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(x.shape[0] if rows is None else rows,)](
         x, x.stride(0), heads[0], heads[1], residual, residual.stride(0), weight, out, new_residual, hidden, eps,
-        ADD=add, BLOCK=block, num_warps=min(max(block // 512, 1), 16), **dependent_launch(x.device))
+        ADD=add, BLOCK=block, num_warps=min(max(block // 512, 1), 16), **dependent_launch(x.device, "rms_norm"))
 
 
 @triton.jit

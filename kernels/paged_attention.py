@@ -166,11 +166,12 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, 
         Q_LEN=q_len, Q_HEADS=q_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         ROWS=rows, BLOCK_N=block_n, WINDOW=window or 0, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: no effect on 16-bit inputs
-        TILES=tiles, num_warps=8 if rows * head_dim >= 8192 else 4, **dependent_launch(q.device),
+        TILES=tiles, num_warps=8 if rows * head_dim >= 8192 else 4,
+        **dependent_launch(q.device, "paged_attention"),
     )
     if num_splits > 1:
         _combine_splits_kernel[(batch * q_len * q_heads,)](partial, lse, out, NUM_SPLITS=num_splits,
-                                                          HEAD_DIM=head_dim, **dependent_launch(q.device))
+                                                          HEAD_DIM=head_dim, **dependent_launch(q.device, "combine_splits"))
     return out
 
 

@@ -64,7 +64,7 @@ def rope_and_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, slots) -> t
         cos, sin, cos.stride(0), slots, q_out, k_cache, v_cache, hq, hkv,
         DIM=dim, BLOCK_HQ=max(triton.next_power_of_2(hq), 1), BLOCK_HKV=triton.next_power_of_2(hkv),
         # no FMA: x*cos + r*sin rounds each product, as torch does
-        num_warps=4, enable_fp_fusion=False, **dependent_launch(q.device))
+        num_warps=4, enable_fp_fusion=False, **dependent_launch(q.device, "rope"))
     return q_out
 
 

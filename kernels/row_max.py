@@ -75,5 +75,5 @@ def row_max_triton(x: torch.Tensor, workspace: torch.Tensor) -> tuple[torch.Tens
     indices = torch.empty(rows, dtype=torch.int64, device=x.device)
     _row_max_kernel[(rows, splits)](x, x.stride(0), vocab, part_val, part_idx, workspace, values, indices,
                                     SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits), BLOCK=BLOCK,
-                                    num_warps=4, **dependent_launch(x.device))
+                                    num_warps=4, **dependent_launch(x.device, "row_max"))
     return values, indices

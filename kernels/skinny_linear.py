@@ -241,6 +241,6 @@ def _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, norm_out
         ADD=residual is not None, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
         SQUARES_BLOCK=1 if norm_in is None else triton.next_power_of_2(norm_in.shape[1]),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))),
-        num_warps=warps, num_stages=stages, **dependent_launch(x.device))
+        num_warps=warps, num_stages=stages, **dependent_launch(x.device, "skinny_linear"))
     shape = (*x.shape[:-1], out_n)
     return y.view(shape), None if norm_out is None else PendingNorm(weighted.view(shape), squares)

@@ -19,18 +19,26 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 
 
 def test_which_launches_ask_for_it(monkeypatch):
+    cuda = torch.device("cuda", 1)
     monkeypatch.setattr(_triton, "PDL", False)
-    assert _triton.dependent_launch(torch.device("cuda", 0)) == {"USE_GDC": False}, "off unless asked"
+    assert _triton.dependent_launch(cuda, "rope") == {"USE_GDC": 0}, "off unless asked"
     monkeypatch.setattr(_triton, "PDL", True)
-    assert _triton.dependent_launch(torch.device("cpu")) == {"USE_GDC": False}, "never on the CPU"
+    assert _triton.dependent_launch(torch.device("cpu"), "rope") == {"USE_GDC": 0}, "never on the CPU"
+    with pytest.raises(AssertionError):
+        _triton.dependent_launch(cuda, "ropes")  # a family PDL_SKIP could not name
     if not _triton.HAVE_TRITON:
         return
     monkeypatch.setattr(_triton, "_hopper_or_later", lambda index: index == 1)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert _triton.dependent_launch(torch.device("cuda", 1)) == {"USE_GDC": True, "launch_pdl": True}
-    assert _triton.dependent_launch(torch.device("cuda", 0)) == {"USE_GDC": False}, "before Hopper"
+    assert _triton.dependent_launch(cuda, "rope") == {"USE_GDC": 1, "launch_pdl": True}
+    assert _triton.dependent_launch(torch.device("cuda", 0), "rope") == {"USE_GDC": 0}, "before Hopper"
+    monkeypatch.setattr(_triton, "PDL_TRIGGER", "exit")
+    assert _triton.dependent_launch(cuda, "rope") == {"USE_GDC": 2, "launch_pdl": True}
+    monkeypatch.setattr(_triton, "PDL_SKIP", frozenset({"rope"}))
+    assert _triton.dependent_launch(cuda, "rope") == {"USE_GDC": 0}, "a family left out"
+    assert _triton.dependent_launch(cuda, "rms_norm") == {"USE_GDC": 2, "launch_pdl": True}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert _triton.dependent_launch(torch.device("cuda", 1)) == {"USE_GDC": False}, "never interpreted"
+    assert _triton.dependent_launch(cuda, "rms_norm") == {"USE_GDC": 0}, "never interpreted"
 
 
 # Each kernel with constexprs of a real launch (a decode of the default model's shapes) and its pointers' types;
@@ -56,7 +64,7 @@ FLOATS = {"eps", "scale_log2"}
 MEMORY_OPS = ("ld.global", "st.global", "atom.global", "red.global", "cp.async", "ld.volatile.global")
 
 
-def sm90_ptx(name: str, use_gdc: bool) -> str:
+def sm90_ptx(name: str, use_gdc: int) -> str:
     """The kernel compiled on this machine (no GPU needed) for compute capability 9.0, as PTX."""
     import importlib
 
@@ -70,7 +78,7 @@ def sm90_ptx(name: str, use_gdc: bool) -> str:
     signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "*bf16") if p.name.endswith("_ptr")
                  else "fp32" if p.name in FLOATS else "i32" for p in kernel.params}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": use_gdc})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": bool(use_gdc)})
     return compiled.asm["ptx"]
 
 
@@ -82,14 +90,14 @@ def touches_memory(line: str) -> bool:
     return bool(words) and any(words[0].startswith(op) for op in MEMORY_OPS)
 
 
-def assert_waits_first(ptx: str) -> None:
+def assert_waits_first(ptx: str, trigger: bool = True) -> None:
     """The PTX's griddepcontrol.wait comes before its first global load, store or atomic, and it lets the
-    next kernel launch."""
+    next kernel launch (`trigger`: explicitly; else not at all, the next launching as this one ends)."""
     lines = [line.strip() for line in ptx.splitlines()]
     wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
     first_memory = next(i for i, line in enumerate(lines) if touches_memory(line))
     assert wait < first_memory, lines[first_memory]
-    assert any(line.startswith("griddepcontrol.launch_dependents") for line in lines)
+    assert any(line.startswith("griddepcontrol.launch_dependents") for line in lines) == trigger
 
 
 needs_triton = pytest.mark.skipif(not _triton.HAVE_TRITON, reason="needs triton")
@@ -101,21 +109,30 @@ def test_each_kernel_waits_before_it_touches_memory(name):
     """Compiled for Hopper (on this machine: ~1 s a kernel) with USE_GDC, a kernel's first global load, store
     or atomic comes after its griddepcontrol.wait (a read before it could see the kernel before it unfinished);
     without, no grid dependency control at all. Every Triton kernel of kernels/ is here."""
-    assert_waits_first(sm90_ptx(name, True))
-    assert "griddepcontrol" not in sm90_ptx(name, False)
+    assert_waits_first(sm90_ptx(name, _triton.TRIGGERS["start"]))
+    assert "griddepcontrol" not in sm90_ptx(name, 0)
+
+
+@needs_triton
+def test_a_kernel_triggered_at_exit_only_waits():
+    """USE_GDC 2 (PDL_TRIGGER "exit"): the wait first, no explicit trigger (gdc_enter is every kernel's, so
+    one kernel shows it)."""
+    assert_waits_first(sm90_ptx("rope._rope_kernel", _triton.TRIGGERS["exit"]), trigger=False)
+    with pytest.raises(AssertionError):
+        assert_waits_first(sm90_ptx("rope._rope_kernel", _triton.TRIGGERS["exit"]))
 
 
 @needs_triton
 def test_a_kernel_that_reads_first_fails_the_check():
     """The check catches a kernel that loads before it waits (a module of its own, compiled the same way)."""
-    KERNELS["test_pdl._reads_first_kernel"] = ({"USE_GDC": True}, {})
+    KERNELS["test_pdl._reads_first_kernel"] = ({"USE_GDC": 1}, {})
     try:
         import importlib
         import sys
 
         sys.modules.setdefault("specsplit.kernels.test_pdl", importlib.import_module(__name__))
         with pytest.raises(AssertionError):
-            assert_waits_first(sm90_ptx("test_pdl._reads_first_kernel", True))
+            assert_waits_first(sm90_ptx("test_pdl._reads_first_kernel", 1))
     finally:
         del KERNELS["test_pdl._reads_first_kernel"]
         sys.modules.pop("specsplit.kernels.test_pdl", None)
@@ -152,7 +169,8 @@ def test_every_kernel_is_checked():
 @pytest.mark.parametrize("rows", [1, 16, 40])
 def test_dependent_launches_change_no_bit(monkeypatch, rows):
     """Two SmolLM2-wide layers (every projection folding: the few-rows kernel, RMSNorm, RoPE-free stand-in
-    attention) plus a norm, eager and replayed from a graph, with and without PDL: equal bit for bit."""
+    attention) plus a norm, eager and replayed from a graph, without PDL and with it (each kernel letting
+    the next launch at its start, or at its exit): equal bit for bit."""
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=1536,
                       num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
     layers = random_layers(cfg, "cuda", torch.bfloat16)
@@ -160,13 +178,15 @@ def test_dependent_launches_change_no_bit(monkeypatch, rows):
     x = torch.randn(rows, cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16)
     norm = (1 + 0.3 * torch.randn(cfg.hidden_size, generator=gen)).to("cuda", torch.bfloat16)
     results = {}
-    for pdl in (False, True):
+    for pdl, trigger in ((False, "start"), (True, "start"), (True, "exit")):
         monkeypatch.setattr(_triton, "PDL", pdl)
+        monkeypatch.setattr(_triton, "PDL_TRIGGER", trigger)
         eager = fused_outputs(cfg, layers, x, norm)
         with torch.no_grad():
             graph, out = captured(lambda: fused_outputs(cfg, layers, x, norm))
         graph.replay()
         torch.cuda.synchronize()
-        results[pdl] = (eager[0].clone(), eager[1].clone(), out[0].clone(), out[1].clone())
-    for off, on in zip(results[False], results[True]):
-        assert torch.equal(off, on)
+        results[pdl, trigger] = (eager[0].clone(), eager[1].clone(), out[0].clone(), out[1].clone())
+    for mode in ((True, "start"), (True, "exit")):
+        for off, on in zip(results[False, "start"], results[mode]):
+            assert torch.equal(off, on), mode

@@ -36,7 +36,8 @@
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
 #   bash tools/gpu_round.sh served-8b     # the 8B-shaped step as the engine serves it, against its floor
 #   bash tools/gpu_round.sh host-steps    # where the host's part of a steady decode step goes, target only and in-process
-#   bash tools/gpu_round.sh pdl           # (next) Triton kernels launched dependent: GPU tests, the steps' replays on and off
+#   bash tools/gpu_round.sh pdl           # Triton kernels launched dependent: GPU tests, the steps' replays on and off
+#   bash tools/gpu_round.sh pdl-variants  # ... its trigger and the kernels it pays for, served tokens/s on and off
 #   bash tools/gpu_round.sh served-trace  # the served decode steps under the profiler: where the device stands idle
 #   bash tools/gpu_round.sh tau-sides     # issue 10: the shipped drafter's tau on held-out prompts and on trained-side ones
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
@@ -258,6 +259,22 @@ pdl)
     timeout 100 python bench/floor_profile.py --target $target --pdl --out "$OUT" 2>&1 | grep -v INFO \
       | grep -E "replay|x  " | log
   done
+  ;;
+pdl-variants)
+  # (thirtieth session) PDL took the default model's decode replay from 811 to 679 us (1.19x) but the 8B shape's
+  # from 4,464 to 4,766 (0.94x): which trigger, and which kernels gain or lose by it; its GPU test with the
+  # trigger at exit; then served tokens/s with it against without, three rounds
+  timeout 120 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_pdl.py 2>&1 \
+    | grep -E "Error|error|assert|FAILED|passed|failed" | tail -8 | log
+  for target in default qwen3-8b; do
+    timeout 120 python bench/floor_profile.py --target $target --pdl --out "$OUT" 2>&1 | grep -v INFO \
+      | grep -E "x  " | log
+  done
+  timeout 400 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --also-pdl --rounds 3 --json-out "$OUT/split_pdl.json" 2>&1 | grep -v INFO | grep -E "pdl" | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
+    for k, v in d[b].items() if 'over' in k or 'differing' in k or k == 'rounds'}) for b in d if b.startswith('batch')]" \
+    "$OUT/split_pdl.json" 2>&1 | log
   ;;
 served-trace)
   # (twenty-ninth session) the engine's served decode step took 0.897 ms against a replay of 0.825 (default model)
