@@ -135,8 +135,9 @@ def main() -> None:
                          "(as before the twenty-ninth session: cuBLAS and the norms' launches beyond it), and the "
                          "few-rows kernel's narrow tiles instead of kernels.skinny_linear.WIDE_TILE")
     ap.add_argument("--pdl", action="store_true",
-                    help="one more variant: the defaults with every Triton kernel launched dependent (programmatic "
-                         "dependent launch, kernels/_triton.py), the gaps between kernels overlapped")
+                    help="three more variants of the engine's programmatic dependent launch (kernels/_triton.py: on, "
+                         "heavy projections plain): without it, every kernel dependent, and each kernel letting the "
+                         "next launch at its exit")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -167,16 +168,10 @@ def main() -> None:
     if args.row_tiles:
         variants += [("... folds within one tile of rows", engine_len, {"MAX_FOLD_ROWS": skinny_linear.MAX_ROWS}),
                      ("... row tiles of 32 x 16 columns", engine_len, {"WIDE_TILE": (32, 16, 256, 4, 4)})]
-    if args.pdl:  # which trigger, and which kernels gain or lose by it (a family launched plain is in PDL_SKIP)
-        projections = frozenset({"skinny_linear"})
-        variants += [("... every Triton kernel launched dependent (PDL)", engine_len, {"PDL": True}),
-                     ("... PDL, the next kernel launched at each one's exit", engine_len,
-                      {"PDL": True, "PDL_TRIGGER": "exit"}),
-                     ("... PDL but for the projections", engine_len, {"PDL": True, "PDL_SKIP": projections}),
-                     ("... PDL for the projections alone", engine_len,
-                      {"PDL": True, "PDL_SKIP": frozenset(_triton.FAMILIES) - projections}),
-                     ("... PDL but for attention", engine_len,
-                      {"PDL": True, "PDL_SKIP": frozenset({"paged_attention", "combine_splits"})})]
+    if args.pdl:  # the engine's PDL (on, heavy projections plain) against none, every kernel, the other trigger
+        variants += [("... without PDL", engine_len, {"PDL": False}),
+                     ("... PDL for every kernel, heavy projections too", engine_len, {"PDL_SKIP": frozenset()}),
+                     ("... PDL, the next kernel launched at each one's exit", engine_len, {"PDL_TRIGGER": "exit"})]
     cache = model.new_cache(num_blocks=b * (-(-(ctx + q) // 16)) + 2, block_size=16)
     gen = torch.Generator().manual_seed(0)
     for s in range(b):

@@ -136,15 +136,15 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
 
 
 # Engines like target_only's and in_process's with one kernel setting changed, side by side (--also-unfolded,
-# --also-pdl), named by a suffix: the setting's module, attribute and value for the variant, the ratio's name,
+# --also-no-pdl), named by a suffix: the setting's module, attribute and value for the variant, the ratio's name,
 # and whether that ratio is the variant's rate over the default's (else the default's over the variant's)
 KERNEL_VARIANTS = {"unfolded": (fused, "FOLD", False, "folded_over_unfolded", False),
-                   "pdl": (_triton, "PDL", True, "pdl_over_plain", True)}
+                   "nopdl": (_triton, "PDL", False, "pdl_over_nopdl", False)}
 
 
 @contextmanager
 def kernel_setting(engine: str):
-    """The setting an engine named *_unfolded or *_pdl captures its graphs and launches its kernels with
+    """The setting an engine named *_unfolded or *_nopdl captures its graphs and launches its kernels with
     (read at capture and at each eager launch: a graph keeps what it was captured with)."""
     suffix = engine.rsplit("_", 1)[-1]
     if suffix not in KERNEL_VARIANTS:
@@ -234,10 +234,11 @@ def main() -> None:
                     help="also target-only and in-process with their engines' graphs captured without the few-rows "
                          "kernel's folds (shared.fused.FOLD, read at capture), side by side; the in-process engine "
                          "shares the drafter, whose own graphs the first run captured with them")
-    ap.add_argument("--also-pdl", action="store_true",
-                    help="also target-only and in-process with their engines' Triton kernels launched dependent "
-                         "(kernels._triton.PDL, read at capture and at each eager launch), side by side; the "
-                         "in-process engine shares the drafter, whose own graphs the first run captured without")
+    ap.add_argument("--also-no-pdl", action="store_true",
+                    help="also target-only and in-process with their engines' Triton kernels launched without "
+                         "programmatic dependent launch (kernels._triton.PDL, read at capture and at each eager "
+                         "launch), side by side; the in-process engine shares the drafter, whose own graphs the "
+                         "first run captured with it")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -376,7 +377,7 @@ def main() -> None:
                               f"requests_differing_{default}_vs_{other}": sum(
                                   a != b for a, b in zip(local_tokens, other_tokens))})
             kernel_engines = {}  # the engines' graphs with one kernel setting changed (KERNEL_VARIANTS), same run
-            for suffix in [s for s, on in (("unfolded", args.also_unfolded), ("pdl", args.also_pdl)) if on]:
+            for suffix in [s for s, on in (("unfolded", args.also_unfolded), ("nopdl", args.also_no_pdl)) if on]:
                 label = KERNEL_VARIANTS[suffix][3]
                 for name, drafter, default, default_tokens in (("target_only", None, base, base_tokens),
                                                                ("in_process", local_drafter, local, local_tokens)):

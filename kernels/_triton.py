@@ -3,10 +3,18 @@
 Also the programmatic dependent launch (PDL) every kernel here supports: launched with it (`dependent_launch`),
 a kernel may be scheduled while the one before it in its stream is still running, and waits at its first line
 (`gdc_enter`) for that kernel to finish and its writes to land, before it reads or writes any memory; it then
-lets the next kernel be scheduled likewise. What it saves is the gap between two kernels (~0.5 µs on the H200:
-131 µs of a Qwen3-8B-shaped step's 4.6 ms, twenty-ninth session). Hopper and later only; never under the
-interpreter. Off unless `PDL` is set (the environment's SPECSPLIT_PDL=1 sets it at import, for the GPU tests
-and benches) until the H200 says it wins.
+lets the next kernel be scheduled likewise. What it saves is the gap between two kernels and the next one's
+start (the thirtieth session, H200, `bench/floor_profile.py --pdl`, replays of one decode step):
+
+| | without | every kernel dependent | heavy projections plain (the default) |
+|---|---|---|---|
+| SmolLM2-135M, 222 kernels | 811 µs | 678 µs | 678 µs (no weight is heavy) |
+| Qwen3-8B shape, 264 kernels | 4,466 µs | 4,768 µs | 4,411 µs |
+
+Served (`bench/split_bench.py`, SmolLM2, three rounds, medians): target only 1.19× at one stream (1,441
+against 1,215 tok/s) and 1.18× at eight; in-process speculative 1.12× and 1.02×. The same bits either way.
+Hopper and later only; never under the interpreter. On by default; SPECSPLIT_PDL=0 (read at import) or
+`PDL = False` turns it off.
 """
 
 from __future__ import annotations
@@ -30,14 +38,16 @@ except ImportError:
     class tl:  # noqa: N801 - only tl.constexpr is evaluated at definition time (in annotations)
         constexpr = None
 
-PDL = os.environ.get("SPECSPLIT_PDL", "0") == "1"
+PDL = os.environ.get("SPECSPLIT_PDL", "1") != "0"  # SPECSPLIT_PDL=0 turns it off
 # Where a kernel launched dependent lets the next one be scheduled: "start", right after its own wait (the
 # next kernel's programs are resident and waiting by the time this one ends), or "exit", when it ends (only
 # the launch's processing overlaps)
 PDL_TRIGGER = "start"
-# The kernel families that launch plain even where PDL is on (names of FAMILIES)
-PDL_SKIP: frozenset[str] = frozenset()
-FAMILIES = ("skinny_linear", "rms_norm", "rope", "paged_attention", "combine_splits", "silu_mul", "row_max")
+# The kernel families that launch plain even where PDL is on (names of FAMILIES): the few-rows projections
+# of heavy weights (kernels/skinny_linear.py, PDL_HEAVY_BYTES)
+PDL_SKIP: frozenset[str] = frozenset({"skinny_linear_heavy"})
+FAMILIES = ("skinny_linear", "skinny_linear_heavy", "rms_norm", "rope", "paged_attention", "combine_splits",
+            "silu_mul", "row_max")
 TRIGGERS = {"start": 1, "exit": 2}  # USE_GDC's values where PDL is on (0: off)
 
 

@@ -60,6 +60,12 @@ MAX_FOLD_ROWS = 128
 # 0.95-1.07x cuBLAS; the few-rows tile stacked 32 rows deep took 4.3-10.5 µs, 2.9x cuBLAS for gate/up)
 WIDE_TILE = (64, 32, 128, 4, 3)
 MIN_WEIGHT_BYTES = 16 * 2 ** 20  # below, the weight can sit in L2 and a launch's latency is the cost
+# A projection of this weight or heavier launches as its own PDL family, "skinny_linear_heavy", which
+# kernels._triton.PDL_SKIP leaves plain: launched dependent (the next kernel resident and waiting from this
+# one's start) the Qwen3-8B-shaped step took 4.77 ms against 4.47 without PDL, and 4.41 with every other
+# kernel dependent (thirtieth session, `bench/floor_profile.py --pdl`); SmolLM2's projections (below it)
+# gain by it (0.81 ms to 0.68 with every kernel dependent)
+PDL_HEAVY_BYTES = 16 * 2 ** 20
 MIN_K = 2048  # below, a program's stream is too short to beat cuBLAS (SmolLM2's head, K = 576)
 BLOCK_K = 256
 MAX_COLUMN_BLOCKS = 65535  # programs along N (a CUDA grid's y): 1 M columns at the narrowest tile
@@ -241,6 +247,8 @@ def _launch(x, weight, bias, out_dtype, swiglu, residual, norm_in, eps, norm_out
         ADD=residual is not None, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
         SQUARES_BLOCK=1 if norm_in is None else triton.next_power_of_2(norm_in.shape[1]),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))),
-        num_warps=warps, num_stages=stages, **dependent_launch(x.device, "skinny_linear"))
+        num_warps=warps, num_stages=stages, **dependent_launch(
+            x.device, "skinny_linear_heavy" if weight.numel() * weight.element_size() >= PDL_HEAVY_BYTES
+            else "skinny_linear"))
     shape = (*x.shape[:-1], out_n)
     return y.view(shape), None if norm_out is None else PendingNorm(weighted.view(shape), squares)

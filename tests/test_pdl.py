@@ -41,6 +41,29 @@ def test_which_launches_ask_for_it(monkeypatch):
     assert _triton.dependent_launch(cuda, "rms_norm") == {"USE_GDC": 0}, "never interpreted"
 
 
+def test_heavy_projections_launch_as_their_own_family(monkeypatch):
+    """The few-rows kernel names its PDL family by its weight's bytes: from PDL_HEAVY_BYTES up,
+    "skinny_linear_heavy", which PDL_SKIP leaves plain by default (a stand-in kernel records the launch)."""
+    from specsplit.kernels import skinny_linear
+
+    launches = []
+
+    class StandIn:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw)
+
+    families = []
+    monkeypatch.setattr(skinny_linear, "_skinny_linear_kernel", StandIn())
+    monkeypatch.setattr(skinny_linear, "dependent_launch",
+                        lambda device, family: families.append(family) or {"USE_GDC": 0})
+    x, weight = torch.ones(2, 64, dtype=torch.float16), torch.ones(32, 64, dtype=torch.float16)
+    for heavy_bytes in (weight.numel() * 2 + 1, weight.numel() * 2):  # just below the bound, at it
+        monkeypatch.setattr(skinny_linear, "PDL_HEAVY_BYTES", heavy_bytes)
+        skinny_linear._launch(x, weight, None, None, False, None, None, 0.0, None)
+    assert families == ["skinny_linear", "skinny_linear_heavy"] and len(launches) == 2
+    assert _triton.PDL_SKIP == frozenset({"skinny_linear_heavy"}) and set(_triton.PDL_SKIP) <= set(_triton.FAMILIES)
+
+
 # Each kernel with constexprs of a real launch (a decode of the default model's shapes) and its pointers' types;
 # every other argument an int32 but the float ones named here.
 KERNELS = {
