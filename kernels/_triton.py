@@ -8,11 +8,13 @@ start (the thirtieth session, H200, `bench/floor_profile.py --pdl`, replays of o
 
 | | without | every kernel dependent | heavy projections plain (the default) |
 |---|---|---|---|
-| SmolLM2-135M, 222 kernels | 811 µs | 678 µs | 678 µs (no weight is heavy) |
-| Qwen3-8B shape, 264 kernels | 4,466 µs | 4,768 µs | 4,411 µs |
+| SmolLM2-135M, 222 kernels | 808-811 µs | 676-678 µs | 676 µs (only its LM head is heavy) |
+| Qwen3-8B shape, 264 kernels | 4,461-4,466 µs | 4,756-4,768 µs | 4,410-4,411 µs |
 
-Served (`bench/split_bench.py`, SmolLM2, three rounds, medians): target only 1.19× at one stream (1,441
-against 1,215 tok/s) and 1.18× at eight; in-process speculative 1.12× and 1.02×. The same bits either way.
+(two runs each; with each kernel letting the next launch at its exit instead: 768-770 µs and 4,416-4,465.)
+Served (`bench/split_bench.py`, SmolLM2, bf16, three rounds, medians of the rounds' ratios, two runs): target
+only 1.10-1.19× at one stream (1,439 against 1,316 tok/s) and 1.07-1.18× at eight; in-process speculative
+1.04-1.12× and 1.02×; no request's tokens differ.
 Hopper and later only; never under the interpreter. On by default; SPECSPLIT_PDL=0 (read at import) or
 `PDL = False` turns it off.
 """
