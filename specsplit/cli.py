@@ -544,6 +544,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
                       pool_gb=args.pool_gb, pool_rounds=args.pool_rounds, sampled_fraction=args.sampled_fraction,
                       sampled_by_kind=args.sampled_by_kind, self_prompts=args.self_prompts,
                       ce_weight=args.ce_weight, kl_weight=args.kl_weight, walk_share=args.walk_anchors,
+                      walk_steps=args.walk_steps,
                       gen_graphs=not args.no_gen_graphs,
                       seed=args.seed, log_every=args.log_every)
     if args.eval_tokens < 0:
@@ -592,6 +593,7 @@ def add_training_parsers(sub) -> None:
             ("--loss-decay", float, None, "w in exp(-(k-1)/w) (default: 1 + 3γ/8 for DFlash, 2 for MTP)"),
             ("--walk-anchors", float, 0.0, "DFlash: share of each row's anchors moved one step of decoding's walk, "
                                            "past the drafts the drafter gets right from a random anchor (0 to 1)"),
+            ("--walk-steps", int, 1, "DFlash: steps of decoding's walk each --walk-anchors anchor takes"),
             ("--gen-batch", int, 1024, "sequences generated at once"),
             ("--gen-fraction", float, 0.35, "share of --minutes spent generating, at most"),
             ("--pool-gb", float, 48.0, "device memory for feature rows, in GiB"),

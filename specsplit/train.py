@@ -74,6 +74,7 @@ class TrainConfig:
     # DFlash: the share of each row's anchors moved one step of decoding's walk, from a random anchor a to
     # a + m + 1 past the m drafts its block gets right (`walk_anchors`): where decoding's next step starts
     walk_share: float = 0.0
+    walk_steps: int = 1  # steps of the walk each of those anchors takes (a scoring forward each)
     steps: int | None = None
     minutes: float | None = None  # wall-time bound for everything, generation included
     gen_fraction: float = 0.35  # of `minutes`, the most spent generating
@@ -92,7 +93,7 @@ class TrainConfig:
         if self.layers is not None and self.layers < 1:
             raise InvalidRequest("layers must be ≥ 1")
         for name in ("batch", "anchors", "mtp_steps", "seq_len", "max_prompt_tokens", "gen_batch",
-                     "log_every", "pool_rounds"):
+                     "log_every", "pool_rounds", "walk_steps"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be ≥ 1")
         if self.block_size < 2:
@@ -473,12 +474,15 @@ def block_targets(tokens: torch.Tensor, lengths: torch.Tensor, anchors: torch.Te
 def dflash_loss(model: DFlashModel, head: TargetHead, batch: Batch, cfg: TrainConfig,
                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Block k of an anchor a predicts x_{a+k}, k = 1..γ-1, weighted exp(-(k-1)/w) where a+k is real.
-    The first walk_share of each row's (randomly ordered) anchors are moved one step of decoding's walk."""
+    The first walk_share of each row's (randomly ordered) anchors are moved walk_steps steps of decoding's
+    walk (`walk_anchors`, once a step)."""
     gamma = model.cfg.block_size
     anchors, real = sample_anchors(batch, cfg.anchors, gen)
     walked = round(cfg.walk_share * anchors.shape[1])
     if walked:
-        moved, still = walk_anchors(model, head, batch, anchors[:, :walked], real[:, :walked])
+        moved, still = anchors[:, :walked], real[:, :walked]
+        for _ in range(cfg.walk_steps):
+            moved, still = walk_anchors(model, head, batch, moved, still)
         anchors, real = torch.cat([moved, anchors[:, walked:]], 1), torch.cat([still, real[:, walked:]], 1)
     hidden = dflash_block_hidden(model, head, batch.rows, batch.tokens, batch.positions, batch.valid, anchors)
     targets, ok = block_targets(batch.tokens, batch.lengths, anchors, real, gamma)

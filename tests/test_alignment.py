@@ -332,23 +332,30 @@ def test_b_walk_anchors_move_past_the_drafts_the_block_gets_right(qwen3, sequenc
         assert all(batch.starts[b] <= a <= batch.lengths[b] - 2 for a in moved[b][still[b]].tolist())
 
 
-def test_a_training_step_trains_on_the_walks_anchors(qwen3, sequences, monkeypatch):
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_training_step_trains_on_the_walks_anchors(qwen3, sequences, monkeypatch, steps):
     """--walk-anchors 0.5: half of each row's sampled anchors (the first half; they are in random order)
-    reach the loss's block forward moved, the rest as drawn."""
+    reach the loss's block forward moved `steps` steps of the walk (a scoring forward each), the rest as drawn."""
     from specsplit import train
 
     drafter, batch = walk_case(qwen3, sequences)
     seen = []
     real_forward = train.dflash_block_hidden
     monkeypatch.setattr(train, "dflash_block_hidden", lambda *a: seen.append(a[-1]) or real_forward(*a))
-    cfg = train.TrainConfig(steps=1, block_size=GAMMA, anchors=4, walk_share=0.5, kl_weight=0.0, ce_weight=1.0)
+    cfg = train.TrainConfig(steps=1, block_size=GAMMA, anchors=4, walk_share=0.5, walk_steps=steps, kl_weight=0.0,
+                            ce_weight=1.0)
     drawn, drawn_real = sample_anchors(batch, 4, torch.Generator().manual_seed(9))
     loss, _ = train.dflash_loss(drafter.model, drafter.head, batch, cfg, torch.Generator().manual_seed(9))
     assert torch.isfinite(loss)
-    scored, trained = seen
-    assert torch.equal(scored, drawn[:, :2])
-    moved, _ = walk_anchors(drafter.model, drafter.head, batch, drawn[:, :2], drawn_real[:, :2])
-    assert torch.equal(trained, torch.cat([moved, drawn[:, 2:]], 1))
+    forwards = list(seen)  # (walk_anchors below runs the recorded forward too)
+    assert len(forwards) == steps + 1
+    moved, still = drawn[:, :2], drawn_real[:, :2]
+    for scored in forwards[:-1]:
+        assert torch.equal(scored, moved)
+        moved, still = walk_anchors(drafter.model, drafter.head, batch, moved, still)
+    assert torch.equal(forwards[-1], torch.cat([moved, drawn[:, 2:]], 1))
+    if steps == 2:  # the second step moved at least one anchor again
+        assert not torch.equal(forwards[1], forwards[-1][:, :2])
 
 
 def test_b_inference_context_is_the_committed_rows_before_the_anchor(qwen3, sequences):

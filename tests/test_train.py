@@ -179,7 +179,8 @@ def test_config_is_validated():
                 {"target_layers": (1, 2), "num_target_layers": 2}, {"num_target_layers": 0},
                 {"sampled_by_kind": (("poetry", 1.0),)}, {"sampled_by_kind": (("chat", 1.0), ("chat", 2.0))},
                 {"sampled_by_kind": (("code", -0.5),)}, {"sampled_by_kind": (("math", 4.5),)},
-                {"walk_share": 1.5}, {"walk_share": -0.1}, {"kind": "mtp", "walk_share": 0.5}):
+                {"walk_share": 1.5}, {"walk_share": -0.1}, {"kind": "mtp", "walk_share": 0.5},
+                {"walk_steps": 0}):
         with pytest.raises(InvalidRequest):
             TrainConfig(steps=1, **bad)
     cfg = TrainConfig(steps=1, sampled_fraction=0.25, sampled_by_kind=(("chat", 2.0), ("code", 0.0)))
