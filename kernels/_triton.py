@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 import os
 
+from ..shared.errors import InvalidRequest
+
 try:
     import triton
     import triton.language as tl
@@ -40,7 +42,21 @@ except ImportError:
     class tl:  # noqa: N801 - only tl.constexpr is evaluated at definition time (in annotations)
         constexpr = None
 
-PDL = os.environ.get("SPECSPLIT_PDL", "1") != "0"  # SPECSPLIT_PDL=0 turns it off
+SWITCHES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _switch(name: str, default: bool) -> bool:
+    """An environment switch as the services read theirs: 1/0, true/false, yes/no or on/off; else an error
+    naming the variable (a typo must not leave a setting silently at its default)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value.strip().lower() not in SWITCHES:
+        raise InvalidRequest(f"${name} must be one of {', '.join(SWITCHES)}, got {value!r}")
+    return SWITCHES[value.strip().lower()]
+
+
+PDL = _switch("SPECSPLIT_PDL", True)  # SPECSPLIT_PDL=0 turns it off
 # Where a kernel launched dependent lets the next one be scheduled: "start", right after its own wait (the
 # next kernel's programs are resident and waiting by the time this one ends), or "exit", when it ends (only
 # the launch's processing overlaps)

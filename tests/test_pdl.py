@@ -41,6 +41,17 @@ def test_which_launches_ask_for_it(monkeypatch):
     assert _triton.dependent_launch(cuda, "rms_norm") == {"USE_GDC": 0}, "never interpreted"
 
 
+def test_the_switch_reads_as_the_services_read_theirs(monkeypatch):
+    for value, expected in (("0", False), ("off", False), ("No", False), ("1", True), ("true", True), (" on ", True)):
+        monkeypatch.setenv("SPECSPLIT_PDL", value)
+        assert _triton._switch("SPECSPLIT_PDL", not expected) is expected
+    monkeypatch.delenv("SPECSPLIT_PDL")
+    assert _triton._switch("SPECSPLIT_PDL", True) is True
+    monkeypatch.setenv("SPECSPLIT_PDL", "flase")
+    with pytest.raises(ValueError, match="SPECSPLIT_PDL"):
+        _triton._switch("SPECSPLIT_PDL", True)
+
+
 def test_heavy_projections_launch_as_their_own_family(monkeypatch):
     """The few-rows kernel names its PDL family by its weight's bytes: from PDL_HEAVY_BYTES up,
     "skinny_linear_heavy", which PDL_SKIP leaves plain by default (a stand-in kernel records the launch)."""
