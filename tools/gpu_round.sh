@@ -36,9 +36,8 @@
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
 #   bash tools/gpu_round.sh served-8b     # the 8B-shaped step as the engine serves it, against its floor
 #   bash tools/gpu_round.sh host-steps    # where the host's part of a steady decode step goes, target only and in-process
-#   bash tools/gpu_round.sh pdl           # Triton kernels launched dependent: GPU tests, the steps' replays on and off
-#   bash tools/gpu_round.sh pdl-variants  # ... its trigger and the kernels it pays for, served tokens/s on and off
-#   bash tools/gpu_round.sh pdl-default   # ... on by default, heavy projections plain: GPU tests, steps, served
+#   bash tools/gpu_round.sh pdl-default   # Triton kernels launched dependent (on by default, heavy projections plain):
+#                                         # GPU tests, the steps' replays and served tokens/s with and without
 #   bash tools/gpu_round.sh served-trace  # the served decode steps under the profiler: where the device stands idle
 #   bash tools/gpu_round.sh tau-sides     # issue 10: the shipped drafter's tau on held-out prompts and on trained-side ones
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
@@ -246,41 +245,13 @@ host-steps)
   timeout 300 python bench/host_profile.py --batch 1 8 --target-only --steps 300 --out "$OUT" 2>&1 | grep -v INFO \
     | grep -E -A22 "ms/step" | log
   ;;
-pdl)
-  # (after the twenty-ninth session, not run yet) the served 8B step's device idle was 131 µs a step, all of it
-  # the gaps between the graph's own kernels. Every Triton kernel can now be launched dependent (PDL: scheduled
-  # while the one before runs, waiting at its first line). Its GPU tests (equal bits with and without), the
-  # graphs' tests with it on, then the steps' variants side by side
-  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_pdl.py 2>&1 \
-    | grep -E "Error|error|assert|FAILED|passed|failed" | tail -8 | log
-  SPECSPLIT_PDL=1 timeout 300 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py \
-    tests/test_step_graphs.py tests/test_dflash_graphs.py tests/test_chain.py tests/test_row_max.py 2>&1 \
-    | grep -E "Error|error|assert|FAILED|passed|failed" | tail -12 | log
-  for target in default qwen3-8b; do
-    timeout 100 python bench/floor_profile.py --target $target --pdl --out "$OUT" 2>&1 | grep -v INFO \
-      | grep -E "replay|x  " | log
-  done
-  ;;
-pdl-variants)
-  # (thirtieth session) PDL took the default model's decode replay from 811 to 679 us (1.19x) but the 8B shape's
-  # from 4,464 to 4,766 (0.94x): which trigger, and which kernels gain or lose by it; its GPU test with the
-  # trigger at exit; then served tokens/s with it against without, three rounds (run as the thirtieth session's
-  # second call, when PDL was off by default and split_bench's flag --also-pdl; now --also-no-pdl)
-  timeout 120 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_pdl.py 2>&1 \
-    | grep -E "Error|error|assert|FAILED|passed|failed" | tail -8 | log
-  for target in default qwen3-8b; do
-    timeout 120 python bench/floor_profile.py --target $target --pdl --out "$OUT" 2>&1 | grep -v INFO \
-      | grep -E "x  " | log
-  done
-  timeout 400 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
-    --also-no-pdl --rounds 3 --json-out "$OUT/split_pdl.json" 2>&1 | grep -v INFO | grep -E "pdl" | log
-  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
-    for k, v in d[b].items() if 'over' in k or 'differing' in k or k == 'rounds'}) for b in d if b.startswith('batch')]" \
-    "$OUT/split_pdl.json" 2>&1 | log
-  ;;
 pdl-default)
   # (thirtieth session) PDL on by default, heavy projections (8B's) plain: the GPU tests of everything that runs
-  # the kernels and graphs, the steps' variants, served tokens/s against without PDL (the drafter's graphs too)
+  # the kernels and graphs, the steps' variants, served tokens/s against without PDL (the drafter's graphs too).
+  # Its first call ran the GPU tests with SPECSPLIT_PDL=1 (PDL off by default then; 76 passed) and
+  # floor_profile --pdl; its second the same with tests/test_pdl.py alone and split_bench's --also-pdl: the
+  # default model's replay 811 -> 679 us with PDL, the 8B shape's 4,464 -> 4,766, and 4,411 with the
+  # projections plain; served 1.19x target only
   timeout 260 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_pdl.py tests/test_skinny_linear.py \
     tests/test_step_graphs.py tests/test_dflash_graphs.py tests/test_chain.py tests/test_row_max.py 2>&1 \
     | grep -E "Error|error|assert|FAILED|passed|failed" | tail -12 | log
