@@ -478,12 +478,21 @@ def dflash_loss(model: DFlashModel, head: TargetHead, batch: Batch, cfg: TrainCo
     walk (`walk_anchors`, once a step)."""
     gamma = model.cfg.block_size
     anchors, real = sample_anchors(batch, cfg.anchors, gen)
-    walked = round(cfg.walk_share * anchors.shape[1])
+    walked = math.floor(cfg.walk_share * anchors.shape[1] + 0.5)  # columns scored (real anchors come first)
     if walked:
-        moved, still = anchors[:, :walked], real[:, :walked]
+        # A row's share of its real anchors (a row short of anchors, its sequence ended early, walks no more
+        # than its share); the rest of those columns stay as drawn
+        count = torch.floor(cfg.walk_share * real.sum(1, keepdim=True) + 0.5)
+        chosen = real[:, :walked] & (torch.arange(walked, device=real.device) < count)
+        moved, still = anchors[:, :walked], chosen
         for _ in range(cfg.walk_steps):
             moved, still = walk_anchors(model, head, batch, moved, still)
-        anchors, real = torch.cat([moved, anchors[:, walked:]], 1), torch.cat([still, real[:, walked:]], 1)
+        if torch.is_autocast_enabled(moved.device.type):
+            # (the no-grad forwards must not leave autocast's cast weights, made without gradient history, to
+            # the training forward: older torch reused them and the weights got no gradient, pytorch#112583)
+            torch.clear_autocast_cache()
+        anchors = torch.cat([torch.where(chosen, moved, anchors[:, :walked]), anchors[:, walked:]], 1)
+        real = torch.cat([torch.where(chosen, still, real[:, :walked]), real[:, walked:]], 1)
     hidden = dflash_block_hidden(model, head, batch.rows, batch.tokens, batch.positions, batch.valid, anchors)
     targets, ok = block_targets(batch.tokens, batch.lengths, anchors, real, gamma)
     k = torch.arange(gamma, device=anchors.device)

@@ -303,10 +303,10 @@ def walk_case(qwen3, sequences):
     index = torch.tensor([[forced]])
     hidden = dflash_block_hidden(drafter.model, drafter.head, rows[B:B + 1], tokens[B:B + 1], cols[:1],
                                  batch.valid[B:B + 1], index)
-    drafts = drafter.model.logits(hidden[0, 0, 1:4], drafter.head).argmax(-1)
-    tokens[B, forced + 1:forced + 4] = drafts
-    tokens[B, forced + 4] = (drafts[0] + 1) % TINY["vocab_size"] if drafts[0] == tokens[B, forced + 4] else \
-        tokens[B, forced + 4]
+    drafts = drafter.model.logits(hidden[0, 0, 1:5], drafter.head).argmax(-1)  # the block's first four drafts
+    tokens[B, forced + 1:forced + 4] = drafts[:3]
+    if drafts[3] == tokens[B, forced + 4]:  # the fourth one wrong
+        tokens[B, forced + 4] = (drafts[3] + 1) % TINY["vocab_size"]
     assert before != [3]  # the case is made, not found
     return drafter, batch
 
@@ -335,27 +335,54 @@ def test_b_walk_anchors_move_past_the_drafts_the_block_gets_right(qwen3, sequenc
 @pytest.mark.parametrize("steps", [1, 2])
 def test_a_training_step_trains_on_the_walks_anchors(qwen3, sequences, monkeypatch, steps):
     """--walk-anchors 0.5: half of each row's sampled anchors (the first half; they are in random order)
-    reach the loss's block forward moved `steps` steps of the walk (a scoring forward each), the rest as drawn."""
+    reach the loss's block forward and its labels moved `steps` steps of the walk (a scoring forward each),
+    those the walk took past the labelled tokens (here each row's second) no longer real; the rest as drawn."""
     from specsplit import train
 
     drafter, batch = walk_case(qwen3, sequences)
-    seen = []
-    real_forward = train.dflash_block_hidden
+    gen, _ = sequences
+    last = (gen.lengths - 2).tolist()  # the last anchor with a label after it: its step leaves the labels
+    drawn = torch.tensor([[10, last[0], 12, 13], [2, last[1], 4, 5], [ANCHORS[1], last[2], ANCHORS[0], ANCHORS[0] + 1]])
+    drawn_real = torch.ones_like(drawn, dtype=torch.bool)
+    monkeypatch.setattr(train, "sample_anchors", lambda *a: (drawn, drawn_real))
+    seen, labelled = [], []
+    real_forward, real_targets = train.dflash_block_hidden, train.block_targets
     monkeypatch.setattr(train, "dflash_block_hidden", lambda *a: seen.append(a[-1]) or real_forward(*a))
+    monkeypatch.setattr(train, "block_targets", lambda *a: labelled.append(a[2:4]) or real_targets(*a))
     cfg = train.TrainConfig(steps=1, block_size=GAMMA, anchors=4, walk_share=0.5, walk_steps=steps, kl_weight=0.0,
                             ce_weight=1.0)
-    drawn, drawn_real = sample_anchors(batch, 4, torch.Generator().manual_seed(9))
-    loss, _ = train.dflash_loss(drafter.model, drafter.head, batch, cfg, torch.Generator().manual_seed(9))
+    loss, _ = train.dflash_loss(drafter.model, drafter.head, batch, cfg, torch.Generator())
     assert torch.isfinite(loss)
-    forwards = list(seen)  # (walk_anchors below runs the recorded forward too)
-    assert len(forwards) == steps + 1
+    forwards, labels = list(seen), list(labelled)  # (walk_anchors below runs the recorded calls too)
+    assert len(forwards) == steps + 1 and len(labels) == steps + 1
     moved, still = drawn[:, :2], drawn_real[:, :2]
     for scored in forwards[:-1]:
         assert torch.equal(scored, moved)
         moved, still = walk_anchors(drafter.model, drafter.head, batch, moved, still)
     assert torch.equal(forwards[-1], torch.cat([moved, drawn[:, 2:]], 1))
+    anchors, real = labels[-1]  # the loss's labels: of the moved anchors where still real
+    assert torch.equal(anchors, forwards[-1]) and torch.equal(real, torch.cat([still, drawn_real[:, 2:]], 1))
+    assert still[:, 0].all() and not still[:, 1].any()  # (the case tells real from still)
     if steps == 2:  # the second step moved at least one anchor again
         assert not torch.equal(forwards[1], forwards[-1][:, :2])
+
+
+def test_a_row_short_of_anchors_walks_its_share_of_them(qwen3, sequences, monkeypatch):
+    """Real anchors come first in a row; one with fewer than --anchors walks its share of those it has
+    (rounded half up), not all of them."""
+    from specsplit import train
+
+    drafter, batch = walk_case(qwen3, sequences)
+    anchors = torch.tensor([[5, 6, 0, 0], [2, 3, 4, 5], [14, 0, 0, 0]])
+    real = torch.tensor([[True, True, False, False], [True] * 4, [True, False, False, False]])
+    monkeypatch.setattr(train, "sample_anchors", lambda *a: (anchors, real))
+    moves = []
+    real_walk = train.walk_anchors
+    monkeypatch.setattr(train, "walk_anchors",
+                        lambda m, h, b, a, r: moves.append(r.clone()) or real_walk(m, h, b, a, r))
+    cfg = train.TrainConfig(steps=1, block_size=GAMMA, anchors=4, walk_share=0.5, kl_weight=0.0, ce_weight=1.0)
+    train.dflash_loss(drafter.model, drafter.head, batch, cfg, torch.Generator())
+    assert moves[0].tolist() == [[True, False], [True, True], [True, False]]  # 1 of 2, 2 of 4, 1 of 1
 
 
 def test_b_inference_context_is_the_committed_rows_before_the_anchor(qwen3, sequences):

@@ -418,7 +418,7 @@ fold-default)
   ;;
 fold-served)
   timeout 330 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
-    --also-unfolded --json-out "$OUT/split_fold.json" 2>&1 | grep -v INFO | grep -E "folds|^\{" | cut -c1-600 | log
+    --also-unfolded --json-out "$OUT/split_fold.json" 2>&1 | grep -v INFO | grep -E "unfolded|^\{" | cut -c1-600 | log
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
     for k, v in d[b].items() if 'over' in k or 'differing' in k}) for b in d if b.startswith('batch')]" \
     "$OUT/split_fold.json" 2>&1 | log
@@ -441,7 +441,7 @@ tiles-tests)
   ;;
 tiles-served)
   timeout 500 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
-    --also-unfolded --rounds 3 --json-out "$OUT/split_tiles.json" 2>&1 | grep -v INFO | grep -E "folds" | log
+    --also-unfolded --rounds 3 --json-out "$OUT/split_tiles.json" 2>&1 | grep -v INFO | grep -E "unfolded" | log
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
     for k, v in d[b].items() if 'over' in k or 'differing' in k or k == 'rounds' or 'tok' in k}) for b in d if b.startswith('batch')]" \
     "$OUT/split_tiles.json" 2>&1 | log
@@ -461,7 +461,7 @@ fold-check)
   timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_skinny_linear.py tests/test_step_graphs.py \
     tests/test_dflash_graphs.py 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -20 | log
   timeout 330 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
-    --also-unfolded --rounds 3 --json-out "$OUT/split_fold3.json" 2>&1 | grep -v INFO | grep -E "folds" | log
+    --also-unfolded --rounds 3 --json-out "$OUT/split_fold3.json" 2>&1 | grep -v INFO | grep -E "unfolded" | log
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
     for k, v in d[b].items() if 'over' in k or 'differing' in k or k == 'rounds'}) for b in d if b.startswith('batch')]" \
     "$OUT/split_fold3.json" 2>&1 | log
