@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_bench import QWEN3_8B, copy_bandwidth, random_model, short_name, step_bytes  # noqa: E402  (bench/ is not a package)
 
-from specsplit.kernels import _triton, skinny_linear  # noqa: E402
+from specsplit.kernels import _triton, paged_attention, skinny_linear  # noqa: E402
 from specsplit.local import target_dir  # noqa: E402
 from specsplit.shared import fused  # noqa: E402
 from specsplit.target_service.graphs import StepBatch, StepGraphs  # noqa: E402
@@ -138,6 +138,9 @@ def main() -> None:
                     help="three more variants of the engine's programmatic dependent launch (kernels/_triton.py: on, "
                          "heavy projections plain): without it, every kernel dependent, and each kernel letting the "
                          "next launch at its exit")
+    ap.add_argument("--one-launch-attention", action="store_true",
+                    help="one more variant: each layer's attention combining its key splits in its own launch "
+                         "(kernels.paged_attention.COMBINE_IN_LAUNCH) instead of a second kernel")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -168,6 +171,9 @@ def main() -> None:
     if args.row_tiles:
         variants += [("... folds within one tile of rows", engine_len, {"MAX_FOLD_ROWS": skinny_linear.MAX_ROWS}),
                      ("... row tiles of 32 x 16 columns", engine_len, {"WIDE_TILE": (32, 16, 256, 4, 4)})]
+    if args.one_launch_attention:
+        variants.append(("... attention's key splits combined in its own launch", engine_len,
+                         {"COMBINE_IN_LAUNCH": True}))
     if args.pdl:  # the engine's PDL (on, heavy projections plain) against none, every kernel, the other trigger
         variants += [("... without PDL", engine_len, {"PDL": False}),
                      ("... PDL for every kernel, heavy projections too", engine_len, {"PDL_SKIP": frozenset()}),
@@ -185,7 +191,8 @@ def main() -> None:
     results = []
     modules = {"MIN_WEIGHT_BYTES": skinny_linear, "MIN_K": skinny_linear, "SWIGLU_BLOCK_N": skinny_linear,
                "MAX_FOLD_ROWS": skinny_linear, "WIDE_TILE": skinny_linear, "FOLD": fused, "FOLD_NORMS": fused,
-               "PDL": _triton, "PDL_TRIGGER": _triton, "PDL_SKIP": _triton}
+               "PDL": _triton, "PDL_TRIGGER": _triton, "PDL_SKIP": _triton,
+               "COMBINE_IN_LAUNCH": paged_attention}
     defaults = {name: getattr(module, name) for name, module in modules.items()}
     try:
         for name, max_len, settings in variants:

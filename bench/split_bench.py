@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from specsplit.kernels import _triton
+from specsplit.kernels import _triton, paged_attention
 from specsplit.shared import fused
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.tokenizer import Tokenizer
@@ -136,16 +136,17 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
 
 
 # Engines like target_only's and in_process's with one kernel setting changed, side by side (--also-unfolded,
-# --also-no-pdl), named by a suffix: the setting's module, attribute and value for the variant, the ratio's name,
+# --also-no-pdl, --also-one-launch-attention), named by a suffix: the setting's module, attribute and value for the variant, the ratio's name,
 # and whether that ratio is the variant's rate over the default's (else the default's over the variant's)
 KERNEL_VARIANTS = {"unfolded": (fused, "FOLD", False, "folded_over_unfolded", False),
-                   "nopdl": (_triton, "PDL", False, "pdl_over_nopdl", False)}
+                   "nopdl": (_triton, "PDL", False, "pdl_over_nopdl", False),
+                   "onelaunch": (paged_attention, "COMBINE_IN_LAUNCH", True, "one_launch_over_two", True)}
 
 
 @contextmanager
 def kernel_setting(engine: str):
-    """The setting an engine named *_unfolded or *_nopdl captures its graphs and launches its kernels with
-    (read at capture and at each eager launch: a graph keeps what it was captured with)."""
+    """The setting an engine named *_unfolded, *_nopdl or *_onelaunch captures its graphs and launches its
+    kernels with (read at capture and at each eager launch: a graph keeps what it was captured with)."""
     suffix = engine.rsplit("_", 1)[-1]
     if suffix not in KERNEL_VARIANTS:
         yield
@@ -239,6 +240,11 @@ def main() -> None:
                          "programmatic dependent launch (kernels._triton.PDL, read at capture and at each eager "
                          "launch), side by side; the in-process engine shares the drafter, whose own graphs the "
                          "first run captured with it")
+    ap.add_argument("--also-one-launch-attention", action="store_true",
+                    help="also target-only and in-process with their engines' attention combining its key splits "
+                         "in its own launch (kernels.paged_attention.COMBINE_IN_LAUNCH, read at capture), side by "
+                         "side; the in-process engine shares the drafter, whose own graphs the first run captured "
+                         "without")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -377,7 +383,9 @@ def main() -> None:
                               f"requests_differing_{default}_vs_{other}": sum(
                                   a != b for a, b in zip(local_tokens, other_tokens))})
             kernel_engines = {}  # the engines' graphs with one kernel setting changed (KERNEL_VARIANTS), same run
-            for suffix in [s for s, on in (("unfolded", args.also_unfolded), ("nopdl", args.also_no_pdl)) if on]:
+            chosen = (("unfolded", args.also_unfolded), ("nopdl", args.also_no_pdl),
+                      ("onelaunch", args.also_one_launch_attention))
+            for suffix in [s for s, on in chosen if on]:
                 label = KERNEL_VARIANTS[suffix][3]
                 for name, drafter, default, default_tokens in (("target_only", None, base, base_tokens),
                                                                ("in_process", local_drafter, local, local_tokens)):
