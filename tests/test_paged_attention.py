@@ -146,6 +146,23 @@ def test_triton_interpreted(cases):
     assert "interpreted cases ok:" in result.stdout, result.stdout[-3000:]
 
 
+def test_the_models_call_combines_in_one_launch_only_when_asked(monkeypatch):
+    """`paged_attention` hands its caller's workspace to the kernel only with COMBINE_IN_LAUNCH (off until the
+    H200 measures it): a stand-in kernel records what it was given."""
+    from specsplit.kernels import paged_attention as module
+
+    seen = []
+    monkeypatch.setattr(module, "HAVE_TRITON", True)
+    monkeypatch.setattr(module, "paged_attention_triton", lambda *a, workspace=None: seen.append(workspace))
+    on_gpu = type("OnGpu", (), {"is_cuda": True})()
+    workspace = arrival_counters(4, "cpu")
+    assert module.COMBINE_IN_LAUNCH is False
+    module.paged_attention(on_gpu, None, None, None, None, 0.1, None, workspace=workspace)
+    monkeypatch.setattr(module, "COMBINE_IN_LAUNCH", True)
+    module.paged_attention(on_gpu, None, None, None, None, 0.1, None, workspace=workspace)
+    assert seen[0] is None and seen[1] is workspace
+
+
 def test_row_tiles_stay_within_the_decode_path():
     pytest.importorskip("triton")
     from specsplit.kernels.paged_attention import MAX_TILE_ROWS, row_tiles
