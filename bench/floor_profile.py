@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_bench import QWEN3_8B, copy_bandwidth, random_model, short_name, step_bytes  # noqa: E402  (bench/ is not a package)
 
-from specsplit.kernels import _triton, paged_attention, skinny_linear  # noqa: E402
+from specsplit.kernels import _triton, paged_attention, rope, skinny_linear  # noqa: E402
 from specsplit.local import target_dir  # noqa: E402
 from specsplit.shared import fused  # noqa: E402
 from specsplit.target_service.graphs import StepBatch, StepGraphs  # noqa: E402
@@ -141,6 +141,10 @@ def main() -> None:
     ap.add_argument("--one-launch-attention", action="store_true",
                     help="one more variant: each layer's attention combining its key splits in its own launch "
                          "(kernels.paged_attention.COMBINE_IN_LAUNCH) instead of a second kernel")
+    ap.add_argument("--rotary-tables", action="store_true",
+                    help="one more variant: the step's rotary cos/sin tables in one launch "
+                         "(kernels.rope.TABLES_IN_ONE_LAUNCH) instead of torch's seven; with "
+                         "--one-launch-attention, a third with both")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -174,6 +178,10 @@ def main() -> None:
     if args.one_launch_attention:
         variants.append(("... attention's key splits combined in its own launch", engine_len,
                          {"COMBINE_IN_LAUNCH": True}))
+    if args.rotary_tables:
+        variants.append(("... the rotary tables in one launch", engine_len, {"TABLES_IN_ONE_LAUNCH": True}))
+    if args.rotary_tables and args.one_launch_attention:
+        variants.append(("... both", engine_len, {"TABLES_IN_ONE_LAUNCH": True, "COMBINE_IN_LAUNCH": True}))
     if args.pdl:  # the engine's PDL (on, heavy projections plain) against none, every kernel, the other trigger
         variants += [("... without PDL", engine_len, {"PDL": False}),
                      ("... PDL for every kernel, heavy projections too", engine_len, {"PDL_SKIP": frozenset()}),
@@ -192,7 +200,7 @@ def main() -> None:
     modules = {"MIN_WEIGHT_BYTES": skinny_linear, "MIN_K": skinny_linear, "SWIGLU_BLOCK_N": skinny_linear,
                "MAX_FOLD_ROWS": skinny_linear, "WIDE_TILE": skinny_linear, "FOLD": fused, "FOLD_NORMS": fused,
                "PDL": _triton, "PDL_TRIGGER": _triton, "PDL_SKIP": _triton,
-               "COMBINE_IN_LAUNCH": paged_attention}
+               "COMBINE_IN_LAUNCH": paged_attention, "TABLES_IN_ONE_LAUNCH": rope}
     defaults = {name: getattr(module, name) for name, module in modules.items()}
     try:
         for name, max_len, settings in variants:

@@ -64,8 +64,8 @@ PDL_TRIGGER = "start"
 # The kernel families that launch plain even where PDL is on (names of FAMILIES): the few-rows projections
 # of heavy weights (kernels/skinny_linear.py, PDL_HEAVY_BYTES)
 PDL_SKIP: frozenset[str] = frozenset({"skinny_linear_heavy"})
-FAMILIES = ("skinny_linear", "skinny_linear_heavy", "rms_norm", "rope", "paged_attention", "combine_splits",
-            "silu_mul", "row_max")
+FAMILIES = ("skinny_linear", "skinny_linear_heavy", "rms_norm", "rope", "rotary_tables", "paged_attention",
+            "combine_splits", "silu_mul", "row_max")
 TRIGGERS = {"start": 1, "exit": 2}  # USE_GDC's values where PDL is on (0: off)
 
 

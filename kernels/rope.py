@@ -13,6 +13,70 @@ import torch
 from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
 
+# Whether `rotary_tables` computes a step's cos/sin tables in one launch on a GPU (this module's kernel)
+# instead of torch's seven (a cast, a product, a concatenation, cos, sin and two casts). Off until the
+# H200 measures it (thirtieth session: written after the session's device time was spent; the kernel's
+# cos and sin are libdevice's, as torch's CUDA ones are, so it should equal them bit for bit);
+# `bench/floor_profile.py --rotary-tables` compares.
+TABLES_IN_ONE_LAUNCH = False
+
+
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, D] of positions [T] (integers) at the rotary frequencies inv_freq [D / 2] (float32),
+    each half of D the same, in dtype: the one launch where TABLES_IN_ONE_LAUNCH and the positions are on a
+    GPU, else torch's ops (`rotary_tables_reference`)."""
+    if TABLES_IN_ONE_LAUNCH and HAVE_TRITON and positions.is_cuda:
+        return rotary_tables_triton(positions, inv_freq, dtype)
+    return rotary_tables_reference(positions, inv_freq, dtype)
+
+
+def rotary_tables_reference(positions: torch.Tensor, inv_freq: torch.Tensor,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+TABLE_TOKENS = 16  # tokens a program of the tables kernel computes
+
+
+def rotary_tables_triton(positions: torch.Tensor, inv_freq: torch.Tensor,
+                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    assert HAVE_TRITON, "triton is not installed"
+    assert positions.dim() == 1 and positions.dtype in (torch.int32, torch.int64) and positions.is_contiguous()
+    assert inv_freq.dim() == 1 and inv_freq.dtype == torch.float32 and inv_freq.is_contiguous()
+    half = inv_freq.numel()
+    assert half >= 1 and triton.next_power_of_2(half) == half, half
+    tokens = positions.numel()
+    cos = torch.empty(tokens, 2 * half, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if tokens:
+        _rotary_tables_kernel[(triton.cdiv(tokens, TABLE_TOKENS),)](
+            positions, inv_freq.to(positions.device), cos, sin, tokens, HALF=half, BLOCK_T=TABLE_TOKENS,
+            num_warps=4, enable_fp_fusion=False, **dependent_launch(positions.device, "rotary_tables"))
+    return cos, sin
+
+
+@triton.jit
+def _rotary_tables_kernel(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, tokens, HALF: tl.constexpr,
+                          BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr):
+    """Program p: the tables' rows of tokens p*BLOCK_T.., as `rotary_tables_reference` computes them (the
+    position cast to float32 and multiplied by each frequency once; tl.cos and tl.sin are libdevice's)."""
+    gdc_enter(USE_GDC)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, HALF)
+    real = t < tokens
+    angle = tl.load(positions_ptr + t, mask=real, other=0).to(tl.float32)[:, None] * tl.load(inv_freq_ptr + d)[None, :]
+    dtype = cos_ptr.dtype.element_ty
+    row = t.to(tl.int64)[:, None] * (2 * HALF) + d[None, :]
+    c, s = tl.cos(angle).to(dtype), tl.sin(angle).to(dtype)
+    tl.store(cos_ptr + row, c, mask=real[:, None])
+    tl.store(cos_ptr + row + HALF, c, mask=real[:, None])
+    tl.store(sin_ptr + row, s, mask=real[:, None])
+    tl.store(sin_ptr + row + HALF, s, mask=real[:, None])
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

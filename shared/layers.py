@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch import nn
 
 from specsplit.kernels import skinny_linear
+from specsplit.kernels.rope import rotary_tables
 from specsplit.shared.config import ModelConfig, RopeConfig
 
 
@@ -80,9 +81,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """cos, sin [T, D] (`kernels.rope.rotary_tables`: one launch on a GPU where it is on)."""
+        return rotary_tables(positions, self.inv_freq, dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

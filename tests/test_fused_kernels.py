@@ -48,6 +48,8 @@ QWEN3_8B = Shape(hidden=4096, hq=32, hkv=8, dim=128, ffn=12288)
 #   rounding of silu(gate) before the product: <= 3 ulps.
 # rope_and_cache_write: the kernel rounds where torch rounds and is built without FMA: exact. So is the
 #   residual sum of add_rms_norm, and the v rows copied into the cache.
+# rotary_tables: on CUDA exact (libdevice's cos and sin, as torch's); under the interpreter numpy's float32
+#   cos and sin against torch's CPU ones, which may part by an ulp (an ulp or a flipped rounding in a half type).
 MAX_ULPS = {("rms_norm", torch.float32): 8, ("silu_mul", torch.float32): 64}
 HALF_MAX_ULPS = 3
 
@@ -99,6 +101,17 @@ def rope_inputs(shape: Shape, tokens: int, dtype, device, seed: int = 0):
             v.view(tokens, shape.hkv, shape.dim), cos, sin, cache, cache.clone(), slots)
 
 
+def tables_inputs(shape: Shape, tokens: int, dtype, device, seed: int = 0):
+    """(positions [T] int64, inv_freq [D/2] float32): random positions of up to 2^17, the model's frequencies
+    (llama3-scaled for the 8B shape's width, plain for SmolLM2's)."""
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 2 ** 17, (tokens,), generator=gen).to(device)
+    scaled = RopeConfig(theta=5e5, scaling_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position_embeddings=8192)
+    rope_cfg = scaled if shape.dim == 128 else RopeConfig(theta=1e4)
+    return positions, RotaryEmbedding(shape.dim, rope_cfg).inv_freq.to(device)
+
+
 def clone_caches(args):
     """rope inputs with caches of their own, so kernel and reference each write into a fresh pair."""
     return (*args[:5], args[5].clone(), args[6].clone(), args[7])
@@ -143,8 +156,17 @@ def check_rope_kv_only(shape: Shape, tokens: int, dtype, device) -> None:
     check_rope(dataclasses.replace(shape, hq=0), tokens, dtype, device)
 
 
+def check_rotary_tables(shape: Shape, tokens: int, dtype, device) -> None:
+    positions, inv_freq = tables_inputs(shape, tokens, dtype, device)
+    bound = 0 if device == "cuda" else 1
+    for got, want in zip(rope.rotary_tables_triton(positions, inv_freq, dtype),
+                         rope.rotary_tables_reference(positions, inv_freq, dtype)):
+        assert ulps(got, want) <= bound, ulps(got, want)
+        assert torch.equal(got[:, :shape.dim // 2], got[:, shape.dim // 2:])
+
+
 CHECKS = {"rms_norm": check_rms_norm, "silu_mul": check_silu_mul, "rope": check_rope,
-          "rope_kv_only": check_rope_kv_only}
+          "rope_kv_only": check_rope_kv_only, "rotary_tables": check_rotary_tables}
 
 
 # ---- the references are the model's math -----------------------------------------------------------
@@ -178,6 +200,29 @@ def test_silu_mul_reference_is_the_models_mlp_activation(dtype):
     with torch.no_grad():
         gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
         assert torch.equal(mlp.down_proj(activation.silu_mul_reference(gate_up)), mlp(x))
+
+
+def test_rotary_tables_are_the_models_and_one_launch_only_when_asked(monkeypatch):
+    """The reference is what RotaryEmbedding computed before it called rotary_tables; the model's rotary
+    embedding takes the kernel only with TABLES_IN_ONE_LAUNCH, on a GPU."""
+    positions, inv_freq = tables_inputs(SMOLLM2, 9, torch.float32, "cpu")
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    module = RotaryEmbedding(SMOLLM2.dim, RopeConfig(theta=1e4))
+    for dtype in (torch.float32, torch.bfloat16):
+        cos, sin = module(positions, dtype)
+        assert torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
+    seen = []
+    monkeypatch.setattr(rope, "HAVE_TRITON", True)
+    monkeypatch.setattr(rope, "rotary_tables_triton", lambda *a: seen.append("kernel") or (None, None))
+    monkeypatch.setattr(rope, "rotary_tables_reference", lambda *a: seen.append("torch") or (None, None))
+    on_gpu = type("OnGpu", (), {"is_cuda": True})()
+    assert rope.TABLES_IN_ONE_LAUNCH is False
+    rope.rotary_tables(on_gpu, inv_freq, torch.float32)
+    monkeypatch.setattr(rope, "TABLES_IN_ONE_LAUNCH", True)
+    rope.rotary_tables(on_gpu, inv_freq, torch.float32)
+    rope.rotary_tables(positions, inv_freq, torch.float32)  # on the CPU: torch's
+    assert seen == ["torch", "kernel", "torch"]
 
 
 def test_dispatchers_take_the_reference_on_cpu():
@@ -275,6 +320,8 @@ GRAPHED = {  # kernel: (dispatcher, reference, inputs)
                      norm_inputs),
     "silu_mul": (activation.silu_mul, activation.silu_mul_reference, gate_up_inputs),
     "rope": (rope.rope_and_cache_write, rope.rope_and_cache_write_reference, rope_inputs),
+    "rotary_tables": (lambda p, f: rope.rotary_tables_triton(p, f, torch.bfloat16),
+                      lambda p, f: rope.rotary_tables_reference(p, f, torch.bfloat16), tables_inputs),
 }
 
 
@@ -290,7 +337,7 @@ def test_kernel_replays_in_a_cuda_graph(kernel, shape, dtype):
     out = replay(fn, static, new)
     expected = reference(*new)  # for rope this writes the reference's cache rows into `new`'s caches
     outs, expecteds = (out, expected) if isinstance(out, tuple) else ((out,), (expected,))
-    bound = 0 if kernel == "rope" else max_ulps(kernel.removeprefix("add_"), dtype)
+    bound = 0 if kernel in ("rope", "rotary_tables") else max_ulps(kernel.removeprefix("add_"), dtype)
     for got, want in zip(outs, expecteds):
         assert ulps(got, want) <= bound
     if kernel == "rope":

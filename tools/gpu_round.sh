@@ -38,7 +38,8 @@
 #   bash tools/gpu_round.sh host-steps    # where the host's part of a steady decode step goes, target only and in-process
 #   bash tools/gpu_round.sh pdl-default   # Triton kernels launched dependent (on by default, heavy projections plain):
 #                                         # GPU tests, the steps' replays and served tokens/s with and without
-#   bash tools/gpu_round.sh one-launch    # (next) attention's key splits combined in its own launch: GPU tests, steps, served
+#   bash tools/gpu_round.sh one-launch    # (next) attention's key splits combined in its own launch, the rotary
+#                                         # tables in one: GPU tests, the steps' replays, served tokens/s
 #   bash tools/gpu_round.sh served-trace  # the served decode steps under the profiler: where the device stands idle
 #   bash tools/gpu_round.sh tau-sides     # issue 10: the shipped drafter's tau on held-out prompts and on trained-side ones
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
@@ -271,11 +272,13 @@ one-launch)
   # (the split kernel, then the combine): the last split of each tile to finish can combine them in the same
   # launch (kernels.paged_attention.COMBINE_IN_LAUNCH, off until measured). Its GPU tests (against the reference,
   # the verify's rows equal to their decodes' bit for bit, in a graph), the steps' replays, served tokens/s
-  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_paged_attention.py 2>&1 \
-    | grep -E "Error|error|assert|FAILED|passed|failed" | tail -8 | log
+  # And the step's rotary cos/sin tables in one launch (kernels.rope.TABLES_IN_ONE_LAUNCH, off until measured;
+  # its GPU tests: equal to torch's bit for bit, eager and in a graph)
+  timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_paged_attention.py \
+    tests/test_fused_kernels.py 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -8 | log
   for target in default qwen3-8b; do
-    timeout 90 python bench/floor_profile.py --target $target --one-launch-attention --out "$OUT" 2>&1 \
-      | grep -v INFO | grep -E "x  " | log
+    timeout 90 python bench/floor_profile.py --target $target --one-launch-attention --rotary-tables --out "$OUT" \
+      2>&1 | grep -v INFO | grep -E "x  " | log
   done
   timeout 200 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
     --also-one-launch-attention --rounds 3 --json-out "$OUT/split_one_launch.json" 2>&1 | grep -v INFO \
