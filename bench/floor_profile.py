@@ -127,24 +127,21 @@ def main() -> None:
     ap.add_argument("--query", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--replays", type=int, default=50, help="replays timed for the wall figure")
-    ap.add_argument("--unbounded", action="store_true",
-                    help="two more variants: the kernel (alone, then with every fold) for every projection and the "
-                         "head, whatever their size (the default model's fall below its bounds)")
-    ap.add_argument("--row-tiles", action="store_true",
-                    help="two more variants for steps of more than 16 rows: the folds kept to one tile of rows "
-                         "(as before the twenty-ninth session: cuBLAS and the norms' launches beyond it), and the "
-                         "few-rows kernel's narrow tiles instead of kernels.skinny_linear.WIDE_TILE")
-    ap.add_argument("--pdl", action="store_true",
-                    help="three more variants of the engine's programmatic dependent launch (kernels/_triton.py: on, "
-                         "heavy projections plain): without it, every kernel dependent, and each kernel letting the "
-                         "next launch at its exit")
-    ap.add_argument("--one-launch-attention", action="store_true",
-                    help="one more variant: each layer's attention combining its key splits in its own launch "
-                         "(kernels.paged_attention.COMBINE_IN_LAUNCH) instead of a second kernel")
-    ap.add_argument("--rotary-tables", action="store_true",
-                    help="one more variant: the step's rotary cos/sin tables in one launch "
-                         "(kernels.rope.TABLES_IN_ONE_LAUNCH) instead of torch's seven; with "
-                         "--one-launch-attention, a third with both")
+    variant_flags = {  # each asks for more variants beside the defaults
+        "--unbounded": "two: the kernel (alone, then with every fold) for every projection and the head, whatever "
+                       "their size (the default model's fall below its bounds)",
+        "--row-tiles": "two, for steps of more than 16 rows: the folds kept to one tile of rows (as before the "
+                       "twenty-ninth session: cuBLAS and the norms' launches beyond it), and the few-rows kernel's "
+                       "narrow tiles instead of kernels.skinny_linear.WIDE_TILE",
+        "--pdl": "three, of the engine's programmatic dependent launch (kernels/_triton.py: on, heavy projections "
+                 "plain): without it, every kernel dependent, and each kernel letting the next launch at its exit",
+        "--one-launch-attention": "one: each layer's attention combining its key splits in its own launch "
+                                  "(kernels.paged_attention.COMBINE_IN_LAUNCH) instead of a second kernel",
+        "--rotary-tables": "one: the step's rotary cos/sin tables in one launch (kernels.rope.TABLES_IN_ONE_LAUNCH) "
+                           "instead of torch's seven; with --one-launch-attention, a third with both",
+    }
+    for flag, text in variant_flags.items():
+        ap.add_argument(flag, action="store_true", help=f"more variants: {text}")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
