@@ -143,15 +143,15 @@ def _paged_attention_kernel(
             tl.debug_barrier()
             first_row = ((seq * Q_LEN + query) * Q_HEADS + head) * NUM_SPLITS  # [ROWS]: split 0 of each row
             top = tl.full([ROWS], float("-inf"), tl.float32)
-            for s in range(NUM_SPLITS):  # (.cg: the other splits' writes, from L2)
-                lse_s = tl.load(lse_ptr + first_row + s, mask=stored, other=0.0, cache_modifier=".cg")
-                top = tl.maximum(top, lse_s)
+            for j in range(NUM_SPLITS):  # (.cg: the other splits' writes, from L2)
+                lse_j = tl.load(lse_ptr + first_row + j, mask=stored, other=0.0, cache_modifier=".cg")
+                top = tl.maximum(top, lse_j)
             total = tl.zeros([ROWS], tl.float32)
             mixed = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-            for s in range(NUM_SPLITS):
-                lse_s = tl.load(lse_ptr + first_row + s, mask=stored, other=0.0, cache_modifier=".cg")
-                weight = tl.exp2(lse_s - top)
-                part = tl.load(out_ptr + (first_row + s)[:, None] * HEAD_DIM + dims[None, :],
+            for j in range(NUM_SPLITS):
+                lse_j = tl.load(lse_ptr + first_row + j, mask=stored, other=0.0, cache_modifier=".cg")
+                weight = tl.exp2(lse_j - top)
+                part = tl.load(out_ptr + (first_row + j)[:, None] * HEAD_DIM + dims[None, :],
                                mask=stored[:, None], other=0.0, cache_modifier=".cg")
                 total += weight
                 mixed += weight[:, None] * part
