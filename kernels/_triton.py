@@ -67,6 +67,9 @@ PDL_SKIP: frozenset[str] = frozenset({"skinny_linear_heavy"})
 FAMILIES = ("skinny_linear", "skinny_linear_heavy", "rms_norm", "rope", "rotary_tables", "paged_attention",
             "combine_splits", "silu_mul", "row_max")
 TRIGGERS = {"start": 1, "exit": 2}  # USE_GDC's values where PDL is on (0: off)
+# Whether this Triton has grid dependency control (its gdc_* functions came with launch_pdl; with an older
+# Triton, as older torch releases bring, every kernel launches plain)
+PDL_SUPPORTED = HAVE_TRITON and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
 
 
 @functools.cache
@@ -78,10 +81,11 @@ def _hopper_or_later(index: int) -> bool:
 
 def dependent_launch(device, family: str) -> dict:
     """The launch options of a kernel of `family` on `device` (a torch.device): {USE_GDC: 1 (trigger at
-    start) or 2 (at exit), launch_pdl: True} where PDL is on and the family not in PDL_SKIP, the device a
-    CUDA GPU of compute capability 9.0 or later and Triton not interpreted; else {USE_GDC: 0}."""
+    start) or 2 (at exit), launch_pdl: True} where PDL is on and the family not in PDL_SKIP, Triton has it
+    (PDL_SUPPORTED) and is not interpreted, and the device is a CUDA GPU of compute capability 9.0 or later;
+    else {USE_GDC: 0}."""
     assert family in FAMILIES, family
-    use = (PDL and family not in PDL_SKIP and HAVE_TRITON and device.type == "cuda"
+    use = (PDL and family not in PDL_SKIP and PDL_SUPPORTED and device.type == "cuda"
            and os.environ.get("TRITON_INTERPRET", "0") != "1"
            and _hopper_or_later(device.index if device.index is not None else 0))
     return {"USE_GDC": TRIGGERS[PDL_TRIGGER], "launch_pdl": True} if use else {"USE_GDC": 0}

@@ -39,6 +39,10 @@ def test_which_launches_ask_for_it(monkeypatch):
     assert _triton.dependent_launch(cuda, "rms_norm") == {"USE_GDC": 2, "launch_pdl": True}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert _triton.dependent_launch(cuda, "rms_norm") == {"USE_GDC": 0}, "never interpreted"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert _triton.PDL_SUPPORTED  # (this Triton's)
+    monkeypatch.setattr(_triton, "PDL_SUPPORTED", False)
+    assert _triton.dependent_launch(cuda, "rms_norm") == {"USE_GDC": 0}, "a Triton without it"
 
 
 def test_the_switch_reads_as_the_services_read_theirs(monkeypatch):
