@@ -601,6 +601,7 @@ def test_a_step_proposes_chained_or_as_usual_not_both():
                        chain=wire.ChainStep(seq_ids=(1,), ahead=(0,), num_drafts=2, feed=feed))
 
 
+@pytest.mark.slow  # (7 s on the CPU; tests/test_chaos.py kills drafters mid-stream in the default run)
 def test_a_drafter_gone_mid_chain_costs_no_token_and_the_chain_resumes_when_one_returns(tiny_chat_dir, tmp_path):
     """The drafter service stops while the engine chains through it (a chained step's Step goes
     unanswered): the engine goes on without it, then attaches the drafter started again at the same
