@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_bench import QWEN3_8B, copy_bandwidth, random_model, short_name, step_bytes  # noqa: E402  (bench/ is not a package)
 
-from specsplit.kernels import _triton, paged_attention, rope, skinny_linear  # noqa: E402
+from specsplit.kernels import _triton, rope, skinny_linear  # noqa: E402
 from specsplit.local import target_dir  # noqa: E402
 from specsplit.shared import fused  # noqa: E402
 from specsplit.target_service.graphs import StepBatch, StepGraphs  # noqa: E402
@@ -135,10 +135,8 @@ def main() -> None:
                        "narrow tiles instead of kernels.skinny_linear.WIDE_TILE",
         "--pdl": "three, of the engine's programmatic dependent launch (kernels/_triton.py: on, heavy projections "
                  "plain): without it, every kernel dependent, and each kernel letting the next launch at its exit",
-        "--one-launch-attention": "one: each layer's attention combining its key splits in its own launch "
-                                  "(kernels.paged_attention.COMBINE_IN_LAUNCH) instead of a second kernel",
-        "--rotary-tables": "one: the step's rotary cos/sin tables in one launch (kernels.rope.TABLES_IN_ONE_LAUNCH) "
-                           "instead of torch's seven; with --one-launch-attention, a third with both",
+        "--rotary-tables": "one: the step's rotary cos/sin tables by torch's seven launches (kernels.rope."
+                           "TABLES_IN_ONE_LAUNCH off) instead of the engine's one",
     }
     for flag, text in variant_flags.items():
         ap.add_argument(flag, action="store_true", help=f"more variants: {text}")
@@ -172,13 +170,8 @@ def main() -> None:
     if args.row_tiles:
         variants += [("... folds within one tile of rows", engine_len, {"MAX_FOLD_ROWS": skinny_linear.MAX_ROWS}),
                      ("... row tiles of 32 x 16 columns", engine_len, {"WIDE_TILE": (32, 16, 256, 4, 4)})]
-    if args.one_launch_attention:
-        variants.append(("... attention's key splits combined in its own launch", engine_len,
-                         {"COMBINE_IN_LAUNCH": True}))
     if args.rotary_tables:
-        variants.append(("... the rotary tables in one launch", engine_len, {"TABLES_IN_ONE_LAUNCH": True}))
-    if args.rotary_tables and args.one_launch_attention:
-        variants.append(("... both", engine_len, {"TABLES_IN_ONE_LAUNCH": True, "COMBINE_IN_LAUNCH": True}))
+        variants.append(("... the rotary tables by torch's seven launches", engine_len, {"TABLES_IN_ONE_LAUNCH": False}))
     if args.pdl:  # the engine's PDL (on, heavy projections plain) against none, every kernel, the other trigger
         variants += [("... without PDL", engine_len, {"PDL": False}),
                      ("... PDL for every kernel, heavy projections too", engine_len, {"PDL_SKIP": frozenset()}),
@@ -197,7 +190,7 @@ def main() -> None:
     modules = {"MIN_WEIGHT_BYTES": skinny_linear, "MIN_K": skinny_linear, "SWIGLU_BLOCK_N": skinny_linear,
                "MAX_FOLD_ROWS": skinny_linear, "WIDE_TILE": skinny_linear, "FOLD": fused, "FOLD_NORMS": fused,
                "PDL": _triton, "PDL_TRIGGER": _triton, "PDL_SKIP": _triton,
-               "COMBINE_IN_LAUNCH": paged_attention, "TABLES_IN_ONE_LAUNCH": rope}
+               "TABLES_IN_ONE_LAUNCH": rope}
     defaults = {name: getattr(module, name) for name, module in modules.items()}
     try:
         for name, max_len, settings in variants:

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from specsplit.kernels import _triton, paged_attention
+from specsplit.kernels import _triton, rope
 from specsplit.shared import fused
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.tokenizer import Tokenizer
@@ -136,16 +136,17 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
 
 
 # Engines like target_only's and in_process's with one kernel setting changed, side by side (--also-unfolded,
-# --also-no-pdl, --also-one-launch-attention), named by a suffix: the setting's module, attribute and value for the variant, the ratio's name,
+# --also-no-pdl, --also-tables-apart), named by a suffix: the setting's module, attribute and value for the variant,
+# the ratio's name,
 # and whether that ratio is the variant's rate over the default's (else the default's over the variant's)
 KERNEL_VARIANTS = {"unfolded": (fused, "FOLD", False, "folded_over_unfolded", False),
                    "nopdl": (_triton, "PDL", False, "pdl_over_nopdl", False),
-                   "onelaunch": (paged_attention, "COMBINE_IN_LAUNCH", True, "one_launch_over_two", True)}
+                   "tablesapart": (rope, "TABLES_IN_ONE_LAUNCH", False, "one_tables_launch_over_seven", False)}
 
 
 @contextmanager
 def kernel_setting(engine: str):
-    """The setting an engine named *_unfolded, *_nopdl or *_onelaunch captures its graphs and launches its
+    """The setting an engine named *_unfolded, *_nopdl or *_tablesapart captures its graphs and launches its
     kernels with (read at capture and at each eager launch: a graph keeps what it was captured with)."""
     suffix = engine.rsplit("_", 1)[-1]
     if suffix not in KERNEL_VARIANTS:
@@ -240,11 +241,11 @@ def main() -> None:
                          "programmatic dependent launch (kernels._triton.PDL, read at capture and at each eager "
                          "launch), side by side; the in-process engine shares the drafter, whose own graphs the "
                          "first run captured with it")
-    ap.add_argument("--also-one-launch-attention", action="store_true",
-                    help="also target-only and in-process with their engines' attention combining its key splits "
-                         "in its own launch (kernels.paged_attention.COMBINE_IN_LAUNCH, read at capture), side by "
+    ap.add_argument("--also-tables-apart", action="store_true",
+                    help="also target-only and in-process with their engines' rotary cos/sin tables computed by "
+                         "torch's seven launches (kernels.rope.TABLES_IN_ONE_LAUNCH off, read at capture), side by "
                          "side; the in-process engine shares the drafter, whose own graphs the first run captured "
-                         "without")
+                         "with the one launch")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -384,7 +385,7 @@ def main() -> None:
                                   a != b for a, b in zip(local_tokens, other_tokens))})
             kernel_engines = {}  # the engines' graphs with one kernel setting changed (KERNEL_VARIANTS), same run
             chosen = (("unfolded", args.also_unfolded), ("nopdl", args.also_no_pdl),
-                      ("onelaunch", args.also_one_launch_attention))
+                      ("tablesapart", args.also_tables_apart))
             for suffix in [s for s, on in chosen if on]:
                 label = KERNEL_VARIANTS[suffix][3]
                 for name, drafter, default, default_tokens in (("target_only", None, base, base_tokens),

@@ -181,9 +181,6 @@ class PagedContext:
     tables: torch.Tensor  # [B, width] int32: each sequence's ring, repeated
     base: torch.Tensor  # [B] a multiple of the ring's period, at most the oldest visible position
     window: int  # context rows a block sees: positions p - window .. p - 1
-    # Zeroed arrival counters (kernels.workspace, `attention_counters` of the block's attention) with which
-    # each layer's key splits are combined in the same launch; None: by a second kernel
-    workspace: torch.Tensor | None = None
 
 
 class DFlashModel(nn.Module):
@@ -298,8 +295,7 @@ class DFlashModel(nn.Module):
             mask_pos, window = (last, ctx.window + gamma) if sliding is None else (local, sliding)
             q = rope_and_cache_write(q, k, v, cos, sin, ctx.k_pool[i], ctx.v_pool[i], slots)
             return paged_attention(q.view(*local.shape, *q.shape[1:]), ctx.k_pool[i], ctx.v_pool[i], ctx.tables,
-                                   mask_pos, self.layers[i].self_attn.scale, window,
-                                   workspace=ctx.workspace).flatten(0, 1)
+                                   mask_pos, self.layers[i].self_attn.scale, window).flatten(0, 1)
 
         return run_fused_layers(dec, self.layers, fused, x, attend, self.norm.weight)[0]
 

@@ -18,27 +18,11 @@ import torch
 from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
 
-# Whether `paged_attention` combines the key splits in the attention's own launch where its caller gives a
-# workspace (the last split of each tile to finish combines them), instead of a second kernel. Off until
-# the H200 measures it (thirtieth session: written and tested under the interpreter, after the session's
-# device time was spent); `bench/floor_profile.py --one-launch-attention` compares.
-COMBINE_IN_LAUNCH = False
-
-
-def paged_attention(q, k_cache, v_cache, block_tables, positions, scale, window=None, workspace=None):
-    """The Triton kernel on CUDA tensors when Triton is installed, the torch reference otherwise. With a
-    workspace (kernels.workspace, at least `attention_counters` of them) and COMBINE_IN_LAUNCH, split keys
-    are combined by the last split of each tile to finish, in the same launch."""
+def paged_attention(q, k_cache, v_cache, block_tables, positions, scale, window=None):
+    """The Triton kernel on CUDA tensors when Triton is installed, the torch reference otherwise."""
     if HAVE_TRITON and q.is_cuda:
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, window,
-                                      workspace=workspace if COMBINE_IN_LAUNCH else None)
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, window)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, positions, scale, window)
-
-
-def attention_counters(batch: int, q_len: int, q_heads: int, kv_heads: int) -> int:
-    """The arrival counters a call needs to combine its splits in one launch: one per program group
-    (sequence, kv head, row tile)."""
-    return batch * kv_heads * row_tiles(q_heads // kv_heads * q_len)[1]
 
 
 def paged_attention_reference(
@@ -73,20 +57,17 @@ def paged_attention_reference(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, out_ptr, lse_ptr, final_ptr, counters_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, out_ptr, lse_ptr, scale_log2,
     stride_qb, stride_qq, stride_qh,
     stride_kb, stride_ks, stride_kh,  # shared by k and v (both contiguous)
     stride_tb, stride_pb, stride_pq,
     Q_LEN: tl.constexpr, Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, TILES: tl.constexpr, COMBINE: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, TILES: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """One program per (sequence, kv head, row tile, split): the group's heads x queries in tiles of
     ROWS rows (TILES of them), so each key is read once per tile. Writes out [B, Q, Hq, NUM_SPLITS, D]
-    (normalised within the split) and, when split, the log2-sum-exp of each row's scores in its split.
-    With COMBINE, the last of a tile's splits to finish (its arrival counter, reset after) combines them
-    into final [B, Q, Hq, D] as `_combine_splits_kernel` does, splits added in order."""
+    (normalised within the split) and, when split, the log2-sum-exp of each row's scores in its split."""
     gdc_enter(USE_GDC)
     seq, split = tl.program_id(0), tl.program_id(2)
     kv_head, tile = tl.program_id(1) // TILES, tl.program_id(1) % TILES
@@ -136,29 +117,6 @@ def _paged_attention_kernel(
              mask=stored[:, None])
     if NUM_SPLITS > 1:
         tl.store(lse_ptr + out_row, m + tl.log2(denom), mask=stored)  # -inf where denom is 0
-    if COMBINE:
-        tl.debug_barrier()
-        counter = counters_ptr + seq * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            tl.debug_barrier()
-            first_row = ((seq * Q_LEN + query) * Q_HEADS + head) * NUM_SPLITS  # [ROWS]: split 0 of each row
-            top = tl.full([ROWS], float("-inf"), tl.float32)
-            for j in range(NUM_SPLITS):  # (.cg: the other splits' writes, from L2)
-                lse_j = tl.load(lse_ptr + first_row + j, mask=stored, other=0.0, cache_modifier=".cg")
-                top = tl.maximum(top, lse_j)
-            total = tl.zeros([ROWS], tl.float32)
-            mixed = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-            for j in range(NUM_SPLITS):
-                lse_j = tl.load(lse_ptr + first_row + j, mask=stored, other=0.0, cache_modifier=".cg")
-                weight = tl.exp2(lse_j - top)
-                part = tl.load(out_ptr + (first_row + j)[:, None] * HEAD_DIM + dims[None, :],
-                               mask=stored[:, None], other=0.0, cache_modifier=".cg")
-                total += weight
-                mixed += weight[:, None] * part
-            final_row = (seq * Q_LEN + query) * Q_HEADS + head
-            tl.store(final_ptr + final_row[:, None] * HEAD_DIM + dims[None, :],
-                     (mixed / total[:, None]).to(final_ptr.dtype.element_ty), mask=stored[:, None])
-            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -176,11 +134,9 @@ def _combine_splits_kernel(partial_ptr, lse_ptr, out_ptr, NUM_SPLITS: tl.constex
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, window=None,
-                           num_splits: int | None = None, block_n: int = 64, workspace: torch.Tensor | None = None):
+                           num_splits: int | None = None, block_n: int = 64):
     """Launch wrapper (same arguments as the reference). num_splits > 1 is flash-decoding: the keys are
-    split over more programs when B * Hkv alone cannot fill the GPU; None picks it from the shapes. With
-    a workspace (zeroed int32 arrival counters, kernels.workspace; `attention_counters` of them) the
-    splits are combined in the same launch, by each tile's last split to finish; else by a second kernel."""
+    split over more programs when B * Hkv alone cannot fill the GPU; None picks it from the shapes."""
     batch, q_len, q_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and q_heads % kv_heads == 0
@@ -202,26 +158,20 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, 
         partial = torch.empty(batch, q_len, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, q_len, q_heads, num_splits, dtype=torch.float32, device=q.device)
     rows, tiles = row_tiles(groups * q_len)
-    combine = num_splits > 1 and workspace is not None
-    if combine:
-        assert workspace.dtype == torch.int32 and workspace.device == q.device, workspace
-        assert workspace.numel() >= batch * kv_heads * tiles, (workspace.numel(), batch * kv_heads * tiles)
     _paged_attention_kernel[(batch, kv_heads * tiles, num_splits)](
-        q, k_cache, v_cache, block_tables, positions, partial, lse, out, workspace if combine else lse,
-        scale * math.log2(math.e),
+        q, k_cache, v_cache, block_tables, positions, partial, lse, scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), positions.stride(0), positions.stride(1),
         Q_LEN=q_len, Q_HEADS=q_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         ROWS=rows, BLOCK_N=block_n, WINDOW=window or 0, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: no effect on 16-bit inputs
-        TILES=tiles, COMBINE=combine, num_warps=8 if rows * head_dim >= 8192 else 4,
+        TILES=tiles, num_warps=8 if rows * head_dim >= 8192 else 4,
         **dependent_launch(q.device, "paged_attention"),
     )
-    if num_splits > 1 and not combine:
-        _combine_splits_kernel[(batch * q_len * q_heads,)](
-            partial, lse, out, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
-            **dependent_launch(q.device, "combine_splits"))
+    if num_splits > 1:
+        _combine_splits_kernel[(batch * q_len * q_heads,)](partial, lse, out, NUM_SPLITS=num_splits,
+                                                          HEAD_DIM=head_dim, **dependent_launch(q.device, "combine_splits"))
     return out
 
 

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from specsplit.kernels.paged_attention import attention_counters, paged_attention
+from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.kernels.row_max import row_max
 from specsplit.kernels.workspace import arrival_counters
@@ -118,12 +118,8 @@ class StaticForward:
         self.positions = self.inputs[1].view(batch, query_len)  # [B, Q]
         self.slots.fill_(self.scratch_slot)  # the capture's warm-up run writes K/V: only ever to scratch
         self._copied = torch.cuda.Event() if pinned else None
-        # Arrival counters (kernels.workspace), this bucket's own: of the greedy picks' one-launch row max, and
-        # of each layer's attention, whose key splits are combined by their last to finish (one after another
-        # in stream order, each leaving them zeroed)
-        cfg = model.config
-        self.workspace = arrival_counters(max(batch * query_len, attention_counters(
-            batch, query_len, cfg.num_attention_heads, cfg.num_key_value_heads)), device)
+        # Arrival counters of the greedy picks' one-launch row max (kernels.workspace), this bucket's own.
+        self.workspace = arrival_counters(batch * query_len, device)
         self.output: ForwardOutput | None = None
         self.host_rows: np.ndarray | None = None  # the last loaded step's rows of [B * Q]
         self._fed: tuple | None = None  # what the last `load_fed` copied, if nothing was loaded since
@@ -264,8 +260,7 @@ class StaticForward:
             q = rope_and_cache_write(q, k, v, cos, sin, self.cache.k_pool[i], self.cache.v_pool[i], self.slots)
             return paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[i],
                                    self.cache.v_pool[i], self.block_tables, self.positions,
-                                   stack.layers[i].self_attn.scale, cfg.layer_window(i),
-                                   workspace=self.workspace).flatten(0, 1)
+                                   stack.layers[i].self_attn.scale, cfg.layer_window(i)).flatten(0, 1)
 
         h, last, captured = run_fused_layers(cfg, stack.layers, self.fused, residual, attend, stack.norm.weight,
                                              self.capture.layer_ids)
@@ -284,7 +279,7 @@ class StaticForward:
         self.cache.write_slots(layer, self.slots, k, v)
         out = paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[layer],
                               self.cache.v_pool[layer], self.block_tables, self.positions, attn.scale,
-                              self.model.config.layer_window(layer), workspace=self.workspace)
+                              self.model.config.layer_window(layer))
         return attn.output(out.reshape(q.shape))
 
 

@@ -202,9 +202,9 @@ def test_silu_mul_reference_is_the_models_mlp_activation(dtype):
         assert torch.equal(mlp.down_proj(activation.silu_mul_reference(gate_up)), mlp(x))
 
 
-def test_rotary_tables_are_the_models_and_one_launch_only_when_asked(monkeypatch):
+def test_rotary_tables_are_the_models_and_one_launch_on_a_gpu(monkeypatch):
     """The reference is what RotaryEmbedding computed before it called rotary_tables; the model's rotary
-    embedding takes the kernel only with TABLES_IN_ONE_LAUNCH, on a GPU."""
+    embedding takes the kernel on a GPU, unless TABLES_IN_ONE_LAUNCH is off."""
     positions, inv_freq = tables_inputs(SMOLLM2, 9, torch.float32, "cpu")
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), -1)
@@ -217,12 +217,12 @@ def test_rotary_tables_are_the_models_and_one_launch_only_when_asked(monkeypatch
     monkeypatch.setattr(rope, "rotary_tables_triton", lambda *a: seen.append("kernel") or (None, None))
     monkeypatch.setattr(rope, "rotary_tables_reference", lambda *a: seen.append("torch") or (None, None))
     on_gpu = type("OnGpu", (), {"is_cuda": True})()
-    assert rope.TABLES_IN_ONE_LAUNCH is False
-    rope.rotary_tables(on_gpu, inv_freq, torch.float32)
-    monkeypatch.setattr(rope, "TABLES_IN_ONE_LAUNCH", True)
+    assert rope.TABLES_IN_ONE_LAUNCH is True  # (the default)
     rope.rotary_tables(on_gpu, inv_freq, torch.float32)
     rope.rotary_tables(positions, inv_freq, torch.float32)  # on the CPU: torch's
-    assert seen == ["torch", "kernel", "torch"]
+    monkeypatch.setattr(rope, "TABLES_IN_ONE_LAUNCH", False)
+    rope.rotary_tables(on_gpu, inv_freq, torch.float32)
+    assert seen == ["kernel", "torch", "torch"]
 
 
 def test_dispatchers_take_the_reference_on_cpu():

@@ -10,8 +10,7 @@ import sys
 import pytest
 import torch
 
-from specsplit.kernels.paged_attention import attention_counters, paged_attention_reference, paged_attention_triton
-from specsplit.kernels.workspace import arrival_counters
+from specsplit.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -122,17 +121,10 @@ def check_triton_interpreted(cases: list[tuple]) -> None:
     for seed, batch, q_len, q_heads, kv_heads, head_dim, context, block_size, window, splits in cases:
         q, k, v, tables, positions = ragged_case(seed, batch, q_len, q_heads, kv_heads, head_dim, context, block_size)
         scale = head_dim ** -0.5
-        expected = paged_attention_reference(q, k, v, tables, positions, scale, window)
         out = paged_attention_triton(q, k, v, tables, positions, scale, window, num_splits=splits)
         # both float32; the kernel's exp2 and online rescaling add a few ulps: same bound as above
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-        if splits > 1:  # the splits combined in the same launch, by each tile's last split; the counters
-            # back at zero for the next call
-            workspace = arrival_counters(attention_counters(batch, q_len, q_heads, kv_heads) + 1, "cpu")
-            out = paged_attention_triton(q, k, v, tables, positions, scale, window, num_splits=splits,
-                                         workspace=workspace)
-            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-            assert not workspace.any(), workspace
+        torch.testing.assert_close(out, paged_attention_reference(q, k, v, tables, positions, scale, window),
+                                   atol=1e-5, rtol=1e-5)
     print("interpreted cases ok:", len(cases))
 
 
@@ -143,23 +135,6 @@ def test_triton_interpreted(cases):
     result = subprocess.run([sys.executable, __file__, cases], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "interpreted cases ok:" in result.stdout, result.stdout[-3000:]
-
-
-def test_the_models_call_combines_in_one_launch_only_when_asked(monkeypatch):
-    """`paged_attention` hands its caller's workspace to the kernel only with COMBINE_IN_LAUNCH (off until the
-    H200 measures it): a stand-in kernel records what it was given."""
-    from specsplit.kernels import paged_attention as module
-
-    seen = []
-    monkeypatch.setattr(module, "HAVE_TRITON", True)
-    monkeypatch.setattr(module, "paged_attention_triton", lambda *a, workspace=None: seen.append(workspace))
-    on_gpu = type("OnGpu", (), {"is_cuda": True})()
-    workspace = arrival_counters(4, "cpu")
-    assert module.COMBINE_IN_LAUNCH is False
-    module.paged_attention(on_gpu, None, None, None, None, 0.1, None, workspace=workspace)
-    monkeypatch.setattr(module, "COMBINE_IN_LAUNCH", True)
-    module.paged_attention(on_gpu, None, None, None, None, 0.1, None, workspace=workspace)
-    assert seen[0] is None and seen[1] is workspace
 
 
 def test_row_tiles_stay_within_the_decode_path():
@@ -181,9 +156,7 @@ GEOMETRIES = {"smollm2": (9, 3, 64), "qwen3_8b": (32, 8, 128)}
 @pytest.mark.parametrize("q_len", [4, 8, 16])
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("batch", [1, 6])
-@pytest.mark.parametrize("one_launch", [False, True])
-def test_a_verify_attends_each_row_as_its_decode_would_bit_for_bit(geometry, q_len, dtype, batch, num_splits,
-                                                                  one_launch):
+def test_a_verify_attends_each_row_as_its_decode_would_bit_for_bit(geometry, q_len, dtype, batch, num_splits):
     """Each query row of a verify (q_len tokens at once) equals, bit for bit, that query attended alone
     (a decode of that token over the same cache): in bf16 too, so speculative greedy output does not
     part from target-only's at near-ties because of the attention. (The sixteenth session's H200 runs:
@@ -197,11 +170,10 @@ def test_a_verify_attends_each_row_as_its_decode_would_bit_for_bit(geometry, q_l
     q, k, v, tables, positions = ragged_case(q_len + 10, batch, q_len, q_heads, kv_heads, head_dim,
                                              max_context=500, dtype=dtype, device="cuda")
     scale = head_dim ** -0.5
-    workspace = arrival_counters(attention_counters(batch, q_len, q_heads, kv_heads), "cuda") if one_launch else None
-    together = paged_attention_triton(q, k, v, tables, positions, scale, num_splits=num_splits, workspace=workspace)
+    together = paged_attention_triton(q, k, v, tables, positions, scale, num_splits=num_splits)
     for j in range(q_len):
         alone = paged_attention_triton(q[:, j:j + 1].contiguous(), k, v, tables, positions[:, j:j + 1].contiguous(),
-                                       scale, num_splits=num_splits, workspace=workspace)
+                                       scale, num_splits=num_splits)
         if dtype == torch.bfloat16:
             assert torch.equal(together[:, j:j + 1], alone), (j, (together[:, j:j + 1].float() - alone.float()).abs().max())
         else:
@@ -221,16 +193,12 @@ def test_triton_matches_reference_cuda(geometry, dtype, q_len, window, num_split
     q, k, v, tables, positions = ragged_case(q_len, batch, q_len, q_heads, kv_heads, head_dim, max_context=4096,
                                              dtype=dtype, device="cuda")
     scale = head_dim ** -0.5
+    out = paged_attention_triton(q, k, v, tables, positions, scale, window, num_splits=num_splits)
     ref = paged_attention_reference(q, k, v, tables, positions, scale, window)
     # float32: exact (ieee) dots, only the summation order differs. bfloat16: both round the output
     # to bf16 (2^-9 relative) and the kernel rounds the softmax weights to bf16 before P @ V.
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    workspace = arrival_counters(attention_counters(batch, q_len, q_heads, kv_heads), "cuda")
-    for counters in (None, workspace, workspace):  # a second kernel combines the splits, or their last; twice
-        out = paged_attention_triton(q, k, v, tables, positions, scale, window, num_splits=num_splits,
-                                     workspace=counters)
-        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-        assert not workspace.any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.gpu
@@ -243,9 +211,7 @@ def test_triton_in_cuda_graph(geometry):
     case = lambda seed: ragged_case(seed, 4, 16, q_heads, kv_heads, head_dim, 4096, dtype=torch.bfloat16,
                                     device="cuda")
     static = case(0)
-    workspace = arrival_counters(attention_counters(4, 16, q_heads, kv_heads), "cuda")
-    run = lambda: (paged_attention_triton(*static, 0.1, None), paged_attention_reference(*static, 0.1, None),
-                   paged_attention_triton(*static, 0.1, None, num_splits=8, workspace=workspace))
+    run = lambda: (paged_attention_triton(*static, 0.1, None), paged_attention_reference(*static, 0.1, None))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -253,7 +219,7 @@ def test_triton_in_cuda_graph(geometry):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, ref_out, one_launch = run()
+        out, ref_out = run()
     for seed in (1, 2):
         fresh = case(seed)
         for buffer, value in zip(static, fresh):
@@ -262,7 +228,6 @@ def test_triton_in_cuda_graph(geometry):
         expected = paged_attention_reference(*fresh, 0.1, None)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(ref_out.float(), expected.float(), atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(one_launch.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 if __name__ == "__main__":

@@ -86,9 +86,8 @@ KERNELS = {
     "norm._rms_norm_kernel": ({"ADD": True, "BLOCK": 1024}, {}),
     "paged_attention._paged_attention_kernel": (
         {"Q_LEN": 1, "Q_HEADS": 9, "GROUPS": 3, "HEAD_DIM": 64, "BLOCK_SIZE": 16, "ROWS": 16, "BLOCK_N": 64,
-         "WINDOW": 0, "NUM_SPLITS": 8, "DOT_PRECISION": "tf32", "TILES": 1, "COMBINE": True},
-        {"tables_ptr": "*i32", "positions_ptr": "*i64", "out_ptr": "*fp32", "lse_ptr": "*fp32",
-         "counters_ptr": "*i32"}),
+         "WINDOW": 0, "NUM_SPLITS": 8, "DOT_PRECISION": "tf32", "TILES": 1},
+        {"tables_ptr": "*i32", "positions_ptr": "*i64", "out_ptr": "*fp32", "lse_ptr": "*fp32"}),
     "paged_attention._combine_splits_kernel": ({"NUM_SPLITS": 8, "HEAD_DIM": 64}, {"partial_ptr": "*fp32",
                                                                                   "lse_ptr": "*fp32"}),
     "rope._rope_kernel": ({"DIM": 64, "BLOCK_HQ": 16, "BLOCK_HKV": 4}, {"slots_ptr": "*i64"}),
