@@ -16,7 +16,7 @@ import json
 
 from specsplit.local import LocalSetup, load_parts
 from specsplit.target_service.engine import Engine, EngineConfig
-from split_bench import PROMPTS, run
+from split_bench import run, stream_prompts
 
 
 def main() -> None:
@@ -26,21 +26,27 @@ def main() -> None:
     ap.add_argument("--drafter", default="dflash")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--waves", type=int, default=1,
+                    help="at B > 1 streams, B x WAVES requests through B slots, the batch kept full until the last "
+                         "wave (default 1: a closed batch of B, which drains)")
     ap.add_argument("--drafts", type=int, nargs="+", default=[3, 7, 15], help="draft lengths k >= 1 to compare")
     ap.add_argument("--auto", action="store_true", help="also the engine that learns k per batch size (auto_drafts)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    if args.waves < 1:
+        ap.error("--waves takes 1 or more")
     if min(args.drafts) < 1:
         ap.error("--drafts: each k must be >= 1 (the target alone is always measured, as k = 0)")
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     model, tokenizer, drafter = load_parts(setup)
     results, best = {}, {}
-    print(f"{'batch':>5} {'k':>4} {'tok/s':>9} {'x target':>8} {'tau':>5} {'ms/step':>7} {'same':>5}", flush=True)
+    print(f"{'batch':>5} {'k':>4} {'tok/s':>9} {'x target':>8} {'tau':>5} {'ms/step':>7} {'full':>5} {'same':>5}",
+          flush=True)
     for batch in args.batch:
         # one stream: every prompt, served one after another (in bfloat16 a text can part from
         # target-only's at a near-tie, and a draft length's tau is then over another text: one prompt
         # would measure that text as much as the draft length)
-        prompts = PROMPTS if batch == 1 else (PROMPTS * batch)[:batch]
+        prompts = stream_prompts(batch, args.waves)
         engines = {0: Engine(model, None, EngineConfig(max_batch=batch))}
         engines.update({k: Engine(model, drafter, EngineConfig(max_batch=batch, num_drafts=k)) for k in args.drafts})
         if args.auto:
@@ -56,7 +62,8 @@ def main() -> None:
             row[k] = r
             ratio = r["tokens_per_s"] / row[0]["tokens_per_s"]
             print(f"{batch:>5} {k!s:>4} {r['tokens_per_s']:>9.0f} {ratio:>8.2f} {r['tau']:>5.2f} "
-                  f"{r['per_step_ms']['step']:>7.2f} {r['requests_equal_target_only']:>2}/{len(prompts)}", flush=True)
+                  f"{r['per_step_ms']['step']:>7.2f} {r['mean_batch'] / batch:>5.2f} "
+                  f"{r['requests_equal_target_only']:>2}/{len(prompts)}", flush=True)
         auto = engines.get("auto")
         if auto is not None:  # what it learned on this batch size
             row["auto"]["learned_k"] = auto.tuner.best(batch) if auto.tuner else None

@@ -43,6 +43,20 @@ PROMPTS = [
 ]
 
 
+def stream_prompts(streams: int, waves: int = 1) -> list[str]:
+    """The prompts a run at `streams` concurrent streams serves. One stream runs every prompt, one after
+    another (one prompt's tau is its text's, see draft_length). B streams run `waves` · B requests through
+    the engine's B slots, each admitted as another ends: with one wave a closed batch of B that drains,
+    its last steps running fewer sequences (more so with speculation, whose sequences end at different
+    steps, than target-only, whose all end together); with several, the batch stays full until the last."""
+    if streams < 1 or waves < 1:
+        raise ValueError("streams >= 1 and waves >= 1 are required")
+    if streams == 1:
+        return list(PROMPTS)
+    count = streams * waves
+    return (PROMPTS * -(-count // len(PROMPTS)))[:count]
+
+
 class StepTimes:
     """Host wall time per decode step, split by phase, from timers around the engine's own methods:
     verify = the target's forward and acceptance (which reads the device back), draft = propose,
@@ -59,6 +73,7 @@ class StepTimes:
     def __init__(self, engine: Engine) -> None:
         self.total = {"step": 0.0, "verify": 0.0, "draft": 0.0, "commit": 0.0}
         self.steps = 0
+        self.rows = 0  # sequences over those steps
         self.inside = False  # prefill samples too: only time phases inside a decode step
         for name, phase in self.PHASES.items():
             setattr(engine, name, self._timed(getattr(engine, name), phase))
@@ -72,6 +87,7 @@ class StepTimes:
                 self.inside = False
                 self.total["step"] += time.perf_counter() - started
                 self.steps += 1
+                self.rows += len(seqs)
 
         engine._decode_step = decode_step
 
@@ -126,6 +142,9 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
                     # admission and prefill (packed forwards, drafter attach): the run's time outside decode steps
                     "outside_steps_s": elapsed - timer.total["step"],
                     "tau": sum(s.generated for s in stats) / sum(s.steps for s in stats),
+                    # how full the batch was: a closed batch drains (stream_prompts)
+                    "mean_batch": timer.rows / max(timer.steps, 1),
+                    "steps_by_request": [s.steps for s in stats],
                     "chained_steps": engine.counters.chained - chained,
                     "chained_steps_replayed_whole": engine.counters.chain_replays - replays,
                     "chained_step_captures": engine.counters.chain_captures - captures,
@@ -197,6 +216,20 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
             "median": {name: statistics.median(values) for name, values in {**rates, **ratios}.items()}}
 
 
+def summary(batch: int, prompts: list[str], result: dict) -> str:
+    """One line of a batch size's result: rates, the ratios (medians over rounds where there were
+    several), tau and the speedup as a share of it, and how full the batch was."""
+    base, local, split = result["target_only"], result["in_process"], result["services"]
+    median = result.get("rounds", {}).get("median", {})
+    over_base = median.get("in_process_over_target_only", result["in_process_over_target_only"])
+    over_local = median.get("services_over_in_process", result["services_over_in_process"])
+    return (f"batch {batch}, {len(prompts)} requests: target only {base['tokens_per_s']:.0f} tok/s; in-process "
+            f"{over_base:.2f}x target only (tau {local['tau']:.2f}, {over_base / local['tau']:.2f} tau); services "
+            f"{over_local:.2f}x in-process; mean batch {base['mean_batch']:.2f} / {local['mean_batch']:.2f} / "
+            f"{split['mean_batch']:.2f}; {result['requests_differing_from_target_only']} requests differing"
+            + (" (ratios: medians of the rounds)" if median else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cpu")
@@ -204,6 +237,10 @@ def main() -> None:
     ap.add_argument("--drafter", default="dflash")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="concurrent requests per engine step")
+    ap.add_argument("--waves", type=int, default=1,
+                    help="at B > 1 streams, B x WAVES requests through the engine's B slots, each admitted as "
+                         "another ends, so the batch stays full until the last wave (default 1: a closed batch "
+                         "of B, which drains)")
     ap.add_argument("--drafts-by-batch", type=drafts_by_batch, default=(), metavar="N:K,...",
                     help="the engine's draft length by batch size, in every mode (default: the drafter's most)")
     ap.add_argument("--auto", action="store_true", help="the engines learn their draft length (--num-drafts auto)")
@@ -266,6 +303,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds takes 1 or more")
+    if args.waves < 1:
+        ap.error("--waves takes 1 or more")
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     folder = target_dir(setup.target)
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
@@ -322,12 +361,10 @@ def main() -> None:
                                     head=(model.embed_weight, model.lm_head_weight),
                                     device_waits=True) if args.also_both_waits else None
         results = {"device": args.device, "drafter": args.drafter, "transport": remote.mode,
-                   "step_transport": remote.step_transport}
+                   "step_transport": remote.step_transport, "waves": args.waves}
         local_drafter = make_drafter(args.drafter, model, setup)
         for batch in args.batch:
-            # One stream runs every prompt, one after another (one prompt's tau is its text's, see
-            # draft_length); B streams run B requests at once.
-            prompts = PROMPTS if batch == 1 else (PROMPTS * batch)[:batch]
+            prompts = stream_prompts(batch, args.waves)
             conf = EngineConfig(max_batch=batch, drafts_by_batch=args.drafts_by_batch, auto_drafts=args.auto,
                                 chain_steps=not args.no_chain)
             if args.chain_capture is not None:
@@ -527,6 +564,7 @@ def main() -> None:
                                 "services": split_engine.tuner.snapshot() if split_engine.tuner else None},
             }
             print(json.dumps({f"batch_{batch}": results[f"batch_{batch}"]}), flush=True)
+            print(summary(batch, prompts, results[f"batch_{batch}"]), flush=True)
         pings = sorted(remote.ping() for _ in range(200))
         results["empty_step_round_trip_p50_ms"] = 1e3 * statistics.median(pings)
         results["empty_step_round_trip_p50_ms_over_grpc"] = 1e3 * statistics.median([over_grpc.ping() for _ in range(200)])

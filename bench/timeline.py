@@ -163,7 +163,7 @@ def record(args) -> None:
     from specsplit.target_service.drafter_client import RemoteProposer
     from specsplit.target_service.engine import Engine, EngineConfig
     from specsplit.target_service.model import load_target
-    from split_bench import PROMPTS, run
+    from split_bench import run, stream_prompts
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -183,7 +183,7 @@ def record(args) -> None:
     # The Step during which the drafter's profiler starts takes over a second (CUPTI's start): a deadline
     # drawn from the usual round trips would drop the drafter there (it did, once, in the first run)
     drafter_client.STEP_DEADLINE_FLOOR = 30.0
-    prompts = PROMPTS if args.batch == 1 else (PROMPTS * args.batch)[:args.batch]
+    prompts = stream_prompts(args.batch)
     conf = EngineConfig(max_batch=args.batch)
     try:
         wait_healthy(sock, 300)

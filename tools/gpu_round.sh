@@ -34,6 +34,8 @@
 #   bash tools/gpu_round.sh tiles     # the folds past 16 rows (row tiles, small weights): the default step's variants, served steps
 #   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
+#   bash tools/gpu_round.sh waves     # (next) eight streams kept full (32 requests through 8 slots): draft lengths, the split bench
+#   bash tools/gpu_round.sh draft-lengths # tokens/s by draft length at 1 and 8 streams, the tuner's; the 8-stream step at k = 3 and 15
 #   bash tools/gpu_round.sh served-8b     # the 8B-shaped step as the engine serves it, against its floor
 #   bash tools/gpu_round.sh host-steps    # where the host's part of a steady decode step goes, target only and in-process
 #   bash tools/gpu_round.sh pdl-default   # Triton kernels launched dependent (on by default, heavy projections plain):
@@ -463,6 +465,28 @@ tiles-served)
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
     for k, v in d[b].items() if 'over' in k or 'differing' in k or k == 'rounds' or 'tok' in k}) for b in d if b.startswith('batch')]" \
     "$OUT/split_tiles.json" 2>&1 | log
+  ;;
+draft-lengths)
+  # (thirty-third session) in-process speculation at eight streams is 1.09x target-only at tau 2.87 (0.38 tau; the
+  # goal is 0.6 tau) with 15 drafts a step, a verify of 8 x 16 rows. Tokens/s by draft length at one and eight
+  # streams with the tuner beside them, then where the eight-stream step's time goes at k = 3 and 15
+  timeout 360 python bench/draft_length.py --device cuda --dtype bfloat16 --batch 1 8 --drafts 3 5 7 15 --auto \
+    --max-tokens 256 --json-out "$OUT/draft_length.json" 2>&1 | grep -v INFO | tail -16 | log
+  for k in 3 15; do
+    timeout 100 python bench/profile_step.py --drafter dflash --batch 8 --num-drafts $k --steps 40 --out "$OUT" 2>&1 \
+      | grep -v INFO | head -24 | log
+  done
+  ;;
+waves)
+  # (thirty-third session) the eight-stream runs so far were a closed batch of eight that drains: speculative
+  # sequences end at different steps, so its last steps ran fewer sequences than eight (target-only's all end
+  # together), and two chained-step captures (~40 ms) fell inside a 0.2-s run. Here 32 requests go through eight
+  # slots (--waves 4), each admitted as another ends: tokens/s by draft length with the tuner, then the split
+  # bench's three engines over three rounds, one stream beside eight
+  timeout 240 python bench/draft_length.py --device cuda --dtype bfloat16 --batch 8 --waves 4 --drafts 3 7 15 --auto \
+    --max-tokens 256 --json-out "$OUT/draft_length_waves.json" 2>&1 | grep -v INFO | tail -14 | log
+  timeout 330 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --waves 4 --rounds 3 --json-out "$OUT/split_waves.json" 2>&1 | grep -E "^batch [0-9]+, " | log
   ;;
 served-8b)
   # (twenty-ninth session) the goal is the 8B step at one stream within 1.15x its floor: step_bench's "step" is the
