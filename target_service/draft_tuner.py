@@ -131,9 +131,10 @@ class DraftTuner:
         return {"expected_tokens": {k: expected[k] for k in self.choices}, "buckets": buckets,
                 "learned": self.learned()}
 
-    def observe(self, num_seqs: int, k: int, seconds: float, verified: Sequence[tuple[int, int]]) -> None:
+    def observe(self, num_seqs: int, k: int, seconds: float | None, verified: Sequence[tuple[int, int]]) -> None:
         """Record a decode step: its sequences, the draft length it ran (the k `choose` gave), its wall
-        time, and each sequence's (drafts offered, drafts accepted)."""
+        time, and each sequence's (drafts offered, drafts accepted). seconds None: the step's acceptance
+        only, its time not comparable with other steps' (see Engine._chain_read)."""
         if verified:
             most = self.most
             offered_hist, accepted_hist = [0] * (most + 1), [0] * (most + 1)
@@ -149,7 +150,7 @@ class DraftTuner:
             self._update_expected()
         bucket = self._buckets.setdefault(self.bucket_of(num_seqs), _Bucket())
         bucket.steps += 1
-        if k not in self.choices:
+        if k not in self.choices or seconds is None:
             return
         seen = bucket.samples.get(k, 0)
         bucket.samples[k] = seen + 1

@@ -671,6 +671,42 @@ def test_the_draft_tuner_measures_every_length_through_the_chain(tiny_chat_dir):
     assert engine.counters.chained > 10
 
 
+def test_the_tuner_times_only_steady_chained_steps(tiny_chat_dir):
+    """Four requests through two slots: each admission (a prefill) and each changed batch puts work in
+    the next chained read that is not the draft length's, so that read teaches the tuner acceptance
+    but no time; the steps between, the same sequences read after each other, are timed."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    target = load_target(tiny_chat_dir)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    prompts = ["The capital of France is", "Once upon a time", "def add(a, b):", "Water boils at"]
+    reqs = lambda: [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=24 + 12 * i, ignore_eos=True))  # noqa: E731
+                    for i, p in enumerate(prompts)]
+
+    def engine_for(proposer):
+        engine = Engine(target, proposer, EngineConfig(max_batch=2, auto_drafts=proposer is not None))
+        lens = {1} | ({k + 1 for k in engine.tuner.choices} if engine.tuner else set())
+        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=2, query_lens=tuple(lens),
+                                   max_len=512, use_graphs=False)
+        return engine
+
+    free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine_for(None).generate(reqs()).items()}
+    engine = engine_for(_oracle_drafter(target, tokenizer, prompts, free))
+    seen, observe = [], engine.tuner.observe
+    engine.tuner.observe = lambda n, k, seconds, verified: (  # noqa: E731
+        seen.append((engine.counters.prefills, seconds)), observe(n, k, seconds, verified))
+    got = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine.generate(reqs()).items()}
+    assert got == free and engine.counters.chained > 10
+    timed = [p for p, seconds in seen if seconds is not None]
+    untimed = [p for p, seconds in seen if seconds is None]
+    assert timed and all(seconds is None or seconds > 0 for _, seconds in seen)
+    # the first read after each of the two later admissions is untimed (more are: batches that shrank)
+    assert {3, 4} <= set(untimed) and len(untimed) >= 2
+
+
 def test_riders_without_the_drafter_stay_exact_when_the_drafting_ones_end(tiny_chat_dir):
     """Sequences without the drafter (greedy and sampled, speculative=False) ride a chain whose only
     drafting sequences are a sampled one near its end (it waits steps) and a short greedy one: no

@@ -86,6 +86,24 @@ def test_first_step_of_a_shape_is_not_counted_and_caps_hold():
     assert DraftTuner(0).choices == (0,)
 
 
+def test_steps_without_a_comparable_time_teach_acceptance_only():
+    """The engine passes no time for a chained step that followed a changed batch or a prefill (their
+    device work lands in the next read whatever k ran). Those steps still teach acceptance, and the
+    choice rests on the steady steps' times: timed with them, every k looked alike and a rarely timed
+    one won."""
+    tuner = DraftTuner(15)
+    tuner.observe(8, 15, None, [(15, 0)] * 8)  # nothing accepted: E(k) falls, no time recorded
+    assert tuner.expected_tokens(15) < 2.0 and tuner.snapshot()["buckets"][8] == {}
+    assert tuner.choose(8) == 15  # still to be measured: a step without a time did not count as a sample
+    tuner, rng = DraftTuner(15), random.Random(5)
+    for step in range(600):
+        k = tuner.choose(16)
+        verified = [(k, next(a for a in range(k + 1) if a == k or rng.random() >= ACCEPT)) for _ in range(16)]
+        churn = step % 3 == 0  # a request came or went: the read also holds ~4 ms of k-independent work
+        tuner.observe(16, k, None if churn else step_seconds(16, k), verified)
+    assert tuner.best(16) == best_k(16, tuner.choices)
+
+
 def test_the_engine_tuning_its_draft_length_is_lossless(tiny_chat_dir):
     import torch
 
