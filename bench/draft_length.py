@@ -40,8 +40,8 @@ def main() -> None:
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     model, tokenizer, drafter = load_parts(setup)
     results, best = {}, {}
-    print(f"{'batch':>5} {'k':>4} {'tok/s':>9} {'x target':>8} {'tau':>5} {'ms/step':>7} {'full':>5} {'same':>5}",
-          flush=True)
+    print(f"{'batch':>5} {'k':>4} {'tok/s':>9} {'x target':>8} {'tau':>5} {'ms/step':>7} {'full':>5} {'same':>5}"
+          + (f" {'x target while full':>20}" if args.waves > 1 else ""), flush=True)
     for batch in args.batch:
         # one stream: every prompt, served one after another (in bfloat16 a text can part from
         # target-only's at a near-tie, and a draft length's tau is then over another text: one prompt
@@ -63,7 +63,9 @@ def main() -> None:
             ratio = r["tokens_per_s"] / row[0]["tokens_per_s"]
             print(f"{batch:>5} {k!s:>4} {r['tokens_per_s']:>9.0f} {ratio:>8.2f} {r['tau']:>5.2f} "
                   f"{r['per_step_ms']['step']:>7.2f} {r['mean_batch'] / batch:>5.2f} "
-                  f"{r['requests_equal_target_only']:>2}/{len(prompts)}", flush=True)
+                  f"{r['requests_equal_target_only']:>2}/{len(prompts)}"
+                  + (f" {r['tokens_per_s_while_full'] / row[0]['tokens_per_s_while_full']:>20.2f}"
+                     if batch > 1 and r["tokens_per_s_while_full"] is not None else ""), flush=True)
         auto = engines.get("auto")
         if auto is not None:  # what it learned on this batch size
             row["auto"]["learned_k"] = auto.tuner.best(batch) if auto.tuner else None

@@ -133,7 +133,7 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
     chained, replays, captures = counters.chained, counters.chain_replays, counters.chain_captures  # (a warm-up counted its own)
     capturing = counters.chain_capture_seconds
     started = time.perf_counter()
-    events = engine.generate(reqs)
+    events, full = served(engine, reqs)
     elapsed = time.perf_counter() - started
     tokens = [[t for e in events[r.request_id] for t in e.token_ids] for r in reqs]
     stats = [events[r.request_id][-1].stats for r in reqs]
@@ -151,7 +151,27 @@ def run(engine: Engine, tokenizer: Tokenizer, prompts: list[str], max_tokens: in
                     # a short run pays for captures a server pays for once: the rate without them beside it
                     "chain_capture_s": counters.chain_capture_seconds - capturing,
                     "tokens_per_s_excluding_captures": generated / (elapsed - (counters.chain_capture_seconds - capturing)),
-                    "per_step_ms": timer.per_step_ms()}
+                    "per_step_ms": timer.per_step_ms(),
+                    # with more requests than slots: the rate until the last was admitted, every slot busy
+                    # until then (a server's steady state), without the drain after it
+                    "tokens_per_s_while_full": None if full is None else full[0] / (full[1] - started)}
+
+
+def served(engine: Engine, reqs: list[Request]) -> tuple[dict, tuple[int, float] | None]:
+    """`engine.generate(reqs)`, and when some requests had to wait for a slot, the tokens emitted by the time
+    the last of them was admitted and that time (None when none waited)."""
+    for request in reqs:
+        engine.add(request)
+    out = {r.request_id: [] for r in reqs}
+    emitted, full = 0, None
+    queued = bool(engine.waiting)
+    while engine.has_work:
+        for event in engine.step():
+            out[event.request_id].append(event)
+            emitted += len(event.token_ids)
+        if queued and full is None and not engine.waiting:
+            full = (emitted, time.perf_counter())
+    return out, full
 
 
 # Engines like target_only's and in_process's with one kernel setting changed, side by side (--also-unfolded,
@@ -223,11 +243,16 @@ def summary(batch: int, prompts: list[str], result: dict) -> str:
     median = result.get("rounds", {}).get("median", {})
     over_base = median.get("in_process_over_target_only", result["in_process_over_target_only"])
     over_local = median.get("services_over_in_process", result["services_over_in_process"])
-    return (f"batch {batch}, {len(prompts)} requests: target only {base['tokens_per_s']:.0f} tok/s; in-process "
+    line = (f"batch {batch}, {len(prompts)} requests: target only {base['tokens_per_s']:.0f} tok/s; in-process "
             f"{over_base:.2f}x target only (tau {local['tau']:.2f}, {over_base / local['tau']:.2f} tau); services "
             f"{over_local:.2f}x in-process; mean batch {base['mean_batch']:.2f} / {local['mean_batch']:.2f} / "
             f"{split['mean_batch']:.2f}; {result['requests_differing_from_target_only']} requests differing"
             + (" (ratios: medians of the rounds)" if median else ""))
+    if batch > 1 and base["tokens_per_s_while_full"] is not None:  # (this run's, not the rounds')
+        full = [r["tokens_per_s_while_full"] for r in (base, local, split)]
+        line += (f"; while every slot was busy: target only {full[0]:.0f} tok/s, in-process {full[1] / full[0]:.2f}x "
+                 f"({full[1] / full[0] / local['tau']:.2f} tau), services {full[2] / full[1]:.2f}x in-process")
+    return line
 
 
 def main() -> None:
