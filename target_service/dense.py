@@ -128,11 +128,11 @@ def _layers(model: TargetModel, keys: _Keys, token_ids: torch.Tensor, positions:
         x = layer(x, _mixer(keys, i, model.config.layer_window(i), cos, sin, batch))
         if i in capture.layer_ids:
             captured[i] = x
+    features = capture.features(captured, lambda: model.model.norm(x), len(model.model.layers))
     x = x.view(batch, width, -1)
-    features = [captured[i].view(batch, width, -1) for i in capture.layer_ids]
     return DenseOutput(
         logits=head_logits(model.model.norm(x[:, -1]), model.lm_head.weight) if last_logits else None,
-        layer_features=torch.cat(features, -1) if features else None,
+        layer_features=None if features is None else features.view(batch, width, -1),
         last_hidden=x if capture.last_hidden else None,
     )
 

@@ -240,10 +240,10 @@ class StaticForward:
             x = layer(x, partial(self._attend, i, cos, sin))
             if i in self.capture.layer_ids:
                 captured[i] = x
-        layers = self.capture.layer_ids
+        normed = stack.norm(x)
         self.output = ForwardOutput(
-            logits=head_logits(stack.norm(x), model.lm_head.weight),
-            layer_features=torch.cat([captured[i] for i in layers], -1) if layers else None,
+            logits=head_logits(normed, model.lm_head.weight),
+            layer_features=self.capture.features(captured, lambda: normed, len(stack.layers)),
             last_hidden=x if self.capture.last_hidden else None,
         )
         return self.output
@@ -264,10 +264,9 @@ class StaticForward:
 
         h, last, captured = run_fused_layers(cfg, stack.layers, self.fused, residual, attend, stack.norm.weight,
                                              self.capture.layer_ids)
-        layers = self.capture.layer_ids
         self.output = ForwardOutput(
             logits=head_logits(h, self.model.lm_head.weight),  # h is the final norm of the last layer's output
-            layer_features=torch.cat([captured[i] for i in layers], -1) if layers else None,
+            layer_features=self.capture.features(captured, lambda: h, len(stack.layers)),
             last_hidden=last if self.capture.last_hidden else None,
         )
         return self.output

@@ -9,6 +9,7 @@ checkpoint is a name lookup.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -33,7 +34,9 @@ from specsplit.target_service.kv_cache import PagedKVCache
 class CaptureSpec:
     """Which hidden rows a forward returns besides logits (the drafter's feature rows)."""
 
-    layer_ids: tuple[int, ...] = ()  # outputs of these decoder layers (0-based), concatenated in this order
+    # Outputs of these decoder layers (0-based), concatenated in this order: HF's hidden_states[i + 1], so the
+    # last layer's after the final norm (HF hands that entry normed, and z-lab's DFlash reads it so)
+    layer_ids: tuple[int, ...] = ()
     last_hidden: bool = False  # output of the last decoder layer, before the final norm
 
     def __post_init__(self) -> None:
@@ -45,6 +48,14 @@ class CaptureSpec:
             raise InvalidRequest(f"capture layer id {bad[0]} is out of range for {num_layers} layers")
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise InvalidRequest(f"capture layer ids {self.layer_ids} repeat a layer")
+
+    def features(self, outputs: dict[int, torch.Tensor], normed: Callable[[], torch.Tensor],
+                 num_layers: int) -> torch.Tensor | None:
+        """The feature rows [T, len(layer_ids) * hidden] from the layers' `outputs` ({i: layer i's output}),
+        the last layer's replaced by `normed()` (the final norm of it), as HF's hidden_states numbers them."""
+        if not self.layer_ids:
+            return None
+        return torch.cat([normed() if i == num_layers - 1 else outputs[i] for i in self.layer_ids], -1)
 
 
 @dataclass
@@ -183,7 +194,7 @@ class TargetModel(nn.Module):
                 captured[i] = x
         return ForwardOutput(
             logits=self._logits(x, batch.logits_index),
-            layer_features=torch.cat([captured[i] for i in capture.layer_ids], -1) if capture.layer_ids else None,
+            layer_features=capture.features(captured, lambda: self.model.norm(x), len(self.model.layers)),
             last_hidden=x if capture.last_hidden else None,
         )
 

@@ -639,13 +639,24 @@ def test_short_requests_joining_a_chain_lose_nothing(tiny_chat_dir):
     assert chained > 20
 
 
+def _tuned_engine(target, proposer, max_batch: int):
+    """An engine learning its draft length (target-only without a proposer), its steps through eager static
+    forwards for every length the tuner may pick."""
+    from specsplit.target_service.engine import Engine, EngineConfig
+
+    engine = Engine(target, proposer, EngineConfig(max_batch=max_batch, auto_drafts=proposer is not None))
+    lens = {1} | ({k + 1 for k in engine.tuner.choices} if engine.tuner else set())
+    engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=max_batch, query_lens=tuple(lens),
+                               max_len=512, use_graphs=False)
+    return engine
+
+
 def test_the_draft_tuner_measures_every_length_through_the_chain(tiny_chat_dir):
     """With auto_drafts the tuner's warm-up asks for every draft length in turn, 0 among them: chained
     steps (k >= 1) hand over to step-by-step ones (k = 0) and back, each length gets measured, and the
     outputs stay target-only's."""
     from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
-    from specsplit.target_service.engine import Engine, EngineConfig
     from specsplit.target_service.sequence import Request
 
     target = load_target(tiny_chat_dir)
@@ -654,16 +665,8 @@ def test_the_draft_tuner_measures_every_length_through_the_chain(tiny_chat_dir):
     reqs = lambda: [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=70, ignore_eos=True))  # noqa: E731
                     for i, p in enumerate(prompts)]
 
-    def engine_for(proposer):
-        engine = Engine(target, proposer, EngineConfig(max_batch=4, auto_drafts=proposer is not None))
-        lens = {1} | ({k + 1 for k in engine.tuner.choices} if engine.tuner else set())
-        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4, query_lens=tuple(lens),
-                                   max_len=512, use_graphs=False)
-        return engine
-
-    free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine_for(None).generate(reqs()).items()}
-    drafter = _oracle_drafter(target, tokenizer, prompts, free)
-    engine = engine_for(drafter)
+    free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in _tuned_engine(target, None, 4).generate(reqs()).items()}
+    engine = _tuned_engine(target, _oracle_drafter(target, tokenizer, prompts, free), 4)
     got = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine.generate(reqs()).items()}
     assert got == free
     samples = engine.tuner._buckets[engine.tuner.bucket_of(3)].samples
@@ -677,7 +680,6 @@ def test_the_tuner_times_only_steady_chained_steps(tiny_chat_dir):
     but no time; the steps between, the same sequences read after each other, are timed."""
     from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
-    from specsplit.target_service.engine import Engine, EngineConfig
     from specsplit.target_service.sequence import Request
 
     target = load_target(tiny_chat_dir)
@@ -686,15 +688,8 @@ def test_the_tuner_times_only_steady_chained_steps(tiny_chat_dir):
     reqs = lambda: [Request(f"r{i}", tokenizer.encode(p), SamplingParams(max_tokens=24 + 12 * i, ignore_eos=True))  # noqa: E731
                     for i, p in enumerate(prompts)]
 
-    def engine_for(proposer):
-        engine = Engine(target, proposer, EngineConfig(max_batch=2, auto_drafts=proposer is not None))
-        lens = {1} | ({k + 1 for k in engine.tuner.choices} if engine.tuner else set())
-        engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=2, query_lens=tuple(lens),
-                                   max_len=512, use_graphs=False)
-        return engine
-
-    free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine_for(None).generate(reqs()).items()}
-    engine = engine_for(_oracle_drafter(target, tokenizer, prompts, free))
+    free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in _tuned_engine(target, None, 2).generate(reqs()).items()}
+    engine = _tuned_engine(target, _oracle_drafter(target, tokenizer, prompts, free), 2)
     seen, observe = [], engine.tuner.observe
     engine.tuner.observe = lambda n, k, seconds, verified: (  # noqa: E731
         seen.append((engine.counters.prefills, seconds)), observe(n, k, seconds, verified))

@@ -99,8 +99,9 @@ def test_captures_match_transformers_hidden_states(family, request):
         hidden = reference(ids[None], output_hidden_states=True).hidden_states
     out = one_shot(ours, ids, CaptureSpec(layer_ids=(1, 0, 2), last_hidden=True))
     last = last_layer_out[0][0] if isinstance(last_layer_out[0], tuple) else last_layer_out[0]
-    # hidden_states[i + 1] is layer i's output, except the last entry, which HF takes after the final norm.
-    expected = torch.cat([hidden[2][0], hidden[1][0], last[0]], dim=-1)
+    # hidden_states[i + 1] is layer i's output, except the last entry, which HF takes after the final norm:
+    # captured layer features follow HF's numbering (the last layer's normed), last_hidden is before the norm
+    expected = torch.cat([hidden[2][0], hidden[1][0], hidden[3][0]], dim=-1)
     assert out.layer_features.shape == (20, 3 * 64)
     assert_reordered_close(out.layer_features, expected)
     assert_reordered_close(out.last_hidden, last[0])

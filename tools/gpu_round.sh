@@ -34,7 +34,7 @@
 #   bash tools/gpu_round.sh tiles     # the folds past 16 rows (row tiles, small weights): the default step's variants, served steps
 #   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
-#   bash tools/gpu_round.sh waves     # (next) eight streams kept full (32 requests through 8 slots): draft lengths, the split bench
+#   bash tools/gpu_round.sh waves     # eight streams kept full (48 requests through 8 slots): draft lengths with the tuner, the split bench
 #   bash tools/gpu_round.sh draft-lengths # tokens/s by draft length at 1 and 8 streams, the tuner's; the 8-stream step at k = 3 and 15
 #   bash tools/gpu_round.sh served-8b     # the 8B-shaped step as the engine serves it, against its floor
 #   bash tools/gpu_round.sh host-steps    # where the host's part of a steady decode step goes, target only and in-process
@@ -47,6 +47,9 @@
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
+#   (next, thirty-third session: the target's last layer is captured after the final norm now, as HF and z-lab's
+#   reference read it) bash tools/gpu_round.sh kernels, then
+#   bash tools/gpu_round.sh train 44 --walk-anchors 0.5 --target-layers 1,4,8,11,14,17,20,24,27,29
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
 # nineteenth session lost two fresh machines' start-up to a reply that came later than that.
