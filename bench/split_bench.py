@@ -248,10 +248,13 @@ def summary(batch: int, prompts: list[str], result: dict) -> str:
             f"{over_local:.2f}x in-process; mean batch {base['mean_batch']:.2f} / {local['mean_batch']:.2f} / "
             f"{split['mean_batch']:.2f}; {result['requests_differing_from_target_only']} requests differing"
             + (" (ratios: medians of the rounds)" if median else ""))
-    if batch > 1 and base["tokens_per_s_while_full"] is not None:  # (this run's, not the rounds')
+    if batch > 1 and base["tokens_per_s_while_full"] is not None:
         full = [r["tokens_per_s_while_full"] for r in (base, local, split)]
-        line += (f"; while every slot was busy: target only {full[0]:.0f} tok/s, in-process {full[1] / full[0]:.2f}x "
-                 f"({full[1] / full[0] / local['tau']:.2f} tau), services {full[2] / full[1]:.2f}x in-process")
+        over = result.get("rounds_while_full", {}).get("median", {})
+        over_base = over.get("in_process_over_target_only", full[1] / full[0])
+        over_local = over.get("services_over_in_process", full[2] / full[1])
+        line += (f"; while every slot was busy: target only {full[0]:.0f} tok/s, in-process {over_base:.2f}x "
+                 f"({over_base / local['tau']:.2f} tau), services {over_local:.2f}x in-process")
     return line
 
 
@@ -531,11 +534,19 @@ def main() -> None:
                     plain["services_both_waits_over_target_waits"] = \
                         result["tokens_per_s"] / plain["services_device_waits"]["tokens_per_s"]
             if args.rounds > 1:  # the same again, in turn: how far one round's ratios are from their median
+                # (with --waves, the rates while every slot was busy too, for the three engines)
+                full = {name: [r["tokens_per_s_while_full"]] for name, r in (("target_only", base), ("in_process", local),
+                                                                           ("services", split))}
                 for _ in range(args.rounds - 1):
                     for name, engine in engines.items():
                         with kernel_setting(name):  # (a graph captured late keeps its engine's setting)
-                            rates[name].append(run(engine, tokenizer, prompts, args.max_tokens, name[0])[1]["tokens_per_s"])
+                            result = run(engine, tokenizer, prompts, args.max_tokens, name[0])[1]
+                        rates[name].append(result["tokens_per_s"])
+                        if name in full:
+                            full[name].append(result["tokens_per_s_while_full"])
                 plain["rounds"] = round_ratios(rates)
+                if None not in full["target_only"]:
+                    plain["rounds_while_full"] = round_ratios(full)
             results[f"batch_{batch}"] = {**plain,
                 "target_only": base, "in_process": local, "services": split,
                 "services_over_in_process": split["tokens_per_s"] / local["tokens_per_s"],
