@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from specsplit.kernels import _triton, rope
+from specsplit.kernels import _triton, paged_attention, rope
 from specsplit.shared import fused
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.tokenizer import Tokenizer
@@ -164,7 +164,7 @@ def served(engine: Engine, reqs: list[Request]) -> tuple[dict, tuple[int, float]
         engine.add(request)
     out = {r.request_id: [] for r in reqs}
     emitted, full = 0, None
-    queued = bool(engine.waiting)
+    queued = len(reqs) > engine.config.max_batch  # (added, every request waits for the first step's admission)
     while engine.has_work:
         for event in engine.step():
             out[event.request_id].append(event)
@@ -175,7 +175,7 @@ def served(engine: Engine, reqs: list[Request]) -> tuple[dict, tuple[int, float]
 
 
 # Engines like target_only's and in_process's with one kernel setting changed, side by side (--also-unfolded,
-# --also-no-pdl, --also-tables-apart), named by a suffix: the setting's module, attribute and value for the variant,
+# --also-no-pdl, --also-tables-apart; --also-max-splits adds its own), named by a suffix: the setting's module, attribute and value for the variant,
 # the ratio's name, and whether that ratio is the variant's rate over the default's (else the default's over the variant's)
 KERNEL_VARIANTS = {"unfolded": (fused, "FOLD", False, "folded_over_unfolded", False),
                    "nopdl": (_triton, "PDL", False, "pdl_over_nopdl", False),
@@ -184,8 +184,8 @@ KERNEL_VARIANTS = {"unfolded": (fused, "FOLD", False, "folded_over_unfolded", Fa
 
 @contextmanager
 def kernel_setting(engine: str):
-    """The setting an engine named *_unfolded, *_nopdl or *_tablesapart captures its graphs and launches its
-    kernels with (read at capture and at each eager launch: a graph keeps what it was captured with)."""
+    """The setting an engine named *_unfolded, *_nopdl, *_tablesapart or *_maxsplits captures its graphs and
+    launches its kernels with (read at capture and at each eager launch: a graph keeps what it was captured with)."""
     suffix = engine.rsplit("_", 1)[-1]
     if suffix not in KERNEL_VARIANTS:
         yield
@@ -310,6 +310,10 @@ def main() -> None:
                          "torch's seven launches (kernels.rope.TABLES_IN_ONE_LAUNCH off, read at capture), side by "
                          "side; the in-process engine shares the drafter, whose own graphs the first run captured "
                          "with the one launch")
+    ap.add_argument("--also-max-splits", type=int, default=None, metavar="N",
+                    help="also target-only and in-process with their engines' attention taking at most N key splits "
+                         "(kernels.paged_attention.MAX_SPLITS, a power of two, read at capture), side by side; the "
+                         "in-process engine shares the drafter, whose own graphs the first run captured uncapped")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -333,6 +337,11 @@ def main() -> None:
         ap.error("--rounds takes 1 or more")
     if args.waves < 1:
         ap.error("--waves takes 1 or more")
+    if args.also_max_splits is not None:
+        if args.also_max_splits < 1 or args.also_max_splits & (args.also_max_splits - 1):
+            ap.error("--also-max-splits takes a power of two")
+        KERNEL_VARIANTS["maxsplits"] = (paged_attention, "MAX_SPLITS", args.also_max_splits,
+                                        f"at_most_{args.also_max_splits}_splits_over_default", True)
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     folder = target_dir(setup.target)
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
@@ -449,7 +458,7 @@ def main() -> None:
                                   a != b for a, b in zip(local_tokens, other_tokens))})
             kernel_engines = {}  # the engines' graphs with one kernel setting changed (KERNEL_VARIANTS), same run
             chosen = (("unfolded", args.also_unfolded), ("nopdl", args.also_no_pdl),
-                      ("tablesapart", args.also_tables_apart))
+                      ("tablesapart", args.also_tables_apart), ("maxsplits", args.also_max_splits is not None))
             for suffix in [s for s, on in chosen if on]:
                 label = KERNEL_VARIANTS[suffix][3]
                 for name, drafter, default, default_tokens in (("target_only", None, base, base_tokens),

@@ -176,6 +176,12 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, 
 
 
 MAX_TILE_ROWS = 32
+# The most key splits a launch takes (a power of two; None: as many as default_splits gives), read at each
+# launch, so a captured graph keeps what it was captured with. The splits come from the block table's
+# capacity (the engine's: the model's whole context), so a short context's keys are cut finer than it
+# needs, and each split costs the combine launch and its reads: `bench/floor_profile.py --splits` and
+# `bench/split_bench.py --also-max-splits N` measure caps against the default.
+MAX_SPLITS: int | None = None
 
 
 def row_tiles(rows: int) -> tuple[int, int]:
@@ -198,7 +204,7 @@ def default_splits(programs: int, max_keys: int, block_n: int, device: torch.dev
     splits = 1
     while programs * splits * 2 <= sms and max_keys >= splits * 2 * 4 * block_n:
         splits *= 2
-    return splits
+    return splits if MAX_SPLITS is None else min(splits, MAX_SPLITS)
 
 
 @functools.cache

@@ -34,6 +34,7 @@
 #   bash tools/gpu_round.sh tiles     # the folds past 16 rows (row tiles, small weights): the default step's variants, served steps
 #   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
+#   bash tools/gpu_round.sh splits    # (next) the attention's key splits capped: the default model's step replays, served tokens/s
 #   bash tools/gpu_round.sh waves     # eight streams kept full (48 requests through 8 slots): draft lengths with the tuner, the split bench
 #   bash tools/gpu_round.sh draft-lengths # tokens/s by draft length at 1 and 8 streams, the tuner's; the 8-stream step at k = 3 and 15
 #   bash tools/gpu_round.sh served-8b     # the 8B-shaped step as the engine serves it, against its floor
@@ -492,6 +493,19 @@ waves)
     --max-tokens 256 --json-out "$OUT/draft_length_waves.json" 2>&1 | grep -v INFO | tail -12 | log
   timeout 200 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 8 \
     --waves 6 --json-out "$OUT/split_waves.json" 2>&1 | grep -E "^batch [0-9]+, " | log
+  ;;
+splits)
+  # (thirty-third session, not run yet) the attention's key splits come from the block table's capacity, the
+  # model's whole context in the engine: SmolLM2 takes 32 at one stream and 4 at eight, whatever the context, so at
+  # the benches' ~300-700 tokens most splits hold no keys and each costs the combine's reads. Replays of the default
+  # model's step with the splits capped at 16 / 8 / 4 / 2 / 1 beside the default (a decode at one stream, a verify of
+  # 8 x 16), then served tokens/s with at most ${SPLITS_CAP:-4} against the default, three rounds
+  for shape in "--batch 1 --query 1" "--batch 8 --query 16"; do
+    timeout 150 python bench/floor_profile.py --target default $shape --splits 2>&1 | grep -E "replay|floor " | log
+  done
+  timeout 300 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --waves 6 --also-max-splits "${SPLITS_CAP:-4}" --rounds 3 --json-out "$OUT/split_splits.json" 2>&1 \
+    | grep -E "^batch [0-9]+" | log
   ;;
 served-8b)
   # (twenty-ninth session) the goal is the 8B step at one stream within 1.15x its floor: step_bench's "step" is the
