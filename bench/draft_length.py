@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import contextmanager
 
-from specsplit.local import LocalSetup, load_parts
+from specsplit.kernels import rope
+from specsplit.local import LocalSetup, load_parts, make_drafter
 from specsplit.target_service.engine import Engine, EngineConfig
 from split_bench import run, stream_prompts
 
@@ -31,6 +33,9 @@ def main() -> None:
                          "wave (default 1: a closed batch of B, which drains)")
     ap.add_argument("--drafts", type=int, nargs="+", default=[3, 7, 15], help="draft lengths k >= 1 to compare")
     ap.add_argument("--auto", action="store_true", help="also the engine that learns k per batch size (auto_drafts)")
+    ap.add_argument("--also-context-one-launch", action="store_true",
+                    help="also the longest k through a second drafter whose graphed context forward writes every "
+                         "layer's k and v in one launch (kernels.rope.CONTEXT_IN_ONE_LAUNCH), beside the default's")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if args.waves < 1:
@@ -39,6 +44,8 @@ def main() -> None:
         ap.error("--drafts: each k must be >= 1 (the target alone is always measured, as k = 0)")
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     model, tokenizer, drafter = load_parts(setup)
+    one_launch = make_drafter(args.drafter, model, setup) if args.also_context_one_launch else None
+    longest = max(args.drafts)
     results, best = {}, {}
     print(f"{'batch':>5} {'k':>4} {'tok/s':>9} {'x target':>8} {'tau':>5} {'ms/step':>7} {'full':>5} {'same':>5}"
           + (f" {'x target while full':>20}" if args.waves > 1 else ""), flush=True)
@@ -51,11 +58,15 @@ def main() -> None:
         engines.update({k: Engine(model, drafter, EngineConfig(max_batch=batch, num_drafts=k)) for k in args.drafts})
         if args.auto:
             engines["auto"] = Engine(model, drafter, EngineConfig(max_batch=batch, auto_drafts=True))
+        if one_launch is not None:
+            engines[f"{longest}+1"] = Engine(model, one_launch, EngineConfig(max_batch=batch, num_drafts=longest))
         for k, engine in engines.items():  # warm-up: every captured shape in use, before any timing
-            run(engine, tokenizer, prompts, args.max_tokens, f"w{k}-")
+            with context_in_one_launch(k == f"{longest}+1"):
+                run(engine, tokenizer, prompts, args.max_tokens, f"w{k}-")
         row, want = {}, None
         for k, engine in engines.items():
-            tokens, r = run(engine, tokenizer, prompts, args.max_tokens, f"k{k}-")
+            with context_in_one_launch(k == f"{longest}+1"):
+                tokens, r = run(engine, tokenizer, prompts, args.max_tokens, f"k{k}-")
             want = tokens if want is None else want  # k = 0 runs first: target-only's texts
             # requests whose text is target-only's (all of them in float32; in bfloat16 near-ties part some)
             r["requests_equal_target_only"] = sum(a == b for a, b in zip(tokens, want))
@@ -78,7 +89,7 @@ def main() -> None:
                         f"k={k} {m['ms']:.2f} ms E={snap['expected_tokens'][k]:.2f} ({m['samples']} steps)"
                         for k, m in measured.items()), flush=True)
         results[f"batch_{batch}"] = {str(k): r for k, r in row.items()}
-        best[batch] = max((k for k in row if k != "auto"), key=lambda k: row[k]["tokens_per_s"])
+        best[batch] = max((k for k in row if isinstance(k, int)), key=lambda k: row[k]["tokens_per_s"])
     # --drafts-by-batch caps k from N sequences on, so it can only lower k as batches grow: a best k
     # that rises again is capped at the smaller one before it.
     schedule, last = [], None
@@ -93,6 +104,18 @@ def main() -> None:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=2)
+
+
+@contextmanager
+def context_in_one_launch(on: bool):
+    """kernels.rope.CONTEXT_IN_ONE_LAUNCH for one engine's runs (its drafter's graphs keep what they were
+    captured with; the row "K+1" is the longest k through the drafter captured with it on)."""
+    old = rope.CONTEXT_IN_ONE_LAUNCH
+    rope.CONTEXT_IN_ONE_LAUNCH = on
+    try:
+        yield
+    finally:
+        rope.CONTEXT_IN_ONE_LAUNCH = old
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from specsplit.drafter_service.graphs import ContextGraphs, GraphDrafts, Propose
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.kernels.norm import rms_norm
 from specsplit.kernels.paged_attention import paged_attention
+from specsplit.kernels import rope
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.errors import CheckpointError, InvalidRequest
@@ -219,6 +220,11 @@ class DFlashModel(nn.Module):
         cos, sin = self.rotary_emb(positions, feat.dtype)
         weight, bias = self.context_projection()
         kv = F.linear(feat, weight, bias).view(n, layers, 2, dec.num_key_value_heads, dec.head_dim)
+        norms = [layer.self_attn.k_norm is not None for layer in self.layers]
+        if rope.CONTEXT_IN_ONE_LAUNCH and len(set(norms)) == 1:  # k norm, rotation and writes in one launch
+            rope.context_kv_write(kv, self.context_k_norms() if norms[0] else None, dec.rms_norm_eps, cos, sin,
+                                  k_pool, v_pool, slots)
+            return
         no_queries = feat.new_empty((n, 0, dec.head_dim))
         for i, layer in enumerate(self.layers):
             k, v = kv[:, i, 0], kv[:, i, 1]
@@ -237,6 +243,14 @@ class DFlashModel(nn.Module):
                 [b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]).detach().clone()
             self._context_projection = (weight, bias)
         return self._context_projection
+
+    def context_k_norms(self) -> torch.Tensor:
+        """Every layer's k norm weight, stacked [layers, head_dim]: a copy made on first use, as
+        `context_projection`'s (every layer has a k norm)."""
+        if getattr(self, "_context_k_norms", None) is None:
+            weights = [layer.self_attn.k_norm.weight for layer in self.layers]
+            self._context_k_norms = torch.stack(weights).detach().clone()
+        return self._context_k_norms
 
     def embed_block(self, anchors: torch.Tensor, head: TargetHead) -> torch.Tensor:
         """anchors [B] → [B, γ, hidden]: embeddings of [anchor, mask × (γ-1)]."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
+from ._triton import HAVE_TRITON, _switch, dependent_launch, gdc_enter, tl, triton
 
 
 # Whether `rotary_tables` computes a step's cos/sin tables in one launch on a GPU (this module's kernel)
@@ -19,6 +19,12 @@ from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 # 679.6 -> 666.0 us for SmolLM2-135M and 4,410 -> 4,400 us for the Qwen3-8B shape. The kernel's cos and sin
 # are libdevice's, as torch's CUDA ones are: the tables equal torch's bit for bit (GPU tests).
 TABLES_IN_ONE_LAUNCH = True
+# Whether a DFlash drafter's graphed context forward writes every layer's context k and v in one launch
+# (`context_kv_write`: a program per row and layer, the k norm folded in) instead of two a layer (the k norm,
+# then rope_and_cache_write): 12 launches fewer a step for the shipped 6-layer drafter. Off until the H200
+# measures it (thirty-third session, `bench/draft_length.py --also-context-one-launch`); read when the forward
+# is captured. SPECSPLIT_CONTEXT_ONE_LAUNCH=1 (read at import) turns it on.
+CONTEXT_IN_ONE_LAUNCH = _switch("SPECSPLIT_CONTEXT_ONE_LAUNCH", False)
 
 
 def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -169,3 +175,86 @@ def _rope_kernel(q_ptr, q_st, q_sh, k_ptr, k_st, k_sh, v_ptr, v_st, v_sh, cos_pt
     dd = tl.arange(0, DIM)[None, :]
     mask = h < hkv
     tl.store(v_cache_ptr + row + h * DIM + dd, tl.load(v_ptr + t * v_st + h * v_sh + dd, mask=mask), mask=mask)
+
+
+def context_kv_write_reference(kv: torch.Tensor, k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                               sin: torch.Tensor, k_pools: torch.Tensor, v_pools: torch.Tensor,
+                               slots: torch.Tensor) -> None:
+    """A DFlash drafter's context rows into every layer's pool: kv [T, layers, 2, Hkv, D] (each layer's k and
+    v of the rows, one GEMM's output), k_norm [layers, D] (each layer's per-head k norm) or None, cos/sin
+    [T, D], pools [layers, num_blocks, block_size, Hkv, D], slots [T]. Per layer: k normed (as
+    `kernels.norm.rms_norm`), rotated and written to its slots, v written."""
+    from .norm import rms_norm_reference
+
+    no_queries = kv.new_empty((kv.shape[0], 0, kv.shape[-1]))
+    for layer in range(kv.shape[1]):
+        k, v = kv[:, layer, 0], kv[:, layer, 1]
+        if k_norm is not None:
+            k = rms_norm_reference(k, k_norm[layer], eps)
+        rope_and_cache_write_reference(no_queries, k, v, cos, sin, k_pools[layer], v_pools[layer], slots)
+
+
+def context_kv_write(kv: torch.Tensor, k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                     sin: torch.Tensor, k_pools: torch.Tensor, v_pools: torch.Tensor, slots: torch.Tensor) -> None:
+    """`context_kv_write_reference` in one launch on a GPU (a program per row and layer) instead of two a
+    layer (the k norm, then the rotation and the writes)."""
+    if kv.is_cuda and HAVE_TRITON:
+        context_kv_write_triton(kv, k_norm, eps, cos, sin, k_pools, v_pools, slots)
+    else:
+        context_kv_write_reference(kv, k_norm, eps, cos, sin, k_pools, v_pools, slots)
+
+
+def context_kv_write_triton(kv, k_norm, eps, cos, sin, k_pools, v_pools, slots) -> None:
+    assert HAVE_TRITON, "triton is not installed"
+    tokens, layers, two, hkv, dim = kv.shape
+    assert two == 2 and dim % 2 == 0 and triton.next_power_of_2(dim) == dim, kv.shape
+    assert kv.stride(4) == 1 and kv.stride(3) == dim and kv.stride(2) == hkv * dim and kv.stride(1) == 2 * hkv * dim, \
+        "each row's layers, k/v and heads contiguous (a view of one GEMM's output)"
+    assert k_pools.shape == v_pools.shape and k_pools.shape[0] == layers and k_pools.shape[3:] == (hkv, dim)
+    assert k_pools.is_contiguous() and v_pools.is_contiguous()
+    assert cos.shape == sin.shape == (tokens, dim) and cos.stride() == sin.stride() and cos.stride(1) == 1
+    assert slots.shape == (tokens,) and slots.dtype == torch.int64
+    assert kv.dtype == cos.dtype == sin.dtype == k_pools.dtype == v_pools.dtype
+    if k_norm is not None:
+        assert k_norm.shape == (layers, dim) and k_norm.is_contiguous() and k_norm.dtype == kv.dtype
+    _context_kv_kernel[(tokens, layers)](
+        kv, kv.stride(0), kv if k_norm is None else k_norm, eps, cos, sin, cos.stride(0), slots, k_pools, v_pools,
+        k_pools.stride(0), hkv, NORM=k_norm is not None, DIM=dim, BLOCK_HKV=triton.next_power_of_2(hkv),
+        # no FMA in the rotation: x*cos + r*sin rounds each product, as torch does
+        num_warps=4, enable_fp_fusion=False, **dependent_launch(kv.device, "rope"))
+
+
+@triton.jit
+def _context_kv_kernel(kv_ptr, kv_st, w_ptr, eps, cos_ptr, sin_ptr, cs_st, slots_ptr, k_pool_ptr, v_pool_ptr,
+                       pool_st, hkv, NORM: tl.constexpr, DIM: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                       USE_GDC: tl.constexpr):
+    """One program per (row, layer): the layer's k heads normed (in float32, rounded to the model dtype,
+    then scaled by the weight in that dtype, as kernels/norm.py), rotated (rounded where torch rounds, as
+    _rope_kernel) and stored in the row's slot of the layer's k pool; its v heads copied to the v pool."""
+    gdc_enter(USE_GDC)
+    t = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    dtype = k_pool_ptr.dtype.element_ty
+    h = tl.arange(0, BLOCK_HKV)[:, None]
+    d = tl.arange(0, DIM // 2)[None, :]
+    mask = h < hkv
+    k_ptr = kv_ptr + t * kv_st + layer * 2 * hkv * DIM + h * DIM  # [t, layer, 0, h, :]
+    x1 = tl.load(k_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(k_ptr + DIM // 2 + d, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        scale = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / DIM + eps)[:, None]
+        w1 = tl.load(w_ptr + layer * DIM + d).to(tl.float32)
+        w2 = tl.load(w_ptr + layer * DIM + DIM // 2 + d).to(tl.float32)
+        x1 = (w1 * (x1 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    cos1 = tl.load(cos_ptr + t * cs_st + d).to(tl.float32)
+    cos2 = tl.load(cos_ptr + t * cs_st + DIM // 2 + d).to(tl.float32)
+    sin1 = tl.load(sin_ptr + t * cs_st + d).to(tl.float32)
+    sin2 = tl.load(sin_ptr + t * cs_st + DIM // 2 + d).to(tl.float32)
+    out1 = (x1 * cos1).to(dtype).to(tl.float32) - (x2 * sin1).to(dtype).to(tl.float32)
+    out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+    row = layer * pool_st + tl.load(slots_ptr + t) * hkv * DIM + h * DIM  # pools [layers, slots, Hkv, D]
+    tl.store(k_pool_ptr + row + d, out1.to(dtype), mask=mask)
+    tl.store(k_pool_ptr + row + DIM // 2 + d, out2.to(dtype), mask=mask)
+    dd = tl.arange(0, DIM)[None, :]
+    tl.store(v_pool_ptr + row + dd, tl.load(k_ptr + hkv * DIM + dd, mask=mask), mask=mask)

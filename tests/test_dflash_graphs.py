@@ -9,6 +9,7 @@ import torch
 from torch.testing import assert_close
 
 from specsplit.drafter_service.graphs import length_buckets
+from specsplit.kernels import rope
 from specsplit.shared.proposer import ProposeRequest
 from tests.test_dflash import INFO, make
 
@@ -100,9 +101,13 @@ def test_static_forwards_follow_a_batch_whose_sequences_change():
         assert_close(torch.tensor([p.confidence for p in b]), torch.tensor([p.confidence for p in a]), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("window", [4096, 12])
-def test_static_forwards_equal_eager(window):
+def test_static_forwards_equal_eager(window, one_launch, monkeypatch):
+    """(one_launch: the context forward through `kernels.rope.context_kv_write`, its reference on the CPU)"""
+    monkeypatch.setattr(rope, "CONTEXT_IN_ONE_LAUNCH", one_launch)
     eager, static = make(window=window), make(window=window)
+    assert all(layer.self_attn.k_norm is not None for layer in static.model.layers)  # (the branch folds them)
     static.use_static_forwards(use_graphs=False)
     want, want_ctx = drive(eager, [7, 30, 3], steps=8)
     got, got_ctx = drive(static, [7, 30, 3], steps=8)
@@ -202,11 +207,14 @@ INFO16 = replace(INFO, head_dim=16)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("use_graphs", [True, False])
 @pytest.mark.parametrize("window", [4096, 12])
-def test_triton_paged_forwards_equal_eager(window, use_graphs):
+def test_triton_paged_forwards_equal_eager(window, use_graphs, one_launch, monkeypatch):
     """On a GPU the paged block forward runs the Triton kernel, replayed from a graph or not (which
-    isolates the kernel from the capture); the eager drafter attends with SDPA over gathered rows."""
+    isolates the kernel from the capture); the eager drafter attends with SDPA over gathered rows. With
+    one_launch the context forward writes every layer's k and v in one launch (kernels.rope.context_kv_write)."""
+    monkeypatch.setattr(rope, "CONTEXT_IN_ONE_LAUNCH", one_launch)
     eager, paged = make(window=window, device="cuda", info=INFO16), make(window=window, device="cuda", info=INFO16)
     assert paged.propose_graphs is not None  # on by default on a GPU
     if not use_graphs:

@@ -101,6 +101,20 @@ def rope_inputs(shape: Shape, tokens: int, dtype, device, seed: int = 0):
             v.view(tokens, shape.hkv, shape.dim), cos, sin, cache, cache.clone(), slots)
 
 
+def context_inputs(shape: Shape, tokens: int, dtype, device, seed: int = 0, layers: int = 6):
+    """(kv, k_norm, eps, cos, sin, k_pools, v_pools, slots) of a DFlash drafter's context forward: one GEMM's
+    output viewed [T, layers, 2, Hkv, D], per-layer k norm weights near 1, zeroed pools, distinct slots."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = randn(tokens, layers * 2 * shape.hkv * shape.dim, dtype=dtype, device=device, gen=gen, scale=2.0)
+    k_norm = randn(layers, shape.dim, dtype=dtype, device=device, gen=gen, scale=0.2) + 1
+    positions = torch.randint(0, 32768, (tokens,), generator=gen).to(device)
+    cos, sin = RotaryEmbedding(shape.dim, RopeConfig(theta=1e6)).to(device)(positions, dtype)
+    num_blocks = 2 * (tokens // BLOCK_SIZE + 1)
+    pools = torch.zeros(layers, num_blocks, BLOCK_SIZE, shape.hkv, shape.dim, dtype=dtype, device=device)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:tokens].to(device)
+    return (kv.view(tokens, layers, 2, shape.hkv, shape.dim), k_norm, EPS, cos, sin, pools, pools.clone(), slots)
+
+
 def tables_inputs(shape: Shape, tokens: int, dtype, device, seed: int = 0):
     """(positions [T] int64, inv_freq [D/2] float32): random positions of up to 2^17, the model's frequencies
     (llama3-scaled for the 8B shape's width, plain for SmolLM2's)."""
@@ -156,6 +170,21 @@ def check_rope_kv_only(shape: Shape, tokens: int, dtype, device) -> None:
     check_rope(dataclasses.replace(shape, hq=0), tokens, dtype, device)
 
 
+def check_context_kv(shape: Shape, tokens: int, dtype, device) -> None:
+    """Every layer's context k and v in one launch: without a k norm exact (as rope_and_cache_write), with
+    one within the norm's few ulps, carried through the rotation (bounded against the rows' magnitude: a
+    rotation's difference of two products can cancel); v and the untouched pool rows exact."""
+    args = context_inputs(shape, tokens, dtype, device)
+    for k_norm, bound in ((None, 0.0), (args[1], 8 * torch.finfo(dtype).eps)):
+        kernel, reference = [(args[0], k_norm, *args[2:5], args[5].clone(), args[6].clone(), args[7]) for _ in "kr"]
+        rope.context_kv_write_triton(*kernel)
+        rope.context_kv_write_reference(*reference)
+        assert torch.equal(kernel[6], reference[6])
+        error = (kernel[5].float() - reference[5].float()).abs().max().item()
+        assert error <= bound * reference[5].float().abs().max().item(), (error, k_norm is None)
+        assert kernel[5].abs().sum(dim=(0, 3, 4)).count_nonzero() == tokens  # only the rows' slots written
+
+
 def check_rotary_tables(shape: Shape, tokens: int, dtype, device) -> None:
     positions, inv_freq = tables_inputs(shape, tokens, dtype, device)
     bound = 0 if device == "cuda" else 1
@@ -166,7 +195,7 @@ def check_rotary_tables(shape: Shape, tokens: int, dtype, device) -> None:
 
 
 CHECKS = {"rms_norm": check_rms_norm, "silu_mul": check_silu_mul, "rope": check_rope,
-          "rope_kv_only": check_rope_kv_only, "rotary_tables": check_rotary_tables}
+          "rope_kv_only": check_rope_kv_only, "rotary_tables": check_rotary_tables, "context_kv": check_context_kv}
 
 
 # ---- the references are the model's math -----------------------------------------------------------

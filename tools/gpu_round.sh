@@ -34,6 +34,7 @@
 #   bash tools/gpu_round.sh tiles     # the folds past 16 rows (row tiles, small weights): the default step's variants, served steps
 #   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
+#   bash tools/gpu_round.sh context-launch  # (next) the drafter's context k/v in one launch: GPU tests, tokens/s beside the default
 #   bash tools/gpu_round.sh splits    # (next) the attention's key splits capped: the default model's step replays, served tokens/s
 #   bash tools/gpu_round.sh waves     # eight streams kept full (48 requests through 8 slots): draft lengths with the tuner, the split bench
 #   bash tools/gpu_round.sh draft-lengths # tokens/s by draft length at 1 and 8 streams, the tuner's; the 8-stream step at k = 3 and 15
@@ -493,6 +494,17 @@ waves)
     --max-tokens 256 --json-out "$OUT/draft_length_waves.json" 2>&1 | grep -v INFO | tail -12 | log
   timeout 200 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 8 \
     --waves 6 --json-out "$OUT/split_waves.json" 2>&1 | grep -E "^batch [0-9]+, " | log
+  ;;
+context-launch)
+  # (thirty-third session, not run yet) the DFlash drafter's graphed context forward writing every layer's k and v in
+  # one launch (kernels.rope.CONTEXT_IN_ONE_LAUNCH, off): 12 launches fewer a step for the 6-layer drafter. The
+  # kernel's GPU tests (against its reference; the drafter's graphed forwards with it, against eager), then
+  # tokens/s of 15 drafts through a drafter captured with it beside the default's, one and eight streams
+  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_fused_kernels.py tests/test_dflash_graphs.py \
+    -k "context_kv or triton_paged_forwards" 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -8 | log
+  timeout 300 python bench/draft_length.py --device cuda --dtype bfloat16 --batch 1 8 --waves 6 --drafts 15 \
+    --also-context-one-launch --max-tokens 256 --json-out "$OUT/draft_length_context.json" 2>&1 | grep -v INFO \
+    | tail -8 | log
   ;;
 splits)
   # (thirty-third session, not run yet) the attention's key splits come from the block table's capacity, the
