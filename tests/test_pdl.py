@@ -91,6 +91,7 @@ KERNELS = {
     "paged_attention._combine_splits_kernel": ({"NUM_SPLITS": 8, "HEAD_DIM": 64}, {"partial_ptr": "*fp32",
                                                                                   "lse_ptr": "*fp32"}),
     "rope._rope_kernel": ({"DIM": 64, "BLOCK_HQ": 16, "BLOCK_HKV": 4}, {"slots_ptr": "*i64"}),
+    "rope._context_kv_kernel": ({"NORM": True, "DIM": 64, "BLOCK_HKV": 4}, {"slots_ptr": "*i64"}),
     "rope._rotary_tables_kernel": ({"HALF": 32, "BLOCK_T": 16}, {"positions_ptr": "*i64", "inv_freq_ptr": "*fp32"}),
     "row_max._row_max_kernel": ({"SPLITS": 12, "SPLITS_POW2": 16, "BLOCK": 4096},
                                 {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "arrivals_ptr": "*i32",
