@@ -186,7 +186,7 @@ class Engine:
         self._chain_capture_most = config.chain_capture if use_graphs else 0
         self._chain_read_at: float | None = None
         self._chain_prefill_clock = 0.0  # _prefill_seconds at that read
-        self._chain_read_ids: list[int] = []  # the sequences of the step read then
+        self._chain_read_ids: list[int] = []  # the sequences of the step read then (kept for the tuner)
 
     def _new_tuner(self) -> DraftTuner | None:
         if not self.config.auto_drafts or self.proposer is None or self.proposer.spec is None:
@@ -1004,13 +1004,14 @@ class Engine:
         # requests coming and going (eight streams, 32 requests: every k timed 2.0 ms a step where steady
         # steps took 1.2) they drowned what k costs, and the rarely timed k won (k = 1, 0.96x target-only
         # where k = 7 gave 1.25x). Acceptance is counted from every step.
-        ids = [s.seq_id for s in step.seqs]
         if self.tuner is not None:
+            ids = [s.seq_id for s in step.seqs]
             steady = self._chain_read_at is not None and self._prefill_seconds == self._chain_prefill_clock \
                 and ids == self._chain_read_ids
             self.tuner.observe(len(step.seqs), k, verified - self._chain_read_at if steady else None,
                                [(offered[s.seq_id], a) for s, a, _ in done])
-        self._chain_read_at, self._chain_prefill_clock, self._chain_read_ids = verified, self._prefill_seconds, ids
+            self._chain_read_ids = ids
+        self._chain_read_at, self._chain_prefill_clock = verified, self._prefill_seconds
         events = [self._emit(seq, tokens) for seq, _, tokens in done]
         # The drafter learns what was committed for the sequences that go on (an ended one was freed;
         # its last rows may lie past its budget, where it would refuse them)
