@@ -175,8 +175,9 @@ def served(engine: Engine, reqs: list[Request]) -> tuple[dict, tuple[int, float]
 
 
 # Engines like target_only's and in_process's with one kernel setting changed, side by side (--also-unfolded,
-# --also-no-pdl, --also-tables-apart; --also-max-splits adds its own), named by a suffix: the setting's module, attribute and value for the variant,
-# the ratio's name, and whether that ratio is the variant's rate over the default's (else the default's over the variant's)
+# --also-no-pdl, --also-tables-apart; --also-max-splits adds its own), named by a suffix: the setting's module,
+# attribute and value for the variant, the ratio's name, and whether that ratio is the variant's rate over the
+# default's (else the default's over the variant's)
 KERNEL_VARIANTS = {"unfolded": (fused, "FOLD", False, "folded_over_unfolded", False),
                    "nopdl": (_triton, "PDL", False, "pdl_over_nopdl", False),
                    "tablesapart": (rope, "TABLES_IN_ONE_LAUNCH", False, "one_tables_launch_over_seven", False)}
