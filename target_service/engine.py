@@ -186,7 +186,7 @@ class Engine:
         self._chain_capture_most = config.chain_capture if use_graphs else 0
         self._chain_read_at: float | None = None
         self._chain_prefill_clock = 0.0  # _prefill_seconds at that read
-        self._chain_read_ids: list[int] = []  # the sequences of the step read then (kept for the tuner)
+        self._chain_read_shape: tuple[list[int], int] = ([], 0)  # that step's sequences and k (for the tuner)
 
     def _new_tuner(self) -> DraftTuner | None:
         if not self.config.auto_drafts or self.proposer is None or self.proposer.spec is None:
@@ -998,19 +998,23 @@ class Engine:
         self._count_step(waited_from, verified)
         self.counters.chained += 1
         # A chained step's time: from the last read to this one, steps following each other on the device.
-        # Timed only in steady state: the same sequences as the step read before, no prefill since. A
-        # prefill's device work, a drafter attach's context forward, a changed batch's host wait for the
-        # device (`_quiesce`) and its feed land in the next read whatever the draft length, so with
-        # requests coming and going (eight streams, 32 requests: every k timed 2.0 ms a step where steady
-        # steps took 1.2) they drowned what k costs, and the rarely timed k won (k = 1, 0.96x target-only
-        # where k = 7 gave 1.25x). Acceptance is counted from every step.
+        # Timed only in steady state: the step read before and the one launched since (self._chain) ran the
+        # same sequences with the same draft length, and no prefill ran in between. A prefill's device work,
+        # a drafter attach's context forward, and a changed batch's or draft length's host wait for the
+        # device (`_quiesce`, which un-overlaps the launch next to it) land in the reads on either side
+        # whatever k ran. With requests coming and going (eight streams, 32 requests) every k was timed at
+        # 2.0 ms a step where steady steps took 1.2, and the rarely timed k won (k = 1, 0.96x target-only
+        # where k = 7 gave 1.25x); a one-step retry of another k was timed with its switch in it. Acceptance
+        # is counted from every step.
         if self.tuner is not None:
-            ids = [s.seq_id for s in step.seqs]
+            shape = ([s.seq_id for s in step.seqs], k)
+            launched = self._chain
             steady = self._chain_read_at is not None and self._prefill_seconds == self._chain_prefill_clock \
-                and ids == self._chain_read_ids
+                and shape == self._chain_read_shape and launched is not None \
+                and ([s.seq_id for s in launched.seqs], launched.num_drafts) == shape
             self.tuner.observe(len(step.seqs), k, verified - self._chain_read_at if steady else None,
                                [(offered[s.seq_id], a) for s, a, _ in done])
-            self._chain_read_ids = ids
+            self._chain_read_shape = shape
         self._chain_read_at, self._chain_prefill_clock = verified, self._prefill_seconds
         events = [self._emit(seq, tokens) for seq, _, tokens in done]
         # The drafter learns what was committed for the sequences that go on (an ended one was freed;

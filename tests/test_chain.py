@@ -692,14 +692,19 @@ def test_the_tuner_times_only_steady_chained_steps(tiny_chat_dir):
     engine = _tuned_engine(target, _oracle_drafter(target, tokenizer, prompts, free), 2)
     seen, observe = [], engine.tuner.observe
     engine.tuner.observe = lambda n, k, seconds, verified: (  # noqa: E731
-        seen.append((engine.counters.prefills, seconds)), observe(n, k, seconds, verified))
+        seen.append((engine.counters.prefills, k, seconds)), observe(n, k, seconds, verified))
     got = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine.generate(reqs()).items()}
     assert got == free and engine.counters.chained > 10
-    timed = [p for p, seconds in seen if seconds is not None]
-    untimed = [p for p, seconds in seen if seconds is None]
-    assert timed and all(seconds is None or seconds > 0 for _, seconds in seen)
+    timed = [i for i, (_, _, seconds) in enumerate(seen) if seconds is not None]
+    untimed = [p for p, _, seconds in seen if seconds is None]
+    assert timed and all(seen[i][2] > 0 for i in timed)
     # the first read after each of the two later admissions is untimed (more are: batches that shrank)
     assert {3, 4} <= set(untimed) and len(untimed) >= 2
+    # a timed chained read lies between two of its own draft length (the tuner's warm-up switches k every
+    # few steps; k = 0 steps run step by step, each timed on its own)
+    chained = [i for i in timed if seen[i][1] > 0]
+    assert len({k for _, k, _ in seen}) > 2 and chained
+    assert all(0 < i < len(seen) - 1 and seen[i - 1][1] == seen[i][1] == seen[i + 1][1] for i in chained)
 
 
 def test_riders_without_the_drafter_stay_exact_when_the_drafting_ones_end(tiny_chat_dir):
