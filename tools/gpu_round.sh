@@ -34,6 +34,7 @@
 #   bash tools/gpu_round.sh tiles     # the folds past 16 rows (row tiles, small weights): the default step's variants, served steps
 #   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
+#   bash tools/gpu_round.sh mps       # (next) the services on one GPU under an MPS server of our own, against without
 #   bash tools/gpu_round.sh context-launch  # (next) the drafter's context k/v in one launch: GPU tests, tokens/s beside the default
 #   bash tools/gpu_round.sh splits    # (next) the attention's key splits capped: the default model's step replays, served tokens/s
 #   bash tools/gpu_round.sh waves     # eight streams kept full (48 requests through 8 slots): draft lengths with the tuner, the split bench
@@ -494,6 +495,25 @@ waves)
     --max-tokens 256 --json-out "$OUT/draft_length_waves.json" 2>&1 | grep -v INFO | tail -12 | log
   timeout 200 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 8 \
     --waves 6 --json-out "$OUT/split_waves.json" 2>&1 | grep -E "^batch [0-9]+, " | log
+  ;;
+mps)
+  # (thirty-fourth session) the services on one GPU are 0.60x in-process at one stream and 0.39x at eight: two
+  # processes' CUDA contexts time-slice the GPU (DEVICE.md: +0.2-0.4 ms a step in series). Under NVIDIA's MPS
+  # both processes' kernels go through one server's context and can run side by side. A server of our own
+  # (pipe and log directories under /tmp, reached only by processes given CUDA_MPS_PIPE_DIRECTORY; the card's
+  # settings untouched), quit at the end. The two-process skeleton without and with it, then the split bench
+  # without and with it (services step by step on device waits beside the default)
+  command -v nvidia-cuda-mps-control >/dev/null || { echo "mps: no nvidia-cuda-mps-control here" | log; exit 1; }
+  timeout 120 python tools/cross_gpu_probe.py --drafter-gpu 0 2>&1 | tail -4 | sed 's/^/no mps: /' | log
+  timeout 250 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --waves 4 --also-both-waits --json-out "$OUT/split_nomps.json" 2>&1 | grep -E "^batch [0-9]+" | sed 's/^/no mps: /' | log
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/specsplit-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/specsplit-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "mps: the control daemon did not start" | log; exit 1; }
+  trap 'echo quit | nvidia-cuda-mps-control; cat "$CUDA_MPS_LOG_DIRECTORY"/control.log 2>/dev/null | tail -5 | log' EXIT
+  timeout 120 python tools/cross_gpu_probe.py --drafter-gpu 0 2>&1 | tail -4 | sed 's/^/mps: /' | log
+  timeout 250 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --waves 4 --also-both-waits --json-out "$OUT/split_mps.json" 2>&1 | grep -E "^batch [0-9]+" | sed 's/^/mps: /' | log
   ;;
 context-launch)
   # (thirty-third session, not run yet) the DFlash drafter's graphed context forward writing every layer's k and v in
