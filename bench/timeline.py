@@ -178,7 +178,8 @@ def record(args) -> None:
     cmd = [sys.executable, "-m", "specsplit", "drafter", "serve", "--listen", sock, "--drafter", args.drafter,
            "--device", args.device, "--seed", "0", "--profile-on-signal",
            "--profile-steps", f"1:{2 * args.steps}", "--profile-out", str(drafter_raw)] + \
-        (["--dtype", args.dtype] if args.dtype else [])
+        (["--dtype", args.dtype] if args.dtype else []) + \
+        (["--device-waits", "--max-targets", "1"] if args.drafter_device_waits else [])
     drafter_proc = subprocess.Popen(cmd)
     # The Step during which the drafter's profiler starts takes over a second (CUPTI's start): a deadline
     # drawn from the usual round trips would drop the drafter there (it did, once, in the first run)
@@ -243,6 +244,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150, help="decode steps recorded")
     ap.add_argument("--device-waits", action=argparse.BooleanOptionalAction, default=True,
                     help="the services engine's stream waits for chained drafts on the device (RemoteProposer)")
+    ap.add_argument("--drafter-device-waits", action="store_true",
+                    help="the drafter's stream waits for the target's writes on the device too (`drafter serve "
+                         "--device-waits --max-targets 1`; split_bench's --also-both-waits)")
     ap.add_argument("--remote-tail", action=argparse.BooleanOptionalAction, default=True,
                     help="the services engine replays what follows each chained step's drafts as one graph "
                          "(EngineConfig.chain_capture_remote, the default; --no-remote-tail: uncaptured)")

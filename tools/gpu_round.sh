@@ -515,6 +515,21 @@ mps)
   timeout 250 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
     --waves 4 --also-both-waits --json-out "$OUT/split_mps.json" 2>&1 | grep -E "^batch [0-9]+" | sed 's/^/mps: /' | log
   ;;
+mps-timeline)
+  # (thirty-fourth session) under an MPS server of our own the services with both streams waiting on the device
+  # went from 0.70x to 0.80x in-process at one stream, and stayed at 0.52x at eight, where the two-process
+  # skeleton ran faster than one process (0.64 ms a step against 0.68; 0.90 without MPS). Where the rest goes:
+  # both processes' work on one clock, the drafter's device waits on, at one and eight streams
+  command -v nvidia-cuda-mps-control >/dev/null || { echo "mps: no nvidia-cuda-mps-control here" | log; exit 1; }
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/specsplit-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/specsplit-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "mps: the control daemon did not start" | log; exit 1; }
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  (cd bench && timeout 140 python timeline.py --batch 1 --max-tokens 256 --skip 50 --steps 150 --drafter-device-waits \
+    --out "$OUT/b1" 2>&1 | grep -v INFO | tail -14 | log)
+  (cd bench && timeout 150 python timeline.py --batch 8 --max-tokens 1024 --skip 30 --steps 100 --drafter-device-waits \
+    --out "$OUT/b8" 2>&1 | grep -v INFO | tail -14 | log)
+  ;;
 context-launch)
   # (thirty-third session, not run yet) the DFlash drafter's graphed context forward writing every layer's k and v in
   # one launch (kernels.rope.CONTEXT_IN_ONE_LAUNCH, off): 12 launches fewer a step for the 6-layer drafter. The
