@@ -33,9 +33,10 @@ def main() -> None:
                          "wave (default 1: a closed batch of B, which drains)")
     ap.add_argument("--drafts", type=int, nargs="+", default=[3, 7, 15], help="draft lengths k >= 1 to compare")
     ap.add_argument("--auto", action="store_true", help="also the engine that learns k per batch size (auto_drafts)")
-    ap.add_argument("--also-context-one-launch", action="store_true",
-                    help="also the longest k through a second drafter whose graphed context forward writes every "
-                         "layer's k and v in one launch (kernels.rope.CONTEXT_IN_ONE_LAUNCH), beside the default's")
+    ap.add_argument("--also-context-apart", action="store_true",
+                    help="also the longest k through a second drafter whose graphed context forward writes each "
+                         "layer's k and v in launches of their own (kernels.rope.CONTEXT_IN_ONE_LAUNCH off), beside "
+                         "the default's one launch for every layer (row 'K apart')")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if args.waves < 1:
@@ -44,7 +45,7 @@ def main() -> None:
         ap.error("--drafts: each k must be >= 1 (the target alone is always measured, as k = 0)")
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     model, tokenizer, drafter = load_parts(setup)
-    one_launch = make_drafter(args.drafter, model, setup) if args.also_context_one_launch else None
+    apart = make_drafter(args.drafter, model, setup) if args.also_context_apart else None
     longest = max(args.drafts)
     results, best = {}, {}
     print(f"{'batch':>5} {'k':>4} {'tok/s':>9} {'x target':>8} {'tau':>5} {'ms/step':>7} {'full':>5} {'same':>5}"
@@ -58,14 +59,14 @@ def main() -> None:
         engines.update({k: Engine(model, drafter, EngineConfig(max_batch=batch, num_drafts=k)) for k in args.drafts})
         if args.auto:
             engines["auto"] = Engine(model, drafter, EngineConfig(max_batch=batch, auto_drafts=True))
-        if one_launch is not None:
-            engines[f"{longest}+1"] = Engine(model, one_launch, EngineConfig(max_batch=batch, num_drafts=longest))
+        if apart is not None:
+            engines[f"{longest} apart"] = Engine(model, apart, EngineConfig(max_batch=batch, num_drafts=longest))
         for k, engine in engines.items():  # warm-up: every captured shape in use, before any timing
-            with context_in_one_launch(k == f"{longest}+1"):
+            with context_in_one_launch(k != f"{longest} apart"):
                 run(engine, tokenizer, prompts, args.max_tokens, f"w{k}-")
         row, want = {}, None
         for k, engine in engines.items():
-            with context_in_one_launch(k == f"{longest}+1"):
+            with context_in_one_launch(k != f"{longest} apart"):
                 tokens, r = run(engine, tokenizer, prompts, args.max_tokens, f"k{k}-")
             want = tokens if want is None else want  # k = 0 runs first: target-only's texts
             # requests whose text is target-only's (all of them in float32; in bfloat16 near-ties part some)
@@ -109,7 +110,7 @@ def main() -> None:
 @contextmanager
 def context_in_one_launch(on: bool):
     """kernels.rope.CONTEXT_IN_ONE_LAUNCH for one engine's runs (its drafter's graphs keep what they were
-    captured with; the row "K+1" is the longest k through the drafter captured with it on)."""
+    captured with; the row "K apart" is the longest k through the drafter captured with it off)."""
     old = rope.CONTEXT_IN_ONE_LAUNCH
     rope.CONTEXT_IN_ONE_LAUNCH = on
     try:

@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_bench import QWEN3_8B, copy_bandwidth, random_model, short_name, step_bytes  # noqa: E402  (bench/ is not a package)
 
-from specsplit.kernels import _triton, paged_attention, rope, skinny_linear  # noqa: E402
+from specsplit.kernels import _triton, rope, skinny_linear  # noqa: E402
 from specsplit.local import target_dir  # noqa: E402
 from specsplit.shared import fused  # noqa: E402
 from specsplit.target_service.graphs import StepBatch, StepGraphs  # noqa: E402
@@ -137,8 +137,6 @@ def main() -> None:
                  "plain): without it, every kernel dependent, and each kernel letting the next launch at its exit",
         "--rotary-tables": "one: the step's rotary cos/sin tables by torch's seven launches (kernels.rope."
                            "TABLES_IN_ONE_LAUNCH off) instead of the engine's one",
-        "--splits": "five: the attention's key splits capped at 16, 8, 4, 2 and 1 (kernels.paged_attention.MAX_SPLITS; "
-                    "the engine's table of the whole context gives SmolLM2 32 at one stream, whatever the context)",
     }
     for flag, text in variant_flags.items():
         ap.add_argument(flag, action="store_true", help=f"more variants: {text}")
@@ -174,8 +172,6 @@ def main() -> None:
                      ("... row tiles of 32 x 16 columns", engine_len, {"WIDE_TILE": (32, 16, 256, 4, 4)})]
     if args.rotary_tables:
         variants.append(("... the rotary tables by torch's seven launches", engine_len, {"TABLES_IN_ONE_LAUNCH": False}))
-    if args.splits:
-        variants += [(f"... the key splits capped at {cap}", engine_len, {"MAX_SPLITS": cap}) for cap in (16, 8, 4, 2, 1)]
     if args.pdl:  # the engine's PDL (on, heavy projections plain) against none, every kernel, the other trigger
         variants += [("... without PDL", engine_len, {"PDL": False}),
                      ("... PDL for every kernel, heavy projections too", engine_len, {"PDL_SKIP": frozenset()}),
@@ -194,7 +190,7 @@ def main() -> None:
     modules = {"MIN_WEIGHT_BYTES": skinny_linear, "MIN_K": skinny_linear, "SWIGLU_BLOCK_N": skinny_linear,
                "MAX_FOLD_ROWS": skinny_linear, "WIDE_TILE": skinny_linear, "FOLD": fused, "FOLD_NORMS": fused,
                "PDL": _triton, "PDL_TRIGGER": _triton, "PDL_SKIP": _triton,
-               "TABLES_IN_ONE_LAUNCH": rope, "MAX_SPLITS": paged_attention}
+               "TABLES_IN_ONE_LAUNCH": rope}
     defaults = {name: getattr(module, name) for name, module in modules.items()}
     try:
         for name, max_len, settings in variants:

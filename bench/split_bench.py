@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from specsplit.kernels import _triton, paged_attention, rope
+from specsplit.kernels import _triton, rope
 from specsplit.shared import fused
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.tokenizer import Tokenizer
@@ -175,7 +175,7 @@ def served(engine: Engine, reqs: list[Request]) -> tuple[dict, tuple[int, float]
 
 
 # Engines like target_only's and in_process's with one kernel setting changed, side by side (--also-unfolded,
-# --also-no-pdl, --also-tables-apart; --also-max-splits adds its own), named by a suffix: the setting's module,
+# --also-no-pdl, --also-tables-apart), named by a suffix: the setting's module,
 # attribute and value for the variant, the ratio's name, and whether that ratio is the variant's rate over the
 # default's (else the default's over the variant's)
 KERNEL_VARIANTS = {"unfolded": (fused, "FOLD", False, "folded_over_unfolded", False),
@@ -311,10 +311,6 @@ def main() -> None:
                          "torch's seven launches (kernels.rope.TABLES_IN_ONE_LAUNCH off, read at capture), side by "
                          "side; the in-process engine shares the drafter, whose own graphs the first run captured "
                          "with the one launch")
-    ap.add_argument("--also-max-splits", type=int, default=None, metavar="N",
-                    help="also target-only and in-process with their engines' attention taking at most N key splits "
-                         "(kernels.paged_attention.MAX_SPLITS, a power of two, read at capture), side by side; the "
-                         "in-process engine shares the drafter, whose own graphs the first run captured uncapped")
     ap.add_argument("--also-uncaptured", action="store_true",
                     help="also run in-process with EngineConfig(chain_capture=0) (chained steps, each "
                          "piece its own graph), side by side")
@@ -338,11 +334,6 @@ def main() -> None:
         ap.error("--rounds takes 1 or more")
     if args.waves < 1:
         ap.error("--waves takes 1 or more")
-    if args.also_max_splits is not None:
-        if args.also_max_splits < 1 or args.also_max_splits & (args.also_max_splits - 1):
-            ap.error("--also-max-splits takes a power of two")
-        KERNEL_VARIANTS["maxsplits"] = (paged_attention, "MAX_SPLITS", args.also_max_splits,
-                                        f"at_most_{args.also_max_splits}_splits_over_default", True)
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     folder = target_dir(setup.target)
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
@@ -459,7 +450,7 @@ def main() -> None:
                                   a != b for a, b in zip(local_tokens, other_tokens))})
             kernel_engines = {}  # the engines' graphs with one kernel setting changed (KERNEL_VARIANTS), same run
             chosen = (("unfolded", args.also_unfolded), ("nopdl", args.also_no_pdl),
-                      ("tablesapart", args.also_tables_apart), ("maxsplits", args.also_max_splits is not None))
+                      ("tablesapart", args.also_tables_apart))
             for suffix in [s for s, on in chosen if on]:
                 label = KERNEL_VARIANTS[suffix][3]
                 for name, drafter, default, default_tokens in (("target_only", None, base, base_tokens),

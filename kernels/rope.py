@@ -21,10 +21,11 @@ from ._triton import HAVE_TRITON, _switch, dependent_launch, gdc_enter, tl, trit
 TABLES_IN_ONE_LAUNCH = True
 # Whether a DFlash drafter's graphed context forward writes every layer's context k and v in one launch
 # (`context_kv_write`: a program per row and layer, the k norm folded in) instead of two a layer (the k norm,
-# then rope_and_cache_write): 12 launches fewer a step for the shipped 6-layer drafter. Off until the H200
-# measures it (thirty-third session, `bench/draft_length.py --also-context-one-launch`); read when the forward
-# is captured. SPECSPLIT_CONTEXT_ONE_LAUNCH=1 (read at import) turns it on.
-CONTEXT_IN_ONE_LAUNCH = _switch("SPECSPLIT_CONTEXT_ONE_LAUNCH", False)
+# then rope_and_cache_write): 12 launches fewer a step for the shipped 6-layer drafter. On: the thirty-fourth
+# session's H200 run of 15 drafts a step side by side (`bench/draft_length.py --also-context-apart`), 1.98x
+# target-only against 1.96x at one stream, 1.30x against 1.28x at eight kept full. Read when the forward is
+# captured; SPECSPLIT_CONTEXT_ONE_LAUNCH=0 (read at import) turns it off.
+CONTEXT_IN_ONE_LAUNCH = _switch("SPECSPLIT_CONTEXT_ONE_LAUNCH", True)
 
 
 def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor,

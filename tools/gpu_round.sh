@@ -35,8 +35,7 @@
 #   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
 #   bash tools/gpu_round.sh mps       # (next) the services on one GPU under an MPS server of our own, against without
-#   bash tools/gpu_round.sh context-launch  # (next) the drafter's context k/v in one launch: GPU tests, tokens/s beside the default
-#   bash tools/gpu_round.sh splits    # (next) the attention's key splits capped: the default model's step replays, served tokens/s
+#   bash tools/gpu_round.sh context-launch  # the drafter's context k/v in one launch (on): GPU tests, tokens/s beside apart
 #   bash tools/gpu_round.sh waves     # eight streams kept full (48 requests through 8 slots): draft lengths with the tuner, the split bench
 #   bash tools/gpu_round.sh draft-lengths # tokens/s by draft length at 1 and 8 streams, the tuner's; the 8-stream step at k = 3 and 15
 #   bash tools/gpu_round.sh served-8b     # the 8B-shaped step as the engine serves it, against its floor
@@ -531,28 +530,16 @@ mps-timeline)
     --out "$OUT/b8" 2>&1 | grep -v INFO | tail -14 | log)
   ;;
 context-launch)
-  # (thirty-third session, not run yet) the DFlash drafter's graphed context forward writing every layer's k and v in
-  # one launch (kernels.rope.CONTEXT_IN_ONE_LAUNCH, off): 12 launches fewer a step for the 6-layer drafter. The
-  # kernel's GPU tests (against its reference; the drafter's graphed forwards with it, against eager), then
-  # tokens/s of 15 drafts through a drafter captured with it beside the default's, one and eight streams
+  # (thirty-third session) the DFlash drafter's graphed context forward writing every layer's k and v in one launch
+  # (kernels.rope.CONTEXT_IN_ONE_LAUNCH; on since the thirty-fourth session measured 1.98x / 1.30x target-only against
+  # 1.96x / 1.28x): 12 launches fewer a step for the 6-layer drafter. The kernel's GPU tests (against its reference;
+  # the drafter's graphed forwards with it, against eager), then tokens/s of 15 drafts beside a drafter captured
+  # with it off, one and eight streams
   timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_fused_kernels.py tests/test_dflash_graphs.py \
     -k "context_kv or triton_paged_forwards" 2>&1 | grep -E "Error|error|assert|FAILED|passed|failed" | tail -8 | log
   timeout 300 python bench/draft_length.py --device cuda --dtype bfloat16 --batch 1 8 --waves 6 --drafts 15 \
-    --also-context-one-launch --max-tokens 256 --json-out "$OUT/draft_length_context.json" 2>&1 | grep -v INFO \
+    --also-context-apart --max-tokens 256 --json-out "$OUT/draft_length_context.json" 2>&1 | grep -v INFO \
     | tail -8 | log
-  ;;
-splits)
-  # (thirty-third session, not run yet) the attention's key splits come from the block table's capacity, the
-  # model's whole context in the engine: SmolLM2 takes 32 at one stream and 4 at eight, whatever the context, so at
-  # the benches' ~300-700 tokens most splits hold no keys and each costs the combine's reads. Replays of the default
-  # model's step with the splits capped at 16 / 8 / 4 / 2 / 1 beside the default (a decode at one stream, a verify of
-  # 8 x 16), then served tokens/s with at most ${SPLITS_CAP:-4} against the default, three rounds
-  for shape in "--batch 1 --query 1" "--batch 8 --query 16"; do
-    timeout 150 python bench/floor_profile.py --target default $shape --splits 2>&1 | grep -E "replay|floor " | log
-  done
-  timeout 300 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
-    --waves 6 --also-max-splits "${SPLITS_CAP:-4}" --rounds 3 --json-out "$OUT/split_splits.json" 2>&1 \
-    | grep -E "^batch [0-9]+" | log
   ;;
 served-8b)
   # (twenty-ninth session) the goal is the 8B step at one stream within 1.15x its floor: step_bench's "step" is the
