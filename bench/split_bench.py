@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +27,9 @@ from specsplit.kernels import _triton, rope
 from specsplit.shared import fused
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.tokenizer import Tokenizer
+from specsplit.lifeline import Lifeline
 from specsplit.local import LocalSetup, make_drafter, target_dir
+from specsplit.mps import MpsServer
 from specsplit.shared.serving import wait_healthy
 from specsplit.target_service.drafter_client import RemoteProposer
 from specsplit.target_service.engine import Engine, EngineConfig
@@ -327,6 +330,9 @@ def main() -> None:
                     help="run target-only, in-process and services this many times in turn (after the first "
                          "round, which everything else reports): each round's tokens/s and ratios, and their "
                          "medians (runs of one call differ by up to ~10%%)")
+    ap.add_argument("--mps", action="store_true",
+                    help="this process and the drafters as clients of a private NVIDIA MPS server (specsplit.mps, "
+                         "as `specsplit up --mps`): every engine, in-process ones too, runs under it")
     ap.add_argument("--drafter-profile-host", action="store_true",
                     help="with --drafter-profile: the host only, with Python stacks (its --profile-host)")
     args = ap.parse_args()
@@ -334,6 +340,13 @@ def main() -> None:
         ap.error("--rounds takes 1 or more")
     if args.waves < 1:
         ap.error("--waves takes 1 or more")
+    mps = None
+    if args.mps:  # before this process's CUDA context is made: it is a client of the server, or of none
+        if torch.cuda.is_initialized():
+            ap.error("--mps: CUDA was initialized before the server started")
+        lifeline = Lifeline()
+        mps = MpsServer(lifeline)
+        os.environ.update(mps.env)  # (the drafters started below inherit it)
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     folder = target_dir(setup.target)
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
@@ -390,7 +403,7 @@ def main() -> None:
                                     head=(model.embed_weight, model.lm_head_weight),
                                     device_waits=True) if args.also_both_waits else None
         results = {"device": args.device, "drafter": args.drafter, "transport": remote.mode,
-                   "step_transport": remote.step_transport, "waves": args.waves}
+                   "step_transport": remote.step_transport, "waves": args.waves, "mps": args.mps}
         local_drafter = make_drafter(args.drafter, model, setup)
         for batch in args.batch:
             prompts = stream_prompts(batch, args.waves)
@@ -630,6 +643,9 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 print("drafter did not stop on SIGTERM within 10 s; killing it", file=sys.stderr)
                 proc.kill()
+        if mps is not None:
+            mps.stop()
+            lifeline.close()
 
 
 if __name__ == "__main__":

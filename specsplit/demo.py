@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,13 +57,14 @@ def run_demo(args) -> None:
     if args.drafter == "none":
         raise InvalidRequest("the demo compares speculation with the target alone: give it a drafter")
     started = time.perf_counter()
+    spec = ServiceSpec(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
+                       seed=args.seed, mps=args.mps)  # (checked before the draft lengths' runs)
     setup = LocalSetup(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, seed=args.seed)
     if setup.device == "cpu":
         print(f"cpu: {one_thread_per_process()} intra-op thread(s) in each process (set OMP_NUM_THREADS to change it)",
               flush=True)
     num_drafts = choose_num_drafts(setup)
-    spec = ServiceSpec(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
-                       seed=args.seed, target_args=("--num-drafts", str(num_drafts)))
+    spec = replace(spec, target_args=("--num-drafts", str(num_drafts)))
     print(f"starting the drafter ({spec.drafter}) and target ({spec.target}) services on {spec.device}, "
           f"{num_drafts} drafts per step ...", flush=True)
     with spawn(spec) as services:

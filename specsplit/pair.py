@@ -18,6 +18,8 @@ from pathlib import Path
 
 from specsplit.client import Client, Retry
 from specsplit.lifeline import Lifeline
+from specsplit.mps import MpsServer
+from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.gguf_import import default_target_dir
 from specsplit.shared.security import TOKEN_ENV
 from specsplit.shared.serving import wait_healthy
@@ -35,6 +37,12 @@ class ServiceSpec:
     startup_timeout: float = 180.0
     drain_seconds: float = 5.0  # how long a SIGTERMed service lets calls in flight finish
     auth_token: str | None = None  # both services require it (and the target sends it to its drafter)
+    mps: bool = False  # both services clients of a private MPS server (specsplit.mps), on a CUDA device
+
+    def __post_init__(self) -> None:
+        if self.mps and not self.device.startswith("cuda"):
+            raise InvalidRequest(f"--mps shares one GPU between the two services: it needs a CUDA device, "
+                                 f"not {self.device!r}")
 
 
 def _common(spec: ServiceSpec) -> list[str]:
@@ -54,6 +62,7 @@ class Services:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     owns_workdir: bool = False  # spawn() made it: removed on stop, or by the services if this process dies
     lifeline: Lifeline | None = None  # made with the first service, cut on stop
+    mps: MpsServer | None = None  # started before the services, stopped after them
 
     def __post_init__(self) -> None:
         if self.spec.drafter != "none":
@@ -61,6 +70,8 @@ class Services:
         self.target_address = f"unix:{self.workdir}/target.sock"
 
     def start(self) -> "Services":
+        if self.spec.mps:
+            self.mps = MpsServer(self._lifeline())
         if self.drafter_address:
             self.start_drafter()
         self.start_target()
@@ -85,17 +96,22 @@ class Services:
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"{exc}\n--- {name}.log ---\n{self.log(name)[-4000:]}") from None
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _lifeline(self) -> Lifeline:
         if self.lifeline is None:
             self.lifeline = Lifeline(self.workdir if self.owns_workdir else None)
+        return self.lifeline
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        lifeline = self._lifeline()
         log = open(self.workdir / f"{name}.log", "ab")
         # The token travels in the environment, not argv (which `ps` shows anyone); none inherited.
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-        env.update(self.lifeline.child_env(), **({TOKEN_ENV: self.spec.auth_token} if self.spec.auth_token else {}))
+        env.update(lifeline.child_env(), **(self.mps.env if self.mps else {}),
+                   **({TOKEN_ENV: self.spec.auth_token} if self.spec.auth_token else {}))
         with log:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "specsplit", *args], stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, pass_fds=self.lifeline.pass_fds, env=env)
+                start_new_session=True, pass_fds=lifeline.pass_fds, env=env)
 
     def client(self, *, timeout: float | None = 600.0, retry: Retry = Retry()) -> Client:
         """A `specsplit.client.Client` of the target that sends the pair's token; close it when done."""
@@ -110,7 +126,7 @@ class Services:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
 
     def stop(self) -> None:
-        """SIGTERM each service (target first), then SIGKILL whatever is left after 20 s."""
+        """SIGTERM each service (target first), then SIGKILL whatever is left after 20 s; then the MPS server."""
         for name in ("target", "drafter"):
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
@@ -121,6 +137,9 @@ class Services:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.mps is not None:
+            self.mps.stop()
+            self.mps = None
         if self.lifeline is not None:
             self.lifeline.close()
             self.lifeline = None

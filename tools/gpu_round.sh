@@ -34,7 +34,7 @@
 #   bash tools/gpu_round.sh tiles     # the folds past 16 rows (row tiles, small weights): the default step's variants, served steps
 #   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
-#   bash tools/gpu_round.sh mps       # (next) the services on one GPU under an MPS server of our own, against without
+#   bash tools/gpu_round.sh mps       # (next) `specsplit up --mps`: its GPU test; the services under MPS against without
 #   bash tools/gpu_round.sh context-launch  # the drafter's context k/v in one launch (on): GPU tests, tokens/s beside apart
 #   bash tools/gpu_round.sh waves     # eight streams kept full (48 requests through 8 slots): draft lengths with the tuner, the split bench
 #   bash tools/gpu_round.sh draft-lengths # tokens/s by draft length at 1 and 8 streams, the tuner's; the 8-stream step at k = 3 and 15
@@ -496,23 +496,20 @@ waves)
     --waves 6 --json-out "$OUT/split_waves.json" 2>&1 | grep -E "^batch [0-9]+, " | log
   ;;
 mps)
-  # (thirty-fourth session) the services on one GPU are 0.60x in-process at one stream and 0.39x at eight: two
-  # processes' CUDA contexts time-slice the GPU (DEVICE.md: +0.2-0.4 ms a step in series). Under NVIDIA's MPS
-  # both processes' kernels go through one server's context and can run side by side. A server of our own
-  # (pipe and log directories under /tmp, reached only by processes given CUDA_MPS_PIPE_DIRECTORY; the card's
-  # settings untouched), quit at the end. The two-process skeleton without and with it, then the split bench
-  # without and with it (services step by step on device waits beside the default)
-  command -v nvidia-cuda-mps-control >/dev/null || { echo "mps: no nvidia-cuda-mps-control here" | log; exit 1; }
-  timeout 120 python tools/cross_gpu_probe.py --drafter-gpu 0 2>&1 | tail -4 | sed 's/^/no mps: /' | log
-  timeout 250 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
-    --waves 4 --also-both-waits --json-out "$OUT/split_nomps.json" 2>&1 | grep -E "^batch [0-9]+" | sed 's/^/no mps: /' | log
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/specsplit-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/specsplit-mps/log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d || { echo "mps: the control daemon did not start" | log; exit 1; }
-  trap 'echo quit | nvidia-cuda-mps-control; cat "$CUDA_MPS_LOG_DIRECTORY"/control.log 2>/dev/null | tail -5 | log' EXIT
-  timeout 120 python tools/cross_gpu_probe.py --drafter-gpu 0 2>&1 | tail -4 | sed 's/^/mps: /' | log
-  timeout 250 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
-    --waves 4 --also-both-waits --json-out "$OUT/split_mps.json" 2>&1 | grep -E "^batch [0-9]+" | sed 's/^/mps: /' | log
+  # (thirty-fourth session) two processes' CUDA contexts time-slice one GPU: the two-process skeleton of a step
+  # (tools/cross_gpu_probe.py) took 0.90 ms against 0.66 in one process; under an MPS server of our own, 0.64.
+  # The services with both streams waiting on the device went from 0.70x to 0.80x in-process at one stream
+  # (0.47x to 0.52x at eight), every engine under the server in the second run. Now `specsplit up --mps` starts
+  # such a server with the pair (specsplit.mps): its GPU test (the pair under it equals the pair without), then
+  # split_bench without and with --mps, both waits beside the default, two rounds each
+  timeout 150 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_mps.py 2>&1 \
+    | grep -E "Error|error|assert|FAILED|passed|failed" | tail -8 | log
+  for run in nomps mps; do
+    flag=$([ $run = mps ] && echo --mps)
+    timeout 220 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 \
+      --batch 1 8 --waves 4 --rounds 2 --also-both-waits $flag --json-out "$OUT/split_$run.json" 2>&1 \
+      | grep -E "^batch [0-9]+|mps|MPS" | sed "s/^/$run: /" | log
+  done
   ;;
 mps-timeline)
   # (thirty-fourth session) under an MPS server of our own the services with both streams waiting on the device

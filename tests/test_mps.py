@@ -1,0 +1,190 @@
+"""specsplit.mps: a private MPS server beside a service pair, quit whenever the pair stops.
+
+The CPU tests put a stand-in for `nvidia-cuda-mps-control` on PATH: `-f` runs until a client sends
+`quit`, a client without a running daemon fails as the real one does, and each event is written to a record
+outside the server's folder. The GPU test runs the real one (tests/test_split_gpu.py has the pair without it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from specsplit.lifeline import Lifeline
+from specsplit.mps import MpsServer
+from specsplit.pair import ServiceSpec
+from specsplit.shared.errors import InvalidRequest
+
+FAKE = """\
+#!{python}
+import os, sys, time
+from pathlib import Path
+pipe, logs = Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"]), Path(os.environ["CUDA_MPS_LOG_DIRECTORY"])
+record = Path(os.environ["FAKE_MPS_RECORD"])
+def note(text):
+    with open(record, "a") as f:
+        f.write(text + "\\n")
+if sys.argv[1:] == ["-f"]:
+    if os.environ.get("FAKE_MPS_MODE") == "fail":
+        print("fake: cannot start the control daemon", flush=True)
+        sys.exit(3)
+    (pipe / "daemon.pid").write_text(str(os.getpid()))
+    (logs / "control.log").write_text("fake control log\\n")
+    note(f"started {{os.getpid()}} {{pipe}}")
+    while not (pipe / "quit").exists():
+        time.sleep(0.02)
+    note("quit")
+    sys.exit(0)
+command = sys.stdin.read().strip()
+if not (pipe / "daemon.pid").exists():
+    print("Cannot find MPS control daemon process")
+    sys.exit(1)
+if command == "quit":
+    (pipe / "quit").touch()
+sys.exit(0)
+"""
+
+
+@pytest.fixture
+def fake_control(tmp_path, monkeypatch):
+    """The stand-in on PATH; returns the record's path."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    program = bin_dir / "nvidia-cuda-mps-control"
+    program.write_text(FAKE.format(python=sys.executable))
+    program.chmod(0o755)
+    record = tmp_path / "record"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_MPS_RECORD", str(record))
+    return record
+
+
+def wait_for(condition, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) is gone as far as we care
+    return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+
+
+def test_the_daemon_runs_in_a_folder_of_its_own_and_is_quit_on_stop(fake_control):
+    lifeline = Lifeline()
+    server = MpsServer(lifeline)
+    try:
+        started = fake_control.read_text().split()
+        assert started[0] == "started" and started[2] == server.env["CUDA_MPS_PIPE_DIRECTORY"]
+        assert Path(server.env["CUDA_MPS_PIPE_DIRECTORY"]).parent == server.folder  # not the machine's own
+        assert Path(server.env["CUDA_MPS_LOG_DIRECTORY"]).parent == server.folder
+        assert "fake control log" in server.log()
+        daemon = int(started[1])
+        assert alive(daemon)
+    finally:
+        server.stop()
+        lifeline.close()
+    assert fake_control.read_text().splitlines()[-1] == "quit"
+    assert not server.folder.exists() and wait_for(lambda: not alive(daemon))
+
+
+def test_the_daemon_is_quit_when_the_process_that_started_it_is_killed(fake_control, tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time
+        from specsplit.lifeline import Lifeline
+        from specsplit.mps import MpsServer
+        server = MpsServer(Lifeline())
+        print(server.folder, flush=True)
+        time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        folder = Path(parent.stdout.readline().strip())
+        assert folder.is_dir() and fake_control.read_text().startswith("started")
+        daemon = int(fake_control.read_text().split()[1])
+        parent.send_signal(signal.SIGKILL)  # no stop(), no atexit: only the lifeline tells the guard
+    finally:
+        parent.kill()
+        parent.wait()
+    assert wait_for(lambda: fake_control.read_text().splitlines()[-1] == "quit")
+    assert wait_for(lambda: not folder.exists()) and wait_for(lambda: not alive(daemon))
+
+
+def test_a_daemon_that_does_not_start_is_reported_with_its_words(fake_control, monkeypatch):
+    monkeypatch.setenv("FAKE_MPS_MODE", "fail")
+    lifeline = Lifeline()
+    try:
+        with pytest.raises(RuntimeError, match="did not start") as failure:
+            MpsServer(lifeline)
+    finally:
+        lifeline.close()
+    assert "fake: cannot start the control daemon" in str(failure.value)
+    assert not fake_control.exists()  # it never ran
+
+
+def test_without_the_control_program_mps_is_refused_clearly(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing there
+    lifeline = Lifeline()
+    try:
+        with pytest.raises(RuntimeError, match="needs NVIDIA's nvidia-cuda-mps-control on PATH"):
+            MpsServer(lifeline)
+    finally:
+        lifeline.close()
+
+
+def test_mps_needs_a_cuda_device():
+    with pytest.raises(InvalidRequest, match="needs a CUDA device, not 'cpu'"):
+        ServiceSpec(mps=True)
+    assert ServiceSpec(device="cuda:1", mps=True).mps
+
+
+def test_the_command_line_refuses_mps_on_the_cpu_before_starting_anything(capsys):
+    from specsplit.cli import main
+
+    assert main(["up", "--mps"]) != 0
+    assert "--mps shares one GPU between the two services: it needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_the_pair_under_mps_equals_the_pair_without(specsplit_factory):
+    import shutil
+
+    import torch
+
+    if not torch.cuda.is_available() or shutil.which("nvidia-cuda-mps-control") is None:
+        pytest.skip("needs a CUDA GPU and nvidia-cuda-mps-control")
+    from specsplit.shared.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    prompts = ["The capital of France is", "def add(a, b):\n    "]
+    texts = {}
+    for mps in (False, True):
+        services = specsplit_factory(ServiceSpec(drafter="dflash", device="cuda", dtype="float32", mps=mps))
+        client = services.client()
+        try:
+            results = [client.generate(p, params) for p in prompts]
+        finally:
+            client.close()
+        assert all(r.stats.drafted > 0 for r in results)
+        texts[mps] = [r.token_ids for r in results]
+        if mps:  # both services became the private server's clients
+            answer = subprocess.run(["nvidia-cuda-mps-control"], input="get_server_list\n", text=True,
+                                    capture_output=True, env={**os.environ, **services.mps.env}, timeout=15)
+            assert answer.returncode == 0 and answer.stdout.split(), answer
+            folder = services.mps.folder
+        services.stop()
+    assert texts[True] == texts[False]
+    assert not folder.exists()
