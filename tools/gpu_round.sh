@@ -34,7 +34,8 @@
 #   bash tools/gpu_round.sh tiles     # the folds past 16 rows (row tiles, small weights): the default step's variants, served steps
 #   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
-#   bash tools/gpu_round.sh mps       # (next) `specsplit up --mps`: its GPU test; the services under MPS against without
+#   bash tools/gpu_round.sh mps       # `specsplit up --mps`: its GPU test; the services under MPS against without
+#   bash tools/gpu_round.sh mps-timeline  # both services' work on one clock under MPS, both streams waiting on the device
 #   bash tools/gpu_round.sh context-launch  # the drafter's context k/v in one launch (on): GPU tests, tokens/s beside apart
 #   bash tools/gpu_round.sh waves     # eight streams kept full (48 requests through 8 slots): draft lengths with the tuner, the split bench
 #   bash tools/gpu_round.sh draft-lengths # tokens/s by draft length at 1 and 8 streams, the tuner's; the 8-stream step at k = 3 and 15
@@ -49,9 +50,8 @@
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
-#   (next, thirty-third session: the target's last layer is captured after the final norm now, as HF and z-lab's
-#   reference read it) bash tools/gpu_round.sh kernels, then
-#   bash tools/gpu_round.sh train 44 --walk-anchors 0.5 --target-layers 1,4,8,11,14,17,20,24,27,29
+#   (next, after the thirty-fourth session: the services' step waits on the two hosts in turn, ~0.5 ms each late to
+#   launch; overlap them, then `mps-timeline` and `waves` again)
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
 # nineteenth session lost two fresh machines' start-up to a reply that came later than that.
