@@ -531,15 +531,18 @@ def main() -> None:
                 plain.update({"services_over_unprepared": split["tokens_per_s"] / result["tokens_per_s"],
                               "requests_differing_services_vs_unprepared": differing})
             if both_waits is not None:  # both streams wait on the device, against both hosts polling
-                _, result, (waited, released, launches), differing = services_variant(
+                _, result, (waited, released, launches, unanswered), differing = services_variant(
                     "services_both_waits", both_waits, conf,
                     lambda _: (both_waits.link.device_waits, both_waits.waits_released,
-                               labelled(third_metrics, "chain_graph_steps_total", "outcome")))
+                               labelled(third_metrics, "chain_graph_steps_total", "outcome"),
+                               both_waits.link.taken_unanswered))
                 after = labelled(third_metrics, "chain_graph_steps_total", "outcome")
                 plain.update({"services_both_waits_over_host_polls": result["tokens_per_s"] / split["tokens_per_s"],
                               "services_both_waits_over_in_process": result["tokens_per_s"] / local["tokens_per_s"],
                               "both_waits_target_device_waits": both_waits.link.device_waits - waited,
                               "both_waits_target_waits_released": both_waits.waits_released - released,
+                              # drafts the verify took before the propose's answer was read (its host not waiting)
+                              "both_waits_taken_unanswered": both_waits.link.taken_unanswered - unanswered,
                               # the drafter's chained steps by how they ran ("waited": its stream waited on the device)
                               "both_waits_drafter_chain_graph_steps": {o: int(n - launches.get(o, 0.0))
                                                                       for o, n in after.items()},

@@ -92,6 +92,7 @@ class LinkStats:
     chain_taken_ahead: int = 0  # ... and those the next chained step took (the rest were dropped)
     device_waits: int = 0  # drafts our stream waited for on the device (device_waits) instead of our host
     host_waits: int = 0  # ... and those our host waited for instead, as the engine asked (wait_on_host_next)
+    taken_unanswered: int = 0  # chained proposes sent ahead whose drafts the verify took before their answer
 
 
 class RowStager:
@@ -395,6 +396,8 @@ class RemoteProposer:
         self._settles: tuple[list[int], list[int]] = ([], [])  # chained steps read: (seq ids, rows each) to send
         self._chain_ahead: tuple | None = None  # the chained propose chain_prefetch sent: what chain_propose matches
         self._unanswered_chain = False  # the Step not answered yet is that one
+        # ... and its drafts, taken before its answer was read (_take_unanswered): (seq id, drafts) each
+        self._taken_unanswered: tuple[tuple[int, int], ...] | None = None
         self._chain_ahead_result: wire.StepResult | None = None  # its answer, once read
         self.spec: DrafterSpec | None = None
         try:
@@ -550,6 +553,7 @@ class RemoteProposer:
         self._chain_commit = None
         self._settles = ([], [])
         self._unanswered = self._unanswered_chain = False
+        self._taken_unanswered = None
         self._ahead = self._ahead_result = None
         self._chain_ahead = self._chain_ahead_result = None
         self._retry_at = time.monotonic() + self._backoff
@@ -617,13 +621,19 @@ class RemoteProposer:
         if self._unanswered:  # whatever comes next waits for it: the rows it referenced, the verbs' order
             self._unanswered = False
             self._unanswered_chain, chain = False, self._unanswered_chain
+            taken, self._taken_unanswered = self._taken_unanswered, None
             try:
-                result = self._answer(self._conn, self.step_deadline(), timed=False)
+                result = self._answer(self._conn, self.step_deadline(), timed=False, waited=taken is not None)
             except DrafterUnavailable:
                 raise
             except SpecsplitError as err:  # the earlier step's fault, not the call now being made
                 raise DrafterUnavailable(f"the drafter refused a Step sent ahead: {err}") from err
-            if chain:  # (each answer filed as what its Step was)
+            if taken is not None:  # its drafts went to a verify already: they must be what it asked for
+                if result.in_buffer != taken:
+                    self._disconnect()
+                    raise DrafterUnavailable("the drafter answered a chained propose whose drafts were taken "
+                                             "for other sequences or lengths")
+            elif chain:  # (each answer filed as what its Step was)
                 self._chain_ahead_result = result
             else:
                 self._ahead_result = result
@@ -912,6 +922,9 @@ class RemoteProposer:
         """Drafts [B, num_drafts] on our device for anchors [B] at positions [B] (on the device): those
         `chain_prefetch` asked for the same, or one Step now with the queued commit and settles. The ids
         are the peer's bytes: the engine bounds them."""
+        taken = self._take_unanswered(batch, anchors, positions, num_drafts)
+        if taken is not None:
+            return taken
         conn = self._chain_conn(batch)  # (reads a prefetched answer, if one is out)
         sent, answer = self._chain_ahead, self._chain_ahead_result
         self._chain_ahead = self._chain_ahead_result = None
@@ -941,6 +954,37 @@ class RemoteProposer:
             self._disconnect()
             raise DrafterUnavailable("the drafter answered a chained propose without its drafts")
         return torch.tensor([list(p.tokens) for p in drafts], dtype=torch.int64, device=self.device)
+
+    def _take_unanswered(self, batch: RemoteChainBatch, anchors: torch.Tensor, positions: torch.Tensor,
+                         num_drafts: int) -> torch.Tensor | None:
+        """With device waits: the drafts of the chained propose sent ahead, when it is this one, taken before
+        its answer is read. Our stream waits for the propose's done value (the drafter's stream writes it
+        after the drafts), so the verify is launched now and the answer read after it, by the connection's
+        next use (`_live`, from `chain_commit` on): our host no longer waits for the drafter's between two
+        steps. The answer is checked then, and one that is not these drafts drops the drafter; the verify
+        that read the buffer cost speed, never a token (it is exact, and the engine clamps the ids). None
+        where the answer must be read first (no device waits, the engine asked our host to wait, another
+        step or buffer, verbs queued since)."""
+        conn, n = self._conn, len(batch.seq_ids)
+        if self._waits is None or self._host_waits_next or conn is None or conn is not batch.conn or conn.dead \
+                or not (self._unanswered and self._unanswered_chain) or self._taken_unanswered is not None \
+                or self._chain_commit is not None or self._pending or not conn.offered or not conn.done_sent \
+                or self._waits.failure is not None or conn.drafts is None \
+                or n > conn.drafts.tensor.shape[0] or num_drafts > conn.drafts.tensor.shape[1] \
+                or self._chain_ahead != (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn):
+            return None
+        left = max(STEP_DEADLINE_FLOOR, conn.sent_at + self.step_deadline() - time.perf_counter())
+        self._waits.wait(conn.done.tensor, conn.done_sent, time.perf_counter() + left)  # before the read below
+        tokens = conn.drafts.tensor[:n, :num_drafts].clone()
+        self._note_read(conn)
+        self._chain_ahead = None
+        self._taken_unanswered = tuple((seq_id, num_drafts) for seq_id in batch.seq_ids)
+        self.link.device_waits += 1
+        self.link.drafts_ahead += n
+        self.link.chain_taken_ahead += 1
+        self.link.drafts_on_device += n
+        self.link.taken_unanswered += 1
+        return tokens
 
     def chain_settle(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
         """A chained step read: the drafter's positions of `seq_ids` advance by `counts` (sent with the next Step)."""
@@ -1069,10 +1113,12 @@ class RemoteProposer:
             self._disconnect()
             raise DrafterUnavailable(f"the drafter's step socket: {exc}") from None
 
-    def _answer(self, conn: _Connection, timeout: float, *, timed: bool = True) -> wire.StepResult:
-        """The answer to the Step sent last; its errors drop the connection and raise."""
+    def _answer(self, conn: _Connection, timeout: float, *, timed: bool = True,
+                waited: bool = False) -> wire.StepResult:
+        """The answer to the Step sent last; its errors drop the connection and raise. waited: its drafts
+        were taken already, behind our stream's wait for its done value (`_take_unanswered`)."""
         result = self._receive(conn, timeout)
-        if result.in_buffer:
+        if result.in_buffer and not waited:
             if not conn.offered:
                 self._disconnect()
                 raise DrafterUnavailable("the drafter answered drafts in a buffer the step did not offer")

@@ -90,6 +90,9 @@ class _EngineCollector(Collector):
                            "of their own)", link.drafts_ahead)
             yield _counter("drafter_device_waits", "chained steps' drafts our stream waited for on the device "
                            "(--device-waits), not our host", link.device_waits)
+            yield _counter("drafter_drafts_taken_unanswered", "of those, chained proposes sent ahead whose drafts "
+                           "the verify took before their answer was read (the answer checked after the launch)",
+                           link.taken_unanswered)
             yield _counter("drafter_device_waits_released", "releases of device waits by the target itself (per "
                            "DONE buffer): a drafter that missed a step's deadline (it is dropped), or a drafter "
                            "dropped for any reason with waits pending",

@@ -108,6 +108,7 @@ def test_a_request_moves_the_target_and_drafter_counters_consistently(pair):
     assert 0 < t("drafter_drafts_taken_ahead_total") <= t("drafter_steps_sent_ahead_total") <= proposing
     # (device waits: on a GPU with --device-waits only)
     assert t("drafter_device_waits_total") == t("drafter_device_waits_released_total") == 0
+    assert t("drafter_drafts_taken_unanswered_total") == 0
     assert value(after_t, "specsplit_target_sequences", state="running") == 0
     assert value(after_t, "specsplit_target_sequences", state="prefilling") == 0
     # The drafter proposed every draft the target verified, one Step message per step (and the free).

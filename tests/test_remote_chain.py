@@ -1157,3 +1157,76 @@ def test_drafts_the_engine_asks_to_wait_for_on_the_host_are_not_waited_for_by_ou
     finally:
         proposer._waits = None
         proposer.close()
+
+
+def test_with_device_waits_a_chained_propose_sent_ahead_is_taken_before_its_answer_and_checked_after(
+        pair, monkeypatch):
+    """`RemoteProposer._take_unanswered`: with device waits, the drafts of the chained propose sent ahead are
+    taken when the step asks for the same (sequences, k, feed tensors) before the answer is read, our stream
+    first waiting for the propose's done value; the answer is read by the connection's next use, after the
+    verify launched, and checked then: one for other sequences drops the drafter. Without device waits, or
+    with our host asked to wait (wait_on_host_next), or for another batch, the answer is read first, as before.
+    (The connection's drafts and DONE buffers are stand-ins: the real ones are GPU-only, tests/test_split_gpu.py.)"""
+    from types import SimpleNamespace
+
+    from specsplit.target_service.drafter_client import RemoteChainBatch, _feed_key
+
+    _, _, address, _ = pair
+    monkeypatch.setattr(drafter_client, "_importer_done", lambda drafts, wait=0.0: True)
+    monkeypatch.setattr(RemoteProposer, "_note_read", staticmethod(lambda conn: order.append("read noted")))
+    order: list = []
+    anchors, positions = torch.tensor([5, 6]), torch.tensor([10, 11])
+    buffer = torch.arange(4 * 6, dtype=torch.int32).reshape(4, 6)
+
+    def sent_ahead(proposer, answer_rows, *, waits=True, ids=(0, 2)):
+        """The state `chain_prefetch` leaves: a chained propose for sequences 0 and 2, k = 3, out unanswered."""
+        conn = proposer._conn
+        conn.drafts = SimpleNamespace(tensor=buffer)
+        conn.offered, conn.done_sent, conn.sent_at = True, 5, time.perf_counter()
+        conn.done = SimpleNamespace(buffer_id=99, tensor=torch.zeros(1, 2, dtype=torch.int32))
+        proposer._waits = SimpleNamespace(wait=lambda tensor, value, deadline: order.append(("wait", value)),
+                                          failure=None, release=lambda: None) if waits else None
+        answer = wire.StepResult(proposer._step_id, in_buffer=answer_rows)
+        monkeypatch.setattr(proposer, "_receive", lambda conn, timeout: order.append("answer") or answer)
+        proposer._chain_ahead = ((0, 2), 3, _feed_key(anchors), _feed_key(positions), conn)
+        proposer._unanswered = proposer._unanswered_chain = True
+        return RemoteChainBatch(ids, (0,) * len(ids), conn)
+
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        batch = sent_ahead(proposer, ((0, 3), (2, 3)))
+        got = proposer.chain_propose(batch, anchors, positions, 3)
+        assert got.tolist() == buffer[:2, :3].tolist() and order == [("wait", 5), "read noted"]
+        assert proposer._unanswered  # (not read: the verify launches first)
+        proposer._live()  # the connection's next use (chain_commit's) reads it and finds it right
+        assert order[2:] == ["answer"] and not proposer._unanswered and proposer._conn is not None
+        assert (proposer.link.taken_unanswered, proposer.link.device_waits, proposer.link.chain_taken_ahead) == (1, 1, 1)
+
+        order.clear()  # an answer for other sequences than the drafts taken: dropped when it is read
+        batch = sent_ahead(proposer, ((0, 3),))
+        proposer.chain_propose(batch, anchors, positions, 3)
+        with pytest.raises(DrafterUnavailable, match="whose drafts were taken for other sequences"):
+            proposer._live()
+        assert proposer._conn is None and not proposer._unanswered
+    finally:
+        proposer._waits = None
+        proposer.close()
+
+    for case in ("no device waits", "host asked to wait", "another batch"):
+        order.clear()
+        proposer = RemoteProposer(address, max_batch=4)
+        try:
+            batch = sent_ahead(proposer, ((0, 3), (2, 3)), waits=case != "no device waits",
+                               ids=(0, 1) if case == "another batch" else (0, 2))
+            if case == "host asked to wait":
+                proposer.wait_on_host_next()
+            proposer._send = lambda *args, **kwargs: order.append("send")  # (another batch: a Step of its own)
+            try:
+                proposer.chain_propose(batch, anchors, positions, 3)
+            except DrafterUnavailable:  # (another batch: the answer for 0 and 2 does not fit it)
+                assert case == "another batch"
+            assert order[0] == "answer" and ("send" in order) == (case == "another batch"), (case, order)
+            assert proposer.link.taken_unanswered == 0, case
+        finally:
+            proposer._waits = None
+            proposer.close()
