@@ -623,7 +623,10 @@ class RemoteProposer:
             self._unanswered_chain, chain = False, self._unanswered_chain
             taken, self._taken_unanswered = self._taken_unanswered, None
             try:
-                result = self._answer(self._conn, self.step_deadline(), timed=False, waited=taken is not None)
+                # (an answer read ahead of its use waits on our host if asked, and leaves the ask standing:
+                # its drafts may be dropped, and those of the Step sent instead are what the ask is for)
+                result = self._answer(self._conn, self.step_deadline(), timed=False, waited=taken is not None,
+                                      keep_host_wait=True)
             except DrafterUnavailable:
                 raise
             except SpecsplitError as err:  # the earlier step's fault, not the call now being made
@@ -931,6 +934,9 @@ class RemoteProposer:
         self._ahead = self._ahead_result = None  # a prefetch's drafts were for the step-by-step path
         if sent is not None and answer is not None and self._chain_commit is None and not self._pending and \
                 sent == (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn):
+            # (its drafts were waited for as the answer was read: on our host if asked then, else by our
+            # stream, its waits drained since if the engine asked after; either way the ask is met)
+            self._host_waits_next = False
             self.link.drafts_ahead += len(batch.seq_ids)
             self.link.chain_taken_ahead += 1
         else:
@@ -978,6 +984,7 @@ class RemoteProposer:
         tokens = conn.drafts.tensor[:n, :num_drafts].clone()
         self._note_read(conn)
         self._chain_ahead = None
+        self._ahead = self._ahead_result = None  # (as chain_propose drops a step-by-step prefetch's)
         self._taken_unanswered = tuple((seq_id, num_drafts) for seq_id in batch.seq_ids)
         self.link.device_waits += 1
         self.link.drafts_ahead += n
@@ -1113,10 +1120,12 @@ class RemoteProposer:
             self._disconnect()
             raise DrafterUnavailable(f"the drafter's step socket: {exc}") from None
 
-    def _answer(self, conn: _Connection, timeout: float, *, timed: bool = True,
-                waited: bool = False) -> wire.StepResult:
+    def _answer(self, conn: _Connection, timeout: float, *, timed: bool = True, waited: bool = False,
+                keep_host_wait: bool = False) -> wire.StepResult:
         """The answer to the Step sent last; its errors drop the connection and raise. waited: its drafts
-        were taken already, behind our stream's wait for its done value (`_take_unanswered`)."""
+        were taken already, behind our stream's wait for its done value (`_take_unanswered`);
+        keep_host_wait: its drafts wait on our host if the engine asked (wait_on_host_next), and the ask
+        stands for the drafts used next."""
         result = self._receive(conn, timeout)
         if result.in_buffer and not waited:
             if not conn.offered:
@@ -1130,7 +1139,8 @@ class RemoteProposer:
             # The wait counts from the Step's sending, like the answer's (an answer read late, after a
             # prefetch, still gets STEP_DEADLINE_FLOOR).
             left = max(STEP_DEADLINE_FLOOR, conn.sent_at + timeout - time.perf_counter())
-            on_host, self._host_waits_next = self._host_waits_next, False
+            on_host = self._host_waits_next
+            self._host_waits_next = self._host_waits_next and keep_host_wait
             self.link.host_waits += bool(on_host and conn.done_sent and self._waits is not None)
             if conn.done_sent and self._waits is not None and not on_host:
                 # Our stream waits for the drafter's done value instead (written after its drafts, before

@@ -1163,23 +1163,26 @@ def test_with_device_waits_a_chained_propose_sent_ahead_is_taken_before_its_answ
         pair, monkeypatch):
     """`RemoteProposer._take_unanswered`: with device waits, the drafts of the chained propose sent ahead are
     taken when the step asks for the same (sequences, k, feed tensors) before the answer is read, our stream
-    first waiting for the propose's done value; the answer is read by the connection's next use, after the
-    verify launched, and checked then: one for other sequences drops the drafter. Without device waits, or
-    with our host asked to wait (wait_on_host_next), or for another batch, the answer is read first, as before.
-    (The connection's drafts and DONE buffers are stand-ins: the real ones are GPU-only, tests/test_split_gpu.py.)"""
+    first waiting for the propose's done value; the answer is read by the connection's next use (`_live`:
+    chain_commit's, after the verify launched), checked then, and filed as nothing: one for other sequences
+    drops the drafter, and a drop with it still out forgets the take. Without device waits, with our host
+    asked to wait (wait_on_host_next), with verbs queued, after the watchdog gave up, or for another batch,
+    the answer is read first, as before. (The connection's drafts and DONE buffers are stand-ins: the real
+    ones are GPU-only, tests/test_split_gpu.py, which also checks the drafts accepted against host polls.)"""
     from types import SimpleNamespace
 
     from specsplit.target_service.drafter_client import RemoteChainBatch, _feed_key
 
     _, _, address, _ = pair
-    monkeypatch.setattr(drafter_client, "_importer_done", lambda drafts, wait=0.0: True)
-    monkeypatch.setattr(RemoteProposer, "_note_read", staticmethod(lambda conn: order.append("read noted")))
     order: list = []
+    monkeypatch.setattr(drafter_client, "_importer_done", lambda drafts, wait=0.0: order.append("host") or True)
+    monkeypatch.setattr(RemoteProposer, "_note_read", staticmethod(lambda conn: order.append("read noted")))
     anchors, positions = torch.tensor([5, 6]), torch.tensor([10, 11])
     buffer = torch.arange(4 * 6, dtype=torch.int32).reshape(4, 6)
 
     def sent_ahead(proposer, answer_rows, *, waits=True, ids=(0, 2)):
-        """The state `chain_prefetch` leaves: a chained propose for sequences 0 and 2, k = 3, out unanswered."""
+        """The state `chain_prefetch` leaves: a chained propose for sequences 0 and 2, k = 3, out unanswered;
+        a Step sent instead (another batch) is answered the same."""
         conn = proposer._conn
         conn.drafts = SimpleNamespace(tensor=buffer)
         conn.offered, conn.done_sent, conn.sent_at = True, 5, time.perf_counter()
@@ -1188,6 +1191,7 @@ def test_with_device_waits_a_chained_propose_sent_ahead_is_taken_before_its_answ
                                           failure=None, release=lambda: None) if waits else None
         answer = wire.StepResult(proposer._step_id, in_buffer=answer_rows)
         monkeypatch.setattr(proposer, "_receive", lambda conn, timeout: order.append("answer") or answer)
+        proposer._send = lambda *args, **kwargs: order.append("send")
         proposer._chain_ahead = ((0, 2), 3, _feed_key(anchors), _feed_key(positions), conn)
         proposer._unanswered = proposer._unanswered_chain = True
         return RemoteChainBatch(ids, (0,) * len(ids), conn)
@@ -1198,8 +1202,9 @@ def test_with_device_waits_a_chained_propose_sent_ahead_is_taken_before_its_answ
         got = proposer.chain_propose(batch, anchors, positions, 3)
         assert got.tolist() == buffer[:2, :3].tolist() and order == [("wait", 5), "read noted"]
         assert proposer._unanswered  # (not read: the verify launches first)
-        proposer._live()  # the connection's next use (chain_commit's) reads it and finds it right
+        proposer._live()  # the connection's next use reads it and finds it right
         assert order[2:] == ["answer"] and not proposer._unanswered and proposer._conn is not None
+        assert proposer._chain_ahead_result is None and proposer._ahead_result is None  # (filed as nothing)
         assert (proposer.link.taken_unanswered, proposer.link.device_waits, proposer.link.chain_taken_ahead) == (1, 1, 1)
 
         order.clear()  # an answer for other sequences than the drafts taken: dropped when it is read
@@ -1207,26 +1212,48 @@ def test_with_device_waits_a_chained_propose_sent_ahead_is_taken_before_its_answ
         proposer.chain_propose(batch, anchors, positions, 3)
         with pytest.raises(DrafterUnavailable, match="whose drafts were taken for other sequences"):
             proposer._live()
-        assert proposer._conn is None and not proposer._unanswered
+        assert proposer._conn is None and not proposer._unanswered and proposer._taken_unanswered is None
     finally:
         proposer._waits = None
         proposer.close()
 
-    for case in ("no device waits", "host asked to wait", "another batch"):
+    proposer = RemoteProposer(address, max_batch=4)  # a drop with the answer still out forgets the take
+    try:
+        batch = sent_ahead(proposer, ((0, 3), (2, 3)))
+        proposer.chain_propose(batch, anchors, positions, 3)
+        assert proposer._taken_unanswered is not None
+        proposer.reset()
+        assert proposer._taken_unanswered is None and not proposer._unanswered
+    finally:
+        proposer._waits = None
+        proposer.close()
+
+    cases = ("no device waits", "host asked to wait", "verbs queued", "watchdog gave up", "another batch",
+             "another batch, host asked to wait")
+    for case in cases:
         order.clear()
         proposer = RemoteProposer(address, max_batch=4)
         try:
             batch = sent_ahead(proposer, ((0, 3), (2, 3)), waits=case != "no device waits",
-                               ids=(0, 1) if case == "another batch" else (0, 2))
-            if case == "host asked to wait":
+                               ids=(0, 1) if case.startswith("another batch") else (0, 2))
+            if case.endswith("host asked to wait"):
                 proposer.wait_on_host_next()
-            proposer._send = lambda *args, **kwargs: order.append("send")  # (another batch: a Step of its own)
+            if case == "verbs queued":
+                proposer._chain_commit = ((0, 2), 4, 0)
+            if case == "watchdog gave up":
+                proposer._waits.failure = "a done value never came"
             try:
                 proposer.chain_propose(batch, anchors, positions, 3)
-            except DrafterUnavailable:  # (another batch: the answer for 0 and 2 does not fit it)
-                assert case == "another batch"
-            assert order[0] == "answer" and ("send" in order) == (case == "another batch"), (case, order)
+            except DrafterUnavailable:  # (the watchdog's failure; another batch's answer does not fit it)
+                assert case.startswith("another batch") or case == "watchdog gave up", case
             assert proposer.link.taken_unanswered == 0, case
+            if case != "watchdog gave up":  # (that one drops the drafter before anything is read)
+                assert order[0] == "answer", (case, order)
+            assert ("send" in order) == (case.startswith("another batch") or case == "verbs queued"), (case, order)
+            if case.endswith("host asked to wait"):  # the drafts used (or the Step sent instead's) waited on
+                # our host, never our stream: work after them may load a kernel (Engine._quiesce)
+                assert ("wait", 5) not in order and "host" in order, (case, order)
+                assert not proposer._host_waits_next, case
         finally:
             proposer._waits = None
             proposer.close()

@@ -224,7 +224,9 @@ def test_chained_drafts_waited_for_by_the_targets_stream_are_verified_as_polled_
     drafter's stream writes after each chained propose's drafts, instead of its host polling the
     drafter's event. Output equals target-only, every chained propose was waited for that way but those
     the engine had our host wait for (a chained step other than the one before, whose work after the drafts
-    may load a kernel: Engine._quiesce), and no wait had to be released by the target."""
+    may load a kernel: Engine._quiesce), and no wait had to be released by the target. The proposes sent
+    ahead are taken before their answers are read (`_take_unanswered`), and each request accepts as many
+    drafts as with our host polling: drafts read before the drafter wrote them would accept fewer."""
     with spawned_drafter(tmp_path, mode) as address:
         model, tokenizer = default_target()
         engine, remote = remote_engine(address, model, device_waits=True)
@@ -233,9 +235,15 @@ def test_chained_drafts_waited_for_by_the_targets_stream_are_verified_as_polled_
         assert engine.drafter_ok and engine.counters.chained > 0
         assert remote.link.device_waits > 0 and remote._waits.released == 0
         assert remote.link.device_waits + remote.link.host_waits >= engine.counters.chained
+        assert 0 < remote.link.taken_unanswered <= remote.link.device_waits
+        remote.close()
+        polled_engine, polled = remote_engine(address, model)
+        polled_tokens, polled_stats = generate(polled_engine, tokenizer)
+        polled.close()
+        assert polled_tokens == tokens
         if mode == "honest":
             assert sum(s.accepted for s in stats) > 0
-        remote.close()
+            assert [s.accepted for s in stats] == [s.accepted for s in polled_stats]
 
 
 def test_a_drafter_that_never_writes_its_done_value_costs_a_deadline_not_a_hang(tmp_path):

@@ -34,6 +34,7 @@
 #   bash tools/gpu_round.sh tiles     # the folds past 16 rows (row tiles, small weights): the default step's variants, served steps
 #   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
+#   bash tools/gpu_round.sh unanswered  # (next) device waits taking drafts before the answer: GPU tests, tokens/s
 #   bash tools/gpu_round.sh mps       # `specsplit up --mps`: its GPU test; the services under MPS against without
 #   bash tools/gpu_round.sh mps-timeline  # both services' work on one clock under MPS, both streams waiting on the device
 #   bash tools/gpu_round.sh context-launch  # the drafter's context k/v in one launch (on): GPU tests, tokens/s beside apart
@@ -50,8 +51,9 @@
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
-#   (next, after the thirty-fourth session: the services' step waits on the two hosts in turn, ~0.5 ms each late to
-#   launch; overlap them, then `mps-timeline` and `waves` again)
+#   (next, after the thirty-fourth session: the services' step waited on the two hosts in turn, ~0.5 ms each late to
+#   launch; with device waits the target no longer waits for the drafter's answer before its verify:
+#   bash tools/gpu_round.sh unanswered, then mps-timeline)
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
 # nineteenth session lost two fresh machines' start-up to a reply that came later than that.
@@ -510,6 +512,21 @@ mps)
       --batch 1 8 --waves 4 --rounds 2 --also-both-waits $flag --json-out "$OUT/split_$run.json" 2>&1 \
       | grep -E "^batch [0-9]+|mps|MPS" | sed "s/^/$run: /" | log
   done
+  ;;
+unanswered)
+  # (thirty-fourth session, not run yet) with device waits the target takes the drafts of the chained propose sent
+  # ahead before the drafter's answer and reads the answer after its verify launches (RemoteProposer._take_unanswered):
+  # until now each services step passed through both hosts in turn (timeline: GPU idle ~1.2 of 2.3 ms, target's
+  # host late 0.7, drafter's 0.5). The device-wait GPU tests (accepted drafts equal to host polls'), then tokens/s:
+  # the target's waits alone and both sides' beside host polls, three rounds
+  timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+    -k "waited_for or never_writes or device_waits" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  timeout 330 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --waves 4 --rounds 3 --also-device-waits --also-both-waits --json-out "$OUT/split_unanswered.json" 2>&1 \
+    | grep -E "^batch [0-9]+" | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
+    for k, v in d[b].items() if 'waits' in k or 'unanswered' in k}) for b in d if b.startswith('batch')]" \
+    "$OUT/split_unanswered.json" 2>&1 | log
   ;;
 mps-timeline)
   # (thirty-fourth session) under an MPS server of our own the services with both streams waiting on the device
