@@ -46,6 +46,9 @@ class MpsServer:
     """The parent's side: start the guard, hand `env` to each service, `stop()` after the services."""
 
     def __init__(self, lifeline: Lifeline, *, control: str = CONTROL, timeout: float = 30.0) -> None:
+        if os.environ.get(PIPE_ENV):
+            raise RuntimeError(f"{PIPE_ENV} is set ({os.environ[PIPE_ENV]}): this process, and the services it "
+                               f"starts, are clients of that MPS server already; leave out --mps")
         path = shutil.which(control)
         if path is None:
             raise RuntimeError(f"--mps needs NVIDIA's {control} on PATH (it comes with the driver; in a "

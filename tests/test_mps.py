@@ -62,6 +62,7 @@ def fake_control(tmp_path, monkeypatch):
     program.chmod(0o755)
     record = tmp_path / "record"
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)  # (a machine's own server: not this test's)
     monkeypatch.setenv("FAKE_MPS_RECORD", str(record))
     return record
 
@@ -143,6 +144,17 @@ def test_without_the_control_program_mps_is_refused_clearly(monkeypatch, tmp_pat
             MpsServer(lifeline)
     finally:
         lifeline.close()
+
+
+def test_an_mps_client_already_is_not_given_a_second_server(fake_control, monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/var/run/mps-of-the-node")
+    lifeline = Lifeline()
+    try:
+        with pytest.raises(RuntimeError, match="clients of that MPS server already; leave out --mps"):
+            MpsServer(lifeline)
+    finally:
+        lifeline.close()
+    assert not fake_control.exists()
 
 
 def test_mps_needs_a_cuda_device():
