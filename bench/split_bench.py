@@ -179,16 +179,15 @@ def served(engine: Engine, reqs: list[Request]) -> tuple[dict, tuple[int, float]
 
 # Engines like target_only's and in_process's with one kernel setting changed, side by side (--also-unfolded,
 # --also-no-pdl, --also-tables-apart), named by a suffix: the setting's module,
-# attribute and value for the variant, the ratio's name, and whether that ratio is the variant's rate over the
-# default's (else the default's over the variant's)
-KERNEL_VARIANTS = {"unfolded": (fused, "FOLD", False, "folded_over_unfolded", False),
-                   "nopdl": (_triton, "PDL", False, "pdl_over_nopdl", False),
-                   "tablesapart": (rope, "TABLES_IN_ONE_LAUNCH", False, "one_tables_launch_over_seven", False)}
+# attribute and value for the variant, and the ratio's name (the default's rate over the variant's)
+KERNEL_VARIANTS = {"unfolded": (fused, "FOLD", False, "folded_over_unfolded"),
+                   "nopdl": (_triton, "PDL", False, "pdl_over_nopdl"),
+                   "tablesapart": (rope, "TABLES_IN_ONE_LAUNCH", False, "one_tables_launch_over_seven")}
 
 
 @contextmanager
 def kernel_setting(engine: str):
-    """The setting an engine named *_unfolded, *_nopdl, *_tablesapart or *_maxsplits captures its graphs and
+    """The setting an engine named *_unfolded, *_nopdl or *_tablesapart captures its graphs and
     launches its kernels with (read at capture and at each eager launch: a graph keeps what it was captured with)."""
     suffix = engine.rsplit("_", 1)[-1]
     if suffix not in KERNEL_VARIANTS:
@@ -203,11 +202,6 @@ def kernel_setting(engine: str):
         setattr(module, attr, old)
 
 
-def variant_ratio(suffix: str, default_rate: float, variant_rate: float) -> float:
-    variant_first = KERNEL_VARIANTS[suffix][4]
-    return variant_rate / default_rate if variant_first else default_rate / variant_rate
-
-
 def round_ratios(rates: dict[str, list[float]]) -> dict:
     """Each round's tokens/s of target_only, in_process and services, the ratios within each round, and
     the median of each (a ratio's median over rounds, not a ratio of medians: each round's are side by
@@ -217,10 +211,9 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
               "services_over_in_process": [c / b for b, c in zip(local, split)],
               "services_over_target_only": [c / a for a, c in zip(base, split)]}
     for name in ("target_only", "in_process"):
-        for suffix, (*_, label, _) in KERNEL_VARIANTS.items():
+        for suffix, (*_, label) in KERNEL_VARIANTS.items():
             if f"{name}_{suffix}" in rates:
-                ratios[f"{name}_{label}"] = [variant_ratio(suffix, a, b)
-                                             for a, b in zip(rates[name], rates[f"{name}_{suffix}"])]
+                ratios[f"{name}_{label}"] = [a / b for a, b in zip(rates[name], rates[f"{name}_{suffix}"])]
     if "services_not_ahead" in rates:
         ratios["services_ahead_over_not_ahead"] = [c / d for c, d in zip(split, rates["services_not_ahead"])]
     if "services_unprepared" in rates:
@@ -473,7 +466,7 @@ def main() -> None:
                         engine = kernel_engines[variant] = Engine(model, drafter, conf)
                         run(engine, tokenizer, prompts, args.max_tokens, "warm")
                         other_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, name[0])
-                    ratio = variant_ratio(suffix, default["tokens_per_s"], result["tokens_per_s"])
+                    ratio = default["tokens_per_s"] / result["tokens_per_s"]
                     plain.update({variant: result, f"{name}_{label}": ratio,
                                   f"requests_differing_{name}_{label.replace('_over_', '_vs_')}": sum(
                                       a != b for a, b in zip(default_tokens, other_tokens))})
