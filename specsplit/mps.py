@@ -29,12 +29,19 @@ import time
 from pathlib import Path
 
 from specsplit.lifeline import Lifeline, watch_from_env
+from specsplit.shared.errors import SpecsplitError
 
 CONTROL = "nvidia-cuda-mps-control"
 CONTROL_ENV = "SPECSPLIT_MPS_CONTROL"  # the control program's path, from the parent to the guard
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 READY = "ready"  # a file the guard writes into FOLDER once the daemon answers
 QUIT_SECONDS = 15.0
+
+
+class MpsUnavailable(SpecsplitError, RuntimeError):
+    """No private MPS server could be started here (the command line prints it as an error, no traceback)."""
+
+    grpc_code = "FAILED_PRECONDITION"
 
 
 def client_env(folder: str | os.PathLike) -> dict[str, str]:
@@ -47,11 +54,11 @@ class MpsServer:
 
     def __init__(self, lifeline: Lifeline, *, control: str = CONTROL, timeout: float = 30.0) -> None:
         if os.environ.get(PIPE_ENV):
-            raise RuntimeError(f"{PIPE_ENV} is set ({os.environ[PIPE_ENV]}): this process, and the services it "
+            raise MpsUnavailable(f"{PIPE_ENV} is set ({os.environ[PIPE_ENV]}): this process, and the services it "
                                f"starts, are clients of that MPS server already; leave out --mps")
         path = shutil.which(control)
         if path is None:
-            raise RuntimeError(f"--mps needs NVIDIA's {control} on PATH (it comes with the driver; in a "
+            raise MpsUnavailable(f"--mps needs NVIDIA's {control} on PATH (it comes with the driver; in a "
                                f"container, with the NVIDIA container toolkit's compute capability)")
         self.folder = Path(tempfile.mkdtemp(prefix="specsplit-mps-"))
         self.env = client_env(self.folder)
@@ -70,9 +77,9 @@ class MpsServer:
         deadline = time.monotonic() + timeout
         while not (self.folder / READY).exists():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the MPS control daemon did not start:\n{self.log()[-2000:]}")
+                raise MpsUnavailable(f"the MPS control daemon did not start:\n{self.log()[-2000:]}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the MPS control daemon did not answer within {timeout:.0f} s:\n"
+                raise MpsUnavailable(f"the MPS control daemon did not answer within {timeout:.0f} s:\n"
                                    f"{self.log()[-2000:]}")
             time.sleep(0.05)
 

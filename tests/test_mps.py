@@ -157,6 +157,16 @@ def test_an_mps_client_already_is_not_given_a_second_server(fake_control, monkey
     assert not fake_control.exists()
 
 
+def test_the_command_line_reports_a_missing_control_program_as_an_error(monkeypatch, tmp_path, capsys):
+    from specsplit.cli import main
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    assert main(["up", "--mps", "--device", "cuda", "--target", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err  # (the server starts before the services: nothing else ran)
+    assert err.startswith("specsplit: error: --mps needs NVIDIA's nvidia-cuda-mps-control on PATH")
+
+
 def test_mps_needs_a_cuda_device():
     with pytest.raises(InvalidRequest, match="needs a CUDA device, not 'cpu'"):
         ServiceSpec(mps=True)
