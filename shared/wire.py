@@ -424,15 +424,21 @@ class ChainStep:
     written_value: int = 0  # written by the target's stream into the DONE buffer's element 1 after its writes (0: none)
 
     def __post_init__(self) -> None:
-        for name in ("settle_seq_ids", "settle_counts", "commit_seq_ids", "seq_ids", "ahead"):
-            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
-        if len(self.settle_seq_ids) != len(self.settle_counts) or len(self.seq_ids) != len(self.ahead):
+        # (parsed from every chained Step on the drafter's critical path: few Python operations a field)
+        settles, counts, commits, ids, ahead = (tuple(map(int, v)) for v in (
+            self.settle_seq_ids, self.settle_counts, self.commit_seq_ids, self.seq_ids, self.ahead))
+        set_field = object.__setattr__
+        set_field(self, "settle_seq_ids", settles)
+        set_field(self, "settle_counts", counts)
+        set_field(self, "commit_seq_ids", commits)
+        set_field(self, "seq_ids", ids)
+        set_field(self, "ahead", ahead)
+        if len(settles) != len(counts) or len(ids) != len(ahead):
             raise InvalidRequest("a chained step's settles and proposes take one count per sequence")
-        for what, ids in (("settles", self.settle_seq_ids), ("commit", self.commit_seq_ids),
-                          ("propose", self.seq_ids)):
-            if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+        for what, named in (("settles", settles), ("commit", commits), ("propose", ids)):
+            if named and (len(set(named)) != len(named) or min(named) < 0):
                 raise InvalidRequest(f"a chained step's {what} names a sequence twice, or a negative one")
-        if any(n < 0 for n in self.ahead) or self.commit_rows < 0 or self.num_drafts < 0:
+        if (ahead and min(ahead) < 0) or self.commit_rows < 0 or self.num_drafts < 0:
             raise InvalidRequest("a chained step's counts are >= 0")
         if bool(self.commit_seq_ids) != (self.commit_rows > 0) or bool(self.commit_seq_ids) != (self.rows is not None):
             raise InvalidRequest("a chained step's commit names its sequences, its rows per sequence and its rows")
@@ -486,11 +492,12 @@ class StepBatch:
 
     def __post_init__(self) -> None:
         for name in ("seqs", "proposes", "register", "release"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+            if type(getattr(self, name)) is not tuple:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         _nonneg("step_id", self.step_id)
         _nonneg("drafts_buffer", self.drafts_buffer)
-        for what, ids in (("seqs", [s.seq_id for s in self.seqs]), ("proposes", [p.seq_id for p in self.proposes])):
-            if len(set(ids)) != len(ids):
+        for what, items in (("seqs", self.seqs), ("proposes", self.proposes)):
+            if len(items) > 1 and len({s.seq_id for s in items}) != len(items):
                 raise InvalidRequest(f"a step names a sequence twice in {what}")
         if self.chain is not None and self.chain.seq_ids and self.proposes:
             raise InvalidRequest("a step proposes either chained or as usual, not both")
@@ -571,8 +578,9 @@ def step_to_proto(batch: StepBatch, columns: bool = False) -> drafter_pb2.StepRe
     whose operations fit them travels there, the others as a SeqStep or ProposeItem."""
     seqs, proposes = batch.seqs, batch.proposes
     verified = propose_columns = None
-    if columns:
+    if columns and seqs:
         verified, seqs = _verified_columns(seqs)
+    if columns and proposes:  # (none: no columns, as a chained step's Step goes every step)
         propose_columns, proposes = _propose_columns(proposes)
     return drafter_pb2.StepRequest(
         step_id=batch.step_id,
@@ -634,6 +642,17 @@ def step_from_proto(pb: drafter_pb2.StepRequest) -> tuple[StepBatch, list[SeqErr
     propose too), so one bad sequence does not fail the stream. Malformed connection-level fields, and
     columns of unequal lengths, raise.
     """
+    if not (pb.seqs or pb.proposes or pb.register_buffers or pb.release_buffers or pb.HasField("verified")
+            or pb.propose_columns.ByteSize()):
+        # A chained step's usual message, its chain alone (parsed on the drafter's critical path every step):
+        # what the general path below makes of it, with the same checks, in fewer Python operations
+        # (bench/wire_bench.py; tests/test_wire.py holds the two equal, refusals included)
+        return StepBatch(step_id=pb.step_id, draft_columns=pb.draft_columns, drafts_buffer=pb.drafts_buffer,
+                         chain=chain_from_proto(pb.chain) if pb.HasField("chain") else None), []
+    return _step_from_proto(pb)
+
+
+def _step_from_proto(pb: drafter_pb2.StepRequest) -> tuple[StepBatch, list[SeqError]]:
     errors: dict[int, SeqError] = {}
     seen: set[int] = set()
     seqs = _convert_each(pb.seqs, seq_step_from_proto, errors, seen)

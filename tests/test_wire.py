@@ -593,3 +593,61 @@ def test_a_drafts_buffer_descriptor_round_trips_and_int32_rows_do_not():
         wire.descriptor_from_proto(pb)
     with pytest.raises(InvalidRequest):
         wire.inline_from_proto(common_pb2.InlineRows(data=bytes(8), dtype=common_pb2.DTYPE_INT32, rows=1, cols=2))
+
+
+def _chain_message(**change) -> drafter_pb2.StepRequest:
+    """The steady chained step's Step as the target sends it (StepRequest.chain alone),
+    with `change` applied to its ChainStep's fields after encoding (hostile values included)."""
+    chain = wire.ChainStep(settle_seq_ids=(0, 2), settle_counts=(3, 1), commit_seq_ids=(0, 2), commit_rows=16,
+                           rows=RowRef(3, 0, 32, 7), feed=RowRef(5, 0, 3, 9), seq_ids=(0, 2), ahead=(4, 2),
+                           num_drafts=15, done_buffer=6, done_value=123, written_value=124)
+    pb = wire.step_to_proto(StepBatch(step_id=1000, draft_columns=True, drafts_buffer=4, chain=chain), columns=True)
+    for field, value in change.items():
+        target = pb if field in ("step_id", "drafts_buffer") else pb.chain
+        if isinstance(value, tuple):
+            del getattr(target, field)[:]
+            getattr(target, field).extend(value)
+        else:
+            setattr(target, field, value)
+    return drafter_pb2.StepRequest.FromString(pb.SerializeToString())
+
+
+VALID_CHAINS = [{}, {"settle_seq_ids": (), "settle_counts": ()}, {"step_id": 2 ** 63 - 1},
+                {"seq_ids": (), "ahead": (), "num_drafts": 0, "done_buffer": 0, "done_value": 0, "written_value": 0}]
+REFUSED_CHAINS = [{"settle_seq_ids": (0, 0)}, {"settle_counts": (1,)}, {"commit_seq_ids": (-1, 2)}, {"seq_ids": (2, 2)},
+                  {"ahead": (4, -1)}, {"commit_rows": 0}, {"num_drafts": 0}, {"done_value": 0}, {"done_buffer": 0},
+                  {"written_value": 2 ** 32 - 1, "done_buffer": 0}]
+
+
+@pytest.mark.parametrize("change", VALID_CHAINS + REFUSED_CHAINS, ids=lambda change: ",".join(change) or "as-sent")
+def test_a_chained_steps_message_parses_by_its_short_path_as_by_the_general_one(change):
+    """`step_from_proto` takes a short path for a Step that only chains (every steady chained step's): it must
+    give what the general parse gives, and refuse what it refuses, with the same words."""
+    pb = _chain_message(**change)
+    assert not (pb.seqs or pb.proposes or pb.HasField("verified") or pb.HasField("propose_columns"))
+    outcomes = []
+    for parse in (wire.step_from_proto, wire._step_from_proto):
+        try:
+            outcomes.append(parse(pb))
+        except InvalidRequest as err:
+            outcomes.append(("refused", str(err)))
+    assert outcomes[0] == outcomes[1]
+    assert isinstance(outcomes[0][0], StepBatch) == (change in VALID_CHAINS), outcomes[0]
+
+
+def test_a_message_with_more_than_a_chain_takes_the_general_parse(monkeypatch):
+    """Anything beside the chain (a sequence's operations, proposes, buffers, non-empty columns) goes the
+    general way, where each entry is checked on its own."""
+    taken = []
+    monkeypatch.setattr(wire, "_step_from_proto", lambda pb: taken.append(pb) or ("general", []))
+    pb = _chain_message()
+    wire.step_from_proto(pb)
+    pb.propose_columns.SetInParent()  # (empty columns, as a target before this one sent every step: short too)
+    wire.step_from_proto(pb)
+    assert taken == []
+    for extend in (lambda m: m.release_buffers.append(3), lambda m: m.propose_columns.seq_ids.append(1),
+                   lambda m: m.seqs.add(seq_id=1)):
+        pb = _chain_message()
+        extend(pb)
+        assert wire.step_from_proto(pb) == ("general", [])
+    assert len(taken) == 3
