@@ -35,6 +35,7 @@
 #   bash tools/gpu_round.sh tiles-tests   # ... the GPU tests of everything that runs fused layers
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
 #   bash tools/gpu_round.sh unanswered  # (next) device waits taking drafts before the answer: GPU tests, tokens/s
+#   bash tools/gpu_round.sh services-host  # (next) where both hosts' time goes in a services step, by function
 #   bash tools/gpu_round.sh mps       # `specsplit up --mps`: its GPU test; the services under MPS against without
 #   bash tools/gpu_round.sh mps-timeline  # both services' work on one clock under MPS, both streams waiting on the device
 #   bash tools/gpu_round.sh context-launch  # the drafter's context k/v in one launch (on): GPU tests, tokens/s beside apart
@@ -53,7 +54,7 @@
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 #   (next, after the thirty-fourth session: the services' step waited on the two hosts in turn, ~0.5 ms each late to
 #   launch; with device waits the target no longer waits for the drafter's answer before its verify:
-#   bash tools/gpu_round.sh unanswered, then mps-timeline)
+#   bash tools/gpu_round.sh unanswered, then services-host, mps-timeline)
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
 # nineteenth session lost two fresh machines' start-up to a reply that came later than that.
@@ -527,6 +528,17 @@ unanswered)
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
     for k, v in d[b].items() if 'waits' in k or 'unanswered' in k}) for b in d if b.startswith('batch')]" \
     "$OUT/split_unanswered.json" 2>&1 | log
+  ;;
+services-host)
+  # (thirty-fourth session, not run yet) both hosts are on a services step's critical path (timeline: each late
+  # ~0.5 ms a step); the drafter's phases of a chained Step (one stream, host polls): parse 0.10 ms (since then
+  # 1.55x faster on the CPU), the step's preparation 0.17, waiting for the target's writes 0.20, the launch 0.13.
+  # The target's side under cProfile (per step, by function), then the drafter's host with Python stacks
+  timeout 240 python bench/host_profile.py --batch 1 8 --split --steps 300 --out "$OUT" 2>&1 | grep -v INFO \
+    | grep -E -A24 "ms/step" | log
+  timeout 200 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 \
+    --drafter-profile 200:500 "$OUT/drafter_host" --drafter-profile-host 2>&1 | grep -E "^batch [0-9]+" | log
+  ls "$OUT"/drafter_host* 2>&1 | log
   ;;
 mps-timeline)
   # (thirty-fourth session) under an MPS server of our own the services with both streams waiting on the device
