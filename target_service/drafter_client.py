@@ -951,10 +951,7 @@ class RemoteProposer:
             if answer.in_buffer != want:
                 self._disconnect()
                 raise DrafterUnavailable("the drafter answered a chained propose for other sequences")
-            tokens = conn.drafts.tensor[:n, :num_drafts].clone()
-            self._note_read(conn)
-            self.link.drafts_on_device += n
-            return tokens
+            return self._drafts_in_buffer(conn, n, num_drafts)
         drafts = [answer.proposals.get(seq_id) for seq_id in batch.seq_ids]
         if any(p is None or len(p.tokens) != num_drafts for p in drafts):
             self._disconnect()
@@ -981,16 +978,22 @@ class RemoteProposer:
             return None
         left = max(STEP_DEADLINE_FLOOR, conn.sent_at + self.step_deadline() - time.perf_counter())
         self._waits.wait(conn.done.tensor, conn.done_sent, time.perf_counter() + left)  # before the read below
-        tokens = conn.drafts.tensor[:n, :num_drafts].clone()
-        self._note_read(conn)
+        tokens = self._drafts_in_buffer(conn, n, num_drafts)
         self._chain_ahead = None
         self._ahead = self._ahead_result = None  # (as chain_propose drops a step-by-step prefetch's)
         self._taken_unanswered = tuple((seq_id, num_drafts) for seq_id in batch.seq_ids)
         self.link.device_waits += 1
         self.link.drafts_ahead += n
         self.link.chain_taken_ahead += 1
-        self.link.drafts_on_device += n
         self.link.taken_unanswered += 1
+        return tokens
+
+    def _drafts_in_buffer(self, conn: _Connection, n: int, num_drafts: int) -> torch.Tensor:
+        """A copy of the first n rows' drafts in our drafts buffer, queued on our stream (ordered after the
+        drafter's writes by whoever called), the read noted for the next Step that offers the buffer."""
+        tokens = conn.drafts.tensor[:n, :num_drafts].clone()
+        self._note_read(conn)
+        self.link.drafts_on_device += n
         return tokens
 
     def chain_settle(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
