@@ -40,7 +40,9 @@ def sync(device: str) -> None:
 
 def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int, device: str) -> str:
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
-    params = SamplingParams(max_tokens=16 * (2 * steps + 40), ignore_eos=True)
+    # enough tokens for every step measured (16 a step at most), within the model's context
+    room = engine.model.config.max_position_embeddings - len(prompt)
+    params = SamplingParams(max_tokens=min(16 * (2 * steps + 40), room), ignore_eos=True)
     for i in range(batch):
         engine.add(Request(f"r{i}", prompt, params))
     for _ in range(20):  # prefill, graph captures of the buckets in use
@@ -115,6 +117,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--split", action="store_true", help="profile the target side of the split too")
+    ap.add_argument("--both-waits", action="store_true",
+                    help="(--split) both streams wait on the device: the drafter's for the target's writes "
+                         "(drafter --device-waits), the target's for the drafts (RemoteProposer(device_waits=True))")
+    ap.add_argument("--split-only", action="store_true", help="(--split) only the services, not in-process too")
+    ap.add_argument("--drafter-trace", default=None, metavar="PATH",
+                    help="(--split) the drafter's host during Step messages 300 to 600 (the first batch's steady "
+                         "steps) with Python stacks, a Chrome trace at PATH (drafter serve --profile-host)")
     ap.add_argument("--serving", type=int, default=0, metavar="N",
                     help="instead: N held-out prompts through --batch slots, admitted as others end, in-process")
     ap.add_argument("--max-tokens", type=int, default=128, help="(--serving) tokens per request")
@@ -147,7 +156,7 @@ def main() -> None:
                                                args.steps, args.device)
         print(text, flush=True)
         texts.append(text)
-    for batch in args.batch:
+    for batch in () if args.split and args.split_only else args.batch:
         text = "in-process " + profile_engine(Engine(model, local, EngineConfig(max_batch=batch)), tokenizer, batch,
                                               args.steps, args.device)
         print(text, flush=True)
@@ -157,14 +166,17 @@ def main() -> None:
 
         sock = f"unix:{tempfile.mkdtemp(prefix='specsplit-prof-')}/drafter.sock"
         proc = subprocess.Popen([sys.executable, "-m", "specsplit", "drafter", "serve", "--listen", sock,
-                                 "--drafter", args.drafter, "--device", args.device, "--seed", "0"])
+                                 "--drafter", args.drafter, "--device", args.device, "--seed", "0"]
+                                + (["--device-waits", "--max-targets", "1"] if args.both_waits else [])
+                                + (["--profile-steps", "300:600", "--profile-out", args.drafter_trace, "--profile-host"]
+                                   if args.drafter_trace else []))
         print(f"drafter service pid {proc.pid}", flush=True)
         try:
             wait_healthy(sock, 300)
             remote = RemoteProposer(sock, device=args.device, dtype=setup.torch_dtype,
-                                    head=(model.embed_weight, model.lm_head_weight))
+                                    head=(model.embed_weight, model.lm_head_weight), device_waits=args.both_waits)
             for batch in args.batch:
-                text = "services " + profile_engine(Engine(model, remote, EngineConfig(max_batch=batch)), tokenizer,
+                text = ("services, both waits, " if args.both_waits else "services ") + profile_engine(Engine(model, remote, EngineConfig(max_batch=batch)), tokenizer,
                                                     batch, args.steps, args.device)
                 print(text, flush=True)
                 texts.append(text)

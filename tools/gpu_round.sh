@@ -36,6 +36,7 @@
 #   bash tools/gpu_round.sh tiles-served  # ... tokens/s with the folds against without, three rounds
 #   bash tools/gpu_round.sh unanswered  # (next) device waits taking drafts before the answer: GPU tests, tokens/s
 #   bash tools/gpu_round.sh services-host  # (next) where both hosts' time goes in a services step, by function
+#   bash tools/gpu_round.sh both-host  # both streams on device waits: the target's host by function, the drafter's by stack
 #   bash tools/gpu_round.sh mps       # `specsplit up --mps`: its GPU test; the services under MPS against without
 #   bash tools/gpu_round.sh mps-timeline  # both services' work on one clock under MPS, both streams waiting on the device
 #   bash tools/gpu_round.sh context-launch  # the drafter's context k/v in one launch (on): GPU tests, tokens/s beside apart
@@ -534,11 +535,29 @@ services-host)
   # ~0.5 ms a step); the drafter's phases of a chained Step (one stream, host polls): parse 0.10 ms (since then
   # 1.55x faster on the CPU), the step's preparation 0.17, waiting for the target's writes 0.20, the launch 0.13.
   # The target's side under cProfile (per step, by function), then the drafter's host with Python stacks
-  timeout 240 python bench/host_profile.py --batch 1 8 --split --steps 300 --out "$OUT" 2>&1 | grep -v INFO \
-    | grep -E -A24 "ms/step" | log
-  timeout 200 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 \
-    --drafter-profile 200:500 "$OUT/drafter_host" --drafter-profile-host 2>&1 | grep -E "^batch [0-9]+" | log
-  ls "$OUT"/drafter_host* 2>&1 | log
+  # (thirty-fifth session: host_profile asked for more tokens than the context holds and printed nothing; the
+  # drafter's host under the profiler: ~1 graph launch and 3.4 slices a chained Step, 0.21 ms of torch calls).
+  # Then both services' work on one clock without MPS, both streams waiting on the device, the answer taken
+  # after the verify's launch
+  timeout 200 python bench/host_profile.py --batch 1 8 --split --steps 300 --out "$OUT" > "$OUT/host_profile.txt" 2>&1
+  grep -v -E "INFO|^I1" "$OUT/host_profile.txt" | grep -E -A24 "ms/step|Error" | log
+  (cd bench && timeout 120 python timeline.py --batch 1 --max-tokens 256 --skip 50 --steps 150 --drafter-device-waits \
+    --out "$OUT/b1" 2>&1 | grep -v INFO | tail -14 | log)
+  (cd bench && timeout 130 python timeline.py --batch 8 --max-tokens 1024 --skip 30 --steps 100 --drafter-device-waits \
+    --out "$OUT/b8" 2>&1 | grep -v INFO | tail -14 | log)
+  ;;
+both-host)
+  # (thirty-fifth session) with both streams waiting on the device and the answer taken after the verify's launch,
+  # the services ran 1.13x host polls at one stream (0.68x in-process) but 0.86x at eight; the target's host still
+  # spent 0.88 ms of a 1.40 ms step in the drafter's calls. (The timeline above is no guide to the hosts: under
+  # CUPTI a graph's launch costs ~1.4 us a node, the drafter's 100-node graph 140 us.) Where both hosts wait: the
+  # target under cProfile, the drafter's host with Python stacks (Step messages 300-600: one stream's steady
+  # steps), by function
+  timeout 240 python bench/host_profile.py --batch 1 8 --split --split-only --both-waits --steps 300 \
+    --drafter-trace "$OUT/drafter_both.json" --out "$OUT" > "$OUT/host_profile_both.txt" 2>&1
+  grep -v -E "INFO|^I1" "$OUT/host_profile_both.txt" | grep -E -A40 "ms/step|Error" | log
+  python bench/trace_functions.py "$OUT/drafter_both.json" --steps 300 --top 45 2>&1 | head -60 | log
+  gzip -f "$OUT/drafter_both.json" 2>/dev/null
   ;;
 mps-timeline)
   # (thirty-fourth session) under an MPS server of our own the services with both streams waiting on the device
