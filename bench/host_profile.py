@@ -22,7 +22,9 @@ import time
 
 import torch
 
+from specsplit.lifeline import Lifeline
 from specsplit.local import LocalSetup, make_drafter, target_dir
+from specsplit.mps import MpsServer
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.serving import wait_healthy
 from specsplit.shared.tokenizer import Tokenizer
@@ -38,6 +40,35 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class ReplayClock:
+    """(--time-replays) host seconds inside CUDAGraph.replay (cudaGraphLaunch and the GIL's return), counted
+    while `on`: unprofiled, and on this thread alone (Python 3.12's cProfile sees every thread's calls, so
+    its figures for a call that lets the GIL go hold other threads' work)."""
+
+    def __init__(self) -> None:
+        self.on, self.seconds, self.calls = False, 0.0, 0
+        self._replay = torch.cuda.CUDAGraph.replay
+        clock = self
+
+        def replay(graph) -> None:
+            if not clock.on:
+                return clock._replay(graph)
+            started = time.perf_counter()
+            try:
+                return clock._replay(graph)
+            finally:
+                clock.seconds += time.perf_counter() - started
+                clock.calls += 1
+
+        torch.cuda.CUDAGraph.replay = replay
+
+    def line(self, steps: int) -> str:
+        return f"; graph replays {self.calls / steps:.1f} a step, {self.seconds / steps * 1e6:.1f} µs a step"
+
+
+REPLAYS: ReplayClock | None = None
+
+
 def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int, device: str) -> str:
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     # enough tokens for every step measured (16 a step at most), within the model's context
@@ -48,11 +79,16 @@ def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int,
     for _ in range(20):  # prefill, graph captures of the buckets in use
         engine.step()
     sync(device)
+    if REPLAYS is not None:
+        REPLAYS.on, REPLAYS.seconds, REPLAYS.calls = True, 0.0, 0
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync(device)
     wall = (time.perf_counter() - started) / steps
+    replays = ""
+    if REPLAYS is not None:
+        REPLAYS.on, replays = False, REPLAYS.line(steps)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
@@ -61,7 +97,7 @@ def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int,
     prof.disable()
     for request_id in list(engine.running):
         engine.abort(request_id)
-    return profile_lines(prof, steps, f"batch {batch}: {wall * 1e3:.3f} ms/step unprofiled")
+    return profile_lines(prof, steps, f"batch {batch}: {wall * 1e3:.3f} ms/step unprofiled{replays}")
 
 
 def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int, device: str) -> str:
@@ -130,9 +166,29 @@ def main() -> None:
     ap.add_argument("--target-only", action="store_true",
                     help="the steady-state profiles of the engine with no drafter too (its decode steps launched "
                          "ahead: where the host's part of a step outlasts the device's, the device waits)")
+    ap.add_argument("--time-replays", action="store_true",
+                    help="also the host's time inside CUDA graph replays in the unprofiled steps")
+    ap.add_argument("--mps", action="store_true",
+                    help="this process and the drafter service as clients of a private NVIDIA MPS server "
+                         "(specsplit.mps, as `specsplit up --mps`)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
+    mps = None
+    if args.mps:  # before this process's CUDA context is made
+        mps = MpsServer(Lifeline())
+        os.environ.update(mps.env)  # (the drafter service started below inherits it)
+    try:
+        run(args)
+    finally:
+        if mps is not None:
+            mps.stop()
+
+
+def run(args: argparse.Namespace) -> None:
+    global REPLAYS
+    if args.time_replays:
+        REPLAYS = ReplayClock()
     setup = LocalSetup(drafter=args.drafter, device=args.device, seed=0)
     folder = target_dir("default")
     model = load_target(folder, dtype=setup.torch_dtype, device=args.device)

@@ -20,6 +20,12 @@ dropped).
 Waits on one stream end in order; `wait` and the watchdog forget the ones whose events show them done. A
 released wait stays watched, and its value is written again every RELEASE_AGAIN seconds until its event
 is done: a peer may still write an older value over ours (a wait behind it would block again).
+
+The watchdog looks only when a deadline may have come: at the earliest one, or every IDLE_LOOK seconds
+with nothing armed. A wait is armed every step, each done long before its deadline (a second or more),
+so `wait` wakes the watchdog only for a deadline before its next look. (Woken at every wait, the
+watchdog took the GIL at every step, on both hosts, right after the wait was queued: while the
+launch behind it released the GIL.)
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ log = logging.getLogger(__name__)
 
 RELEASE_AGAIN = 0.01  # seconds between writes of a released wait's value, until the stream is past it
 FAILED_WRITE_RETRY = 0.05  # seconds before the watchdog tries again after the driver refused a write
+IDLE_LOOK = 1.0  # seconds between the watchdog's looks while no wait is armed
 
 
 @dataclass(eq=False)  # (compared by identity)
@@ -72,6 +79,8 @@ class DeviceWaits:
         self.failure: str | None = None  # why waits were released at a deadline (read and cleared by the owner)
         self.armed = 0  # waits queued ...
         self.released = 0  # ... and those we released ourselves (deadline or dropped connection)
+        self.looks = 0  # times the watchdog woke and looked
+        self._next_look: float | None = None  # when the watchdog looks next unless woken (None: looking now)
 
     def wait(self, done: torch.Tensor, value: int, deadline: float) -> None:
         """Queue on the current stream a wait until `done`'s element 0 is >= value (wrap-aware), watched
@@ -84,13 +93,12 @@ class DeviceWaits:
         event.record(stream)
         with self._lock:
             self._forget_done()
-            earliest = self._earliest()
             self._armed.append(_Armed(done, value, event, deadline))
             self.armed += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="specsplit-device-waits", daemon=True)
                 self._thread.start()
-            if earliest is None or deadline < earliest:  # the watchdog sleeps until the earliest deadline
+            elif self._next_look is None or deadline < self._next_look:  # (else it looks before this deadline)
                 self._wake.notify()
 
     def drain(self, timeout: float) -> bool:
@@ -169,11 +177,18 @@ class DeviceWaits:
         for entry in last.values():
             self._ops.write(self._side, entry.done.data_ptr(), entry.value)
 
+    def _sleep(self, seconds: float) -> None:
+        """Wait for a notify or `seconds` (the lock held on entry and on return), telling `wait` when."""
+        self._next_look = time.perf_counter() + seconds
+        self._wake.wait(timeout=seconds)
+        self._next_look = None  # (looking now: until the next sleep, any wait armed finds it awake)
+
     def _watch(self) -> None:
         with self._lock:
             placed = False
             while True:
                 try:
+                    self.looks += 1
                     if not placed and self._index is not None:
                         torch.cuda.set_device(self._index)  # (this thread's current context: our GPU's)
                     placed = True
@@ -181,17 +196,17 @@ class DeviceWaits:
                     if self._closed and not self._armed:
                         return
                     if not self._armed:
-                        self._wake.wait()
+                        self._sleep(IDLE_LOOK)
                         continue
                     if any(entry.released for entry in self._armed):
                         self._write_last_values()  # again, until the stream is past them
-                        self._wake.wait(timeout=RELEASE_AGAIN)
+                        self._sleep(RELEASE_AGAIN)
                         continue
                     if self._closed:
                         return
                     left = self._earliest() - time.perf_counter()
                     if left > 0:
-                        self._wake.wait(timeout=left)
+                        self._sleep(left)
                         continue
                     self._release_locked()  # (written before the client can see the failure)
                     self.failure = (f"the {self._peer} did not write {self._what} within its deadline; "
@@ -200,4 +215,4 @@ class DeviceWaits:
                 except Exception as exc:  # noqa: BLE001 - the watchdog must outlive a refused write
                     log.warning("device waits: %s: %s; trying again", type(exc).__name__, exc)
                     self.failure = self.failure or f"a device wait could not be released ({exc})"
-                    self._wake.wait(timeout=FAILED_WRITE_RETRY)
+                    self._sleep(FAILED_WRITE_RETRY)

@@ -1195,9 +1195,12 @@ class RemoteProposer:
     def step_deadline(self) -> float:
         """Seconds the next Step answer may take (see STEP_DEADLINE_FACTOR): a drafter that stopped
         answering is given up on after a few of its usual step times, not after --drafter-timeout."""
-        recent = sorted(itertools.islice(reversed(self.link.answer_seconds), STEP_DEADLINE_SAMPLES))
+        recent = list(itertools.islice(reversed(self.link.answer_seconds), STEP_DEADLINE_SAMPLES))
         if len(recent) < STEP_DEADLINE_MIN_SAMPLES:
             return self.timeout
+        if STEP_DEADLINE_FACTOR * max(recent) <= STEP_DEADLINE_FLOOR:  # (the usual case, asked every step: no sort)
+            return min(self.timeout, STEP_DEADLINE_FLOOR)
+        recent.sort()
         p99 = recent[min(len(recent) - 1, int(0.99 * len(recent)))]
         return min(self.timeout, max(STEP_DEADLINE_FLOOR, STEP_DEADLINE_FACTOR * p99))
 

@@ -142,6 +142,45 @@ def test_dropping_the_drafter_releases_every_pending_wait_once_per_buffer(device
         waits.close()
 
 
+def test_waits_done_in_time_do_not_wake_the_watchdog_before_their_deadlines(device):
+    """A wait armed every step, each done long before its deadline: the watchdog looks at the earliest
+    deadline or every IDLE_LOOK seconds, not at every wait (it took the GIL at every step)."""
+    waits = DeviceWaits(device, torch.device("cpu"))
+    flag = _flag()
+    try:
+        waits.wait(flag, 1, time.perf_counter() + 30)  # (starts the watchdog)
+        time.sleep(0.05)  # (asleep until that deadline)
+        looks = waits.looks
+        for value in range(1, 201):
+            device.write(SimpleNamespace(name="drafter"), flag.data_ptr(), value)
+            waits.wait(flag, value + 1, time.perf_counter() + 30)
+        time.sleep(0.05)
+        assert waits.looks == looks and waits.pending == 1 and waits.failure is None
+    finally:
+        device.write(SimpleNamespace(name="drafter"), flag.data_ptr(), 201)
+        waits.close()
+
+
+def test_a_wait_due_before_the_watchdogs_next_look_wakes_it(device):
+    """A deadline before the watchdog's next look (asleep until a far one, or idle) still releases at
+    that deadline."""
+    waits = DeviceWaits(device, torch.device("cpu"))
+    far, near = _flag(), _flag()
+    try:
+        waits.wait(far, 1, time.perf_counter() + 30)
+        device.write(SimpleNamespace(name="drafter"), far.data_ptr(), 1)
+        time.sleep(0.05)  # (the watchdog asleep until the far deadline)
+        started = time.perf_counter()
+        waits.wait(near, 7, started + 0.1)
+        deadline = time.monotonic() + 0.8  # (well before the far deadline and the idle look)
+        while waits.failure is None:
+            assert time.monotonic() < deadline, "the near deadline did not wake the watchdog"
+            time.sleep(0.01)
+        assert time.perf_counter() - started >= 0.1 and device.writes[1:] == [("side", near.data_ptr(), 7)]
+    finally:
+        waits.close()
+
+
 def test_done_values_wrap_past_zero_and_the_wait_compares_across_the_wrap():
     assert next_value(0) == 1 and next_value(7) == 8 and next_value(2**32 - 1) == 1
     memory = {0: 2**32 - 1}

@@ -37,6 +37,8 @@
 #   bash tools/gpu_round.sh unanswered  # (next) device waits taking drafts before the answer: GPU tests, tokens/s
 #   bash tools/gpu_round.sh services-host  # (next) where both hosts' time goes in a services step, by function
 #   bash tools/gpu_round.sh both-host  # both streams on device waits: the target's host by function, the drafter's by stack
+#   bash tools/gpu_round.sh replays   # the host's time in graph replays, in-process against the services, with/without MPS
+#   bash tools/gpu_round.sh watchdog  # the device waits' watchdog no longer woken at every wait: GPU tests, tokens/s
 #   bash tools/gpu_round.sh mps       # `specsplit up --mps`: its GPU test; the services under MPS against without
 #   bash tools/gpu_round.sh mps-timeline  # both services' work on one clock under MPS, both streams waiting on the device
 #   bash tools/gpu_round.sh context-launch  # the drafter's context k/v in one launch (on): GPU tests, tokens/s beside apart
@@ -146,7 +148,7 @@ chain)
   # target's host time and the round trip ran in series: 2.34 ms a step against in-process 1.28), and the
   # drafter's graphs on by default (they replayed there: its host 0.43 ms a Step against 1.06). GPU tests,
   # then tokens/s with proposes ahead against not ahead and chained against step by step, three rounds
-  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+  timeout 150 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
     -k "graphs_draft_as_uncaptured or (drafts_left and chained)" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -12 | log
   timeout 300 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
     --also-not-ahead --also-unchained --rounds 3 --json-out "$OUT/split_chain.json" 2>&1 | grep -v INFO | tail -2 | log
@@ -272,7 +274,7 @@ pdl-default)
     timeout 90 python bench/floor_profile.py --target $target --pdl --out "$OUT" 2>&1 | grep -v INFO \
       | grep -E "x  " | log
   done
-  timeout 200 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+  timeout 110 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
     --also-no-pdl --rounds 3 --json-out "$OUT/split_pdl.json" 2>&1 | grep -v INFO | grep -E "pdl" | log
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
     for k, v in d[b].items() if 'over' in k or 'differing' in k or k == 'rounds'}) for b in d if b.startswith('batch')]" \
@@ -288,7 +290,7 @@ tables)
   # against torch's seven launches (its requests' tokens compared)
   timeout 120 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_fused_kernels.py 2>&1 \
     | grep -E "Error|error|assert|FAILED|passed|failed" | tail -8 | log
-  timeout 200 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+  timeout 110 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
     --also-tables-apart --rounds 3 --json-out "$OUT/split_tables.json" 2>&1 | grep -v INFO | grep -E "tablesapart" | log
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
     for k, v in d[b].items() if 'over' in k or 'differing' in k}, d[b]['rounds']['median']) for b in d if b.startswith('batch')]" \
@@ -558,6 +560,30 @@ both-host)
   grep -v -E "INFO|^I1" "$OUT/host_profile_both.txt" | grep -E -A40 "ms/step|Error" | log
   python bench/trace_functions.py "$OUT/drafter_both.json" --steps 300 --top 45 2>&1 | head -60 | log
   gzip -f "$OUT/drafter_both.json" 2>/dev/null
+  ;;
+replays)
+  # (thirty-fifth session) the target's cProfile put ~0.5-0.7 ms a step under the services' graph replay (in-process
+  # ~0.03), host polls or device waits alike; cProfile on Python 3.12 sees every thread, so timed here on this
+  # thread alone, unprofiled: in-process against the services, host polls, both waits, and both waits under MPS
+  # (is it the launch waiting for the GPU's time slice between the two processes' contexts?)
+  timeout 150 python bench/host_profile.py --batch 1 8 --split --time-replays --steps 200 > "$OUT/replays.txt" 2>&1
+  timeout 80 python bench/host_profile.py --batch 1 8 --split --split-only --both-waits --time-replays --steps 200 \
+    >> "$OUT/replays.txt" 2>&1
+  timeout 80 python bench/host_profile.py --batch 1 8 --split --split-only --both-waits --time-replays --steps 200 \
+    --mps 2>&1 | sed "s/^/mps: /" >> "$OUT/replays.txt"
+  grep -E "ms/step|Error|error:" "$OUT/replays.txt" | log
+  ;;
+watchdog)
+  # (thirty-fifth session) the device waits' watchdog looks at the earliest deadline or every second, no longer
+  # woken by every wait (it took the GIL at every step on both hosts): the device-wait GPU tests (a peer that never
+  # writes is released at its deadline), then tokens/s, both waits and the target's alone beside host polls
+  timeout 150 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+    -k "waited_for or never_writes or device_waits" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  timeout 110 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --waves 4 --rounds 2 --also-device-waits --also-both-waits --json-out "$OUT/split_watchdog.json" 2>&1 \
+    | grep -E "^batch [0-9]+" | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) for k, v in d[b].items() \
+    if isinstance(v, float) and ('over' in k)}) for b in d if b.startswith('batch')]" "$OUT/split_watchdog.json" 2>&1 | log
   ;;
 mps-timeline)
   # (thirty-fourth session) under an MPS server of our own the services with both streams waiting on the device
