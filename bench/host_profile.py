@@ -114,15 +114,26 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
         return steps
 
     run("w")
+    link = getattr(engine.proposer, "link", None)  # (a drafter service's: the Steps its host waited for)
+    waited = len(link.step_seconds) if link is not None else 0
+    if REPLAYS is not None:
+        REPLAYS.on, REPLAYS.seconds, REPLAYS.calls = True, 0.0, 0
     started = time.perf_counter()
     steps = run("t")
     wall = (time.perf_counter() - started) / steps
+    extra = ""
+    if REPLAYS is not None:
+        REPLAYS.on, extra = False, REPLAYS.line(steps)
+    if link is not None:
+        answers = list(link.step_seconds)[waited:]
+        extra += (f"; Step answers waited for {len(answers) / steps:.2f} a step, "
+                  f"{sum(answers) / steps * 1e3:.3f} ms a step")
     prof = cProfile.Profile()
     prof.enable()
     steps = run("p")
     prof.disable()
     return profile_lines(prof, steps, f"serving {len(prompts)} prompts through {batch} slots, {max_tokens} tokens: "
-                                      f"{steps} engine steps, {wall * 1e3:.3f} ms/step unprofiled")
+                                      f"{steps} engine steps, {wall * 1e3:.3f} ms/step unprofiled{extra}")
 
 
 def profile_lines(prof: cProfile.Profile, steps: int, head: str) -> str:
@@ -161,7 +172,8 @@ def main() -> None:
                     help="(--split) the drafter's host during Step messages 300 to 600 (the first batch's steady "
                          "steps) with Python stacks, a Chrome trace at PATH (drafter serve --profile-host)")
     ap.add_argument("--serving", type=int, default=0, metavar="N",
-                    help="instead: N held-out prompts through --batch slots, admitted as others end, in-process")
+                    help="instead: N held-out prompts through --batch slots, admitted as others end (in-process; "
+                         "with --split, through the drafter service too)")
     ap.add_argument("--max-tokens", type=int, default=128, help="(--serving) tokens per request")
     ap.add_argument("--target-only", action="store_true",
                     help="the steady-state profiles of the engine with no drafter too (its decode steps launched "
@@ -195,49 +207,46 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.from_dir(folder)
     local = make_drafter(args.drafter, model, setup)
     texts = []
-    if args.serving:
-        from specsplit.train_data import HELDOUT_PATH, read_prompts
 
-        prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH, args.serving)]
-        for batch in args.batch:
-            for name, drafter in (("target-only", None), ("in-process", local)):
-                engine = Engine(model, drafter, EngineConfig(max_batch=batch), eos_ids=tokenizer.eos_token_ids)
-                text = f"{name} " + profile_serving(engine, prompts,
-                                                    args.max_tokens, batch, args.device)
-                print(text, flush=True)
-                texts.append(text)
-        args.batch = []  # (the steady-state profiles below are not run)
-    for batch in args.batch if args.target_only else ():
-        text = "target-only " + profile_engine(Engine(model, None, EngineConfig(max_batch=batch)), tokenizer, batch,
-                                               args.steps, args.device)
+    def report(text: str) -> None:
         print(text, flush=True)
         texts.append(text)
-    for batch in () if args.split and args.split_only else args.batch:
-        text = "in-process " + profile_engine(Engine(model, local, EngineConfig(max_batch=batch)), tokenizer, batch,
-                                              args.steps, args.device)
-        print(text, flush=True)
-        texts.append(text)
-    if args.split:
-        from specsplit.target_service.drafter_client import RemoteProposer
 
-        sock = f"unix:{tempfile.mkdtemp(prefix='specsplit-prof-')}/drafter.sock"
-        proc = subprocess.Popen([sys.executable, "-m", "specsplit", "drafter", "serve", "--listen", sock,
-                                 "--drafter", args.drafter, "--device", args.device, "--seed", "0"]
-                                + (["--device-waits", "--max-targets", "1"] if args.both_waits else [])
-                                + (["--profile-steps", "300:600", "--profile-out", args.drafter_trace, "--profile-host"]
-                                   if args.drafter_trace else []))
-        print(f"drafter service pid {proc.pid}", flush=True)
-        try:
+    proc = remote = None
+    services = "services, both waits, " if args.both_waits else "services "
+    try:
+        if args.split:
+            from specsplit.target_service.drafter_client import RemoteProposer
+
+            sock = f"unix:{tempfile.mkdtemp(prefix='specsplit-prof-')}/drafter.sock"
+            proc = subprocess.Popen([sys.executable, "-m", "specsplit", "drafter", "serve", "--listen", sock,
+                                     "--drafter", args.drafter, "--device", args.device, "--seed", "0"]
+                                    + (["--device-waits", "--max-targets", "1"] if args.both_waits else [])
+                                    + (["--profile-steps", "300:600", "--profile-out", args.drafter_trace,
+                                        "--profile-host"] if args.drafter_trace else []))
+            print(f"drafter service pid {proc.pid}", flush=True)
             wait_healthy(sock, 300)
             remote = RemoteProposer(sock, device=args.device, dtype=setup.torch_dtype,
                                     head=(model.embed_weight, model.lm_head_weight), device_waits=args.both_waits)
+        engines = [] if args.split and args.split_only else [("in-process ", local)]
+        engines += [(services, remote)] if remote is not None else []
+        if args.serving:
+            from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+            prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH, args.serving)]
             for batch in args.batch:
-                text = ("services, both waits, " if args.both_waits else "services ") + profile_engine(Engine(model, remote, EngineConfig(max_batch=batch)), tokenizer,
-                                                    batch, args.steps, args.device)
-                print(text, flush=True)
-                texts.append(text)
+                for name, drafter in [("target-only ", None)] * (not (args.split and args.split_only)) + engines:
+                    engine = Engine(model, drafter, EngineConfig(max_batch=batch), eos_ids=tokenizer.eos_token_ids)
+                    report(name + profile_serving(engine, prompts, args.max_tokens, batch, args.device))
+        else:
+            for batch in args.batch:
+                for name, drafter in [("target-only ", None)] * args.target_only + engines:
+                    report(name + profile_engine(Engine(model, drafter, EngineConfig(max_batch=batch)), tokenizer,
+                                                 batch, args.steps, args.device))
+    finally:
+        if remote is not None:
             remote.close()
-        finally:
+        if proc is not None:
             proc.terminate()
             proc.wait(timeout=20)
     if args.out:

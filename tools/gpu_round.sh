@@ -39,6 +39,7 @@
 #   bash tools/gpu_round.sh both-host  # both streams on device waits: the target's host by function, the drafter's by stack
 #   bash tools/gpu_round.sh replays   # the host's time in graph replays, in-process against the services, with/without MPS
 #   bash tools/gpu_round.sh watchdog  # the device waits' watchdog no longer woken at every wait: GPU tests, tokens/s
+#   bash tools/gpu_round.sh churn     # (next) requests ending and arriving through 8 slots: the services' host by function
 #   bash tools/gpu_round.sh mps       # `specsplit up --mps`: its GPU test; the services under MPS against without
 #   bash tools/gpu_round.sh mps-timeline  # both services' work on one clock under MPS, both streams waiting on the device
 #   bash tools/gpu_round.sh context-launch  # the drafter's context k/v in one launch (on): GPU tests, tokens/s beside apart
@@ -584,6 +585,18 @@ watchdog)
     | grep -E "^batch [0-9]+" | log
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) for k, v in d[b].items() \
     if isinstance(v, float) and ('over' in k)}) for b in d if b.startswith('batch')]" "$OUT/split_watchdog.json" 2>&1 | log
+  ;;
+churn)
+  # (after the thirty-fifth session, not run yet) at eight streams split_bench's services ran 3.19 ms a step against
+  # in-process 1.20 (0.35x), 0.34x even while every slot was busy; steady steps of eight identical requests measured
+  # 1.84 ms host polls, 1.55 both waits (0.68x / 0.81x in-process). So requests ending and arriving cost the
+  # services most of a step. Held-out prompts through 8 slots as a server sees them: the target's host by function,
+  # the Step answers its host waited for a step, both waits and host polls
+  timeout 200 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --time-replays \
+    > "$OUT/churn.txt" 2>&1
+  timeout 150 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only --both-waits \
+    --time-replays >> "$OUT/churn.txt" 2>&1
+  grep -v -E "INFO|^I1" "$OUT/churn.txt" | grep -E -A30 "ms/step|Error" | log
   ;;
 mps-timeline)
   # (thirty-fourth session) under an MPS server of our own the services with both streams waiting on the device
