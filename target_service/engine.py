@@ -345,9 +345,27 @@ class Engine:
             raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
 
     def _blocks_for(self, tokens: int) -> int:
+        return -(-(tokens + self._overhang()) // self.config.kv_block_size)
+
+    def _overhang(self) -> int:
+        """Positions past a sequence's budget its steps may write, held for it from admission on (its KV
+        blocks here, its budget at the drafter): a decode's one row; a verify's drafts and bonus row; with
+        chained steps, three steps' (the one launched, the one not read yet, and the one whose propose
+        went ahead to a drafter service), so that a sequence keeps chaining to its last token. (With
+        one verify's, a sequence within two steps of its budget was left out of the chained steps, and
+        each time it was, its batch changed: at eight streams with requests ending and arriving, some
+        sequence was that close half the time, and each such step waited for a drafter service's round
+        trip and the device.) The rows past the budget are computed for nothing: the sequence has ended
+        by the time its step is read."""
         spec = self.proposer.spec if self.proposer is not None else None
-        extra = (spec.max_drafts + 1) if spec is not None else 1
-        return -(-(tokens + extra) // self.config.kv_block_size)
+        if spec is None:
+            return 1
+        return (3 if self._chains() else 1) * (spec.max_drafts + 1)
+
+    def _chains(self) -> bool:
+        """Whether this engine's speculative steps may chain (on captured steps, see _chain_plan)."""
+        return self.config.chain_steps and self.config.decode_ahead and getattr(self.proposer, "chains", True) \
+            and _capability(self.proposer, "chain_batch") is not None
 
     def _admit(self) -> "_Prefilled | None":
         """Admit what fits, then launch one prefill forward for the prompts not yet in (see _prefill); None
@@ -673,9 +691,7 @@ class Engine:
         `auto_drafts` a chained launch sees the batch as the host knew it a step before: still an exact
         sample, as it is when the batch alone changes k); when the step not read yet may leave it
         without room for k, it waits a step."""
-        if not (self.config.chain_steps and self.config.decode_ahead and self.drafter_ok and self.graphs is not None
-                and _capability(self.proposer, "chain_batch") is not None and getattr(self.proposer, "chains", True)
-                and self.capture.layer_ids):
+        if not (self._chains() and self.drafter_ok and self.graphs is not None and self.capture.layer_ids):
             return 0, []
         if not any(s.drafter_attached for s in seqs):
             return 0, []  # (plain decoding goes ahead its own way)
@@ -694,7 +710,7 @@ class Engine:
         have added `rows` (see _chain_plan)."""
         limit = min(self.model.config.max_position_embeddings, self.graphs.max_blocks * self.cache.block_size)
         end = seq.last_position + rows + k + 1
-        if end > limit or end > seq.budget_tokens + k:
+        if end > limit or end > seq.budget_tokens + self._overhang():
             return False
         return seq.request.params.greedy or rows == 0 or not seq.drafter_attached \
             or min(seq.remaining - rows - 1, self.model.config.max_position_embeddings - len(seq.tokens) - rows - 1) >= k
@@ -1321,7 +1337,8 @@ class Engine:
 
     def _attach(self, seq: Sequence, tokens: list[int], rows: torch.Tensor | None) -> None:
         try:
-            self.proposer.alloc(seq.seq_id, seq.budget_tokens)
+            # (a chained step's anchor lies below the drafter's budget: its steps' writes past ours, see _overhang)
+            self.proposer.alloc(seq.seq_id, seq.budget_tokens + (self._overhang() if self._chains() else 0))
             self.proposer.prefill(seq.seq_id, tokens, rows, 0)
         except (InvalidRequest, CapacityExceeded, StateConflict) as exc:
             # This sequence is what the drafter refuses, not the drafter: the others keep speculating.

@@ -39,6 +39,7 @@
 #   bash tools/gpu_round.sh both-host  # both streams on device waits: the target's host by function, the drafter's by stack
 #   bash tools/gpu_round.sh replays   # the host's time in graph replays, in-process against the services, with/without MPS
 #   bash tools/gpu_round.sh watchdog  # the device waits' watchdog no longer woken at every wait: GPU tests, tokens/s
+#   bash tools/gpu_round.sh overhang  # (next) sequences chain to their ends: GPU tests, tokens/s with requests coming and going
 #   bash tools/gpu_round.sh churn     # (next) requests ending and arriving through 8 slots: the services' host by function
 #   bash tools/gpu_round.sh mps       # `specsplit up --mps`: its GPU test; the services under MPS against without
 #   bash tools/gpu_round.sh mps-timeline  # both services' work on one clock under MPS, both streams waiting on the device
@@ -56,9 +57,10 @@
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
-#   (next, after the thirty-fourth session: the services' step waited on the two hosts in turn, ~0.5 ms each late to
-#   launch; with device waits the target no longer waits for the drafter's answer before its verify:
-#   bash tools/gpu_round.sh unanswered, then services-host, mps-timeline)
+#   (next, after the thirty-fifth session: at eight streams with requests ending and arriving the services ran
+#   3.19 ms a step against 1.55 in steady steps; sequences near their ends now keep chaining (Engine._overhang):
+#   bash tools/gpu_round.sh churn, then split_bench --batch 1 8 --waves 4 --rounds 3 --also-both-waits beside
+#   the thirty-fifth session's figures; the GPU tests of the chain and the split, which run sequences to their ends)
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
 # nineteenth session lost two fresh machines' start-up to a reply that came later than that.
@@ -585,6 +587,16 @@ watchdog)
     | grep -E "^batch [0-9]+" | log
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) for k, v in d[b].items() \
     if isinstance(v, float) and ('over' in k)}) for b in d if b.startswith('batch')]" "$OUT/split_watchdog.json" 2>&1 | log
+  ;;
+overhang)
+  # (after the thirty-fifth session, not run yet) room for three chained steps' rows past each budget, held from
+  # admission (Engine._overhang): sequences chain to their last token. The GPU tests that run chained steps to the
+  # ends of their requests (in-process and through the services, captured), then tokens/s at one and eight streams
+  # with requests ending and arriving, both waits beside host polls (before: services 0.60x / 0.35x in-process)
+  timeout 260 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_chain.py tests/test_split_gpu.py 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  timeout 300 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --waves 4 --rounds 3 --also-both-waits --json-out "$OUT/split_overhang.json" 2>&1 | grep -E "^batch [0-9]+" | log
   ;;
 churn)
   # (after the thirty-fifth session, not run yet) at eight streams split_bench's services ran 3.19 ms a step against
