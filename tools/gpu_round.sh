@@ -72,6 +72,15 @@ fused_layer_tests() {  # the GPU tests of everything that runs the fused layers,
     tests/test_chain.py tests/test_dflash_graphs.py tests/test_graphed_prefill.py 2>&1 \
     | grep -E "drafts accepted|Error|error|assert|FAILED|passed|failed" | tail -30 | log
 }
+device_waits_round() {  # the device-wait GPU tests within $1 s, then split_bench's $3 rounds within $2 s, into split_$4.json
+  timeout "$1" python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+    -k "waited_for or never_writes or device_waits" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  timeout "$2" python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --waves 4 --rounds "$3" --also-device-waits --also-both-waits --json-out "$OUT/split_$4.json" 2>&1 \
+    | grep -E "^batch [0-9]+" | log
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) for k, v in \
+    d[b]['rounds']['median'].items() if 'over' in k}) for b in d if b.startswith('batch')]" "$OUT/split_$4.json" 2>&1 | log
+}
 if [ "${1:-}" = services ]; then
   # can the target's and the drafter's streams order each other through a flag, with no host waiting
   # (the services' steps in series through both hosts cost ~2.4x an in-process chained step)? Needs no
@@ -526,14 +535,7 @@ unanswered)
   # until now each services step passed through both hosts in turn (timeline: GPU idle ~1.2 of 2.3 ms, target's
   # host late 0.7, drafter's 0.5). The device-wait GPU tests (accepted drafts equal to host polls'), then tokens/s:
   # the target's waits alone and both sides' beside host polls, three rounds
-  timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
-    -k "waited_for or never_writes or device_waits" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
-  timeout 330 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
-    --waves 4 --rounds 3 --also-device-waits --also-both-waits --json-out "$OUT/split_unanswered.json" 2>&1 \
-    | grep -E "^batch [0-9]+" | log
-  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) if isinstance(v, float) else v \
-    for k, v in d[b].items() if 'waits' in k or 'unanswered' in k}) for b in d if b.startswith('batch')]" \
-    "$OUT/split_unanswered.json" 2>&1 | log
+  device_waits_round 240 330 3 unanswered
   ;;
 services-host)
   # (thirty-fourth session, not run yet) both hosts are on a services step's critical path (timeline: each late
@@ -580,13 +582,7 @@ watchdog)
   # (thirty-fifth session) the device waits' watchdog looks at the earliest deadline or every second, no longer
   # woken by every wait (it took the GIL at every step on both hosts): the device-wait GPU tests (a peer that never
   # writes is released at its deadline), then tokens/s, both waits and the target's alone beside host polls
-  timeout 150 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
-    -k "waited_for or never_writes or device_waits" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
-  timeout 110 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
-    --waves 4 --rounds 2 --also-device-waits --also-both-waits --json-out "$OUT/split_watchdog.json" 2>&1 \
-    | grep -E "^batch [0-9]+" | log
-  python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) for k, v in d[b].items() \
-    if isinstance(v, float) and ('over' in k)}) for b in d if b.startswith('batch')]" "$OUT/split_watchdog.json" 2>&1 | log
+  device_waits_round 150 110 2 watchdog
   ;;
 overhang)
   # (after the thirty-fifth session, not run yet) room for three chained steps' rows past each budget, held from
