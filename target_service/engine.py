@@ -345,7 +345,10 @@ class Engine:
             raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
 
     def _blocks_for(self, tokens: int) -> int:
-        return -(-(tokens + self._overhang()) // self.config.kv_block_size)
+        return self._blocks(tokens + self._overhang())
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.config.kv_block_size)
 
     def _overhang(self) -> int:
         """Positions past a sequence's budget its steps may write, held for it from admission on (its KV
@@ -363,20 +366,27 @@ class Engine:
         return (3 if self._chains() else 1) * (spec.max_drafts + 1)
 
     def _chains(self) -> bool:
-        """Whether this engine's speculative steps may chain (on captured steps, see _chain_plan)."""
-        return self.config.chain_steps and self.config.decode_ahead and getattr(self.proposer, "chains", True) \
+        """Whether this engine's speculative steps may chain now (see _chain_plan; a drafter service's
+        `chains` goes while it is detached)."""
+        return self.config.chain_steps and self.config.decode_ahead and self.graphs is not None \
+            and bool(self.capture.layer_ids) and getattr(self.proposer, "chains", True) \
             and _capability(self.proposer, "chain_batch") is not None
 
     def _admit(self) -> "_Prefilled | None":
         """Admit what fits, then launch one prefill forward for the prompts not yet in (see _prefill); None
         when no prompt is going in."""
-        reserved = sum(self._blocks_for(s.budget_tokens) for s in self.running.values())
+        reserved = sum(self._blocks(s.reserved_tokens) for s in self.running.values())
+        capacity = self.config.kv_blocks * self.config.kv_block_size
         while self.waiting and len(self.running) < self.config.max_batch:
             seq = self.waiting[0]
-            blocks = self._blocks_for(seq.budget_tokens)
+            # (within the cache, whatever the overhang was when the request was validated: a request that
+            # fits alone is never held back for good; a sequence held less room chains less near its end)
+            tokens = min(seq.budget_tokens + self._overhang(), capacity)
+            blocks = self._blocks(tokens)
             if reserved + blocks > self.config.kv_blocks:
                 break
             reserved += blocks
+            seq.reserved_tokens = tokens
             self.waiting.popleft()
             self.running[seq.request.request_id] = seq
             self.cache.allocate(seq.seq_id)
@@ -710,7 +720,7 @@ class Engine:
         have added `rows` (see _chain_plan)."""
         limit = min(self.model.config.max_position_embeddings, self.graphs.max_blocks * self.cache.block_size)
         end = seq.last_position + rows + k + 1
-        if end > limit or end > seq.budget_tokens + self._overhang():
+        if end > limit or end > seq.reserved_tokens:
             return False
         return seq.request.params.greedy or rows == 0 or not seq.drafter_attached \
             or min(seq.remaining - rows - 1, self.model.config.max_position_embeddings - len(seq.tokens) - rows - 1) >= k
@@ -1338,7 +1348,7 @@ class Engine:
     def _attach(self, seq: Sequence, tokens: list[int], rows: torch.Tensor | None) -> None:
         try:
             # (a chained step's anchor lies below the drafter's budget: its steps' writes past ours, see _overhang)
-            self.proposer.alloc(seq.seq_id, seq.budget_tokens + (self._overhang() if self._chains() else 0))
+            self.proposer.alloc(seq.seq_id, seq.reserved_tokens if self._chains() else seq.budget_tokens)
             self.proposer.prefill(seq.seq_id, tokens, rows, 0)
         except (InvalidRequest, CapacityExceeded, StateConflict) as exc:
             # This sequence is what the drafter refuses, not the drafter: the others keep speculating.

@@ -66,6 +66,9 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     drafter_attached: bool = False  # the drafter holds state for this sequence
     drafter_refused: bool = False  # the drafter refused this sequence (e.g. its budget): decode it serially
+    # Positions its KV may take, held for it at admission: its budget and what its steps may write past it
+    # (Engine._overhang then; fixed, so the room a chained step takes never outgrows what was held)
+    reserved_tokens: int = 0
     finish_reason: FinishReason | None = None
     text: str = ""  # decoded generated text emitted so far (stop strings excluded)
     detok: TextStream | None = None  # incremental detokenizer (None: the engine emits no text)

@@ -253,6 +253,41 @@ def test_requests_ending_and_arriving_wait_for_a_round_trip_only_when_the_batch_
         proposer.close()
 
 
+def test_a_request_validated_before_its_steps_could_chain_is_admitted_and_chains_within_its_room(pair, tiny_chat_dir):
+    """The room held for a sequence's steps past its budget grows when its steps can chain (Engine._overhang).
+    A request validated before (here: the engine's steps not set up yet; a drafter service that was detached)
+    that fits the cache alone is still admitted, with the room the cache has, and its chained steps stay
+    within it (they once stopped the queue for good)."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    target, local, _, _ = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    prompt = tokenizer.encode(PROMPTS[0])
+    budget = 80  # + a verify's 8 rows fits 6 blocks of 16; + three chained steps' 24 does not
+
+    def request():
+        return Request("r", prompt, SamplingParams(max_tokens=budget - len(prompt), ignore_eos=True))
+
+    alone = _engine(target, None, chain=False).generate([request()])
+    engine = Engine(target, local, EngineConfig(max_batch=2, kv_blocks=6))
+    assert engine._overhang() == local.spec.max_drafts + 1 == 8
+    engine.add(request())
+    engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=2, query_lens=(1, 8),
+                               max_len=target.config.max_position_embeddings + 8, use_graphs=False)
+    assert engine._overhang() == 24
+    events = []
+    for _ in range(200):
+        events += engine.step()
+        if not engine.has_work:
+            break
+    assert not engine.has_work, "the request was never admitted"
+    assert [t for e in events for t in e.token_ids] == [t for e in alone["r"] for t in e.token_ids]
+    assert engine.counters.chained > 10 and engine.counters.fallbacks == 0
+
+
 def test_one_streams_chained_proposes_go_ahead_of_their_steps_and_are_all_taken(pair, tiny_chat_dir):
     """At one stream the batch never changes: each chained propose goes to the drafter as the step before it
     launches (its feed), while the target still verifies, and the next step takes it, every one, until the
