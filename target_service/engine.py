@@ -701,7 +701,7 @@ class Engine:
         `auto_drafts` a chained launch sees the batch as the host knew it a step before: still an exact
         sample, as it is when the batch alone changes k); when the step not read yet may leave it
         without room for k, it waits a step."""
-        if not (self._chains() and self.drafter_ok and self.graphs is not None and self.capture.layer_ids):
+        if not (self._chains() and self.drafter_ok):
             return 0, []
         if not any(s.drafter_attached for s in seqs):
             return 0, []  # (plain decoding goes ahead its own way)
