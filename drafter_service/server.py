@@ -253,6 +253,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             needs_target_head=self.head is None, step_columns=True, step_socket=self.step_socket,
             drafts_buffer=True, instance=self.instance, chains=chains(self.proposer),
             done_flags=chains(self.proposer) and done_flags(self.device), written_flags=self.written_flags,
+            prefill_allocs=True,
         )
         return wire.description_to_proto(description)
 
@@ -280,10 +281,17 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
 
     @rpc_errors
     def PrefillDrafter(self, request, context):
-        seq_id, op = wire.prefill_from_proto(request)
+        seq_id, op, budget = wire.prefill_from_proto(request)
         self._await_writes(context, [wire.SeqStep(seq_id, catchup=op)])
         with self._session(context) as session:
-            appended = session.prefill(seq_id, op)
+            if budget is not None:  # attached in one round trip: allocated here, freed again if the prefill fails
+                session.alloc(seq_id, budget)
+            try:
+                appended = session.prefill(seq_id, op)
+            except BaseException:
+                if budget is not None:
+                    session.free(seq_id)
+                raise
         return drafter_pb2.PrefillDrafterResponse(rows_appended=appended)
 
     @rpc_errors

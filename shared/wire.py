@@ -203,6 +203,7 @@ class DrafterDescription:
     chains: bool = False  # serves chained steps (StepRequest.chain)
     done_flags: bool = False  # writes a chained step's done value into a DONE buffer (ChainStep.done_value)
     written_flags: bool = False  # its stream may wait on the device for ChainStep.written_value
+    prefill_allocs: bool = False  # PrefillDrafter allocates the sequence when asked (alloc_budget_tokens)
 
 
 def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
@@ -228,6 +229,7 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
         chains=d.chains,
         done_flags=d.done_flags,
         written_flags=d.written_flags,
+        prefill_allocs=d.prefill_allocs,
     )
 
 
@@ -248,7 +250,7 @@ def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescrip
     )
     return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns,
                               pb.step_socket, pb.drafts_buffer, pb.instance, pb.chains, pb.done_flags,
-                              pb.written_flags)
+                              pb.written_flags, pb.prefill_allocs)
 
 
 def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:
@@ -864,20 +866,28 @@ def alloc_to_proto(seq_id: int, budget_tokens: int) -> drafter_pb2.AllocStateReq
 
 def alloc_from_proto(pb: drafter_pb2.AllocStateRequest) -> tuple[int, int]:
     """→ (seq_id, budget_tokens)."""
-    if pb.budget_tokens <= 0:
-        raise InvalidRequest(f"sequence {pb.seq_id}: budget_tokens must be >= 1, got {pb.budget_tokens}")
-    return _nonneg("seq_id", pb.seq_id), pb.budget_tokens
+    return _nonneg("seq_id", pb.seq_id), _budget(pb.seq_id, pb.budget_tokens)
 
 
-def prefill_to_proto(seq_id: int, op: RowsOp) -> drafter_pb2.PrefillDrafterRequest:
+def _budget(seq_id: int, budget_tokens: int) -> int:
+    if budget_tokens <= 0:
+        raise InvalidRequest(f"sequence {seq_id}: budget_tokens must be >= 1, got {budget_tokens}")
+    return budget_tokens
+
+
+def prefill_to_proto(seq_id: int, op: RowsOp, alloc_budget: int | None = None) -> drafter_pb2.PrefillDrafterRequest:
+    """alloc_budget: the sequence is allocated with it first (a drafter with prefill_allocs)."""
     return drafter_pb2.PrefillDrafterRequest(
-        seq_id=seq_id, token_ids=op.token_ids, rows=rows_to_proto(op.rows), start_pos=op.base_pos
+        seq_id=seq_id, token_ids=op.token_ids, rows=rows_to_proto(op.rows), start_pos=op.base_pos,
+        alloc_budget_tokens=alloc_budget,
     )
 
 
-def prefill_from_proto(pb: drafter_pb2.PrefillDrafterRequest) -> tuple[int, RowsOp]:
-    """→ (seq_id, prompt rows at start_pos..)."""
-    return _nonneg("seq_id", pb.seq_id), RowsOp(tuple(pb.token_ids), _required_rows(pb), pb.start_pos)
+def prefill_from_proto(pb: drafter_pb2.PrefillDrafterRequest) -> tuple[int, RowsOp, int | None]:
+    """→ (seq_id, prompt rows at start_pos.., the budget to allocate the sequence with first or None)."""
+    seq_id = _nonneg("seq_id", pb.seq_id)
+    budget = _budget(seq_id, pb.alloc_budget_tokens) if pb.HasField("alloc_budget_tokens") else None
+    return seq_id, RowsOp(tuple(pb.token_ids), _required_rows(pb), pb.start_pos), budget
 
 
 # --- target service ----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -93,6 +93,7 @@ class LinkStats:
     device_waits: int = 0  # drafts our stream waited for on the device (device_waits) instead of our host
     host_waits: int = 0  # ... and those our host waited for instead, as the engine asked (wait_on_host_next)
     taken_unanswered: int = 0  # chained proposes sent ahead whose drafts the verify took before their answer
+    unary_calls: Counter = field(default_factory=Counter)  # unary calls made, by method
 
 
 class RowStager:
@@ -236,6 +237,8 @@ class _Connection:
     sent_at: float = 0.0  # perf_counter when the last Step was sent
     overdue: bool = False  # the watchdog cancelled the stream: an answer missed its deadline
     columns: bool = False  # the drafter reads a StepRequest's columns (DrafterDescription.step_columns)
+    prefill_allocs: bool = False  # its PrefillDrafter allocates too (DrafterDescription.prefill_allocs) ...
+    alloc_next: tuple[int, int] | None = None  # ... so `alloc` leaves (seq id, budget) for the prefill after it
     exporter: BufferExporter | None = None
     step: RowStager | None = None
     bulk: RowStager | None = None  # prefill / re-attach rows, grown on demand
@@ -426,7 +429,7 @@ class RemoteProposer:
             if desc.instance:  # every later call names this drafter process: a restarted one refuses them
                 conn.metadata = (*conn.metadata, (INSTANCE_HEADER, desc.instance))
             self._setup_transport(conn, desc, client, call_wait)
-            conn.columns = desc.step_columns
+            conn.columns, conn.prefill_allocs = desc.step_columns, desc.prefill_allocs
         except (grpc.RpcError, grpc.FutureTimeoutError, SpecsplitError, OSError) as exc:  # OSError: shared memory
             conn.close()  # the channel and any buffers already exported
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: "
@@ -644,6 +647,8 @@ class RemoteProposer:
 
     def _unary(self, method: str, request):
         conn = self._live()
+        self._send_alloc(conn)
+        self.link.unary_calls[method] += 1
         try:
             return getattr(conn.stub, method)(request, timeout=self.timeout, metadata=conn.metadata)
         except grpc.RpcError as exc:
@@ -655,13 +660,30 @@ class RemoteProposer:
     # ---- Proposer verbs -----------------------------------------------------------------------------
 
     def alloc(self, seq_id: int, budget_tokens: int) -> None:
+        """To a drafter whose PrefillDrafter allocates, left for the sequence's prefill, called next: one
+        round trip attaches a sequence (any other call first sends it as an AllocState of its own)."""
         self._send_queued(seq_id)
+        conn = self._live()
+        self._send_alloc(conn)
+        if conn.prefill_allocs:
+            conn.alloc_next = (seq_id, budget_tokens)
+            return
         self._unary("AllocState", wire.alloc_to_proto(seq_id, budget_tokens))
-        self._live().allocated.add(seq_id)
+        conn.allocated.add(seq_id)
+
+    def _send_alloc(self, conn: _Connection) -> None:
+        """The allocation `alloc` left for a prefill, sent before any call that is not that prefill."""
+        if conn.alloc_next is not None:
+            seq_id, budget = conn.alloc_next
+            conn.alloc_next = None
+            self._unary("AllocState", wire.alloc_to_proto(seq_id, budget))
+            conn.allocated.add(seq_id)
 
     def prefill(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, start_pos: int = 0) -> int:
         self._send_queued(seq_id)
         conn = self._live()
+        if conn.alloc_next is not None and conn.alloc_next[0] != seq_id:
+            self._send_alloc(conn)
         if conn.bulk.buffer is None:  # inline: in pieces the drafter's message cap lets through
             step = max(1, INLINE_PREFILL_BYTES // (rows.shape[1] * self.dtype.itemsize))
             return sum(self._prefill_part(conn, seq_id, token_ids[i:i + step], rows[i:i + step], start_pos + i)
@@ -674,7 +696,14 @@ class RemoteProposer:
         staged = conn.bulk.put(rows)
         conn.bulk.seal()
         op = wire.RowsOp(tuple(token_ids), conn.bulk.source(staged, rows.shape[0]), start_pos)
-        return self._unary("PrefillDrafter", wire.prefill_to_proto(seq_id, op)).rows_appended
+        # (the first part of a sequence `alloc` left allocates it: refused, the drafter holds nothing of it)
+        budget = None
+        if conn.alloc_next is not None and conn.alloc_next[0] == seq_id:
+            budget, conn.alloc_next = conn.alloc_next[1], None
+        appended = self._unary("PrefillDrafter", wire.prefill_to_proto(seq_id, op, budget)).rows_appended
+        if budget is not None:
+            conn.allocated.add(seq_id)
+        return appended
 
     def _grow_bulk(self, conn: _Connection, rows: int) -> None:
         old = conn.bulk.buffer
@@ -738,8 +767,13 @@ class RemoteProposer:
 
     def free(self, seq_id: int) -> None:
         """Queued: it rides on the next step's message (the engine calls `flush` when none is coming).
-        A sequence this connection never allocated (the drafter restarted since) has nothing to free."""
-        conn = self._live()
+        A sequence this connection never allocated (the drafter restarted since) has nothing to free.
+        A Step sent ahead is not waited for: its answer is read by the next call that needs it."""
+        conn = self._conn
+        if conn is None or conn.dead or not self._unanswered:
+            conn = self._live()
+        if conn.alloc_next is not None and conn.alloc_next[0] == seq_id:  # (its prefill never went)
+            conn.alloc_next = None
         if seq_id not in conn.allocated:
             self._pending.pop(seq_id, None)
             return
@@ -1087,6 +1121,7 @@ class RemoteProposer:
         """into_buffer: the drafts may come in the connection's drafts buffer (StepRequest.drafts_buffer);
         chain: a chained propose (batch, drafts) instead of `proposes`. The queued chained settles and
         commit go with any Step."""
+        self._send_alloc(conn)  # (an allocation left for a prefill goes before anything naming the sequence)
         conn.step.seal()
         self._step_id += 1
         # A verify's stash + commit + trim of rows in the step buffer (the usual entry) goes straight into

@@ -11,6 +11,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from tests.raw_client import RawClient
 from specsplit.local import LocalSetup
@@ -76,11 +77,19 @@ def test_a_free_rides_on_the_next_step_and_flush_sends_it(pair):
     assert wait_until(lambda: len(drafter_obj.proposer.store) == 0)  # the last free went out at once
     proposer, store = loop.engine.proposer, drafter_obj.proposer.store  # the engine is idle now
     steps = len(proposer.link.step_seconds)
+    prompt = torch.randn(2, proposer.spec.feature_dim)
     proposer.alloc(1000, 64)
+    proposer.free(1000)  # before its prefill (which allocates it): never at the drafter
+    proposer.flush()
+    assert len(proposer.link.step_seconds) == steps and len(store) == 0
+    proposer.alloc(1000, 64)
+    proposer.prefill(1000, [5, 6], prompt)
     proposer.free(1000)
     assert len(proposer.link.step_seconds) == steps and len(store) == 1  # queued, not sent
     proposer.alloc(1000, 64)  # a unary verb sends the sequence's queued free first
-    assert len(proposer.link.step_seconds) == steps + 1 and len(store) == 1
+    assert len(proposer.link.step_seconds) == steps + 1 and len(store) == 0
+    proposer.prefill(1000, [5, 6], prompt)
+    assert len(store) == 1
     proposer.free(1000)
     proposer.flush()
     assert len(proposer.link.step_seconds) == steps + 2 and len(store) == 0

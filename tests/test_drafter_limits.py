@@ -248,6 +248,36 @@ def test_rows_that_are_not_finite_are_refused(served):
     assert all(c == c for c in proposal.confidence)  # no NaN got in
 
 
+def test_a_prefill_that_allocates_leaves_nothing_of_a_sequence_it_refuses(served):
+    """PrefillDrafter with alloc_budget_tokens (one round trip attaches a sequence): whatever refuses it, the
+    sequence's id, its budget, its rows or the caps, the drafter holds nothing of the sequence after, and a
+    refusal for an id in use leaves that sequence as it was."""
+    _, channel = served(max_sequences=2)
+    peer = Peer(channel)
+
+    def attach(seq_id: int, prompt: torch.Tensor, budget: int = BUDGET) -> tuple[str, str]:
+        op = wire.RowsOp(tuple(1 + i % 90 for i in range(prompt.shape[0])), encode_inline(prompt), 0)
+        return peer.status("PrefillDrafter", wire.prefill_to_proto(seq_id, op, budget))
+
+    assert attach(0, rows(4)) == ("OK", "")
+    code, details = attach(0, rows(2, 1))
+    assert code == "ALREADY_EXISTS" and "sequence 0" in details
+    for budget in (0, -5):
+        assert attach(1, rows(3), budget)[0] == "INVALID_ARGUMENT"
+    poisoned = rows(3)
+    poisoned[1, 2] = float("nan")
+    code, details = attach(1, poisoned)  # allocated, then refused by the prefill: freed again
+    assert code == "INVALID_ARGUMENT" and "finite" in details
+    assert peer.alloc(1) == ("OK", "")  # nothing of sequence 1 was left
+    assert peer.status("FreeState", drafter_pb2.FreeStateRequest(seq_id=1)) == ("OK", "")
+    assert attach(1, rows(3)) == ("OK", "")
+    code, details = attach(2, rows(3))
+    assert code == "RESOURCE_EXHAUSTED" and "--max-sequences" in details
+    # sequence 0 is its first prefill's: drafts from position 4 on
+    proposal = wire.proposals_from_proto(peer.call("Propose", wire.propose_to_proto([ProposeRequest(0, 5, 4, 3)])))[0]
+    assert len(proposal.tokens) == 3
+
+
 def test_errors_name_the_clients_sequence_ids(served):
     _, channel = served()
     first, second = Peer(channel), Peer(channel)

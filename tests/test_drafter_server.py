@@ -706,6 +706,7 @@ def test_prefetched_drafts_equal_a_twins_and_only_changed_requests_cost_a_round_
         if step == 1:  # a sequence finishes between the steps: its free rides on the next message
             live = [0, 1]
             proposer.free(2)
+            assert proposer._unanswered  # (a free is queued: it waits for no answer)
             twin.free(2)
         asked = [ProposeRequest(s, 7 + s, pos[s], GAMMA - 1 if step != 2 or s else 1) for s in live]
         taken_before = proposer.link.drafts_ahead
@@ -715,6 +716,28 @@ def test_prefetched_drafts_equal_a_twins_and_only_changed_requests_cost_a_round_
         assert proposer.link.drafts_ahead - taken_before == len(asked) - len(changed)
     proposer.flush()  # the free left with the last propose, or leaves now
     assert 2 not in drafter.store
+
+
+def test_an_allocation_left_for_its_prefill_goes_alone_before_any_other_call_and_a_free_drops_it(serve_remote):
+    """`alloc` to a drafter whose PrefillDrafter allocates sends nothing: the sequence's prefill allocates it.
+    Any other call first sends it as an AllocState; a sequence freed before its prefill was never there."""
+    drafter = make_drafter()
+    server_obj, proposer = serve_remote(drafter, max_batch=4)
+    proposer.alloc(0, BUDGET)
+    assert not drafter.store
+    proposer.alloc(1, BUDGET)  # another call: sequence 0's allocation goes first, on its own
+    assert len(drafter.store) == 1
+    proposer.prefill(1, [3, 4, 5], rows(3, 1))
+    proposer.prefill(0, [3, 4, 5], rows(3, 0))
+    assert len(drafter.store) == 2 and proposer.link.unary_calls == {"AllocState": 1, "PrefillDrafter": 2}
+    proposer.alloc(2, BUDGET)
+    proposer.free(2)
+    proposer.flush()
+    proposer.alloc(3, BUDGET)
+    proposer.prefill(3, [3, 4], rows(2, 3))
+    assert len(drafter.store) == 3 and proposer.link.unary_calls == {"AllocState": 1, "PrefillDrafter": 3}
+    assert [len(p.tokens) for p in proposer.propose([ProposeRequest(s, 7, n, GAMMA - 1)
+                                                     for s, n in ((0, 3), (1, 3), (3, 2))])] == [GAMMA - 1] * 3
 
 
 def test_answers_to_steps_sent_ahead_set_the_step_deadline(serve_remote):
@@ -902,7 +925,8 @@ def test_a_remote_proposer_does_not_carry_its_connection_over_to_a_restarted_dra
         time.sleep(0.2)
         proposer._conn.dead, proposer._conn.error = False, None
         with pytest.raises(DrafterUnavailable):
-            proposer.alloc(1, BUDGET)
+            proposer.alloc(1, BUDGET)  # (it goes with the prefill after it)
+            proposer.prefill(1, [3, 4, 5], rows(3, 0))
         assert server_obj.num_sessions == 0 and not second.store
     finally:
         proposer.close()

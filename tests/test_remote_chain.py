@@ -225,7 +225,7 @@ def test_requests_ending_and_arriving_wait_for_a_round_trip_only_when_the_batch_
     keeps chaining to its last token (its steps may write past its budget, Engine._overhang), so the
     target's host waits for a Step answer only where the batch changes (a request ended or joined), not at
     every step some sequence is within a few steps of its end (once 85 % of these steps, at eight streams
-    half of them)."""
+    half of them); and a request's arrival costs one unary call, not two (an AllocState before its prefill)."""
     from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.target_service.sequence import Request
@@ -249,6 +249,8 @@ def test_requests_ending_and_arriving_wait_for_a_round_trip_only_when_the_batch_
         changes = 2 * len(lengths)  # each request's arrival and end
         assert engine.counters.fallbacks == 0 and engine.counters.chained > 40
         assert waited <= changes + 1, f"{waited} Step answers waited for in {engine.counters.steps} steps"
+        # each request attached in one round trip: its prefill allocates it at the drafter
+        assert proposer.link.unary_calls == {"PrefillDrafter": len(lengths)}, proposer.link.unary_calls
     finally:
         proposer.close()
 

@@ -483,7 +483,11 @@ def test_alloc_and_prefill_round_trip():
         with pytest.raises(InvalidRequest):
             wire.alloc_from_proto(wire.alloc_to_proto(seq_id, budget))
     op = RowsOp((1, 2), REF, 0)
-    assert wire.prefill_from_proto(wire.prefill_to_proto(9, op)) == (9, op)
+    assert wire.prefill_from_proto(wire.prefill_to_proto(9, op)) == (9, op, None)
+    assert wire.prefill_from_proto(wire.prefill_to_proto(9, op, 40)) == (9, op, 40)
+    for budget in (0, -3):  # a budget asked for at all must be one
+        with pytest.raises(InvalidRequest):
+            wire.prefill_from_proto(wire.prefill_to_proto(9, op, budget))
     with pytest.raises(InvalidRequest):
         wire.prefill_from_proto(drafter_pb2.PrefillDrafterRequest(seq_id=9, token_ids=[1]))
 
