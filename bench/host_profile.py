@@ -116,6 +116,7 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     run("w")
     link = getattr(engine.proposer, "link", None)  # (a drafter service's: the Steps its host waited for)
     waited = len(link.step_seconds) if link is not None else 0
+    unary = sum(link.unary_calls.values()) if link is not None else 0
     if REPLAYS is not None:
         REPLAYS.on, REPLAYS.seconds, REPLAYS.calls = True, 0.0, 0
     started = time.perf_counter()
@@ -127,7 +128,8 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     if link is not None:
         answers = list(link.step_seconds)[waited:]
         extra += (f"; Step answers waited for {len(answers) / steps:.2f} a step, "
-                  f"{sum(answers) / steps * 1e3:.3f} ms a step")
+                  f"{sum(answers) / steps * 1e3:.3f} ms a step; unary calls {sum(link.unary_calls.values()) - unary} "
+                  f"({', '.join(f'{m} {n}' for m, n in sorted(link.unary_calls.items()))} in all)")
     prof = cProfile.Profile()
     prof.enable()
     steps = run("p")

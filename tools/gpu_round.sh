@@ -606,6 +606,27 @@ churn)
     --time-replays >> "$OUT/churn.txt" 2>&1
   grep -v -E "INFO|^I1" "$OUT/churn.txt" | grep -E -A30 "ms/step|Error" | log
   ;;
+attach)
+  # (thirty-sixth session) serving through the services, each request's arrival cost its host 3.3 ms of
+  # unary calls (an AllocState, then its PrefillDrafter), 0.44 ms a step at eight streams; its end 0.9 ms
+  # (the free waited for the answer to the chained propose sent ahead). Now the prefill allocates (one
+  # round trip) and a free is only queued. The split GPU tests (CUDA IPC prefills), then the churn profile
+  # through the services (host polls, both waits; before: 2.94 / 2.74 ms a step, in-process 1.52)
+  timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py 2>&1 \
+    | grep -E "Error:|assert|FAILED|passed|failed" | tail -8 | log
+  timeout 150 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only \
+    --time-replays > "$OUT/attach.txt" 2>&1
+  timeout 150 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only --both-waits \
+    --time-replays >> "$OUT/attach.txt" 2>&1
+  grep -v -E "INFO|^I1" "$OUT/attach.txt" | grep -E -A12 "ms/step|Error" | log
+  grep -E "_attach|_release|_finish_prefill|_chain_step" "$OUT/attach.txt" | log
+  ;;
+attach-bench)
+  # (thirty-sixth session) split_bench beside the overhang's (services 0.64x / 0.58x in-process, both waits
+  # 0.72x / 0.63x)
+  timeout 300 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --waves 4 --rounds 3 --also-both-waits --json-out "$OUT/split_attach.json" 2>&1 | grep -E "^batch [0-9]+" | log
+  ;;
 mps-timeline)
   # (thirty-fourth session) under an MPS server of our own the services with both streams waiting on the device
   # went from 0.70x to 0.80x in-process at one stream, and stayed at 0.52x at eight, where the two-process
