@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import torch
 
@@ -31,6 +32,7 @@ from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
+from step_overhead import PREFIX, free_port, labelled
 
 PROMPT = "Explain how a hash map works, with an example in Python."
 
@@ -138,6 +140,23 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
                                       f"{steps} engine steps, {wall * 1e3:.3f} ms/step unprofiled{extra}")
 
 
+def prefill_phases(metrics_url: str) -> tuple[float, dict[str, float]]:
+    """The drafter service's PrefillDrafter calls answered so far and their host seconds by phase."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    count = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"{PREFIX}_prefills_total "))
+    return count, labelled(metrics_url, "prefill_phase_seconds_total", "phase")
+
+
+def prefill_line(before: tuple[float, dict[str, float]], after: tuple[float, dict[str, float]]) -> str:
+    """The drafter's ms a PrefillDrafter, by phase, between two `prefill_phases`."""
+    calls = after[0] - before[0]
+    if not calls:
+        return "drafter: no PrefillDrafter answered"
+    parts = {p: (after[1][p] - before[1].get(p, 0.0)) / calls * 1e3 for p in after[1]}
+    return (f"drafter: {calls:.0f} PrefillDrafter answered, {sum(parts.values()):.3f} ms each on its host: "
+            + ", ".join(f"{p} {ms:.3f}" for p, ms in parts.items()))
+
+
 def profile_lines(prof: cProfile.Profile, steps: int, head: str) -> str:
     stats = pstats.Stats(prof)
     total = sum(v[2] for v in stats.stats.values())  # own time, all functions
@@ -221,8 +240,11 @@ def run(args: argparse.Namespace) -> None:
             from specsplit.target_service.drafter_client import RemoteProposer
 
             sock = f"unix:{tempfile.mkdtemp(prefix='specsplit-prof-')}/drafter.sock"
+            metrics_port = free_port()
+            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
             proc = subprocess.Popen([sys.executable, "-m", "specsplit", "drafter", "serve", "--listen", sock,
-                                     "--drafter", args.drafter, "--device", args.device, "--seed", "0"]
+                                     "--drafter", args.drafter, "--device", args.device, "--seed", "0",
+                                     "--metrics-port", str(metrics_port)]
                                     + (["--device-waits", "--max-targets", "1"] if args.both_waits else [])
                                     + (["--profile-steps", "300:600", "--profile-out", args.drafter_trace,
                                         "--profile-host"] if args.drafter_trace else []))
@@ -239,7 +261,11 @@ def run(args: argparse.Namespace) -> None:
             for batch in args.batch:
                 for name, drafter in [("target-only ", None)] * (not (args.split and args.split_only)) + engines:
                     engine = Engine(model, drafter, EngineConfig(max_batch=batch), eos_ids=tokenizer.eos_token_ids)
-                    report(name + profile_serving(engine, prompts, args.max_tokens, batch, args.device))
+                    before = prefill_phases(metrics_url) if drafter is remote else None
+                    text = name + profile_serving(engine, prompts, args.max_tokens, batch, args.device)
+                    if before is not None:  # (the warm-up, timed and profiled runs' prefills)
+                        text += "\n" + prefill_line(before, prefill_phases(metrics_url))
+                    report(text)
         else:
             for batch in args.batch:
                 for name, drafter in [("target-only ", None)] * args.target_only + engines:

@@ -15,6 +15,7 @@ from specsplit.shared.wire import SeqError, StepResult
 
 PREFIX = "specsplit_drafter"
 # Seconds a Step message takes here (lock wait included): a GPU step is well under a millisecond.
+PREFILL_PHASES = ("ready", "lock", "alloc", "rows", "context", "wait")
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -37,6 +38,15 @@ class DrafterMetrics(ServiceMetrics):
                               "(for the target's rows to be read), encode",
                               ["phase"], registry=self.registry)
         self._phase = {}  # phase → its counter child, looked up once
+        self.prefills = Counter(f"{PREFIX}_prefills", "PrefillDrafter calls answered (a sequence's prompt rows)",
+                                registry=self.registry)
+        self.prefill_phases = Counter(f"{PREFIX}_prefill_phase_seconds", "host seconds spent in each part of the "
+                                      "PrefillDrafter calls answered: ready (polling, outside the lock, until the "
+                                      "target's GPU writes into the rows are done), lock, alloc (a prefill that "
+                                      "allocates its sequence), rows, context (the context forward: its launch on a "
+                                      "GPU), wait (for the rows to be read, the stream's work before them included)",
+                                      ["phase"], registry=self.registry)
+        self._prefill_phase = {p: self.prefill_phases.labels(p) for p in PREFILL_PHASES}
         self.proposals = Counter(f"{PREFIX}_proposals", "sequences drafts were proposed for", registry=self.registry)
         self.draft_tokens = Counter(f"{PREFIX}_draft_tokens", "draft tokens proposed", registry=self.registry)
         self.sequence_errors = Counter(f"{PREFIX}_sequence_errors", "sequences refused or failed inside a Step "
@@ -66,6 +76,12 @@ class DrafterMetrics(ServiceMetrics):
             self.proposals.inc(len(result.in_buffer))
             self.draft_tokens.inc(sum(n for _, n in result.in_buffer))
         self.failed(result.errors)
+
+    def prefilled(self, phases: Mapping[str, float]) -> None:
+        """One PrefillDrafter answered, its host seconds spent on `phases` (PREFILL_PHASES)."""
+        self.prefills.inc()
+        for phase, spent in phases.items():
+            self._prefill_phase[phase].inc(spent)
 
     def chain_graph_step(self, outcome: str) -> None:
         self._chain_graph[outcome].inc()

@@ -281,17 +281,24 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
 
     @rpc_errors
     def PrefillDrafter(self, request, context):
+        started = time.perf_counter()
         seq_id, op, budget = wire.prefill_from_proto(request)
         self._await_writes(context, [wire.SeqStep(seq_id, catchup=op)])
+        ready = time.perf_counter()
         with self._session(context) as session:
+            locked = time.perf_counter()
             if budget is not None:  # attached in one round trip: allocated here, freed again if the prefill fails
                 session.alloc(seq_id, budget)
+            allocated = time.perf_counter()
             try:
                 appended = session.prefill(seq_id, op)
             except BaseException:
                 if budget is not None:
                     session.free(seq_id)
                 raise
+            phases = session.last_prefill
+        self.metrics.prefilled({"ready": ready - started, "lock": locked - ready, "alloc": allocated - locked,
+                                "rows": phases.rows, "context": phases.context, "wait": phases.wait})
         return drafter_pb2.PrefillDrafterResponse(rows_appended=appended)
 
     @rpc_errors

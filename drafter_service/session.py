@@ -116,6 +116,15 @@ class Usage(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class PrefillPhases:
+    """Host seconds of one prefill's parts: resolving its rows (their checks), the context forward (its
+    launch on a GPU), and the wait for the rows to be read (the stream's work queued before, included)."""
+    rows: float = 0.0
+    context: float = 0.0
+    wait: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPhases:
     """Host seconds of one step's parts: the commits (register, stash, commit, trim, catch-up; less the
     two below), resolving their row references (`rows`: their checks), the
@@ -187,6 +196,7 @@ class Session:
         self.last_call = time.monotonic()  # of a unary call (the server frees long-idle sessions without a stream)
         self.closed = False
         self.last_phases = StepPhases()  # of the last step()
+        self.last_prefill = PrefillPhases()  # of the last prefill()
         self._rows_seconds = 0.0  # spent in _rows since the step began
         self._replay_seconds = 0.0  # spent launching chained steps' graphs since the step began
         self.chain_graphs = chain_graphs and self.device.type == "cuda"
@@ -401,11 +411,18 @@ class Session:
 
     @_in_client_ids
     def prefill(self, seq_id: int, op: RowsOp) -> int:
+        """The prompt's rows into the sequence's context; `last_prefill` holds the host's seconds on its
+        rows (resolving and checks), the context forward, and the wait for the rows to be read."""
         internal = self._internal(seq_id)
+        started, rows_before = time.perf_counter(), self._rows_seconds
         try:
             return self.proposer.prefill(internal, op.token_ids, self._rows(op.rows), op.base_pos)
         finally:
+            launched = time.perf_counter()
             self._finish_reads()
+            rows = self._rows_seconds - rows_before
+            self.last_prefill = PrefillPhases(rows=rows, context=launched - started - rows,
+                                              wait=time.perf_counter() - launched)
 
     @_in_client_ids
     def apply(self, step: SeqStep) -> int:

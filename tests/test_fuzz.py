@@ -207,7 +207,8 @@ def drafter_templates(rng: random.Random) -> dict:
     propose = ProposeRequest(seq, tokens[-1], rng.randint(0, 8), 3)
     return {
         "AllocState": lambda: wire.alloc_to_proto(seq, 64),
-        "PrefillDrafter": lambda: wire.prefill_to_proto(seq, wire.RowsOp(tokens, _rows(rng, n), 0)),
+        "PrefillDrafter": lambda: wire.prefill_to_proto(seq, wire.RowsOp(tokens, _rows(rng, n), 0),
+                                                        rng.choice((None, 64))),  # (64: it allocates the sequence)
         "Propose": lambda: wire.propose_to_proto([propose]),
         "Stash": lambda: wire.stash_to_proto(seq, _rows(rng, n)),
         "Commit": lambda: wire.commit_to_proto(seq, wire.CommitOp(n, rng.randint(0, 8), tokens)),

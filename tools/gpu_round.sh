@@ -610,8 +610,11 @@ attach)
   # (thirty-sixth session) serving through the services, each request's arrival cost its host 3.3 ms of
   # unary calls (an AllocState, then its PrefillDrafter), 0.44 ms a step at eight streams; its end 0.9 ms
   # (the free waited for the answer to the chained propose sent ahead). Now the prefill allocates (one
-  # round trip) and a free is only queued. The split GPU tests (CUDA IPC prefills), then the churn profile
-  # through the services (host polls, both waits; before: 2.94 / 2.74 ms a step, in-process 1.52)
+  # round trip) and a free is only queued: measured 2.83 / 2.66 ms a step (host polls / both waits; were
+  # 2.94 / 2.74, in-process 1.52), the attach still 2.9 ms (0.38 ms a step), the release 7.5 us a step (was
+  # 124). The split GPU tests (CUDA IPC prefills; they need more than 240 s), then the churn profile through
+  # the services, with the drafter's host seconds of a PrefillDrafter by phase (the "drafter:" lines; not
+  # run yet): where the attach's 2.9 ms go
   timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py 2>&1 \
     | grep -E "Error:|assert|FAILED|passed|failed" | tail -8 | log
   timeout 150 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only \
@@ -620,6 +623,7 @@ attach)
     --time-replays >> "$OUT/attach.txt" 2>&1
   grep -v -E "INFO|^I1" "$OUT/attach.txt" | grep -E -A12 "ms/step|Error" | log
   grep -E "_attach|_release|_finish_prefill|_chain_step" "$OUT/attach.txt" | log
+  grep -E "^drafter:" "$OUT/attach.txt" | log
   ;;
 attach-bench)
   # (thirty-sixth session) split_bench beside the overhang's (services 0.64x / 0.58x in-process, both waits
