@@ -143,7 +143,8 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
 def prefill_phases(metrics_url: str) -> tuple[float, dict[str, float]]:
     """The drafter service's PrefillDrafter calls answered so far and their host seconds by phase."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    count = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"{PREFIX}_prefills_total "))
+    count = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith(f"{PREFIX}_prefills_total "))
     return count, labelled(metrics_url, "prefill_phase_seconds_total", "phase")
 
 
@@ -188,6 +189,8 @@ def main() -> None:
     ap.add_argument("--both-waits", action="store_true",
                     help="(--split) both streams wait on the device: the drafter's for the target's writes "
                          "(drafter --device-waits), the target's for the drafts (RemoteProposer(device_waits=True))")
+    ap.add_argument("--prefill-copies", action="store_true",
+                    help="(--split) the drafter service's --prefill-copies: a prefill waits only for its rows' copy")
     ap.add_argument("--split-only", action="store_true", help="(--split) only the services, not in-process too")
     ap.add_argument("--drafter-trace", default=None, metavar="PATH",
                     help="(--split) the drafter's host during Step messages 300 to 600 (the first batch's steady "
@@ -246,6 +249,7 @@ def run(args: argparse.Namespace) -> None:
                                      "--drafter", args.drafter, "--device", args.device, "--seed", "0",
                                      "--metrics-port", str(metrics_port)]
                                     + (["--device-waits", "--max-targets", "1"] if args.both_waits else [])
+                                    + (["--prefill-copies"] if args.prefill_copies else [])
                                     + (["--profile-steps", "300:600", "--profile-out", args.drafter_trace,
                                         "--profile-host"] if args.drafter_trace else []))
             print(f"drafter service pid {proc.pid}", flush=True)

@@ -105,6 +105,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self.step_socket = ""  # where the Step stream is also served without gRPC (serve sets it)
         self.chain_graphs = True  # chained steps' commit and propose as one CUDA graph each (--no-chain-graphs: off)
         self.prepare_chains = True  # chained steps' host work before the target's writes (Session.prepare_chain)
+        self.prefill_copies = False  # a prefill's CUDA IPC rows copied out at once (--prefill-copies, Session.prefill)
         # --device-waits: a prepared chained step's graph launched at once, our stream waiting on the device for
         # the target's written value (ChainStep.written_value) instead of our host for its events. Only for a
         # drafter serving one target: a target whose value never comes blocks the stream (every session's
@@ -189,7 +190,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                 self._make_room_for_a_session()
             session = Session(self.proposer, client_id=client, new_seq_id=lambda: next(self._seq_ids),
                               head=self.head, device=self.device, limits=self.limits, chain_graphs=self.chain_graphs,
-                              on_chain_graph=self.metrics.chain_graph_step)
+                              on_chain_graph=self.metrics.chain_graph_step, prefill_copies=self.prefill_copies)
             self._sessions[client] = session
         return session
 

@@ -170,13 +170,17 @@ class Session:
     def __init__(self, proposer: Proposer, *, client_id: str, new_seq_id: Callable[[], int],
                  head: TargetHead | None, device: torch.device, limits: DrafterLimits = DrafterLimits(),
                  chain_graphs: bool = False, on_chain_graph: Callable[[str], None] | None = None,
-                 waits: DeviceWaits | None = None) -> None:
+                 waits: DeviceWaits | None = None, prefill_copies: bool = False) -> None:
         # chain_graphs: a chained step's commit, propose and drafts copy replayed as one CUDA graph per
         # shape once it has run CHAIN_CAPTURE_AFTER times (see _chain_device); on_chain_graph is told
         # how each such step ran (an outcome of CHAIN_GRAPH_OUTCOMES: the server's metrics); waits: our
         # stream's device waits for the target's written values (drafter --device-waits; see prepare_chain)
+        # prefill_copies: a prefill's CUDA IPC rows are copied out on a stream of their own and only the copy is
+        # waited for (see prefill)
         self.proposer, self.client_id = proposer, client_id
         self.device = torch.device(device)
+        self.prefill_copies = prefill_copies and self.device.type == "cuda"
+        self._copy_stream: torch.cuda.Stream | None = None  # (made on the first copy)
         self.limits = limits
         self.importer = BufferImporter()
         self._new_seq_id = new_seq_id  # drafter-wide unique ids, shared by all sessions
@@ -391,6 +395,23 @@ class Session:
             rows = rows.to(self.device)
         return rows
 
+    def _copied_out(self, rows: torch.Tensor) -> torch.Tensor:
+        """A copy of `rows` (a view of the target's CUDA IPC buffer, its writes into them seen done), made on a
+        stream of our own at once and waited for: the target may write its buffer again as soon as the call
+        answers, while the work that reads the copy runs in our stream's order, after the work queued there
+        before it (which `_finish_reads` would wait for too)."""
+        main = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            copy = rows.clone()
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        main.wait_event(done)
+        copy.record_stream(main)  # (allocated on the copy stream, used on ours: not reused before that use)
+        done.synchronize()
+        return copy
+
     def _finish_reads(self) -> None:
         """Wait for queued copies out of the target's buffers before the target may reuse them."""
         if self.device.type == "cuda":
@@ -415,11 +436,17 @@ class Session:
         rows (resolving and checks), the context forward, and the wait for the rows to be read."""
         internal = self._internal(seq_id)
         started, rows_before = time.perf_counter(), self._rows_seconds
+        copied = False
         try:
-            return self.proposer.prefill(internal, op.token_ids, self._rows(op.rows), op.base_pos)
+            rows = self._rows(op.rows)
+            if self.prefill_copies and isinstance(op.rows, RowRef) \
+                    and self.importer.descriptor(op.rows.buffer_id).kind is BufferKind.CUDA_IPC:
+                rows, copied = self._copied_out(rows), True
+            return self.proposer.prefill(internal, op.token_ids, rows, op.base_pos)
         finally:
             launched = time.perf_counter()
-            self._finish_reads()
+            if not copied:
+                self._finish_reads()
             rows = self._rows_seconds - rows_before
             self.last_prefill = PrefillPhases(rows=rows, context=launched - started - rows,
                                               wait=time.perf_counter() - launched)

@@ -266,6 +266,7 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
                                                        context_pool_rows=args.context_pool_rows,
                                                        profile=window, chain_graphs=args.chain_graphs,
                                                        prepare_chains=args.prepare_chains,
+                                                       prefill_copies=args.prefill_copies,
                                                        device_waits=args.device_waits))
     if window is not None and window.on_signal:
         signal.signal(signal.SIGUSR1, lambda *_: window.arm())
@@ -456,6 +457,11 @@ def add_service_parsers(sub) -> None:
                     help="with --chain-graphs: a chained propose sent ahead has its host work (checks, settles, "
                          "tables) done as it arrives, while the target's GPU still verifies, and only its graph's "
                          "replay after the target's writes are done (default: on)")
+    ds.add_argument("--prefill-copies", action=argparse.BooleanOptionalAction, default=False,
+                    help="on a GPU, a prefill's rows in a CUDA IPC buffer are copied out on a stream of their own "
+                         "and only that copy is waited for before the call answers; the context forward reading "
+                         "them runs after, in our stream's order (off: the call waits for our whole stream, the "
+                         "forward and the work queued before it; default: off until measured on a GPU)")
     ds.add_argument("--device-waits", action="store_true",
                     help="with --max-targets 1: a prepared chained step's graph is launched as the Step arrives, "
                          "our GPU stream waiting for the target's writes on the device (a value its stream writes "

@@ -39,6 +39,7 @@ class DrafterSettings:
     profile: StepWindow | None = None  # --profile-steps/--profile-out: a torch profile of those Step messages
     chain_graphs: bool = True  # --chain-graphs (--no-chain-graphs: off): a chained step's commit and propose replayed as one CUDA graph
     prepare_chains: bool = True  # --prepare-chains: a chained step sent ahead prepared before the target's writes are done
+    prefill_copies: bool = False  # --prefill-copies: a prefill's CUDA IPC rows copied out at once (Session.prefill)
     device_waits: bool = False  # --device-waits: ... and launched at once, our stream waiting for them (one target only)
 
     def __post_init__(self) -> None:
@@ -100,6 +101,7 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
     server.profile = settings.profile
     server.chain_graphs = settings.chain_graphs
     server.prepare_chains = settings.prepare_chains
+    server.prefill_copies = settings.prefill_copies
     server.device_waits = settings.device_waits
     return server
 

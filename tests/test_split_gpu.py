@@ -76,6 +76,16 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
                 self.importer.drafts_target(buffer_id)[1].record()
 
         tampered(stall)
+    if mode.startswith("busy-prefill"):
+        # Each prefill finds our stream busy: GPU work of about a minute (-long) or two seconds (-short) queued
+        # before it. "-waits": without --prefill-copies (the call waits for our whole stream)
+        prefill, cycles = Session.prefill, STALL_CYCLES if "-long" in mode else STALL_CYCLES // 30
+
+        def busy_prefill(self, seq_id, op):
+            torch.cuda._sleep(cycles)
+            return prefill(self, seq_id, op)
+
+        Session.prefill = busy_prefill
     if mode == "silent":  # it never writes a chained step's done value (DrafterDescription.done_flags)
         Session._write_done = staticmethod(lambda view, value: None)
     if mode == "out-of-vocabulary":
@@ -119,6 +129,7 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
     from specsplit.drafter_service import server as server_module
     from specsplit.drafter_service.limits import DrafterLimits
 
+    copies = mode.startswith("busy-prefill") and "-waits" not in mode
     made = []  # every session's device waits (--device-waits), for the waits its watchdog released
     real_waits = server_module.DeviceWaits
     server_module.DeviceWaits = lambda *args, **kwargs: made.append(real_waits(*args, **kwargs)) or made[-1]
@@ -127,7 +138,8 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
                                                        limits=DrafterLimits(writes_wait_seconds=writes_wait,
                                                                             max_targets=1 if waits else 8),
                                                        chain_graphs=mode in ("graphs", "graphs-waits"),
-                                                       device_waits=waits))
+                                                       device_waits=waits,
+                                                       prefill_copies=copies))
     conn.send("ready")
     try:
         conn.recv()
@@ -159,7 +171,7 @@ def spawned_drafter(tmp_path, mode: str = "honest", writes_wait: float = 10.0, r
         wait_healthy(address, 60)
         yield address
     finally:
-        if mode != "stalling":
+        if mode != "stalling" and "-long" not in mode:
             parent.send("stop")
             if report is not None and parent.poll(60):
                 report.append(parent.recv())
@@ -392,6 +404,59 @@ def test_a_drafter_whose_drafts_never_land_is_given_up_without_stalling_the_targ
         # the stalled drafts buffer's event is still pending: nothing of ours waited for it
         assert polled and not polled[0]._cuda.done()
         remote.close()
+
+
+def _prefill_remote(address: str, timeout: float = 30.0):
+    """A RemoteProposer of the default target's head at `address`, and random prompt rows for it."""
+    from specsplit.target_service.drafter_client import RemoteProposer
+
+    model, _ = default_target()
+    remote = RemoteProposer(address, device="cuda", dtype=torch.float32, timeout=timeout,
+                            head=(model.embed_weight, model.lm_head_weight), max_batch=4)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    prompt = torch.randn(40, remote.spec.feature_dim, device="cuda", generator=gen)
+    tokens = torch.randint(0, model.config.vocab_size, (40,), device="cuda", generator=gen).tolist()
+    return remote, prompt, tokens
+
+
+@pytest.mark.parametrize("copies", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="without copies the call waits for our whole stream, a minute of GPU work"))],
+                         ids=["copies", "no-copies"])
+def test_a_prefill_answers_without_waiting_for_the_drafters_stream(tmp_path, copies):
+    """A PrefillDrafter whose CUDA IPC rows are copied out waits for that copy alone, not for the GPU work
+    queued before it on the drafter's stream (a minute of it here: the call's 20-s timeout would fail it)."""
+    mode = "busy-prefill-long" + ("" if copies else "-waits")
+    with spawned_drafter(tmp_path, mode) as address:
+        remote, prompt, tokens = _prefill_remote(address, timeout=20.0)
+        try:
+            remote.alloc(0, 256)
+            assert remote.prefill(0, tokens, prompt) == len(tokens)
+        finally:
+            remote.reset()  # (the drafter is killed, its GPU work with it)
+
+
+def test_prefill_rows_copied_out_are_the_targets_as_it_sent_them(tmp_path):
+    """The drafter answers a prefill before its context forward has run (its stream busy for two seconds
+    each time); the target then writes other rows into the same buffer at once. Each sequence's drafts are
+    still those of the rows it sent: the same for three sequences whose buffer was overwritten with different
+    garbage, or not at all."""
+    from specsplit.shared.proposer import ProposeRequest
+
+    with spawned_drafter(tmp_path, "busy-prefill-short") as address:
+        remote, prompt, tokens = _prefill_remote(address)
+        try:
+            for seq_id in range(3):
+                remote.alloc(seq_id, 256)
+                remote.prefill(seq_id, tokens, prompt)
+                if seq_id < 2:  # the buffer the rows went through, overwritten while the drafter's stream sleeps
+                    garbage = torch.Generator(device="cuda").manual_seed(seq_id)
+                    remote._conn.bulk.buffer.tensor.normal_(generator=garbage)
+                    torch.cuda.synchronize()
+            asked = [ProposeRequest(s, tokens[-1], len(tokens), 7) for s in range(3)]
+            drafts = [p.tokens for p in remote.propose(asked)]
+            assert drafts[0] == drafts[1] == drafts[2] and len(drafts[0]) == 7
+        finally:
+            remote.close()
 
 
 def test_a_target_whose_rows_never_land_stalls_only_itself(tmp_path):

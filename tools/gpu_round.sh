@@ -612,18 +612,20 @@ attach)
   # (the free waited for the answer to the chained propose sent ahead). Now the prefill allocates (one
   # round trip) and a free is only queued: measured 2.83 / 2.66 ms a step (host polls / both waits; were
   # 2.94 / 2.74, in-process 1.52), the attach still 2.9 ms (0.38 ms a step), the release 7.5 us a step (was
-  # 124). The split GPU tests (CUDA IPC prefills; they need more than 240 s), then the churn profile through
-  # the services, with the drafter's host seconds of a PrefillDrafter by phase (the "drafter:" lines; not
-  # run yet): where the attach's 2.9 ms go
-  timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py 2>&1 \
-    | grep -E "Error:|assert|FAILED|passed|failed" | tail -8 | log
-  timeout 150 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only \
-    --time-replays > "$OUT/attach.txt" 2>&1
-  timeout 150 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only --both-waits \
-    --time-replays >> "$OUT/attach.txt" 2>&1
-  grep -v -E "INFO|^I1" "$OUT/attach.txt" | grep -E -A12 "ms/step|Error" | log
-  grep -E "_attach|_release|_finish_prefill|_chain_step" "$OUT/attach.txt" | log
-  grep -E "^drafter:" "$OUT/attach.txt" | log
+  # 124). Then (not run yet): the new prefill GPU tests (the copy-out answers before a minute of GPU work
+  # queued on the drafter's stream; the rows copied out are the target's as sent, the buffer overwritten at
+  # once), then the churn profile through the services with both waits, without and with the drafter's
+  # --prefill-copies (its PrefillDrafter calls waiting only for their rows' copy, not the whole stream), each
+  # with the drafter's host seconds of a PrefillDrafter by phase (the "drafter:" lines). If copies win and
+  # the tests pass, make --prefill-copies the default.
+  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "prefill" 2>&1 \
+    | grep -E "Error:|assert|FAILED|passed|failed|xfail" | tail -8 | log
+  for copies in "" --prefill-copies; do
+    timeout 150 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only --both-waits \
+      --time-replays $copies >> "$OUT/attach.txt" 2>&1
+  done
+  grep -v -E "INFO|^I1" "$OUT/attach.txt" | grep -E "ms/step|^drafter:|Error" | log
+  grep -E "_attach|_finish_prefill|_chain_step" "$OUT/attach.txt" | log
   ;;
 attach-bench)
   # (thirty-sixth session) split_bench beside the overhang's (services 0.64x / 0.58x in-process, both waits
