@@ -39,8 +39,10 @@
 #   bash tools/gpu_round.sh both-host  # both streams on device waits: the target's host by function, the drafter's by stack
 #   bash tools/gpu_round.sh replays   # the host's time in graph replays, in-process against the services, with/without MPS
 #   bash tools/gpu_round.sh watchdog  # the device waits' watchdog no longer woken at every wait: GPU tests, tokens/s
-#   bash tools/gpu_round.sh overhang  # (next) sequences chain to their ends: GPU tests, tokens/s with requests coming and going
-#   bash tools/gpu_round.sh churn     # (next) requests ending and arriving through 8 slots: the services' host by function
+#   bash tools/gpu_round.sh overhang  # sequences chain to their ends: GPU tests, tokens/s with requests coming and going
+#   bash tools/gpu_round.sh churn     # requests ending and arriving through 8 slots: the services' host by function
+#   bash tools/gpu_round.sh attach    # (next) the prefill GPU tests; churn with both waits, without and with --prefill-copies
+#   bash tools/gpu_round.sh attach-bench  # split_bench --batch 1 8 --waves 4 --rounds 3 --also-both-waits
 #   bash tools/gpu_round.sh mps       # `specsplit up --mps`: its GPU test; the services under MPS against without
 #   bash tools/gpu_round.sh mps-timeline  # both services' work on one clock under MPS, both streams waiting on the device
 #   bash tools/gpu_round.sh context-launch  # the drafter's context k/v in one launch (on): GPU tests, tokens/s beside apart
@@ -57,10 +59,10 @@
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
-#   (next, after the thirty-fifth session: at eight streams with requests ending and arriving the services ran
-#   3.19 ms a step against 1.55 in steady steps; sequences near their ends now keep chaining (Engine._overhang):
-#   bash tools/gpu_round.sh churn, then split_bench --batch 1 8 --waves 4 --rounds 3 --also-both-waits beside
-#   the thirty-fifth session's figures; the GPU tests of the chain and the split, which run sequences to their ends)
+#   (next, after the thirty-sixth session: `attach`, ~300 s: where a PrefillDrafter's 2.9 ms go, and whether
+#   --prefill-copies takes the drafter's queued work out of it; issue 10: `train 46 --walk-anchors 0.5 --lr 1e-4 --init
+#   .ckpt/dflash-45` carrying [".ckpt/dflash-45", ".whl"] if that checkpoint (session 36's, tau 3.56, not
+#   shipped) is still beside the repository, else `train 46 --walk-anchors 0.5 --lr 1e-4 --minutes 8.5`)
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
 # nineteenth session lost two fresh machines' start-up to a reply that came later than that.
