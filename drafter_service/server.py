@@ -295,7 +295,12 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                 appended = session.prefill(seq_id, op)
             except BaseException:
                 if budget is not None:
-                    session.free(seq_id)
+                    try:
+                        session.free(seq_id)
+                    except Exception as exc:  # noqa: BLE001 - the prefill's error is the one to answer
+                        log.warning("client %s: freeing sequence %d after its refused prefill failed (%s: %s)",
+                                    session.client_id, seq_id, type(exc).__name__, exc,
+                                    extra=logs.fields(client_id=session.client_id))
                 raise
             phases = session.last_prefill
         self.metrics.prefilled({"ready": ready - started, "lock": locked - ready, "alloc": allocated - locked,

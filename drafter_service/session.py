@@ -181,6 +181,7 @@ class Session:
         self.device = torch.device(device)
         self.prefill_copies = prefill_copies and self.device.type == "cuda"
         self._copy_stream: torch.cuda.Stream | None = None  # (made on the first copy)
+        self._copy_wait = 0.0  # host seconds the last prefill waited for its copy
         self.limits = limits
         self.importer = BufferImporter()
         self._new_seq_id = new_seq_id  # drafter-wide unique ids, shared by all sessions
@@ -399,7 +400,8 @@ class Session:
         """A copy of `rows` (a view of the target's CUDA IPC buffer, its writes into them seen done), made on a
         stream of our own at once and waited for: the target may write its buffer again as soon as the call
         answers, while the work that reads the copy runs in our stream's order, after the work queued there
-        before it (which `_finish_reads` would wait for too)."""
+        before it (which `_finish_reads` would wait for too). The copies' memory stays cached for the copy
+        stream: about the longest prompt's rows."""
         main = torch.cuda.current_stream(self.device)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -409,7 +411,9 @@ class Session:
             done.record(self._copy_stream)
         main.wait_event(done)
         copy.record_stream(main)  # (allocated on the copy stream, used on ours: not reused before that use)
+        waited = time.perf_counter()
         done.synchronize()
+        self._copy_wait += time.perf_counter() - waited
         return copy
 
     def _finish_reads(self) -> None:
@@ -436,7 +440,7 @@ class Session:
         rows (resolving and checks), the context forward, and the wait for the rows to be read."""
         internal = self._internal(seq_id)
         started, rows_before = time.perf_counter(), self._rows_seconds
-        copied = False
+        copied, self._copy_wait = False, 0.0
         try:
             rows = self._rows(op.rows)
             if self.prefill_copies and isinstance(op.rows, RowRef) \
@@ -448,8 +452,8 @@ class Session:
             if not copied:
                 self._finish_reads()
             rows = self._rows_seconds - rows_before
-            self.last_prefill = PrefillPhases(rows=rows, context=launched - started - rows,
-                                              wait=time.perf_counter() - launched)
+            self.last_prefill = PrefillPhases(rows=rows, context=launched - started - rows - self._copy_wait,
+                                              wait=time.perf_counter() - launched + self._copy_wait)
 
     @_in_client_ids
     def apply(self, step: SeqStep) -> int:

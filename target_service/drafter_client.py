@@ -37,7 +37,8 @@ from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import frames, wire
 from specsplit.shared.security import ClientSecurity, ClientTLS, open_channel
 from specsplit.shared.serving import CLIENT_HEADER, INSTANCE_HEADER, PEER_CHANNEL_OPTIONS, grpc_target
-from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, SpecsplitError
+from specsplit.shared.errors import (CapacityExceeded, DrafterUnavailable, InvalidRequest, SpecsplitError,
+                                     StateConflict)
 from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeRequest
 from specsplit.shared.staging import to_host
 from specsplit.shared.stream_ops import next_value, stream_ops
@@ -74,6 +75,10 @@ def _reason(exc: BaseException, wait: float) -> str:
     if isinstance(exc, grpc.RpcError):
         return str(_error_from_rpc(exc))
     return str(exc) or type(exc).__name__
+
+
+# A drafter's refusal of one sequence (the engine goes on without speculation for it), not its failure
+_REFUSALS = (InvalidRequest, CapacityExceeded, StateConflict)
 
 
 @dataclass
@@ -239,6 +244,8 @@ class _Connection:
     columns: bool = False  # the drafter reads a StepRequest's columns (DrafterDescription.step_columns)
     prefill_allocs: bool = False  # its PrefillDrafter allocates too (DrafterDescription.prefill_allocs) ...
     alloc_next: tuple[int, int] | None = None  # ... so `alloc` leaves (seq id, budget) for the prefill after it
+    # allocations sent alone on another call's behalf and refused: raised by the sequence's own prefill
+    alloc_refused: dict[int, SpecsplitError] = field(default_factory=dict)
     exporter: BufferExporter | None = None
     step: RowStager | None = None
     bulk: RowStager | None = None  # prefill / re-attach rows, grown on demand
@@ -665,31 +672,56 @@ class RemoteProposer:
         self._send_queued(seq_id)
         conn = self._live()
         self._send_alloc(conn)
+        conn.alloc_refused.pop(seq_id, None)
         if conn.prefill_allocs:
             conn.alloc_next = (seq_id, budget_tokens)
             return
-        self._unary("AllocState", wire.alloc_to_proto(seq_id, budget_tokens))
+        self._allocating("AllocState", wire.alloc_to_proto(seq_id, budget_tokens))
         conn.allocated.add(seq_id)
 
     def _send_alloc(self, conn: _Connection) -> None:
-        """The allocation `alloc` left for a prefill, sent before any call that is not that prefill."""
+        """The allocation `alloc` left for a prefill, sent alone before any call that is not that prefill.
+        Refused, the refusal is the sequence's: its prefill raises it, not the call it was sent for."""
         if conn.alloc_next is not None:
             seq_id, budget = conn.alloc_next
             conn.alloc_next = None
-            self._unary("AllocState", wire.alloc_to_proto(seq_id, budget))
+            try:
+                self._allocating("AllocState", wire.alloc_to_proto(seq_id, budget))
+            except _REFUSALS as err:
+                conn.alloc_refused[seq_id] = err
+                return
             conn.allocated.add(seq_id)
+
+    def _allocating(self, method: str, request):
+        """A unary call that allocates a sequence. Refused for room while frees are queued (they ride on the
+        next Step, which this call overtakes), it goes again once they are sent."""
+        try:
+            return self._unary(method, request)
+        except CapacityExceeded:
+            if not any(p.free for p in self._pending.values()):
+                raise
+        self._flush([])
+        return self._unary(method, request)
+
+    @staticmethod
+    def _raise_refused(conn: _Connection, seq_id: int) -> None:
+        refused = conn.alloc_refused.pop(seq_id, None)
+        if refused is not None:
+            raise refused
 
     def prefill(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, start_pos: int = 0) -> int:
         self._send_queued(seq_id)
         conn = self._live()
         if conn.alloc_next is not None and conn.alloc_next[0] != seq_id:
             self._send_alloc(conn)
+        self._raise_refused(conn, seq_id)
         if conn.bulk.buffer is None:  # inline: in pieces the drafter's message cap lets through
             step = max(1, INLINE_PREFILL_BYTES // (rows.shape[1] * self.dtype.itemsize))
             return sum(self._prefill_part(conn, seq_id, token_ids[i:i + step], rows[i:i + step], start_pos + i)
                        for i in range(0, rows.shape[0], step))
         if rows.shape[0] > conn.bulk.buffer.tensor.shape[0]:
-            self._grow_bulk(conn, rows.shape[0])
+            self._grow_bulk(conn, rows.shape[0])  # (its calls send this sequence's allocation alone first)
+            self._raise_refused(conn, seq_id)
         return self._prefill_part(conn, seq_id, token_ids, rows, start_pos)
 
     def _prefill_part(self, conn: _Connection, seq_id: int, token_ids, rows: torch.Tensor, start_pos: int) -> int:
@@ -700,7 +732,8 @@ class RemoteProposer:
         budget = None
         if conn.alloc_next is not None and conn.alloc_next[0] == seq_id:
             budget, conn.alloc_next = conn.alloc_next[1], None
-        appended = self._unary("PrefillDrafter", wire.prefill_to_proto(seq_id, op, budget)).rows_appended
+        request = wire.prefill_to_proto(seq_id, op, budget)
+        appended = (self._unary if budget is None else self._allocating)("PrefillDrafter", request).rows_appended
         if budget is not None:
             conn.allocated.add(seq_id)
         return appended
@@ -774,6 +807,7 @@ class RemoteProposer:
             conn = self._live()
         if conn.alloc_next is not None and conn.alloc_next[0] == seq_id:  # (its prefill never went)
             conn.alloc_next = None
+        conn.alloc_refused.pop(seq_id, None)
         if seq_id not in conn.allocated:
             self._pending.pop(seq_id, None)
             return

@@ -22,7 +22,7 @@ from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.session import PreparedLaunch, Session
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import wire
-from specsplit.shared.errors import DrafterUnavailable, InvalidRequest, WritesPending
+from specsplit.shared.errors import CapacityExceeded, DrafterUnavailable, InvalidRequest, WritesPending
 from specsplit.shared.proposer import ProposeRequest, bool_to_bitmask
 from specsplit.shared.transport import BufferExporter, BufferRole, RowRef, encode_inline, host_id, identity_digest
 from specsplit.target_service import drafter_client
@@ -738,6 +738,57 @@ def test_an_allocation_left_for_its_prefill_goes_alone_before_any_other_call_and
     assert len(drafter.store) == 3 and proposer.link.unary_calls == {"AllocState": 1, "PrefillDrafter": 3}
     assert [len(p.tokens) for p in proposer.propose([ProposeRequest(s, 7, n, GAMMA - 1)
                                                      for s, n in ((0, 3), (1, 3), (3, 2))])] == [GAMMA - 1] * 3
+
+
+@pytest.fixture
+def serve_capped(tmp_path):
+    """(**DrafterLimits fields) -> (a seeded drafter served with those caps, a RemoteProposer attached to it)."""
+    made = []
+
+    def start(**limits):
+        drafter = make_drafter()
+        server_obj = DrafterServer(drafter, head=drafter.head, device="cpu", **limits)
+        server = serve(server_obj, [f"unix:{tmp_path}/capped-{len(made)}.sock"])
+        proposer = RemoteProposer(f"unix:{tmp_path}/capped-{len(made)}.sock", max_batch=4)
+        made.append((proposer, server, server_obj))
+        return drafter, proposer
+
+    yield start
+    for proposer, server, server_obj in made:
+        proposer.close()
+        server.stop(None)
+        server_obj.close()
+
+
+def test_an_allocation_refused_on_another_calls_behalf_is_its_own_sequences_refusal(serve_capped):
+    """An allocation left for a prefill and sent alone before another sequence's call: refused, that call goes
+    on, and the refusal is raised by the refused sequence's own prefill (the engine then decodes that one
+    without speculation, and only that one)."""
+    drafter, proposer = serve_capped(max_rows=3 * BUDGET // 2)
+    proposer.alloc(0, BUDGET)
+    proposer.prefill(0, [3, 4, 5], rows(3, 0))
+    proposer.alloc(1, BUDGET)  # no room for its rows: refused when it goes...
+    proposer.alloc(2, BUDGET // 4)  # ... alone, before this one
+    proposer.prefill(2, [3, 4], rows(2, 2))
+    with pytest.raises(CapacityExceeded, match="--max-rows"):
+        proposer.prefill(1, [3, 4], rows(2, 1))
+    assert len(drafter.store) == 2 and proposer.available()
+    asked = [ProposeRequest(0, 7, 3, GAMMA - 1), ProposeRequest(2, 7, 2, GAMMA - 1)]
+    assert [len(p.tokens) for p in proposer.propose(asked)] == [GAMMA - 1] * 2
+
+
+def test_a_sequence_refused_room_that_queued_frees_would_give_is_allocated_once_they_are_sent(serve_capped):
+    """Frees ride on the next Step, which a new sequence's prefill (a unary call) overtakes: refused for room
+    while frees are queued, it is sent again after them, not refused for good."""
+    drafter, proposer = serve_capped(max_sequences=1)
+    proposer.alloc(0, BUDGET)
+    proposer.prefill(0, [3, 4, 5], rows(3, 0))
+    proposer.free(0)  # queued
+    steps = len(proposer.link.step_seconds)
+    proposer.alloc(1, BUDGET)
+    assert proposer.prefill(1, [3, 4], rows(2, 1)) == 2
+    assert len(drafter.store) == 1 and len(proposer.link.step_seconds) == steps + 1  # the frees' Step
+    assert proposer.link.unary_calls["PrefillDrafter"] == 3  # the refused try included
 
 
 def test_answers_to_steps_sent_ahead_set_the_step_deadline(serve_remote):
