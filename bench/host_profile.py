@@ -191,6 +191,9 @@ def main() -> None:
                          "(drafter --device-waits), the target's for the drafts (RemoteProposer(device_waits=True))")
     ap.add_argument("--prefill-copies", action="store_true",
                     help="(--split) the drafter service's --prefill-copies: a prefill waits only for its rows' copy")
+    ap.add_argument("--overlap-attach", action="store_true",
+                    help="(--split --serving) EngineConfig.overlap_attach for the services: requests arriving while a "
+                         "chained step is out are attached to the drafter after the next step launched")
     ap.add_argument("--split-only", action="store_true", help="(--split) only the services, not in-process too")
     ap.add_argument("--drafter-trace", default=None, metavar="PATH",
                     help="(--split) the drafter's host during Step messages 300 to 600 (the first batch's steady "
@@ -264,7 +267,8 @@ def run(args: argparse.Namespace) -> None:
             prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH, args.serving)]
             for batch in args.batch:
                 for name, drafter in [("target-only ", None)] * (not (args.split and args.split_only)) + engines:
-                    engine = Engine(model, drafter, EngineConfig(max_batch=batch), eos_ids=tokenizer.eos_token_ids)
+                    config = EngineConfig(max_batch=batch, overlap_attach=args.overlap_attach and drafter is remote)
+                    engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids)
                     before = prefill_phases(metrics_url) if drafter is remote else None
                     text = name + profile_serving(engine, prompts, args.max_tokens, batch, args.device)
                     if before is not None:  # (the warm-up, timed and profiled runs' prefills)

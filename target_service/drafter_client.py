@@ -18,6 +18,7 @@ from the round trips measured so far (`step_deadline`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -709,7 +710,10 @@ class RemoteProposer:
         if refused is not None:
             raise refused
 
-    def prefill(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, start_pos: int = 0) -> int:
+    def prefill(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, start_pos: int = 0, *,
+                stream: "torch.cuda.Stream | None" = None) -> int:
+        """stream: the rows' copy into our buffer for the drafter goes on it (the engine's attach stream,
+        EngineConfig.overlap_attach), not on the current one."""
         self._send_queued(seq_id)
         conn = self._live()
         if conn.alloc_next is not None and conn.alloc_next[0] != seq_id:
@@ -717,16 +721,18 @@ class RemoteProposer:
         self._raise_refused(conn, seq_id)
         if conn.bulk.buffer is None:  # inline: in pieces the drafter's message cap lets through
             step = max(1, INLINE_PREFILL_BYTES // (rows.shape[1] * self.dtype.itemsize))
-            return sum(self._prefill_part(conn, seq_id, token_ids[i:i + step], rows[i:i + step], start_pos + i)
+            return sum(self._prefill_part(conn, seq_id, token_ids[i:i + step], rows[i:i + step], start_pos + i, stream)
                        for i in range(0, rows.shape[0], step))
         if rows.shape[0] > conn.bulk.buffer.tensor.shape[0]:
             self._grow_bulk(conn, rows.shape[0])  # (its calls send this sequence's allocation alone first)
             self._raise_refused(conn, seq_id)
-        return self._prefill_part(conn, seq_id, token_ids, rows, start_pos)
+        return self._prefill_part(conn, seq_id, token_ids, rows, start_pos, stream)
 
-    def _prefill_part(self, conn: _Connection, seq_id: int, token_ids, rows: torch.Tensor, start_pos: int) -> int:
-        staged = conn.bulk.put(rows)
-        conn.bulk.seal()
+    def _prefill_part(self, conn: _Connection, seq_id: int, token_ids, rows: torch.Tensor, start_pos: int,
+                      stream: "torch.cuda.Stream | None" = None) -> int:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            staged = conn.bulk.put(rows)
+            conn.bulk.seal()
         op = wire.RowsOp(tuple(token_ids), conn.bulk.source(staged, rows.shape[0]), start_pos)
         # (the first part of a sequence `alloc` left allocates it: refused, the drafter holds nothing of it)
         budget = None

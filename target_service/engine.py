@@ -98,6 +98,13 @@ class EngineConfig:
     # decode step of the others, when a step launched ahead is out (Engine.step): with requests admitted
     # as others end, reading it first left the device idle from each prefill's end to the next launch.
     overlap_prefill: bool = True
+    # Through a drafter service too (thirty-sixth session; off until measured): the prefill is read, and its
+    # sequences attached to the drafter, after the chained step of the others launched, the attach's row copy
+    # on a stream of its own behind the prefill alone (not behind that step), so the drafter's
+    # PrefillDrafter (with its --prefill-copies) can answer while our GPU runs the step. Serving through the
+    # services at eight streams each arrival's attach held the host 2.9 ms (0.38 ms a step) with the GPU idle.
+    # With device waits a first kernel launch may come while our stream waits (`_quiesce`): measurement only.
+    overlap_attach: bool = False
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
@@ -183,6 +190,7 @@ class Engine:
         self._chain_buffers: ChainBuffers | None = None
         self._chain_programs: dict[tuple[int, int], ChainProgram] = {}  # (n, k) → program, least recently used first
         self._chain_pool = None  # the memory pool their captured graphs share
+        self._side_stream: "torch.cuda.Stream | None" = None  # the attaches' stream (overlap_attach, made on first use)
         self._chain_capture_most = config.chain_capture if use_graphs else 0
         self._chain_read_at: float | None = None
         self._chain_prefill_clock = 0.0  # _prefill_seconds at that read
@@ -296,7 +304,7 @@ class Engine:
         if decoding:
             events += self._decode_step(decoding)
         if overlap:
-            events += self._finish_prefill(prefill)
+            events += self._finish_prefill(prefill, overlapped=True)
         return events
 
     def _overlaps_prefill(self) -> bool:
@@ -306,13 +314,13 @@ class Engine:
         first tokens back a step. Not through a drafter service: its attach (a round trip) waits for the
         chained step just launched, whose drafts the service is answering, so the host would wait a whole
         step for nothing (and with device waits a first kernel launch may come while our stream waits,
-        `_quiesce`)."""
+        `_quiesce`), unless `overlap_attach` asks for it."""
         if not self.config.overlap_prefill:
             return False
         if self.proposer is None:
             return self._ahead is not None
-        return self._chain is not None and _capability(self.proposer, "chain_prefetch") is None \
-            and not getattr(self.proposer, "device_waits", False)
+        return self._chain is not None and (self.config.overlap_attach or (
+            _capability(self.proposer, "chain_prefetch") is None and not getattr(self.proposer, "device_waits", False)))
 
     def generate(self, requests: list[Request]) -> dict[str, list[StepEvent]]:
         """Run requests to completion; returns each request's events in order."""
@@ -462,21 +470,35 @@ class Engine:
             picks.index_copy_(0, device_longs(sampled, picks.device), drawn)
         return picks
 
-    def _finish_prefill(self, prefill: "_Prefilled | None") -> list[StepEvent]:
+    def _finish_prefill(self, prefill: "_Prefilled | None", overlapped: bool = False) -> list[StepEvent]:
         """The first tokens of the prompts `prefill` completed (a wait for their copy), the drafter's rows
-        for them, their events."""
+        for them, their events. overlapped: read after the next step launched (see `_attach_stream`)."""
         if prefill is None or not prefill.done:
             return []
         started = time.perf_counter()
         try:
             if prefill.copied is not None:
                 prefill.copied.synchronize()
-            return self._first_tokens(prefill.done, [[t] for t in prefill.firsts.tolist()], prefill.rows)
+            after = prefill.copied if overlapped and self.config.overlap_attach \
+                and _capability(self.proposer, "chain_prefetch") is not None else None
+            return self._first_tokens(prefill.done, [[t] for t in prefill.firsts.tolist()], prefill.rows, after)
         finally:
             self._prefill_seconds += time.perf_counter() - started
 
+    def _attach_stream(self, after: "torch.cuda.Event | None") -> "torch.cuda.Stream | None":
+        """With `after` (overlap_attach through a drafter service, on a GPU): the stream the attaches' rows go
+        to the drafter on (their concatenation and their copy into its buffer), behind `after`, the prefill's
+        end, not behind the step launched since: the drafter sees them written while our GPU runs that step."""
+        if after is None:
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self._device)
+        self._side_stream.wait_event(after)
+        return self._side_stream
+
     def _first_tokens(self, done: list[Sequence], firsts: list[list[int]],
-                      rows: dict[int, list[torch.Tensor]]) -> list[StepEvent]:
+                      rows: dict[int, list[torch.Tensor]], after: "torch.cuda.Event | None" = None
+                      ) -> list[StepEvent]:
         for seq in done:
             seq.stats.steps += 1
             self.counters.prefills += 1
@@ -485,11 +507,11 @@ class Engine:
             # The drafter's context forward: prefetched drafts are not taken past other drafter work
             # (see _prefetch_drafts).
             self._prefetched = None
+            side = self._attach_stream(after)
             with self._batched_appends():  # one drafter context forward for every completed prompt
                 for seq in attaching:
                     if self.drafter_ok:
-                        prompt_rows = torch.cat(rows[seq.seq_id]) if rows[seq.seq_id] else None
-                        self._attach(seq, seq.request.prompt_ids, prompt_rows)
+                        self._attach(seq, seq.request.prompt_ids, self._prompt_rows(rows[seq.seq_id], side), side)
         return [self._emit(seq, first) for seq, first in zip(done, firsts)]
 
     def _graphed_prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]
@@ -1345,11 +1367,27 @@ class Engine:
         for seq in attached:
             self._forget(seq)
 
-    def _attach(self, seq: Sequence, tokens: list[int], rows: torch.Tensor | None) -> None:
+    @staticmethod
+    def _prompt_rows(chunks: list[torch.Tensor], side: "torch.cuda.Stream | None") -> torch.Tensor | None:
+        """A prompt's feature rows in one tensor (None: none captured); made on `side` when given."""
+        if not chunks:
+            return None
+        if side is None:
+            return torch.cat(chunks)
+        for chunk in chunks:  # (made on our stream, read on the side one: not reused before that read)
+            chunk.record_stream(side)
+        with torch.cuda.stream(side):
+            return torch.cat(chunks)
+
+    def _attach(self, seq: Sequence, tokens: list[int], rows: torch.Tensor | None,
+                side: "torch.cuda.Stream | None" = None) -> None:
         try:
             # (a chained step's anchor lies below the drafter's budget: its steps' writes past ours, see _overhang)
             self.proposer.alloc(seq.seq_id, seq.reserved_tokens if self._chains() else seq.budget_tokens)
-            self.proposer.prefill(seq.seq_id, tokens, rows, 0)
+            if side is None:
+                self.proposer.prefill(seq.seq_id, tokens, rows, 0)
+            else:  # (a drafter service: the rows' copy into its buffer on `side`)
+                self.proposer.prefill(seq.seq_id, tokens, rows, 0, stream=side)
         except (InvalidRequest, CapacityExceeded, StateConflict) as exc:
             # This sequence is what the drafter refuses, not the drafter: the others keep speculating.
             log.warning("the drafter refused sequence %s (%s: %s); decoding it without speculation",

@@ -7,6 +7,7 @@ default model, are checked on it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -561,6 +562,11 @@ def test_a_prefill_is_read_after_the_decode_step_only_when_that_step_runs_ahead(
     assert not engine._overlaps_prefill()
     engine.proposer = type("Waiting", (), {"device_waits": True})()
     assert not engine._overlaps_prefill()
+    engine.config = dataclasses.replace(engine.config, overlap_attach=True)  # (measurement only: see the flag)
+    assert engine._overlaps_prefill()
+    engine.proposer = type("Service", (), {"chain_prefetch": lambda self, *a: None})()
+    assert engine._overlaps_prefill()
+    engine.config = dataclasses.replace(engine.config, overlap_attach=False)
     engine._chain = None
     engine.proposer = type("InProcess", (), {})()
     assert not engine._overlaps_prefill()

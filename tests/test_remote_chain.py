@@ -118,6 +118,34 @@ def test_chained_steps_through_the_services_equal_the_in_process_chain(pair, tin
         proposer.close()
 
 
+def test_requests_attached_after_the_next_step_launched_decode_as_those_attached_before(pair, tiny_chat_dir):
+    """EngineConfig.overlap_attach: a request arriving while a chained step is out is read and attached to
+    the drafter after the next chained step of the others launched. Every token and every accepted count is
+    that of the engine attaching first, and the late request is read after a launch (its attach does not
+    wait for one)."""
+    from specsplit.shared.tokenizer import Tokenizer
+
+    target, _, address, _ = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    alone = _run(_engine(target, None, chain=False), tokenizer)
+    runs = {}
+    for overlap in (False, True):
+        proposer = RemoteProposer(address, max_batch=4)
+        try:
+            engine = _engine(target, proposer, overlap_attach=overlap)
+            read_after = []
+            finish = engine._finish_prefill
+            engine._finish_prefill = lambda prefill, overlapped=False: (
+                read_after.append(overlapped) if prefill is not None and prefill.done else None,
+                finish(prefill, overlapped))[1]
+            runs[overlap] = (_run(engine, tokenizer), engine.counters.accepted, engine.counters.fallbacks)
+            assert any(read_after) == overlap, read_after
+        finally:
+            proposer.close()
+    assert runs[True][0] == runs[False][0] == alone
+    assert runs[True][1:] == runs[False][1:] and runs[True][2] == 0
+
+
 class Scripted:
     """The served drafter's chained verbs, recorded: each propose's drafts, replaced by the target's own
     continuation after each anchor (from `texts`, the target-only tokens of every request, looked up by

@@ -129,7 +129,7 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
     from specsplit.drafter_service import server as server_module
     from specsplit.drafter_service.limits import DrafterLimits
 
-    copies = mode.startswith("busy-prefill") and "-waits" not in mode
+    copies = mode == "copies" or (mode.startswith("busy-prefill") and "-waits" not in mode)  # --prefill-copies
     made = []  # every session's device waits (--device-waits), for the waits its watchdog released
     real_waits = server_module.DeviceWaits
     server_module.DeviceWaits = lambda *args, **kwargs: made.append(real_waits(*args, **kwargs)) or made[-1]
@@ -457,6 +457,45 @@ def test_prefill_rows_copied_out_are_the_targets_as_it_sent_them(tmp_path):
             assert drafts[0] == drafts[1] == drafts[2] and len(drafts[0]) == 7
         finally:
             remote.close()
+
+
+def _staggered(engine, tokenizer, late_at: int = 4) -> tuple[list[list[int]], list[int]]:
+    """PROMPTS, greedy, the first alone and the others added at engine step `late_at` (a chained step out):
+    each request's tokens and accepted drafts."""
+    reqs = [Request(str(i), tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
+    engine.add(reqs[0])
+    tokens: dict[str, list[int]] = {}
+    stats: dict[str, object] = {}
+    step = 0
+    while engine.has_work or step <= late_at:
+        if step == late_at:
+            engine.add(reqs[1])
+            engine.add(reqs[2])
+        for e in engine.step():
+            tokens.setdefault(e.request_id, []).extend(e.token_ids)
+            stats[e.request_id] = e.stats
+        step += 1
+    return [tokens[r.request_id] for r in reqs], [stats[r.request_id].accepted for r in reqs]
+
+
+def test_requests_attached_behind_the_next_step_draft_as_those_attached_before_it(tmp_path):
+    """EngineConfig.overlap_attach, the drafter with --prefill-copies: requests arriving while a chained step
+    is out are attached after the next step launched, their rows copied for the drafter on a stream of their
+    own behind their prefill alone. Their tokens are target-only's, and each request accepts as many drafts
+    as with its attach before the launch (rows copied wrong or too early would change the drafts)."""
+    want = local_tokens("none")
+    results = {}
+    with spawned_drafter(tmp_path, "copies") as address:
+        model, tokenizer = default_target()
+        for overlap in (False, True):
+            engine, remote = remote_engine(address, model, config={"overlap_attach": overlap})
+            try:
+                results[overlap] = _staggered(engine, tokenizer)
+                assert engine.drafter_ok and engine.counters.fallbacks == 0
+            finally:
+                remote.close()
+    assert results[True][0] == results[False][0] == want
+    assert results[True][1] == results[False][1] and sum(results[True][1]) > 0
 
 
 def test_a_target_whose_rows_never_land_stalls_only_itself(tmp_path):

@@ -616,15 +616,17 @@ attach)
   # 2.94 / 2.74, in-process 1.52), the attach still 2.9 ms (0.38 ms a step), the release 7.5 us a step (was
   # 124). Then (not run yet): the new prefill GPU tests (the copy-out answers before a minute of GPU work
   # queued on the drafter's stream; the rows copied out are the target's as sent, the buffer overwritten at
-  # once), then the churn profile through the services with both waits, without and with the drafter's
-  # --prefill-copies (its PrefillDrafter calls waiting only for their rows' copy, not the whole stream), each
-  # with the drafter's host seconds of a PrefillDrafter by phase (the "drafter:" lines). If copies win and
-  # the tests pass, make --prefill-copies the default.
-  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "prefill" 2>&1 \
-    | grep -E "Error:|assert|FAILED|passed|failed|xfail" | tail -8 | log
-  for copies in "" --prefill-copies; do
-    timeout 150 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only --both-waits \
-      --time-replays $copies >> "$OUT/attach.txt" 2>&1
+  # once; requests attached behind the next launch, EngineConfig.overlap_attach, draft as those attached
+  # before it), then the churn profile through the services with both waits: as shipped; with the drafter's
+  # --prefill-copies (its PrefillDrafter calls waiting only for their rows' copy, not its whole stream); and
+  # with --overlap-attach too (the attach after the next step launched, its rows' copy behind the prefill
+  # alone), each with the drafter's host seconds of a PrefillDrafter by phase (the "drafter:" lines). If
+  # they win and the tests pass, make them the defaults (overlap_attach with device waits: see its comment).
+  timeout 220 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "prefill or attached_behind" \
+    2>&1 | grep -E "Error:|assert|FAILED|passed|failed|xfail" | tail -8 | log
+  for variant in "" --prefill-copies "--prefill-copies --overlap-attach"; do
+    timeout 120 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only --both-waits \
+      --time-replays $variant >> "$OUT/attach.txt" 2>&1
   done
   grep -v -E "INFO|^I1" "$OUT/attach.txt" | grep -E "ms/step|^drafter:|Error" | log
   grep -E "_attach|_finish_prefill|_chain_step" "$OUT/attach.txt" | log
