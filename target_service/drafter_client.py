@@ -724,7 +724,10 @@ class RemoteProposer:
             return sum(self._prefill_part(conn, seq_id, token_ids[i:i + step], rows[i:i + step], start_pos + i, stream)
                        for i in range(0, rows.shape[0], step))
         if rows.shape[0] > conn.bulk.buffer.tensor.shape[0]:
-            self._grow_bulk(conn, rows.shape[0])  # (its calls send this sequence's allocation alone first)
+            # (its calls send this sequence's allocation alone first; the new buffer is zeroed on `stream`,
+            # before the rows' copy on it)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self._grow_bulk(conn, rows.shape[0])
             self._raise_refused(conn, seq_id)
         return self._prefill_part(conn, seq_id, token_ids, rows, start_pos, stream)
 

@@ -103,7 +103,9 @@ class EngineConfig:
     # on a stream of its own behind the prefill alone (not behind that step), so the drafter's
     # PrefillDrafter (with its --prefill-copies) can answer while our GPU runs the step. Serving through the
     # services at eight streams each arrival's attach held the host 2.9 ms (0.38 ms a step) with the GPU idle.
-    # With device waits a first kernel launch may come while our stream waits (`_quiesce`): measurement only.
+    # It pays only with device waits: otherwise the attach first reads the answer to the Step just sent
+    # ahead, which comes once that step is done. With them a first kernel launch may come while our stream
+    # waits (`_quiesce`; the attach's kernels, a concatenation and copies, have run by then): measurement only.
     overlap_attach: bool = False
 
     def __post_init__(self) -> None:
@@ -511,7 +513,7 @@ class Engine:
             with self._batched_appends():  # one drafter context forward for every completed prompt
                 for seq in attaching:
                     if self.drafter_ok:
-                        self._attach(seq, seq.request.prompt_ids, self._prompt_rows(rows[seq.seq_id], side), side)
+                        self._attach(seq, seq.request.prompt_ids, rows[seq.seq_id], side)
         return [self._emit(seq, first) for seq, first in zip(done, firsts)]
 
     def _graphed_prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]
@@ -1379,9 +1381,12 @@ class Engine:
         with torch.cuda.stream(side):
             return torch.cat(chunks)
 
-    def _attach(self, seq: Sequence, tokens: list[int], rows: torch.Tensor | None,
+    def _attach(self, seq: Sequence, tokens: list[int], rows: "torch.Tensor | list[torch.Tensor] | None",
                 side: "torch.cuda.Stream | None" = None) -> None:
+        """rows: the prompt's feature rows, or the chunks its prefill captured (joined here, on `side` if given)."""
         try:
+            if isinstance(rows, list):
+                rows = self._prompt_rows(rows, side)
             # (a chained step's anchor lies below the drafter's budget: its steps' writes past ours, see _overhang)
             self.proposer.alloc(seq.seq_id, seq.reserved_tokens if self._chains() else seq.budget_tokens)
             if side is None:

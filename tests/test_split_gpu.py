@@ -459,18 +459,18 @@ def test_prefill_rows_copied_out_are_the_targets_as_it_sent_them(tmp_path):
             remote.close()
 
 
-def _staggered(engine, tokenizer, late_at: int = 4) -> tuple[list[list[int]], list[int]]:
-    """PROMPTS, greedy, the first alone and the others added at engine step `late_at` (a chained step out):
+def _staggered(engine, tokenizer, prompts: list[str], late_at: int = 4) -> tuple[list[list[int]], list[int]]:
+    """`prompts`, greedy, the first alone and the others added at engine step `late_at` (a chained step out):
     each request's tokens and accepted drafts."""
-    reqs = [Request(str(i), tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
+    reqs = [Request(str(i), tokenizer.encode(p), GREEDY) for i, p in enumerate(prompts)]
     engine.add(reqs[0])
     tokens: dict[str, list[int]] = {}
     stats: dict[str, object] = {}
     step = 0
     while engine.has_work or step <= late_at:
         if step == late_at:
-            engine.add(reqs[1])
-            engine.add(reqs[2])
+            for r in reqs[1:]:
+                engine.add(r)
         for e in engine.step():
             tokens.setdefault(e.request_id, []).extend(e.token_ids)
             stats[e.request_id] = e.stats
@@ -482,15 +482,18 @@ def test_requests_attached_behind_the_next_step_draft_as_those_attached_before_i
     """EngineConfig.overlap_attach, the drafter with --prefill-copies: requests arriving while a chained step
     is out are attached after the next step launched, their rows copied for the drafter on a stream of their
     own behind their prefill alone. Their tokens are target-only's, and each request accepts as many drafts
-    as with its attach before the launch (rows copied wrong or too early would change the drafts)."""
-    want = local_tokens("none")
+    as with its attach before the launch (rows copied wrong or too early would change the drafts). The last
+    prompt is longer than the target's prefill buffer for the drafter: the buffer grows as it attaches."""
+    prompts = [*PROMPTS, "Say it again: " + "the sea, " * 600]
+    target_only, tokenizer = load_local(LocalSetup(drafter="none", device="cuda", dtype="float32", seed=0))
+    want = _staggered(target_only, tokenizer, prompts)[0]
     results = {}
     with spawned_drafter(tmp_path, "copies") as address:
         model, tokenizer = default_target()
         for overlap in (False, True):
             engine, remote = remote_engine(address, model, config={"overlap_attach": overlap})
             try:
-                results[overlap] = _staggered(engine, tokenizer)
+                results[overlap] = _staggered(engine, tokenizer, prompts)
                 assert engine.drafter_ok and engine.counters.fallbacks == 0
             finally:
                 remote.close()
