@@ -139,12 +139,12 @@ def env(tmp_path):
 
 @pytest.fixture
 def serve_remote(tmp_path):
-    """(drafter, **RemoteProposer options) -> (its DrafterServer, a RemoteProposer attached to it over a
-    unix socket); everything made is closed when the test ends."""
+    """(drafter, limits={DrafterLimits fields}, **RemoteProposer options) -> (its DrafterServer, a RemoteProposer
+    attached to it over a unix socket); everything made is closed when the test ends."""
     made = []
 
-    def start(drafter, **kw):
-        server_obj = DrafterServer(drafter, head=drafter.head, device="cpu")
+    def start(drafter, limits: dict | None = None, **kw):
+        server_obj = DrafterServer(drafter, head=drafter.head, device="cpu", **(limits or {}))
         address = f"unix:{tmp_path}/d-{len(made)}.sock"
         server = serve(server_obj, [address])
         proposer = RemoteProposer(address, **kw)
@@ -740,31 +740,12 @@ def test_an_allocation_left_for_its_prefill_goes_alone_before_any_other_call_and
                                                      for s, n in ((0, 3), (1, 3), (3, 2))])] == [GAMMA - 1] * 3
 
 
-@pytest.fixture
-def serve_capped(tmp_path):
-    """(**DrafterLimits fields) -> (a seeded drafter served with those caps, a RemoteProposer attached to it)."""
-    made = []
-
-    def start(**limits):
-        drafter = make_drafter()
-        server_obj = DrafterServer(drafter, head=drafter.head, device="cpu", **limits)
-        server = serve(server_obj, [f"unix:{tmp_path}/capped-{len(made)}.sock"])
-        proposer = RemoteProposer(f"unix:{tmp_path}/capped-{len(made)}.sock", max_batch=4)
-        made.append((proposer, server, server_obj))
-        return drafter, proposer
-
-    yield start
-    for proposer, server, server_obj in made:
-        proposer.close()
-        server.stop(None)
-        server_obj.close()
-
-
-def test_an_allocation_refused_on_another_calls_behalf_is_its_own_sequences_refusal(serve_capped):
+def test_an_allocation_refused_on_another_calls_behalf_is_its_own_sequences_refusal(serve_remote):
     """An allocation left for a prefill and sent alone before another sequence's call: refused, that call goes
     on, and the refusal is raised by the refused sequence's own prefill (the engine then decodes that one
     without speculation, and only that one)."""
-    drafter, proposer = serve_capped(max_rows=3 * BUDGET // 2)
+    drafter = make_drafter()
+    _, proposer = serve_remote(drafter, limits={"max_rows": 3 * BUDGET // 2}, max_batch=4)
     proposer.alloc(0, BUDGET)
     proposer.prefill(0, [3, 4, 5], rows(3, 0))
     proposer.alloc(1, BUDGET)  # no room for its rows: refused when it goes...
@@ -777,10 +758,11 @@ def test_an_allocation_refused_on_another_calls_behalf_is_its_own_sequences_refu
     assert [len(p.tokens) for p in proposer.propose(asked)] == [GAMMA - 1] * 2
 
 
-def test_a_sequence_refused_room_that_queued_frees_would_give_is_allocated_once_they_are_sent(serve_capped):
+def test_a_sequence_refused_room_that_queued_frees_would_give_is_allocated_once_they_are_sent(serve_remote):
     """Frees ride on the next Step, which a new sequence's prefill (a unary call) overtakes: refused for room
     while frees are queued, it is sent again after them, not refused for good."""
-    drafter, proposer = serve_capped(max_sequences=1)
+    drafter = make_drafter()
+    _, proposer = serve_remote(drafter, limits={"max_sequences": 1}, max_batch=4)
     proposer.alloc(0, BUDGET)
     proposer.prefill(0, [3, 4, 5], rows(3, 0))
     proposer.free(0)  # queued
