@@ -119,6 +119,7 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     link = getattr(engine.proposer, "link", None)  # (a drafter service's: the Steps its host waited for)
     waited = len(link.step_seconds) if link is not None else 0
     unary = sum(link.unary_calls.values()) if link is not None else 0
+    regrouped = link.chain_taken_regrouped if link is not None else 0
     if REPLAYS is not None:
         REPLAYS.on, REPLAYS.seconds, REPLAYS.calls = True, 0.0, 0
     started = time.perf_counter()
@@ -131,7 +132,8 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
         answers = list(link.step_seconds)[waited:]
         extra += (f"; Step answers waited for {len(answers) / steps:.2f} a step, "
                   f"{sum(answers) / steps * 1e3:.3f} ms a step; unary calls {sum(link.unary_calls.values()) - unary} "
-                  f"({', '.join(f'{m} {n}' for m, n in sorted(link.unary_calls.items()))} in all)")
+                  f"({', '.join(f'{m} {n}' for m, n in sorted(link.unary_calls.items()))} in all); chained proposes "
+                  f"sent ahead taken for a batch that changed {link.chain_taken_regrouped - regrouped}")
     prof = cProfile.Profile()
     prof.enable()
     steps = run("p")
@@ -194,6 +196,9 @@ def main() -> None:
     ap.add_argument("--overlap-attach", action="store_true",
                     help="(--split --serving) EngineConfig.overlap_attach for the services: requests arriving while a "
                          "chained step is out are attached to the drafter after the next step launched")
+    ap.add_argument("--no-regroup", action="store_true",
+                    help="(--split) EngineConfig(chain_regroup=False) for the services: a batch that changed waits for "
+                         "a propose of its own, as before the thirty-seventh session")
     ap.add_argument("--split-only", action="store_true", help="(--split) only the services, not in-process too")
     ap.add_argument("--drafter-trace", default=None, metavar="PATH",
                     help="(--split) the drafter's host during Step messages 300 to 600 (the first batch's steady "
@@ -240,7 +245,8 @@ def run(args: argparse.Namespace) -> None:
         texts.append(text)
 
     proc = remote = None
-    services = "services, both waits, " if args.both_waits else "services "
+    services = "services, " + "both waits, " * args.both_waits + "no regroup, " * args.no_regroup
+    services = services if services != "services, " else "services "
     try:
         if args.split:
             from specsplit.target_service.drafter_client import RemoteProposer
@@ -267,7 +273,8 @@ def run(args: argparse.Namespace) -> None:
             prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH, args.serving)]
             for batch in args.batch:
                 for name, drafter in [("target-only ", None)] * (not (args.split and args.split_only)) + engines:
-                    config = EngineConfig(max_batch=batch, overlap_attach=args.overlap_attach and drafter is remote)
+                    config = EngineConfig(max_batch=batch, overlap_attach=args.overlap_attach and drafter is remote,
+                                          chain_regroup=not (args.no_regroup and drafter is remote))
                     engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids)
                     before = prefill_phases(metrics_url) if drafter is remote else None
                     text = name + profile_serving(engine, prompts, args.max_tokens, batch, args.device)

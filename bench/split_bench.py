@@ -421,6 +421,7 @@ def main() -> None:
             graphs_before = labelled(metrics, "chain_graph_steps_total", "outcome")
             drafts_ahead_before, on_device_before = remote.link.drafts_ahead, remote.link.drafts_on_device
             chain_sent_before, chain_taken_before = remote.link.chain_sent_ahead, remote.link.chain_taken_ahead
+            regrouped_before = remote.link.chain_taken_regrouped
             split_tokens, split = run(split_engine, tokenizer, prompts, args.max_tokens, "s")
             served_after = served_seconds(metrics)
             phases_after = phase_seconds(metrics)
@@ -596,6 +597,8 @@ def main() -> None:
                 # chained proposes sent as the step before them launched, and those the next step took
                 "chain_proposes_sent_ahead": remote.link.chain_sent_ahead - chain_sent_before,
                 "chain_proposes_taken_ahead": remote.link.chain_taken_ahead - chain_taken_before,
+                # ... of them for a batch that lost sequences that ended or gained those attached as it was sent
+                "chain_proposes_taken_regrouped": remote.link.chain_taken_regrouped - regrouped_before,
                 # proposals the verify read from the target's drafts buffer (written there by the drafter)
                 "drafts_on_device": remote.link.drafts_on_device - on_device_before,
                 # What the split adds to each step's drafter phases (round trip, serialisation, the

@@ -47,6 +47,7 @@ from specsplit.shared.transport import (
     FEED_ROWS, BufferExporter, BufferRole, RowBuffer, choose_mode, device_uuid, encode_inline, host_id,
     identity_digest,
 )
+from specsplit.shared.verify import device_longs
 from specsplit.shared.device_waits import DeviceWaits
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ class LinkStats:
     drafts_ahead: int = 0  # proposals taken from a prefetch's answer (no round trip of their own)
     drafts_on_device: int = 0  # proposals the verify took from our drafts buffer (never read by the host)
     chain_sent_ahead: int = 0  # chained proposes sent ahead (chain_prefetch; also in sent_ahead) ...
-    chain_taken_ahead: int = 0  # ... and those the next chained step took (the rest were dropped)
+    chain_taken_ahead: int = 0  # ... and those the next chained step took (the rest were dropped) ...
+    chain_taken_regrouped: int = 0  # ... of them for a batch other than the one sent (sequences ended or joined)
     device_waits: int = 0  # drafts our stream waited for on the device (device_waits) instead of our host
     host_waits: int = 0  # ... and those our host waited for instead, as the engine asked (wait_on_host_next)
     taken_unanswered: int = 0  # chained proposes sent ahead whose drafts the verify took before their answer
@@ -975,32 +977,48 @@ class RemoteProposer:
         self._chain_commit = (batch.seq_ids, count, offset)
 
     def chain_prefetch(self, seq_ids: Sequence[int], anchors_ahead: Sequence[int], anchors: torch.Tensor,
-                       positions: torch.Tensor, num_drafts: int) -> None:
+                       positions: torch.Tensor, num_drafts: int,
+                       joining: Sequence[tuple[int, int, int]] = ()) -> tuple[int, ...] | None:
         """Send the next chained step's propose now, with the commit just queued and the settles: anchors [B]
         and positions [B] are the device tensors the step just launched writes (read by the drafter's GPU
         once its host has seen them written, as every feed); `anchors_ahead` counts the rows of the steps
-        launched and not read yet, both of them (their settles go with a later Step). The answer is read
-        by the next use of the connection; `chain_propose` takes its drafts when asked for the same
-        sequences, k and feed tensors, and they are dropped otherwise (a propose changes no state)."""
+        launched and not read yet, both of them (their settles go with a later Step). `joining`: (seq_id,
+        anchor, position) of sequences that step does not hold, their anchors known on this host (attached
+        since, no step of theirs unread), proposed for after the others, as far as the drafter's batch has
+        room: the next step may add them. The answer is read by the next use of the connection;
+        `chain_propose` takes its drafts when asked for the same sequences, k and feed tensors, or for
+        some of these sequences (`ahead_rows`), and they are dropped otherwise (a propose changes no
+        state). Returns the sequences proposed for, in order (None: nothing was sent)."""
         if not self.chain_ahead:
-            return
+            return None
         conn = self._live()  # reads any answer still out: our buffers are ours to write again
-        if conn.feed is None or any(s not in conn.allocated for s in seq_ids):
-            return
-        batch = RemoteChainBatch(tuple(seq_ids), tuple(int(a) for a in anchors_ahead), conn)
+        if conn.feed is None or self.spec is None or any(s not in conn.allocated for s in seq_ids):
+            return None
+        room = min(self.max_batch, self.spec.max_batch) - len(seq_ids)
+        joining = [j for j in joining if j[0] in conn.allocated and j[0] not in seq_ids][:max(0, room)]
+        batch = RemoteChainBatch(tuple(seq_ids) + tuple(j[0] for j in joining),
+                                 tuple(int(a) for a in anchors_ahead) + (0,) * len(joining), conn)
         self._chain_ahead = self._chain_ahead_result = None
         self._write_feed(conn, 1, anchors)
         self._write_feed(conn, 2, positions)
+        if joining:  # (from pinned memory: a pageable copy would wait for the step just launched)
+            known = device_longs([[a for _, a, _ in joining], [p for _, _, p in joining]], conn.feed.tensor.device)
+            self._write_feed(conn, 1, known[0], len(seq_ids))
+            self._write_feed(conn, 2, known[1], len(seq_ids))
         self._send(conn, [], into_buffer=True, chain=(batch, num_drafts))
         self._unanswered = self._unanswered_chain = True
         self._chain_ahead = (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn)
         self.link.sent_ahead += 1
         self.link.chain_sent_ahead += 1
+        return batch.seq_ids
 
     def chain_propose(self, batch: RemoteChainBatch, anchors: torch.Tensor, positions: torch.Tensor,
-                      num_drafts: int) -> torch.Tensor:
+                      num_drafts: int, ahead_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Drafts [B, num_drafts] on our device for anchors [B] at positions [B] (on the device): those
-        `chain_prefetch` asked for the same, or one Step now with the queued commit and settles. The ids
+        `chain_prefetch` asked for the same, or one Step now with the queued commit and settles.
+        ahead_rows: the engine's word that these anchors and positions are, for each sequence, those of
+        row ahead_rows[i] of the propose sent ahead (a batch that lost sequences that ended, or gained
+        those sent ahead as joining): its drafts are taken, those rows, with no round trip. The ids
         are the peer's bytes: the engine bounds them."""
         taken = self._take_unanswered(batch, anchors, positions, num_drafts)
         if taken is not None:
@@ -1009,31 +1027,53 @@ class RemoteProposer:
         sent, answer = self._chain_ahead, self._chain_ahead_result
         self._chain_ahead = self._chain_ahead_result = None
         self._ahead = self._ahead_result = None  # a prefetch's drafts were for the step-by-step path
-        if sent is not None and answer is not None and self._chain_commit is None and not self._pending and \
-                sent == (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn):
+        rows = self._rows_ahead(sent, answer, batch, anchors, positions, num_drafts, ahead_rows)
+        if rows is not None:
             # (its drafts were waited for as the answer was read: on our host if asked then, else by our
             # stream, its waits drained since if the engine asked after; either way the ask is met)
             self._host_waits_next = False
             self.link.drafts_ahead += len(batch.seq_ids)
             self.link.chain_taken_ahead += 1
+            self.link.chain_taken_regrouped += sent[0] != batch.seq_ids
+            want = tuple((seq_id, num_drafts) for seq_id in sent[0])
         else:
             self._write_feed(conn, 1, anchors)
             self._write_feed(conn, 2, positions)
             self._send(conn, [], into_buffer=True, chain=(batch, num_drafts))
             answer = self._answer(conn, self.step_deadline())
+            want = tuple((seq_id, num_drafts) for seq_id in batch.seq_ids)
         n = len(batch.seq_ids)
-        want = tuple((seq_id, num_drafts) for seq_id in batch.seq_ids)
         if answer.in_buffer:
             self._check_rows(conn, answer)
             if answer.in_buffer != want:
                 self._disconnect()
                 raise DrafterUnavailable("the drafter answered a chained propose for other sequences")
-            return self._drafts_in_buffer(conn, n, num_drafts)
+            return self._drafts_in_buffer(conn, n, num_drafts, rows)
         drafts = [answer.proposals.get(seq_id) for seq_id in batch.seq_ids]
         if any(p is None or len(p.tokens) != num_drafts for p in drafts):
             self._disconnect()
             raise DrafterUnavailable("the drafter answered a chained propose without its drafts")
         return torch.tensor([list(p.tokens) for p in drafts], dtype=torch.int64, device=self.device)
+
+    def _rows_ahead(self, sent, answer: wire.StepResult | None, batch: RemoteChainBatch, anchors: torch.Tensor,
+                    positions: torch.Tensor, num_drafts: int, ahead_rows: Sequence[int] | None) -> list[int] | None:
+        """The rows of the chained propose sent ahead (`sent`, answered by `answer`) that are this one's drafts,
+        or None: it was for another connection or k, a verb for one of these sequences was queued since
+        (verbs for others ride on the next Step: a sequence's drafts depend on its own state alone), or
+        it is neither the same batch on the same feed nor rows of it the engine vouches for."""
+        if sent is None or answer is None or self._chain_commit is not None \
+                or any(seq_id in self._pending for seq_id in batch.seq_ids):
+            return None
+        ids, k, anchors_key, positions_key, conn = sent
+        if conn is not batch.conn or k != num_drafts:
+            return None
+        n = len(batch.seq_ids)
+        if ids == batch.seq_ids and (anchors_key, positions_key) == (_feed_key(anchors), _feed_key(positions)):
+            return list(range(n))
+        if ahead_rows is None or len(ahead_rows) != n or any(not 0 <= r < len(ids) for r in ahead_rows) \
+                or tuple(ids[r] for r in ahead_rows) != batch.seq_ids:
+            return None
+        return list(ahead_rows)
 
     def _take_unanswered(self, batch: RemoteChainBatch, anchors: torch.Tensor, positions: torch.Tensor,
                          num_drafts: int) -> torch.Tensor | None:
@@ -1065,10 +1105,15 @@ class RemoteProposer:
         self.link.taken_unanswered += 1
         return tokens
 
-    def _drafts_in_buffer(self, conn: _Connection, n: int, num_drafts: int) -> torch.Tensor:
-        """A copy of the first n rows' drafts in our drafts buffer, queued on our stream (ordered after the
-        drafter's writes by whoever called), the read noted for the next Step that offers the buffer."""
-        tokens = conn.drafts.tensor[:n, :num_drafts].clone()
+    def _drafts_in_buffer(self, conn: _Connection, n: int, num_drafts: int, rows: list[int] | None = None) -> torch.Tensor:
+        """A copy of the first n rows' drafts in our drafts buffer (or of `rows`, in that order), queued on our
+        stream (ordered after the drafter's writes by whoever called), the read noted for the next Step
+        that offers the buffer."""
+        view = conn.drafts.tensor
+        if rows is None or rows == list(range(n)):
+            tokens = view[:n, :num_drafts].clone()
+        else:
+            tokens = view[device_longs(rows, view.device), :num_drafts]
         self._note_read(conn)
         self.link.drafts_on_device += n
         return tokens
@@ -1090,11 +1135,11 @@ class RemoteProposer:
         return conn
 
     @staticmethod
-    def _write_feed(conn: _Connection, row: int, values: torch.Tensor) -> None:
+    def _write_feed(conn: _Connection, row: int, values: torch.Tensor, at: int = 0) -> None:
         if conn.feed_fresh:
             conn.feed.bump()
             conn.feed_fresh = False
-        conn.feed.tensor[row, :values.shape[0]].copy_(values)
+        conn.feed.tensor[row, at:at + values.shape[0]].copy_(values)
 
     def _chain_part(self, conn: _Connection, propose: tuple[RemoteChainBatch, int] | None) -> wire.ChainStep | None:
         """What the next Step carries of chained steps: the settles and commit queued, and `propose`."""

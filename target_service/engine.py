@@ -107,6 +107,10 @@ class EngineConfig:
     # ahead, which comes once that step is done. With them a first kernel launch may come while our stream
     # waits (`_quiesce`; the attach's kernels, a concatenation and copies, have run by then): measurement only.
     overlap_attach: bool = False
+    # Through a drafter service: the chained propose sent ahead as a step launches also asks for the sequences
+    # attached since, and the next step takes its drafts for a batch that lost or gained sequences
+    # (Engine._ahead_rows). Off: a Step of its own, waited for, at each batch change (measurement only).
+    chain_regroup: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
@@ -191,6 +195,9 @@ class Engine:
         self._chain: ChainedStep | None = None
         self._chain_buffers: ChainBuffers | None = None
         self._chain_programs: dict[tuple[int, int], ChainProgram] = {}  # (n, k) → program, least recently used first
+        # The sequences and k of the chained propose a drafter service was sent as the last step launched
+        # (see _chain_send_ahead), for the next launch only
+        self._sent_ahead: tuple[tuple[int, ...], int] | None = None
         self._chain_pool = None  # the memory pool their captured graphs share
         self._side_stream: "torch.cuda.Stream | None" = None  # the attaches' stream (overlap_attach, made on first use)
         self._chain_capture_most = config.chain_capture if use_graphs else 0
@@ -766,10 +773,11 @@ class Engine:
         self._drop_ahead()
         self._launched = self._prefetched = None
         pending, self._chain = self._chain, None
+        sent, self._sent_ahead = self._sent_ahead, None
         started = time.perf_counter()
         captures = self.counters.chain_captures
         if k:
-            self._chain = self._chain_launch(seqs, k, pending, started)
+            self._chain = self._chain_launch(seqs, k, pending, started, sent if pending is not None else None)
         if self._chain is None or pending is None or self.counters.chain_captures != captures:
             # no chained step follows another: nothing to time against (nor, for the draft-length tuner,
             # a step whose time holds a capture: a one-off cost, not the draft length's)
@@ -778,11 +786,11 @@ class Engine:
             return self._chain_read(pending)
         return [] if self._chain is not None else None
 
-    def _chain_launch(self, seqs: list[Sequence], k: int, pending: ChainedStep | None,
-                      started: float) -> ChainedStep | None:
+    def _chain_launch(self, seqs: list[Sequence], k: int, pending: ChainedStep | None, started: float,
+                      sent: tuple[tuple[int, ...], int] | None = None) -> ChainedStep | None:
         """Propose, verify, accept and commit on the device; nothing waits. None if the drafter failed
         before the verify (it is detached; the sequences' host records are as they were) or the cache
-        lacks the blocks."""
+        lacks the blocks. sent: the sequences and k of the propose sent ahead as `pending` launched."""
         ids = [s.seq_id for s in seqs]
         before = pending.program if pending is not None else None
         if before is None or before is not self._chain_programs.get((len(seqs), k)) \
@@ -804,6 +812,7 @@ class Engine:
                                    [ends[i] - firsts[i] - k - 1 for i in drafting])
         if batch is None or batch is _FAILED:
             return None
+        ahead_rows = self._ahead_rows([ids[i] for i in drafting], k, sent) if self.config.chain_regroup else None
         if self.cache.num_free_blocks < sum(max(0, self.cache.blocks_for(end) - self.cache.blocks_for(self.cache.length(i)))
                                             for i, end in zip(ids, ends)):
             return None
@@ -825,11 +834,11 @@ class Engine:
         among = None if len(drafting) == len(seqs) else device_longs(drafting, self._device)
 
         def device_work(call) -> bool:
-            return self._chain_device(call, program, batch, fwd, seqs, counts, among)
+            return self._chain_device(call, program, batch, fwd, seqs, counts, among, ahead_rows)
 
         whole = among is None and all(s.request.params.greedy for s in seqs)
         if whole and self.config.chain_capture_remote and not getattr(self.proposer, "chain_captured_whole", True):
-            ran = self._chain_tail(program, batch, fwd, seqs, counts)
+            ran = self._chain_tail(program, batch, fwd, seqs, counts, ahead_rows)
         else:
             ran = self._chain_run(program, whole, device_work)
         if not ran:
@@ -838,20 +847,38 @@ class Engine:
             self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
         launched = self._chain_buffers.launch(seqs, k, counts, program, started)
         if among is None:
-            self._chain_send_ahead(seqs, k, counts, pending, program)
+            self._sent_ahead = self._chain_send_ahead(seqs, k, counts, pending, program)
         return launched
 
+    @staticmethod
+    def _ahead_rows(ids: list[int], k: int, sent: tuple[tuple[int, ...], int] | None) -> list[int] | None:
+        """Where each of a chained step's drafting sequences lies in the propose sent ahead as the step before
+        launched (`sent`), when all of them do with this k (None otherwise). Their anchors and positions are
+        what it was sent: the feed the step before left for the sequences it held (a batch that changed is
+        fed from its rows, see _chain_feed), and the host's own for those sent as joining, which no step
+        has moved since. So a batch that lost a sequence, or gained one attached as the step before
+        launched, takes those drafts without a round trip (`RemoteProposer.chain_propose`)."""
+        if sent is None or sent[1] != k:
+            return None
+        row = {seq_id: i for i, seq_id in enumerate(sent[0])}
+        if any(seq_id not in row for seq_id in ids):
+            return None
+        return [row[seq_id] for seq_id in ids]
+
     def _chain_send_ahead(self, seqs: list[Sequence], k: int, counts: list[int], pending: ChainedStep | None,
-                          program: ChainProgram) -> None:
+                          program: ChainProgram) -> tuple[tuple[int, ...], int] | None:
         """A drafter service asked for the next chained step's drafts now, from the feed the step just launched
         leaves: its host receives them while our GPU verifies, and drafts as soon as the verify is done,
         while our host reads the step before and emits it; the next launch takes the drafts if it chains
-        the same sequences with the same k (`RemoteProposer.chain_prefetch`), else a Step of its own goes.
-        Only when every sequence has room for that step with both steps not read yet behind it (they
-        are the drafter's too: the steps read since go with the Step after)."""
+        these sequences, or some of them, with the same k (`RemoteProposer.chain_prefetch`), else a Step
+        of its own goes. Only when every sequence has room for that step with both steps not read yet
+        behind it (they are the drafter's too: the steps read since go with the Step after). Sequences
+        attached to the drafter since the last launch, which the next step will add, are asked for too
+        (`_joining`): so neither a request's end nor its successor's arrival costs a round trip.
+        Returns the sequences asked for and k (None: nothing was sent)."""
         prefetch = _capability(self.proposer, "chain_prefetch")
         if prefetch is None or not self.drafter_ok:
-            return
+            return None
         unread = {} if pending is None else {s.seq_id: n + 1 for s, n in zip(pending.seqs, pending.counts)}
         rows = [unread.get(s.seq_id, 0) + n + 1 for s, n in zip(seqs, counts)]
         if not all(self._chain_room(s, r, k) for s, r in zip(seqs, rows)):
@@ -861,9 +888,23 @@ class Engine:
             send = _capability(self.proposer, "send_pending")
             if send is not None:
                 self._drafter_call(send)
-            return
+            return None
         anchors, positions = program.feed
-        self._drafter_call(prefetch, [s.seq_id for s in seqs], rows, anchors, positions, k)
+        joining = [(s.seq_id, s.tokens[-1], s.last_position) for s in self._joining(seqs, unread, k)] \
+            if self.config.chain_regroup else []
+        sent = self._drafter_call(prefetch, [s.seq_id for s in seqs], rows, anchors, positions, k, joining)
+        return None if sent is None or sent is _FAILED else (sent, k)
+
+    def _joining(self, seqs: list[Sequence], unread: dict[int, int], k: int) -> list[Sequence]:
+        """The sequences the next chained step may add to `seqs`: attached to the drafter, none of their steps
+        unread (their anchor and position are the host's, as the next step's feed takes them, see
+        _chain_feed), with room for a step of k; in practice those whose prefill ended this step."""
+        if len(self.running) == len(seqs):  # (the usual step: every sequence in it)
+            return []
+        held = {s.seq_id for s in seqs}
+        return [s for s in self.running.values()
+                if s.seq_id not in held and s.seq_id not in unread and s.drafter_attached and self._is_running(s)
+                and s.seq_id not in self._prefilling and self._chain_room(s, 0, k)]
 
     def _chain_program(self, n: int, k: int) -> ChainProgram:
         """The program of chained steps of n sequences and k drafts (made on first use; the least recently
@@ -912,13 +953,13 @@ class Engine:
                         "runs uncaptured", program.n, program.k, type(exc).__name__, exc)
 
     def _chain_device(self, call, program: ChainProgram, batch, fwd, seqs: list[Sequence], counts: list[int],
-                      among: torch.Tensor | None) -> bool:
+                      among: torch.Tensor | None, ahead_rows: list[int] | None = None) -> bool:
         """A chained step's device work, from `program.feed` to `program.outcome` and the next feed.
         `call` runs the drafter's verbs (`_drafter_call`; None while capturing: a failure then aborts
         the capture). False: the drafter failed before the verify (it is detached)."""
         call = call or (lambda verb, *args: verb(*args))
         anchors, positions = program.feed
-        drafts = self._chain_drafts(call, batch, anchors, positions, program.k, among, len(seqs))
+        drafts = self._chain_drafts(call, batch, anchors, positions, program.k, among, len(seqs), ahead_rows)
         if drafts is None:
             return False
         # failing (uncaptured), the drafter is detached; the picks stand (they never depended on the drafts)
@@ -926,7 +967,8 @@ class Engine:
                            lambda rows, at: call(self.proposer.chain_commit, batch, rows, at, program.k + 1))
         return True
 
-    def _chain_tail(self, program: ChainProgram, batch, fwd, seqs: list[Sequence], counts: list[int]) -> bool:
+    def _chain_tail(self, program: ChainProgram, batch, fwd, seqs: list[Sequence], counts: list[int],
+                    ahead_rows: list[int] | None = None) -> bool:
         """A chained step through a drafter service (`EngineConfig.chain_capture_remote`; greedy, every
         sequence drafting): the propose (the drafter's round trip, or the answer to the one sent ahead),
         then everything from its drafts to the outcome and the next feed, replayed as one graph once the
@@ -943,7 +985,8 @@ class Engine:
         if self._chain_capturable(program):
             self._chain_capture(program, tail)
         anchors, positions = program.feed
-        drafts = self._chain_drafts(self._drafter_call, batch, anchors, positions, program.k, None, len(seqs))
+        drafts = self._chain_drafts(self._drafter_call, batch, anchors, positions, program.k, None, len(seqs),
+                                    ahead_rows)
         if drafts is None:
             return False
         program.drafts.copy_(drafts)
@@ -995,12 +1038,13 @@ class Engine:
         return known[0], known[1]
 
     def _chain_drafts(self, call, batch, anchors: torch.Tensor, positions: torch.Tensor, k: int,
-                      among: torch.Tensor | None, count: int) -> torch.Tensor | None:
+                      among: torch.Tensor | None, count: int, ahead_rows: list[int] | None = None) -> torch.Tensor | None:
         """Drafts [B, k] for the verify, clamped into the vocabulary whoever drafted them (see
         _propose_on_device); the sequences without the drafter (not `among` it) get placeholders they
-        will accept none of. None if the drafter failed (it is detached)."""
+        will accept none of. None if the drafter failed (it is detached). ahead_rows: see _ahead_rows."""
         drafts = call(self.proposer.chain_propose, batch, anchors if among is None else anchors[among],
-                      positions if among is None else positions[among], k)
+                      positions if among is None else positions[among], k,
+                      *(() if ahead_rows is None else (ahead_rows,)))  # (a drafter service's sent ahead alone)
         if drafts is _FAILED:
             return None
         drafts = drafts.clamp(0, self.model.config.vocab_size - 1)
@@ -1354,7 +1398,7 @@ class Engine:
         everything this engine held there; re-attach rebuilds it), an in-process one is told to free."""
         self.counters.fallbacks += self.drafter_ok  # once per outage, however many verbs then fail
         self.drafter_ok = False
-        self._prefetched = self._launched = None
+        self._prefetched = self._launched = self._sent_ahead = None
         if getattr(self.proposer, "chain_captured_whole", True):
             # (their graphs read the drafter's buffers: none outlives its trust; a drafter service's, the
             # tails after its drafts, read only ours, and stay for the re-attached connection)

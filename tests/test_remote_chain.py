@@ -32,8 +32,8 @@ class Recorded:
         self.drafts: list[list[list[int]]] = []
         propose = drafter.chain_propose
 
-        def chain_propose(batch, anchors, positions, k):
-            out = propose(batch, anchors, positions, k)
+        def chain_propose(batch, anchors, positions, k, *ahead_rows):
+            out = propose(batch, anchors, positions, k, *ahead_rows)
             self.drafts.append(out.tolist())
             return out
 
@@ -163,8 +163,8 @@ class Scripted:
                 truth.setdefault((text[at], at), text[at + 1:])
         propose, commit = drafter.chain_propose, drafter.chain_commit
 
-        def chain_propose(batch, anchors, positions, k):
-            out = propose(batch, anchors, positions, k)  # (the drafter's own checks and state, as ever)
+        def chain_propose(batch, anchors, positions, k, *ahead_rows):
+            out = propose(batch, anchors, positions, k, *ahead_rows)  # (the drafter's own checks and state, as ever)
             drafts = []
             for anchor, at in zip(anchors.tolist(), positions.tolist()):
                 known = (truth.get((anchor, at), []) + [0] * k)[:k]
@@ -248,37 +248,89 @@ def test_the_targets_side_of_a_services_chained_step_replays_what_it_captured(pa
     assert counters.chained == plain.chained
 
 
-def test_requests_ending_and_arriving_wait_for_a_round_trip_only_when_the_batch_changes(pair, tiny_chat_dir):
-    """Six requests of different lengths through four slots, as a server sees them: a sequence near its end
-    keeps chaining to its last token (its steps may write past its budget, Engine._overhang), so the
-    target's host waits for a Step answer only where the batch changes (a request ended or joined), not at
-    every step some sequence is within a few steps of its end (once 85 % of these steps, at eight streams
-    half of them); and a request's arrival costs one unary call, not two (an AllocState before its prefill)."""
+def test_requests_ending_and_arriving_cost_no_round_trip(pair, tiny_chat_dir):
+    """Six requests of different lengths through four slots, as a server sees them. A sequence near its end
+    keeps chaining to its last token (its steps may write past its budget, Engine._overhang); the chained
+    propose sent ahead as a step launches also asks for the sequences attached since (their prefill ended
+    this step), and the next step takes its drafts for whichever of them it holds (one ended: its row is
+    left; one joined: its row is there). So the target's host waits for a Step answer only when it
+    connects, at the first chained step and for the last free with no step to carry it: not where the
+    batch changes (once at each request's arrival and end: 10 answers here, at eight streams 0.22 a step),
+    nor where a sequence nears its end (once 85 % of these steps). A request's arrival costs one unary
+    call (its prefill allocates it at the drafter); tokens are target-only's, every draft is what a
+    chained propose sent as its own step launches drafts, and each sequence sent as joining was sent with
+    the anchor and position such a propose of its first chained step is sent."""
     from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.target_service.sequence import Request
 
-    target, _, address, _ = pair
+    target, _, address, remote = pair
     tokenizer = Tokenizer.from_dir(tiny_chat_dir)
     lengths = (20, 30, 40, 50, 25, 35)
+    read: list[list[tuple[int, int]]] = []  # each chained propose's (anchor, position) rows, as the drafter read them
+    served = remote.chain_propose
+
+    def served_propose(batch, anchors, positions, k):
+        read.append(list(zip(anchors.tolist(), positions.tolist())))
+        return served(batch, anchors, positions, k)
+
+    remote.chain_propose = served_propose
 
     def requests():
         return [Request(f"r{i}", tokenizer.encode(PROMPTS[i % len(PROMPTS)]), SamplingParams(max_tokens=n, ignore_eos=True))
                 for i, n in enumerate(lengths)]
 
     alone = _engine(target, None, chain=False).generate(requests())
+    unhurried = RemoteProposer(address, max_batch=4, chain_ahead=False)
+    each = Recorded(unhurried)
+    fed: set[tuple[int, int, int]] = set()  # (sequence, anchor, position) of every chained propose it sent
+    propose = unhurried.chain_propose
+
+    def chain_propose(batch, anchors, positions, k):
+        fed.update(zip(batch.seq_ids, anchors.tolist(), positions.tolist()))
+        return propose(batch, anchors, positions, k)
+
+    unhurried.chain_propose = chain_propose
+    try:
+        _engine(target, unhurried).generate(requests())
+    finally:
+        unhurried.close()
     proposer = RemoteProposer(address, max_batch=4)
+    taken = Recorded(proposer)
+    joined: list[tuple[int, int, int]] = []
+    with_joining: list[list[tuple[int, int]]] = []  # the feed rows of the proposes sent ahead with sequences joining
+    prefetch = proposer.chain_prefetch
+
+    def chain_prefetch(seq_ids, ahead, anchors, positions, k, joining):
+        if joining:
+            joined.extend(joining)
+            with_joining.append(list(zip(anchors.tolist(), positions.tolist())) + [(a, p) for _, a, p in joining])
+        return prefetch(seq_ids, ahead, anchors, positions, k, joining)
+
+    proposer.chain_prefetch = chain_prefetch
+    read.clear()
     try:
         engine = _engine(target, proposer)
         got = engine.generate(requests())
         assert {r: [t for e in got[r] for t in e.token_ids] for r in got} \
             == {r: [t for e in alone[r] for t in e.token_ids] for r in alone}
+        assert taken.drafts == each.drafts and len(taken.drafts) > 40
+        assert len(joined) == len(lengths) - 4 and set(joined) <= fed, (joined, sorted(fed))
+        assert all(rows in read for rows in with_joining)  # (the joining rows after the others in the feed)
         waited = len(proposer.link.step_seconds)  # Step answers the target's host waited for
-        changes = 2 * len(lengths)  # each request's arrival and end
         assert engine.counters.fallbacks == 0 and engine.counters.chained > 40
-        assert waited <= changes + 1, f"{waited} Step answers waited for in {engine.counters.steps} steps"
+        assert waited <= 3, f"{waited} Step answers waited for in {engine.counters.steps} steps"
+        # every chained step took the drafts sent ahead, some for a batch that lost or gained sequences
+        assert proposer.link.chain_taken_ahead >= engine.counters.chained - 1
+        assert proposer.link.chain_taken_regrouped >= len(lengths) - 4
         # each request attached in one round trip: its prefill allocates it at the drafter
         assert proposer.link.unary_calls == {"PrefillDrafter": len(lengths)}, proposer.link.unary_calls
+    finally:
+        proposer.close()
+    proposer = RemoteProposer(address, max_batch=4)  # EngineConfig.chain_regroup off (for measurements): as before
+    try:
+        _engine(target, proposer, chain_regroup=False).generate(requests())
+        assert len(proposer.link.step_seconds) > 3 + len(lengths) and proposer.link.chain_taken_regrouped == 0
     finally:
         proposer.close()
 
@@ -1355,4 +1407,69 @@ def test_with_device_waits_a_chained_propose_sent_ahead_is_taken_before_its_answ
                 assert not proposer._host_waits_next, case
         finally:
             proposer._waits = None
+            proposer.close()
+
+
+def test_a_chained_propose_sent_ahead_is_taken_for_the_rows_the_engine_names_and_nothing_else(pair, monkeypatch):
+    """`RemoteProposer.chain_propose(..., ahead_rows)`: the propose sent ahead for sequences 0 and 2 with 3
+    joining is taken, with no Step of its own, for a batch of some of them in any order, its drafts those
+    rows of the drafts buffer, a free of another sequence queued meanwhile riding on the next Step. A Step
+    goes instead (and its answer must fit the new batch) when the engine names no rows, rows of other
+    sequences or rows past the propose, for another k, or with a verb queued for one of the batch's
+    sequences. An answer that is not the whole propose sent ahead drops the drafter. (The drafts buffer is
+    a stand-in: on the CPU the drafts come in the answer; tests/test_split_gpu.py runs the real one.)"""
+    from types import SimpleNamespace
+
+    from specsplit.target_service.drafter_client import RemoteChainBatch, _Pending, _feed_key
+
+    _, _, address, _ = pair
+    order: list = []
+    monkeypatch.setattr(drafter_client, "_importer_done", lambda drafts, wait=0.0: True)
+    monkeypatch.setattr(RemoteProposer, "_note_read", staticmethod(lambda conn: None))
+    anchors, positions = torch.tensor([5, 6, 7]), torch.tensor([10, 11, 12])
+    buffer = torch.arange(4 * 6, dtype=torch.int32).reshape(4, 6)
+
+    def sent_ahead(proposer, answer_rows=((0, 3), (2, 3), (3, 3)), ids=(2, 3)):
+        conn = proposer._conn
+        conn.drafts = SimpleNamespace(tensor=buffer)
+        conn.offered, conn.done_sent, conn.sent_at = True, 0, time.perf_counter()
+        answer = wire.StepResult(proposer._step_id, in_buffer=answer_rows)
+        monkeypatch.setattr(proposer, "_receive", lambda conn, timeout: answer)
+        proposer._send = lambda *args, **kwargs: order.append("send")
+        proposer._chain_ahead = ((0, 2, 3), 3, _feed_key(anchors), _feed_key(positions), conn)
+        proposer._unanswered = proposer._unanswered_chain = True
+        return RemoteChainBatch(ids, (0,) * len(ids), conn)
+
+    def propose(ids=(2, 3), rows=(1, 2), k=3, queued=None, answer_rows=((0, 3), (2, 3), (3, 3))):
+        order.clear()
+        proposer = RemoteProposer(address, max_batch=4)
+        try:
+            batch = sent_ahead(proposer, answer_rows, ids)
+            if queued is not None:
+                proposer._pending[queued[0]] = queued[1]
+            try:
+                got = proposer.chain_propose(batch, anchors[:len(ids)], positions[:len(ids)], k,
+                                             None if rows is None else list(rows))
+            except DrafterUnavailable:
+                got = None  # (a Step's answer that does not fit: the stand-in answers the same each time)
+            return got, list(order), proposer.link.chain_taken_regrouped, proposer._pending
+        finally:
+            proposer.close()
+
+    got, sent, regrouped, _ = propose()
+    assert got.tolist() == buffer[[1, 2], :3].tolist() and sent == [] and regrouped == 1
+    got, sent, _, _ = propose(ids=(3, 0), rows=(2, 0))  # (any order)
+    assert got.tolist() == buffer[[2, 0], :3].tolist() and sent == []
+    got, sent, _, pending = propose(queued=(0, _Pending(free=True)))  # the ended sequence's free waits
+    assert got.tolist() == buffer[[1, 2], :3].tolist() and sent == [] and pending[0].free
+    for refused in (dict(rows=None), dict(rows=(0, 2)), dict(rows=(1, 7)), dict(rows=(1,)), dict(k=2),
+                    dict(queued=(2, _Pending(free=True)))):
+        got, sent, regrouped, _ = propose(**refused)
+        assert sent == ["send"] and regrouped == 0, refused
+    with pytest.raises(DrafterUnavailable, match="for other sequences"):
+        proposer = RemoteProposer(address, max_batch=4)
+        try:
+            proposer.chain_propose(sent_ahead(proposer, ((0, 3), (2, 3))), anchors[:2], positions[:2], 3, [1, 2])
+        finally:
+            assert proposer._conn is None
             proposer.close()

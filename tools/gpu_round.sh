@@ -41,6 +41,7 @@
 #   bash tools/gpu_round.sh watchdog  # the device waits' watchdog no longer woken at every wait: GPU tests, tokens/s
 #   bash tools/gpu_round.sh overhang  # sequences chain to their ends: GPU tests, tokens/s with requests coming and going
 #   bash tools/gpu_round.sh churn     # requests ending and arriving through 8 slots: the services' host by function
+#   bash tools/gpu_round.sh regroup   # (next) a batch that changed takes the propose sent ahead: GPU test, churn with and without
 #   bash tools/gpu_round.sh attach    # (next) the prefill GPU tests; churn with both waits, without and with --prefill-copies
 #   bash tools/gpu_round.sh attach-bench  # split_bench --batch 1 8 --waves 4 --rounds 3 --also-both-waits
 #   bash tools/gpu_round.sh mps       # `specsplit up --mps`: its GPU test; the services under MPS against without
@@ -607,6 +608,24 @@ churn)
   timeout 150 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only --both-waits \
     --time-replays >> "$OUT/churn.txt" 2>&1
   grep -v -E "INFO|^I1" "$OUT/churn.txt" | grep -E -A30 "ms/step|Error" | log
+  ;;
+regroup)
+  # (thirty-seventh session) serving through the services at eight streams the target's host waited for 0.22 Step
+  # answers a step (0.25 ms a step of 2.83): one at each request's end and one at each arrival, the batch
+  # changed so the chained propose sent ahead was not taken. Now it also asks for the sequences attached as
+  # it goes, and the next step takes its rows for a batch that lost or gained sequences (CPU: 10 waits to 3
+  # in 65 steps). The GPU test (host polls, device waits; the drafts' rows taken on the device), then the
+  # churn profile with host polls and both waits, each without (--no-regroup) and with, side by side.
+  timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "ending_and_arriving" \
+    2>&1 | grep -E "Error:|assert|FAILED|passed|failed" | tail -8 | log
+  for waits in "" --both-waits; do
+    for variant in --no-regroup ""; do
+      timeout 90 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only $waits \
+        --time-replays $variant >> "$OUT/regroup.txt" 2>&1
+    done
+  done
+  grep -v -E "INFO|^I1" "$OUT/regroup.txt" | grep -E "ms/step|Error" | log
+  grep -E "_chain_step|_chain_launch" "$OUT/regroup.txt" | log
   ;;
 attach)
   # (thirty-sixth session) serving through the services, each request's arrival cost its host 3.3 ms of
