@@ -1473,3 +1473,80 @@ def test_a_chained_propose_sent_ahead_is_taken_for_the_rows_the_engine_names_and
         finally:
             assert proposer._conn is None
             proposer.close()
+
+
+def test_every_row_taken_from_a_propose_sent_ahead_was_sent_with_the_anchor_and_position_the_step_feeds(
+        pair, tiny_chat_dir):
+    """Requests greedy and sampled (a sampled one near its end drops out of a chained step and back, its
+    step unread meanwhile), some ending at a stop string, arriving in waves through four slots: at every
+    step that takes rows of the chained propose sent ahead, each sequence's anchor and position in the
+    step's feed are those it was sent with (as one of the step's sequences or as joining), the drafts
+    and tokens are those of proposes sent as their own steps launch, and nothing falls back. (A
+    sequence sent as joining while a step of its own was unread went with a stale anchor: the tokens
+    stayed right, the verify being exact, the drafts did not.)"""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.sequence import Request
+
+    target, _, address, _ = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    specs = [(27, 0.0, None), (52, 0.8, ["th"]), (60, 0.8, None), (29, 0.0, None), (45, 0.8, None), (36, 0.0, [" a"]),
+             (70, 0.8, None), (31, 0.8, None), (41, 0.0, None)]
+
+    def requests():
+        return [Request(f"r{i}", tokenizer.encode(PROMPTS[i % len(PROMPTS)]),
+                        SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=100 + i if t else None,
+                                       stop_strings=stops or []))
+                for i, (n, t, stops) in enumerate(specs)]
+
+    def run(proposer):
+        """Each request's tokens; the first three at once, the rest two at a time every few steps."""
+        engine = _engine(target, proposer)
+        waiting, tokens = requests(), {}
+        for step in itertools.count():
+            if step == 0 or (step % 4 == 0 and waiting):
+                for request in waiting[:3 if step == 0 else 2]:
+                    engine.add(request)
+                waiting = waiting[3 if step == 0 else 2:]
+            for e in engine.step():
+                tokens.setdefault(e.request_id, []).extend(e.token_ids)
+            if not engine.has_work and not waiting:
+                assert engine.counters.fallbacks == 0
+                return tokens
+
+    each = RemoteProposer(address, max_batch=4, chain_ahead=False)
+    each_drafts = Recorded(each)
+    try:
+        want = run(each)
+    finally:
+        each.close()
+    proposer = RemoteProposer(address, max_batch=4)
+    sent_with: dict = {}  # the last propose sent ahead: each sequence's (anchor, position)
+    wrong: list = []
+    prefetch, propose = proposer.chain_prefetch, proposer.chain_propose
+
+    def chain_prefetch(seq_ids, ahead, anchors, positions, k, joining):
+        sent = prefetch(seq_ids, ahead, anchors, positions, k, joining)
+        sent_with.clear()
+        if sent is not None:
+            sent_with.update(zip(seq_ids, zip(anchors.tolist(), positions.tolist())))
+            sent_with.update((seq_id, (a, p)) for seq_id, a, p in joining if seq_id in sent)
+        return sent
+
+    def chain_propose(batch, anchors, positions, k, *ahead_rows):
+        taken = proposer.link.chain_taken_ahead
+        drafts = propose(batch, anchors, positions, k, *ahead_rows)
+        if proposer.link.chain_taken_ahead > taken:
+            wrong.extend((seq_id, sent_with.get(seq_id), fed) for seq_id, fed in
+                         zip(batch.seq_ids, zip(anchors.tolist(), positions.tolist())) if sent_with.get(seq_id) != fed)
+        return drafts
+
+    proposer.chain_prefetch, proposer.chain_propose = chain_prefetch, chain_propose
+    drafts = Recorded(proposer)
+    try:
+        assert run(proposer) == want
+        assert not wrong, wrong[:5]
+        assert drafts.drafts == each_drafts.drafts
+        assert proposer.link.chain_taken_ahead > 20 and proposer.link.chain_taken_regrouped >= 1
+    finally:
+        proposer.close()
