@@ -746,14 +746,15 @@ class Engine:
         chained = [s for s in seqs if self._chain_room(s, ahead.get(s.seq_id, 0), k)]
         return (k, chained) if any(s.drafter_attached for s in chained) else (0, [])
 
-    def _chain_room(self, seq: Sequence, rows: int, k: int) -> bool:
+    def _chain_room(self, seq: Sequence, rows: int, k: int, offers_k: bool = True) -> bool:
         """Whether a chained step of k drafts has room for `seq` when the steps launched and not read yet may
-        have added `rows` (see _chain_plan)."""
+        have added `rows` (see _chain_plan): its writes within the context and what was reserved for it,
+        and (`offers_k`) a sampled sequence's k drafts within what it may still generate."""
         limit = min(self.model.config.max_position_embeddings, self.graphs.max_blocks * self.cache.block_size)
         end = seq.last_position + rows + k + 1
         if end > limit or end > seq.reserved_tokens:
             return False
-        return seq.request.params.greedy or rows == 0 or not seq.drafter_attached \
+        return not offers_k or seq.request.params.greedy or rows == 0 or not seq.drafter_attached \
             or min(seq.remaining - rows - 1, self.model.config.max_position_embeddings - len(seq.tokens) - rows - 1) >= k
 
     @staticmethod
@@ -872,7 +873,9 @@ class Engine:
         while our host reads the step before and emits it; the next launch takes the drafts if it chains
         these sequences, or some of them, with the same k (`RemoteProposer.chain_prefetch`), else a Step
         of its own goes. Only when every sequence has room for that step with both steps not read yet
-        behind it (they are the drafter's too: the steps read since go with the Step after). Sequences
+        behind it (they are the drafter's too: the steps read since go with the Step after); a sampled
+        sequence near its end that may not offer k drafts then is asked for all the same (the next step
+        leaves it out, see _chain_plan, and takes the others' rows). Sequences
         attached to the drafter since the last launch, which the next step will add, are asked for too
         (`_joining`): so neither a request's end nor its successor's arrival costs a round trip.
         Returns the sequences asked for and k (None: nothing was sent)."""
@@ -881,7 +884,7 @@ class Engine:
             return None
         unread = {} if pending is None else {s.seq_id: n + 1 for s, n in zip(pending.seqs, pending.counts)}
         rows = [unread.get(s.seq_id, 0) + n + 1 for s, n in zip(seqs, counts)]
-        if not all(self._chain_room(s, r, k) for s, r in zip(seqs, rows)):
+        if not all(self._chain_room(s, r, k, offers_k=not self.config.chain_regroup) for s, r in zip(seqs, rows)):
             # The step's commit and the settles queued go now all the same, answered later: the next
             # step's own Step then comes after the step read next, whose settles would otherwise meet
             # these in the queue and send them at once, waiting for the answer.

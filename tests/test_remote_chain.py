@@ -1550,3 +1550,38 @@ def test_every_row_taken_from_a_propose_sent_ahead_was_sent_with_the_anchor_and_
         assert proposer.link.chain_taken_ahead > 20 and proposer.link.chain_taken_regrouped >= 1
     finally:
         proposer.close()
+
+
+def test_sampled_sequences_near_their_end_still_let_the_chained_propose_go_ahead(pair, tiny_chat_dir):
+    """A sampled sequence offers the drafts a step-by-step step would (fewer near its end), so it leaves a
+    chained step whose draft count it cannot know yet (Engine._chain_plan). The propose sent ahead still
+    asks for it (its writes within what was reserved), and the next step takes the others' rows, or all of
+    them: two seeded sampled requests wait for a Step answer at 4 steps of 79 (24 when a sequence that may
+    not offer k drafts kept the propose from going ahead); their tokens and every draft are those of
+    proposes sent as their own steps launch."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.sequence import Request
+
+    target, _, address, _ = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+
+    def requests():
+        return [Request(f"r{i}", tokenizer.encode(PROMPTS[i]), SamplingParams(max_tokens=80, ignore_eos=True,
+                                                                              temperature=0.8, seed=i))
+                for i in range(2)]
+
+    runs = []
+    for ahead in (False, True):
+        proposer = RemoteProposer(address, max_batch=4, chain_ahead=ahead)
+        drafts = Recorded(proposer)
+        try:
+            engine = _engine(target, proposer)
+            events = engine.generate(requests())
+            runs.append(({r: [t for e in evs for t in e.token_ids] for r, evs in events.items()}, drafts.drafts,
+                         len(proposer.link.step_seconds), engine.counters))
+        finally:
+            proposer.close()
+    (tokens, each, _, _), (ahead_tokens, taken, waited, counters) = runs
+    assert ahead_tokens == tokens and taken == each
+    assert counters.fallbacks == 0 and counters.chained > 60 and waited <= 4, (waited, counters.chained)
