@@ -977,34 +977,30 @@ class RemoteProposer:
         self._chain_commit = (batch.seq_ids, count, offset)
 
     def chain_prefetch(self, seq_ids: Sequence[int], anchors_ahead: Sequence[int], anchors: torch.Tensor,
-                       positions: torch.Tensor, num_drafts: int,
-                       joining: Sequence[tuple[int, int, int]] = ()) -> tuple[int, ...] | None:
+                       positions: torch.Tensor, num_drafts: int) -> tuple[int, ...] | None:
         """Send the next chained step's propose now, with the commit just queued and the settles: anchors [B]
-        and positions [B] are the device tensors the step just launched writes (read by the drafter's GPU
-        once its host has seen them written, as every feed); `anchors_ahead` counts the rows of the steps
-        launched and not read yet, both of them (their settles go with a later Step). `joining`: (seq_id,
-        anchor, position) of sequences that step does not hold, their anchors known on this host (attached
-        since, no step of theirs unread), proposed for after the others, as far as the drafter's batch has
-        room: the next step may add them. The answer is read by the next use of the connection;
-        `chain_propose` takes its drafts when asked for the same sequences, k and feed tensors, or for
-        some of these sequences (`ahead_rows`), and they are dropped otherwise (a propose changes no
-        state). Returns the sequences proposed for, in order (None: nothing was sent)."""
+        and positions [B] are device tensors the step just launched writes (read by the drafter's GPU once
+        its host has seen them written, as every feed); `anchors_ahead` counts the rows of the steps
+        launched and not read yet (their settles go with a later Step). The sequences may be more than
+        the step's (Engine._chain_send_ahead: those the next step may add); those past the drafter's batch
+        are left out. The answer is read by the next use of the connection; `chain_propose` takes its
+        drafts when asked for the same sequences, k and feed tensors, or for some of these sequences
+        (`ahead_rows`), and they are dropped otherwise (a propose changes no state). Returns the
+        sequences proposed for, in order (None: nothing was sent)."""
         if not self.chain_ahead:
             return None
         conn = self._live()  # reads any answer still out: our buffers are ours to write again
-        if conn.feed is None or self.spec is None or any(s not in conn.allocated for s in seq_ids):
+        if conn.feed is None or self.spec is None:
             return None
-        room = min(self.max_batch, self.spec.max_batch) - len(seq_ids)
-        joining = [j for j in joining if j[0] in conn.allocated and j[0] not in seq_ids][:max(0, room)]
-        batch = RemoteChainBatch(tuple(seq_ids) + tuple(j[0] for j in joining),
-                                 tuple(int(a) for a in anchors_ahead) + (0,) * len(joining), conn)
+        most = min(self.max_batch, self.spec.max_batch)
+        if len(seq_ids) > most:
+            seq_ids, anchors_ahead, anchors, positions = seq_ids[:most], anchors_ahead[:most], anchors[:most], positions[:most]
+        if not seq_ids or any(s not in conn.allocated for s in seq_ids):
+            return None
+        batch = RemoteChainBatch(tuple(seq_ids), tuple(int(a) for a in anchors_ahead), conn)
         self._chain_ahead = self._chain_ahead_result = None
         self._write_feed(conn, 1, anchors)
         self._write_feed(conn, 2, positions)
-        if joining:  # (from pinned memory: a pageable copy would wait for the step just launched)
-            known = device_longs([[a for _, a, _ in joining], [p for _, _, p in joining]], conn.feed.tensor.device)
-            self._write_feed(conn, 1, known[0], len(seq_ids))
-            self._write_feed(conn, 2, known[1], len(seq_ids))
         self._send(conn, [], into_buffer=True, chain=(batch, num_drafts))
         self._unanswered = self._unanswered_chain = True
         self._chain_ahead = (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn)
@@ -1017,8 +1013,8 @@ class RemoteProposer:
         """Drafts [B, num_drafts] on our device for anchors [B] at positions [B] (on the device): those
         `chain_prefetch` asked for the same, or one Step now with the queued commit and settles.
         ahead_rows: the engine's word that these anchors and positions are, for each sequence, those of
-        row ahead_rows[i] of the propose sent ahead (a batch that lost sequences that ended, or gained
-        those sent ahead as joining): its drafts are taken, those rows, with no round trip. The ids
+        row ahead_rows[i] of the propose sent ahead (a batch that lost sequences, or gained some it was
+        sent for besides the step's): its drafts are taken, those rows, with no round trip. The ids
         are the peer's bytes: the engine bounds them."""
         taken = self._take_unanswered(batch, anchors, positions, num_drafts)
         if taken is not None:
@@ -1135,11 +1131,11 @@ class RemoteProposer:
         return conn
 
     @staticmethod
-    def _write_feed(conn: _Connection, row: int, values: torch.Tensor, at: int = 0) -> None:
+    def _write_feed(conn: _Connection, row: int, values: torch.Tensor) -> None:
         if conn.feed_fresh:
             conn.feed.bump()
             conn.feed_fresh = False
-        conn.feed.tensor[row, at:at + values.shape[0]].copy_(values)
+        conn.feed.tensor[row, :values.shape[0]].copy_(values)
 
     def _chain_part(self, conn: _Connection, propose: tuple[RemoteChainBatch, int] | None) -> wire.ChainStep | None:
         """What the next Step carries of chained steps: the settles and commit queued, and `propose`."""

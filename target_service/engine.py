@@ -825,6 +825,7 @@ class Engine:
             return None
         program = self._chain_program(len(seqs), k)
         row_of = {} if pending is None else {s.seq_id: i for i, s in enumerate(pending.seqs)}
+        back = self._rejoining(ids, k, pending)  # (read before the feed below may overwrite the step not read yet's)
         if pending is None or pending.program is not program or [s.seq_id for s in pending.seqs] != ids:
             program.feed.copy_(torch.stack(self._chain_feed(seqs, firsts, pending, row_of)))
         # each sequence's drafts offered: none without a drafter; a sampled one's as a step-by-step step
@@ -848,7 +849,7 @@ class Engine:
             self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
         launched = self._chain_buffers.launch(seqs, k, counts, program, started)
         if among is None:
-            self._sent_ahead = self._chain_send_ahead(seqs, k, counts, pending, program)
+            self._sent_ahead = self._chain_send_ahead(seqs, k, counts, pending, program, back)
         return launched
 
     @staticmethod
@@ -856,9 +857,10 @@ class Engine:
         """Where each of a chained step's drafting sequences lies in the propose sent ahead as the step before
         launched (`sent`), when all of them do with this k (None otherwise). Their anchors and positions are
         what it was sent: the feed the step before left for the sequences it held (a batch that changed is
-        fed from its rows, see _chain_feed), and the host's own for those sent as joining, which no step
-        has moved since. So a batch that lost a sequence, or gained one attached as the step before
-        launched, takes those drafts without a round trip (`RemoteProposer.chain_propose`)."""
+        fed from its rows, see _chain_feed), and the host's own for the others, which no step has moved
+        since it was read (those attached as it launched, and those back from sitting it out, sent as the
+        step not read then left them, see _chain_send_ahead). So a batch that lost or gained sequences
+        takes those drafts without a round trip (`RemoteProposer.chain_propose`)."""
         if sent is None or sent[1] != k:
             return None
         row = {seq_id: i for i, seq_id in enumerate(sent[0])}
@@ -867,7 +869,7 @@ class Engine:
         return [row[seq_id] for seq_id in ids]
 
     def _chain_send_ahead(self, seqs: list[Sequence], k: int, counts: list[int], pending: ChainedStep | None,
-                          program: ChainProgram) -> tuple[tuple[int, ...], int] | None:
+                          program: ChainProgram, back: "_Rejoining | None" = None) -> tuple[tuple[int, ...], int] | None:
         """A drafter service asked for the next chained step's drafts now, from the feed the step just launched
         leaves: its host receives them while our GPU verifies, and drafts as soon as the verify is done,
         while our host reads the step before and emits it; the next launch takes the drafts if it chains
@@ -877,8 +879,9 @@ class Engine:
         sequence near its end that may not offer k drafts then is asked for all the same (the next step
         leaves it out, see _chain_plan, and takes the others' rows). Sequences
         attached to the drafter since the last launch, which the next step will add, are asked for too
-        (`_joining`): so neither a request's end nor its successor's arrival costs a round trip.
-        Returns the sequences asked for and k (None: nothing was sent)."""
+        (`_joining`), and those of the step not read yet that sit this one out (`back`, see _rejoining):
+        so neither a request's end, nor its successor's arrival, nor a sampled sequence stepping out and
+        back costs a round trip. Returns the sequences asked for and k (None: nothing was sent)."""
         prefetch = _capability(self.proposer, "chain_prefetch")
         if prefetch is None or not self.drafter_ok:
             return None
@@ -892,11 +895,41 @@ class Engine:
             if send is not None:
                 self._drafter_call(send)
             return None
+        ids = [s.seq_id for s in seqs]
+        feeds = [program.feed]
+        joining = self._joining(seqs, unread, k) if self.config.chain_regroup else []
+        if joining:  # (their anchors and positions the host's, as the next step's feed takes them)
+            ids += [s.seq_id for s in joining]
+            rows += [0] * len(joining)
+            feeds.append(device_longs([[s.tokens[-1] for s in joining], [s.last_position for s in joining]], self._device))
+        if back is not None:
+            ids += back.seq_ids
+            rows += back.rows
+            feeds.append(back.feed)
         anchors, positions = program.feed
-        joining = [(s.seq_id, s.tokens[-1], s.last_position) for s in self._joining(seqs, unread, k)] \
-            if self.config.chain_regroup else []
-        sent = self._drafter_call(prefetch, [s.seq_id for s in seqs], rows, anchors, positions, k, joining)
+        if len(feeds) > 1:
+            self._quiesce()  # (the join below may launch a kernel for the first time: no device wait pending)
+            anchors, positions = torch.cat(feeds, dim=1)
+        sent = self._drafter_call(prefetch, ids, rows, anchors, positions, k)
         return None if sent is None or sent is _FAILED else (sent, k)
+
+    def _rejoining(self, ids: list[int], k: int, pending: ChainedStep | None) -> "_Rejoining | None":
+        """The sequences of the step not read yet that sit out the step of `ids` (a sampled one near its end,
+        see _chain_plan) and may be back in the next: for the propose sent ahead, their anchors and positions
+        as that step leaves them, gathered on the device now (before the new step's feed may overwrite that
+        step's program's; they are what the host will know once it has read that step), and its rows, which
+        the drafter has not been told yet. None: there are none, or no propose goes ahead."""
+        if pending is None or not self.config.chain_regroup or _capability(self.proposer, "chain_prefetch") is None:
+            return None
+        held = set(ids)
+        back = [(i, s, n + 1) for i, (s, n) in enumerate(zip(pending.seqs, pending.counts))
+                if s.seq_id not in held and s.drafter_attached and self._is_running(s)
+                and self._chain_room(s, n + 1, k, offers_k=False)]
+        if not back:
+            return None
+        index = device_longs([i for i, _, _ in back], self._device)
+        return _Rejoining([s.seq_id for _, s, _ in back], [rows for _, _, rows in back],
+                          torch.stack([pending.anchors, pending.positions]).index_select(1, index))
 
     def _joining(self, seqs: list[Sequence], unread: dict[int, int], k: int) -> list[Sequence]:
         """The sequences the next chained step may add to `seqs`: attached to the drafter, none of their steps
@@ -1677,6 +1710,15 @@ class _LaunchedVerify:
     lengths: list[int]  # each sequence's token count at launch
     counts: list[int]  # the drafts asked for each sequence (a drafter may answer fewer)
     prefill_clock: float  # Engine._prefill_seconds at launch
+
+
+@dataclass(frozen=True)
+class _Rejoining:
+    """Sequences of a chained step not read yet that sit the next one out (Engine._rejoining)."""
+
+    seq_ids: list[int]
+    rows: list[int]  # the rows that step adds to each, not told to the drafter yet (at most)
+    feed: torch.Tensor  # [2, R] on the device: each one's next anchor and its position, as that step leaves them
 
 
 @dataclass
