@@ -387,16 +387,20 @@ def test_the_targets_side_of_a_services_chained_step_replayed_as_a_graph_accepts
 
 @pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])
 def test_requests_ending_and_arriving_take_the_drafts_sent_ahead_as_fresh_proposes_would_draft(tmp_path, device_waits):
-    """Seven requests of different lengths through four slots, as a server sees them: the chained propose sent
-    ahead as a step launches also asks for the sequences attached since, and the next step takes its
-    drafts (rows of the drafts buffer, on the device) for whichever of them it holds, one ended or one
-    joined: no Step answer is waited for where the batch changes. The tokens are target-only's and every
-    request accepts as many drafts as with each chained propose sent as its own step launches (float32:
-    the same drafts); host polls and device waits. (The rules on the CPU: tests/test_remote_chain.py.)"""
+    """Seven requests of different lengths through four slots, as a server sees them, three of them sampled
+    (seeded; near its end one sits a chained step out and is back in the next): the chained propose sent
+    ahead as a step launches also asks for the sequences attached since and those sitting it out (their
+    anchors gathered on the device), and the next step takes its drafts (rows of the drafts buffer, on
+    the device) for whichever of them it holds. The greedy requests' tokens are target-only's, every
+    request's tokens and accepted drafts are those with each chained propose sent as its own step
+    launches (float32: the same drafts), and few Step answers are waited for; host polls and device
+    waits. (The rules on the CPU: tests/test_remote_chain.py.)"""
     model, tokenizer = default_target()
     lengths = (40, 90, 60, 120, 30, 70, 50)
-    requests = lambda: [Request(str(i), tokenizer.encode(PROMPTS[i % len(PROMPTS)]),  # noqa: E731
-                                SamplingParams(max_tokens=n, ignore_eos=True)) for i, n in enumerate(lengths)]
+    sampled = {1, 4, 5}
+    requests = lambda: [Request(str(i), tokenizer.encode(PROMPTS[i % len(PROMPTS)]), SamplingParams(  # noqa: E731
+        max_tokens=n, ignore_eos=True, temperature=0.8 if i in sampled else 0.0, seed=i if i in sampled else None))
+        for i, n in enumerate(lengths)]
     runs = {}
     with spawned_drafter(tmp_path) as address:
         for ahead in (False, True):
@@ -409,13 +413,12 @@ def test_requests_ending_and_arriving_take_the_drafts_sent_ahead_as_fresh_propos
                                len(remote.link.step_seconds), remote.link.chain_taken_regrouped, engine.counters.chained)
             finally:
                 remote.close()
-    (tokens, accepted, _, _, _), (ahead_tokens, ahead_accepted, waited, regrouped, chained) = runs[False], runs[True]
+    (tokens, accepted, each_waited, _, _), (ahead_tokens, ahead_accepted, waited, regrouped, chained) = runs[False], runs[True]
     target_only, _ = load_local(LocalSetup(drafter="none", device="cuda", dtype="float32", seed=0))
     alone = target_only.generate(requests())
-    want = [[t for e in alone[str(i)] for t in e.token_ids] for i in range(len(lengths))]
-    assert ahead_tokens == tokens == want
-    assert ahead_accepted == accepted and sum(accepted) > 0
-    assert regrouped >= len(lengths) - 4 and chained >= 40 and waited <= 3, (regrouped, chained, waited)
+    assert all(tokens[i] == [t for e in alone[str(i)] for t in e.token_ids] for i in range(len(lengths)) if i not in sampled)
+    assert ahead_tokens == tokens and ahead_accepted == accepted and sum(accepted) > 0
+    assert regrouped >= len(lengths) - 4 and chained >= 40 and waited <= 6 < each_waited, (regrouped, chained, waited)
 
 
 def test_a_drafter_whose_drafts_never_land_is_given_up_without_stalling_the_target(tmp_path, monkeypatch):
