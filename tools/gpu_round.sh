@@ -613,9 +613,10 @@ regroup)
   # (thirty-seventh session) serving through the services at eight streams the target's host waited for 0.22 Step
   # answers a step (0.25 ms a step of 2.83): one at each request's end and one at each arrival, the batch
   # changed so the chained propose sent ahead was not taken. Now it also asks for the sequences attached as
-  # it goes, and the next step takes its rows for a batch that lost or gained sequences (CPU: 10 waits to 3
-  # in 65 steps). The GPU test (host polls, device waits; the drafts' rows taken on the device), then the
-  # churn profile with host polls and both waits, each without (--no-regroup) and with, side by side.
+  # it goes and those sitting the step out (a sampled one near its end), and the next step takes its rows for
+  # a batch that lost or gained sequences (CPU: 10 waits to 3 in 65 steps; mixed greedy and sampled, 109 to
+  # 4). The GPU test (host polls, device waits; the drafts' rows taken on the device), then the churn
+  # profile with host polls and both waits, each without (--no-regroup) and with, side by side.
   timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "ending_and_arriving" \
     2>&1 | grep -E "Error:|assert|FAILED|passed|failed" | tail -8 | log
   for waits in "" --both-waits; do
