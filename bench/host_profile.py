@@ -102,12 +102,14 @@ def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int,
     return profile_lines(prof, steps, f"batch {batch}: {wall * 1e3:.3f} ms/step unprofiled{replays}")
 
 
-def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int, device: str) -> str:
+def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int, device: str,
+                    temperature: float = 0.0) -> str:
     """Requests admitted as others end (what a server sees): every prompt through `batch` slots, run once to
     warm up, then timed, then profiled; per engine step."""
     def run(tag: str) -> int:
         for i, ids in enumerate(prompts):
-            engine.add(Request(f"{tag}{i}", ids, SamplingParams(max_tokens=max_tokens)))
+            engine.add(Request(f"{tag}{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                                seed=i if temperature else None)))
         steps = 0
         while engine.has_work:
             engine.step()
@@ -207,6 +209,8 @@ def main() -> None:
                     help="instead: N held-out prompts through --batch slots, admitted as others end (in-process; "
                          "with --split, through the drafter service too)")
     ap.add_argument("--max-tokens", type=int, default=128, help="(--serving) tokens per request")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="(--serving) sampled requests at this temperature, each seeded by its index (0: greedy)")
     ap.add_argument("--target-only", action="store_true",
                     help="the steady-state profiles of the engine with no drafter too (its decode steps launched "
                          "ahead: where the host's part of a step outlasts the device's, the device waits)")
@@ -277,7 +281,7 @@ def run(args: argparse.Namespace) -> None:
                                           chain_regroup=not (args.no_regroup and drafter is remote))
                     engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids)
                     before = prefill_phases(metrics_url) if drafter is remote else None
-                    text = name + profile_serving(engine, prompts, args.max_tokens, batch, args.device)
+                    text = name + profile_serving(engine, prompts, args.max_tokens, batch, args.device, args.temperature)
                     if before is not None:  # (the warm-up, timed and profiled runs' prefills)
                         text += "\n" + prefill_line(before, prefill_phases(metrics_url))
                     report(text)

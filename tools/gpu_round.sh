@@ -625,7 +625,11 @@ regroup)
         --time-replays $variant >> "$OUT/regroup.txt" 2>&1
     done
   done
-  grep -v -E "INFO|^I1" "$OUT/regroup.txt" | grep -E "ms/step|Error" | log
+  for variant in --no-regroup ""; do  # sampled requests (T = 0.8, seeded): their ends sit steps out
+    timeout 90 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only \
+      --temperature 0.8 --time-replays $variant >> "$OUT/regroup_sampled.txt" 2>&1
+  done
+  grep -v -E "INFO|^I1" "$OUT/regroup.txt" "$OUT/regroup_sampled.txt" | grep -E "ms/step|Error" | log
   grep -E "_chain_step|_chain_launch" "$OUT/regroup.txt" | log
   ;;
 attach)
