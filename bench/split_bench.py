@@ -220,6 +220,8 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
         ratios["services_over_unprepared"] = [c / d for c, d in zip(split, rates["services_unprepared"])]
     if "services_tail_uncaptured" in rates:
         ratios["services_over_tail_uncaptured"] = [c / d for c, d in zip(split, rates["services_tail_uncaptured"])]
+    if "services_no_regroup" in rates:
+        ratios["services_over_no_regroup"] = [c / d for c, d in zip(split, rates["services_no_regroup"])]
     if "services_device_waits" in rates:
         ratios["services_device_waits_over_host_polls"] = [d / c for c, d in zip(split, rates["services_device_waits"])]
         ratios["services_device_waits_over_in_process"] = [d / b for b, d in zip(local, rates["services_device_waits"])]
@@ -252,6 +254,8 @@ def summary(batch: int, prompts: list[str], result: dict) -> str:
         over_local = over.get("services_over_in_process", full[2] / full[1])
         line += (f"; while every slot was busy: target only {full[0]:.0f} tok/s, in-process {over_base:.2f}x "
                  f"({over_base / local['tau']:.2f} tau), services {over_local:.2f}x in-process")
+    if "services_over_no_regroup" in result:
+        line += f"; services {median.get('services_over_no_regroup', result['services_over_no_regroup']):.2f}x without regroup"
     return line
 
 
@@ -286,6 +290,9 @@ def main() -> None:
                     help="also the services with what follows each chained step's drafts run uncaptured "
                          "(EngineConfig(chain_capture_remote=False); the services replay it as one graph of the "
                          "target's), side by side, in every round")
+    ap.add_argument("--also-no-regroup", action="store_true",
+                    help="also the services with EngineConfig(chain_regroup=False): a batch that changed (a request "
+                         "ended or arrived) waits for a chained propose of its own")
     ap.add_argument("--also-unprepared", action="store_true",
                     help="also the services through a second drafter service with --no-prepare-chains (each chained "
                          "step's host work after the target's writes are seen done), side by side, in every round")
@@ -384,6 +391,9 @@ def main() -> None:
         # ... and one whose engine runs what follows each chained step's drafts uncaptured (--also-tail-uncaptured)
         tail_uncaptured = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
                                          head=(model.embed_weight, model.lm_head_weight)) if args.also_tail_uncaptured else None
+        # ... and one whose engine takes the propose sent ahead only for the same batch (--also-no-regroup)
+        no_regroup = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
+                                    head=(model.embed_weight, model.lm_head_weight)) if args.also_no_regroup else None
         # ... and one to the second drafter service (--also-unprepared)
         if args.also_unprepared:
             wait_healthy(second, 300)
@@ -520,6 +530,11 @@ def main() -> None:
                     "services_tail_uncaptured", tail_uncaptured, replace(conf, chain_capture_remote=False))
                 plain.update({"services_over_tail_uncaptured": split["tokens_per_s"] / result["tokens_per_s"],
                               "requests_differing_services_vs_tail_uncaptured": differing})
+            if no_regroup is not None:  # a batch that changed waits for a propose of its own, against taking rows
+                _, result, _, differing = services_variant(
+                    "services_no_regroup", no_regroup, replace(conf, chain_regroup=False))
+                plain.update({"services_over_no_regroup": split["tokens_per_s"] / result["tokens_per_s"],
+                              "requests_differing_services_vs_no_regroup": differing})
             if unprepared is not None:  # chained steps' host work after the target's writes, against before
                 _, result, _, differing = services_variant("services_unprepared", unprepared, conf)
                 plain.update({"services_over_unprepared": split["tokens_per_s"] / result["tokens_per_s"],
@@ -625,6 +640,8 @@ def main() -> None:
             device_waits.close()
         if tail_uncaptured is not None:
             tail_uncaptured.close()
+        if no_regroup is not None:
+            no_regroup.close()
         if unprepared is not None:
             unprepared.close()
         if both_waits is not None:

@@ -42,6 +42,7 @@
 #   bash tools/gpu_round.sh overhang  # sequences chain to their ends: GPU tests, tokens/s with requests coming and going
 #   bash tools/gpu_round.sh churn     # requests ending and arriving through 8 slots: the services' host by function
 #   bash tools/gpu_round.sh regroup   # (next) a batch that changed takes the propose sent ahead: GPU test, churn with and without
+#   bash tools/gpu_round.sh regroup-bench  # ... split_bench with requests coming and going, with and without, three rounds
 #   bash tools/gpu_round.sh attach    # (next) the prefill GPU tests; churn with both waits, without and with --prefill-copies
 #   bash tools/gpu_round.sh attach-bench  # split_bench --batch 1 8 --waves 4 --rounds 3 --also-both-waits
 #   bash tools/gpu_round.sh mps       # `specsplit up --mps`: its GPU test; the services under MPS against without
@@ -631,6 +632,12 @@ regroup)
   done
   grep -v -E "INFO|^I1" "$OUT/regroup.txt" "$OUT/regroup_sampled.txt" | grep -E "ms/step|Error" | log
   grep -E "_chain_step|_chain_launch" "$OUT/regroup.txt" | log
+  ;;
+regroup-bench)
+  # (thirty-seventh session) tokens/s through the services with requests coming and going, taking the proposes
+  # sent ahead for batches that changed against not (--also-no-regroup), beside in-process
+  timeout 420 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 --batch 1 8 \
+    --waves 4 --rounds 3 --also-no-regroup --json-out "$OUT/split_regroup.json" 2>&1 | grep -E "^batch [0-9]+" | log
   ;;
 attach)
   # (thirty-sixth session) serving through the services, each request's arrival cost its host 3.3 ms of
