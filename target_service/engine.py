@@ -825,7 +825,9 @@ class Engine:
             return None
         program = self._chain_program(len(seqs), k)
         row_of = {} if pending is None else {s.seq_id: i for i, s in enumerate(pending.seqs)}
-        back = self._rejoining(ids, k, pending)  # (read before the feed below may overwrite the step not read yet's)
+        # (read before the feed below may overwrite the step not read yet's; a propose goes ahead only when
+        # every sequence drafts)
+        back = self._rejoining(ids, k, pending) if len(drafting) == len(seqs) else None
         if pending is None or pending.program is not program or [s.seq_id for s in pending.seqs] != ids:
             program.feed.copy_(torch.stack(self._chain_feed(seqs, firsts, pending, row_of)))
         # each sequence's drafts offered: none without a drafter; a sampled one's as a step-by-step step
@@ -919,7 +921,8 @@ class Engine:
         as that step leaves them, gathered on the device now (before the new step's feed may overwrite that
         step's program's; they are what the host will know once it has read that step), and its rows, which
         the drafter has not been told yet. None: there are none, or no propose goes ahead."""
-        if pending is None or not self.config.chain_regroup or _capability(self.proposer, "chain_prefetch") is None:
+        if pending is None or not self.config.chain_regroup or _capability(self.proposer, "chain_prefetch") is None \
+                or not getattr(self.proposer, "chain_ahead", True):
             return None
         held = set(ids)
         back = [(i, s, n + 1) for i, (s, n) in enumerate(zip(pending.seqs, pending.counts))
