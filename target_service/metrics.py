@@ -88,6 +88,9 @@ class _EngineCollector(Collector):
                            "step's commits, with the next step's proposes), their answers read later", link.sent_ahead)
             yield _counter("drafter_drafts_taken_ahead", "proposals taken from a Step sent ahead (no round trip "
                            "of their own)", link.drafts_ahead)
+            yield _counter("drafter_chain_proposes_taken_regrouped", "chained proposes sent ahead taken by a step "
+                           "whose batch had changed (sequences ended, attached, or back from sitting a step out)",
+                           link.chain_taken_regrouped)
             yield _counter("drafter_device_waits", "chained steps' drafts our stream waited for on the device "
                            "(--device-waits), not our host", link.device_waits)
             yield _counter("drafter_drafts_taken_unanswered", "of those, chained proposes sent ahead whose drafts "

@@ -109,6 +109,8 @@ def test_a_request_moves_the_target_and_drafter_counters_consistently(pair):
     # (device waits: on a GPU with --device-waits only)
     assert t("drafter_device_waits_total") == t("drafter_device_waits_released_total") == 0
     assert t("drafter_drafts_taken_unanswered_total") == 0
+    # (exported; no chained steps on the CPU)
+    assert after_t[("specsplit_target_drafter_chain_proposes_taken_regrouped_total", ())] == 0
     assert value(after_t, "specsplit_target_sequences", state="running") == 0
     assert value(after_t, "specsplit_target_sequences", state="prefilling") == 0
     # The drafter proposed every draft the target verified, one Step message per step (and the free).
