@@ -879,11 +879,11 @@ class Engine:
         of its own goes. Only when every sequence has room for that step with both steps not read yet
         behind it (they are the drafter's too: the steps read since go with the Step after); a sampled
         sequence near its end that may not offer k drafts then is asked for all the same (the next step
-        leaves it out, see _chain_plan, and takes the others' rows). Sequences
-        attached to the drafter since the last launch, which the next step will add, are asked for too
-        (`_joining`), and those of the step not read yet that sit this one out (`back`, see _rejoining):
-        so neither a request's end, nor its successor's arrival, nor a sampled sequence stepping out and
-        back costs a round trip. Returns the sequences asked for and k (None: nothing was sent)."""
+        leaves it out, see _chain_plan, and takes the others' rows). Sequences attached to the drafter
+        since the last launch, which the next step will add, are asked for too (`_joining`), and those of
+        the step not read yet that sit this one out (`back`, see _rejoining): so neither a request's end,
+        nor its successor's arrival, nor a sampled sequence stepping out and back costs a round trip.
+        Returns the sequences asked for and k (None: nothing was sent)."""
         prefetch = _capability(self.proposer, "chain_prefetch")
         if prefetch is None or not self.drafter_ok:
             return None
