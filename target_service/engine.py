@@ -314,6 +314,7 @@ class Engine:
             events += self._decode_step(decoding)
         if overlap:
             events += self._finish_prefill(prefill, overlapped=True)
+            self._send_ahead_again()
         return events
 
     def _overlaps_prefill(self) -> bool:
@@ -914,6 +915,36 @@ class Engine:
             anchors, positions = torch.cat(feeds, dim=1)
         sent = self._drafter_call(prefetch, ids, rows, anchors, positions, k)
         return None if sent is None or sent is _FAILED else (sent, k)
+
+    def _send_ahead_again(self) -> None:
+        """(overlap_attach, through a drafter service) Sequences attached behind the launch whose propose went
+        ahead missed it: that propose goes again, for the launched step's sequences still running and those
+        the next step may add (attached since, or back from sitting the step out: the step before has been
+        read), so the next step takes its drafts (`_ahead_rows`) instead of waiting for a Step of its own.
+        Each launched sequence's anchor now lies only that step's rows past the drafter's position, once the
+        settles this Step carries are applied."""
+        launched, prefetch = self._chain, _capability(self.proposer, "chain_prefetch")
+        if launched is None or self._sent_ahead is None or prefetch is None or not self.drafter_ok:
+            return
+        k = launched.num_drafts
+        unread = {s.seq_id: n + 1 for s, n in zip(launched.seqs, launched.counts)}
+        going = [i for i, s in enumerate(launched.seqs) if self._is_running(s)]
+        joining = self._joining([launched.seqs[i] for i in going], unread, k)
+        if not joining:
+            return
+        self._quiesce()  # (the kernels below may be launched for the first time: no device wait pending)
+        feed = torch.stack([launched.anchors, launched.positions])
+        if len(going) < len(launched.seqs):  # (an ended sequence's free rides on this Step: not proposed for)
+            feed = feed.index_select(1, device_longs(going, self._device))
+        anchors, positions = torch.cat([feed, device_longs([[s.tokens[-1] for s in joining],
+                                                            [s.last_position for s in joining]], self._device)], dim=1)
+        sent = self._drafter_call(prefetch, [launched.seqs[i].seq_id for i in going] + [s.seq_id for s in joining],
+                                  [unread[launched.seqs[i].seq_id] for i in going] + [0] * len(joining),
+                                  anchors, positions, k)
+        if sent is _FAILED:
+            return
+        if sent is not None:  # (None: nothing sent, the first propose stands)
+            self._sent_ahead = (sent, k)
 
     def _rejoining(self, ids: list[int], k: int, pending: ChainedStep | None) -> "_Rejoining | None":
         """The sequences of the step not read yet that sit out the step of `ids` (a sampled one near its end,

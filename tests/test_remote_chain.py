@@ -328,6 +328,19 @@ def test_requests_ending_and_arriving_cost_no_round_trip(pair, tiny_chat_dir):
         assert proposer.link.unary_calls == {"PrefillDrafter": len(lengths)}, proposer.link.unary_calls
     finally:
         proposer.close()
+    # EngineConfig.overlap_attach: a request attached behind the launch whose propose went ahead has it sent
+    # again (Engine._send_ahead_again): no more answers waited for (5 without), the same drafts
+    proposer = RemoteProposer(address, max_batch=4)
+    taken = Recorded(proposer)
+    try:
+        engine = _engine(target, proposer, overlap_attach=True)
+        overlapped = engine.generate(requests())
+        assert {r: [t for e in overlapped[r] for t in e.token_ids] for r in overlapped} \
+            == {r: [t for e in alone[r] for t in e.token_ids] for r in alone}
+        assert taken.drafts == each.drafts and engine.counters.fallbacks == 0
+        assert len(proposer.link.step_seconds) <= 3, len(proposer.link.step_seconds)
+    finally:
+        proposer.close()
     proposer = RemoteProposer(address, max_batch=4)  # EngineConfig.chain_regroup off (for measurements): as before
     try:
         _engine(target, proposer, chain_regroup=False).generate(requests())

@@ -653,9 +653,8 @@ attach)
   # with --overlap-attach too (the attach after the next step launched, its rows' copy behind the prefill
   # alone), each with the drafter's host seconds of a PrefillDrafter by phase (the "drafter:" lines). If
   # they win and the tests pass, make them the defaults (overlap_attach with device waits: see its comment).
-  # (Since the thirty-seventh session's regroup, an arrival costs the plain attach no Step answer; one attached
-  # behind the next launch (--overlap-attach) still waits for one: it attaches after the propose went ahead.
-  # If the overlap wins even so, send the propose again after its attach; if it loses narrowly, the same.)
+  # (Since the thirty-seventh session's regroup an arrival costs no Step answer; one attached behind the next
+  # launch, --overlap-attach, has the propose sent ahead sent again after its attach, Engine._send_ahead_again.)
   timeout 220 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "prefill or attached_behind" \
     2>&1 | grep -E "Error:|assert|FAILED|passed|failed|xfail" | tail -8 | log
   for variant in "" --prefill-copies "--prefill-copies --overlap-attach"; do
