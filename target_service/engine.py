@@ -156,6 +156,10 @@ class Engine:
         eos_ids: Iterable[int] = (),
         text_stream: Callable[[], TextStream] | None = None,
     ) -> None:
+        most = getattr(proposer, "max_batch", None)  # (a drafter service's client stages that many sequences' rows)
+        if most is not None and most < config.max_batch:
+            raise InvalidRequest(f"the drafter client takes up to {most} sequences a step and the engine steps up "
+                                 f"to {config.max_batch}: give both the same max_batch")
         self.model = model
         self.proposer = proposer
         self.config = config

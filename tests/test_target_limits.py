@@ -21,7 +21,7 @@ from specsplit.local import LocalSetup
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.services import DrafterSettings, TargetSettings, start_drafter, start_target
 from specsplit.shared import wire
-from specsplit.shared.errors import DrafterUnavailable
+from specsplit.shared.errors import DrafterUnavailable, InvalidRequest
 from specsplit.shared.sampling import SamplingParams
 from specsplit.target_service import drafter_client
 from specsplit.target_service.drafter_client import RemoteProposer
@@ -158,6 +158,20 @@ def test_a_full_drafter_is_named_as_the_reason_and_attached_once_it_has_room(tmp
 def _idle_stream():
     yield drafter_pb2.StepRequest(step_id=1)
     threading.Event().wait(600)  # then says nothing, holding its slot
+
+
+def test_an_engine_wider_than_its_drafter_clients_staging_is_refused_at_construction(tmp_path, tiny_llama_dir):
+    """A RemoteProposer stages the rows of up to its max_batch sequences a step: an engine stepping more would
+    overflow it at its first wide step and drop the drafter for good measure. Refused at construction, with
+    what to change; equal sizes are fine."""
+    model = load_target(tiny_llama_dir, dtype=torch.float32)
+    proposer = RemoteProposer(f"unix:{tmp_path}/none.sock", max_batch=3, timeout=5)  # (nobody listens: unattached)
+    try:
+        with pytest.raises(InvalidRequest, match="takes up to 3 sequences a step and the engine steps up to 4"):
+            Engine(model, proposer, EngineConfig(max_batch=4))
+        Engine(model, proposer, EngineConfig(max_batch=3))
+    finally:
+        proposer.close()
 
 
 # --- finding 9: a drafter that is down when the target starts ---------------------------------------
