@@ -300,6 +300,10 @@ def main() -> None:
                     help="also the services with both streams waiting on the device: a third drafter service with "
                          "--device-waits --max-targets 1 (its stream waits for the target's writes) and the target's "
                          "stream waiting for the drafts (RemoteProposer(device_waits=True)), side by side, in every round")
+    ap.add_argument("--host-flags", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --also-device-waits / --also-both-waits, the DONE buffer in a host page passed over the "
+                         "step socket (a wait released by a store of the host's CPU), else in the target's device "
+                         "memory (default: on, as the services)")
     ap.add_argument("--also-unfolded", action="store_true",
                     help="also target-only and in-process with their engines' graphs captured without the few-rows "
                          "kernel's folds (shared.fused.FOLD, read at capture), side by side; the in-process engine "
@@ -387,7 +391,7 @@ def main() -> None:
         # ... and one whose stream waits on the device for the chained drafts (--also-device-waits)
         device_waits = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
                                       head=(model.embed_weight, model.lm_head_weight),
-                                      device_waits=True) if args.also_device_waits else None
+                                      device_waits=True, host_flags=args.host_flags) if args.also_device_waits else None
         # ... and one whose engine runs what follows each chained step's drafts uncaptured (--also-tail-uncaptured)
         tail_uncaptured = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
                                          head=(model.embed_weight, model.lm_head_weight)) if args.also_tail_uncaptured else None
@@ -404,9 +408,14 @@ def main() -> None:
             wait_healthy(third, 300)
         both_waits = RemoteProposer(third, device=setup.device, dtype=setup.torch_dtype,
                                     head=(model.embed_weight, model.lm_head_weight),
-                                    device_waits=True) if args.also_both_waits else None
+                                    device_waits=True, host_flags=args.host_flags) if args.also_both_waits else None
         results = {"device": args.device, "drafter": args.drafter, "transport": remote.mode,
-                   "step_transport": remote.step_transport, "waves": args.waves, "mps": args.mps}
+                   "step_transport": remote.step_transport, "waves": args.waves, "mps": args.mps,
+                   "done_in_host_page": [r._conn is not None and r._conn.page is not None
+                                         and r._conn.done is r._conn.page
+                                         for r in (device_waits, both_waits) if r is not None]}
+        if results["done_in_host_page"]:
+            print(f"device waits' DONE buffers in the host page: {results['done_in_host_page']}", flush=True)
         local_drafter = make_drafter(args.drafter, model, setup)
         for batch in args.batch:
             prompts = stream_prompts(batch, args.waves)

@@ -39,6 +39,7 @@ from specsplit.shared.metrics import MetricsAddress
 from specsplit.shared.profiling import StepWindow
 from specsplit.shared.proposer import Proposer
 from specsplit.shared.device_waits import DeviceWaits
+from specsplit.shared.host_flags import HostPage
 from specsplit.shared.security import ServerSecurity, grpc_target, is_unix
 from specsplit.shared.serving import CLIENT_HEADER, INSTANCE_HEADER, SPARE_THREADS, Served, start_server
 from specsplit.shared.status import Throttle, rpc_errors
@@ -111,6 +112,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         # drafter serving one target: a target whose value never comes blocks the stream (every session's
         # GPU work) until --writes-wait-seconds, when the watchdog releases it and that target's stream ends.
         self.device_waits = False
+        self.take_pages = True  # a target's DONE page in host memory, passed with its Step socket hello (host_flags)
         self.instance = secrets.token_hex(16)  # this process, for targets to send back (Describe.instance)
         self.profile: StepWindow | None = None  # a window of Step messages to profile (--profile-steps)
         self.metrics = DrafterMetrics(functools.partial(_sessions_now, weakref.ref(self)))
@@ -123,6 +125,21 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         `device_waits`; DrafterDescription.written_flags)."""
         return self.device_waits and self.prepare_chains and self.chain_graphs and self.max_targets == 1 \
             and chains(self.proposer) and done_flags(self.device)
+
+    @property
+    def host_flags(self) -> bool:
+        """Whether a target may pass its DONE page with the Step socket's hello (DrafterDescription.host_flags;
+        `take_pages`: --no-host-flags turns it off)."""
+        return self.take_pages and bool(self.step_socket) and chains(self.proposer) and done_flags(self.device)
+
+    def adopt_page(self, fd: int) -> HostPage:
+        """The DONE page a Step socket hello passed, checked, mapped and registered (InvalidRequest, the
+        descriptor closed, when it is not one or this drafter takes none)."""
+        if not self.host_flags:
+            os.close(fd)
+            raise InvalidRequest("this drafter takes no DONE page with the step socket hello "
+                                 "(DrafterDescription.host_flags)")
+        return HostPage.adopt(fd, self.device)
 
     def _quiesce(self, but: Session | None = None) -> None:
         """Under the lock, before any work but a prepared launch: wait until no session's stream waits on the
@@ -254,7 +271,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             needs_target_head=self.head is None, step_columns=True, step_socket=self.step_socket,
             drafts_buffer=True, instance=self.instance, chains=chains(self.proposer),
             done_flags=chains(self.proposer) and done_flags(self.device), written_flags=self.written_flags,
-            prefill_allocs=True,
+            prefill_allocs=True, host_flags=self.host_flags,
         )
         return wire.description_to_proto(description)
 
@@ -458,8 +475,19 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                 del self._streams[session.client_id]
             self._end(session)
 
-    def open_stream(self, client: str, call: grpc.ServicerContext | Cancellable) -> tuple[Session, _Stream]:
-        """A Step stream for `client`, or CapacityExceeded at --max-targets (after reclaiming a quiet one)."""
+    def open_stream(self, client: str, call: grpc.ServicerContext | Cancellable, *,
+                    page: HostPage | None = None) -> tuple[Session, _Stream]:
+        """A Step stream for `client`, or CapacityExceeded at --max-targets (after reclaiming a quiet one).
+        `page`: the DONE page its hello passed, the session's from now on (closed here if refused)."""
+        try:
+            return self._open_stream(client, call, page)
+        except BaseException:
+            if page is not None:
+                page.close()  # (idempotent: closed already if the session refused it)
+            raise
+
+    def _open_stream(self, client: str, call: grpc.ServicerContext | Cancellable,
+                     page: HostPage | None) -> tuple[Session, _Stream]:
         with self._lock:
             self._sweep_idle()
             session = self._sessions.get(client)
@@ -474,6 +502,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             if self.written_flags and session.waits is None:  # (its chained steps' launches wait on the device)
                 session.waits = DeviceWaits(stream_ops(), self.device, peer="target",
                                             what="a chained step's written value")
+            if page is not None:
+                session.attach_page(page)
             session.streaming = True
             self._streams[client] = stream = _Stream(call)
             return session, stream

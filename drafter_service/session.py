@@ -34,6 +34,7 @@ import torch
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.shared.cuda_graphs import capture_serving, inlined
 from specsplit.shared.device_waits import DeviceWaits
+from specsplit.shared.host_flags import Flag, HostPage
 from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.shared.errors import (
     AlreadyExists,
@@ -146,11 +147,11 @@ class _Prepared(NamedTuple):
     step_id: int
     chain: ChainStep
     graph: object  # torch.cuda.CUDAGraph
-    done: torch.Tensor | None  # the DONE buffer's view, if the step names one
+    done: list[Flag] | None  # the DONE buffer's flags, if the step names one
     event: object  # the drafts buffer's event
     turn: int  # Session.turns when prepared
     seconds: float  # the host time it took
-    written: torch.Tensor | None  # the DONE buffer's element 1, when our stream waits for the target's writes there
+    written: Flag | None  # the DONE buffer's element 1, when our stream waits for the target's writes there
 
 
 class PreparedLaunch:
@@ -184,6 +185,7 @@ class Session:
         self._copy_wait = 0.0  # host seconds the last prefill waited for its copy
         self.limits = limits
         self.importer = BufferImporter()
+        self.page: HostPage | None = None  # the DONE page its Step socket hello passed (shared.host_flags)
         self._new_seq_id = new_seq_id  # drafter-wide unique ids, shared by all sessions
         self._default_head = head  # the server's own head, used until this client registers one
         self._head: TargetHead | None = None  # views into the client's TARGET_EMBEDDING / LM_HEAD buffers
@@ -752,10 +754,10 @@ class Session:
         done = self._done_target(chain)
         written = None
         if self.waits is not None and chain.written_value:
-            if done is None or done.shape[1] < 2:
+            if done is None or len(done) < 2:
                 raise InvalidRequest(f"buffer {chain.done_buffer}: a written value goes into a done buffer's "
-                                     f"element 1, and it has {0 if done is None else done.shape[1]} columns")
-            written = done[0, 1:]
+                                     f"element 1, and it has {0 if done is None else len(done)} columns")
+            written = done[1]
         if chain.settle_seq_ids:
             self.proposer.chain_settle([self._internal(i) for i in chain.settle_seq_ids], list(chain.settle_counts))
         self._bind_head()
@@ -799,23 +801,24 @@ class Session:
         if self.waits is not None and self.waits.failure is not None:
             raise WritesPending(self.waits.failure)
 
-    def _done_target(self, chain: ChainStep) -> torch.Tensor | None:
-        """The DONE buffer's view a chained propose writes its done value into (None: it names none),
-        checked before any of the step's work."""
+    def _done_target(self, chain: ChainStep) -> list[Flag] | None:
+        """The DONE buffer's flags (a chained propose writes its done value into the first; None: it names
+        none), checked before any of the step's work."""
         if not chain.done_buffer:
             return None
         if not done_flags(self.device):
             raise StateConflict("this drafter writes no done flags (DrafterDescription.done_flags)")
-        view = self.importer.done_target(chain.done_buffer)
-        if view.device != _indexed(self.device):
-            raise InvalidRequest(f"buffer {chain.done_buffer}: a done buffer lies on the drafter's GPU")
-        return view
+        flags = self.importer.done_target(chain.done_buffer)
+        if flags[0].device != _indexed(self.device):
+            raise InvalidRequest(f"buffer {chain.done_buffer}: a done buffer lies on the drafter's GPU "
+                                 "(or in the host page mapped there)")
+        return flags
 
     @staticmethod
-    def _write_done(view: torch.Tensor | None, value: int) -> None:
+    def _write_done(flags: list[Flag] | None, value: int) -> None:
         """Queue the done value's write behind the step's work on our stream (the target's stream waits for it)."""
-        if view is not None:
-            stream_ops().write(torch.cuda.current_stream(view.device), view.data_ptr(), value)
+        if flags is not None:
+            stream_ops().write(torch.cuda.current_stream(flags[0].device), flags[0].address, value)
 
     def _drop_chain_graphs(self, buffers: set[int] | None = None) -> None:
         """Forget the chained steps' graphs that read or write any of `buffers` (None: every graph), and the
@@ -1021,6 +1024,17 @@ class Session:
         if self.waits is not None:  # ... nor a release the watchdog was still writing into the target's DONE buffer
             self.waits.join()
         self.importer.close()
+        if self.page is not None:  # (after every stream write of ours into it is done: _finish_reads above)
+            self.page.close()
+            self.page = None
+
+    def attach_page(self, page: HostPage) -> None:
+        """The DONE page this session's Step socket hello passed (closed with the session)."""
+        if self.closed or self.page is not None:
+            page.close()
+            raise StateConflict("this connection has its DONE page already" if not self.closed
+                                else "the connection closed before its DONE page was attached")
+        self.page = self.importer.page = page
 
 
 def _chain_key(n: int, k: int, count: int, rows: torch.Tensor, feed: torch.Tensor, drafts: torch.Tensor,

@@ -3,7 +3,8 @@
 One thread per connection reads a frame, answers it through `DrafterServer.step_once` (the gRPC
 stream's own code: same session, same checks, same lock) and writes the answer: no hand-over between
 threads, which is most of what a gRPC Python round trip costs. The socket lives in the gRPC socket's
-private folder; with a token the hello must carry it. Every frame is checked before it is parsed (its
+private folder; with a token the hello must carry it. The hello may pass the target's DONE page
+(`shared.host_flags`), which the drafter checks before it maps it. Every frame is checked before it is parsed (its
 length against the stream's message limit), a connection must say hello within HELLO_SECONDS, and at
 most `max_targets` + SPARE_CONNECTIONS connections are open at once: a stranger can neither stall
 the drafter nor hold its threads.
@@ -104,17 +105,19 @@ class StepSocketServer:
                 _refuse(sock, CapacityExceeded(f"no thread for a step socket connection ({err})"), linger=0.0)
 
     def _serve(self, connection: _Connection) -> None:
-        sock, session = connection.sock, None
+        sock, session, page_fd = connection.sock, None, None
         try:
             try:  # the whole hello within HELLO_SECONDS, however slowly its bytes trickle in
-                hello = frames.recv_frame(sock, frames.MAX_HELLO_BYTES, time.monotonic() + HELLO_SECONDS)
+                hello, page_fd = frames.recv_hello(sock, time.monotonic() + HELLO_SECONDS)
             except (OSError, EOFError, ConnectionError):
                 return  # gone, or no hello within HELLO_SECONDS
             client, token = frames.parse_hello(hello)
             if self.token is not None and not hmac.compare_digest(token.encode(), self.token.encode()):
                 raise Unauthenticated("the step socket hello carried no valid token")
             sock.settimeout(None)
-            session, stream = self.server.open_stream(client, connection)
+            fd, page_fd = page_fd, None  # (adopt_page takes it, whatever it finds)
+            page = self.server.adopt_page(fd) if fd is not None else None
+            session, stream = self.server.open_stream(client, connection, page=page)
             while True:
                 try:
                     payload = frames.recv_frame(sock, self.max_message_bytes)
@@ -135,6 +138,8 @@ class StepSocketServer:
         except Exception as err:  # noqa: BLE001 - a bug: logged (rate-limited) and reported as INTERNAL
             _refuse(sock, err)
         finally:
+            if page_fd is not None:
+                os.close(page_fd)
             if session is not None:
                 self.server.end_stream(session, stream)
             with self._lock:

@@ -11,10 +11,12 @@ Either side of the split may order its stream after the other's work this way, w
 
 A peer that never writes (hung, killed, hostile) would leave that stream waiting for good, and with it
 every later read of the stream. So every wait is armed with a deadline, and a watchdog thread releases
-a wait still pending at its deadline by writing the value itself from a side stream (a stream memory
-operation: no kernel, so no module to load while the context waits), then reports the peer failed
-(`failure`). What the released stream then reads may be half written: the target's verify is exact, so
-wrong drafts cost speed, never a token. `release` lets every wait go at once (the connection is being
+a wait still pending at its deadline by writing the value itself, then reports the peer failed
+(`failure`). Into a flag of a host page (`shared.host_flags`) it writes with a store of its CPU, which a
+waiting stream sees even while its context loads a kernel module; into device memory with a stream memory
+operation from a side stream (no kernel, yet such a write does not get through a module's load). What
+the released stream then reads may be half written: the target's verify is exact, so wrong drafts cost
+speed, never a token. `release` lets every wait go at once (the connection is being
 dropped).
 
 Waits on one stream end in order; `wait` and the watchdog forget the ones whose events show them done. A
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specsplit.shared.host_flags import Flag
 from specsplit.shared.stream_ops import StreamOps
 from specsplit.shared.transport import poll_until
 
@@ -51,7 +54,7 @@ IDLE_LOOK = 1.0  # seconds between the watchdog's looks while no wait is armed
 
 @dataclass(eq=False)  # (compared by identity)
 class _Armed:
-    done: torch.Tensor  # the DONE buffer's element 0 (kept alive here while a stream may wait on it)
+    done: Flag  # the flag waited on (it keeps its memory alive while a stream may wait on it)
     value: int
     event: torch.cuda.Event  # recorded on the waiting stream right after the wait
     deadline: float  # time.perf_counter() by which the peer must have written `value`
@@ -75,6 +78,7 @@ class DeviceWaits:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
+        self._placed = False  # the watchdog thread has made our GPU its current device
         self._closed = False
         self.failure: str | None = None  # why waits were released at a deadline (read and cleared by the owner)
         self.armed = 0  # waits queued ...
@@ -82,13 +86,15 @@ class DeviceWaits:
         self.looks = 0  # times the watchdog woke and looked
         self._next_look: float | None = None  # when the watchdog looks next unless woken (None: looking now)
 
-    def wait(self, done: torch.Tensor, value: int, deadline: float) -> None:
-        """Queue on the current stream a wait until `done`'s element 0 is >= value (wrap-aware), watched
-        until `deadline` (perf_counter)."""
+    def wait(self, done: Flag | torch.Tensor, value: int, deadline: float) -> None:
+        """Queue on the current stream a wait until the flag `done` (or a device tensor's element 0) is >=
+        value (wrap-aware), watched until `deadline` (perf_counter)."""
         if self._closed:
             raise RuntimeError("DeviceWaits.wait after close")
+        if not isinstance(done, Flag):
+            done = Flag.of(done)
         stream = torch.cuda.current_stream(self._device)
-        self._ops.wait(stream, done.data_ptr(), value)
+        self._ops.wait(stream, done.address, value)
         event = torch.cuda.Event()
         event.record(stream)
         with self._lock:
@@ -149,33 +155,79 @@ class DeviceWaits:
         except Exception as exc:  # noqa: BLE001 - marked released already: the watchdog writes them again
             log.warning("device waits: a release was refused (%s: %s); the watchdog tries again", type(exc).__name__, exc)
 
+    # A wait on a host page's flag is released by a store of our CPU, and it is looked at by reading the
+    # page: no CUDA call. The watchdog makes none at all while such a wait is pending, since a CUDA call
+    # made while another thread loads a kernel module may wait for that load, which waits for the stream
+    # the wait holds: the watchdog would then never reach the deadline whose release lets them both go.
+
+    @staticmethod
+    def _passed(entry: _Armed) -> bool:
+        """Whether the stream is past `entry` (a host page's flag not released: the peer wrote its value)."""
+        if entry.done.host is not None and not entry.released:
+            return _reached(entry.done, entry.value)
+        return entry.event.query()
+
     def _forget_done(self) -> None:
-        while self._armed and self._armed[0].event.query():
+        while self._armed and self._passed(self._armed[0]):
             self._armed.popleft()
+
+    def _forget_reached(self) -> None:
+        """`_forget_done` without a CUDA call: the waits on host pages' flags the peer wrote, first in line."""
+        while self._armed and self._armed[0].done.host is not None and not self._armed[0].released \
+                and _reached(self._armed[0].done, self._armed[0].value):
+            self._armed.popleft()
+
+    def _host_held(self) -> bool:
+        """Whether a wait on a host page's flag is pending: its stream may be held, so no CUDA call now."""
+        return any(entry.done.host is not None and not entry.released and not _reached(entry.done, entry.value)
+                   for entry in self._armed)
 
     def _earliest(self) -> float | None:
         deadlines = [entry.deadline for entry in self._armed if not entry.released]
         return min(deadlines) if deadlines else None
 
     def _release_locked(self) -> None:
-        """Mark every pending wait released and write, per DONE buffer, the last value waited for there
-        (it releases every wait before it). Raises if the driver refuses a write (the caller retries)."""
+        """Mark every pending wait released and write, per flag, the last value waited for there (it
+        releases every wait before it): host pages' first, by our CPU, before any CUDA call. Raises if the
+        driver refuses a write (the caller retries)."""
         fresh = [entry for entry in self._armed if not entry.released]
+        holding = {entry.done.address for entry in fresh if entry.done.host is not None
+                   and not _reached(entry.done, entry.value)}
         for entry in fresh:
             entry.released = True
+        self._store_last_values()
+        devices = [entry for entry in fresh if entry.done.host is None]
         self._forget_done()
         alive = {id(entry) for entry in self._armed}
-        fresh = [entry for entry in fresh if id(entry) in alive]
-        self.released += len({entry.done.data_ptr() for entry in fresh})
+        self.released += len(holding | {entry.done.address for entry in devices if id(entry) in alive})
         self._write_last_values()
 
-    def _write_last_values(self) -> None:
+    def _last_released(self) -> list[_Armed]:
         last: dict[int, _Armed] = {}
         for entry in self._armed:
             if entry.released:
-                last[entry.done.data_ptr()] = entry
-        for entry in last.values():
-            self._ops.write(self._side, entry.done.data_ptr(), entry.value)
+                last[entry.done.address] = entry
+        return list(last.values())
+
+    def _store_last_values(self) -> None:
+        """Our CPU's stores of the released values into host pages' flags that do not hold them (a store over
+        a later value the peer wrote since would hold a later wait again)."""
+        for entry in self._last_released():
+            if entry.done.host is not None and not _reached(entry.done, entry.value):
+                entry.done.store(entry.value)
+
+    def _write_last_values(self) -> None:
+        self._store_last_values()
+        for entry in self._last_released():
+            if entry.done.host is None:
+                self._place()
+                self._ops.write(self._side, entry.done.address, entry.value)
+
+    def _place(self) -> None:
+        """The watchdog thread's current device: ours, before its first stream write."""
+        if self._index is not None and not self._placed and threading.current_thread() is self._thread:
+            torch.cuda.set_device(self._index)
+            self._placed = True
 
     def _sleep(self, seconds: float) -> None:
         """Wait for a notify or `seconds` (the lock held on entry and on return), telling `wait` when."""
@@ -185,34 +237,39 @@ class DeviceWaits:
 
     def _watch(self) -> None:
         with self._lock:
-            placed = False
             while True:
                 try:
                     self.looks += 1
-                    if not placed and self._index is not None:
-                        torch.cuda.set_device(self._index)  # (this thread's current context: our GPU's)
-                    placed = True
-                    self._forget_done()
+                    self._store_last_values()  # (our CPU: a released host page's flag a late peer wrote under us)
+                    self._forget_reached()
+                    if not self._host_held():  # (see above: no CUDA call while a host page's wait is pending)
+                        self._forget_done()
                     if self._closed and not self._armed:
                         return
                     if not self._armed:
                         self._sleep(IDLE_LOOK)
                         continue
+                    earliest = self._earliest()
+                    now = time.perf_counter()
+                    if earliest is not None and earliest <= now and not self._closed:
+                        self._release_locked()  # (written before the client can see the failure)
+                        self.failure = (f"the {self._peer} did not write {self._what} within its deadline; "
+                                        "our stream waiting for it was released")
+                        log.warning("%s", self.failure)
+                        continue
                     if any(entry.released for entry in self._armed):
                         self._write_last_values()  # again, until the stream is past them
-                        self._sleep(RELEASE_AGAIN)
+                        self._sleep(RELEASE_AGAIN if earliest is None else min(RELEASE_AGAIN, earliest - now))
                         continue
                     if self._closed:
                         return
-                    left = self._earliest() - time.perf_counter()
-                    if left > 0:
-                        self._sleep(left)
-                        continue
-                    self._release_locked()  # (written before the client can see the failure)
-                    self.failure = (f"the {self._peer} did not write {self._what} within its deadline; "
-                                    "our stream waiting for it was released")
-                    log.warning("%s", self.failure)
+                    self._sleep(earliest - now)
                 except Exception as exc:  # noqa: BLE001 - the watchdog must outlive a refused write
                     log.warning("device waits: %s: %s; trying again", type(exc).__name__, exc)
                     self.failure = self.failure or f"a device wait could not be released ({exc})"
                     self._sleep(FAILED_WRITE_RETRY)
+
+
+def _reached(flag: Flag, value: int) -> bool:
+    """Whether a host page's flag holds `value` or a later one (CU_STREAM_WAIT_VALUE_GEQ's wrap-aware >=)."""
+    return (int(flag.host.item()) - value) % 2**32 < 2**31

@@ -6,13 +6,15 @@ one (DrafterDescription.step_socket) takes the Step stream there from targets on
 messages, their order and their rules are those of the gRPC stream.
 
 A frame is a 4-byte little-endian length and that many bytes. The client's first frame is the hello
-(HELLO, the client id, a newline, the token or nothing); then each frame is a StepRequest. Each
+(HELLO, the client id, a newline, the token or nothing), which may carry one file descriptor as SCM_RIGHTS
+with its first bytes (the DONE page, DrafterDescription.host_flags); then each frame is a StepRequest. Each
 answer is one kind byte and the rest: ANSWER and a StepResponse, or ENDED and "CODE\\n" message (a
 gRPC status name), after which the drafter closes the socket.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
@@ -24,6 +26,7 @@ ANSWER, ENDED = 0, 1
 MAX_HELLO_BYTES = 4096
 CHUNK_BYTES = 1 << 20  # the most one read asks for
 _LENGTH = struct.Struct("<I")
+_FD = struct.Struct("i")
 
 
 class FrameTooLarge(InvalidRequest):
@@ -63,6 +66,58 @@ def _recv_exactly(sock: socket.socket, count: int, deadline: float | None, *, eo
         chunks.append(chunk)
         got += len(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def send_hello(sock: socket.socket, client_id: str, token: str | None, fd: int | None = None) -> None:
+    """The hello frame, with `fd` passed beside its first bytes when given."""
+    frame = _LENGTH.pack(len(payload := hello(client_id, token))) + payload
+    if fd is None:
+        sock.sendall(frame)
+        return
+    sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
+
+
+def recv_hello(sock: socket.socket, deadline: float) -> tuple[bytes, int | None]:
+    """The hello frame and the descriptor passed with it (None: none). The descriptor is ours to close
+    whatever happens next; InvalidRequest (none left open) when more than one came, or another kind of
+    ancillary data. A descriptor sent with any later byte is closed by the kernel unread: only this read
+    asks for ancillary data."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no hello in time")
+    sock.settimeout(left)
+    first, ancillary, flags, _ = sock.recvmsg(_LENGTH.size, socket.CMSG_SPACE(_FD.size))
+    fds = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            whole = len(data) - len(data) % _FD.size
+            fds += [fd for (fd,) in _FD.iter_unpack(data[:whole])]
+    if len(fds) > 1 or flags & socket.MSG_CTRUNC or len(ancillary) > len(fds):
+        for fd in fds:
+            _close_quietly(fd)
+        raise InvalidRequest("the step socket hello may carry one file descriptor (the DONE page) and nothing else")
+    fd = fds[0] if fds else None
+    try:
+        if not first:
+            raise EOFError("the peer closed the step socket")
+        header = first + _recv_exactly(sock, _LENGTH.size - len(first), deadline)
+        (length,) = _LENGTH.unpack(header)
+        if length > MAX_HELLO_BYTES:
+            raise FrameTooLarge(f"a hello of {length} bytes is over the limit of {MAX_HELLO_BYTES}")
+        return _recv_exactly(sock, length, deadline), fd
+    except BaseException:
+        if fd is not None:
+            _close_quietly(fd)
+        raise
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def hello(client_id: str, token: str | None) -> bytes:

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specsplit.shared.errors import AlreadyExists, InvalidRequest, StateConflict, WritesPending
+from specsplit.shared.host_flags import PAGE_INTS, Flag, HostPage
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # of rows
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4}  # the header's dtype word
@@ -89,6 +90,7 @@ class UnknownBuffer(InvalidRequest):
 class BufferKind(str, enum.Enum):
     SHM = "shm"
     CUDA_IPC = "cuda_ipc"
+    HOST_PAGE = "host_page"  # the DONE page passed with the Step socket's hello (shared.host_flags)
 
 
 class BufferRole(str, enum.Enum):
@@ -97,8 +99,8 @@ class BufferRole(str, enum.Enum):
     TARGET_LM_HEAD = "target_lm_head"  # [vocab, hidden], written once
     DRAFTS = "drafts"  # int32 draft ids the importer writes (CUDA_IPC only), ordered by the buffer's event
     FEED = "feed"  # int32 anchors and positions of a chained step the owner writes [3, cols] (StepRequest.chain)
-    DONE = "done"  # int32 [1, cols] (CUDA_IPC only): element 0 is the value the importer's stream writes after a
-    # chained step's work and the owner's stream waits for (ChainStep.done_value)
+    DONE = "done"  # int32 [1, cols] (CUDA_IPC, or HOST_PAGE): element 0 is the value the importer's stream writes
+    # after a chained step's work and the owner's stream waits for (ChainStep.done_value)
 
 
 HEAD_ROLES = frozenset({BufferRole.TARGET_EMBEDDING, BufferRole.TARGET_LM_HEAD})
@@ -131,12 +133,18 @@ class BufferDescriptor:
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _enum(BufferKind, self.kind, "buffer kind"))
         object.__setattr__(self, "role", _enum(BufferRole, self.role, "buffer role"))
+        if self.kind is BufferKind.HOST_PAGE and self.role is not BufferRole.DONE:
+            raise InvalidRequest(f"buffer {self.buffer_id}: the host page is only a done buffer")
         if self.role is BufferRole.DRAFTS:
             if self.dtype != torch.int32 or self.kind is not BufferKind.CUDA_IPC:
                 raise InvalidRequest(f"buffer {self.buffer_id}: a drafts buffer is int32 CUDA_IPC memory")
         elif self.role is BufferRole.DONE:
-            if self.dtype != torch.int32 or self.kind is not BufferKind.CUDA_IPC or self.rows != 1:
-                raise InvalidRequest(f"buffer {self.buffer_id}: a done buffer is int32 CUDA_IPC memory [1, cols]")
+            if self.dtype != torch.int32 or self.kind not in (BufferKind.CUDA_IPC, BufferKind.HOST_PAGE) \
+                    or self.rows != 1:
+                raise InvalidRequest(f"buffer {self.buffer_id}: a done buffer is int32 CUDA_IPC memory or the host "
+                                     "page, [1, cols]")
+            if self.kind is BufferKind.HOST_PAGE and self.cols > PAGE_INTS:
+                raise InvalidRequest(f"buffer {self.buffer_id}: the host page holds {PAGE_INTS} int32, not {self.cols}")
         elif self.role is BufferRole.FEED:
             if self.dtype != torch.int32 or self.rows != FEED_ROWS:
                 raise InvalidRequest(f"buffer {self.buffer_id}: a feed buffer is int32 [{FEED_ROWS}, cols]")
@@ -144,13 +152,16 @@ class BufferDescriptor:
             _check_dtype(self.dtype)
         if self.buffer_id <= 0 or self.rows <= 0 or self.cols <= 0:
             raise InvalidRequest(f"buffer {self.buffer_id}: id, rows and cols must be positive")
-        if not self.name or not self.host_id:
+        if (not self.name and self.kind is not BufferKind.HOST_PAGE) or not self.host_id:
             raise InvalidRequest(f"buffer {self.buffer_id}: name and host_id are required")
         cuda_fields = (self.device_uuid, self.mem_handle, self.event_handle)
         if self.kind is BufferKind.CUDA_IPC and not all(cuda_fields):
             raise InvalidRequest(f"buffer {self.buffer_id}: CUDA_IPC needs device_uuid, mem_handle and event_handle")
-        if self.kind is BufferKind.SHM and any(cuda_fields):
-            raise InvalidRequest(f"buffer {self.buffer_id}: an SHM buffer carries no device or CUDA handles")
+        if self.kind is not BufferKind.CUDA_IPC and any(cuda_fields):
+            raise InvalidRequest(f"buffer {self.buffer_id}: an {self.kind.name} buffer carries no device or CUDA "
+                                 "handles")
+        if self.kind is BufferKind.HOST_PAGE and (self.name or self.token):
+            raise InvalidRequest(f"buffer {self.buffer_id}: the host page has no segment name or token")
         if self.kind is BufferKind.CUDA_IPC and {len(self.mem_handle), len(self.event_handle)} != {IPC_HANDLE_BYTES}:
             raise InvalidRequest(f"buffer {self.buffer_id}: CUDA IPC handles are {IPC_HANDLE_BYTES} bytes each")
         if len(self.token) not in (0, TOKEN_BYTES):  # empty: built by hand, refused when registered
@@ -772,6 +783,12 @@ class BufferExporter:
         self._next_id = 1
         self._lock = threading.Lock()
 
+    def new_id(self) -> int:
+        """A buffer id no buffer of this exporter has had (also for the host page, which it does not hold)."""
+        with self._lock:
+            buffer_id, self._next_id = self._next_id, self._next_id + 1
+        return buffer_id
+
     def create(
         self,
         rows: int,
@@ -791,8 +808,7 @@ class BufferExporter:
             raise InvalidRequest(f"buffers live on the CPU or a CUDA device, not {device}")
         if not self.host_id:
             raise InvalidRequest("no /dev/shm on this host: rows can only travel inline")
-        with self._lock:
-            buffer_id, self._next_id = self._next_id, self._next_id + 1
+        buffer_id = self.new_id()
         if device.type == "cpu":
             buffer = self._create_shm(buffer_id, rows, cols, dtype, role)
         else:
@@ -885,13 +901,30 @@ class BufferExporter:
 # --- importer -----------------------------------------------------------------------------------
 
 
+class _NoSegment:
+    """A host page's stand-in for a segment: it has no header, no generation and no rows to read."""
+
+    def close(self) -> None:
+        pass
+
+    def unlink_name(self) -> None:
+        pass
+
+    def generation(self) -> int:
+        return 0
+
+    def read_rows(self, descriptor: BufferDescriptor, row_offset: int, rows: int) -> torch.Tensor:
+        raise InvalidRequest(f"buffer {descriptor.buffer_id} is the host page: it holds no rows")
+
+
 @dataclass
 class _Imported:
     descriptor: BufferDescriptor
-    segment: _Segment  # SHM: header + rows; CUDA_IPC: the header alone
+    segment: _Segment | _NoSegment  # SHM: header + rows; CUDA_IPC: the header alone; HOST_PAGE: none
     tensor: torch.Tensor | None = None  # CUDA_IPC: [rows, cols] view of the owner's device memory
     event: _IpcEvent | None = None  # CUDA_IPC: the owner's write event
     written: int | None = None  # the last generation whose writes the host saw done
+    flags: list[Flag] | None = None  # HOST_PAGE: the page's int32 flags, one a column
 
     def check_written(self, generation: int) -> None:
         """Refuse to read `generation` before the host has seen the owner's writes of it done (one event
@@ -922,6 +955,7 @@ class BufferImporter:
         self.host_id = host_id() if local_host_id is None else local_host_id
         self._buffers: dict[int, _Imported] = {}
         self._lock = threading.Lock()
+        self.page: HostPage | None = None  # the DONE page this connection's hello passed (BufferKind.HOST_PAGE)
 
     def register(self, descriptors: Iterable[BufferDescriptor]) -> None:
         """Open every descriptor, or none of them when one fails; then their names are unlinked."""
@@ -929,8 +963,11 @@ class BufferImporter:
         ids = [d.buffer_id for d in descriptors]
         with self._lock:
             taken = [i for i in ids if i in self._buffers]
+            pages = sum(b.descriptor.kind is BufferKind.HOST_PAGE for b in self._buffers.values())
         if taken or len(set(ids)) != len(ids):
             raise AlreadyExists(f"buffer ids already registered or repeated: {sorted(set(taken) or ids)}")
+        if pages + sum(d.kind is BufferKind.HOST_PAGE for d in descriptors) > 1:
+            raise AlreadyExists("the host page is registered once a connection")
         opened: dict[int, _Imported] = {}
         try:
             for d in descriptors:
@@ -951,6 +988,11 @@ class BufferImporter:
             raise InvalidRequest(f"buffer {descriptor.buffer_id} lives on another host or namespace; send rows inline")
         if descriptor.kind is BufferKind.SHM:
             return _Imported(descriptor, _open_segment(descriptor, descriptor.nbytes))
+        if descriptor.kind is BufferKind.HOST_PAGE:
+            if self.page is None or self.page.closed:
+                raise InvalidRequest(f"buffer {descriptor.buffer_id}: no host page came with this connection's "
+                                     "step socket hello")
+            return _Imported(descriptor, _NoSegment(), flags=[self.page.flag(i) for i in range(descriptor.cols)])
         segment = _open_segment(descriptor, 0)
         try:
             tensor, event = _open_cuda(descriptor)
@@ -1055,12 +1097,14 @@ class BufferImporter:
             raise InvalidRequest(f"buffer {buffer_id} is not a drafts buffer")
         return imported.tensor, imported.event
 
-    def done_target(self, buffer_id: int) -> torch.Tensor:
-        """A registered DONE buffer's [1, cols] int32 device view (its element 0 takes chained steps' done values)."""
+    def done_target(self, buffer_id: int) -> list[Flag]:
+        """A registered DONE buffer's int32 flags, one a column (the first takes chained steps' done values)."""
         imported = self._get(buffer_id)
-        if imported.descriptor.role is not BufferRole.DONE or imported.tensor is None:
+        if imported.descriptor.role is not BufferRole.DONE or (imported.tensor is None and imported.flags is None):
             raise InvalidRequest(f"buffer {buffer_id} is not a done buffer")
-        return imported.tensor
+        if imported.flags is not None:
+            return imported.flags
+        return [Flag.of(imported.tensor[0, i:i + 1]) for i in range(imported.tensor.shape[1])]
 
     def whole(self, buffer_id: int) -> torch.Tensor:
         """The full [rows, cols] buffer written once (embedding, LM head): a copy (SHM) or a view (CUDA IPC).

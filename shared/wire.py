@@ -70,7 +70,8 @@ _FEATURE = {
     FeatureKind.LAYER_CONCAT: common_pb2.FEATURE_KIND_LAYER_CONCAT,
     FeatureKind.LAST_HIDDEN: common_pb2.FEATURE_KIND_LAST_HIDDEN,
 }
-_BUFFER_KIND = {BufferKind.SHM: common_pb2.BUFFER_KIND_SHM, BufferKind.CUDA_IPC: common_pb2.BUFFER_KIND_CUDA_IPC}
+_BUFFER_KIND = {BufferKind.SHM: common_pb2.BUFFER_KIND_SHM, BufferKind.CUDA_IPC: common_pb2.BUFFER_KIND_CUDA_IPC,
+                BufferKind.HOST_PAGE: common_pb2.BUFFER_KIND_HOST_PAGE}
 _ROLE = {
     BufferRole.ROWS: common_pb2.BUFFER_ROLE_ROWS,
     BufferRole.TARGET_EMBEDDING: common_pb2.BUFFER_ROLE_TARGET_EMBEDDING,
@@ -204,6 +205,7 @@ class DrafterDescription:
     done_flags: bool = False  # writes a chained step's done value into a DONE buffer (ChainStep.done_value)
     written_flags: bool = False  # its stream may wait on the device for ChainStep.written_value
     prefill_allocs: bool = False  # PrefillDrafter allocates the sequence when asked (alloc_budget_tokens)
+    host_flags: bool = False  # takes its DONE buffer in a host page passed with the Step socket hello
 
 
 def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
@@ -230,6 +232,7 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
         done_flags=d.done_flags,
         written_flags=d.written_flags,
         prefill_allocs=d.prefill_allocs,
+        host_flags=d.host_flags,
     )
 
 
@@ -250,7 +253,7 @@ def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescrip
     )
     return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns,
                               pb.step_socket, pb.drafts_buffer, pb.instance, pb.chains, pb.done_flags,
-                              pb.written_flags, pb.prefill_allocs)
+                              pb.written_flags, pb.prefill_allocs, pb.host_flags)
 
 
 def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:

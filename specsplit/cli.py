@@ -267,7 +267,8 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
                                                        profile=window, chain_graphs=args.chain_graphs,
                                                        prepare_chains=args.prepare_chains,
                                                        prefill_copies=args.prefill_copies,
-                                                       device_waits=args.device_waits))
+                                                       device_waits=args.device_waits,
+                                                       host_flags=args.host_flags))
     if window is not None and window.on_signal:
         signal.signal(signal.SIGUSR1, lambda *_: window.arm())
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
@@ -289,7 +290,8 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
                           drafts_by_batch=args.drafts_by_batch, auto_drafts=auto)
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
                               drafter_timeout=args.drafter_timeout, step_socket=not args.step_over_grpc,
-                              device_waits=args.device_waits, max_streams=args.max_streams,
+                              device_waits=args.device_waits, host_flags=args.host_flags,
+                              max_streams=args.max_streams,
                               max_message_bytes=int(args.max_message_mib * (1 << 20)),
                               security=server_security(args), drafter_security=drafter_security(args),
                               metrics=metrics_address(args))
@@ -468,6 +470,11 @@ def add_service_parsers(sub) -> None:
                          "after them; the target needs its own --device-waits) instead of our host polling their "
                          "events. A target whose value never comes holds this drafter's GPU stream, every "
                          "caller's work on it, until --writes-wait-seconds; then its Step stream ends")
+    ds.add_argument("--host-flags", action=argparse.BooleanOptionalAction, default=True,
+                    help="take a target's DONE buffer in a page of host memory it passes with its step socket's "
+                         "hello (a sealed memfd, checked before it is mapped): our watchdog then releases a wait "
+                         "on the target's value with a store of our CPU, which reaches a stream waiting while "
+                         "the context loads a kernel (default: on; --no-host-flags: the target's device memory)")
     ds.add_argument("--max-buffer-mib", type=float, default=4096.0,
                     help="MiB of row and head buffers one connection may register")
     ds.add_argument("--max-message-mib", type=float, default=None,
@@ -510,6 +517,11 @@ def add_service_parsers(sub) -> None:
                          "For measurement only: 1.06x the host polls at one stream, but a kernel this process "
                          "first launches while a wait is queued hangs, and the release cannot undo that if the "
                          "drafter never writes (see README, 'Device waits'; default: off)")
+    ts.add_argument("--host-flags", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --device-waits, where the drafter takes one, the DONE buffer is a page of host "
+                         "memory passed over its step socket: a wait is then released by a store of our CPU, "
+                         "which reaches a stream waiting while the context loads a kernel (default: on; "
+                         "--no-host-flags: device memory)")
     ts.add_argument("--drafter-timeout", type=float, default=60.0,
                     help="seconds a drafter call may take before the target decodes without it; a Step answer "
                          "gets less once steps were measured (20x the p99 of recent round trips, at least 1 s), "

@@ -41,6 +41,7 @@ class DrafterSettings:
     prepare_chains: bool = True  # --prepare-chains: a chained step sent ahead prepared before the target's writes are done
     prefill_copies: bool = False  # --prefill-copies: a prefill's CUDA IPC rows copied out at once (Session.prefill)
     device_waits: bool = False  # --device-waits: ... and launched at once, our stream waiting for them (one target only)
+    host_flags: bool = True  # --host-flags: a target's DONE buffer in a host page passed with its step socket hello
 
     def __post_init__(self) -> None:
         if self.head not in ("auto", "checkpoint", "target"):
@@ -66,6 +67,7 @@ class TargetSettings:
     drafter_timeout: float = 60.0
     step_socket: bool = True  # the Step stream over the drafter's step socket when it offers one (else gRPC)
     device_waits: bool = False  # --device-waits: our stream waits for chained drafts on the device, not our host
+    host_flags: bool = True  # --host-flags: ... in a host page passed over the drafter's step socket when it takes one
     max_streams: int = 64  # Generate streams open at once; more are refused with RESOURCE_EXHAUSTED
     max_message_bytes: int = DEFAULT_MESSAGE_BYTES  # largest Generate request accepted
     security: ServerSecurity = ServerSecurity()  # token and TLS its callers need (--auth-token-file, --tls-*)
@@ -103,6 +105,7 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
     server.prepare_chains = settings.prepare_chains
     server.prefill_copies = settings.prefill_copies
     server.device_waits = settings.device_waits
+    server.take_pages = settings.host_flags
     return server
 
 
@@ -122,7 +125,7 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
                                   timeout=settings.drafter_timeout, max_batch=settings.engine.max_batch,
                                   head=(model.embed_weight, model.lm_head_weight),
                                   security=settings.drafter_security, step_socket=settings.step_socket,
-                                  device_waits=settings.device_waits)
+                                  device_waits=settings.device_waits, host_flags=settings.host_flags)
     engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids,
                     text_stream=tokenizer.output_stream)
     loop = EngineLoop(engine)

@@ -44,11 +44,12 @@ from specsplit.shared.proposer import CarriedKV, DrafterSpec, Proposal, ProposeR
 from specsplit.shared.staging import to_host
 from specsplit.shared.stream_ops import next_value, stream_ops
 from specsplit.shared.transport import (
-    FEED_ROWS, BufferExporter, BufferRole, RowBuffer, choose_mode, device_uuid, encode_inline, host_id,
-    identity_digest,
+    FEED_ROWS, BufferDescriptor, BufferExporter, BufferKind, BufferRole, RowBuffer, choose_mode, device_uuid,
+    encode_inline, host_id, identity_digest,
 )
 from specsplit.shared.verify import device_longs
 from specsplit.shared.device_waits import DeviceWaits
+from specsplit.shared.host_flags import Flag, HostPage
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +258,12 @@ class _Connection:
     drafts_read: "torch.cuda.Event | None" = None  # recorded after our last read of `drafts`
     feed: RowBuffer | None = None  # a chained step's anchors and positions (StepRequest.chain), when it chains
     feed_fresh: bool = True  # the next write into `feed` starts a new generation
-    done: RowBuffer | None = None  # the DONE buffer our stream waits on (RemoteProposer(device_waits=True))
+    # the DONE buffer our stream waits on (RemoteProposer(device_waits=True)): device memory, or the host page
+    # passed with the step socket's hello (`page`; DrafterDescription.host_flags)
+    done: "RowBuffer | HostPage | None" = None
+    done_id: int = 0  # its buffer id at the drafter
+    done_flags: list[Flag] = field(default_factory=list)  # its int32, one a column
+    page: HostPage | None = None  # the host page made for this connection (its DONE buffer once registered)
     done_value: int = 0  # the last done value a Step asked for ...
     done_sent: int = 0  # ... and the one the last Step sent asked for (0: none)
     written_value: int = 0  # the last value our stream wrote into `done`'s element 1 (a drafter with written_flags)
@@ -310,9 +316,9 @@ def _importer_done(drafts: RowBuffer, wait: float = 0.0) -> bool:
         return False
 
 
-def _write_on_stream(view: torch.Tensor, value: int) -> None:
-    """Queue on our current stream the write of `value` into the int32 `view` (after the stream's earlier work)."""
-    stream_ops().write(torch.cuda.current_stream(view.device), view.data_ptr(), value)
+def _write_on_stream(flag: Flag, value: int) -> None:
+    """Queue on our current stream the write of `value` into `flag` (after the stream's earlier work)."""
+    stream_ops().write(torch.cuda.current_stream(flag.device), flag.address, value)
 
 
 def _close_channel(channel: grpc.Channel) -> None:
@@ -374,12 +380,14 @@ class RemoteProposer:
     def __init__(self, address: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
                  max_batch: int = 64, security: ClientSecurity = ClientSecurity(), step_socket: bool = True,
-                 chain_ahead: bool = True, device_waits: bool = False) -> None:
+                 chain_ahead: bool = True, device_waits: bool = False, host_flags: bool = True) -> None:
         # max_batch: the engine's widest step; security: the drafter's token and TLS (shared.security);
         # step_socket: send the Step stream to the drafter's step socket when it offers one on this host;
         # chain_ahead: send each chained step's propose as the step before it launches (chain_prefetch);
         # device_waits: our stream waits on the device for a chained propose's drafts (shared.device_waits)
-        # instead of our host polling the drafter's event, where the drafter writes done values
+        # instead of our host polling the drafter's event, where the drafter writes done values;
+        # host_flags: with device waits, the DONE buffer in a host page passed over the step socket when the
+        # drafter takes one (our watchdog then releases a wait with a store of our CPU; shared.host_flags)
         self.address = grpc_target(address)
         self.security = security
         self.device, self.dtype, self.timeout = torch.device(device), dtype, timeout
@@ -388,6 +396,7 @@ class RemoteProposer:
         self.use_step_socket = step_socket
         self.chain_ahead = chain_ahead
         self.device_waits = device_waits
+        self.host_flags = host_flags
         self._waits: DeviceWaits | None = None  # made with the first connection that waits on the device
         self._host_waits_next = False  # the next drafts in the buffer are waited for by our host (wait_on_host_next)
         self.mode = "inline"
@@ -403,7 +412,8 @@ class RemoteProposer:
         self._retry_at = 0.0
         self._backoff = 0.5
         self._probe: _Probe | None = None
-        self._retired: list[tuple[RowBuffer, RowBuffer | None]] = []  # (drafts, done) of closed connections (_retire)
+        # (drafts, done) of closed connections (_retire); done: a DONE buffer, or the host page
+        self._retired: list[tuple[RowBuffer, RowBuffer | HostPage | None]] = []
         self._ahead_prefetched = False  # _ahead came from prefetch (not a Step propose_on_device sent)
         self._chain_commit: tuple[tuple[int, ...], int, int] | None = None  # (seq ids, rows each, offset) to send
         self._settles: tuple[list[int], list[int]] = ([], [])  # chained steps read: (seq ids, rows each) to send
@@ -452,13 +462,18 @@ class RemoteProposer:
             try:
                 conn.sock.settimeout(call_wait)
                 conn.sock.connect(desc.step_socket)
-                frames.send_frame(conn.sock, frames.hello(client, self.security.token))
+                if desc.host_flags and self.host_flags and self._wants_done(conn, desc):
+                    conn.page = HostPage.create(self.device)
+                frames.send_hello(conn.sock, client, self.security.token, conn.page.fd if conn.page else None)
                 self.step_transport = "socket"
             except OSError as exc:  # not ours to open after all (another mount namespace...): gRPC it is
                 log.info("the drafter's step socket %s cannot be used (%s); the Step stream goes over gRPC",
                          desc.step_socket, exc)
                 conn.sock.close()
                 conn.sock = None
+                if conn.page is not None:
+                    conn.page.close()
+                    conn.page = None
         if conn.sock is None:
             conn.responses = conn.stub.Step(iter(conn.outbox.get, None), metadata=conn.metadata)
             conn.responses.add_done_callback(lambda call: self._ended(call, conn))
@@ -468,6 +483,13 @@ class RemoteProposer:
             self._flush([], timeout=call_wait)  # the stream opens lazily: did the drafter take it (--max-targets)?
         except SpecsplitError as exc:  # _flush has disconnected; exc is the drafter's reason when it gave one
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: {exc}") from None
+        if self._wants_done(conn, desc):  # (after the stream's first answer: the drafter holds the hello's page)
+            try:
+                self._setup_done(conn, desc, call_wait)
+            except (grpc.RpcError, SpecsplitError, OSError) as exc:
+                self._disconnect()
+                raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: "
+                                         f"{_reason(exc, ready_wait)}") from None
         log.info("drafter at %s attached (%s rows, Step stream over %s, %s)", self.address, self.mode,
                  self.step_transport, desc.spec.kind.value)
         return desc.spec
@@ -502,16 +524,6 @@ class RemoteProposer:
             # (rows staged in host memory for a GPU target would make each chained step wait for its verify)
             conn.feed = conn.exporter.create(FEED_ROWS, self.max_batch, torch.int32, stage_on, BufferRole.FEED)
             buffers.append(conn.feed)
-        if self.device_waits and desc.done_flags and conn.feed is not None and conn.drafts is not None \
-                and stream_ops() is not None:
-            # (element 1: the written values our stream writes for a drafter that waits on them on its device)
-            conn.done = conn.exporter.create(1, 2 if desc.written_flags else 1, torch.int32, self.device,
-                                             BufferRole.DONE)
-            conn.done.tensor.zero_()
-            torch.cuda.current_stream(self.device).synchronize()  # (zero before the drafter can write it)
-            buffers.append(conn.done)
-            if self._waits is None:
-                self._waits = DeviceWaits(stream_ops(), self.device)
         if desc.needs_target_head:
             embed, lm_head = self.head
             conn.head_buffers = [conn.exporter.export_existing(embed, BufferRole.TARGET_EMBEDDING)]
@@ -521,6 +533,33 @@ class RemoteProposer:
         if buffers:
             request = drafter_pb2.RegisterBuffersRequest(buffers=[wire.descriptor_to_proto(b.describe()) for b in buffers])
             conn.stub.RegisterBuffers(request, timeout=wait, metadata=conn.metadata)
+
+    def _wants_done(self, conn: _Connection, desc: wire.DrafterDescription) -> bool:
+        """Whether our stream will wait on the device for this drafter's done values (a DONE buffer)."""
+        return self.device_waits and desc.done_flags and conn.feed is not None and conn.drafts is not None \
+            and stream_ops() is not None
+
+    def _setup_done(self, conn: _Connection, desc: wire.DrafterDescription, wait: float) -> None:
+        """The DONE buffer, registered once the Step stream is open: the host page passed with the step
+        socket's hello when there is one (its flags released by our CPU's stores), else device memory.
+        Element 1: the written values our stream writes for a drafter that waits on them on its device."""
+        cols = 2 if desc.written_flags else 1
+        if conn.page is not None:
+            conn.done = conn.page
+            conn.done_id = conn.exporter.new_id()
+            descriptor = BufferDescriptor(conn.done_id, BufferKind.HOST_PAGE, "", torch.int32, 1, cols,
+                                          host_id(), role=BufferRole.DONE)
+            conn.done_flags = [conn.page.flag(i) for i in range(cols)]
+        else:
+            buffer = conn.done = conn.exporter.create(1, cols, torch.int32, self.device, BufferRole.DONE)
+            buffer.tensor.zero_()
+            torch.cuda.current_stream(self.device).synchronize()  # (zero before the drafter can write it)
+            conn.done_id, descriptor = buffer.buffer_id, buffer.describe()
+            conn.done_flags = [Flag.of(buffer.tensor[0, i:i + 1]) for i in range(cols)]
+        request = drafter_pb2.RegisterBuffersRequest(buffers=[wire.descriptor_to_proto(descriptor)])
+        conn.stub.RegisterBuffers(request, timeout=wait, metadata=conn.metadata)
+        if self._waits is None:
+            self._waits = DeviceWaits(stream_ops(), self.device)
 
     @staticmethod
     def _ended(call: grpc.Call, conn: _Connection) -> None:
@@ -543,7 +582,7 @@ class RemoteProposer:
                 conn.responses.cancel()
                 return
 
-    def _retire(self, drafts: RowBuffer, done: RowBuffer | None = None) -> None:
+    def _retire(self, drafts: RowBuffer, done: RowBuffer | HostPage | None = None) -> None:
         """Keep a closed connection's drafts buffer (and its event, and its DONE buffer) alive: a Step that
         offered it may still be in the drafter's hands, or its work queued on the drafter's GPU, and would
         write into memory freed and perhaps reused. The last RETIRED_DRAFTS_BUFFERS are kept, and any older
@@ -551,7 +590,11 @@ class RemoteProposer:
         it; it writes a done value before it records that work)."""
         self._retired.append((drafts, done))
         recent = self._retired[-RETIRED_DRAFTS_BUFFERS:]
-        self._retired = [b for b in self._retired[:-RETIRED_DRAFTS_BUFFERS] if not _importer_done(b[0])] + recent
+        older = self._retired[:-RETIRED_DRAFTS_BUFFERS]
+        self._retired = [b for b in older if not _importer_done(b[0])] + recent
+        for _, page in older:  # (a page is unmapped only once our stream's work queued on it is done)
+            if isinstance(page, HostPage) and all(page is not kept for _, kept in self._retired):
+                page.close()
 
     def _disconnect(self) -> None:
         if self._waits is not None:
@@ -559,7 +602,9 @@ class RemoteProposer:
             self._waits.failure = None  # (a failure of the connection dropped now: the next one starts clean)
         if self._conn is not None:
             if self._conn.drafts is not None:
-                self._retire(self._conn.drafts, self._conn.done)
+                self._retire(self._conn.drafts, self._conn.done if self._conn.done is not None else self._conn.page)
+            elif self._conn.page is not None:
+                self._conn.page.close()
             self._conn.close()
         self._conn = None
         self._pending = {}
@@ -605,6 +650,9 @@ class RemoteProposer:
         if self._waits is not None:
             self._waits.close()
             self._waits = None
+        for _, page in self._retired:  # (no stream of ours waits on them now; the drafter's mapping is its own)
+            if isinstance(page, HostPage):
+                page.close()
         if self._probe is not None:
             self._probe.close()
             self._probe = None
@@ -1090,7 +1138,7 @@ class RemoteProposer:
                 or self._chain_ahead != (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn):
             return None
         left = max(STEP_DEADLINE_FLOOR, conn.sent_at + self.step_deadline() - time.perf_counter())
-        self._waits.wait(conn.done.tensor, conn.done_sent, time.perf_counter() + left)  # before the read below
+        self._waits.wait(conn.done_flags[0], conn.done_sent, time.perf_counter() + left)  # before the read below
         tokens = self._drafts_in_buffer(conn, n, num_drafts)
         self._chain_ahead = None
         self._ahead = self._ahead_result = None  # (as chain_propose drops a step-by-step prefetch's)
@@ -1157,12 +1205,12 @@ class RemoteProposer:
         done_buffer = done_value = written_value = 0
         if batch is not None and conn.done is not None:  # (our stream will wait for this value, not our host)
             conn.done_value = done_value = next_value(conn.done_value)
-            done_buffer = conn.done.buffer_id
-            if conn.done.tensor.shape[1] > 1:
+            done_buffer = conn.done_id
+            if len(conn.done_flags) > 1:
                 # The drafter's stream may wait for this one instead of its host for our events: written
                 # by our stream after every write this step reads (the rows sealed, the feed recorded above)
                 conn.written_value = written_value = next_value(conn.written_value)
-                _write_on_stream(conn.done.tensor[0, 1:], written_value)
+                _write_on_stream(conn.done_flags[1], written_value)
         conn.done_sent = done_value
         return wire.ChainStep(tuple(settle_ids), tuple(settle_counts), commit_ids, count, rows, feed,
                               batch.seq_ids if batch is not None else (), batch.ahead if batch is not None else (),
@@ -1267,7 +1315,7 @@ class RemoteProposer:
             if conn.done_sent and self._waits is not None and not on_host:
                 # Our stream waits for the drafter's done value instead (written after its drafts, before
                 # its event), released by us at the deadline if it never comes (shared.device_waits)
-                self._waits.wait(conn.done.tensor, conn.done_sent, time.perf_counter() + left)
+                self._waits.wait(conn.done_flags[0], conn.done_sent, time.perf_counter() + left)
                 self.link.device_waits += 1
             elif not _importer_done(conn.drafts, left):
                 self._disconnect()

@@ -25,6 +25,7 @@ class _Device:
 
     def __init__(self) -> None:
         self.memory: dict[int, int] = {}
+        self.host: dict[int, torch.Tensor] = {}  # addresses of host-page flags: their CPU views hold the value
         self.writes: list[tuple[str, int, int]] = []  # (stream, address, value)
         self.main = SimpleNamespace(name="main", last_wait=None)
         self.late: int | None = None  # a value the drafter writes right after our first release
@@ -38,7 +39,12 @@ class _Device:
                 self.waits_for = stream.last_wait
 
             def query(self) -> bool:
-                return self.waits_for is None or _reached(device.memory, *self.waits_for)
+                if self.waits_for is None:
+                    return True
+                address, value = self.waits_for
+                if address in device.host:
+                    return _reached({address: int(device.host[address].item()) & 0xFFFFFFFF}, address, value)
+                return _reached(device.memory, address, value)
 
         self.torch = SimpleNamespace(cuda=SimpleNamespace(
             Stream=lambda _device: SimpleNamespace(name="side", last_wait=None),

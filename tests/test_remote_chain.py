@@ -17,6 +17,7 @@ from specsplit.shared import frames
 from specsplit.shared.errors import (DrafterUnavailable, InvalidRequest, SpecsplitError, StateConflict, UnknownSequence,
                                      WritesPending)
 from specsplit.shared.proposer import ProposeRequest
+from specsplit.shared.host_flags import Flag
 from specsplit.target_service import drafter_client
 from specsplit.target_service.drafter_client import RemoteProposer
 from specsplit.target_service.graphs import StepGraphs
@@ -446,6 +447,12 @@ class _FakeWaits:
         self.closed = True
 
 
+def _stand_in_done(conn, memory: torch.Tensor) -> None:
+    """A connection's DONE buffer (buffer id 99), standing in CPU memory for the GPU's."""
+    conn.done, conn.done_id = memory, 99
+    conn.done_flags = [Flag.of(memory[0, i:i + 1]) for i in range(memory.shape[1])]
+
+
 @pytest.mark.parametrize("columns", [1, pytest.param(2, marks=pytest.mark.slow)],  # (4-5 s each on the CPU)
                          ids=["done-values", "and-written-values"])
 def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_drafter_its_watchdog_gave_up(
@@ -474,7 +481,7 @@ def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_dra
             written.append(chain.written_value)
 
     monkeypatch.setattr(Session, "_done_target", done_target)
-    monkeypatch.setattr(drafter_client, "_write_on_stream", lambda view, value: writes.append((value, view.data_ptr())))
+    monkeypatch.setattr(drafter_client, "_write_on_stream", lambda flag, value: writes.append((value, flag.address)))
     tokenizer = Tokenizer.from_dir(tiny_chat_dir)
 
     def requests():
@@ -485,7 +492,7 @@ def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_dra
     proposer = RemoteProposer(address, max_batch=4)
     waits = proposer._waits = _FakeWaits()
     done = torch.zeros(1, columns, dtype=torch.int32)
-    proposer._conn.done = SimpleNamespace(buffer_id=99, tensor=done)
+    _stand_in_done(proposer._conn, done)
     part, sent = proposer._chain_part, []
 
     def chain_part(conn, propose):  # what each Step's chain carries: (a propose?, its done value)
@@ -1151,8 +1158,8 @@ class _Waits:
     def __init__(self, log: list) -> None:
         self.log, self.failure, self.closed = log, None, False
 
-    def wait(self, view, value, deadline):
-        self.log.append(("wait", view.data_ptr(), value))
+    def wait(self, flag, value, deadline):
+        self.log.append(("wait", flag.address, value))
         assert deadline > time.perf_counter()
 
     def close(self):
@@ -1172,7 +1179,8 @@ def test_a_device_waited_chained_step_launches_before_the_targets_writes_its_str
     world = _PreparedWorld(monkeypatch)
     session, log = world.session, world.log
     session.waits = waits = _Waits(log)
-    done = torch.zeros(1, 2, dtype=torch.int32)
+    memory = torch.zeros(1, 2, dtype=torch.int32)
+    done = [Flag.of(memory[0, i:i + 1]) for i in range(2)]
     monkeypatch.setattr(session, "_done_target", lambda chain: done)
     monkeypatch.setattr(type(session), "_write_done", staticmethod(lambda view, value: log.append(("done", value))))
     waited = dataclasses.replace(world.batch, chain=dataclasses.replace(world.chain, done_buffer=4, done_value=42,
@@ -1182,7 +1190,7 @@ def test_a_device_waited_chained_step_launches_before_the_targets_writes_its_str
     log.clear()
     result = launch()  # (the rows and feed not seen written: our stream waits for them)
     assert log == [("batch", (100, 101)), ("bind", ("batch", (100, 101)), world.head),
-                   ("wait", done.data_ptr() + 4, 7), "replay", ("done", 42), "record"]
+                   ("wait", memory.data_ptr() + 4, 7), "replay", ("done", 42), "record"]
     assert result.in_buffer == ((0, 7), (1, 7))
 
     launch = session.prepare_chain(waited)  # a generation moved: refused as before, nothing queued
@@ -1194,7 +1202,7 @@ def test_a_device_waited_chained_step_launches_before_the_targets_writes_its_str
     world.generation[2] = 5
 
     assert not session.prepare_chain(dataclasses.replace(waited, chain=dataclasses.replace(waited.chain, written_value=0))).device_waited
-    monkeypatch.setattr(session, "_done_target", lambda chain: torch.zeros(1, 1, dtype=torch.int32))
+    monkeypatch.setattr(session, "_done_target", lambda chain: done[:1])
     with pytest.raises(InvalidRequest, match="element 1"):
         session.prepare_chain(waited)
     monkeypatch.setattr(session, "_done_target", lambda chain: done)
@@ -1266,7 +1274,7 @@ def test_a_target_lets_its_device_waits_pass_before_work_that_may_load_a_kernel(
     waits = proposer._waits = _FakeWaits()
     waits.drain = lambda timeout: log.append("drain") or True
     proposer.wait_on_host_next = lambda: log.append("on-host")
-    proposer._conn.done = SimpleNamespace(buffer_id=99, tensor=torch.zeros(1, 1, dtype=torch.int32))
+    _stand_in_done(proposer._conn, torch.zeros(1, 1, dtype=torch.int32))
     try:
         engine = _engine(target, proposer)
         prefill, launch = engine._prefill, engine._chain_launch
@@ -1310,7 +1318,7 @@ def test_drafts_the_engine_asks_to_wait_for_on_the_host_are_not_waited_for_by_ou
     try:
         conn = proposer._conn
         conn.offered, conn.done_sent, conn.sent_at = True, 5, time.perf_counter()
-        conn.done = SimpleNamespace(buffer_id=99, tensor=torch.zeros(1, 2, dtype=torch.int32))
+        _stand_in_done(conn, torch.zeros(1, 2, dtype=torch.int32))
         proposer._waits = SimpleNamespace(wait=lambda *args: how.append("stream"), failure=None)
         monkeypatch.setattr(drafter_client, "_importer_done", lambda drafts, wait: how.append("host") or True)
         monkeypatch.setattr(proposer, "_receive", lambda conn, timeout: wire.StepResult(1, in_buffer=((0, 3),)))
@@ -1351,7 +1359,7 @@ def test_with_device_waits_a_chained_propose_sent_ahead_is_taken_before_its_answ
         conn = proposer._conn
         conn.drafts = SimpleNamespace(tensor=buffer)
         conn.offered, conn.done_sent, conn.sent_at = True, 5, time.perf_counter()
-        conn.done = SimpleNamespace(buffer_id=99, tensor=torch.zeros(1, 2, dtype=torch.int32))
+        _stand_in_done(conn, torch.zeros(1, 2, dtype=torch.int32))
         proposer._waits = SimpleNamespace(wait=lambda tensor, value, deadline: order.append(("wait", value)),
                                           failure=None, release=lambda: None) if waits else None
         answer = wire.StepResult(proposer._step_id, in_buffer=answer_rows)

@@ -230,19 +230,31 @@ def test_drafts_left_in_the_targets_buffer_are_verified_there_and_bounded(tmp_pa
         remote.close()
 
 
+def _done_placed(remote, flags: str) -> None:
+    """The connection's DONE buffer is where `flags` says: the host page passed with the step socket's hello
+    (the drafter offers host_flags on a GPU), or device memory (RemoteProposer(host_flags=False))."""
+    conn = remote._conn
+    assert conn is not None and conn.done is not None and remote.step_transport == "socket"
+    assert (conn.done is conn.page and conn.page is not None) == (flags == "host-page")
+    assert all(flag.host is not None for flag in conn.done_flags) == (flags == "host-page")
+
+
+@pytest.mark.parametrize("flags", ["host-page", "device-memory"])
 @pytest.mark.parametrize("mode", ["honest", "out-of-vocabulary"])
-def test_chained_drafts_waited_for_by_the_targets_stream_are_verified_as_polled_ones(tmp_path, mode):
+def test_chained_drafts_waited_for_by_the_targets_stream_are_verified_as_polled_ones(tmp_path, mode, flags):
     """RemoteProposer(device_waits=True): the target's stream waits on the device for the done value the
     drafter's stream writes after each chained propose's drafts, instead of its host polling the
     drafter's event. Output equals target-only, every chained propose was waited for that way but those
     the engine had our host wait for (a chained step other than the one before, whose work after the drafts
     may load a kernel: Engine._quiesce), and no wait had to be released by the target. The proposes sent
     ahead are taken before their answers are read (`_take_unanswered`), and each request accepts as many
-    drafts as with our host polling: drafts read before the drafter wrote them would accept fewer."""
+    drafts as with our host polling: drafts read before the drafter wrote them would accept fewer. The
+    same with the DONE buffer in the host page both sides map, and in the target's device memory."""
     with spawned_drafter(tmp_path, mode) as address:
         model, tokenizer = default_target()
-        engine, remote = remote_engine(address, model, device_waits=True)
+        engine, remote = remote_engine(address, model, device_waits=True, host_flags=flags == "host-page")
         tokens, stats = generate(engine, tokenizer)
+        _done_placed(remote, flags)
         assert tokens == local_tokens("none")
         assert engine.drafter_ok and engine.counters.chained > 0
         assert remote.link.device_waits > 0 and remote._waits.released == 0
@@ -258,17 +270,24 @@ def test_chained_drafts_waited_for_by_the_targets_stream_are_verified_as_polled_
             assert [s.accepted for s in stats] == [s.accepted for s in polled_stats]
 
 
-def test_a_drafter_that_never_writes_its_done_value_costs_a_deadline_not_a_hang(tmp_path):
+@pytest.mark.parametrize("flags", ["host-page", "device-memory"])
+def test_a_drafter_that_never_writes_its_done_value_costs_a_deadline_not_a_hang(tmp_path, flags):
     """A drafter that says it writes done values and never does: the target's stream waits for one, its
-    watchdog releases the wait at the step's deadline (writing the value itself) and the drafter is
-    dropped; the verify read whatever the drafts buffer held, so the output still equals target-only."""
+    watchdog releases the wait at the step's deadline (writing the value itself: a store of its CPU into
+    the host page, or a stream write into device memory) and the drafter is dropped; the verify read
+    whatever the drafts buffer held, so the output still equals target-only."""
     want = local_tokens("none")
     with spawned_drafter(tmp_path, "silent") as address:
         model, tokenizer = default_target()
-        engine, remote = remote_engine(address, model, timeout=3.0, device_waits=True)
+        engine, remote = remote_engine(address, model, timeout=3.0, device_waits=True, host_flags=flags == "host-page")
+        _done_placed(remote, flags)
+        placed = []  # (those of the connections after the drafter is dropped)
+        connect = remote._setup_done
+        remote._setup_done = lambda conn, desc, wait: (connect(conn, desc, wait), placed.append(conn.page))
         started = time.monotonic()
         assert generate(engine, tokenizer)[0] == want
         assert remote._waits.released >= 1
+        assert all((page is not None) == (flags == "host-page") for page in placed)
         deadline = time.monotonic() + 10
         while remote._waits.pending:  # (the watchdog forgets released waits once the stream is past them)
             assert time.monotonic() < deadline

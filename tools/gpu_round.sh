@@ -41,6 +41,8 @@
 #   bash tools/gpu_round.sh watchdog  # the device waits' watchdog no longer woken at every wait: GPU tests, tokens/s
 #   bash tools/gpu_round.sh overhang  # sequences chain to their ends: GPU tests, tokens/s with requests coming and going
 #   bash tools/gpu_round.sh churn     # requests ending and arriving through 8 slots: the services' host by function
+#   bash tools/gpu_round.sh host-flags  # (next) the DONE buffer in a host page: the module-load hang's test, device waits' GPU tests
+#   bash tools/gpu_round.sh host-flags-bench  # ... split_bench with both waits, the page against device memory
 #   bash tools/gpu_round.sh regroup   # (next) a batch that changed takes the propose sent ahead: GPU test, churn with and without
 #   bash tools/gpu_round.sh regroup-bench  # ... split_bench with requests coming and going, with and without, three rounds
 #   bash tools/gpu_round.sh attach    # (next) the prefill GPU tests; churn with both waits, without and with --prefill-copies
@@ -609,6 +611,29 @@ churn)
   timeout 150 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only --both-waits \
     --time-replays >> "$OUT/churn.txt" 2>&1
   grep -v -E "INFO|^I1" "$OUT/churn.txt" | grep -E -A30 "ms/step|Error" | log
+  ;;
+host-flags)
+  # (thirty-eighth session, not run yet) device waits are off by default for one hang: a kernel's first launch
+  # while a stream waits loads its module, which waits for the held stream, and the watchdog's release by a
+  # stream write never got through (part 7); a plain store into registered host memory did (part 8). Now the
+  # DONE buffer is a page of host memory both processes map (a sealed memfd passed with the step socket's
+  # hello), released by a store, and the watchdog makes no CUDA call while such a wait is pending. The test of
+  # that very hang with the real page and watchdog, then the device waits' GPU tests with the DONE buffer in
+  # the page and in device memory (both placements parametrized). If they pass: Engine._quiesce and
+  # DrafterServer._quiesce can stop draining waits, and device waits can be measured for the default.
+  timeout -k 10 150 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_host_flags.py 2>&1 \
+    | grep -E "launch returned|Error:|assert|FAILED|passed|failed" | tail -8 | log
+  timeout 400 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+    -k "waited_for or never_writes or device_waits" 2>&1 | grep -E "Error:|assert|FAILED|passed|failed" | tail -10 | log
+  ;;
+host-flags-bench)
+  # (thirty-eighth session) both streams waiting on the device, the DONE buffer in the host page (a GPU polling
+  # host memory: across the bus) against in the target's device memory (--no-host-flags), two rounds each
+  for flags in --host-flags --no-host-flags; do
+    timeout 270 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 \
+      --batch 1 8 --waves 4 --rounds 2 --also-both-waits $flags --json-out "$OUT/split_flags$flags.json" 2>&1 \
+      | grep -E "^batch [0-9]+|host page" | log
+  done
   ;;
 regroup)
   # (thirty-seventh session) serving through the services at eight streams the target's host waited for 0.22 Step

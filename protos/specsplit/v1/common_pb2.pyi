@@ -32,6 +32,7 @@ class BufferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BUFFER_KIND_UNSPECIFIED: _ClassVar[BufferKind]
     BUFFER_KIND_SHM: _ClassVar[BufferKind]
     BUFFER_KIND_CUDA_IPC: _ClassVar[BufferKind]
+    BUFFER_KIND_HOST_PAGE: _ClassVar[BufferKind]
 
 class BufferRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -55,6 +56,7 @@ FEATURE_KIND_LAST_HIDDEN: FeatureKind
 BUFFER_KIND_UNSPECIFIED: BufferKind
 BUFFER_KIND_SHM: BufferKind
 BUFFER_KIND_CUDA_IPC: BufferKind
+BUFFER_KIND_HOST_PAGE: BufferKind
 BUFFER_ROLE_ROWS: BufferRole
 BUFFER_ROLE_TARGET_EMBEDDING: BufferRole
 BUFFER_ROLE_TARGET_LM_HEAD: BufferRole
