@@ -201,6 +201,9 @@ def main() -> None:
     ap.add_argument("--no-regroup", action="store_true",
                     help="(--split) EngineConfig(chain_regroup=False) for the services: a batch that changed waits for "
                          "a propose of its own, as before the thirty-seventh session")
+    ap.add_argument("--unquiesced", action="store_true",
+                    help="(--split --both-waits) EngineConfig.unquiesced_host_flags for the services: waits on the host "
+                         "page left pending across a kernel's first launch (no drain, no host wait at a batch change)")
     ap.add_argument("--split-only", action="store_true", help="(--split) only the services, not in-process too")
     ap.add_argument("--drafter-trace", default=None, metavar="PATH",
                     help="(--split) the drafter's host during Step messages 300 to 600 (the first batch's steady "
@@ -278,7 +281,8 @@ def run(args: argparse.Namespace) -> None:
             for batch in args.batch:
                 for name, drafter in [("target-only ", None)] * (not (args.split and args.split_only)) + engines:
                     config = EngineConfig(max_batch=batch, overlap_attach=args.overlap_attach and drafter is remote,
-                                          chain_regroup=not (args.no_regroup and drafter is remote))
+                                          chain_regroup=not (args.no_regroup and drafter is remote),
+                                          unquiesced_host_flags=args.unquiesced and drafter is remote)
                     engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids)
                     before = prefill_phases(metrics_url) if drafter is remote else None
                     text = name + profile_serving(engine, prompts, args.max_tokens, batch, args.device, args.temperature)

@@ -1346,6 +1346,13 @@ class RemoteProposer:
         the engine runs work after them that may launch a kernel for the first time (Engine._quiesce)."""
         self._host_waits_next = True
 
+    @property
+    def waits_outlive_loads(self) -> bool:
+        """Whether our stream's device waits are on the host page (released by our CPU's stores, which get
+        through a kernel module's load, where a stream write into device memory does not)."""
+        conn = self._conn
+        return self._waits is not None and conn is not None and conn.page is not None and conn.done is conn.page
+
     def drain_waits(self) -> None:
         """Return once our stream waits on the device for no drafts (device waits), before the engine
         launches work that may load a kernel module (Engine._quiesce): a module's load waits for the whole

@@ -111,6 +111,12 @@ class EngineConfig:
     # attached since, and the next step takes its drafts for a batch that lost or gained sequences
     # (Engine._ahead_rows). Off: a Step of its own, waited for, at each batch change (measurement only).
     chain_regroup: bool = True
+    # With device waits whose DONE buffer is the host page (RemoteProposer.waits_outlive_loads: its watchdog
+    # releases with a store, which gets through a kernel module's load) our stream's waits are left pending
+    # across work that may launch a kernel for the first time: no `_quiesce`, no host wait for the drafts of a
+    # chained step that is not the one before. Off (the waits drained as for device memory) until the H200
+    # has run the hang's test with the page (thirty-eighth session; `gpu_round.sh host-flags`).
+    unquiesced_host_flags: bool = False
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
@@ -805,7 +811,7 @@ class Engine:
             # runs while our stream may wait on the device for the drafts, the step before's or its own
             self._quiesce()
             on_host = _capability(self.proposer, "wait_on_host_next")
-            if on_host is not None:
+            if on_host is not None and not self._waits_outlive_loads():
                 on_host()
         ends = self._chain_ends(seqs, k, pending)
         firsts = [s.last_position for s in seqs]
@@ -1457,7 +1463,7 @@ class Engine:
         (README, "Device waits"). The chained step of the same sequences and shape as the one before runs
         without it: that is where device waits save the host its wait."""
         drain = _capability(self.proposer, "drain_waits")
-        if drain is None:
+        if drain is None or self._waits_outlive_loads():
             return
         if self.drafter_ok:
             self._drafter_call(drain)  # (a failure detaches the drafter)
@@ -1466,6 +1472,11 @@ class Engine:
             drain()
         except Exception as exc:  # noqa: BLE001 - by design: a drafter fault must not fail requests
             log.warning("the detached drafter's device waits: %s: %s", type(exc).__name__, exc)
+
+    def _waits_outlive_loads(self) -> bool:
+        """Whether our stream's device waits may stay pending across a kernel's first launch (see
+        EngineConfig.unquiesced_host_flags)."""
+        return self.config.unquiesced_host_flags and bool(getattr(self.proposer, "waits_outlive_loads", False))
 
     def _detach(self) -> None:
         """Stop trusting the drafter's state: a remote drafter's connection is dropped (it frees

@@ -1252,14 +1252,20 @@ def test_detaching_a_drafter_service_keeps_the_chained_tails_an_in_process_draft
         remote.close()
 
 
-def test_a_target_lets_its_device_waits_pass_before_work_that_may_load_a_kernel(pair, tiny_chat_dir, monkeypatch):
+@pytest.mark.parametrize("flags", ["device-memory", "host-page", "host-page-unquiesced"])
+def test_a_target_lets_its_device_waits_pass_before_work_that_may_load_a_kernel(pair, tiny_chat_dir, monkeypatch,
+                                                                                flags):
     """`Engine._quiesce` (device waits): a kernel launched for the first time while our stream waits for a
     drafter's value loads its module, which waits for the whole context, and a drafter that never writes
     would then hang us. So every prefill, and every chained step that is not the same as the one before
     (another shape or batch: kernels perhaps not launched yet, or a capture), first lets the waits pass
     (`RemoteProposer.drain_waits`); the same chained step again does not, which is where device waits
-    save the host its wait. (A stand-in stands for the waits; the real ones: tests/test_split_gpu.py.)"""
+    save the host its wait. (A stand-in stands for the waits; the real ones: tests/test_split_gpu.py.)
+    With the DONE buffer on the host page the same, unless EngineConfig.unquiesced_host_flags: then no wait
+    is drained and no drafts are waited for on the host (a store of our CPU releases a wait through a load)."""
     from types import SimpleNamespace
+
+    from specsplit.shared.host_flags import HostPage
 
     from specsplit.drafter_service.session import Session
     from specsplit.shared.sampling import SamplingParams
@@ -1274,9 +1280,15 @@ def test_a_target_lets_its_device_waits_pass_before_work_that_may_load_a_kernel(
     waits = proposer._waits = _FakeWaits()
     waits.drain = lambda timeout: log.append("drain") or True
     proposer.wait_on_host_next = lambda: log.append("on-host")
-    _stand_in_done(proposer._conn, torch.zeros(1, 1, dtype=torch.int32))
+    page = None
+    if flags == "device-memory":
+        _stand_in_done(proposer._conn, torch.zeros(1, 1, dtype=torch.int32))
+    else:
+        page = proposer._conn.page = HostPage.create(None)
+        proposer._conn.done, proposer._conn.done_id, proposer._conn.done_flags = page, 99, [page.flag(0)]
+    assert proposer.waits_outlive_loads == (flags != "device-memory")
     try:
-        engine = _engine(target, proposer)
+        engine = _engine(target, proposer, unquiesced_host_flags=flags == "host-page-unquiesced")
         prefill, launch = engine._prefill, engine._chain_launch
         engine._prefill = lambda: log.append("prefill") or prefill()
         engine._chain_launch = lambda seqs, k, *rest: log.append(("launch", tuple(s.seq_id for s in seqs), k)) \
@@ -1291,6 +1303,9 @@ def test_a_target_lets_its_device_waits_pass_before_work_that_may_load_a_kernel(
         while engine.has_work:
             engine.step()
         assert engine.counters.chained > 20 and log.count("prefill") >= 2
+        if flags == "host-page-unquiesced":
+            assert "drain" not in log and "on-host" not in log, log
+            return
         assert all(log[i - 1] == "drain" for i, what in enumerate(log) if what == "prefill")
         # Each launch of another batch or k than the launch before lets the waits pass; the same step again
         # does not (a launch whose batch is the same may still drain: e.g. a capture, a step not chained before)
@@ -1304,6 +1319,8 @@ def test_a_target_lets_its_device_waits_pass_before_work_that_may_load_a_kernel(
         assert sum(changed) >= 3 and drains.count(False) >= 10, log
     finally:
         proposer.close()
+        if page is not None:
+            page.close()
 
 
 def test_drafts_the_engine_asks_to_wait_for_on_the_host_are_not_waited_for_by_our_stream(pair, monkeypatch):

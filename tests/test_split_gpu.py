@@ -270,24 +270,29 @@ def test_chained_drafts_waited_for_by_the_targets_stream_are_verified_as_polled_
             assert [s.accepted for s in stats] == [s.accepted for s in polled_stats]
 
 
-@pytest.mark.parametrize("flags", ["host-page", "device-memory"])
+@pytest.mark.parametrize("flags", ["host-page", "device-memory", "host-page-unquiesced"])
 def test_a_drafter_that_never_writes_its_done_value_costs_a_deadline_not_a_hang(tmp_path, flags):
     """A drafter that says it writes done values and never does: the target's stream waits for one, its
     watchdog releases the wait at the step's deadline (writing the value itself: a store of its CPU into
     the host page, or a stream write into device memory) and the drafter is dropped; the verify read
-    whatever the drafts buffer held, so the output still equals target-only."""
+    whatever the drafts buffer held, so the output still equals target-only. "host-page-unquiesced"
+    (EngineConfig.unquiesced_host_flags): the engine leaves the waits pending across work that may launch a
+    kernel for the first time (prefills, other shapes), the hang device waits were kept off for: the
+    watchdog's store must get through each module's load."""
     want = local_tokens("none")
     with spawned_drafter(tmp_path, "silent") as address:
         model, tokenizer = default_target()
-        engine, remote = remote_engine(address, model, timeout=3.0, device_waits=True, host_flags=flags == "host-page")
-        _done_placed(remote, flags)
+        paged = flags.startswith("host-page")
+        engine, remote = remote_engine(address, model, timeout=3.0, device_waits=True, host_flags=paged,
+                                       config={"unquiesced_host_flags": flags == "host-page-unquiesced"})
+        _done_placed(remote, "host-page" if paged else flags)
         placed = []  # (those of the connections after the drafter is dropped)
         connect = remote._setup_done
         remote._setup_done = lambda conn, desc, wait: (connect(conn, desc, wait), placed.append(conn.page))
         started = time.monotonic()
         assert generate(engine, tokenizer)[0] == want
         assert remote._waits.released >= 1
-        assert all((page is not None) == (flags == "host-page") for page in placed)
+        assert all((page is not None) == paged for page in placed)
         deadline = time.monotonic() + 10
         while remote._waits.pending:  # (the watchdog forgets released waits once the stream is past them)
             assert time.monotonic() < deadline

@@ -43,6 +43,7 @@
 #   bash tools/gpu_round.sh churn     # requests ending and arriving through 8 slots: the services' host by function
 #   bash tools/gpu_round.sh host-flags  # (next) the DONE buffer in a host page: the module-load hang's test, device waits' GPU tests
 #   bash tools/gpu_round.sh host-flags-bench  # ... split_bench with both waits, the page against device memory
+#   bash tools/gpu_round.sh host-flags-churn  # ... churn with both waits, the page's waits drained before new kernels or not
 #   bash tools/gpu_round.sh regroup   # (next) a batch that changed takes the propose sent ahead: GPU test, churn with and without
 #   bash tools/gpu_round.sh regroup-bench  # ... split_bench with requests coming and going, with and without, three rounds
 #   bash tools/gpu_round.sh attach    # (next) the prefill GPU tests; churn with both waits, without and with --prefill-copies
@@ -634,6 +635,17 @@ host-flags-bench)
       --batch 1 8 --waves 4 --rounds 2 --also-both-waits $flags --json-out "$OUT/split_flags$flags.json" 2>&1 \
       | grep -E "^batch [0-9]+|host page" | log
   done
+  ;;
+host-flags-churn)
+  # (thirty-eighth session; only once `host-flags` passed) with the DONE buffer in the host page a wait outlives a
+  # kernel module's load, so the target need not drain its waits before work that may launch a kernel for the
+  # first time, nor wait on its host for the drafts of a chained step unlike the one before (Engine._quiesce):
+  # EngineConfig.unquiesced_host_flags (off) against as shipped, requests ending and arriving through 8 slots
+  for variant in "" --unquiesced; do
+    timeout 120 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only --both-waits \
+      --time-replays $variant >> "$OUT/host_flags_churn.txt" 2>&1
+  done
+  grep -v -E "INFO|^I1" "$OUT/host_flags_churn.txt" | grep -E "ms/step|Error" | log
   ;;
 regroup)
   # (thirty-seventh session) serving through the services at eight streams the target's host waited for 0.22 Step
