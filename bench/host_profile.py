@@ -202,8 +202,9 @@ def main() -> None:
                     help="(--split) EngineConfig(chain_regroup=False) for the services: a batch that changed waits for "
                          "a propose of its own, as before the thirty-seventh session")
     ap.add_argument("--unquiesced", action="store_true",
-                    help="(--split --both-waits) EngineConfig.unquiesced_host_flags for the services: waits on the host "
-                         "page left pending across a kernel's first launch (no drain, no host wait at a batch change)")
+                    help="(--split --both-waits) waits on the host page left pending across a kernel's first launch: "
+                         "EngineConfig.unquiesced_host_flags for the services (no drain, no host wait at a batch "
+                         "change) and the drafter's --unquiesced-host-flags")
     ap.add_argument("--split-only", action="store_true", help="(--split) only the services, not in-process too")
     ap.add_argument("--drafter-trace", default=None, metavar="PATH",
                     help="(--split) the drafter's host during Step messages 300 to 600 (the first batch's steady "
@@ -266,6 +267,7 @@ def run(args: argparse.Namespace) -> None:
                                      "--metrics-port", str(metrics_port)]
                                     + (["--device-waits", "--max-targets", "1"] if args.both_waits else [])
                                     + (["--prefill-copies"] if args.prefill_copies else [])
+                                    + (["--unquiesced-host-flags"] if args.unquiesced and args.both_waits else [])
                                     + (["--profile-steps", "300:600", "--profile-out", args.drafter_trace,
                                         "--profile-host"] if args.drafter_trace else []))
             print(f"drafter service pid {proc.pid}", flush=True)

@@ -125,6 +125,13 @@ class DeviceWaits:
             self._forget_done()
             return len(self._armed)
 
+    @property
+    def on_host_pages(self) -> bool:
+        """Whether every wait pending is on a host page's flag (released by our CPU's store, which gets through a
+        kernel module's load: work that may load one need not wait for them)."""
+        with self._lock:
+            return all(entry.done.host is not None for entry in self._armed)
+
     def release(self) -> None:
         """Let every pending wait go now (the peer is being dropped; what it writes later lands in a
         buffer nobody waits on once these are past)."""

@@ -300,6 +300,7 @@ def test_a_wait_on_a_host_page_flag_is_released_by_a_store_not_a_stream_write(de
     device.host[flag.address] = flag.host
     try:
         waits.wait(flag, 5, time.perf_counter() + 0.1)
+        assert waits.on_host_pages
         deadline = time.monotonic() + 10
         while waits.failure is None:
             assert time.monotonic() < deadline, "the watchdog never released the wait"
@@ -309,6 +310,7 @@ def test_a_wait_on_a_host_page_flag_is_released_by_a_store_not_a_stream_write(de
             assert time.monotonic() < deadline
             time.sleep(0.01)
         waits.wait(Flag.of(torch.zeros(1, dtype=torch.int32)), 1, time.perf_counter() + 60)  # device memory ...
+        assert not waits.on_host_pages
         waits.release()
         assert [w[0] for w in device.writes] == ["side"]  # ... is still released by the side stream
     finally:
