@@ -193,6 +193,9 @@ def main() -> None:
     ap.add_argument("--both-waits", action="store_true",
                     help="(--split) both streams wait on the device: the drafter's for the target's writes "
                          "(drafter --device-waits), the target's for the drafts (RemoteProposer(device_waits=True))")
+    ap.add_argument("--target-waits", action="store_true",
+                    help="(--split) the target's stream waits on the device for the drafts (RemoteProposer("
+                         "device_waits=True)), the drafter's host polls: the DONE buffer is the host page")
     ap.add_argument("--prefill-copies", action="store_true",
                     help="(--split) the drafter service's --prefill-copies: a prefill waits only for its rows' copy")
     ap.add_argument("--overlap-attach", action="store_true",
@@ -202,9 +205,8 @@ def main() -> None:
                     help="(--split) EngineConfig(chain_regroup=False) for the services: a batch that changed waits for "
                          "a propose of its own, as before the thirty-seventh session")
     ap.add_argument("--unquiesced", action="store_true",
-                    help="(--split --both-waits) waits on the host page left pending across a kernel's first launch: "
-                         "EngineConfig.unquiesced_host_flags for the services (no drain, no host wait at a batch "
-                         "change) and the drafter's --unquiesced-host-flags")
+                    help="(--split --target-waits) EngineConfig.unquiesced_host_flags for the services: waits on the host "
+                         "page left pending across a kernel's first launch (no drain, no host wait at a batch change)")
     ap.add_argument("--split-only", action="store_true", help="(--split) only the services, not in-process too")
     ap.add_argument("--drafter-trace", default=None, metavar="PATH",
                     help="(--split) the drafter's host during Step messages 300 to 600 (the first batch's steady "
@@ -253,7 +255,8 @@ def run(args: argparse.Namespace) -> None:
         texts.append(text)
 
     proc = remote = None
-    services = "services, " + "both waits, " * args.both_waits + "no regroup, " * args.no_regroup
+    services = "services, " + "both waits, " * args.both_waits + "target waits, " * args.target_waits \
+        + "unquiesced, " * args.unquiesced + "no regroup, " * args.no_regroup
     services = services if services != "services, " else "services "
     try:
         if args.split:
@@ -267,13 +270,16 @@ def run(args: argparse.Namespace) -> None:
                                      "--metrics-port", str(metrics_port)]
                                     + (["--device-waits", "--max-targets", "1"] if args.both_waits else [])
                                     + (["--prefill-copies"] if args.prefill_copies else [])
-                                    + (["--unquiesced-host-flags"] if args.unquiesced and args.both_waits else [])
                                     + (["--profile-steps", "300:600", "--profile-out", args.drafter_trace,
                                         "--profile-host"] if args.drafter_trace else []))
             print(f"drafter service pid {proc.pid}", flush=True)
             wait_healthy(sock, 300)
             remote = RemoteProposer(sock, device=args.device, dtype=setup.torch_dtype,
-                                    head=(model.embed_weight, model.lm_head_weight), device_waits=args.both_waits)
+                                    head=(model.embed_weight, model.lm_head_weight),
+                                    device_waits=args.both_waits or args.target_waits)
+            if remote._conn is not None and remote._conn.done is not None:
+                print(f"the DONE buffer: {'the host page' if remote.waits_outlive_loads else 'device memory'}",
+                      flush=True)
         engines = [] if args.split and args.split_only else [("in-process ", local)]
         engines += [(services, remote)] if remote is not None else []
         if args.serving:

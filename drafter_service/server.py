@@ -113,9 +113,6 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         # GPU work) until --writes-wait-seconds, when the watchdog releases it and that target's stream ends.
         self.device_waits = False
         self.take_pages = True  # a target's DONE page in host memory, passed with its Step socket hello (host_flags)
-        # --unquiesced-host-flags (off; for measurement until the H200 has proven the page's release through a
-        # module's load): waits on a host page do not hold other work back (`_quiesce`)
-        self.unquiesced_host_flags = False
         self.instance = secrets.token_hex(16)  # this process, for targets to send back (Describe.instance)
         self.profile: StepWindow | None = None  # a window of Step messages to profile (--profile-steps)
         self.metrics = DrafterMetrics(functools.partial(_sessions_now, weakref.ref(self)))
@@ -153,8 +150,6 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         `but`: a session about to release its own waits (closing). WritesPending if they are not done even
         then (the release refused)."""
         for session in list(self._sessions.values()):
-            if self.unquiesced_host_flags and session.waits is not None and session.waits.on_host_pages:
-                continue  # (measurement: a store of its watchdog releases them through a module's load)
             if session is not but and session.waits is not None and session.waits.pending \
                     and not session.waits.drain(self.limits.writes_wait_seconds + 5.0):
                 log.warning("client %s's device waits were not done past their deadline", session.client_id,

@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 RELEASE_AGAIN = 0.01  # seconds between writes of a released wait's value, until the stream is past it
 FAILED_WRITE_RETRY = 0.05  # seconds before the watchdog tries again after the driver refused a write
 IDLE_LOOK = 1.0  # seconds between the watchdog's looks while no wait is armed
+# seconds after a host page's release by our CPU's store before a stream write to it follows: a peer that
+# punched a hole in the page (fallocate) has our CPU's view no longer be the memory our GPU reads
+STORE_FALLBACK = 0.5
 
 
 @dataclass(eq=False)  # (compared by identity)
@@ -59,6 +62,7 @@ class _Armed:
     event: torch.cuda.Event  # recorded on the waiting stream right after the wait
     deadline: float  # time.perf_counter() by which the peer must have written `value`
     released: bool = False  # we write its value ourselves (past its deadline, or the peer dropped)
+    released_at: float = 0.0  # (perf_counter) when
 
 
 class DeviceWaits:
@@ -98,7 +102,7 @@ class DeviceWaits:
         event = torch.cuda.Event()
         event.record(stream)
         with self._lock:
-            self._forget_done()
+            self._forget_safely()
             self._armed.append(_Armed(done, value, event, deadline))
             self.armed += 1
             if self._thread is None:
@@ -113,7 +117,7 @@ class DeviceWaits:
         here would hold it, and our watchdog's release could not get through (README, "Device waits")."""
         def done() -> bool:
             with self._lock:
-                self._forget_done()
+                self._forget_safely()
                 return not self._armed
 
         return poll_until(done, timeout)
@@ -122,15 +126,8 @@ class DeviceWaits:
     def pending(self) -> int:
         """Waits not done yet (their events queried now)."""
         with self._lock:
-            self._forget_done()
+            self._forget_safely()
             return len(self._armed)
-
-    @property
-    def on_host_pages(self) -> bool:
-        """Whether every wait pending is on a host page's flag (released by our CPU's store, which gets through a
-        kernel module's load: work that may load one need not wait for them)."""
-        with self._lock:
-            return all(entry.done.host is not None for entry in self._armed)
 
     def release(self) -> None:
         """Let every pending wait go now (the peer is being dropped; what it writes later lands in a
@@ -178,6 +175,13 @@ class DeviceWaits:
         while self._armed and self._passed(self._armed[0]):
             self._armed.popleft()
 
+    def _forget_safely(self) -> None:
+        """`_forget_done`, with no CUDA call while a host page's wait is pending (the caller's thread holds our
+        lock: blocked in an event's query, it would keep the watchdog from its release)."""
+        self._forget_reached()
+        if not self._host_held():
+            self._forget_done()
+
     def _forget_reached(self) -> None:
         """`_forget_done` without a CUDA call: the waits on host pages' flags the peer wrote, first in line."""
         while self._armed and self._armed[0].done.host is not None and not self._armed[0].released \
@@ -200,8 +204,9 @@ class DeviceWaits:
         fresh = [entry for entry in self._armed if not entry.released]
         holding = {entry.done.address for entry in fresh if entry.done.host is not None
                    and not _reached(entry.done, entry.value)}
+        now = time.perf_counter()
         for entry in fresh:
-            entry.released = True
+            entry.released, entry.released_at = True, now
         self._store_last_values()
         devices = [entry for entry in fresh if entry.done.host is None]
         self._forget_done()
@@ -225,8 +230,9 @@ class DeviceWaits:
 
     def _write_last_values(self) -> None:
         self._store_last_values()
+        late = time.perf_counter() - STORE_FALLBACK
         for entry in self._last_released():
-            if entry.done.host is None:
+            if entry.done.host is None or entry.released_at < late:  # (a page's store not seen by the stream since)
                 self._place()
                 self._ops.write(self._side, entry.done.address, entry.value)
 
@@ -250,6 +256,7 @@ class DeviceWaits:
                     self._store_last_values()  # (our CPU: a released host page's flag a late peer wrote under us)
                     self._forget_reached()
                     if not self._host_held():  # (see above: no CUDA call while a host page's wait is pending)
+                        self._place()
                         self._forget_done()
                     if self._closed and not self._armed:
                         return

@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specsplit.shared.errors import InvalidRequest
@@ -79,11 +80,14 @@ class HostPage:
         self.fd: int | None = fd
         self.owner = owner
         self._map = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.ints = torch.frombuffer(self._map, dtype=torch.int32, count=PAGE_INTS)
+        # (through numpy: its array holds the mapping's buffer export, so the mapping cannot close under a view;
+        # torch.frombuffer holds none, and a store through a view of a closed mapping is a SIGSEGV)
+        self.ints = torch.from_numpy(np.frombuffer(self._map, dtype=np.int32, count=PAGE_INTS))
         self.device = _indexed(device) if device is not None and device.type == "cuda" else None
         self.device_address = self.ints.data_ptr()  # (on a GPU: where its streams reach the page, set below)
         self._lock = threading.Lock()
         self.closed = False
+        self._used = False  # a flag of it was handed out (a stream may have used it)
         if self.device is not None:
             try:
                 self._register()
@@ -130,6 +134,7 @@ class HostPage:
             raise IndexError(f"a page holds {PAGE_INTS} int32, not {index + 1}")
         if self.closed:
             raise RuntimeError("a flag of a closed page")
+        self._used = True
         return Flag(self.device_address + 4 * index, self.ints[index:index + 1], self, self.device)
 
     def _register(self) -> None:
@@ -157,6 +162,10 @@ class HostPage:
         if self.device is None:
             self._unmap()
             return
+        if not self._used:  # (no stream ever had its address: nothing to wait for)
+            torch.cuda.cudart().cudaHostUnregister(self.ints.data_ptr())
+            self._unmap()
+            return
         stream = stream if stream is not None else torch.cuda.current_stream(self.device)
         event = torch.cuda.Event()
         event.record(stream)
@@ -175,7 +184,7 @@ class HostPage:
         self.ints = None
         try:
             self._map.close()
-        except BufferError:  # a flag still holds a view: the mapping goes with the last of them
+        except BufferError:  # a flag still holds a view: the mapping goes with the last of them (and the page)
             pass
 
     def _close_fd(self) -> None:

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specsplit.shared.errors import AlreadyExists, InvalidRequest, StateConflict, WritesPending
-from specsplit.shared.host_flags import PAGE_INTS, Flag, HostPage
+from specsplit.shared.host_flags import Flag, HostPage
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # of rows
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4}  # the header's dtype word
@@ -143,8 +143,11 @@ class BufferDescriptor:
                     or self.rows != 1:
                 raise InvalidRequest(f"buffer {self.buffer_id}: a done buffer is int32 CUDA_IPC memory or the host "
                                      "page, [1, cols]")
-            if self.kind is BufferKind.HOST_PAGE and self.cols > PAGE_INTS:
-                raise InvalidRequest(f"buffer {self.buffer_id}: the host page holds {PAGE_INTS} int32, not {self.cols}")
+            if self.kind is BufferKind.HOST_PAGE and self.cols != 1:
+                # (the drafter's stream never waits on a page: a target could punch a hole in it, and a store
+                # of our CPU would then no longer reach what the GPU reads)
+                raise InvalidRequest(f"buffer {self.buffer_id}: the host page is a done buffer of one column "
+                                     "(done values; written values go into device memory)")
         elif self.role is BufferRole.FEED:
             if self.dtype != torch.int32 or self.rows != FEED_ROWS:
                 raise InvalidRequest(f"buffer {self.buffer_id}: a feed buffer is int32 [{FEED_ROWS}, cols]")

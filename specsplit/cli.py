@@ -268,8 +268,7 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
                                                        prepare_chains=args.prepare_chains,
                                                        prefill_copies=args.prefill_copies,
                                                        device_waits=args.device_waits,
-                                                       host_flags=args.host_flags,
-                                                       unquiesced_host_flags=args.unquiesced_host_flags))
+                                                       host_flags=args.host_flags))
     if window is not None and window.on_signal:
         signal.signal(signal.SIGUSR1, lambda *_: window.arm())
     print(f"drafter serving on {', '.join(args.listen)}", flush=True)
@@ -476,10 +475,6 @@ def add_service_parsers(sub) -> None:
                          "hello (a sealed memfd, checked before it is mapped): our watchdog then releases a wait "
                          "on the target's value with a store of our CPU, which reaches a stream waiting while "
                          "the context loads a kernel (default: on; --no-host-flags: the target's device memory)")
-    ds.add_argument("--unquiesced-host-flags", action="store_true",
-                    help="with --device-waits: our stream's waits on a target's host page do not hold back other "
-                         "work that may launch a kernel for the first time (a store releases them through the "
-                         "kernel's load). For measurement until proven on the GPU (default: off)")
     ds.add_argument("--max-buffer-mib", type=float, default=4096.0,
                     help="MiB of row and head buffers one connection may register")
     ds.add_argument("--max-message-mib", type=float, default=None,

@@ -42,7 +42,6 @@ class DrafterSettings:
     prefill_copies: bool = False  # --prefill-copies: a prefill's CUDA IPC rows copied out at once (Session.prefill)
     device_waits: bool = False  # --device-waits: ... and launched at once, our stream waiting for them (one target only)
     host_flags: bool = True  # --host-flags: a target's DONE buffer in a host page passed with its step socket hello
-    unquiesced_host_flags: bool = False  # --unquiesced-host-flags: waits on the page do not hold other work back
 
     def __post_init__(self) -> None:
         if self.head not in ("auto", "checkpoint", "target"):
@@ -107,7 +106,6 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
     server.prefill_copies = settings.prefill_copies
     server.device_waits = settings.device_waits
     server.take_pages = settings.host_flags
-    server.unquiesced_host_flags = settings.unquiesced_host_flags
     return server
 
 

@@ -397,6 +397,7 @@ class RemoteProposer:
         self.chain_ahead = chain_ahead
         self.device_waits = device_waits
         self.host_flags = host_flags
+        self._page_refused: str | None = None  # why no host page is made or passed any more (None: it is)
         self._waits: DeviceWaits | None = None  # made with the first connection that waits on the device
         self._host_waits_next = False  # the next drafts in the buffer are waited for by our host (wait_on_host_next)
         self.mode = "inline"
@@ -462,8 +463,7 @@ class RemoteProposer:
             try:
                 conn.sock.settimeout(call_wait)
                 conn.sock.connect(desc.step_socket)
-                if desc.host_flags and self.host_flags and self._wants_done(conn, desc):
-                    conn.page = HostPage.create(self.device)
+                conn.page = self._page_for(conn, desc)
                 frames.send_hello(conn.sock, client, self.security.token, conn.page.fd if conn.page else None)
                 self.step_transport = "socket"
             except OSError as exc:  # not ours to open after all (another mount namespace...): gRPC it is
@@ -482,6 +482,9 @@ class RemoteProposer:
         try:
             self._flush([], timeout=call_wait)  # the stream opens lazily: did the drafter take it (--max-targets)?
         except SpecsplitError as exc:  # _flush has disconnected; exc is the drafter's reason when it gave one
+            if conn.page is not None and isinstance(exc, InvalidRequest):  # the page refused: device memory next
+                self._page_refused = str(exc)
+                log.warning("the drafter refused our host page (%s); done values go into device memory", exc)
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: {exc}") from None
         if self._wants_done(conn, desc):  # (after the stream's first answer: the drafter holds the hello's page)
             try:
@@ -538,6 +541,21 @@ class RemoteProposer:
         """Whether our stream will wait on the device for this drafter's done values (a DONE buffer)."""
         return self.device_waits and desc.done_flags and conn.feed is not None and conn.drafts is not None \
             and stream_ops() is not None
+
+    def _page_for(self, conn: _Connection, desc: wire.DrafterDescription) -> HostPage | None:
+        """The host page to pass with the step socket's hello: where our stream will wait for done values
+        alone (a drafter that waits for written values keeps them in device memory, with the DONE buffer),
+        the drafter takes one, and none was refused before (else None: the DONE buffer in device memory)."""
+        if not (desc.host_flags and self.host_flags and not desc.written_flags and self._page_refused is None
+                and self._wants_done(conn, desc)):
+            return None
+        try:
+            return HostPage.create(self.device)
+        except Exception as exc:  # noqa: BLE001 - the DONE buffer goes into device memory instead
+            self._page_refused = f"{type(exc).__name__}: {exc}"
+            log.warning("no host page for the drafter's done values (%s); they go into device memory",
+                        self._page_refused)
+            return None
 
     def _setup_done(self, conn: _Connection, desc: wire.DrafterDescription, wait: float) -> None:
         """The DONE buffer, registered once the Step stream is open: the host page passed with the step

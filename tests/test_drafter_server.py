@@ -1244,7 +1244,6 @@ class _PendingWaits:
     def __init__(self) -> None:
         self.done, self.drains, self.failure = threading.Event(), [], None
         self.pending_now: int | None = None  # (a count to report instead)
-        self.on_host_pages = False  # (its waits on a target's host page)
 
     @property
     def pending(self) -> int:
@@ -1293,32 +1292,6 @@ def test_work_waits_until_no_stream_waits_on_the_device(env):
     assert "target-b" not in server._sessions and waits.drains == [5.5, 5.5]
     server._end(server._sessions["target-a"])  # (closing releases its own waits: nothing drained for it)
     assert waits.done.is_set() and waits.drains == [5.5, 5.5]
-
-
-def test_waits_on_a_host_page_hold_no_work_back_only_when_unquiesced(env):
-    """--unquiesced-host-flags (measurement): a session whose pending waits are all on its target's host page
-    (released by its watchdog's store, which gets through a module's load) holds no other call back; without
-    it, or with a wait on device memory, the call waits as before."""
-    _, server, channel = env.start(writes_wait_seconds=0.5)
-    a, b, _ = _two_targets_one_gated(env, server, channel)
-    for seq_id, (unquiesced, on_pages, held) in enumerate(((True, True, False), (True, False, True),
-                                                           (False, True, True)), start=10):
-        server.unquiesced_host_flags = unquiesced
-        waits = server._sessions["target-a"].waits = _PendingWaits()
-        waits.on_host_pages = on_pages
-        answered = threading.Event()
-
-        def run(answered=answered, seq_id=seq_id) -> None:
-            b.call("AllocState", wire.alloc_to_proto(seq_id, BUDGET))
-            answered.set()
-
-        threading.Thread(target=run, daemon=True).start()
-        if held:
-            wait_until(lambda: waits.drains)
-            assert not answered.wait(0.3)
-            waits.done.set()
-        assert answered.wait(10) and bool(waits.drains) == held
-    server.unquiesced_host_flags = False
 
 
 def test_a_wait_its_watchdog_released_fails_that_targets_calls_and_ends_its_stream_at_its_next_step(env):

@@ -617,22 +617,23 @@ host-flags)
   # (thirty-eighth session, not run yet) device waits are off by default for one hang: a kernel's first launch
   # while a stream waits loads its module, which waits for the held stream, and the watchdog's release by a
   # stream write never got through (part 7); a plain store into registered host memory did (part 8). Now the
-  # DONE buffer is a page of host memory both processes map (a sealed memfd passed with the step socket's
-  # hello), released by a store, and the watchdog makes no CUDA call while such a wait is pending. The test of
-  # that very hang with the real page and watchdog, then the device waits' GPU tests with the DONE buffer in
-  # the page and in device memory (both placements parametrized). If they pass: Engine._quiesce and
-  # DrafterServer._quiesce can stop draining waits, and device waits can be measured for the default.
+  # target's done values go into a page of host memory both processes map (a sealed memfd passed with the step
+  # socket's hello; the drafter never waits on it), released by a store, and the watchdog makes no CUDA call
+  # while such a wait is pending. The test of that very hang with the real page and watchdog, then the device
+  # waits' GPU tests with the DONE buffer in the page and in device memory (both placements parametrized; the
+  # silent drafter also with EngineConfig.unquiesced_host_flags, the engine launching new kernels while its
+  # stream waits). If they pass: `host-flags-churn`, then device waits can be measured for the default.
   timeout -k 10 150 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_host_flags.py 2>&1 \
     | grep -E "launch returned|Error:|assert|FAILED|passed|failed" | tail -8 | log
   timeout 400 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_split_gpu.py \
     -k "waited_for or never_writes or device_waits" 2>&1 | grep -E "Error:|assert|FAILED|passed|failed" | tail -10 | log
   ;;
 host-flags-bench)
-  # (thirty-eighth session) both streams waiting on the device, the DONE buffer in the host page (a GPU polling
-  # host memory: across the bus) against in the target's device memory (--no-host-flags), two rounds each
+  # (thirty-eighth session) the target's stream waiting on the device, the DONE buffer in the host page (a GPU
+  # polling host memory: across the bus) against in its device memory (--no-host-flags), two rounds each
   for flags in --host-flags --no-host-flags; do
     timeout 270 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 \
-      --batch 1 8 --waves 4 --rounds 2 --also-both-waits $flags --json-out "$OUT/split_flags$flags.json" 2>&1 \
+      --batch 1 8 --waves 4 --rounds 2 --also-device-waits $flags --json-out "$OUT/split_flags$flags.json" 2>&1 \
       | grep -E "^batch [0-9]+|host page" | log
   done
   ;;
@@ -640,9 +641,10 @@ host-flags-churn)
   # (thirty-eighth session; only once `host-flags` passed) with the DONE buffer in the host page a wait outlives a
   # kernel module's load, so the target need not drain its waits before work that may launch a kernel for the
   # first time, nor wait on its host for the drafts of a chained step unlike the one before (Engine._quiesce):
-  # EngineConfig.unquiesced_host_flags (off) against as shipped, requests ending and arriving through 8 slots
+  # EngineConfig.unquiesced_host_flags (off) against as shipped, requests ending and arriving through 8 slots,
+  # the target's stream waiting on the device (the drafter's host polling: its waits never use the page)
   for variant in "" --unquiesced; do
-    timeout 120 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only --both-waits \
+    timeout 120 python bench/host_profile.py --serving 48 --batch 8 --max-tokens 256 --split --split-only --target-waits \
       --time-replays $variant >> "$OUT/host_flags_churn.txt" 2>&1
   done
   grep -v -E "INFO|^I1" "$OUT/host_flags_churn.txt" | grep -E "ms/step|Error" | log
