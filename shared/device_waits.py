@@ -129,6 +129,13 @@ class DeviceWaits:
             self._forget_safely()
             return len(self._armed)
 
+    def holds(self, memory: object) -> bool:
+        """Whether a wait still watched is on a flag of `memory` (a flag's `keep`, e.g. a host page): the
+        watchdog may still write there, so it must stay registered."""
+        with self._lock:
+            return any(entry.done.keep is memory for entry in self._armed) or \
+                (self._thread is not None and self._thread.is_alive() and self._closed)
+
     def release(self) -> None:
         """Let every pending wait go now (the peer is being dropped; what it writes later lands in a
         buffer nobody waits on once these are past)."""

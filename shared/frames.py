@@ -88,7 +88,7 @@ def recv_hello(sock: socket.socket, deadline: float) -> tuple[bytes, int | None]
     if left <= 0:
         raise TimeoutError("no hello in time")
     sock.settimeout(left)
-    first, ancillary, flags, _ = sock.recvmsg(_LENGTH.size, socket.CMSG_SPACE(_FD.size))
+    first, ancillary, flags, _ = sock.recvmsg(_LENGTH.size, socket.CMSG_SPACE(_FD.size), socket.MSG_CMSG_CLOEXEC)
     fds = []
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

@@ -612,7 +612,14 @@ class RemoteProposer:
         self._retired = [b for b in older if not _importer_done(b[0])] + recent
         for _, page in older:  # (a page is unmapped only once our stream's work queued on it is done)
             if isinstance(page, HostPage) and all(page is not kept for _, kept in self._retired):
-                page.close()
+                self._close_page(page)
+
+    def _close_page(self, page: HostPage) -> None:
+        """Unregister a retired page, unless our watchdog may still write to it (then it stays, for good)."""
+        if self._waits is not None and self._waits.holds(page):
+            log.warning("a retired host page is still watched by our device waits: it stays mapped")
+            return
+        page.close()
 
     def _disconnect(self) -> None:
         if self._waits is not None:
@@ -667,10 +674,10 @@ class RemoteProposer:
         self._disconnect()
         if self._waits is not None:
             self._waits.close()
-            self._waits = None
         for _, page in self._retired:  # (no stream of ours waits on them now; the drafter's mapping is its own)
             if isinstance(page, HostPage):
-                page.close()
+                self._close_page(page)
+        self._waits = None
         if self._probe is not None:
             self._probe.close()
             self._probe = None

@@ -478,3 +478,36 @@ def test_a_store_the_stream_does_not_see_is_followed_by_a_stream_write(device, m
     finally:
         waits.close()
         page.close()
+
+
+def test_a_page_a_wait_is_still_watched_on_is_not_closed_by_its_target():
+    """The target closes a retired page only once its watchdog watches no wait on it (a late release is a
+    stream write to its address): a page still watched stays registered, for good."""
+    from specsplit.target_service.drafter_client import RemoteProposer
+
+    page = HostPage.create(None)
+    flag = page.flag(0)
+    waits = SimpleNamespace(holds=lambda memory: memory is page)
+    proposer = SimpleNamespace(_waits=waits)
+    RemoteProposer._close_page(proposer, page)
+    assert not page.closed
+    waits.holds = lambda memory: False
+    RemoteProposer._close_page(proposer, page)
+    assert page.closed
+    del flag
+
+
+def test_device_waits_hold_the_memory_of_a_wait_still_watched(device):
+    page = HostPage.create(None)
+    waits = DeviceWaits(device, torch.device("cpu"))
+    flag = page.flag(0)
+    device.host[flag.address] = flag.host
+    try:
+        assert not waits.holds(page)
+        waits.wait(flag, 2, time.perf_counter() + 60)
+        assert waits.holds(page) and not waits.holds(object())
+        flag.store(2)  # (the peer)
+        assert waits.pending == 0 and not waits.holds(page)
+    finally:
+        waits.close()
+        page.close()
