@@ -754,10 +754,7 @@ class Session:
         done = self._done_target(chain)
         written = None
         if self.waits is not None and chain.written_value:
-            if done is None or len(done) < 2:
-                raise InvalidRequest(f"buffer {chain.done_buffer}: a written value goes into a done buffer's "
-                                     f"element 1, and it has {0 if done is None else len(done)} columns")
-            written = done[1]
+            written = self._written_target(chain, done)
         if chain.settle_seq_ids:
             self.proposer.chain_settle([self._internal(i) for i in chain.settle_seq_ids], list(chain.settle_counts))
         self._bind_head()
@@ -813,6 +810,22 @@ class Session:
             raise InvalidRequest(f"buffer {chain.done_buffer}: a done buffer lies on the drafter's GPU "
                                  "(or in the host page mapped there)")
         return flags
+
+    def _written_target(self, chain: ChainStep, done: list[Flag] | None) -> Flag:
+        """The flag our stream waits on for the chained step's written value: element 0 of its written buffer,
+        else element 1 of its DONE buffer. Device memory only: a page its target could punch a hole in would
+        part what our GPU reads from what our watchdog's store writes."""
+        if chain.written_buffer:
+            flags = self.importer.done_target(chain.written_buffer)
+            where = f"buffer {chain.written_buffer}"
+        else:
+            if done is None or len(done) < 2:
+                raise InvalidRequest(f"buffer {chain.done_buffer}: a written value goes into a done buffer's "
+                                     f"element 1, and it has {0 if done is None else len(done)} columns")
+            flags, where = done[1:], f"buffer {chain.done_buffer}"
+        if flags[0].host is not None or flags[0].device != _indexed(self.device):
+            raise InvalidRequest(f"{where}: a written value goes into CUDA IPC memory on the drafter's GPU")
+        return flags[0]
 
     @staticmethod
     def _write_done(flags: list[Flag] | None, value: int) -> None:

@@ -427,6 +427,7 @@ class ChainStep:
     done_buffer: int = 0  # a DONE buffer the drafter writes `done_value` into after the propose (0: none)
     done_value: int = 0
     written_value: int = 0  # written by the target's stream into the DONE buffer's element 1 after its writes (0: none)
+    written_buffer: int = 0  # ... or into this DONE buffer's element 0 (device memory; 0: done_buffer's element 1)
 
     def __post_init__(self) -> None:
         # (parsed from every chained Step on the drafter's critical path: few Python operations a field)
@@ -458,6 +459,8 @@ class ChainStep:
             raise InvalidRequest("a chained step's done flag names a buffer and a value (1..2^32-1), with a propose")
         if not 0 <= self.written_value < 2 ** 32 or (self.written_value and not self.done_buffer):
             raise InvalidRequest("a chained step's written value (1..2^32-1) goes with its done buffer")
+        if self.written_buffer < 0 or (self.written_buffer and not self.written_value):
+            raise InvalidRequest("a chained step's written buffer goes with its written value")
 
     @property
     def empty(self) -> bool:
@@ -470,7 +473,7 @@ def chain_to_proto(c: ChainStep) -> drafter_pb2.ChainStep:
         commit_rows=c.commit_rows, rows=rows_to_proto(c.rows) if c.rows is not None else None,
         feed=rows_to_proto(c.feed) if c.feed is not None else None, seq_ids=c.seq_ids, ahead=c.ahead,
         num_drafts=c.num_drafts, done_buffer=c.done_buffer, done_value=c.done_value,
-        written_value=c.written_value)
+        written_value=c.written_value, written_buffer=c.written_buffer)
 
 
 def chain_from_proto(pb: drafter_pb2.ChainStep) -> ChainStep:
@@ -478,7 +481,7 @@ def chain_from_proto(pb: drafter_pb2.ChainStep) -> ChainStep:
                      rows_from_proto(pb.rows) if pb.HasField("rows") else None,
                      rows_from_proto(pb.feed) if pb.HasField("feed") else None,
                      tuple(pb.seq_ids), tuple(pb.ahead), pb.num_drafts, pb.done_buffer, pb.done_value,
-                     pb.written_value)
+                     pb.written_value, pb.written_buffer)
 
 
 @dataclass(frozen=True)

@@ -262,7 +262,8 @@ class _Connection:
     # passed with the step socket's hello (`page`; DrafterDescription.host_flags)
     done: "RowBuffer | HostPage | None" = None
     done_id: int = 0  # its buffer id at the drafter
-    done_flags: list[Flag] = field(default_factory=list)  # its int32, one a column
+    done_flags: list[Flag] = field(default_factory=list)  # [the done values' flag, the written values' if any]
+    written: RowBuffer | None = None  # beside the host page: the DONE buffer whose element 0 takes written values
     page: HostPage | None = None  # the host page made for this connection (its DONE buffer once registered)
     done_value: int = 0  # the last done value a Step asked for ...
     done_sent: int = 0  # ... and the one the last Step sent asked for (0: none)
@@ -414,7 +415,7 @@ class RemoteProposer:
         self._backoff = 0.5
         self._probe: _Probe | None = None
         # (drafts, done) of closed connections (_retire); done: a DONE buffer, or the host page
-        self._retired: list[tuple[RowBuffer, RowBuffer | HostPage | None]] = []
+        self._retired: list[tuple[RowBuffer, tuple]] = []
         self._ahead_prefetched = False  # _ahead came from prefetch (not a Step propose_on_device sent)
         self._chain_commit: tuple[tuple[int, ...], int, int] | None = None  # (seq ids, rows each, offset) to send
         self._settles: tuple[list[int], list[int]] = ([], [])  # chained steps read: (seq ids, rows each) to send
@@ -543,11 +544,9 @@ class RemoteProposer:
             and stream_ops() is not None
 
     def _page_for(self, conn: _Connection, desc: wire.DrafterDescription) -> HostPage | None:
-        """The host page to pass with the step socket's hello: where our stream will wait for done values
-        alone (a drafter that waits for written values keeps them in device memory, with the DONE buffer),
-        the drafter takes one, and none was refused before (else None: the DONE buffer in device memory)."""
-        if not (desc.host_flags and self.host_flags and not desc.written_flags and self._page_refused is None
-                and self._wants_done(conn, desc)):
+        """The host page to pass with the step socket's hello: where our stream will wait for done values, the
+        drafter takes one, and none was refused before (else None: the DONE buffer in device memory)."""
+        if not (desc.host_flags and self.host_flags and self._page_refused is None and self._wants_done(conn, desc)):
             return None
         try:
             return HostPage.create(self.device)
@@ -562,19 +561,25 @@ class RemoteProposer:
         socket's hello when there is one (its flags released by our CPU's stores), else device memory.
         Element 1: the written values our stream writes for a drafter that waits on them on its device."""
         cols = 2 if desc.written_flags else 1
-        if conn.page is not None:
+        if conn.page is not None:  # (written values, which the drafter's stream waits on, into device memory)
             conn.done = conn.page
             conn.done_id = conn.exporter.new_id()
-            descriptor = BufferDescriptor(conn.done_id, BufferKind.HOST_PAGE, "", torch.int32, 1, cols,
-                                          host_id(), role=BufferRole.DONE)
-            conn.done_flags = [conn.page.flag(i) for i in range(cols)]
+            descriptors = [BufferDescriptor(conn.done_id, BufferKind.HOST_PAGE, "", torch.int32, 1, 1, host_id(),
+                                            role=BufferRole.DONE)]
+            conn.done_flags = [conn.page.flag(0)]
+            if desc.written_flags:
+                written = conn.written = conn.exporter.create(1, 1, torch.int32, self.device, BufferRole.DONE)
+                written.tensor.zero_()
+                torch.cuda.current_stream(self.device).synchronize()  # (zero before the drafter can wait on it)
+                descriptors.append(written.describe())
+                conn.done_flags.append(Flag.of(written.tensor[0, 0:1]))
         else:
             buffer = conn.done = conn.exporter.create(1, cols, torch.int32, self.device, BufferRole.DONE)
             buffer.tensor.zero_()
             torch.cuda.current_stream(self.device).synchronize()  # (zero before the drafter can write it)
-            conn.done_id, descriptor = buffer.buffer_id, buffer.describe()
+            conn.done_id, descriptors = buffer.buffer_id, [buffer.describe()]
             conn.done_flags = [Flag.of(buffer.tensor[0, i:i + 1]) for i in range(cols)]
-        request = drafter_pb2.RegisterBuffersRequest(buffers=[wire.descriptor_to_proto(descriptor)])
+        request = drafter_pb2.RegisterBuffersRequest(buffers=[wire.descriptor_to_proto(d) for d in descriptors])
         conn.stub.RegisterBuffers(request, timeout=wait, metadata=conn.metadata)
         if self._waits is None:
             self._waits = DeviceWaits(stream_ops(), self.device)
@@ -600,18 +605,19 @@ class RemoteProposer:
                 conn.responses.cancel()
                 return
 
-    def _retire(self, drafts: RowBuffer, done: RowBuffer | HostPage | None = None) -> None:
+    def _retire(self, drafts: RowBuffer, *kept: RowBuffer | HostPage | None) -> None:
         """Keep a closed connection's drafts buffer (and its event, and its DONE buffer) alive: a Step that
         offered it may still be in the drafter's hands, or its work queued on the drafter's GPU, and would
         write into memory freed and perhaps reused. The last RETIRED_DRAFTS_BUFFERS are kept, and any older
         one until the drafter's last recorded work on it is seen done (a drafter given up for never finishing
         it; it writes a done value before it records that work)."""
-        self._retired.append((drafts, done))
+        self._retired.append((drafts, kept))
         recent = self._retired[-RETIRED_DRAFTS_BUFFERS:]
         older = self._retired[:-RETIRED_DRAFTS_BUFFERS]
         self._retired = [b for b in older if not _importer_done(b[0])] + recent
-        for _, page in older:  # (a page is unmapped only once our stream's work queued on it is done)
-            if isinstance(page, HostPage) and all(page is not kept for _, kept in self._retired):
+        still = {id(b) for _, others in self._retired for b in others}
+        for page in (b for _, others in older for b in others):  # (unmapped once our stream's work on it is done)
+            if isinstance(page, HostPage) and id(page) not in still:
                 self._close_page(page)
 
     def _close_page(self, page: HostPage) -> None:
@@ -627,7 +633,8 @@ class RemoteProposer:
             self._waits.failure = None  # (a failure of the connection dropped now: the next one starts clean)
         if self._conn is not None:
             if self._conn.drafts is not None:
-                self._retire(self._conn.drafts, self._conn.done if self._conn.done is not None else self._conn.page)
+                self._retire(self._conn.drafts, self._conn.done if self._conn.done is not None else self._conn.page,
+                             self._conn.written)
             elif self._conn.page is not None:
                 self._conn.page.close()
             self._conn.close()
@@ -674,8 +681,8 @@ class RemoteProposer:
         self._disconnect()
         if self._waits is not None:
             self._waits.close()
-        for _, page in self._retired:  # (no stream of ours waits on them now; the drafter's mapping is its own)
-            if isinstance(page, HostPage):
+        for page in (b for _, kept in self._retired for b in kept):  # (no stream of ours waits on them now;
+            if isinstance(page, HostPage):                           # the drafter's mapping is its own)
                 self._close_page(page)
         self._waits = None
         if self._probe is not None:
@@ -1227,7 +1234,7 @@ class RemoteProposer:
         commit_ids, count, offset = commit if commit is not None else ((), 0, 0)
         rows = conn.step.buffer.ref(offset, len(commit_ids) * count) if commit is not None else None
         batch, num_drafts = propose if propose is not None else (None, 0)
-        done_buffer = done_value = written_value = 0
+        done_buffer = done_value = written_value = written_buffer = 0
         if batch is not None and conn.done is not None:  # (our stream will wait for this value, not our host)
             conn.done_value = done_value = next_value(conn.done_value)
             done_buffer = conn.done_id
@@ -1236,10 +1243,11 @@ class RemoteProposer:
                 # by our stream after every write this step reads (the rows sealed, the feed recorded above)
                 conn.written_value = written_value = next_value(conn.written_value)
                 _write_on_stream(conn.done_flags[1], written_value)
+                written_buffer = conn.written.buffer_id if conn.written is not None else 0
         conn.done_sent = done_value
         return wire.ChainStep(tuple(settle_ids), tuple(settle_counts), commit_ids, count, rows, feed,
                               batch.seq_ids if batch is not None else (), batch.ahead if batch is not None else (),
-                              num_drafts, done_buffer, done_value, written_value)
+                              num_drafts, done_buffer, done_value, written_value, written_buffer)
 
     def take_kv(self, seq_id: int) -> CarriedKV:
         self._flush([])

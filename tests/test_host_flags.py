@@ -23,7 +23,7 @@ from specsplit.shared import frames, wire
 from specsplit.shared.device_waits import DeviceWaits
 from specsplit.shared.errors import AlreadyExists, InvalidRequest
 from specsplit.shared.host_flags import PAGE_BYTES, Flag, HostPage, check_page
-from specsplit.shared.transport import BufferDescriptor, BufferImporter, BufferKind, BufferRole, host_id
+from specsplit.shared.transport import BufferDescriptor, BufferImporter, BufferKind, BufferRole, RowRef, host_id
 from specsplit.shared import device_waits
 from tests.test_device_waits import _Device
 from tests.test_drafter_server import make_drafter
@@ -510,4 +510,32 @@ def test_device_waits_hold_the_memory_of_a_wait_still_watched(device):
         assert waits.pending == 0 and not waits.holds(page)
     finally:
         waits.close()
+        page.close()
+
+
+def test_the_drafter_waits_for_written_values_only_in_device_memory():
+    """A chained step's written value (drafter --device-waits) is waited for in its written buffer's element
+    0 (beside a target's host page) or its DONE buffer's element 1, and never on a host page: a target could
+    punch a hole in it, parting what the drafter's GPU reads from what its watchdog stores."""
+    from specsplit.drafter_service.session import Session
+    from specsplit.shared.wire import ChainStep
+
+    page = HostPage.create(None)
+    memory = torch.zeros(1, 2, dtype=torch.int32)
+    device_flags = [Flag.of(memory[0, i:i + 1]) for i in range(2)]
+    buffers = {4: [page.flag(0)], 6: device_flags, 8: device_flags[:1], 9: [page.flag(0)]}
+    session = SimpleNamespace(importer=SimpleNamespace(done_target=buffers.__getitem__), device=torch.device("cpu"))
+
+    def chain(done_buffer: int, written_buffer: int = 0) -> ChainStep:
+        return ChainStep(seq_ids=(0,), ahead=(0,), num_drafts=3, feed=RowRef(5, 0, 3, 1), done_buffer=done_buffer,
+                         done_value=1, written_value=2, written_buffer=written_buffer)
+
+    try:
+        assert Session._written_target(session, chain(4, 8), buffers[4]) is device_flags[0]
+        assert Session._written_target(session, chain(6), buffers[6]) is device_flags[1]
+        with pytest.raises(InvalidRequest, match="element 1"):
+            Session._written_target(session, chain(4), buffers[4])  # (the page: one column)
+        with pytest.raises(InvalidRequest, match="CUDA IPC memory"):
+            Session._written_target(session, chain(4, 9), buffers[4])  # (a written buffer on the page)
+    finally:
         page.close()

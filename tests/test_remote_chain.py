@@ -443,6 +443,9 @@ class _FakeWaits:
         self.drains += 1
         return True
 
+    def holds(self, memory) -> bool:
+        return False
+
     def close(self) -> None:
         self.closed = True
 
@@ -453,8 +456,8 @@ def _stand_in_done(conn, memory: torch.Tensor) -> None:
     conn.done_flags = [Flag.of(memory[0, i:i + 1]) for i in range(memory.shape[1])]
 
 
-@pytest.mark.parametrize("columns", [1, pytest.param(2, marks=pytest.mark.slow)],  # (4-5 s each on the CPU)
-                         ids=["done-values", "and-written-values"])
+@pytest.mark.parametrize("columns", [1, pytest.param(2, marks=pytest.mark.slow), "page"],  # (4-5 s each on the CPU)
+                         ids=["done-values", "and-written-values", "page-and-written-buffer"])
 def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_drafter_its_watchdog_gave_up(
         pair, tiny_chat_dir, monkeypatch, columns):
     """With a DONE buffer (device waits; on a GPU only, stood for here), every chained propose carries the
@@ -462,8 +465,11 @@ def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_dra
     a second column (a drafter with written_flags), every chained propose also carries the next written
     value, which our stream writes into that column before the Step goes out. A failure the watchdog
     reports drops the drafter at our next call to it, with the watchdog's reason, and every wait is
-    released; the next connection starts without it."""
+    released; the next connection starts without it. With the done values on the host page, the written
+    values go into a written buffer of device memory, which each such Step names (ChainStep.written_buffer)."""
     from types import SimpleNamespace
+
+    from specsplit.shared.host_flags import HostPage
 
     from specsplit.drafter_service.session import Session
     from specsplit.shared.sampling import SamplingParams
@@ -479,6 +485,7 @@ def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_dra
         seen.append(chain.done_value)
         if chain.written_value:
             written.append(chain.written_value)
+            assert chain.written_buffer == (98 if columns == "page" else 0)
 
     monkeypatch.setattr(Session, "_done_target", done_target)
     monkeypatch.setattr(drafter_client, "_write_on_stream", lambda flag, value: writes.append((value, flag.address)))
@@ -491,8 +498,18 @@ def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_dra
     alone = _engine(target, None, chain=False).generate(requests())
     proposer = RemoteProposer(address, max_batch=4)
     waits = proposer._waits = _FakeWaits()
-    done = torch.zeros(1, columns, dtype=torch.int32)
-    _stand_in_done(proposer._conn, done)
+    page = None
+    if columns == "page":
+        page, done = HostPage.create(None), torch.zeros(1, 1, dtype=torch.int32)
+        conn = proposer._conn
+        conn.page = conn.done = page
+        conn.written = SimpleNamespace(buffer_id=98, tensor=done)
+        conn.done_id, conn.done_flags = 99, [page.flag(0), Flag.of(done[0, 0:1])]
+        written_at = done.data_ptr()
+    else:
+        done = torch.zeros(1, columns, dtype=torch.int32)
+        _stand_in_done(proposer._conn, done)
+        written_at = done.data_ptr() + 4
     part, sent = proposer._chain_part, []
 
     def chain_part(conn, propose):  # what each Step's chain carries: (a propose?, its done value)
@@ -500,7 +517,7 @@ def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_dra
         chain = part(conn, propose)
         sent.append((propose is not None, chain.done_value if chain is not None else 0))
         if chain is not None and chain.written_value:  # (queued on our stream as the chain part was made)
-            assert writes[queued:] == [(chain.written_value, done.data_ptr() + 4)]
+            assert writes[queued:] == [(chain.written_value, written_at)]
         else:
             assert len(writes) == queued
         return chain
@@ -525,6 +542,7 @@ def test_a_target_with_device_waits_numbers_each_chained_propose_and_drops_a_dra
     finally:
         proposer.close()
     assert waits.closed and proposer._waits is None
+    assert page is None or page.closed  # (retired with the connection, closed with the proposer)
 
 
 @pytest.mark.parametrize("drafts_by_batch, graphs_batch", [

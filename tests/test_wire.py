@@ -616,11 +616,12 @@ def _chain_message(**change) -> drafter_pb2.StepRequest:
     return drafter_pb2.StepRequest.FromString(pb.SerializeToString())
 
 
-VALID_CHAINS = [{}, {"settle_seq_ids": (), "settle_counts": ()}, {"step_id": 2 ** 63 - 1},
+VALID_CHAINS = [{}, {"settle_seq_ids": (), "settle_counts": ()}, {"step_id": 2 ** 63 - 1}, {"written_buffer": 8},
                 {"seq_ids": (), "ahead": (), "num_drafts": 0, "done_buffer": 0, "done_value": 0, "written_value": 0}]
 REFUSED_CHAINS = [{"settle_seq_ids": (0, 0)}, {"settle_counts": (1,)}, {"commit_seq_ids": (-1, 2)}, {"seq_ids": (2, 2)},
                   {"ahead": (4, -1)}, {"commit_rows": 0}, {"num_drafts": 0}, {"done_value": 0}, {"done_buffer": 0},
-                  {"written_value": 2 ** 32 - 1, "done_buffer": 0}]
+                  {"written_value": 2 ** 32 - 1, "done_buffer": 0}, {"written_buffer": 8, "written_value": 0},
+                  {"written_buffer": -3}]
 
 
 @pytest.mark.parametrize("change", VALID_CHAINS + REFUSED_CHAINS, ids=lambda change: ",".join(change) or "as-sent")

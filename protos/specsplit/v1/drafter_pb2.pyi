@@ -314,7 +314,7 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., proposes: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., register_buffers: _Optional[_Iterable[_Union[_common_pb2.BufferDescriptor, _Mapping]]] = ..., release_buffers: _Optional[_Iterable[int]] = ..., verified: _Optional[_Union[VerifiedColumns, _Mapping]] = ..., propose_columns: _Optional[_Union[ProposeColumns, _Mapping]] = ..., draft_columns: _Optional[bool] = ..., drafts_buffer: _Optional[int] = ..., chain: _Optional[_Union[ChainStep, _Mapping]] = ...) -> None: ...
 
 class ChainStep(_message.Message):
-    __slots__ = ("settle_seq_ids", "settle_counts", "commit_seq_ids", "commit_rows", "rows", "feed", "seq_ids", "ahead", "num_drafts", "done_buffer", "done_value", "written_value")
+    __slots__ = ("settle_seq_ids", "settle_counts", "commit_seq_ids", "commit_rows", "rows", "feed", "seq_ids", "ahead", "num_drafts", "done_buffer", "done_value", "written_value", "written_buffer")
     SETTLE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SETTLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +327,7 @@ class ChainStep(_message.Message):
     DONE_BUFFER_FIELD_NUMBER: _ClassVar[int]
     DONE_VALUE_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_VALUE_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BUFFER_FIELD_NUMBER: _ClassVar[int]
     settle_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     settle_counts: _containers.RepeatedScalarFieldContainer[int]
     commit_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -339,7 +340,8 @@ class ChainStep(_message.Message):
     done_buffer: int
     done_value: int
     written_value: int
-    def __init__(self, settle_seq_ids: _Optional[_Iterable[int]] = ..., settle_counts: _Optional[_Iterable[int]] = ..., commit_seq_ids: _Optional[_Iterable[int]] = ..., commit_rows: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., feed: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., ahead: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., done_buffer: _Optional[int] = ..., done_value: _Optional[int] = ..., written_value: _Optional[int] = ...) -> None: ...
+    written_buffer: int
+    def __init__(self, settle_seq_ids: _Optional[_Iterable[int]] = ..., settle_counts: _Optional[_Iterable[int]] = ..., commit_seq_ids: _Optional[_Iterable[int]] = ..., commit_rows: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., feed: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., ahead: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., done_buffer: _Optional[int] = ..., done_value: _Optional[int] = ..., written_value: _Optional[int] = ..., written_buffer: _Optional[int] = ...) -> None: ...
 
 class VerifiedColumns(_message.Message):
     __slots__ = ("seq_ids", "buffer_id", "generation", "row_offsets", "stash_rows", "commit_rows", "base_pos", "token_ids", "num_accepted")
