@@ -102,8 +102,8 @@ class DeviceWaits:
         event = torch.cuda.Event()
         event.record(stream)
         with self._lock:
-            self._forget_safely()
             self._armed.append(_Armed(done, value, event, deadline))
+            self._forget_safely()  # (after the append: the wait just queued may hold the stream)
             self.armed += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="specsplit-device-waits", daemon=True)
@@ -166,34 +166,23 @@ class DeviceWaits:
         except Exception as exc:  # noqa: BLE001 - marked released already: the watchdog writes them again
             log.warning("device waits: a release was refused (%s: %s); the watchdog tries again", type(exc).__name__, exc)
 
-    # A wait on a host page's flag is released by a store of our CPU, and it is looked at by reading the
-    # page: no CUDA call. The watchdog makes none at all while such a wait is pending, since a CUDA call
-    # made while another thread loads a kernel module may wait for that load, which waits for the stream
-    # the wait holds: the watchdog would then never reach the deadline whose release lets them both go.
-
-    @staticmethod
-    def _passed(entry: _Armed) -> bool:
-        """Whether the stream is past `entry` (a host page's flag not released: the peer wrote its value)."""
-        if entry.done.host is not None and not entry.released:
-            return _reached(entry.done, entry.value)
-        return entry.event.query()
+    # A wait on a host page's flag is released by a store of our CPU. While one is pending (its flag not
+    # written, as our CPU reads the page) the watchdog makes no CUDA call: a CUDA call made while another
+    # thread loads a kernel module may wait for that load, which waits for the stream the wait holds, and
+    # the watchdog would never reach the deadline whose release lets them both go. A wait is forgotten only
+    # once its event is seen done: what our CPU reads of a page is a hint, not proof (a peer that punched a
+    # hole in the page parts our CPU's view from what our GPU reads).
 
     def _forget_done(self) -> None:
-        while self._armed and self._passed(self._armed[0]):
+        while self._armed and self._armed[0].event.query():
             self._armed.popleft()
 
     def _forget_safely(self) -> None:
-        """`_forget_done`, with no CUDA call while a host page's wait is pending (the caller's thread holds our
-        lock: blocked in an event's query, it would keep the watchdog from its release)."""
-        self._forget_reached()
+        """`_forget_done` unless a host page's wait is pending (a caller holding our lock, blocked in an
+        event's query, would keep the watchdog from its release)."""
         if not self._host_held():
+            self._place()
             self._forget_done()
-
-    def _forget_reached(self) -> None:
-        """`_forget_done` without a CUDA call: the waits on host pages' flags the peer wrote, first in line."""
-        while self._armed and self._armed[0].done.host is not None and not self._armed[0].released \
-                and _reached(self._armed[0].done, self._armed[0].value):
-            self._armed.popleft()
 
     def _host_held(self) -> bool:
         """Whether a wait on a host page's flag is pending: its stream may be held, so no CUDA call now."""
@@ -204,21 +193,20 @@ class DeviceWaits:
         deadlines = [entry.deadline for entry in self._armed if not entry.released]
         return min(deadlines) if deadlines else None
 
-    def _release_locked(self) -> None:
-        """Mark every pending wait released and write, per flag, the last value waited for there (it
-        releases every wait before it): host pages' first, by our CPU, before any CUDA call. Raises if the
-        driver refuses a write (the caller retries)."""
-        fresh = [entry for entry in self._armed if not entry.released]
-        holding = {entry.done.address for entry in fresh if entry.done.host is not None
-                   and not _reached(entry.done, entry.value)}
+    def _release_locked(self, entries: "list[_Armed] | None" = None) -> None:
+        """Mark `entries` (None: every pending wait) released and write, per flag, the last value waited for
+        there (it releases every wait before it): host pages' first, by our CPU, before any CUDA call. Raises
+        if the driver refuses a write (the caller retries)."""
+        fresh = [entry for entry in (self._armed if entries is None else entries) if not entry.released]
+        unwritten = {entry.done.address for entry in fresh if entry.done.host is not None
+                     and not _reached(entry.done, entry.value)}
         now = time.perf_counter()
         for entry in fresh:
             entry.released, entry.released_at = True, now
         self._store_last_values()
-        devices = [entry for entry in fresh if entry.done.host is None]
-        self._forget_done()
-        alive = {id(entry) for entry in self._armed}
-        self.released += len(holding | {entry.done.address for entry in devices if id(entry) in alive})
+        self._forget_safely()
+        alive = {entry.done.address for entry in fresh if any(entry is armed for armed in self._armed)}
+        self.released += len(unwritten | alive)
         self._write_last_values()
 
     def _last_released(self) -> list[_Armed]:
@@ -236,15 +224,21 @@ class DeviceWaits:
                 entry.done.store(entry.value)
 
     def _write_last_values(self) -> None:
+        """The stores, then (no host page's wait pending) the stream writes: of device memory's flags, and of
+        a host page's flag whose store the stream has not seen within STORE_FALLBACK, unless a later wait on
+        that flag is armed (the write would go under the value the peer wrote for it)."""
         self._store_last_values()
+        if self._host_held():
+            return
         late = time.perf_counter() - STORE_FALLBACK
+        latest = {entry.done.address: entry for entry in self._armed}
         for entry in self._last_released():
-            if entry.done.host is None or entry.released_at < late:  # (a page's store not seen by the stream since)
+            if entry.done.host is None or (entry.released_at < late and latest[entry.done.address] is entry):
                 self._place()
                 self._ops.write(self._side, entry.done.address, entry.value)
 
     def _place(self) -> None:
-        """The watchdog thread's current device: ours, before its first stream write."""
+        """The watchdog thread's current device: ours, before its first CUDA call."""
         if self._index is not None and not self._placed and threading.current_thread() is self._thread:
             torch.cuda.set_device(self._index)
             self._placed = True
@@ -261,10 +255,7 @@ class DeviceWaits:
                 try:
                     self.looks += 1
                     self._store_last_values()  # (our CPU: a released host page's flag a late peer wrote under us)
-                    self._forget_reached()
-                    if not self._host_held():  # (see above: no CUDA call while a host page's wait is pending)
-                        self._place()
-                        self._forget_done()
+                    self._forget_safely()
                     if self._closed and not self._armed:
                         return
                     if not self._armed:
@@ -273,9 +264,18 @@ class DeviceWaits:
                     earliest = self._earliest()
                     now = time.perf_counter()
                     if earliest is not None and earliest <= now and not self._closed:
-                        self._release_locked()  # (written before the client can see the failure)
-                        self.failure = (f"the {self._peer} did not write {self._what} within its deadline; "
-                                        "our stream waiting for it was released")
+                        due = [entry for entry in self._armed if not entry.released and entry.deadline <= now]
+                        # A host page's flag our CPU reads written, its event not seen done: confirmed by an event
+                        # query once no wait holds the stream (a short look later), released if it is not done
+                        written = [entry for entry in due if entry.done.host is not None
+                                   and _reached(entry.done, entry.value)]
+                        if len(written) == len(due) and self._host_held():
+                            self._sleep(RELEASE_AGAIN)
+                            continue
+                        self._release_locked(None if len(written) < len(due) else written)
+                        self.failure = (f"the {self._peer} did not write {self._what} within its deadline"
+                                        + ("" if len(written) < len(due) else " where our GPU reads it")
+                                        + "; our stream waiting for it was released")
                         log.warning("%s", self.failure)
                         continue
                     if any(entry.released for entry in self._armed):

@@ -19,8 +19,10 @@ in a host page, a CPU view through which the watchdog stores a release.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 PAGE_BYTES = 4096
 PAGE_INTS = PAGE_BYTES // 4
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
-_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
 RETIRE_POLL_SECONDS = 5.0  # how long `close` waits for our stream's last use of the page before leaving it registered
 _kept: list = []  # pages that could not be unregistered safely: kept mapped and registered for good
 
@@ -138,16 +140,7 @@ class HostPage:
         return Flag(self.device_address + 4 * index, self.ints[index:index + 1], self, self.device)
 
     def _register(self) -> None:
-        address = self.ints.data_ptr()
-        with torch.cuda.device(self.device):
-            code = int(torch.cuda.cudart().cudaHostRegister(address, PAGE_BYTES, _HOST_REGISTER_PORTABLE_MAPPED))
-            if code != 0:
-                raise OSError(f"cudaHostRegister returned {code}")
-            try:
-                self.device_address = _device_pointer(address)
-            except Exception:
-                torch.cuda.cudart().cudaHostUnregister(address)
-                raise
+        self.device_address = _driver().register(self.device.index, self.ints.data_ptr())
 
     def close(self, stream: "torch.cuda.Stream | None" = None) -> None:
         """Unregister and unmap once `stream`'s work queued so far is done (the work of ours that may still
@@ -163,8 +156,7 @@ class HostPage:
             self._unmap()
             return
         if not self._used:  # (no stream ever had its address: nothing to wait for)
-            torch.cuda.cudart().cudaHostUnregister(self.ints.data_ptr())
-            self._unmap()
+            self._unregister()
             return
         stream = stream if stream is not None else torch.cuda.current_stream(self.device)
         event = torch.cuda.Event()
@@ -177,8 +169,22 @@ class HostPage:
                 _kept.append(self)
                 return
             time.sleep(1e-3)
-        torch.cuda.cudart().cudaHostUnregister(self.ints.data_ptr())
+        self._unregister()
+
+    def _unregister(self) -> None:
+        try:
+            _driver().unregister(self.device.index, self.ints.data_ptr())
+        except OSError as exc:  # (left registered: kept mapped, for good)
+            log.warning("a DONE page could not be unregistered (%s): it stays mapped", exc)
+            _kept.append(self)
+            return
         self._unmap()
+
+    def keep_for_good(self) -> None:
+        """Never unregister nor unmap this page (a stream may still write it)."""
+        with self._lock:
+            self.closed = True
+        _kept.append(self)
 
     def _unmap(self) -> None:
         self.ints = None
@@ -229,20 +235,66 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-_libcuda = None
+class _Driver:
+    """Host memory's registration through libcuda's driver API, in our GPU's primary context: a failure there
+    leaves nothing behind for the runtime, where a failed cudaHostRegister's error would be raised by torch's
+    next check of a kernel launch, in an unrelated operation."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        def fn(names: tuple[str, ...], *argtypes):
+            for name in names:
+                found = getattr(lib, name, None)
+                if found is not None:
+                    found.argtypes, found.restype = list(argtypes), ctypes.c_int
+                    return found
+            raise OSError(f"libcuda has no {names[0]}")
+
+        ptr, int_p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)
+        self._device = fn(("cuDeviceGet",), int_p, ctypes.c_int)
+        self._retain = fn(("cuDevicePrimaryCtxRetain",), ctypes.POINTER(ptr), ctypes.c_int)
+        self._release = fn(("cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"), ctypes.c_int)
+        self._push = fn(("cuCtxPushCurrent_v2", "cuCtxPushCurrent"), ptr)
+        self._pop = fn(("cuCtxPopCurrent_v2", "cuCtxPopCurrent"), ctypes.POINTER(ptr))
+        self._register = fn(("cuMemHostRegister_v2", "cuMemHostRegister"), ptr, ctypes.c_size_t, ctypes.c_uint)
+        self._unregister = fn(("cuMemHostUnregister",), ptr)
+        self._pointer = fn(("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"),
+                           ctypes.POINTER(ctypes.c_uint64), ptr, ctypes.c_uint)
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code != 0:
+            raise OSError(f"{what} returned CUresult {code}")
+
+    @contextlib.contextmanager
+    def _in_context(self, index: int):
+        device, context = ctypes.c_int(0), ctypes.c_void_p()
+        self._check(self._device(ctypes.byref(device), index), "cuDeviceGet")
+        self._check(self._retain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+        try:
+            self._check(self._push(context), "cuCtxPushCurrent")
+            try:
+                yield
+            finally:
+                self._pop(ctypes.byref(ctypes.c_void_p()))
+        finally:
+            self._release(device)
+
+    def register(self, index: int, address: int) -> int:
+        """Register one page at `address` (portable, mapped); its device address."""
+        with self._in_context(index):
+            self._check(self._register(address, PAGE_BYTES, _HOST_REGISTER_PORTABLE_MAPPED), "cuMemHostRegister")
+            out = ctypes.c_uint64(0)
+            code = self._pointer(ctypes.byref(out), address, 0)
+            if code != 0:
+                self._unregister(address)
+                self._check(code, "cuMemHostGetDevicePointer")
+            return out.value
+
+    def unregister(self, index: int, address: int) -> None:
+        with self._in_context(index):
+            self._check(self._unregister(address), "cuMemHostUnregister")
 
 
-def _device_pointer(host_address: int) -> int:
-    """The device address of registered host memory (cuMemHostGetDevicePointer)."""
-    global _libcuda
-    if _libcuda is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or lib.cuMemHostGetDevicePointer
-        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        _libcuda = fn
-    out = ctypes.c_uint64(0)
-    code = _libcuda(ctypes.byref(out), host_address, 0)
-    if code != 0:
-        raise OSError(f"cuMemHostGetDevicePointer returned CUresult {code}")
-    return out.value
+@functools.lru_cache(maxsize=1)
+def _driver() -> _Driver:
+    return _Driver(ctypes.CDLL("libcuda.so.1"))

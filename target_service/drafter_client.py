@@ -491,6 +491,10 @@ class RemoteProposer:
             try:
                 self._setup_done(conn, desc, call_wait)
             except (grpc.RpcError, SpecsplitError, OSError) as exc:
+                if conn.page is not None:  # (the page's registration refused: device memory from now on)
+                    self._page_refused = f"{type(exc).__name__}: {exc}"
+                    log.warning("the drafter's DONE buffer on our host page failed (%s); done values go into "
+                                "device memory", self._page_refused)
                 self._disconnect()
                 raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: "
                                          f"{_reason(exc, ready_wait)}") from None
@@ -624,6 +628,7 @@ class RemoteProposer:
         """Unregister a retired page, unless our watchdog may still write to it (then it stays, for good)."""
         if self._waits is not None and self._waits.holds(page):
             log.warning("a retired host page is still watched by our device waits: it stays mapped")
+            page.keep_for_good()
             return
         page.close()
 

@@ -1109,11 +1109,11 @@ def test_a_closed_connections_drafts_buffer_lives_until_the_drafters_work_on_it_
     proposer = SimpleNamespace(_retired=[])
     for buffer in [pending, done[0], broken, *done[1:]]:
         RemoteProposer._retire(proposer, buffer, flag if buffer is pending else None)
-    assert proposer._retired == [(pending, flag), (broken, None), *[(d, None) for d in done[-keep:]]]
+    assert proposer._retired == [(pending, (flag,)), (broken, (None,)), *[(d, (None,)) for d in done[-keep:]]]
     pending.done = True
     RemoteProposer._retire(proposer, _Drafts(True))
     kept = [drafts for drafts, _ in proposer._retired]
-    assert kept[0] is broken and pending not in kept and flag not in [f for _, f in proposer._retired]
+    assert kept[0] is broken and pending not in kept and all(flag not in f for _, f in proposer._retired)
     assert len(proposer._retired) == keep + 1
 
 

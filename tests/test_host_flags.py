@@ -328,8 +328,8 @@ def test_a_page_that_cannot_be_unregistered_safely_is_kept_mapped(monkeypatch):
     unregistered = []
     monkeypatch.setattr(host_flags, "RETIRE_POLL_SECONDS", 0.05)
     monkeypatch.setattr(host_flags.torch.cuda, "Event", lambda: never)
-    monkeypatch.setattr(host_flags.torch.cuda, "cudart",
-                        lambda: SimpleNamespace(cudaHostUnregister=lambda address: unregistered.append(address)))
+    monkeypatch.setattr(host_flags, "_driver",
+                        lambda: SimpleNamespace(unregister=lambda index, address: unregistered.append(address)))
     page.close(stream=object())
     assert page.closed and unregistered == [] and page in host_flags._kept and page.ints is not None
     host_flags._kept.remove(page)
@@ -453,8 +453,8 @@ def test_an_unused_page_is_unregistered_at_once(monkeypatch):
     page.device = torch.device("cuda", 0)  # (as if registered)
     unregistered = []
     monkeypatch.setattr(host_flags.torch.cuda, "Event", lambda: pytest.fail("an unused page waited for a stream"))
-    monkeypatch.setattr(host_flags.torch.cuda, "cudart",
-                        lambda: SimpleNamespace(cudaHostUnregister=lambda address: unregistered.append(address)))
+    monkeypatch.setattr(host_flags, "_driver",
+                        lambda: SimpleNamespace(unregister=lambda index, address: unregistered.append(address)))
     address = page.ints.data_ptr()
     page.close()
     assert unregistered == [address] and page not in host_flags._kept and page.ints is None
@@ -490,7 +490,10 @@ def test_a_page_a_wait_is_still_watched_on_is_not_closed_by_its_target():
     waits = SimpleNamespace(holds=lambda memory: memory is page)
     proposer = SimpleNamespace(_waits=waits)
     RemoteProposer._close_page(proposer, page)
-    assert not page.closed
+    from specsplit.shared import host_flags
+    assert page in host_flags._kept and page.ints is not None  # (kept registered and mapped, for good)
+    host_flags._kept.remove(page)
+    page.closed = False
     waits.holds = lambda memory: False
     RemoteProposer._close_page(proposer, page)
     assert page.closed
@@ -539,3 +542,96 @@ def test_the_drafter_waits_for_written_values_only_in_device_memory():
             Session._written_target(session, chain(4, 9), buffers[4])  # (a written buffer on the page)
     finally:
         page.close()
+
+
+def test_a_flag_our_cpu_reads_written_is_not_taken_for_the_streams_word(device, monkeypatch):
+    """A drafter that punched a hole in the page and wrote its done value there with its CPU: our CPU reads
+    the value, our GPU (the page it pinned) does not. The wait is kept until its event is seen done, so its
+    deadline still comes: released then, where our GPU reads it (a stream write), and reported."""
+    monkeypatch.setattr(device_waits, "STORE_FALLBACK", 0.05)
+    page = HostPage.create(None)
+    waits = DeviceWaits(device, torch.device("cpu"))
+    flag = page.flag(0)  # (not in device.host: the stand-in GPU reads device.memory, apart from our CPU's view)
+    try:
+        waits.wait(flag, 6, time.perf_counter() + 0.2)
+        flag.store(6)  # (the hostile drafter, into our CPU's view only)
+        assert waits.pending == 1
+        deadline = time.monotonic() + 10
+        while waits.pending:
+            assert time.monotonic() < deadline, "the wait our GPU never saw written was never released"
+            time.sleep(0.01)
+        assert device.writes == [("side", flag.address, 6)] and device.memory[flag.address] == 6
+        assert "where our GPU reads it" in waits.failure and waits.released == 1
+    finally:
+        waits.close()
+        page.close()
+
+
+def test_a_due_wait_written_in_time_is_confirmed_not_released_while_another_holds_the_stream(device):
+    """A wait whose deadline comes while a later one holds the stream (its flag not written yet), itself
+    written in time: the watchdog makes no CUDA call then, so it looks again shortly, and once nothing holds
+    the stream it sees the first one done. Nothing is released, no failure."""
+    page = HostPage.create(None)
+    waits = DeviceWaits(device, torch.device("cpu"))
+    early, late = page.flag(0), page.flag(1)
+    for flag in (early, late):
+        device.host[flag.address] = flag.host
+    try:
+        waits.wait(early, 1, time.perf_counter() + 0.1)
+        early.store(1)  # (the drafter, in time)
+        waits.wait(late, 1, time.perf_counter() + 60)  # (not written yet: it holds the stream)
+        time.sleep(0.3)  # (past the first deadline)
+        assert waits.failure is None and waits.released == 0 and device.writes == []
+        late.store(1)
+        deadline = time.monotonic() + 10
+        while waits.pending:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert waits.failure is None and waits.released == 0 and device.writes == []
+    finally:
+        waits.close()
+        page.close()
+
+
+def test_no_stream_write_while_a_wait_on_a_host_page_holds_the_stream(device, monkeypatch):
+    """A released wait the stream has not passed, and behind it a wait on a host page not written yet: the
+    fallback stream write of the first waits (a CUDA call while the stream may be held would keep the
+    watchdog from the second's release). Once the second is written, the write goes out."""
+    monkeypatch.setattr(device_waits, "STORE_FALLBACK", 0.1)
+    page = HostPage.create(None)
+    waits = DeviceWaits(device, torch.device("cpu"))
+    stuck, behind = page.flag(0), page.flag(1)  # (stuck: apart from the GPU's view; behind: shared with it)
+    device.host[behind.address] = behind.host
+    try:
+        waits.wait(stuck, 3, time.perf_counter() + 60)
+        waits.release()  # (the drafter dropped: its wait released, our store not seen by the stand-in GPU)
+        waits.wait(behind, 2, time.perf_counter() + 60)
+        time.sleep(0.4)  # (past STORE_FALLBACK)
+        assert device.writes == []
+        behind.store(2)
+        deadline = time.monotonic() + 10
+        while waits.pending:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert device.writes and all(w == ("side", stuck.address, 3) for w in device.writes)
+    finally:
+        waits.close()
+        page.close()
+
+
+def test_a_page_whose_unregistration_fails_is_kept_mapped(monkeypatch):
+    """The driver refusing to unregister a page (it is still registered): kept mapped, for good, not unmapped
+    under its registration."""
+    from specsplit.shared import host_flags
+
+    page = HostPage.create(None)
+    page.device = torch.device("cuda", 0)  # (as if registered)
+
+    def refuse(index, address):
+        raise OSError("cuMemHostUnregister returned CUresult 1")
+
+    monkeypatch.setattr(host_flags, "_driver", lambda: SimpleNamespace(unregister=refuse))
+    page.close()
+    assert page in host_flags._kept and page.ints is not None
+    host_flags._kept.remove(page)
+    page.device = None
