@@ -140,6 +140,7 @@ class HostPage:
         return Flag(self.device_address + 4 * index, self.ints[index:index + 1], self, self.device)
 
     def _register(self) -> None:
+        torch.cuda.init()  # (the driver initialized: cuInit, through the runtime)
         self.device_address = _driver().register(self.device.index, self.ints.data_ptr())
 
     def close(self, stream: "torch.cuda.Stream | None" = None) -> None:

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specsplit.drafter_service.server import DrafterServer, serve
+from specsplit.drafter_service.server import DrafterServer
 from specsplit.protos.v1 import drafter_pb2
 from specsplit.shared import frames, wire
 from specsplit.shared.device_waits import DeviceWaits
@@ -26,7 +26,7 @@ from specsplit.shared.host_flags import PAGE_BYTES, Flag, HostPage, check_page
 from specsplit.shared.transport import BufferDescriptor, BufferImporter, BufferKind, BufferRole, RowRef, host_id
 from specsplit.shared import device_waits
 from tests.test_device_waits import _Device
-from tests.test_drafter_server import make_drafter
+from tests import test_step_socket
 from tests.test_step_socket import connect, ending
 
 ALL_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -40,16 +40,7 @@ def device(monkeypatch):
     return fake
 
 
-@pytest.fixture
-def drafter(tmp_path):
-    """A drafter on the CPU served at unix:tmp/d.sock, its step socket beside it: (server object, address)."""
-    made = make_drafter()
-    server_obj = DrafterServer(made, head=made.head, device="cpu")
-    address = f"unix:{tmp_path}/d.sock"
-    server = serve(server_obj, [address])
-    yield server_obj, address
-    server.stop(None).wait()
-    server_obj.close()
+drafter = test_step_socket.drafter  # (its fixture: a drafter on the CPU, its step socket beside it)
 
 
 def memfd(size: int = PAGE_BYTES, seals: int = ALL_SEALS) -> int:
@@ -346,11 +337,11 @@ def test_the_watchdog_makes_no_cuda_call_while_a_wait_on_a_host_page_holds_its_s
     early, held = page.flag(0), page.flag(1)
     for flag in (early, held):
         device.host[flag.address] = flag.host
-    queried_while_held = []
+    queried_while_held, armed = [], []
     query = device.torch.cuda.Event.query
 
     def watched_query(event):
-        queried_while_held.append(int(held.host.item()) < 9)
+        queried_while_held.append(bool(armed) and int(held.host.item()) < 9)
         return query(event)
 
     device.torch.cuda.Event.query = watched_query
@@ -358,6 +349,7 @@ def test_the_watchdog_makes_no_cuda_call_while_a_wait_on_a_host_page_holds_its_s
         waits.wait(early, 3, time.perf_counter() + 60)
         early.store(3)  # (the peer, in time)
         waits.wait(held, 9, time.perf_counter() + 0.2)  # (never written by the peer)
+        armed.append(True)
         deadline = time.monotonic() + 10
         while waits.failure is None:
             assert time.monotonic() < deadline, "the watchdog never released the wait"
