@@ -267,22 +267,29 @@ class _Driver:
             raise OSError(f"{what} returned CUresult {code}")
 
     @contextlib.contextmanager
-    def _in_context(self, index: int):
+    def _in_context(self, index: int, *, keep: bool = False):
+        """Our GPU's primary context, current on this thread within; retained for good with `keep` (a page
+        registered holds the context: released to no one else, it would be destroyed, the registration with
+        it, and the runtime's context made later would not know the page)."""
         device, context = ctypes.c_int(0), ctypes.c_void_p()
         self._check(self._device(ctypes.byref(device), index), "cuDeviceGet")
         self._check(self._retain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+        kept = False
         try:
             self._check(self._push(context), "cuCtxPushCurrent")
             try:
                 yield
+                kept = keep
             finally:
                 self._pop(ctypes.byref(ctypes.c_void_p()))
         finally:
-            self._release(device)
+            if not kept:
+                self._release(device)
 
     def register(self, index: int, address: int) -> int:
-        """Register one page at `address` (portable, mapped); its device address."""
-        with self._in_context(index):
+        """Register one page at `address` (portable, mapped), its primary context held until `unregister`;
+        its device address."""
+        with self._in_context(index, keep=True):
             self._check(self._register(address, PAGE_BYTES, _HOST_REGISTER_PORTABLE_MAPPED), "cuMemHostRegister")
             out = ctypes.c_uint64(0)
             code = self._pointer(ctypes.byref(out), address, 0)
@@ -294,6 +301,9 @@ class _Driver:
     def unregister(self, index: int, address: int) -> None:
         with self._in_context(index):
             self._check(self._unregister(address), "cuMemHostUnregister")
+        device = ctypes.c_int(0)
+        if self._device(ctypes.byref(device), index) == 0:
+            self._release(device)  # (the hold `register` took)
 
 
 @functools.lru_cache(maxsize=1)
