@@ -64,8 +64,8 @@
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
-#   (next, after the thirty-eighth session: `host-flags` (~6 min; its split tests passed there, 9, the hang's
-#   own test not rerun since its fix), then `regroup`, `host-flags-churn` and `host-flags-bench` if it passed; after the thirty-sixth session: `attach`, ~300 s: where a PrefillDrafter's 2.9 ms go, and whether
+#   (next, after the thirty-eighth session, whose `host-flags` tests passed (9 of the split's, then the hang's
+#   own after its fix): `host-flags-churn` (~4 min), `regroup` (~7 min), `host-flags-bench` (~9 min); after the thirty-sixth session: `attach`, ~300 s: where a PrefillDrafter's 2.9 ms go, and whether
 #   --prefill-copies takes the drafter's queued work out of it; issue 10: `train 46 --walk-anchors 0.5 --lr 1e-4 --init
 #   .ckpt/dflash-45` carrying [".ckpt/dflash-45", ".whl"] if that checkpoint (session 36's, tau 3.56, not
 #   shipped) is still beside the repository, else `train 46 --walk-anchors 0.5 --lr 1e-4 --minutes 8.5`)
