@@ -1105,9 +1105,9 @@ class BufferImporter:
         imported = self._get(buffer_id)
         if imported.descriptor.role is not BufferRole.DONE or (imported.tensor is None and imported.flags is None):
             raise InvalidRequest(f"buffer {buffer_id} is not a done buffer")
-        if imported.flags is not None:
-            return imported.flags
-        return [Flag.of(imported.tensor[0, i:i + 1]) for i in range(imported.tensor.shape[1])]
+        if imported.flags is None:  # (made once: every chained step that waits on the device asks)
+            imported.flags = [Flag.of(imported.tensor[0, i:i + 1]) for i in range(imported.tensor.shape[1])]
+        return imported.flags
 
     def whole(self, buffer_id: int) -> torch.Tensor:
         """The full [rows, cols] buffer written once (embedding, LM head): a copy (SHM) or a view (CUDA IPC).
