@@ -80,7 +80,6 @@ class HostPage:
 
     def __init__(self, fd: int, device: torch.device | None, *, owner: bool) -> None:
         self.fd: int | None = fd
-        self.owner = owner
         self._map = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         # (through numpy: its array holds the mapping's buffer export, so the mapping cannot close under a view;
         # torch.frombuffer holds none, and a store through a view of a closed mapping is a SIGSEGV)
