@@ -632,9 +632,11 @@ host-flags)
 host-flags-bench)
   # (thirty-eighth session) the target's stream waiting on the device, the DONE buffer in the host page (a GPU
   # polling host memory: across the bus) against in its device memory (--no-host-flags), two rounds each
+  # (ROUNDS=1 in a call's environment: one each, about half the time, for what is left of a session's budget)
+  rounds=${ROUNDS:-2}
   for flags in --host-flags --no-host-flags; do
-    timeout 270 python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 \
-      --batch 1 8 --waves 4 --rounds 2 --also-device-waits $flags --json-out "$OUT/split_flags$flags.json" 2>&1 \
+    timeout $((90 + 90 * rounds)) python bench/split_bench.py --device cuda --dtype bfloat16 --drafter dflash --max-tokens 256 \
+      --batch 1 8 --waves 4 --rounds "$rounds" --also-device-waits $flags --json-out "$OUT/split_flags$flags.json" 2>&1 \
       | grep -E "^batch [0-9]+|host page" | log
   done
   ;;
