@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 
 import torch
 
@@ -103,9 +104,10 @@ def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int,
 
 
 def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int, device: str,
-                    temperature: float = 0.0) -> str:
+                    temperature: float = 0.0, mark: Callable[[str], None] | None = None) -> str:
     """Requests admitted as others end (what a server sees): every prompt through `batch` slots, run once to
-    warm up, then timed, then profiled; per engine step."""
+    warm up, then timed, then profiled; per engine step. `mark(run)` is called as each run ends ("warm-up",
+    "timed", "profiled"), e.g. to read a drafter service's counters between them."""
     def run(tag: str) -> int:
         for i, ids in enumerate(prompts):
             engine.add(Request(f"{tag}{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=temperature,
@@ -118,6 +120,8 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
         return steps
 
     run("w")
+    if mark is not None:
+        mark("warm-up")
     link = getattr(engine.proposer, "link", None)  # (a drafter service's: the Steps its host waited for)
     waited = len(link.step_seconds) if link is not None else 0
     unary = sum(link.unary_calls.values()) if link is not None else 0
@@ -127,6 +131,8 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     started = time.perf_counter()
     steps = run("t")
     wall = (time.perf_counter() - started) / steps
+    if mark is not None:
+        mark("timed")
     extra = ""
     if REPLAYS is not None:
         REPLAYS.on, extra = False, REPLAYS.line(steps)
@@ -140,6 +146,8 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     prof.enable()
     steps = run("p")
     prof.disable()
+    if mark is not None:
+        mark("profiled")
     return profile_lines(prof, steps, f"serving {len(prompts)} prompts through {batch} slots, {max_tokens} tokens: "
                                       f"{steps} engine steps, {wall * 1e3:.3f} ms/step unprofiled{extra}")
 
@@ -152,13 +160,15 @@ def prefill_phases(metrics_url: str) -> tuple[float, dict[str, float]]:
     return count, labelled(metrics_url, "prefill_phase_seconds_total", "phase")
 
 
-def prefill_line(before: tuple[float, dict[str, float]], after: tuple[float, dict[str, float]]) -> str:
-    """The drafter's ms a PrefillDrafter, by phase, between two `prefill_phases`."""
+def prefill_line(before: tuple[float, dict[str, float]], after: tuple[float, dict[str, float]],
+                 run: str = "") -> str:
+    """The drafter's ms a PrefillDrafter, by phase, between two `prefill_phases` (of `run`, if named)."""
     calls = after[0] - before[0]
+    where = f" ({run})" if run else ""
     if not calls:
-        return "drafter: no PrefillDrafter answered"
+        return f"drafter{where}: no PrefillDrafter answered"
     parts = {p: (after[1][p] - before[1].get(p, 0.0)) / calls * 1e3 for p in after[1]}
-    return (f"drafter: {calls:.0f} PrefillDrafter answered, {sum(parts.values()):.3f} ms each on its host: "
+    return (f"drafter{where}: {calls:.0f} PrefillDrafter answered, {sum(parts.values()):.3f} ms each on its host: "
             + ", ".join(f"{p} {ms:.3f}" for p, ms in parts.items()))
 
 
@@ -292,11 +302,20 @@ def run(args: argparse.Namespace) -> None:
                                           chain_regroup=not (args.no_regroup and drafter is remote),
                                           unquiesced_host_flags=args.unquiesced and drafter is remote)
                     engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids)
-                    before = prefill_phases(metrics_url) if drafter is remote else None
-                    text = name + profile_serving(engine, prompts, args.max_tokens, batch, args.device, args.temperature)
-                    if before is not None:  # (the warm-up, timed and profiled runs' prefills)
-                        text += "\n" + prefill_line(before, prefill_phases(metrics_url))
-                    report(text)
+                    # The drafter's prefills run by run: the warm-up's carry its graphs' first uses and
+                    # captures (a context bucket runs eagerly once, then is captured), the timed run's are
+                    # what a warm server pays.
+                    lines, mark = [], None
+                    if drafter is remote:
+                        last = [prefill_phases(metrics_url)]
+
+                        def mark(run: str) -> None:
+                            now = prefill_phases(metrics_url)
+                            lines.append(prefill_line(last[0], now, run))
+                            last[0] = now
+                    text = name + profile_serving(engine, prompts, args.max_tokens, batch, args.device,
+                                                  args.temperature, mark)
+                    report("\n".join([text, *lines]))
         else:
             for batch in args.batch:
                 for name, drafter in [("target-only ", None)] * args.target_only + engines:
