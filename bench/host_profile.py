@@ -172,6 +172,18 @@ def prefill_line(before: tuple[float, dict[str, float]], after: tuple[float, dic
             + ", ".join(f"{p} {ms:.3f}" for p, ms in parts.items()))
 
 
+def prefill_marks(metrics_url: str, lines: list[str]) -> Callable[[str], None]:
+    """A `profile_serving` mark that appends to `lines` the drafter's PrefillDrafter line of each run."""
+    last = prefill_phases(metrics_url)
+
+    def mark(run: str) -> None:
+        nonlocal last
+        now = prefill_phases(metrics_url)
+        lines.append(prefill_line(last, now, run))
+        last = now
+    return mark
+
+
 def profile_lines(prof: cProfile.Profile, steps: int, head: str) -> str:
     stats = pstats.Stats(prof)
     total = sum(v[2] for v in stats.stats.values())  # own time, all functions
@@ -305,14 +317,8 @@ def run(args: argparse.Namespace) -> None:
                     # The drafter's prefills run by run: the warm-up's carry its graphs' first uses and
                     # captures (a context bucket runs eagerly once, then is captured), the timed run's are
                     # what a warm server pays.
-                    lines, mark = [], None
-                    if drafter is remote:
-                        last = [prefill_phases(metrics_url)]
-
-                        def mark(run: str) -> None:
-                            now = prefill_phases(metrics_url)
-                            lines.append(prefill_line(last[0], now, run))
-                            last[0] = now
+                    lines: list[str] = []
+                    mark = prefill_marks(metrics_url, lines) if drafter is remote else None
                     text = name + profile_serving(engine, prompts, args.max_tokens, batch, args.device,
                                                   args.temperature, mark)
                     report("\n".join([text, *lines]))
