@@ -191,12 +191,16 @@ def leading_matches(drafts: list[int], labels: list[int]) -> int:
     return next((k for k, (d, y) in enumerate(zip(drafts, labels)) if d != y), min(len(drafts), len(labels)))
 
 
-def check_labels_match_verification(log: ProposalLog, full: list[list[int]], targets_fn=block_targets) -> None:
-    """Every proposal's accepted count is its drafts' leading matches against the training labels of its anchor."""
+def check_labels_match_verification(log: ProposalLog, full: list[list[int]], targets_fn=block_targets,
+                                    gamma: int = GAMMA) -> None:
+    """Every proposal's accepted count is its drafts' leading matches against the training labels of its anchor
+    (blocks of `gamma`, the drafter's: a block's labels are its gamma - 1 positions after the anchor). `full`
+    must reach past the run's end by a block: a greedy chained step offers drafts past what a request may
+    still generate, and what it accepts there is dropped but counted."""
     for seq_id, position, drafts, accepted in log.done:
         tokens = torch.tensor([full[seq_id]])
         targets, ok = targets_fn(tokens, torch.tensor([len(full[seq_id])]), torch.tensor([[position]]),
-                                 torch.tensor([[True]]), GAMMA)
+                                 torch.tensor([[True]]), gamma)
         labels = targets[0, 0, 1:][ok[0, 0, 1:]].tolist()
         assert accepted == leading_matches(drafts, labels), (seq_id, position, drafts, labels)
 
@@ -636,7 +640,10 @@ def test_shipped_drafter_teacher_forced_equals_real_acceptance(smollm2, smollm2_
         return [min(m, n) for m, n in zip(matches, offered)]  # the engine offers fewer drafts near the end
 
     assert forced() == expected
-    check_labels_match_verification(log, full)
+    gamma = drafter.spec.max_drafts + 1  # the shipped drafter's block, not the small test drafters'
+    labels = generate(smollm2, [prompt], 24 + gamma).rows()[0]  # the target's greedy run, a block further
+    assert labels[:len(full[0])] == full[0]
+    check_labels_match_verification(log, [labels], gamma=gamma)
     with pytest.MonkeyPatch.context() as m:
         m.setattr("specsplit.evaluate.block_targets", shifted_targets)
         assert forced() != expected
