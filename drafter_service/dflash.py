@@ -42,6 +42,57 @@ from specsplit.shared.ragged import ragged_arange
 ARCHITECTURE = "DFlashDraftModel"
 
 
+@dataclass(frozen=True)
+class RefinePolicy:
+    """How many leading drafts of a block's first pass a refining second pass is given (`embed_block`'s
+    reveal): `fixed` of them, or those up to the first the drafter gave less than `confident` probability,
+    at most `most`. The second pass drafts the rows past them anew, each now seeing the drafts before it,
+    which decide whether it counts at all: a draft is accepted only after all those before it were.
+
+    Written `2` (two given) or `p0.6` (leading drafts of probability ≥ 0.6; `p0.6:3`, at most three)."""
+
+    fixed: int | None = None
+    confident: float | None = None
+    most: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.fixed is None) == (self.confident is None):
+            raise InvalidRequest("a refine policy reveals a fixed count or the confident drafts, one of the two")
+        if self.fixed is not None and self.fixed < 1:
+            raise InvalidRequest(f"a refine policy reveals at least one draft, got {self.fixed}")
+        if self.confident is not None and not 0 < self.confident < 1:
+            raise InvalidRequest(f"a refine policy's confidence lies in (0, 1), got {self.confident}")
+        if self.most is not None and self.most < 1:
+            raise InvalidRequest(f"a refine policy's cap is at least one draft, got {self.most}")
+
+    @staticmethod
+    def parse(text: str) -> "RefinePolicy":
+        try:
+            if text.startswith("p"):
+                confident, _, most = text[1:].partition(":")
+                numbers = {"confident": float(confident), "most": int(most) if most else None}
+            else:
+                numbers = {"fixed": int(text)}
+        except ValueError:
+            raise InvalidRequest(f"a refine policy is a count (2) or p<probability>[:<cap>] (p0.6, p0.6:3), "
+                                 f"got {text!r}") from None
+        return RefinePolicy(**numbers)
+
+    def __str__(self) -> str:
+        if self.fixed is not None:
+            return str(self.fixed)
+        return f"p{self.confident:g}" + ("" if self.most is None else f":{self.most}")
+
+    def reveal(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs [..., γ-1], the first pass's probability of each draft → counts [...] in 0..γ-2."""
+        top = probs.shape[-1] - 1
+        if self.fixed is not None:
+            count = torch.full(probs.shape[:-1], self.fixed, dtype=torch.long, device=probs.device)
+        else:
+            count = (probs >= self.confident).long().cumprod(-1).sum(-1)
+        return count.clamp(max=min(top, self.most or top))
+
+
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """DFlash's default capture layers: the middle one, or evenly spaced over layers 1..n-3."""
     if num_draft_layers == 1:
@@ -252,10 +303,18 @@ class DFlashModel(nn.Module):
             self._context_k_norms = torch.stack(weights).detach().clone()
         return self._context_k_norms
 
-    def embed_block(self, anchors: torch.Tensor, head: TargetHead) -> torch.Tensor:
-        """anchors [B] → [B, γ, hidden]: embeddings of [anchor, mask × (γ-1)]."""
-        ids = torch.full((anchors.shape[0], self.cfg.block_size), self.cfg.mask_token_id, dtype=torch.long)
-        ids[:, 0] = anchors.cpu()
+    def embed_block(self, anchors: torch.Tensor, head: TargetHead, revealed: torch.Tensor | None = None,
+                    reveal: torch.Tensor | None = None) -> torch.Tensor:
+        """anchors [B] → [B, γ, hidden]: embeddings of [anchor, mask × (γ-1)].
+
+        With `revealed` [B, γ-1] (token ids) and `reveal` [B] (counts r, 0 ≤ r ≤ γ-2), rows 1..r hold
+        revealed[:, :r] instead of the mask: a refining pass's block, its first r drafts given."""
+        ids = torch.full((anchors.shape[0], self.cfg.block_size), self.cfg.mask_token_id, dtype=torch.long,
+                         device=anchors.device)
+        ids[:, 0] = anchors
+        if reveal is not None:
+            given = torch.arange(1, self.cfg.block_size, device=ids.device) <= reveal.to(ids.device)[:, None]
+            ids[:, 1:] = torch.where(given, revealed.to(ids.device, torch.long), ids[:, 1:])
         emb = F.embedding(ids.to(head.embed.device), head.embed) * self.cfg.input_embedding_scale
         return emb.to(self.fc.weight.device, self.fc.weight.dtype)
 
@@ -387,10 +446,15 @@ class DFlashDrafter(Drafter):
     `pool_blocks` sizes the pool (blocks of 16 positions); the default holds `max_batch` sequences at the
     full window. An alloc the pool cannot serve raises CapacityExceeded, which a target takes as "decode
     this sequence without drafts".
+
+    With `refine`, every block is drafted twice, the second pass given the first's leading drafts as the
+    policy says (`RefinePolicy`). That runs the eager forwards only (no static forwards, no chained steps):
+    it is for measuring a drafter trained for it (`train-drafter --reveal-share`) against teacher forcing.
     """
 
     def __init__(self, model: DFlashModel, head: TargetHead, *, window: int = 4096, max_batch: int = 64,
-                 cuda_graphs: bool = True, pool_blocks: int | None = None) -> None:
+                 cuda_graphs: bool = True, pool_blocks: int | None = None,
+                 refine: RefinePolicy | None = None) -> None:
         cfg = model.cfg
         if head.hidden_size != cfg.decoder.hidden_size or head.vocab_size != cfg.decoder.vocab_size:
             raise CheckpointError(f"target head [{head.vocab_size}, {head.hidden_size}] does not fit a drafter "
@@ -419,7 +483,8 @@ class DFlashDrafter(Drafter):
         self.propose_graphs: ProposeGraphs | None = None
         self._chain: ChainBatch | None = None  # the last chained step's sequences (see chain_batch)
         self._chain_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per batch size: tables, periods
-        if cuda_graphs and self.device.type == "cuda":
+        self.refine = refine
+        if cuda_graphs and self.device.type == "cuda" and refine is None:
             self.use_static_forwards(use_graphs=True)
 
     def use_static_forwards(self, *, use_graphs: bool) -> None:
@@ -546,7 +611,8 @@ class DFlashDrafter(Drafter):
         """Drafts [B, γ-1] on the device from the static block forward, or None when the batch does
         not take it (a bitmask, a head on another device, no static forwards)."""
         graphs = self.propose_graphs
-        if graphs is None or any(d.allowed is not None for d in batch) or self.head.embed.device != self.device:
+        if graphs is None or self.refine is not None or any(d.allowed is not None for d in batch) \
+                or self.head.embed.device != self.device:
             return None
         states = [d.state for d in batch]
         positions = [d.request.position for d in batch]
@@ -575,7 +641,8 @@ class DFlashDrafter(Drafter):
         usual). Anchors below the budget keep every write where a step-by-step propose at that anchor
         writes: its block's rows cover the verified ones (and a ring holds a window and a block)."""
         if self.propose_graphs is None or self.context_graphs is None or self.head.embed.device != self.device \
-                or not 0 < len(seq_ids) <= self.spec.max_batch or len(set(seq_ids)) != len(seq_ids):
+                or self.refine is not None or not 0 < len(seq_ids) <= self.spec.max_batch \
+                or len(set(seq_ids)) != len(seq_ids):
             return None
         states = [self.store.get(seq_id) for seq_id in seq_ids]
         for state, ahead in zip(states, anchors_ahead):
@@ -651,12 +718,24 @@ class DFlashDrafter(Drafter):
             return proposals(drafted.tokens, drafted.logp, batch)
         anchors = torch.tensor([d.request.last_token for d in batch])
         positions = torch.tensor([d.request.position for d in batch], device=self.device)
-        block = self.model.embed_block(anchors, self.head)
-        hidden = self.model.block_hidden(block, positions, self._context([d.state for d in batch]))
+        ctx = self._context([d.state for d in batch])
         most = max(d.request.num_drafts for d in batch)
-        logits = self.model.logits(hidden[:, 1:1 + most], self.head)  # [B, n, draft vocab]
-        allowed = batch_allowed([d.allowed for d in batch], self.vocab.size, logits.device)
-        ids, logp = pick(logits, None if allowed is None else allowed[:, None, :])
+
+        def drafted(revealed: torch.Tensor | None = None, reveal: torch.Tensor | None = None):
+            block = self.model.embed_block(anchors, self.head, revealed, reveal)
+            hidden = self.model.block_hidden(block, positions, ctx)
+            logits = self.model.logits(hidden[:, 1:1 + most], self.head)  # [B, n, draft vocab]
+            allowed = batch_allowed([d.allowed for d in batch], self.vocab.size, logits.device)
+            return pick(logits, None if allowed is None else allowed[:, None, :])
+
+        ids, logp = drafted()
+        if self.refine is not None and most > 1:
+            # Rows 1..r keep the first pass's drafts; the rest are drafted again, given them
+            reveal = self.refine.reveal(logp.exp())
+            revealed = F.pad(self.vocab.to_target(ids), (0, self.spec.max_drafts - most))
+            again, again_logp = drafted(revealed, reveal)
+            kept = torch.arange(1, most + 1, device=ids.device) <= reveal.to(ids.device)[:, None]
+            ids, logp = torch.where(kept, ids, again), torch.where(kept, logp, again_logp)
         return proposals(self.vocab.to_target(ids), logp, batch)
 
     def _context(self, states: Sequence[DFlashState]) -> BlockContext:

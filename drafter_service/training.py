@@ -55,11 +55,14 @@ def dflash_visibility(positions: torch.Tensor, valid: torch.Tensor, anchor_pos: 
 
 
 def dflash_block_hidden(model: DFlashModel, head: TargetHead, rows: torch.Tensor, tokens: torch.Tensor,
-                        positions: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+                        positions: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor,
+                        reveal: torch.Tensor | None = None) -> torch.Tensor:
     """Final-normed hidden [B, N, γ, hidden] of the blocks anchored at sequence indices anchors [B, N].
 
     rows [B, S, feature_dim] are the target's captured layers, tokens/positions/valid [B, S] the
     sequence. Row k of a block is the inference drafter's block row k (its draft k for k ≥ 1).
+    With `reveal` [B, N] (counts r, 0 ≤ r ≤ γ-2), rows 1..r of a block hold the sequence's own tokens
+    x_{a+1..a+r} in place of the mask: a refining pass's block whose first r drafts were right.
     """
     cfg = model.cfg
     _check_rows(rows, tokens, positions, valid, cfg.feature_dim)
@@ -68,7 +71,14 @@ def dflash_block_hidden(model: DFlashModel, head: TargetHead, rows: torch.Tensor
     ctx_k, ctx_v = model.context(rows.reshape(batch * width, -1), positions.reshape(-1))
     ctx_k, ctx_v = (t.view(t.shape[0], batch, width, *t.shape[2:]) for t in (ctx_k, ctx_v))  # [layers, B, S, Hkv, D]
     anchor_pos = positions.gather(1, anchors)  # [B, N]
-    block = model.embed_block(tokens.gather(1, anchors).reshape(-1), head)  # [B·N, γ, hidden]
+    revealed = None
+    if reveal is not None:
+        if reveal.shape != anchors.shape or bool(((reveal < 0) | (reveal > gamma - 2)).any()):
+            raise InvalidRequest(f"reveal must be [B, N] counts in 0..{gamma - 2}")
+        index = (anchors[:, :, None] + torch.arange(1, gamma, device=anchors.device)).clamp(max=width - 1)
+        revealed = tokens.gather(1, index.flatten(1)).view(-1, gamma - 1)  # [B·N, γ-1]
+        reveal = reveal.reshape(-1)
+    block = model.embed_block(tokens.gather(1, anchors).reshape(-1), head, revealed, reveal)  # [B·N, γ, hidden]
     q_pos = (anchor_pos[:, :, None] + torch.arange(gamma, device=anchors.device)).reshape(-1)
     cos, sin = model.rotary_emb(q_pos, block.dtype)
     x = block.reshape(batch * blocks * gamma, -1)

@@ -358,6 +358,16 @@ def drafts_by_batch(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
+def refine_policies(text: str) -> tuple:
+    """`1,2,p0.6` -> the `RefinePolicy`s of a refining second pass to score (teacher-forced)."""
+    from specsplit.drafter_service.dflash import RefinePolicy
+
+    try:
+        return tuple(RefinePolicy.parse(part.strip()) for part in text.split(",") if part.strip())
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def sampled_by_kind(text: str) -> tuple[tuple[str, float], ...]:
     """`chat=1,code=0.25` -> (("chat", 1.0), ("code", 0.25)): sampled continuations per prompt of a kind
     (`TrainConfig` checks the kinds and the range)."""
@@ -566,14 +576,14 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
                       pool_gb=args.pool_gb, pool_rounds=args.pool_rounds, sampled_fraction=args.sampled_fraction,
                       sampled_by_kind=args.sampled_by_kind, self_prompts=args.self_prompts,
                       ce_weight=args.ce_weight, kl_weight=args.kl_weight, walk_share=args.walk_anchors,
-                      walk_steps=args.walk_steps,
+                      walk_steps=args.walk_steps, reveal_share=args.reveal_share, reveal_max=args.reveal_max,
                       gen_graphs=not args.no_gen_graphs,
                       seed=args.seed, log_every=args.log_every)
     if args.eval_tokens < 0:
         raise InvalidRequest("--eval-tokens must be >= 0")
     run(cfg, target=args.target, out=args.out, device=args.device, init=args.init,
         log=lambda line: print(line, flush=True), eval_tokens=args.eval_tokens,
-        eval_dtype=getattr(torch, args.eval_dtype) if args.eval_dtype else None)
+        eval_dtype=getattr(torch, args.eval_dtype) if args.eval_dtype else None, eval_refine=args.refine)
 
 
 def cmd_eval_acceptance(args: argparse.Namespace) -> None:
@@ -581,7 +591,7 @@ def cmd_eval_acceptance(args: argparse.Namespace) -> None:
     from specsplit.train_data import HELDOUT_PATH
 
     settings = EvalSettings(max_tokens=args.max_tokens, temperature=args.temperature, batch=args.batch,
-                            num_drafts=args.num_drafts, seed=args.seed)
+                            num_drafts=args.num_drafts, seed=args.seed, refine=args.refine)
     rep = run(target=args.target, drafter=args.drafter, prompts_path=args.prompts or HELDOUT_PATH,
               settings=settings, device=args.device, dtype=args.dtype, limit=args.limit, seed=args.seed)
     print(dumps(rep) if args.json else format_report(rep))
@@ -616,6 +626,9 @@ def add_training_parsers(sub) -> None:
             ("--walk-anchors", float, 0.0, "DFlash: share of each row's anchors moved one step of decoding's walk, "
                                            "past the drafts the drafter gets right from a random anchor (0 to 1)"),
             ("--walk-steps", int, 1, "DFlash: steps of decoding's walk each --walk-anchors anchor takes"),
+            ("--reveal-share", float, 0.0, "DFlash: share of blocks trained as a refining second pass's, their "
+                                           "first r drafts given as the true tokens (r from 1 to --reveal-max)"),
+            ("--reveal-max", int, 4, "DFlash: most drafts a --reveal-share block is given"),
             ("--gen-batch", int, 1024, "sequences generated at once"),
             ("--gen-fraction", float, 0.35, "share of --minutes spent generating, at most"),
             ("--pool-gb", float, 48.0, "device memory for feature rows, in GiB"),
@@ -639,6 +652,10 @@ def add_training_parsers(sub) -> None:
                     help="the held-out eval's weights and activations (default: the training's, bfloat16 on "
                          "CUDA); float32 keeps near-ties from flipping the target's greedy text between runs "
                          "(bfloat16 evals of one checkpoint differ by up to 0.04 in tau)")
+    tr.add_argument("--refine", type=refine_policies, default=(), metavar="POLICY,...",
+                    help="with --eval-tokens: " + "DFlash, greedy: also score, teacher-forced, a refining second pass given the first's leading drafts, "
+                         "per policy: a count (2) or the drafts of probability at least p (p0.6, p0.6:3 for at most "
+                         "three), comma-separated (default: none)")
     tr.add_argument("--no-gen-graphs", action="store_true",
                     help="generate with eager decode steps instead of CUDA graphs (slower; for diagnosis)")
     tr.set_defaults(func=cmd_train_drafter)
@@ -654,6 +671,10 @@ def add_training_parsers(sub) -> None:
                     help="draft tokens per step (default: the drafter's most: 15 for DFlash, 4 for MTP)")
     ev.add_argument("--limit", type=int, default=None, help="only the first K prompts (default: all)")
     ev.add_argument("--seed", type=int, default=0, help="seeds sampling and a random drafter")
+    ev.add_argument("--refine", type=refine_policies, default=(), metavar="POLICY,...",
+                    help="DFlash, greedy: also score, teacher-forced, a refining second pass given the first's leading drafts, "
+                         "per policy: a count (2) or the drafts of probability at least p (p0.6, p0.6:3 for at most "
+                         "three), comma-separated (default: none)")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
 
 

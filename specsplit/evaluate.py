@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from specsplit.drafter_service.base import DraftVocab
-from specsplit.drafter_service.dflash import DFlashDrafter, DFlashModel
+from specsplit.drafter_service.dflash import DFlashDrafter, DFlashModel, RefinePolicy
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.drafter_service.training import dflash_block_hidden
 from specsplit.shared.errors import InvalidRequest
@@ -56,10 +56,13 @@ class EvalSettings:
     batch: int = 16  # sequences the engine decodes together
     num_drafts: int | None = None  # None: the drafter's max
     seed: int = 0  # seeds sampling when temperature > 0
+    # Teacher-forced figures again for each policy of a refining second pass (DFlash, greedy)
+    refine: tuple[RefinePolicy, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.batch < 1 or self.temperature < 0:
             raise InvalidRequest("max_tokens and batch must be ≥ 1, temperature ≥ 0")
+        object.__setattr__(self, "refine", tuple(self.refine))
 
     def params(self, index: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed + index)
@@ -198,8 +201,27 @@ def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPromp
     rep = report(prompts, spec, base, recorder.records, proposer.spec.max_drafts, settings, served=served)
     if isinstance(proposer, DFlashDrafter) and settings.temperature == 0.0:
         rep["teacher_forced"] = teacher_forced(model, proposer.model, proposer.head, [p.ids for p in prompts],
-                                               base.tokens, settings.num_drafts or proposer.spec.max_drafts)
+                                               base.tokens, settings.num_drafts or proposer.spec.max_drafts,
+                                               settings.refine, [p.kind for p in prompts])
+        rep["refined_runs"] = {str(policy): refined_run(model, proposer, policy, prompts, base, settings, eos_ids)
+                               for policy in settings.refine}
     return rep
+
+
+def refined_run(model: TargetModel, drafter: DFlashDrafter, policy: RefinePolicy, prompts: Sequence[EvalPrompt],
+                base: Run, settings: EvalSettings, eos_ids: Sequence[int]) -> dict:
+    """Real speculative decoding with every block drafted twice (`DFlashDrafter.refine`, eager forwards):
+    τ overall and by kind, to set beside the teacher-forced walk's, and its mismatches against `base`
+    (greedy: none, or verification is broken)."""
+    drafter.refine = policy
+    try:
+        run = run_engine(make_engine(model, drafter, settings, eos_ids), prompts, settings, "r")
+    finally:
+        drafter.refine = None
+    kinds = sorted({p.kind for p in prompts})
+    return {**tau_figures(run.stats),
+            "by_kind": {k: tau_figures([s for s, p in zip(run.stats, prompts) if p.kind == k]) for k in kinds},
+            "mismatches": sum(a != b for a, b in zip(run.tokens, base.tokens))}
 
 
 # ---- teacher forcing ----------------------------------------------------------------------------
@@ -207,27 +229,53 @@ def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPromp
 
 @torch.no_grad()
 def anchor_matches(drafter: DFlashModel, head: TargetHead, rows: torch.Tensor, tokens: torch.Tensor, length: int,
-                   anchors: Sequence[int], *, chunk: int = 32) -> list[int]:
+                   anchors: Sequence[int], *, chunk: int = 32, refine: RefinePolicy | None = None) -> list[int]:
     """Per anchor index a of one sequence (tokens [S] real up to `length`, the target's feature rows
     [S, feature_dim]): how many leading drafts of the training forward's block at a equal x_{a+1}, ...
-    — what greedy verification accepts when the sequence is the target's greedy continuation."""
+    — what greedy verification accepts when the sequence is the target's greedy continuation.
+
+    With `refine`, a second pass given the policy's r leading drafts of the first drafts the rest: the
+    count is the first pass's where it missed within its first r drafts, else r plus the second pass's
+    leading matches past them (given the true tokens, which the first pass's drafts then are)."""
     gamma = drafter.cfg.block_size
     vocab = DraftVocab(drafter.d2t, head.vocab_size)
     positions = torch.arange(tokens.shape[0], device=tokens.device)[None]
     valid, lengths = positions < length, torch.tensor([length], device=tokens.device)
+    k = torch.arange(1, gamma, device=tokens.device)
     out = []
     for start in range(0, len(anchors), chunk):
         index = torch.tensor(list(anchors[start:start + chunk]), device=tokens.device)[None]  # [1, N]
-        hidden = dflash_block_hidden(drafter, head, rows[None], tokens[None], positions, valid, index)
-        drafts = vocab.to_target(drafter.logits(hidden[0, :, 1:], head).argmax(-1))  # [N, γ-1]
         targets, ok = block_targets(tokens[None], lengths, index, torch.ones_like(index, dtype=torch.bool), gamma)
-        hits = (drafts == targets[0, :, 1:].to(drafts.device)) & ok[0, :, 1:].to(drafts.device)
-        out += hits.long().cumprod(1).sum(1).tolist()
+        targets, ok = targets[0, :, 1:], ok[0, :, 1:]
+
+        def hits(reveal: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = dflash_block_hidden(drafter, head, rows[None], tokens[None], positions, valid, index,
+                                         None if reveal is None else reveal[None])
+            logits = drafter.logits(hidden[0, :, 1:], head)  # [N, γ-1]
+            probs, ids = logits.softmax(-1).max(-1)
+            drafts = vocab.to_target(ids).to(targets.device)
+            return (drafts == targets) & ok, probs
+
+        hit, probs = hits(None)
+        if refine is not None:
+            reveal = refine.reveal(probs).to(tokens.device)  # [N]
+            hit = torch.where(k <= reveal[:, None], hit, hits(reveal)[0])
+        out += hit.long().cumprod(1).sum(1).tolist()
     return out
 
 
+def walk_steps(matches: Sequence[int], offered: int) -> int:
+    """Steps greedy decoding takes over a continuation whose anchor i gets matches[i] leading drafts right."""
+    i = steps = 0
+    while i < len(matches):
+        i += min(matches[i], offered) + 1
+        steps += 1
+    return steps
+
+
 def teacher_forced(target: TargetModel, drafter: DFlashModel, head: TargetHead, prompts: Sequence[Sequence[int]],
-                   continuations: Sequence[Sequence[int]], num_drafts: int | None = None) -> dict:
+                   continuations: Sequence[Sequence[int]], num_drafts: int | None = None,
+                   refine: Sequence[RefinePolicy] = (), kinds: Sequence[str] | None = None) -> dict:
     """Acceptance by draft position with teacher forcing over the greedy `continuations` of `prompts`:
     every generated token with one after it is an anchor offered γ-1 drafts (`position_acceptance`'s
     records); tau_excl_prefill = 1 + their sum, the tokens per step a verify of every block would give.
@@ -236,7 +284,11 @@ def teacher_forced(target: TargetModel, drafter: DFlashModel, head: TargetHead, 
     fail: it is not the τ a run shows. `walk` is: the steps greedy speculative decoding takes over the
     same continuations with these drafts (`num_drafts` offered per step, default γ-1), each next anchor
     one past the last accepted draft; its tau_excl_prefill is comparable with the run's (equal when the
-    run's features are these), so a gap between the two is an alignment bug and not the averaging."""
+    run's features are these), so a gap between the two is an alignment bug and not the averaging.
+
+    `refined` has both figures again for each `refine` policy: every block drafted twice, the second pass
+    given the first's leading drafts (`anchor_matches`). With `kinds` (one per prompt) each walk is also
+    split by kind (`walk.by_kind`)."""
     gamma = drafter.cfg.block_size
     offered = gamma - 1 if num_drafts is None else min(num_drafts, gamma - 1)
     sequences = [list(p) + list(c) for p, c in zip(prompts, continuations)]
@@ -245,18 +297,34 @@ def teacher_forced(target: TargetModel, drafter: DFlashModel, head: TargetHead, 
     tokens = torch.tensor([s + [0] * (width - len(s)) for s in sequences], dtype=torch.long, device=device)
     lengths = torch.tensor([len(s) for s in sequences], device=device)
     rows = capture_features(target, tokens, lengths, CaptureSpec(layer_ids=drafter.cfg.target_layer_ids))
-    records, walked, steps = [], 0, 0
-    for b, (prompt, seq) in enumerate(zip(prompts, sequences)):
-        matches = anchor_matches(drafter, head, rows[b], tokens[b], len(seq), range(len(prompt), len(seq) - 1))
-        records += [(gamma - 1, m) for m in matches]
-        i = 0  # matches[i]: the anchor at len(prompt) + i, the first one the token the prefill emitted
-        while i < len(matches):
-            i += min(matches[i], offered) + 1
-            steps += 1
-        walked += len(matches)
-    accept = position_acceptance(records, gamma - 1)
-    return {"anchors": len(records), "tau_excl_prefill": 1 + sum(accept), "position_acceptance": accept,
-            "walk": {"steps": steps, "tokens": walked, "tau_excl_prefill": walked / steps if steps else 0.0}}
+
+    if kinds is not None and len(kinds) != len(prompts):
+        raise InvalidRequest("teacher_forced takes one kind per prompt")
+
+    def walk(steps: int, tokens: int) -> dict:
+        return {"steps": steps, "tokens": tokens, "tau_excl_prefill": tokens / steps if steps else 0.0}
+
+    def figures(policy: RefinePolicy | None) -> dict:
+        records, by_kind = [], {}
+        for b, (prompt, seq) in enumerate(zip(prompts, sequences)):
+            # matches[i]: the anchor at len(prompt) + i, the first one the token the prefill emitted
+            matches = anchor_matches(drafter, head, rows[b], tokens[b], len(seq), range(len(prompt), len(seq) - 1),
+                                     refine=policy)
+            records += [(gamma - 1, m) for m in matches]
+            tally = by_kind.setdefault(None if kinds is None else kinds[b], [0, 0])
+            tally[0] += walk_steps(matches, offered)
+            tally[1] += len(matches)
+        accept = position_acceptance(records, gamma - 1)
+        walked = walk(sum(t[0] for t in by_kind.values()), sum(t[1] for t in by_kind.values()))
+        if kinds is not None:
+            walked["by_kind"] = {kind: walk(*tally) for kind, tally in by_kind.items()}
+        return {"anchors": len(records), "tau_excl_prefill": 1 + sum(accept), "position_acceptance": accept,
+                "walk": walked}
+
+    rep = figures(None)
+    if refine:
+        rep["refined"] = {str(policy): figures(policy) for policy in refine}
+    return rep
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -329,6 +397,20 @@ def format_report(rep: dict) -> str:
         walk = forced["walk"]
         lines.append(f"teacher forced, decoding's walk (comparable with tau excl. prefill above): "
                      f"{walk['tau_excl_prefill']:.3f} over {walk['steps']} steps")
+        for name, refined in [("", forced)] + list(forced.get("refined", {}).items()):
+            by_kind = refined["walk"].get("by_kind", {})
+            if name:
+                lines.append(f"teacher forced, refined ({name} given): tau excl. prefill "
+                             f"{refined['tau_excl_prefill']:.3f} over every anchor, "
+                             f"{refined['walk']['tau_excl_prefill']:.3f} over decoding's walk")
+                real = rep.get("refined_runs", {}).get(name)
+                if real is not None:
+                    lines.append(f"  decoded so: tau {real['tau']:.3f}, excl. prefill {real['tau_excl_prefill']:.3f} "
+                                 f"(" + ", ".join(f"{k} {v['tau']:.3f}" for k, v in real["by_kind"].items())
+                                 + f"); {real['mismatches']} mismatches")
+            if by_kind:
+                lines.append("  the walk by kind: " + ", ".join(f"{kind} {w['tau_excl_prefill']:.3f}"
+                                                                for kind, w in by_kind.items()))
     tps = rep["tokens_per_s"]
     lines.append(f"tokens/s: speculative {tps['speculative']:.1f}, target-only {tps['target_only']:.1f}, "
                  f"speedup {tps['speedup']:.2f}x")

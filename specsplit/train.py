@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from specsplit.drafter_service.base import DraftVocab
 from specsplit.drafter_service.checkpoint import DrafterModel, load_model, random_model, save_dflash, save_mtp
-from specsplit.drafter_service.dflash import DFlashModel, build_target_layer_ids
+from specsplit.drafter_service.dflash import DFlashModel, RefinePolicy, build_target_layer_ids
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.mtp import MTPModel
 from specsplit.drafter_service.training import dflash_block_hidden, mtp_step_outputs
@@ -75,6 +75,11 @@ class TrainConfig:
     # a + m + 1 past the m drafts its block gets right (`walk_anchors`): where decoding's next step starts
     walk_share: float = 0.0
     walk_steps: int = 1  # steps of the walk each of those anchors takes (a scoring forward each)
+    # DFlash: the share of blocks trained as a refining pass's (`drafter_service.training`'s reveal): rows
+    # 1..r hold the true tokens x_{a+1..a+r}, r drawn uniformly from 1..reveal_max, and only rows past r are
+    # scored. Decoding may then draft a block twice, the second pass given the first's leading drafts.
+    reveal_share: float = 0.0
+    reveal_max: int = 4
     steps: int | None = None
     minutes: float | None = None  # wall-time bound for everything, generation included
     gen_fraction: float = 0.35  # of `minutes`, the most spent generating
@@ -106,6 +111,11 @@ class TrainConfig:
             raise InvalidRequest(f"walk_share must lie in [0, 1], got {self.walk_share}")
         if self.walk_share > 0 and self.kind != "dflash":
             raise InvalidRequest("walk_share moves DFlash anchors; MTP trains at every index")
+        if not 0 <= self.reveal_share <= 1:
+            raise InvalidRequest(f"reveal_share must lie in [0, 1], got {self.reveal_share}")
+        if self.reveal_share > 0 and (self.kind != "dflash" or not 1 <= self.reveal_max <= self.block_size - 2):
+            raise InvalidRequest(f"reveal_share trains DFlash blocks with 1..reveal_max of their γ-1 drafts given: "
+                                 f"reveal_max must lie in 1..{self.block_size - 2}, got {self.reveal_max}")
         kinds = [kind for kind, _ in self.sampled_by_kind]
         if len(set(kinds)) != len(kinds) or any(kind not in PROMPT_KINDS for kind in kinds) or \
                 any(not 0 <= n <= MAX_SAMPLED for _, n in self.sampled_by_kind):
@@ -475,7 +485,8 @@ def dflash_loss(model: DFlashModel, head: TargetHead, batch: Batch, cfg: TrainCo
                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Block k of an anchor a predicts x_{a+k}, k = 1..γ-1, weighted exp(-(k-1)/w) where a+k is real.
     The first walk_share of each row's (randomly ordered) anchors are moved walk_steps steps of decoding's
-    walk (`walk_anchors`, once a step)."""
+    walk (`walk_anchors`, once a step). A reveal_share of the blocks, drawn after, are a refining pass's:
+    given their first r labels (r uniform in 1..reveal_max), scored past them (`block_weights`)."""
     gamma = model.cfg.block_size
     anchors, real = sample_anchors(batch, cfg.anchors, gen)
     walked = math.floor(cfg.walk_share * anchors.shape[1] + 0.5)  # columns scored (real anchors come first)
@@ -493,12 +504,27 @@ def dflash_loss(model: DFlashModel, head: TargetHead, batch: Batch, cfg: TrainCo
             torch.clear_autocast_cache()
         anchors = torch.cat([torch.where(chosen, moved, anchors[:, :walked]), anchors[:, walked:]], 1)
         real = torch.cat([torch.where(chosen, still, real[:, :walked]), real[:, walked:]], 1)
-    hidden = dflash_block_hidden(model, head, batch.rows, batch.tokens, batch.positions, batch.valid, anchors)
+    reveal = None
+    if cfg.reveal_share > 0:
+        drawn = torch.randint(1, cfg.reveal_max + 1, anchors.shape, generator=gen, device=gen.device)
+        chosen = torch.rand(anchors.shape, generator=gen, device=gen.device) < cfg.reveal_share
+        reveal = (drawn * chosen).to(anchors.device)
+    hidden = dflash_block_hidden(model, head, batch.rows, batch.tokens, batch.positions, batch.valid, anchors,
+                                 reveal=reveal)
     targets, ok = block_targets(batch.tokens, batch.lengths, anchors, real, gamma)
-    k = torch.arange(gamma, device=anchors.device)
-    weights = ok * torch.exp(-(k - 1).clamp(min=0) / cfg.decay)
-    teacher = teacher_rows(batch.final, anchors[:, :, None] + k)
-    return distill_loss(hidden, targets, teacher, weights, model, head, cfg)
+    teacher = teacher_rows(batch.final, anchors[:, :, None] + torch.arange(gamma, device=anchors.device))
+    return distill_loss(hidden, targets, teacher, block_weights(ok, reveal, cfg.decay), model, head, cfg)
+
+
+def block_weights(ok: torch.Tensor, reveal: torch.Tensor | None, decay: float) -> torch.Tensor:
+    """[B, N, γ] loss weights of blocks whose labels are real where `ok`: exp(-(j-1)/decay) at a block's j-th
+    drafted row. A refining pass's block (`reveal` [B, N] = r > 0) drafts rows r+1.. only: its rows 1..r
+    are given and weigh nothing, and its row r+1 weighs as a first draft."""
+    k = torch.arange(ok.shape[-1], device=ok.device)
+    if reveal is not None:
+        ok = ok & (k > reveal[:, :, None])
+        k = k - reveal[:, :, None]
+    return ok * torch.exp(-(k - 1).clamp(min=0) / decay)
 
 
 def mtp_loss(model: MTPModel, head: TargetHead, batch: Batch, cfg: TrainConfig,
@@ -773,7 +799,7 @@ def save_drafter(model: DrafterModel, out: str | Path) -> Path:
 
 def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: str | None = None,
         log: Log = print, eval_tokens: int = 0, eval_limit: int | None = None,
-        eval_dtype: torch.dtype | None = None) -> Path:
+        eval_dtype: torch.dtype | None = None, eval_refine: Sequence[RefinePolicy] = ()) -> Path:
     """`specsplit train-drafter`: load the target and the training prompts, have the target write more,
     train, save; with `eval_tokens`, then evaluate the new checkpoint (and `init`) on the held-out
     prompts with the target already loaded (`specsplit eval-acceptance`'s figures, batch 16), or loaded
@@ -813,13 +839,14 @@ def run(cfg: TrainConfig, *, target: str, out: str | Path, device: str, init: st
             where = f"held-out eval in {str(eval_dtype).removeprefix('torch.')}"
         for name, folder_ in (("this checkpoint", saved), ("the --init checkpoint", init)):
             if folder_ is not None:
-                rep = evaluate_checkpoint(model, tokenizer, str(folder_), device, eval_tokens, eval_limit)
+                rep = evaluate_checkpoint(model, tokenizer, str(folder_), device, eval_tokens, eval_limit,
+                                          eval_refine)
                 log(f"{where}, {name}: {eval_summary(rep)}")
     return saved
 
 
 def evaluate_checkpoint(model: TargetModel, tokenizer, drafter: str, device: str, max_tokens: int,
-                        limit: int | None) -> dict:
+                        limit: int | None, refine: Sequence[RefinePolicy] = ()) -> dict:
     """`specsplit eval-acceptance`'s report for a drafter checkpoint, on a target already loaded."""
     from specsplit.evaluate import EvalPrompt, EvalSettings, evaluate
     from specsplit.local import LocalSetup, make_drafter
@@ -828,7 +855,8 @@ def evaluate_checkpoint(model: TargetModel, tokenizer, drafter: str, device: str
     prompts = [EvalPrompt(p.kind, p.encode(tokenizer)) for p in read_prompts(HELDOUT_PATH, limit)]
     dtype = str(model.embed_weight.dtype).removeprefix("torch.")  # the drafter computes as the target does
     proposer = make_drafter(drafter, model, LocalSetup(drafter=drafter, device=device, dtype=dtype))
-    return evaluate(model, proposer, prompts, EvalSettings(max_tokens=max_tokens), eos_ids=tokenizer.eos_token_ids)
+    return evaluate(model, proposer, prompts, EvalSettings(max_tokens=max_tokens, refine=tuple(refine)),
+                    eos_ids=tokenizer.eos_token_ids)
 
 
 def eval_summary(rep: dict) -> str:
@@ -839,9 +867,29 @@ def eval_summary(rep: dict) -> str:
     speed = rep["tokens_per_s"]
     return (f"tau {rep['tau']:.2f} ({kinds}); acceptance by draft position {positions} ...; "
             + (f"teacher-forced tau {forced['tau_excl_prefill']:.2f} over every anchor, "
-               f"{forced['walk']['tau_excl_prefill']:.2f} over decoding's walk; " if forced else "")
+               f"{forced['walk']['tau_excl_prefill']:.2f} over decoding's walk{_walk_kinds(forced)}; " if forced else "")
+            + "".join(f"refined ({name} given) {r['tau_excl_prefill']:.2f} / {r['walk']['tau_excl_prefill']:.2f}"
+                      + _walk_kinds(r) + _decoded(rep, name) + "; "
+                      for name, r in (forced or {}).get("refined", {}).items())
             + f"speculative {speed['speculative']:.0f} vs target-only {speed['target_only']:.0f} tok/s "
             f"({speed['speedup']:.2f}x), batch {rep['batch']}, {rep['prompts']} prompts, {rep['max_tokens']} tokens")
+
+
+def _walk_kinds(forced: dict) -> str:
+    """' (walk: chat 3.10, code 4.60, ...)' where the teacher-forced walk is split by kind."""
+    by_kind = forced["walk"].get("by_kind")
+    if not by_kind:
+        return ""
+    return " (walk: " + ", ".join(f"{kind} {w['tau_excl_prefill']:.2f}" for kind, w in by_kind.items()) + ")"
+
+
+def _decoded(rep: dict, name: str) -> str:
+    """', decoded tau 3.71 (chat 3.30, ...)' for a refine policy's real run, where there was one."""
+    real = rep.get("refined_runs", {}).get(name)
+    if real is None:
+        return ""
+    kinds = ", ".join(f"{kind} {v['tau']:.2f}" for kind, v in real["by_kind"].items())
+    return f", decoded tau {real['tau']:.2f} ({kinds}; {real['mismatches']} mismatches)"
 
 
 def session_prompts(cfg: TrainConfig, target: TargetModel, tokenizer, clock: Clock, log: Log) -> list:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from specsplit.drafter_service.checkpoint import random_drafter
+from specsplit.drafter_service.dflash import RefinePolicy
 from specsplit.cli import main
 from specsplit.evaluate import EvalPrompt, EvalSettings, evaluate, format_report, position_acceptance
 from specsplit.local import target_head, target_info
@@ -58,6 +59,25 @@ def test_random_drafter_report_is_well_formed(llama):
     assert rep["proposals"] > 0 and rep["max_drafts"] == 3
 
 
+def test_refined_runs_are_reported_beside_their_teacher_forced_walks(llama):
+    """--refine: per policy, the teacher-forced figures of a second pass and a real run drafted so; the
+    run's steps are the walk's (both greedy over the same continuations), and it loses no token."""
+    drafter = random_drafter("dflash", target_info(llama), target_head(llama), seed=0, block_size=4)
+    policies = (RefinePolicy(fixed=1), RefinePolicy(confident=0.01))
+    rep = evaluate(llama, drafter, PROMPTS, EvalSettings(max_tokens=12, batch=2, refine=policies))
+    check_report(rep, PROMPTS, 12)
+    assert drafter.refine is None  # the drafter is left as it was
+    forced = rep["teacher_forced"]
+    assert set(forced["walk"]["by_kind"]) == {"chat", "code"}
+    assert set(forced["refined"]) == set(rep["refined_runs"]) == {"1", "p0.01"}
+    for name, real in rep["refined_runs"].items():
+        walk = forced["refined"][name]["walk"]
+        assert real["mismatches"] == 0 and real["generated"] == rep["generated"]
+        assert walk["steps"] == real["steps"] - len(PROMPTS) and walk["tokens"] == real["generated"] - len(PROMPTS)
+        assert sum(k["steps"] for k in walk["by_kind"].values()) == walk["steps"]
+        assert f"refined ({name} given)" in format_report(rep)
+
+
 def test_oracle_drafter_accepts_long_runs(llama):
     full = generate(llama, [list(p.ids) for p in PROMPTS], 16).rows()
     inner = random_drafter("dflash", target_info(llama), target_head(llama), seed=0, block_size=5)
@@ -83,3 +103,6 @@ def test_cli_evaluates_a_target_on_text_prompts(tiny_chat_dir, tmp_path, capsys)
     assert rep["prompts"] == 2 and rep["mismatches"] == 0 and rep["drafter"] == "random-mtp"
     assert rep["steps"] + rep["accepted"] == rep["generated"] <= 6
     assert set(rep["by_kind"]) == {"chat", "code"}
+    with pytest.raises(SystemExit):
+        main(["eval-acceptance", "--target", str(tiny_chat_dir), "--prompts", str(prompts), "--refine", "1,p2"])
+    assert "--refine: a refine policy's confidence lies in (0, 1), got 2.0" in capsys.readouterr().err

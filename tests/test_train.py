@@ -180,9 +180,12 @@ def test_config_is_validated():
                 {"sampled_by_kind": (("poetry", 1.0),)}, {"sampled_by_kind": (("chat", 1.0), ("chat", 2.0))},
                 {"sampled_by_kind": (("code", -0.5),)}, {"sampled_by_kind": (("math", 4.5),)},
                 {"walk_share": 1.5}, {"walk_share": -0.1}, {"kind": "mtp", "walk_share": 0.5},
-                {"walk_steps": 0}):
+                {"walk_steps": 0}, {"reveal_share": 1.5}, {"reveal_share": -0.5},
+                {"reveal_share": 0.5, "reveal_max": 0}, {"reveal_share": 0.5, "reveal_max": 15},
+                {"kind": "mtp", "reveal_share": 0.5}):
         with pytest.raises(InvalidRequest):
             TrainConfig(steps=1, **bad)
+    assert TrainConfig(steps=1, reveal_share=0.5, reveal_max=14).reveal_max == 14  # γ-2: one row left to draft
     cfg = TrainConfig(steps=1, sampled_fraction=0.25, sampled_by_kind=(("chat", 2.0), ("code", 0.0)))
     assert (cfg.sampled_for("chat"), cfg.sampled_for("code"), cfg.sampled_for("math")) == (2.0, 0.0, 0.25)
 
