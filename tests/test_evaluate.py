@@ -13,6 +13,7 @@ from specsplit.evaluate import EvalPrompt, EvalSettings, evaluate, format_report
 from specsplit.local import target_head, target_info
 from specsplit.target_service.dense import generate
 from specsplit.target_service.model import load_target
+from specsplit.train import eval_summary
 from tests.oracle import OracleDrafter
 
 PROMPTS = [EvalPrompt("chat", [5, 6, 7, 8, 9]), EvalPrompt("code", [30, 31, 32])]
@@ -76,6 +77,9 @@ def test_refined_runs_are_reported_beside_their_teacher_forced_walks(llama):
         assert walk["steps"] == real["steps"] - len(PROMPTS) and walk["tokens"] == real["generated"] - len(PROMPTS)
         assert sum(k["steps"] for k in walk["by_kind"].values()) == walk["steps"]
         assert f"refined ({name} given)" in format_report(rep)
+    line = eval_summary(rep)  # TRAINING.log's line
+    assert "over decoding's walk (walk: chat " in line and "refined (p0.01 given) " in line
+    assert line.count("decoded tau ") == 2 and line.count("0 mismatches") == 2
 
 
 def test_oracle_drafter_accepts_long_runs(llama):
