@@ -722,6 +722,27 @@ def test_g_training_draws_refining_blocks_at_its_share(qwen3, sequences, monkeyp
     assert 0.4 < (reveal > 0).float().mean() < 0.6 and set(reveal.unique().tolist()) == {0, 1, 2, 3}
 
 
+def test_g_a_refining_blocks_teacher_is_the_targets_distribution_at_each_label(qwen3, sequences, monkeypatch):
+    """KL's teacher row for block row k is the target's at the label's own position a+k, given rows or not
+    (a teacher index counted from the first drafted row, as the weights' decay is, distils the wrong token)."""
+    from specsplit import train
+
+    drafter, batch = walk_case(qwen3, sequences)
+    batch = Batch(batch.tokens, batch.positions, batch.valid, batch.starts, batch.lengths, batch.rows,
+                  final=torch.randn(*batch.tokens.shape, TINY["hidden_size"]))
+    forwards, indices = [], []
+    real_forward, real_teacher = train.dflash_block_hidden, train.teacher_rows
+    monkeypatch.setattr(train, "dflash_block_hidden",
+                        lambda *a, **kw: forwards.append((a[6], kw["reveal"])) or real_forward(*a, **kw))
+    monkeypatch.setattr(train, "teacher_rows", lambda final, index: indices.append(index) or real_teacher(final, index))
+    cfg = train.TrainConfig(steps=1, block_size=GAMMA, anchors=8, reveal_share=1.0, reveal_max=3)
+    loss, _ = train.dflash_loss(drafter.model, drafter.head, batch, cfg, torch.Generator().manual_seed(1))
+    assert torch.isfinite(loss)
+    (anchors, reveal), = forwards
+    assert (reveal > 0).all()
+    assert torch.equal(indices[0], anchors[:, :, None] + torch.arange(GAMMA))
+
+
 # ---- teacher forcing against the real run, on the shipped drafter ------------------------------
 
 
