@@ -64,11 +64,13 @@
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
-#   (next, after the thirty-ninth session, which measured `host-flags-churn`, `regroup` and `train 46`: `attach`
-#   (~300 s: where a PrefillDrafter's time goes on a warm drafter, and whether --prefill-copies takes the
-#   drafter's queued work out of it), `host-flags-bench` (~9 min; ROUNDS=1 ~6); issue 10: `train 47 --walk-anchors
-#   0.5 --lr 1e-4` (continues the shipped checkpoint, session 39's tau 3.59; two such runs gave +0.06), or a
-#   recipe change aimed at chat (3.14 against the 3.5 goal))
+#   (next, after the thirty-ninth session, which measured `host-flags-churn`, `regroup` and `train 46`, and the
+#   fortieth, lent no GPU: `attach` (~300 s: where a PrefillDrafter's time goes on a warm drafter, and whether
+#   --prefill-copies takes the drafter's queued work out of it), `host-flags-bench` (~9 min; ROUNDS=1 ~6); issue
+#   10: `train 47 --walk-anchors 0.5 --lr 1e-4` (continues the shipped checkpoint, session 39's tau 3.59; two such
+#   runs gave +0.06), or with `--reveal-share 0.5 --refine 1,2,p0.5` the refining second pass (session 40, CPU:
+#   +1 % walk tau after 200 small steps; its eval prints each policy refined and decoded beside the plain
+#   figures, for both checkpoints, and costs some eager decoding runs))
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
 # nineteenth session lost two fresh machines' start-up to a reply that came later than that.
