@@ -229,14 +229,16 @@ def refined_run(model: TargetModel, drafter: DFlashDrafter, policy: RefinePolicy
 
 @torch.no_grad()
 def anchor_matches(drafter: DFlashModel, head: TargetHead, rows: torch.Tensor, tokens: torch.Tensor, length: int,
-                   anchors: Sequence[int], *, chunk: int = 32, refine: RefinePolicy | None = None) -> list[int]:
+                   anchors: Sequence[int], *, chunk: int = 32, refine: RefinePolicy | None = None,
+                   offered: int | None = None) -> list[int]:
     """Per anchor index a of one sequence (tokens [S] real up to `length`, the target's feature rows
     [S, feature_dim]): how many leading drafts of the training forward's block at a equal x_{a+1}, ...
     — what greedy verification accepts when the sequence is the target's greedy continuation.
 
     With `refine`, a second pass given the policy's r leading drafts of the first drafts the rest: the
     count is the first pass's where it missed within its first r drafts, else r plus the second pass's
-    leading matches past them (given the true tokens, which the first pass's drafts then are)."""
+    leading matches past them (given the true tokens, which the first pass's drafts then are). The policy
+    reads the first `offered` drafts (default γ-1), as a drafter asked for that many does."""
     gamma = drafter.cfg.block_size
     vocab = DraftVocab(drafter.d2t, head.vocab_size)
     positions = torch.arange(tokens.shape[0], device=tokens.device)[None]
@@ -258,7 +260,7 @@ def anchor_matches(drafter: DFlashModel, head: TargetHead, rows: torch.Tensor, t
 
         hit, probs = hits(None)
         if refine is not None:
-            reveal = refine.reveal(probs).to(tokens.device)  # [N]
+            reveal = refine.reveal(probs[:, :offered]).to(tokens.device)  # [N]
             hit = torch.where(k <= reveal[:, None], hit, hits(reveal)[0])
         out += hit.long().cumprod(1).sum(1).tolist()
     return out
@@ -309,7 +311,7 @@ def teacher_forced(target: TargetModel, drafter: DFlashModel, head: TargetHead, 
         for b, (prompt, seq) in enumerate(zip(prompts, sequences)):
             # matches[i]: the anchor at len(prompt) + i, the first one the token the prefill emitted
             matches = anchor_matches(drafter, head, rows[b], tokens[b], len(seq), range(len(prompt), len(seq) - 1),
-                                     refine=policy)
+                                     refine=policy, offered=offered)
             records += [(gamma - 1, m) for m in matches]
             tally = by_kind.setdefault(None if kinds is None else kinds[b], [0, 0])
             tally[0] += walk_steps(matches, offered)
