@@ -49,6 +49,9 @@ def main() -> None:
         drafter = make_drafter(name, model, LocalSetup(drafter=name))
         rows = capture_features(model, gen.tokens, gen.lengths,
                                 CaptureSpec(layer_ids=drafter.model.cfg.target_layer_ids))
+        if drafter.model.cfg.block_size <= ROWS or max(args.reveal) > drafter.model.cfg.block_size - 2:
+            raise SystemExit(f"{name}: blocks of {drafter.model.cfg.block_size} hold fewer than {ROWS} drafts, or "
+                             f"no row past {max(args.reveal)} given")
         vocab = DraftVocab(drafter.model.d2t, drafter.head.vocab_size)
         if vocab.table is not None:
             raise SystemExit(f"{name}: a drafter over a reduced vocabulary (d2t) has no CE against every label")
@@ -62,7 +65,8 @@ def main() -> None:
                 logits = drafter.model.logits(hidden[:, :, 1:ROWS + 1], drafter.head)
             ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
             right = vocab.to_target(logits.argmax(-1)) == labels
-            cells = [f"row {k + 1}: ce {ce.view_as(labels)[..., k].mean():.2f} acc {right[..., k].float().mean():.2f}"
+            cells = [f"row {k + 1}: given" if k < r else
+                     f"row {k + 1}: ce {ce.view_as(labels)[..., k].mean():.2f} acc {right[..., k].float().mean():.2f}"
                      for k in range(ROWS)]
             print(f"  {r} given  " + "  ".join(cells))
 

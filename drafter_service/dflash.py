@@ -90,7 +90,7 @@ class RefinePolicy:
             count = torch.full(probs.shape[:-1], self.fixed, dtype=torch.long, device=probs.device)
         else:
             count = (probs >= self.confident).long().cumprod(-1).sum(-1)
-        return count.clamp(max=min(top, self.most or top))
+        return count.clamp(min=0, max=max(0, min(top, self.most or top)))
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -716,10 +716,12 @@ class DFlashDrafter(Drafter):
         drafted = self._graph_draft(batch)
         if drafted is not None:
             return proposals(drafted.tokens, drafted.logp, batch)
-        anchors = torch.tensor([d.request.last_token for d in batch])
+        anchors = torch.tensor([d.request.last_token for d in batch], device=self.device)
         positions = torch.tensor([d.request.position for d in batch], device=self.device)
         ctx = self._context([d.state for d in batch])
-        most = max(d.request.num_drafts for d in batch)
+        # A refining pass drafts every row, so that what it is given never depends on how many drafts this
+        # step asks for (nor on the batch's other requests): teacher forcing gives it the same
+        most = self.spec.max_drafts if self.refine is not None else max(d.request.num_drafts for d in batch)
 
         def drafted(revealed: torch.Tensor | None = None, reveal: torch.Tensor | None = None):
             block = self.model.embed_block(anchors, self.head, revealed, reveal)
@@ -732,8 +734,7 @@ class DFlashDrafter(Drafter):
         if self.refine is not None and most > 1:
             # Rows 1..r keep the first pass's drafts; the rest are drafted again, given them
             reveal = self.refine.reveal(logp.exp())
-            revealed = F.pad(self.vocab.to_target(ids), (0, self.spec.max_drafts - most))
-            again, again_logp = drafted(revealed, reveal)
+            again, again_logp = drafted(self.vocab.to_target(ids), reveal)
             kept = torch.arange(1, most + 1, device=ids.device) <= reveal.to(ids.device)[:, None]
             ids, logp = torch.where(kept, ids, again), torch.where(kept, logp, again_logp)
         return proposals(self.vocab.to_target(ids), logp, batch)

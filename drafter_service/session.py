@@ -81,7 +81,7 @@ def done_flags(device: torch.device) -> bool:
 
 def chains(proposer: Proposer) -> bool:
     """Whether `proposer` serves chained steps (StepRequest.chain): DFlash over its static forwards."""
-    return getattr(type(proposer), "chain_batch", None) is not None \
+    return getattr(type(proposer), "chain_batch", None) is not None and getattr(proposer, "refine", None) is None \
         and getattr(proposer, "propose_graphs", None) is not None and getattr(proposer, "context_graphs", None) is not None
 
 

@@ -73,8 +73,10 @@ def dflash_block_hidden(model: DFlashModel, head: TargetHead, rows: torch.Tensor
     anchor_pos = positions.gather(1, anchors)  # [B, N]
     revealed = None
     if reveal is not None:
-        if reveal.shape != anchors.shape or bool(((reveal < 0) | (reveal > gamma - 2)).any()):
-            raise InvalidRequest(f"reveal must be [B, N] counts in 0..{gamma - 2}")
+        if reveal.shape != anchors.shape:
+            raise InvalidRequest(f"reveal must be [B, N] like the anchors, got {tuple(reveal.shape)}")
+        # (checked on the device: a host read here would hold up every training step)
+        torch._assert_async(((reveal >= 0) & (reveal <= gamma - 2)).all(), f"reveal counts lie in 0..{gamma - 2}")
         index = (anchors[:, :, None] + torch.arange(1, gamma, device=anchors.device)).clamp(max=width - 1)
         revealed = tokens.gather(1, index.flatten(1)).view(-1, gamma - 1)  # [B·N, γ-1]
         reveal = reveal.reshape(-1)

@@ -581,6 +581,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
                       seed=args.seed, log_every=args.log_every)
     if args.eval_tokens < 0:
         raise InvalidRequest("--eval-tokens must be >= 0")
+    if args.refine and not args.eval_tokens:
+        raise InvalidRequest("--refine scores the held-out eval's refining passes: give --eval-tokens too")
     run(cfg, target=args.target, out=args.out, device=args.device, init=args.init,
         log=lambda line: print(line, flush=True), eval_tokens=args.eval_tokens,
         eval_dtype=getattr(torch, args.eval_dtype) if args.eval_dtype else None, eval_refine=args.refine)

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from specsplit.drafter_service.base import DraftVocab
+from specsplit.drafter_service.base import DraftVocab, pick
 from specsplit.drafter_service.dflash import DFlashDrafter, DFlashModel, RefinePolicy
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.drafter_service.training import dflash_block_hidden
@@ -63,6 +63,12 @@ class EvalSettings:
         if self.max_tokens < 1 or self.batch < 1 or self.temperature < 0:
             raise InvalidRequest("max_tokens and batch must be ≥ 1, temperature ≥ 0")
         object.__setattr__(self, "refine", tuple(self.refine))
+        if not all(isinstance(policy, RefinePolicy) for policy in self.refine):
+            raise InvalidRequest("refine takes RefinePolicy values")
+        if len({str(policy) for policy in self.refine}) != len(self.refine):
+            raise InvalidRequest(f"refine names a policy twice: {', '.join(map(str, self.refine))}")
+        if self.refine and self.temperature > 0:
+            raise InvalidRequest("a refining pass is scored greedy only (teacher forcing): give temperature 0")
 
     def params(self, index: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed + index)
@@ -199,6 +205,8 @@ def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPromp
     # the bare drafter's, the serving path, timed in its own run beside the others
     served = run_engine(engines["served"], prompts, settings)
     rep = report(prompts, spec, base, recorder.records, proposer.spec.max_drafts, settings, served=served)
+    if settings.refine and not isinstance(proposer, DFlashDrafter):
+        raise InvalidRequest("a refining pass is a DFlash drafter's, in this process")
     if isinstance(proposer, DFlashDrafter) and settings.temperature == 0.0:
         rep["teacher_forced"] = teacher_forced(model, proposer.model, proposer.head, [p.ids for p in prompts],
                                                base.tokens, settings.num_drafts or proposer.spec.max_drafts,
@@ -213,11 +221,11 @@ def refined_run(model: TargetModel, drafter: DFlashDrafter, policy: RefinePolicy
     """Real speculative decoding with every block drafted twice (`DFlashDrafter.refine`, eager forwards):
     τ overall and by kind, to set beside the teacher-forced walk's, and its mismatches against `base`
     (greedy: none, or verification is broken)."""
-    drafter.refine = policy
+    before, drafter.refine = drafter.refine, policy
     try:
         run = run_engine(make_engine(model, drafter, settings, eos_ids), prompts, settings, "r")
     finally:
-        drafter.refine = None
+        drafter.refine = before
     kinds = sorted({p.kind for p in prompts})
     return {**tau_figures(run.stats),
             "by_kind": {k: tau_figures([s for s, p in zip(run.stats, prompts) if p.kind == k]) for k in kinds},
@@ -229,8 +237,7 @@ def refined_run(model: TargetModel, drafter: DFlashDrafter, policy: RefinePolicy
 
 @torch.no_grad()
 def anchor_matches(drafter: DFlashModel, head: TargetHead, rows: torch.Tensor, tokens: torch.Tensor, length: int,
-                   anchors: Sequence[int], *, chunk: int = 32, refine: RefinePolicy | None = None,
-                   offered: int | None = None) -> list[int]:
+                   anchors: Sequence[int], *, chunk: int = 32, refine: RefinePolicy | None = None) -> list[int]:
     """Per anchor index a of one sequence (tokens [S] real up to `length`, the target's feature rows
     [S, feature_dim]): how many leading drafts of the training forward's block at a equal x_{a+1}, ...
     — what greedy verification accepts when the sequence is the target's greedy continuation.
@@ -238,7 +245,7 @@ def anchor_matches(drafter: DFlashModel, head: TargetHead, rows: torch.Tensor, t
     With `refine`, a second pass given the policy's r leading drafts of the first drafts the rest: the
     count is the first pass's where it missed within its first r drafts, else r plus the second pass's
     leading matches past them (given the true tokens, which the first pass's drafts then are). The policy
-    reads the first `offered` drafts (default γ-1), as a drafter asked for that many does."""
+    reads all γ-1 drafts, as `DFlashDrafter.draft` does whatever a step asks."""
     gamma = drafter.cfg.block_size
     vocab = DraftVocab(drafter.d2t, head.vocab_size)
     positions = torch.arange(tokens.shape[0], device=tokens.device)[None]
@@ -253,14 +260,13 @@ def anchor_matches(drafter: DFlashModel, head: TargetHead, rows: torch.Tensor, t
         def hits(reveal: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             hidden = dflash_block_hidden(drafter, head, rows[None], tokens[None], positions, valid, index,
                                          None if reveal is None else reveal[None])
-            logits = drafter.logits(hidden[0, :, 1:], head)  # [N, γ-1]
-            probs, ids = logits.softmax(-1).max(-1)
+            ids, logp = pick(drafter.logits(hidden[0, :, 1:], head), None)  # [N, γ-1], as the drafter picks
             drafts = vocab.to_target(ids).to(targets.device)
-            return (drafts == targets) & ok, probs
+            return (drafts == targets) & ok, logp.exp()
 
         hit, probs = hits(None)
         if refine is not None:
-            reveal = refine.reveal(probs[:, :offered]).to(tokens.device)  # [N]
+            reveal = refine.reveal(probs).to(tokens.device)  # [N]
             hit = torch.where(k <= reveal[:, None], hit, hits(reveal)[0])
         out += hit.long().cumprod(1).sum(1).tolist()
     return out
@@ -311,7 +317,7 @@ def teacher_forced(target: TargetModel, drafter: DFlashModel, head: TargetHead, 
         for b, (prompt, seq) in enumerate(zip(prompts, sequences)):
             # matches[i]: the anchor at len(prompt) + i, the first one the token the prefill emitted
             matches = anchor_matches(drafter, head, rows[b], tokens[b], len(seq), range(len(prompt), len(seq) - 1),
-                                     refine=policy, offered=offered)
+                                     refine=policy)
             records += [(gamma - 1, m) for m in matches]
             tally = by_kind.setdefault(None if kinds is None else kinds[b], [0, 0])
             tally[0] += walk_steps(matches, offered)

@@ -583,6 +583,9 @@ def new_drafter(cfg: TrainConfig, info: TargetInfo, device: torch.device, init: 
                 model = grow_dflash(model, layers, tuple(ids), seed=cfg.seed)
     if cfg.kl_weight > 0 and model.d2t is not None:
         raise InvalidRequest("KL distillation needs a drafter over the target's whole vocabulary (no d2t)")
+    if cfg.reveal_share > 0 and cfg.reveal_max > model.cfg.block_size - 2:
+        raise InvalidRequest(f"--reveal-max {cfg.reveal_max} leaves no row to draft in the drafter's blocks of "
+                             f"{model.cfg.block_size}: at most {model.cfg.block_size - 2}")
     return model.train().requires_grad_(True)
 
 

@@ -677,6 +677,18 @@ def test_g_the_drafters_second_pass_is_the_training_forwards_refining_block(qwen
     assert second != first  # the second pass drafted anew (a case that proves something)
 
 
+def test_g_a_refining_block_embeds_its_given_drafts_then_masks(qwen3):
+    drafter = sharp_drafter(qwen3)
+    model, head = drafter.model, drafter.head
+    anchors, revealed = torch.tensor([7, 8, 9]), torch.randint(0, TINY["vocab_size"], (3, GAMMA - 1))
+    block = model.embed_block(anchors, head, revealed, torch.tensor([0, 1, GAMMA - 2]))
+    scale, mask = model.cfg.input_embedding_scale, head.embed[model.cfg.mask_token_id]
+    for b, r in enumerate([0, 1, GAMMA - 2]):
+        expected = torch.cat([head.embed[anchors[b]][None], head.embed[revealed[b, :r]],
+                              mask.expand(GAMMA - 1 - r, -1)]) * scale
+        assert torch.equal(block[b], expected.to(block.dtype))
+
+
 def test_g_refine_policies():
     probs = torch.tensor([[0.9, 0.7, 0.4, 0.95], [0.3, 0.9, 0.9, 0.9], [0.8, 0.8, 0.8, 0.8]])
     assert RefinePolicy.parse("2").reveal(probs).tolist() == [2, 2, 2]
@@ -786,7 +798,7 @@ def test_shipped_drafter_teacher_forced_equals_real_acceptance(smollm2, smollm2_
     assert report["walk"]["steps"] == stats.steps - 1 and report["walk"]["tokens"] == stats.generated - 1
     assert report["walk"]["tau_excl_prefill"] == pytest.approx((stats.generated - 1) / (stats.steps - 1))
     # A refining second pass too: the walk over its drafts takes the steps a run drafted so takes
-    policies = (RefinePolicy(fixed=2), RefinePolicy(confident=0.5))
+    policies = (RefinePolicy(fixed=2), RefinePolicy(confident=0.5), RefinePolicy(confident=0.05))
     refined = teacher_forced(smollm2, drafter.model, drafter.head, [prompt], [full[0][len(prompt):]],
                              drafter.spec.max_drafts, policies)["refined"]
     for policy in policies:

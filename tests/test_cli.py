@@ -155,6 +155,8 @@ def test_sampled_continuations_by_kind_are_parsed_and_bad_values_are_refused(cap
     # a kind that does not exist, or a count out of range: the command's own error (exit 2 through main)
     assert main(train + ["poetry=1"]) == 2
     assert "sampled_by_kind names each of chat, code, math" in capsys.readouterr().err
+    assert main(train + ["chat=1", "--refine", "1"]) == 2  # a refining pass is scored by the held-out eval
+    assert "give --eval-tokens too" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("native", [True, False])

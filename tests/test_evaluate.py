@@ -9,6 +9,7 @@ import pytest
 from specsplit.drafter_service.checkpoint import random_drafter
 from specsplit.drafter_service.dflash import RefinePolicy
 from specsplit.cli import main
+from specsplit.shared.errors import InvalidRequest
 from specsplit.evaluate import EvalPrompt, EvalSettings, evaluate, format_report, position_acceptance
 from specsplit.local import target_head, target_info
 from specsplit.target_service.dense import generate
@@ -61,8 +62,10 @@ def test_random_drafter_report_is_well_formed(llama):
 
 
 def test_refined_runs_are_reported_beside_their_teacher_forced_walks(llama):
-    """--refine: per policy, the teacher-forced figures of a second pass and a real run drafted so; the
-    run's steps are the walk's (both greedy over the same continuations), and it loses no token."""
+    """--refine: per policy, the teacher-forced figures of a second pass and a real run drafted so, in the
+    report and TRAINING.log's line. (This random drafter's drafts are all rejected, so the walk's steps equal
+    the run's whatever the passes draft: the slow shipped-drafter test in test_alignment checks that on
+    drafts that are accepted.)"""
     drafter = random_drafter("dflash", target_info(llama), target_head(llama), seed=0, block_size=4)
     policies = (RefinePolicy(fixed=1), RefinePolicy(confident=0.01))
     rep = evaluate(llama, drafter, PROMPTS, EvalSettings(max_tokens=12, batch=2, refine=policies))
@@ -77,6 +80,13 @@ def test_refined_runs_are_reported_beside_their_teacher_forced_walks(llama):
         assert walk["steps"] == real["steps"] - len(PROMPTS) and walk["tokens"] == real["generated"] - len(PROMPTS)
         assert sum(k["steps"] for k in walk["by_kind"].values()) == walk["steps"]
         assert f"refined ({name} given)" in format_report(rep)
+    for bad in ({"refine": ("2",)}, {"refine": policies + (RefinePolicy(fixed=1),)},
+                {"refine": policies, "temperature": 0.8}):
+        with pytest.raises(InvalidRequest):
+            EvalSettings(**bad)
+    mtp = random_drafter("mtp", target_info(llama), target_head(llama), seed=0)
+    with pytest.raises(InvalidRequest):
+        evaluate(llama, mtp, PROMPTS, EvalSettings(max_tokens=4, batch=2, refine=policies))
     line = eval_summary(rep)  # TRAINING.log's line
     assert "over decoding's walk (walk: chat " in line and "refined (p0.01 given) " in line
     assert line.count("decoded tau ") == 2 and line.count("0 mismatches") == 2

@@ -199,6 +199,10 @@ def test_target_layers_are_chosen_as_asked_and_kept_from_init(llama, tmp_path):
     with pytest.raises(InvalidRequest):
         new_drafter(TrainConfig(steps=1, target_layers=(0, 9)), info, device, None)  # the tiny llama has 3
     folder = save_drafter(model, tmp_path / "d")
+    with pytest.raises(InvalidRequest):  # the checkpoint's blocks of 4 leave no row past 5 given ones
+        new_drafter(TrainConfig(steps=1, reveal_share=0.5, reveal_max=5), info, device,
+                    save_drafter(new_drafter(TrainConfig(steps=1, layers=1, block_size=4, target_layers=(0, 2)),
+                                             info, device, None), tmp_path / "b4"))
     again = new_drafter(TrainConfig(steps=1), info, device, folder)
     assert again.cfg.target_layer_ids == (0, 2) and len(again.layers) == 1  # nothing asked: the checkpoint's
     grown = new_drafter(TrainConfig(steps=1, layers=3, target_layers=(0, 1, 2)), info, device, folder)
