@@ -185,6 +185,8 @@ def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPromp
     continued 0.89x, in one process)."""
     if not prompts:
         raise InvalidRequest("no prompts to evaluate")
+    if settings.refine and not isinstance(proposer, DFlashDrafter):
+        raise InvalidRequest("a refining pass is a DFlash drafter's, in this process")
     recorder = AcceptanceRecorder(proposer)
     if model.embed_weight.device.type == "cuda":
         warm_prompts, warm = prompts, settings
@@ -205,8 +207,6 @@ def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPromp
     # the bare drafter's, the serving path, timed in its own run beside the others
     served = run_engine(engines["served"], prompts, settings)
     rep = report(prompts, spec, base, recorder.records, proposer.spec.max_drafts, settings, served=served)
-    if settings.refine and not isinstance(proposer, DFlashDrafter):
-        raise InvalidRequest("a refining pass is a DFlash drafter's, in this process")
     if isinstance(proposer, DFlashDrafter) and settings.temperature == 0.0:
         rep["teacher_forced"] = teacher_forced(model, proposer.model, proposer.head, [p.ids for p in prompts],
                                                base.tokens, settings.num_drafts or proposer.spec.max_drafts,
