@@ -358,6 +358,11 @@ def drafts_by_batch(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
+REFINE_HELP = ("DFlash, greedy: also score, teacher-forced and decoded, a refining second pass given the first's "
+               "leading drafts, per policy: a count (2) or the drafts of probability at least p (p0.6, p0.6:3 for "
+               "at most three), comma-separated (default: none)")
+
+
 def refine_policies(text: str) -> tuple:
     """`1,2,p0.6` -> the `RefinePolicy`s of a refining second pass to score (teacher-forced)."""
     from specsplit.drafter_service.dflash import RefinePolicy
@@ -655,9 +660,7 @@ def add_training_parsers(sub) -> None:
                          "CUDA); float32 keeps near-ties from flipping the target's greedy text between runs "
                          "(bfloat16 evals of one checkpoint differ by up to 0.04 in tau)")
     tr.add_argument("--refine", type=refine_policies, default=(), metavar="POLICY,...",
-                    help="with --eval-tokens: " + "DFlash, greedy: also score, teacher-forced, a refining second pass given the first's leading drafts, "
-                         "per policy: a count (2) or the drafts of probability at least p (p0.6, p0.6:3 for at most "
-                         "three), comma-separated (default: none)")
+                    help="with --eval-tokens: " + REFINE_HELP)
     tr.add_argument("--no-gen-graphs", action="store_true",
                     help="generate with eager decode steps instead of CUDA graphs (slower; for diagnosis)")
     tr.set_defaults(func=cmd_train_drafter)
@@ -673,10 +676,7 @@ def add_training_parsers(sub) -> None:
                     help="draft tokens per step (default: the drafter's most: 15 for DFlash, 4 for MTP)")
     ev.add_argument("--limit", type=int, default=None, help="only the first K prompts (default: all)")
     ev.add_argument("--seed", type=int, default=0, help="seeds sampling and a random drafter")
-    ev.add_argument("--refine", type=refine_policies, default=(), metavar="POLICY,...",
-                    help="DFlash, greedy: also score, teacher-forced, a refining second pass given the first's leading drafts, "
-                         "per policy: a count (2) or the drafts of probability at least p (p0.6, p0.6:3 for at most "
-                         "three), comma-separated (default: none)")
+    ev.add_argument("--refine", type=refine_policies, default=(), metavar="POLICY,...", help=REFINE_HELP)
     ev.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -226,9 +226,7 @@ def refined_run(model: TargetModel, drafter: DFlashDrafter, policy: RefinePolicy
         run = run_engine(make_engine(model, drafter, settings, eos_ids), prompts, settings, "r")
     finally:
         drafter.refine = before
-    kinds = sorted({p.kind for p in prompts})
-    return {**tau_figures(run.stats),
-            "by_kind": {k: tau_figures([s for s, p in zip(run.stats, prompts) if p.kind == k]) for k in kinds},
+    return {**tau_figures(run.stats), "by_kind": tau_by_kind(run.stats, prompts),
             "mismatches": sum(a != b for a, b in zip(run.tokens, base.tokens))}
 
 
@@ -346,6 +344,11 @@ def tau_figures(stats: Sequence[RequestStats]) -> dict:
             "drafted": sum(s.drafted for s in stats), "accepted": sum(s.accepted for s in stats)}
 
 
+def tau_by_kind(stats: Sequence[RequestStats], prompts: Sequence[EvalPrompt]) -> dict:
+    """`tau_figures` of each kind's requests, kinds in order."""
+    return {k: tau_figures([s for s, p in zip(stats, prompts) if p.kind == k]) for k in sorted({p.kind for p in prompts})}
+
+
 def position_acceptance(records: Sequence[tuple[int, int]], max_drafts: int) -> list[float]:
     """For j = 0..max_drafts-1: share of verified proposals whose first j+1 drafts were all accepted."""
     if not records:
@@ -358,7 +361,6 @@ def report(prompts: Sequence[EvalPrompt], spec: Run, base: Run, records: Sequenc
     """τ and acceptance from `spec` (the recorded run); speed from `served`, the bare drafter's run (the
     engine's fast paths), when given, else from `spec`."""
     greedy = settings.temperature == 0.0
-    kinds = sorted({p.kind for p in prompts})
     overall = tau_figures(spec.stats)
     overall["acceptance_rate"] = overall["accepted"] / overall["drafted"] if overall["drafted"] else 0.0
     timed = served if served is not None else spec
@@ -367,7 +369,7 @@ def report(prompts: Sequence[EvalPrompt], spec: Run, base: Run, records: Sequenc
         "prompts": len(prompts), "max_tokens": settings.max_tokens, "temperature": settings.temperature,
         "batch": settings.batch, "max_drafts": max_drafts, **overall,
         "proposals": len(records), "position_acceptance": position_acceptance(records, max_drafts),
-        "by_kind": {k: tau_figures([s for s, p in zip(spec.stats, prompts) if p.kind == k]) for k in kinds},
+        "by_kind": tau_by_kind(spec.stats, prompts),
         "tokens_per_s": {"speculative": spec_tps, "target_only": base_tps, "speedup": spec_tps / base_tps},
         "seconds": {"speculative": timed.seconds, "target_only": base.seconds},
         "mismatches": sum(a != b for a, b in zip(spec.tokens, base.tokens)) if greedy else None,
