@@ -77,12 +77,17 @@ def _drafter_main(address: str, mode: str, conn, writes_wait: float = 10.0) -> N
 
         tampered(stall)
     if mode.startswith("busy-prefill"):
-        # Each prefill finds our stream busy: GPU work of about a minute (-long) or two seconds (-short) queued
-        # before it. "-waits": without --prefill-copies (the call waits for our whole stream)
+        # Each prefill but the first finds our stream busy: GPU work of about a minute (-long) or two seconds
+        # (-short) queued before it. "-waits": without --prefill-copies (the call waits for our whole stream).
+        # The first one warms the drafter: a kernel's first launch loads its module (CUDA's lazy loading), which
+        # waits for the whole device, and so does a graph's capture; a serving drafter has done both long before
         prefill, cycles = Session.prefill, STALL_CYCLES if "-long" in mode else STALL_CYCLES // 30
+        warm = []
 
         def busy_prefill(self, seq_id, op):
-            torch.cuda._sleep(cycles)
+            if warm:
+                torch.cuda._sleep(cycles)
+            warm.append(seq_id)
             return prefill(self, seq_id, op)
 
         Session.prefill = busy_prefill
@@ -488,20 +493,22 @@ def _prefill_remote(address: str, timeout: float = 30.0):
                          ids=["copies", "no-copies"])
 def test_a_prefill_answers_without_waiting_for_the_drafters_stream(tmp_path, copies):
     """A PrefillDrafter whose CUDA IPC rows are copied out waits for that copy alone, not for the GPU work
-    queued before it on the drafter's stream (a minute of it here: the call's 20-s timeout would fail it)."""
+    queued before it on the drafter's stream (a minute of it here: the call's 20-s timeout would fail it).
+    The first prefill, on an idle stream, warms the drafter (its kernels loaded, its graphs captured)."""
     mode = "busy-prefill-long" + ("" if copies else "-waits")
     with spawned_drafter(tmp_path, mode) as address:
         remote, prompt, tokens = _prefill_remote(address, timeout=20.0)
         try:
-            remote.alloc(0, 256)
-            assert remote.prefill(0, tokens, prompt) == len(tokens)
+            for seq_id in range(2):
+                remote.alloc(seq_id, 256)
+                assert remote.prefill(seq_id, tokens, prompt) == len(tokens)
         finally:
             remote.reset()  # (the drafter is killed, its GPU work with it)
 
 
 def test_prefill_rows_copied_out_are_the_targets_as_it_sent_them(tmp_path):
     """The drafter answers a prefill before its context forward has run (its stream busy for two seconds
-    each time); the target then writes other rows into the same buffer at once. Each sequence's drafts are
+    each time but the first, which warms it); the target then writes other rows into the same buffer at once. Each sequence's drafts are
     still those of the rows it sent: the same for three sequences whose buffer was overwritten with different
     garbage, or not at all."""
     from specsplit.shared.proposer import ProposeRequest
