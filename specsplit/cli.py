@@ -296,9 +296,9 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
                               security=server_security(args), drafter_security=drafter_security(args),
                               metrics=metrics_address(args))
     if args.device_waits:
-        log.warning("--device-waits is for measurement only: a drafter that never writes can stall this target "
-                    "for good if it launches a kernel for the first time while a wait is queued (README, "
-                    "'Device waits')")
+        log.warning("--device-waits puts the waits into device memory where the drafter takes no host page, for "
+                    "measurement only: a drafter that never writes can then stall this target for good if it "
+                    "launches a kernel for the first time while a wait is queued (README, 'Device waits')")
     loop, server = start_target(settings)
     print(f"target serving on {', '.join(args.listen)}", flush=True)
     wait_for_signal()
@@ -525,18 +525,20 @@ def add_service_parsers(sub) -> None:
     ts.add_argument("--step-over-grpc", action="store_true",
                     help="keep the Step stream on gRPC even where the drafter offers its step socket (a drafter on "
                          "this host: the socket's round trip is about a third of gRPC's)")
-    ts.add_argument("--device-waits", action="store_true",
+    ts.add_argument("--device-waits", action=argparse.BooleanOptionalAction, default=None,
                     help="on a GPU shared with the drafter, let this target's stream wait on the device for each "
                          "chained step's drafts (a value the drafter's stream writes; released by this target at "
-                         "the step's deadline if it never comes) instead of its host polling the drafter's event. "
-                         "For measurement only: 1.06x the host polls at one stream, but a kernel this process "
-                         "first launches while a wait is queued hangs, and the release cannot undo that if the "
-                         "drafter never writes (see README, 'Device waits'; default: off)")
+                         "the step's deadline if it never comes) instead of its host polling the drafter's event: "
+                         "1.06-1.10x the host polls' tokens/s. Default: where the drafter takes the host page "
+                         "(--host-flags), whose release gets through a kernel's first load; --device-waits: also "
+                         "into device memory where it does not (for measurement only: a kernel this process first "
+                         "launches while such a wait is queued hangs if the drafter never writes; README, 'Device "
+                         "waits'); --no-device-waits: never")
     ts.add_argument("--host-flags", action=argparse.BooleanOptionalAction, default=True,
-                    help="with --device-waits, where the drafter takes one, the DONE buffer is a page of host "
+                    help="with device waits, where the drafter takes one, the DONE buffer is a page of host "
                          "memory passed over its step socket: a wait is then released by a store of our CPU, "
                          "which reaches a stream waiting while the context loads a kernel (default: on; "
-                         "--no-host-flags: device memory)")
+                         "--no-host-flags: no device waits unless --device-waits, then in device memory)")
     ts.add_argument("--drafter-timeout", type=float, default=60.0,
                     help="seconds a drafter call may take before the target decodes without it; a Step answer "
                          "gets less once steps were measured (20x the p99 of recent round trips, at least 1 s), "

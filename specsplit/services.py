@@ -66,7 +66,9 @@ class TargetSettings:
     engine: EngineConfig = EngineConfig()
     drafter_timeout: float = 60.0
     step_socket: bool = True  # the Step stream over the drafter's step socket when it offers one (else gRPC)
-    device_waits: bool = False  # --device-waits: our stream waits for chained drafts on the device, not our host
+    # --device-waits: our stream waits for chained drafts on the device, not our host; None (the default): where
+    # they go into the host page the drafter takes (--host-flags), else our host polls
+    device_waits: bool | None = None
     host_flags: bool = True  # --host-flags: ... in a host page passed over the drafter's step socket when it takes one
     max_streams: int = 64  # Generate streams open at once; more are refused with RESOURCE_EXHAUSTED
     max_message_bytes: int = DEFAULT_MESSAGE_BYTES  # largest Generate request accepted

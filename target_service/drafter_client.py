@@ -381,12 +381,14 @@ class RemoteProposer:
     def __init__(self, address: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
                  max_batch: int = 64, security: ClientSecurity = ClientSecurity(), step_socket: bool = True,
-                 chain_ahead: bool = True, device_waits: bool = False, host_flags: bool = True) -> None:
+                 chain_ahead: bool = True, device_waits: bool | None = False, host_flags: bool = True) -> None:
         # max_batch: the engine's widest step; security: the drafter's token and TLS (shared.security);
         # step_socket: send the Step stream to the drafter's step socket when it offers one on this host;
         # chain_ahead: send each chained step's propose as the step before it launches (chain_prefetch);
         # device_waits: our stream waits on the device for a chained propose's drafts (shared.device_waits)
-        # instead of our host polling the drafter's event, where the drafter writes done values;
+        # instead of our host polling the drafter's event, where the drafter writes done values; None: only
+        # where they go into the host page (its waits' release gets through a kernel module's load), else
+        # our host polls;
         # host_flags: with device waits, the DONE buffer in a host page passed over the step socket when the
         # drafter takes one (our watchdog then releases a wait with a store of our CPU; shared.host_flags)
         self.address = grpc_target(address)
@@ -483,23 +485,25 @@ class RemoteProposer:
         try:
             self._flush([], timeout=call_wait)  # the stream opens lazily: did the drafter take it (--max-targets)?
         except SpecsplitError as exc:  # _flush has disconnected; exc is the drafter's reason when it gave one
-            if conn.page is not None and isinstance(exc, InvalidRequest):  # the page refused: device memory next
+            if conn.page is not None and isinstance(exc, InvalidRequest):  # the page refused: none next
                 self._page_refused = str(exc)
-                log.warning("the drafter refused our host page (%s); done values go into device memory", exc)
+                log.warning("the drafter refused our host page (%s); %s", exc, self._without_page)
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: {exc}") from None
         if self._wants_done(conn, desc):  # (after the stream's first answer: the drafter holds the hello's page)
             try:
                 self._setup_done(conn, desc, call_wait)
             except (grpc.RpcError, SpecsplitError, OSError) as exc:
-                if conn.page is not None:  # (the page's registration refused: device memory from now on)
+                if conn.page is not None:  # (the page's registration refused: no page from now on)
                     self._page_refused = f"{type(exc).__name__}: {exc}"
-                    log.warning("the drafter's DONE buffer on our host page failed (%s); done values go into "
-                                "device memory", self._page_refused)
+                    log.warning("the drafter's DONE buffer on our host page failed (%s); %s", self._page_refused,
+                                self._without_page)
                 self._disconnect()
                 raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: "
                                          f"{_reason(exc, ready_wait)}") from None
-        log.info("drafter at %s attached (%s rows, Step stream over %s, %s)", self.address, self.mode,
-                 self.step_transport, desc.spec.kind.value)
+        waits = "our host polls its events" if conn.done is None else \
+            f"our stream waits on {'the host page' if conn.done is conn.page else 'device memory'}"
+        log.info("drafter at %s attached (%s rows, Step stream over %s, %s; chained drafts: %s)", self.address,
+                 self.mode, self.step_transport, desc.spec.kind.value, waits)
         return desc.spec
 
     def _note_unavailable(self, exc: Exception) -> None:
@@ -543,21 +547,32 @@ class RemoteProposer:
             conn.stub.RegisterBuffers(request, timeout=wait, metadata=conn.metadata)
 
     def _wants_done(self, conn: _Connection, desc: wire.DrafterDescription) -> bool:
-        """Whether our stream will wait on the device for this drafter's done values (a DONE buffer)."""
-        return self.device_waits and desc.done_flags and conn.feed is not None and conn.drafts is not None \
-            and stream_ops() is not None
+        """Whether our stream will wait on the device for this drafter's done values (a DONE buffer): asked
+        for, or left to us (device_waits None) and the host page passed."""
+        return (self.device_waits is True or (self.device_waits is None and conn.page is not None)) \
+            and self._could_wait(conn, desc)
+
+    @property
+    def _without_page(self) -> str:
+        """What becomes of device waits once no host page is passed any more."""
+        return "done values go into device memory" if self.device_waits else "our host polls the drafter's events"
+
+    def _could_wait(self, conn: _Connection, desc: wire.DrafterDescription) -> bool:
+        """Whether this connection lets our stream wait on the device for the drafter's done values."""
+        return bool(desc.done_flags) and conn.feed is not None and conn.drafts is not None and stream_ops() is not None
 
     def _page_for(self, conn: _Connection, desc: wire.DrafterDescription) -> HostPage | None:
         """The host page to pass with the step socket's hello: where our stream will wait for done values, the
         drafter takes one, and none was refused before (else None: the DONE buffer in device memory)."""
-        if not (desc.host_flags and self.host_flags and self._page_refused is None and self._wants_done(conn, desc)):
+        if not (desc.host_flags and self.host_flags and self._page_refused is None and self.device_waits is not False
+                and self._could_wait(conn, desc)):
             return None
         try:
             return HostPage.create(self.device)
         except Exception as exc:  # noqa: BLE001 - the DONE buffer goes into device memory instead
             self._page_refused = f"{type(exc).__name__}: {exc}"
-            log.warning("no host page for the drafter's done values (%s); they go into device memory",
-                        self._page_refused)
+            log.warning("no host page for the drafter's done values (%s); %s", self._page_refused,
+                        self._without_page)
             return None
 
     def _setup_done(self, conn: _Connection, desc: wire.DrafterDescription, wait: float) -> None:
@@ -1383,6 +1398,12 @@ class RemoteProposer:
         """The next drafts answered in our buffer are waited for by our host, not our stream (device waits):
         the engine runs work after them that may launch a kernel for the first time (Engine._quiesce)."""
         self._host_waits_next = True
+
+    @property
+    def waits_on_device(self) -> bool:
+        """Whether our stream waits on the device for this connection's chained drafts (device waits)."""
+        conn = self._conn
+        return conn is not None and conn.done is not None
 
     @property
     def waits_outlive_loads(self) -> bool:

@@ -560,7 +560,7 @@ def test_a_prefill_is_read_after_the_decode_step_only_when_that_step_runs_ahead(
     assert engine._overlaps_prefill()
     engine.proposer = type("Service", (), {"chain_prefetch": lambda self, *a: None})()
     assert not engine._overlaps_prefill()
-    engine.proposer = type("Waiting", (), {"device_waits": True})()
+    engine.proposer = type("Waiting", (), {"waits_on_device": True})()
     assert not engine._overlaps_prefill()
     engine.config = dataclasses.replace(engine.config, overlap_attach=True)  # (measurement only: see the flag)
     assert engine._overlaps_prefill()

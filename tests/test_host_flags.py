@@ -634,3 +634,52 @@ def test_a_page_whose_unregistration_fails_is_kept_mapped(monkeypatch):
     assert page in host_flags._kept and page.ints is not None
     host_flags._kept.remove(page)
     page.device = None
+
+
+@pytest.mark.parametrize("asked, offers, ours, made, waits", [
+    (None, True, True, True, True),  # the default: where the page goes, our stream waits on it
+    (None, False, True, False, False),  # a drafter that takes no page: our host polls
+    (None, True, False, False, False),  # --no-host-flags: our host polls
+    (True, True, True, True, True),
+    (True, False, True, False, True),  # --device-waits: into device memory where no page goes
+    (False, True, True, False, False),  # --no-device-waits: no page made, our host polls
+], ids=["default", "default-no-page-taken", "default-no-host-flags", "on", "on-device-memory", "off"])
+def test_device_waits_by_default_only_where_the_host_page_goes(monkeypatch, asked, offers, ours, made, waits):
+    """RemoteProposer(device_waits=None), the target's default: its stream waits on the device only for done
+    values in the host page (a wait there is released by a store of our CPU, which gets through a kernel
+    module's load); where no page goes, its host polls. True also waits in device memory; False never."""
+    from specsplit.target_service import drafter_client
+
+    monkeypatch.setattr(drafter_client, "stream_ops", lambda: object())  # (a GPU's stream operations, stood for)
+    proposer = drafter_client.RemoteProposer("unix:/tmp/none.sock", device_waits=asked, host_flags=ours)
+    conn = SimpleNamespace(feed=object(), drafts=object(), page=None)
+    desc = SimpleNamespace(done_flags=True, host_flags=offers)
+    try:
+        conn.page = proposer._page_for(conn, desc)
+        assert (conn.page is not None) == made
+        assert proposer._wants_done(conn, desc) == waits
+        assert not proposer._wants_done(SimpleNamespace(feed=None, drafts=object(), page=conn.page), desc)
+        assert not proposer._wants_done(conn, SimpleNamespace(done_flags=False, host_flags=offers))
+        if made:  # a page refused or failed once: none is made again, and the default polls on our host
+            proposer._page_refused = "refused"
+            again = SimpleNamespace(feed=object(), drafts=object(), page=None)
+            assert proposer._page_for(again, desc) is None
+            assert proposer._wants_done(again, desc) == (asked is True)
+    finally:
+        if conn.page is not None:
+            conn.page.close()
+        proposer.close()
+
+
+def test_the_target_service_leaves_device_waits_to_the_host_page_unless_told():
+    """`specsplit target serve`: device waits where the host page goes by default; --device-waits and
+    --no-device-waits decide for every connection."""
+    from specsplit import cli
+    from specsplit.services import TargetSettings
+
+    assert TargetSettings.__dataclass_fields__["device_waits"].default is None
+    parser = cli.build_parser()
+    base = ["target", "serve", "--listen", "unix:/tmp/t.sock", "--drafter", "unix:/tmp/d.sock"]
+    assert parser.parse_args(base).device_waits is None
+    assert parser.parse_args(base + ["--device-waits"]).device_waits is True
+    assert parser.parse_args(base + ["--no-device-waits"]).device_waits is False

@@ -34,7 +34,10 @@ def test_cuda_ipc_split_equals_in_process(kind, specsplit_factory):
     for i in range(len(PROMPTS)):
         assert remote[i].token_ids == local[i] == target_only[i]
         assert remote[i].stats.drafted > 0
-    assert "cuda_ipc" in services.log("target")
+    log = services.log("target")
+    assert "cuda_ipc" in log
+    if kind == "dflash":  # (chained steps: by default the target's stream waits for their drafts on the host page)
+        assert "chained drafts: our stream waits on the host page" in log
 
 
 STALL_CYCLES = 120_000_000_000  # a GPU sleep of about a minute on an H200
