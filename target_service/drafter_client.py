@@ -370,6 +370,16 @@ class RemoteChainBatch:
     conn: "_Connection"  # the connection it was made on: a later one's drafter never saw these steps
 
 
+def _refuses_page(exc: BaseException) -> bool:
+    """Whether an attach's failure is the drafter refusing the DONE buffer on our host page (none is passed
+    again: device waits go into device memory, or by default our host polls), not a passing one (the drafter
+    gone or slow: the next attach passes a page again)."""
+    if isinstance(exc, grpc.RpcError):
+        code = getattr(exc, "code", None)
+        return callable(code) and code() == grpc.StatusCode.INVALID_ARGUMENT
+    return isinstance(exc, InvalidRequest)
+
+
 class RemoteProposer:
     """The drafter service as a `shared.proposer.Proposer`; `spec` is None until a drafter first answers."""
 
@@ -493,7 +503,7 @@ class RemoteProposer:
             try:
                 self._setup_done(conn, desc, call_wait)
             except (grpc.RpcError, SpecsplitError, OSError) as exc:
-                if conn.page is not None:  # (the page's registration refused: no page from now on)
+                if conn.page is not None and _refuses_page(exc):  # (the page's registration refused: none from now on)
                     self._page_refused = f"{type(exc).__name__}: {exc}"
                     log.warning("the drafter's DONE buffer on our host page failed (%s); %s", self._page_refused,
                                 self._without_page)

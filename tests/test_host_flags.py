@@ -644,14 +644,16 @@ def test_a_page_whose_unregistration_fails_is_kept_mapped(monkeypatch):
     (True, False, True, False, True),  # --device-waits: into device memory where no page goes
     (False, True, True, False, False),  # --no-device-waits: no page made, our host polls
 ], ids=["default", "default-no-page-taken", "default-no-host-flags", "on", "on-device-memory", "off"])
-def test_device_waits_by_default_only_where_the_host_page_goes(monkeypatch, asked, offers, ours, made, waits):
+def test_device_waits_by_default_only_where_the_host_page_goes(monkeypatch, tmp_path, asked, offers, ours, made,
+                                                               waits):
     """RemoteProposer(device_waits=None), the target's default: its stream waits on the device only for done
     values in the host page (a wait there is released by a store of our CPU, which gets through a kernel
     module's load); where no page goes, its host polls. True also waits in device memory; False never."""
     from specsplit.target_service import drafter_client
 
     monkeypatch.setattr(drafter_client, "stream_ops", lambda: object())  # (a GPU's stream operations, stood for)
-    proposer = drafter_client.RemoteProposer("unix:/tmp/none.sock", device_waits=asked, host_flags=ours)
+    monkeypatch.setattr(drafter_client, "ATTACH_WAIT", 0.05)  # (no drafter there: its first attach fails fast)
+    proposer = drafter_client.RemoteProposer(f"unix:{tmp_path / 'none.sock'}", device_waits=asked, host_flags=ours)
     conn = SimpleNamespace(feed=object(), drafts=object(), page=None)
     desc = SimpleNamespace(done_flags=True, host_flags=offers)
     try:
@@ -683,3 +685,27 @@ def test_the_target_service_leaves_device_waits_to_the_host_page_unless_told():
     assert parser.parse_args(base).device_waits is None
     assert parser.parse_args(base + ["--device-waits"]).device_waits is True
     assert parser.parse_args(base + ["--no-device-waits"]).device_waits is False
+
+
+def test_only_the_drafters_refusal_keeps_the_host_page_from_later_attaches():
+    """An attach whose DONE buffer on the page fails because the drafter refused it (INVALID_ARGUMENT) passes no
+    page again; one that failed because the drafter went away or was slow passes one at the next attach (by
+    default, no page means no device waits: a passing failure must not cost them for the target's life)."""
+    import grpc
+
+    from specsplit.shared.errors import DrafterUnavailable
+    from specsplit.target_service.drafter_client import _refuses_page
+
+    class Failed(grpc.RpcError):
+        def __init__(self, code):
+            self._code = code
+
+        def code(self):
+            return self._code
+
+    assert _refuses_page(Failed(grpc.StatusCode.INVALID_ARGUMENT))
+    assert _refuses_page(InvalidRequest("a DONE page out of its rules"))
+    for passing in (Failed(grpc.StatusCode.UNAVAILABLE), Failed(grpc.StatusCode.DEADLINE_EXCEEDED),
+                    Failed(grpc.StatusCode.CANCELLED), grpc.RpcError(), DrafterUnavailable("gone"),
+                    ConnectionResetError("reset by peer")):
+        assert not _refuses_page(passing), passing
