@@ -812,12 +812,21 @@ train)
   # carried alone beside .whl, e.g. `train 34 --init .ckpt/dflash-33`, carry [".ckpt/dflash-33", ".whl"] (the
   # twenty-fifth session's 8-layer one was kept there and did not outlive that session's machine: land a
   # checkpoint worth continuing, or train again)
+  # On a card of 80 GB (an H100) the generator's 2,048 rows leave the pool 24 GiB where the H200's took 85: the
+  # forty-first session's run saw a third of the data, each sequence 3.6 times, and its plain tau fell. There
+  # 1,024 rows a generation batch halve the generator's cache and what is kept beside the pool (~49 GiB of pool
+  # by the same arithmetic, not run yet); flags given after the seed still win
   seed=${2:?usage: bash tools/gpu_round.sh train SEED [train-drafter flags...]}
   shift 2
+  gen_batch=2048
+  if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ]; then
+    gen_batch=1024
+    echo "train: a card under 100 GB: --gen-batch $gen_batch" | log
+  fi
   mkdir -p /var/tmp/ckpt
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m specsplit.cli train-drafter --kind dflash --device cuda \
     --init drafter_service/checkpoints/smollm2-135m-dflash --out /var/tmp/ckpt/dflash-$seed --minutes 7.2 \
-    --pool-rounds 3 --gen-batch 2048 --gen-fraction 0.40 --pool-gb 90 --self-prompts 65536 --sampled-fraction 0.25 \
+    --pool-rounds 3 --gen-batch $gen_batch --gen-fraction 0.40 --pool-gb 90 --self-prompts 65536 --sampled-fraction 0.25 \
     --seq-len 256 --batch 32 --anchors 32 --lr 2e-4 --ce-weight 0.2 --kl-weight 1.0 --seed "$seed" --log-every 250 \
     --eval-tokens 128 --sampled-by-kind chat=1 --eval-dtype float32 --loss-decay 4 "$@" 2>&1 | grep -v INFO > /var/tmp/train.log
   cp /var/tmp/ckpt/dflash-$seed/* "$OUT/" 2>/dev/null
