@@ -72,7 +72,8 @@
 #   half (the chaos and MPS GPU tests on the new default, not run yet), then issue 10 on an H200 (the H100's pool
 #   is a third of the H200's, so a training call may pass needs_h200): `train 48 --walk-anchors 0.5 --lr 1e-4` (the shipped recipe, +0.03 a run) or with
 #   `--reveal-share 0.5 --refine 2` (whether the plain pass holds with a full pool); `regroup-bench`,
-#   `attach-bench`)
+#   `attach-bench`; `predecessor` (~5 min: does a shallow correction that sees the draft before each row, trained on
+#   a hundred times the CPU pilot's anchors, beat the plain drafts held out?))
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
 # nineteenth session lost two fresh machines' start-up to a reply that came later than that.
@@ -728,6 +729,14 @@ defaults)
     | tail -12 | log
   timeout 280 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_chaos_gpu.py tests/test_mps.py 2>&1 \
     | grep -E "Error:|assert|FAILED|passed|failed|xfail" | tail -12 | log
+  ;;
+predecessor)
+  # (forty-first session, not run yet) issue 10: would drafts gain from seeing the draft before them, through a
+  # shallow correction on the frozen drafter's rows (bench/predecessor_head.py)? On the CPU (473 training
+  # sequences, 29,095 anchors) it memorized: its walk tau given the true tokens 3.79 against 3.31 plain on
+  # sequences it trained on, 3.10 against 3.27 held out. Here with a hundred times the anchors
+  timeout 560 python bench/predecessor_head.py --device cuda --train-prompts 6144 --eval-prompts 80 --tokens 128 \
+    --gen-batch 512 --steps 4000 --batch 512 --inner 1536 2>&1 | grep -v INFO | tee "$OUT/predecessor.txt" | tail -12 | log
   ;;
 attach-bench)
   # (thirty-sixth session) split_bench beside the overhang's (services 0.64x / 0.58x in-process, both waits
