@@ -202,7 +202,8 @@ def main() -> None:
         kinds = "  ".join(f"{k} {v['walk']:.3f}" for k, v in got["kinds"].items())
         print(f"{mode:<10} {got['walk']:>9.3f} {got['every']:>7.3f}  {kinds}", flush=True)
     fit = [score(dm, head, vocab, corr, train[:len(held)], mode, args.rows)["walk"] for mode in ("plain", "true")]
-    print(f"(on {min(len(held), len(train))} of its training sequences: walk tau plain {fit[0]:.3f}, true {fit[1]:.3f})")
+    print(f"(on {min(len(held), len(train))} of its training sequences: walk tau plain {fit[0]:.3f}, "
+          f"true {fit[1]:.3f})")
     print(f"total {time.perf_counter() - started:.0f}s")
 
 

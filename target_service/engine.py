@@ -339,8 +339,9 @@ class Engine:
             return False
         if self.proposer is None:
             return self._ahead is not None
+        waits = getattr(self.proposer, "waits_on_device", False)
         return self._chain is not None and (self.config.overlap_attach or (
-            _capability(self.proposer, "chain_prefetch") is None and not getattr(self.proposer, "waits_on_device", False)))
+            _capability(self.proposer, "chain_prefetch") is None and not waits))
 
     def generate(self, requests: list[Request]) -> dict[str, list[StepEvent]]:
         """Run requests to completion; returns each request's events in order."""

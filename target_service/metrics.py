@@ -92,7 +92,8 @@ class _EngineCollector(Collector):
                            "whose batch had changed (sequences ended, attached, or back from sitting a step out)",
                            link.chain_taken_regrouped)
             yield _counter("drafter_device_waits", "chained steps' drafts our stream waited for on the device "
-                           "(device waits: on the drafter's host page by default, --device-waits), not our host", link.device_waits)
+                           "(device waits: on the drafter's host page by default, --device-waits), not our host",
+                           link.device_waits)
             yield _counter("drafter_drafts_taken_unanswered", "of those, chained proposes sent ahead whose drafts "
                            "the verify took before their answer was read (the answer checked after the launch)",
                            link.taken_unanswered)
