@@ -161,7 +161,7 @@ def main() -> None:
     folder = target_dir("default")
     model = load_target(folder, dtype=torch.float32, device=args.device)
     tokenizer = Tokenizer.from_dir(folder)
-    drafter = make_drafter(args.drafter, model, LocalSetup(drafter=args.drafter, device=args.device))
+    drafter = make_drafter(args.drafter, model, LocalSetup(drafter=args.drafter, device=args.device, dtype="float32"))
     dm, head = drafter.model, drafter.head
     vocab = DraftVocab(dm.d2t, head.vocab_size)
     if vocab.table is not None:
