@@ -511,9 +511,9 @@ def test_a_prefill_answers_without_waiting_for_the_drafters_stream(tmp_path, cop
 
 def test_prefill_rows_copied_out_are_the_targets_as_it_sent_them(tmp_path):
     """The drafter answers a prefill before its context forward has run (its stream busy for two seconds
-    each time but the first, which warms it); the target then writes other rows into the same buffer at once. Each sequence's drafts are
-    still those of the rows it sent: the same for three sequences whose buffer was overwritten with different
-    garbage, or not at all."""
+    each time but the first, which warms it); the target then writes other rows into the same buffer at
+    once. Each sequence's drafts are still those of the rows it sent: the same for three sequences whose
+    buffer was overwritten with different garbage, or not at all."""
     from specsplit.shared.proposer import ProposeRequest
 
     with spawned_drafter(tmp_path, "busy-prefill-short") as address:
