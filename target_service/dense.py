@@ -19,6 +19,7 @@ from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.cuda_graphs import capture
 from specsplit.shared.layers import (SelfAttention, TokenMixer, grouped_attention, grouped_mask, head_logits,
                                      padded_visibility)
+from specsplit.shared.tree import DraftTree
 from specsplit.target_service.model import CaptureSpec, TargetModel
 
 
@@ -135,6 +136,46 @@ def _layers(model: TargetModel, keys: _Keys, token_ids: torch.Tensor, positions:
         layer_features=None if features is None else features.view(batch, width, -1),
         last_hidden=x if capture.last_hidden else None,
     )
+
+
+@dataclass
+class TreeOutput:
+    logits: torch.Tensor  # [N + 1, vocab] float32: after the root (the context's last token), then after each node
+    features: torch.Tensor | None  # [L + N, feature_dim]: the context's rows, then each node's, when captured
+
+
+@torch.no_grad()
+def tree_forward(model: TargetModel, context: Sequence[int], tree: DraftTree,
+                 capture: CaptureSpec = CaptureSpec()) -> TreeOutput:
+    """The target over `context` (its last token the tree's root) and a draft tree's nodes in one forward,
+    recomputed whole: node i at the root's position plus its depth, seeing the context and its own ancestors
+    (`DraftTree.visibility`), so its row is the one a plain forward over the context and its path gives. The
+    reference that a cached, paged tree verify is tested against."""
+    if not context:
+        raise InvalidRequest("a tree's context holds at least its root")
+    capture.validate(model.config.num_hidden_layers)
+    device = model.embed_weight.device
+    length, nodes = len(context), len(tree)
+    depths = torch.tensor(tree.depths, dtype=torch.long)
+    positions = torch.cat([torch.arange(length), length - 1 + depths]).to(device)
+    token_ids = torch.tensor(list(context) + list(tree.tokens), dtype=torch.long, device=device)
+    visible = torch.zeros(length + nodes, length + nodes, dtype=torch.bool)
+    visible[:length, :length] = torch.ones(length, length, dtype=torch.bool).tril()
+    visible[length:, :length] = True
+    visible[length:, length:] = tree.visibility()
+    visible = visible.to(device)
+    cfg = model.config
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+    masks = {}
+    for window in {cfg.layer_window(i) for i in range(cfg.num_hidden_layers)}:
+        seen = visible if window is None else visible & (positions[:, None] - positions[None, :] < window)
+        masks[window] = grouped_mask(seen[None], groups)
+    keys = _Keys(cache=None, start=0, visible=masks)
+    spec = CaptureSpec(layer_ids=capture.layer_ids, last_hidden=True)
+    out = _layers(model, keys, token_ids[None], positions[None], spec, last_logits=False)
+    logits = head_logits(model.model.norm(out.last_hidden[0, length - 1:]), model.lm_head.weight)
+    features = None if out.layer_features is None else out.layer_features[0]
+    return TreeOutput(logits=logits, features=features)
 
 
 # ---- generation ---------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ such a kernel reads `k_pool`, `v_pool` and `block_table(seq_id)` directly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -175,6 +176,23 @@ class PagedKVCache:
         if k.shape != v.shape or k.shape[0] != positions.shape[0] or k.shape[1:] != self.k_pool.shape[3:]:
             raise InvalidRequest(f"k/v must be [{positions.shape[0]}, {', '.join(map(str, self.k_pool.shape[3:]))}]")
         self.write_slots(layer, self.slots(seq_id, positions.to(self.device)), k, v)
+
+    def move(self, seq_id: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Every layer's k/v of a sequence's positions `src` copied to positions `dst` (all read before any is
+        written): a verified tree's accepted path moved to the positions its tokens take."""
+        if len(src) != len(dst):
+            raise InvalidRequest(f"move takes as many destinations as sources: {len(src)} and {len(dst)}")
+        if not src:
+            return
+        held = self.length(seq_id)
+        if min(*src, *dst) < 0 or max(*src, *dst) >= held:
+            raise InvalidRequest(f"move: positions must lie within the {held} sequence {seq_id} holds")
+        if len(set(dst)) != len(dst):
+            raise InvalidRequest("move: two sources to one destination")
+        from_slots, to_slots = (self.slots(seq_id, torch.tensor(list(p), dtype=torch.long, device=self.device))
+                                for p in (src, dst))
+        for layer in range(self.num_layers):
+            self.write_slots(layer, to_slots, *self.read_slots(layer, from_slots))
 
     def gather(self, layer: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k/v [length, Hkv, D] of positions 0..length-1 of a sequence."""

@@ -9,7 +9,7 @@ checkpoint is a name lookup.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -67,6 +67,10 @@ class ForwardBatch:
     cu_seqlens: torch.Tensor  # [num_seqs + 1] int64 offsets into token_ids (CPU tensor)
     seq_ids: list[int]  # [num_seqs] KV cache sequence ids, each at most once
     logits_index: torch.Tensor | None = None  # [R] rows of T to compute logits for; None = all T rows
+    # Per sequence, None or a draft tree's parents (`shared.tree.DraftTree.parents`): its rows are then the
+    # tree's root (the last emitted token) and its nodes in order, written to the cache positions given but
+    # rotated at the root's position plus their depth, each seeing the context and its own ancestors only
+    trees: Sequence[Sequence[int] | None] | None = None
 
 
 @dataclass
@@ -111,16 +115,73 @@ class _Padded:
 
 
 @dataclass(frozen=True)
+class _TreeBlock:
+    """A sequence's rows as a draft tree: the root at cache position `root`, node i at root + 1 + i."""
+
+    start: int  # its first row in the batch
+    root: int
+    depths: torch.Tensor  # [N + 1] int64 on the host: 0 for the root, then each node's depth
+    sees: torch.Tensor  # [N + 1, N + 1] bool on the host: row r sees row c of the block (c is r or an ancestor)
+
+    def mask(self, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+        """[N + 1, K] bool: which of the cache positions `keys` [K] (host) each row of the block sees."""
+        size = len(self.depths)
+        ctx = keys[None, :] < self.root
+        if window is not None:
+            ctx = ctx & (self.root + self.depths[:, None] - keys[None, :] < window)
+        sees = self.sees
+        if window is not None:
+            sees = sees & (self.depths[:, None] - self.depths[None, :] < window)
+        inside = (keys >= self.root) & (keys < self.root + size)
+        return ctx | (sees[:, (keys - self.root).clamp(0, size - 1)] & inside[None, :])
+
+
+def _tree_blocks(trees: Sequence[Sequence[int] | None] | None, bounds: list[tuple[int, int]],
+                 firsts: list[int]) -> dict[int, _TreeBlock]:
+    """Each tree sequence's block, checked against its rows."""
+    if trees is None:
+        return {}
+    if len(trees) != len(bounds):
+        raise InvalidRequest(f"trees names {len(trees)} sequences; the batch has {len(bounds)}")
+    out = {}
+    for index, (parents, (a, b), first) in enumerate(zip(trees, bounds, firsts)):
+        if parents is None:
+            continue
+        if len(parents) + 1 != b - a:
+            raise InvalidRequest(f"sequence {index}'s tree has {len(parents)} nodes; its rows are {b - a} "
+                                 "(the root and one a node)")
+        sees = torch.eye(b - a, dtype=torch.bool)
+        depths = [0]
+        for i, parent in enumerate(parents):
+            if not -1 <= int(parent) < i:
+                raise InvalidRequest(f"sequence {index}'s tree node {i} has parent {parent}: not an earlier "
+                                     "node or the root (-1)")
+            sees[i + 1] |= sees[int(parent) + 1]
+            depths.append(depths[int(parent) + 1] + 1)
+        out[index] = _TreeBlock(a, first, torch.tensor(depths), sees)
+    return out
+
+
+def _rotary_positions(positions: torch.Tensor, trees: dict[int, _TreeBlock]) -> torch.Tensor:
+    """The rows' rotary positions: their cache positions, but a tree's rows at the root's plus their depth."""
+    rotary = positions.clone()
+    for block in trees.values():
+        rotary[block.start:block.start + len(block.depths)] = (block.root + block.depths).to(positions.device)
+    return rotary
+
+
+@dataclass(frozen=True)
 class _Step:
     """What every layer of one forward needs to attend."""
 
     cache: PagedKVCache
     spans: list[_Span] | None  # per-sequence reference path
     padded: _Padded | None  # batched path
-    positions: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] rotary positions (a tree node's: its root's plus its depth)
     new_slots: torch.Tensor  # [T] cache slots the batch's tokens are written to
     cos: torch.Tensor  # [T, head_dim]
     sin: torch.Tensor  # [T, head_dim]
+    trees: dict[int, _TreeBlock] | None = None  # sequence index -> its tree block
 
 
 class DecoderStack(nn.Module):
@@ -176,16 +237,18 @@ class TargetModel(nn.Module):
         device = self.embed_weight.device
         token_ids, positions = batch.token_ids.to(device), batch.positions.to(device)
         bounds, firsts, lasts = self._plan(batch, token_ids, positions, cache)
+        trees = _tree_blocks(batch.trees, bounds, firsts)
+        rotary = positions if not trees else _rotary_positions(positions, trees)
         x = self.model.embed_tokens(token_ids)  # [T, hidden]
-        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        cos, sin = self.model.rotary_emb(rotary, x.dtype)
         if self.attention_path == "per_sequence":
             spans = self._spans(batch.seq_ids, bounds, firsts, lasts, cache, positions.device)
             new_slots = torch.cat([s.context_slots[s.first:] for s in spans])  # [T]
-            step = _Step(cache, spans, None, positions, new_slots, cos, sin)
+            step = _Step(cache, spans, None, rotary, new_slots, cos, sin, trees)
             attend = self._attend_per_sequence
         else:
-            padded, new_slots = self._pad(batch.seq_ids, bounds, lasts, cache, positions)
-            step = _Step(cache, None, padded, positions, new_slots, cos, sin)
+            padded, new_slots = self._pad(batch.seq_ids, bounds, lasts, cache, positions, trees)
+            step = _Step(cache, None, padded, rotary, new_slots, cos, sin, trees)
             attend = self._attend_batched
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
@@ -220,11 +283,14 @@ class TargetModel(nn.Module):
         step.cache.write_slots(layer, step.new_slots, k, v)
         window = self.config.layer_window(layer)
         out = torch.empty_like(q)
-        for span in step.spans:
+        for index, span in enumerate(step.spans):
             # Keys older than the window of the batch's first query are invisible to every query of it.
             start = 0 if window is None else max(0, span.first - window + 1)
             keys, values = step.cache.read_slots(layer, span.context_slots[start:])
-            mask = visibility_mask(step.positions[span.rows], span.context_positions[start:], window=window)
+            if step.trees and index in step.trees:
+                mask = step.trees[index].mask(span.context_positions[start:].cpu(), window).to(q.device)
+            else:
+                mask = visibility_mask(step.positions[span.rows], span.context_positions[start:], window=window)
             out[span.rows] = attention(q[span.rows], keys, values, mask, attn.scale)
         return attn.output(out)
 
@@ -250,7 +316,7 @@ class TargetModel(nn.Module):
         return spans
 
     def _pad(self, seq_ids: list[int], bounds: list[tuple[int, int]], lasts: list[int], cache: PagedKVCache,
-             positions: torch.Tensor) -> tuple[_Padded, torch.Tensor]:
+             positions: torch.Tensor, trees: dict[int, _TreeBlock]) -> tuple[_Padded, torch.Tensor]:
         """The padded layout, its masks (one per distinct attention window) and the batch's new slots.
 
         Index tensors are built on the host from the known lengths and copied once, so no layer
@@ -279,8 +345,12 @@ class TargetModel(nn.Module):
         cfg = self.config
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         windows = {cfg.layer_window(i) for i in range(cfg.num_hidden_layers)}
-        masks = {w: grouped_mask(padded_visibility(q_pos, q_valid, k_pos.expand_as(k_valid), k_valid, w), groups)
-                 for w in windows}
+        masks = {}
+        for w in windows:
+            visible = padded_visibility(q_pos, q_valid, k_pos.expand_as(k_valid), k_valid, w)
+            for index, block in trees.items():  # a tree's rows: the context, then their ancestors
+                visible[index, :len(block.depths)] = block.mask(torch.arange(lmax), w).to(device)
+            masks[w] = grouped_mask(visible, groups)
         return _Padded(q_index, out_rows, slots.reshape(-1), masks), new_slots
 
 

@@ -1,0 +1,268 @@
+"""Draft trees: building them, verifying them greedily, the target's tree forward, and tree decoding's output."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from specsplit.drafter_service.checkpoint import random_drafter
+from specsplit.local import target_head, target_info
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.tree import (DraftTree, accept_greedy, accept_trees, best_first, from_paths, grow_trees, matched,
+                                   tree_ancestors)
+from specsplit.target_service.dense import dense_forward, generate, tree_forward
+from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
+from specsplit.tree_eval import TreePolicy, chain_policy, decode, decode_paged, frequent_paths, true_ranks, walk
+
+#        root
+#      /   |   \
+#    0:5  1:6   2:7
+#    |  \
+#   3:8  4:9
+#   |
+#  5:10
+TREE = DraftTree(tokens=(5, 6, 7, 8, 9, 10), parents=(-1, -1, -1, 0, 0, 3))
+
+
+def test_a_tree_knows_its_depths_paths_and_what_each_node_sees():
+    assert TREE.depths == (1, 1, 1, 2, 2, 3)
+    assert TREE.path_to(5) == [0, 3, 5] and TREE.path_to(2) == [2]
+    seen = TREE.visibility()
+    for i in range(len(TREE)):
+        assert seen[i].nonzero().flatten().tolist() == sorted(TREE.path_to(i))
+
+
+@pytest.mark.parametrize("tokens, parents", [((1, 2), (-1,)), ((1, 2), (-1, 1)), ((1, 2), (-2, -1)),
+                                             ((1, 1), (-1, -1)), ((-3,), (-1,))])
+def test_a_malformed_tree_is_refused(tokens, parents):
+    with pytest.raises(InvalidRequest):
+        DraftTree(tokens, parents)
+
+
+def test_greedy_acceptance_follows_the_targets_picks_down_the_tree():
+    # picks: after the root, then after each node 0..5
+    assert accept_greedy(TREE, [5, 9, 0, 0, 0, 0, 0]) == ([0, 4], [5, 9, 0])  # node 4's pick is the bonus
+    assert accept_greedy(TREE, [5, 8, 0, 0, 10, 0, 3]) == ([0, 3, 5], [5, 8, 10, 3])
+    assert accept_greedy(TREE, [7, 0, 0, 4, 0, 0, 0]) == ([2], [7, 4])
+    assert accept_greedy(TREE, [11, 0, 0, 0, 0, 0, 0]) == ([], [11])  # nothing accepted: the recovered token
+    with pytest.raises(InvalidRequest):
+        accept_greedy(TREE, [5, 8])
+    # teacher forcing reads the same path
+    assert matched(TREE, [5, 8, 10, 3]) == 3 and matched(TREE, [6, 5]) == 1 and matched(TREE, [1]) == 0
+    assert matched(DraftTree.chain([4, 5, 6]), [4, 5, 7]) == 2
+
+
+def brute_force_best(logp: list[list[float]], budget: int) -> set[tuple[int, ...]]:
+    """Every rank path of every length, scored, the best `budget` kept."""
+    paths = [p for d in range(1, len(logp) + 1) for p in itertools.product(*(range(len(r)) for r in logp[:d]))]
+    return set(sorted(paths, key=lambda p: -sum(logp[j][r] for j, r in enumerate(p)))[:budget])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_best_first_keeps_the_highest_scoring_paths(seed):
+    rng = random.Random(seed)
+    logp = []
+    for _ in range(4):
+        raw = sorted((rng.random() for _ in range(4)), reverse=True)
+        total = sum(raw)
+        logp.append([math.log(x / total) for x in raw])
+    ids = [[10 * j + r for r in range(4)] for j in range(4)]
+    for budget in (1, 3, 7, 15, 30):
+        tree = best_first(logp, ids, budget)
+        assert len(tree) == budget
+        got = {tuple(ids[d].index(tree.tokens[n]) for d, n in enumerate(tree.path_to(i))) for i in range(budget)}
+        assert got == brute_force_best(logp, budget)
+    assert from_paths([(0,), (0, 0), (1,)], ids) == DraftTree((0, 1, 10), (-1, -1, 0))  # shallow first
+    with pytest.raises(InvalidRequest):
+        from_paths([(0, 1)], ids)  # its prefix is missing
+    with pytest.raises(InvalidRequest):
+        from_paths([(4,)], ids)  # past the row's candidates
+
+
+def test_frequent_paths_form_the_tree_the_true_tokens_took_most():
+    ranks = [[0, 0, 1], [0, 0, -1], [1, 0, 0], [0, 1, 0], [0, 0, 0], [0, 0, 0]]
+    assert frequent_paths(ranks, 3) == ((0,), (0, 0), (0, 0, 0))  # taken 5, 4 and 2 times
+    assert frequent_paths(ranks, 4)[3] == (1,)  # of those taken once, the shortest first
+    assert true_ranks(torch.tensor([[3, 4], [5, 6], [7, 8]]), [4, 9]) == [1, -1, -1]
+    assert chain_policy(3).paths == ((0,), (0, 0), (0, 0, 0)) and str(chain_policy(3)) == "chain 3"
+    with pytest.raises(InvalidRequest):
+        TreePolicy(budget=2, paths=((0,), (0, 0), (1,)))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])  # mistral's layers slide a window, some of qwen3's
+def test_each_nodes_row_is_a_plain_forward_over_its_path(family, request):
+    """A node's logits and captured rows are those of the context followed by its path alone."""
+    model = load_target(request.getfixturevalue(f"tiny_{family}_dir"))
+    capture = CaptureSpec(layer_ids=(0, model.config.num_hidden_layers - 1))
+    context = [3, 14, 15, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    out = tree_forward(model, context, TREE, capture)
+    assert out.logits.shape[0] == len(TREE) + 1 and out.features.shape[0] == len(context) + len(TREE)
+    for node in [-1] + list(range(len(TREE))):
+        path = [] if node < 0 else TREE.path_to(node)
+        ids = torch.tensor([context + [TREE.tokens[i] for i in path]])
+        plain = dense_forward(model, ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids, dtype=torch.bool),
+                              capture=capture, last_logits=True)
+        torch.testing.assert_close(out.logits[node + 1], plain.logits[0], atol=1e-4, rtol=1e-4)
+        row = out.features[len(context) + node] if node >= 0 else out.features[len(context) - 1]
+        torch.testing.assert_close(row, plain.layer_features[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def paged_batch(parts, trees=None):
+    """A ForwardBatch of sequences (seq_id, first position, tokens)."""
+    tokens = [t for _, _, toks in parts for t in toks]
+    positions = [p for _, first, toks in parts for p in range(first, first + len(toks))]
+    cu = [0]
+    for _, _, toks in parts:
+        cu.append(cu[-1] + len(toks))
+    return ForwardBatch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(cu), [s for s, _, _ in parts],
+                        trees=trees)
+
+
+@pytest.mark.parametrize("path", ["batched", "per_sequence"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_a_paged_tree_verify_equals_the_dense_reference_beside_a_plain_sequence(family, path, request):
+    """Through the KV cache, a tree's rows (written at the positions after its root, rotated at root + depth)
+    give the dense reference's logits and rows, and a plain sequence in the same batch its own."""
+    model = load_target(request.getfixturevalue(f"tiny_{family}_dir"))
+    model.attention_path = path
+    capture = CaptureSpec(layer_ids=(0, model.config.num_hidden_layers - 1))
+    context, other = [3, 14, 15, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [7, 1, 8, 2, 8]
+    cache = model.new_cache(num_blocks=8, block_size=4)
+    for seq_id in (0, 1):
+        cache.allocate(seq_id)
+    model(paged_batch([(0, 0, context[:-1]), (1, 0, other)]), cache, capture)
+    out = model(paged_batch([(1, len(other), [4]), (0, len(context) - 1, [context[-1], *TREE.tokens])],
+                            trees=[None, TREE.parents]), cache, capture)
+    ref = tree_forward(model, context, TREE, capture)
+    torch.testing.assert_close(out.logits[1:], ref.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.layer_features[1:], ref.features[len(context) - 1:], atol=1e-4, rtol=1e-4)
+    plain = dense_forward(model, torch.tensor([other + [4]]), torch.arange(len(other) + 1)[None],
+                          torch.ones(1, len(other) + 1, dtype=torch.bool), last_logits=True)
+    torch.testing.assert_close(out.logits[0], plain.logits[0], atol=1e-4, rtol=1e-4)
+    for bad in ([TREE.parents], [None, TREE.parents[:-1]], [None, (-1, 1, 0, 0, 0, 3)]):
+        with pytest.raises(InvalidRequest):
+            model(paged_batch([(1, len(other), [4]), (0, len(context) - 1, [context[-1], *TREE.tokens])],
+                              trees=bad), cache, capture)
+
+
+def test_the_accepted_path_moved_into_place_is_what_a_plain_run_cached(tiny_llama_dir):
+    """The target's greedy path hidden on a later branch: the verify accepts it, its k/v move to the positions
+    its tokens take, and the next step's logits equal a plain forward over the whole sequence."""
+    model = load_target(tiny_llama_dir)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    c = generate(model, [prompt], 4).rows()[0][len(prompt):]
+    #   root -> 0: wrong, 1: c0 -> (2: wrong, 3: c1 -> 4: c2)
+    tree = DraftTree((c[0] + 1, c[0], c[1] + 1, c[1], c[2]), (-1, -1, 1, 1, 3))
+    cache = model.new_cache(num_blocks=8, block_size=4)
+    cache.allocate(0)
+    model(paged_batch([(0, 0, prompt[:-1])]), cache)
+    root = len(prompt) - 1
+    out = model(paged_batch([(0, root, [prompt[-1], *tree.tokens])], trees=[tree.parents]), cache)
+    accepted, emitted = accept_greedy(tree, out.logits.argmax(-1).tolist())
+    assert accepted == [1, 3, 4] and emitted == c[:4]
+    cache.move(0, [root + 1 + i for i in accepted], [root + 1 + d for d in range(len(accepted))])
+    cache.truncate(0, root + 1 + len(accepted))
+    seq = prompt + emitted
+    step = model(paged_batch([(0, len(seq) - 1, [seq[-1]])]), cache)
+    plain = dense_forward(model, torch.tensor([seq]), torch.arange(len(seq))[None],
+                          torch.ones(1, len(seq), dtype=torch.bool), last_logits=True)
+    torch.testing.assert_close(step.logits[0], plain.logits[0], atol=1e-4, rtol=1e-4)
+    for src, dst in (([root], [root, root + 1]), ([root + 9], [root]), ([root, root + 1], [root, root])):
+        with pytest.raises(InvalidRequest):
+            cache.move(0, src, dst)
+
+
+def test_tree_decoding_equals_the_targets_greedy_output_and_its_teacher_forced_walk(tiny_llama_dir):
+    """With a random drafter few drafts land, so the policy that accepts most here is a wide tree; either way
+    every token is the target's, and decoding takes the steps the teacher-forced walk counts."""
+    model = load_target(tiny_llama_dir)
+    drafter = random_drafter("dflash", target_info(model), target_head(model), seed=0, block_size=4)
+    dm, head = drafter.model, drafter.head
+    prompts = [[5, 6, 7, 8, 9], [30, 31, 32]]
+    greedy = generate(model, prompts, 12).rows()
+    policies = [chain_policy(3), TreePolicy(budget=24, keep=8), TreePolicy(budget=6, paths=((0,), (1,), (0, 0)))]
+    for prompt, full in zip(prompts, greedy):
+        continuation = full[len(prompt):]
+        steps = walk(model, dm, head, prompt, continuation, policies)
+        for policy, walked in zip(policies, steps):
+            got = decode(model, dm, head, prompt, 12, policy)
+            assert got.tokens == continuation, policy
+            assert got.steps == walked, policy
+            assert decode_paged(model, dm, head, prompt, 12, policy) == got
+    with pytest.raises(InvalidRequest):
+        decode(model, dm, head, [], 4, policies[0])
+
+
+def test_the_shipped_drafters_trees_accept_more_and_stay_lossless(smollm2, smollm2_tokenizer):
+    """The shipped drafter on two held-out chat prompts: a best-first tree of 15 nodes (today's verify width)
+    accepts more tokens a step than the chain, its output is the target's greedy output, and decoding takes
+    exactly the steps of its teacher-forced walk (drafting and verification see the same rows)."""
+    from specsplit.local import LocalSetup, make_drafter
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+    drafter = make_drafter("dflash", smollm2, LocalSetup(drafter="dflash", device="cpu", dtype="float32"))
+    dm, head = drafter.model, drafter.head
+    chats = [p for p in read_prompts(HELDOUT_PATH) if p.kind == "chat"][:2]
+    prompts = [p.encode(smollm2_tokenizer) for p in chats]
+    policies = [chain_policy(15), TreePolicy(budget=15)]
+    totals = [0, 0]
+    for prompt, full in zip(prompts, generate(smollm2, prompts, 32).rows()):
+        continuation = full[len(prompt):]
+        for n, (policy, walked) in enumerate(zip(policies, walk(smollm2, dm, head, prompt, continuation, policies))):
+            got = decode(smollm2, dm, head, prompt, 32, policy)
+            assert got.tokens == continuation and got.steps == walked
+            assert decode_paged(smollm2, dm, head, prompt, 32, policy) == got
+            totals[n] += got.steps
+    assert totals[1] < totals[0]
+
+
+def random_rows(seed: int, batch: int, rows: int, width: int, vocab: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    logp = torch.log_softmax(torch.randn(batch, rows, vocab, generator=gen) * 3, -1)
+    return logp.topk(width, -1)
+
+
+def token_paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    return {tuple(tree.tokens[n] for n in tree.path_to(i)) for i in range(len(tree))}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_trees_grown_on_the_device_are_best_firsts(seed):
+    logp, ids = random_rows(seed, batch=3, rows=6, width=5)
+    for budget in (1, 4, 15, 31):
+        grown = grow_trees(logp, ids, budget)
+        for b in range(3):
+            tree = grown.tree(b)
+            assert token_paths(tree) == token_paths(best_first(logp[b].tolist(), ids[b].tolist(), budget))
+            assert len(tree) == budget and grown.depths[b].tolist() == list(tree.depths)
+    # a row sure of its token (log-probability 0) ties child and parent: the parent is kept first
+    sure = torch.zeros(1, 3, 1), torch.tensor([[[4], [5], [6]]])
+    assert grow_trees(*sure, 2).tree(0) == DraftTree((4, 5), (-1, 0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_trees_accepted_on_the_device_as_on_the_host(seed):
+    logp, ids = random_rows(seed, batch=4, rows=5, width=3, vocab=6)
+    grown = grow_trees(logp, ids, 12)
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(20):
+        picks = torch.randint(0, 6, (4, 13), generator=gen)
+        if trial % 2:  # walk down a real path so long acceptances occur too
+            for b in range(4):
+                tree, node = grown.tree(b), -1
+                for _ in range(3):
+                    kids = [i for i, p in enumerate(tree.parents) if p == node]
+                    if not kids:
+                        break
+                    node = kids[trial % len(kids)]
+                    picks[b, tree.parents[node] + 1] = tree.tokens[node]
+        count, nodes = accept_trees(grown, picks)
+        for b in range(4):
+            accepted, _ = accept_greedy(grown.tree(b), picks[b].tolist())
+            assert count[b] == len(accepted) and nodes[b].tolist() == accepted + [-1] * (12 - len(accepted))
+    seen = tree_ancestors(torch.tensor([TREE.parents]))[0]
+    assert seen[1:, 1:].equal(TREE.visibility()) and seen[:, 0].all() and not seen[0, 1:].any()
