@@ -36,7 +36,7 @@ from specsplit.shared.config import ModelConfig
 from specsplit.shared.errors import CheckpointError, InvalidRequest
 from specsplit.shared.fused import FusedWeights, fuse_projections, run_fused_layers
 from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer, head_logits
-from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal
+from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest
 from specsplit.shared.ragged import ragged_arange
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -738,6 +738,34 @@ class DFlashDrafter(Drafter):
             kept = torch.arange(1, most + 1, device=ids.device) <= reveal.to(ids.device)[:, None]
             ids, logp = torch.where(kept, ids, again), torch.where(kept, logp, again_logp)
         return proposals(self.vocab.to_target(ids), logp, batch)
+
+    @torch.no_grad()
+    def propose_candidates(self, requests: Sequence[ProposeRequest], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's block rows as a draft tree's candidates (`shared.tree`): the `keep` best
+        log-probabilities of each of its first num_drafts rows and their target ids, [len(requests), R, keep]
+        each (R the widest num_drafts; a shorter request's rows past its own are not its). Eager: the static
+        forwards draft chains only. Checks and errors are `propose`'s; no grammar masks (a tree's runners-up
+        would need each its own)."""
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise InvalidRequest(f"keep is a number of candidates >= 1, got {keep!r}")
+        batch = self._check_requests(requests)
+        if not batch or any(d.request.num_drafts < 1 for d in batch):
+            raise InvalidRequest("candidates are asked for one or more drafts a request")
+        if any(d.allowed is not None for d in batch):
+            raise InvalidRequest("draft trees take no grammar bitmask")
+        most = max(d.request.num_drafts for d in batch)
+        logps, ids = [], []
+        for i in range(0, len(batch), self.spec.max_batch):
+            chunk = batch[i:i + self.spec.max_batch]
+            anchors = torch.tensor([d.request.last_token for d in chunk], device=self.device)
+            positions = torch.tensor([d.request.position for d in chunk], device=self.device)
+            hidden = self.model.block_hidden(self.model.embed_block(anchors, self.head), positions,
+                                             self._context([d.state for d in chunk]))
+            logp = torch.log_softmax(self.model.logits(hidden[:, 1:1 + most], self.head).float(), -1)
+            top, index = logp.topk(min(keep, logp.shape[-1]), -1)
+            logps.append(top)
+            ids.append(self.vocab.to_target(index))
+        return torch.cat(logps), torch.cat(ids)
 
     def _context(self, states: Sequence[DFlashState]) -> BlockContext:
         """The eager reference's context: each sequence's visible rows gathered out of the pool."""

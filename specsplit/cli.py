@@ -600,7 +600,8 @@ def cmd_eval_acceptance(args: argparse.Namespace) -> None:
     from specsplit.train_data import HELDOUT_PATH
 
     settings = EvalSettings(max_tokens=args.max_tokens, temperature=args.temperature, batch=args.batch,
-                            num_drafts=args.num_drafts, seed=args.seed, refine=args.refine)
+                            num_drafts=args.num_drafts, seed=args.seed, refine=args.refine,
+                            draft_tree=args.draft_tree)
     rep = run(target=args.target, drafter=args.drafter, prompts_path=args.prompts or HELDOUT_PATH,
               settings=settings, device=args.device, dtype=args.dtype, limit=args.limit, seed=args.seed)
     print(dumps(rep) if args.json else format_report(rep))
@@ -679,6 +680,9 @@ def add_training_parsers(sub) -> None:
     ev.add_argument("--limit", type=int, default=None, help="only the first K prompts (default: all)")
     ev.add_argument("--seed", type=int, default=0, help="seeds sampling and a random drafter")
     ev.add_argument("--refine", type=refine_policies, default=(), metavar="POLICY,...", help=REFINE_HELP)
+    ev.add_argument("--draft-tree", type=int, default=0, metavar="NODES",
+                    help="greedy DFlash steps verify a best-first draft tree of this many nodes instead of a chain "
+                         "(eager: tau, not speed; default 0: chains)")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
 
 

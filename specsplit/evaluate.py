@@ -58,6 +58,7 @@ class EvalSettings:
     seed: int = 0  # seeds sampling when temperature > 0
     # Teacher-forced figures again for each policy of a refining second pass (DFlash, greedy)
     refine: tuple[RefinePolicy, ...] = ()
+    draft_tree: int = 0  # EngineConfig.draft_tree: greedy steps verify a tree of this many nodes (0: chains)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.batch < 1 or self.temperature < 0:
@@ -69,6 +70,11 @@ class EvalSettings:
             raise InvalidRequest(f"refine names a policy twice: {', '.join(map(str, self.refine))}")
         if self.refine and self.temperature > 0:
             raise InvalidRequest("a refining pass is scored greedy only (teacher forcing): give temperature 0")
+        if isinstance(self.draft_tree, bool) or not isinstance(self.draft_tree, int) or self.draft_tree < 0:
+            raise InvalidRequest(f"draft_tree is a number of nodes >= 0, got {self.draft_tree!r}")
+        if self.draft_tree and (self.temperature > 0 or self.refine):
+            raise InvalidRequest("draft trees are verified greedily and drafted in one pass: temperature 0, "
+                                 "no refine")
 
     def params(self, index: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed + index)
@@ -96,6 +102,19 @@ class AcceptanceRecorder:
             for request in requests:
                 self.offered[request.seq_id] = request.num_drafts
         return drafts
+
+    def propose_candidates(self, requests: Sequence[ProposeRequest], keep: int):
+        """A draft tree's candidates (EngineConfig.draft_tree): each request offers its rows, num_drafts deep."""
+        got = self.inner.propose_candidates(requests, keep)
+        for request in requests:
+            self.offered[request.seq_id] = request.num_drafts
+        return got
+
+    def catchup(self, seq_id: int, token_ids, rows, base_pos: int) -> int:
+        # A tree none of whose nodes held commits its root alone, as a catch-up: still a verified proposal
+        if self.offered.get(seq_id, 0) > 0:
+            self.records.append((self.offered.pop(seq_id), 0))
+        return self.inner.catchup(seq_id, token_ids, rows, base_pos)
 
     def trim(self, seq_id: int, num_accepted: int) -> None:
         # The engine trims once per verified proposal with drafts, after commit.
@@ -145,8 +164,8 @@ def _sync(model: TargetModel) -> None:
 
 def make_engine(model: TargetModel, proposer: Proposer | None, settings: EvalSettings,
                 eos_ids: Sequence[int]) -> Engine:
-    return Engine(model, proposer, EngineConfig(max_batch=settings.batch, num_drafts=settings.num_drafts),
-                  eos_ids=eos_ids)
+    return Engine(model, proposer, EngineConfig(max_batch=settings.batch, num_drafts=settings.num_drafts,
+                                                draft_tree=settings.draft_tree), eos_ids=eos_ids)
 
 
 def run_engine(engine: Engine, prompts: Sequence[EvalPrompt], settings: EvalSettings, tag: str = "p") -> Run:
@@ -192,7 +211,8 @@ def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPromp
         warm_prompts, warm = prompts, settings
     else:
         warm_prompts = prompts[:1]
-        warm = EvalSettings(max_tokens=min(4, settings.max_tokens), batch=settings.batch, num_drafts=settings.num_drafts)
+        warm = EvalSettings(max_tokens=min(4, settings.max_tokens), batch=settings.batch,
+                            num_drafts=settings.num_drafts, draft_tree=settings.draft_tree)
     # One engine each, warmed up and then timed, as a server's goes on: its CUDA graphs (the chained steps'
     # shapes are captured on their ninth run) are paid for once, not in the timed run
     engines = {name: make_engine(model, drafter, settings, eos_ids)
@@ -213,7 +233,25 @@ def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPromp
                                                settings.refine, [p.kind for p in prompts])
         rep["refined_runs"] = {str(policy): refined_run(model, proposer, policy, prompts, base, settings, eos_ids)
                                for policy in settings.refine}
+        if settings.draft_tree:
+            rep["teacher_forced"]["tree_walk"] = tree_walk(model, proposer, prompts, base, settings)
     return rep
+
+
+def tree_walk(model: TargetModel, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], base: Run,
+              settings: EvalSettings) -> dict:
+    """The engine's draft trees (`EngineConfig.draft_tree`) walked teacher-forced over the target-only run's
+    tokens, over every row of a block (`tree_eval.walk`): its tau_excl_prefill is the run's where no step was
+    asked for fewer drafts (`num_drafts`, or a request's last steps)."""
+    from specsplit.tree_eval import TreePolicy, walk  # (it reads this module's walk_steps)
+
+    policy = TreePolicy(budget=settings.draft_tree, keep=EngineConfig.draft_tree_keep)
+    steps = tokens = 0
+    for prompt, generated in zip(prompts, base.tokens):
+        if len(generated) > 1:
+            steps += walk(model, drafter.model, drafter.head, prompt.ids, generated, [policy])[0]
+            tokens += len(generated) - 1
+    return {"steps": steps, "tokens": tokens, "tau_excl_prefill": tokens / steps if steps else 0.0}
 
 
 def refined_run(model: TargetModel, drafter: DFlashDrafter, policy: RefinePolicy, prompts: Sequence[EvalPrompt],
@@ -367,7 +405,7 @@ def report(prompts: Sequence[EvalPrompt], spec: Run, base: Run, records: Sequenc
     spec_tps, base_tps = timed.generated / timed.seconds, base.generated / base.seconds
     rep = {
         "prompts": len(prompts), "max_tokens": settings.max_tokens, "temperature": settings.temperature,
-        "batch": settings.batch, "max_drafts": max_drafts, **overall,
+        "batch": settings.batch, "max_drafts": max_drafts, "draft_tree": settings.draft_tree, **overall,
         "proposals": len(records), "position_acceptance": position_acceptance(records, max_drafts),
         "by_kind": tau_by_kind(spec.stats, prompts),
         "tokens_per_s": {"speculative": spec_tps, "target_only": base_tps, "speedup": spec_tps / base_tps},
@@ -421,6 +459,10 @@ def format_report(rep: dict) -> str:
             if by_kind:
                 lines.append("  the walk by kind: " + ", ".join(f"{kind} {w['tau_excl_prefill']:.3f}"
                                                                 for kind, w in by_kind.items()))
+        tree = forced.get("tree_walk")
+        if tree is not None:
+            lines.append(f"the steps above verified draft trees of {rep['draft_tree']} nodes; their "
+                         f"teacher-forced walk: {tree['tau_excl_prefill']:.3f} over {tree['steps']} steps")
     tps = rep["tokens_per_s"]
     lines.append(f"tokens/s: speculative {tps['speculative']:.1f}, target-only {tps['target_only']:.1f}, "
                  f"speedup {tps['speedup']:.2f}x")

@@ -25,6 +25,8 @@ from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
+from specsplit.shared.tree import DraftTree, best_first
+from specsplit.shared.tree import accept_greedy as accept_tree
 from specsplit.shared.verify import device_longs, sample_accept, sample_tokens, verify_sampled
 from specsplit.target_service.chain import ChainBuffers, ChainedStep, ChainProgram, accept_greedy
 from specsplit.target_service.counters import EngineCounters
@@ -117,6 +119,13 @@ class EngineConfig:
     # chained step that is not the one before. Off (the waits drained as for device memory) until the H200
     # has run the hang's test with the page (thirty-eighth session; `gpu_round.sh host-flags`).
     unquiesced_host_flags: bool = False
+    # Greedy steps of an in-process DFlash drafter verify a draft tree of this many nodes a sequence instead of
+    # one chain (`shared.tree`): the best rank paths of the block's rows by summed log-probability, each row
+    # offering its `draft_tree_keep` best tokens. On the shipped drafter's held-out walk a tree of 15 nodes, the
+    # chain's verify width, took tau 3.67 -> 4.28 (chat 3.20 -> 3.77; bench/tree_tau.py). Eager for now (no
+    # captured steps, no chained or ahead steps, no drafter service): measurement only. 0: chains.
+    draft_tree: int = 0
+    draft_tree_keep: int = 8
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
@@ -130,6 +139,10 @@ class EngineConfig:
             raise InvalidRequest(f"chain_capture is a number of sequences >= 0, got {self.chain_capture!r}")
         if not isinstance(self.chain_capture_remote, bool):
             raise InvalidRequest(f"chain_capture_remote is true or false, got {self.chain_capture_remote!r}")
+        for name, least, unit in (("draft_tree", 0, "nodes"), ("draft_tree_keep", 1, "tokens")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InvalidRequest(f"{name} is a number of {unit} >= {least}, got {value!r}")
         for pair in self.drafts_by_batch:
             if len(pair) != 2 or pair[0] < 1 or pair[1] < 0:
                 raise InvalidRequest(f"drafts_by_batch: {pair!r} is not a (sequences >= 1, drafts >= 0) pair")
@@ -392,7 +405,7 @@ class Engine:
         spec = self.proposer.spec if self.proposer is not None else None
         if spec is None:
             return 1
-        return (3 if self._chains() else 1) * (spec.max_drafts + 1)
+        return (3 if self._chains() else 1) * (max(spec.max_drafts, self.config.draft_tree) + 1)
 
     def _chains(self) -> bool:
         """Whether this engine's speculative steps may chain now (see _chain_plan; a drafter service's
@@ -591,6 +604,8 @@ class Engine:
         return self.drafter_ok and seq.request.speculative and not seq.drafter_refused
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
+        if self._tree_steps(seqs):
+            return self._tree_step(seqs)
         k, chained = self._chain_plan(seqs)
         if k or self._chain is not None:
             events = self._chain_step(chained, k)
@@ -606,6 +621,57 @@ class Engine:
         if launched is not None:  # its verify time: the host's wait for it from here, and the accepts
             return self._finish_verify(launched, time.perf_counter())
         return self._finish_verify(self._launch_verify(seqs))
+
+    def _tree_steps(self, seqs: list[Sequence]) -> bool:
+        """Whether this step verifies draft trees (EngineConfig.draft_tree): every sequence greedy, an
+        in-process drafter that offers candidates, nothing chained or launched ahead pending."""
+        return self.config.draft_tree > 0 and self.drafter_ok and self._chain is None \
+            and _capability(self.proposer, "propose_candidates") is not None \
+            and all(s.request.params.greedy for s in seqs)
+
+    def _tree_step(self, seqs: list[Sequence]) -> list[StepEvent]:
+        """One greedy step verifying a draft tree a sequence (the eager reference path): the drafter's
+        candidates, each sequence's best-first tree, one forward over every tree (`ForwardBatch.trees`), the
+        longest path of the target's own picks accepted, its k/v moved to the positions its tokens take, and
+        the drafter told as if that path had been a chain drafted and accepted whole."""
+        self._quiesce()
+        self._drop_ahead()
+        self._launched, self._prefetched, self._prefetch_seconds = None, None, 0.0
+        counts = self._draft_counts(seqs)
+        requests, index = self._propose_requests(seqs, counts)
+        trees = [DraftTree((), ()) for _ in seqs]
+        started = time.perf_counter()
+        if requests:
+            got = self._drafter_call(self.proposer.propose_candidates, requests, self.config.draft_tree_keep)
+            if got is not _FAILED:
+                logp, ids = (t.tolist() for t in got)
+                for row, i in enumerate(index):
+                    trees[i] = best_first(logp[row][:counts[i]], ids[row][:counts[i]], self.config.draft_tree)
+            self.counters.propose.observe(time.perf_counter() - started)
+        inputs = [[s.tokens[-1], *t.tokens] for s, t in zip(seqs, trees)]
+        starts = [s.last_position for s in seqs]
+        verify_started = time.perf_counter()
+        out = self._forward([s.seq_id for s in seqs], inputs, starts, logits_last_only=False,
+                            trees=[t.parents if len(t) else None for t in trees])
+        picks = out.logits.argmax(-1).tolist()
+        verified = time.perf_counter()
+        features = self._features(out)
+        done, offset = [], 0
+        for seq, tree, start, rows in zip(seqs, trees, starts, inputs):
+            nodes, new_tokens = accept_tree(tree, picks[offset:offset + len(rows)])
+            self.cache.move(seq.seq_id, [start + 1 + n for n in nodes], [start + 1 + d for d in range(len(nodes))])
+            self.cache.truncate(seq.seq_id, start + len(nodes) + 1)
+            seq.stats.steps += 1
+            seq.stats.drafted += len(tree)
+            seq.stats.accepted += len(nodes)
+            self.counters.verified(len(tree), len(nodes))
+            if features is not None and self.drafter_ok:
+                kept = torch.tensor([offset] + [offset + 1 + n for n in nodes], device=features.device)
+                self._after_verify(seq, new_tokens[:-1], len(nodes), features[kept], start)
+            done.append((seq, new_tokens, seq.accept(new_tokens)))
+            offset += len(rows)
+        self._count_step(verify_started, verified)
+        return [self._emit(seq, new_tokens, kept) for seq, new_tokens, kept in done]
 
     def _drop_ahead(self) -> None:
         """Drop a decode step launched ahead and not taken: its sequences' tokens are computed again, the
@@ -1606,7 +1672,7 @@ class Engine:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _forward(self, seq_ids, inputs, starts, *, logits_last_only):
+    def _forward(self, seq_ids, inputs, starts, *, logits_last_only, trees=None):
         flat = [t for ids in inputs for t in ids]
         positions = [p for ids, s in zip(inputs, starts) for p in range(s, s + len(ids))]
         lengths = torch.tensor([0] + [len(ids) for ids in inputs], dtype=torch.int64)
@@ -1617,6 +1683,7 @@ class Engine:
             cu_seqlens=cu,
             seq_ids=list(seq_ids),
             logits_index=(cu[1:] - 1).to(self._device) if logits_last_only else None,
+            trees=trees,
         )
         with torch.inference_mode():
             return self.model(batch, self.cache, self.capture)

@@ -266,3 +266,55 @@ def test_trees_accepted_on_the_device_as_on_the_host(seed):
             assert count[b] == len(accepted) and nodes[b].tolist() == accepted + [-1] * (12 - len(accepted))
     seen = tree_ancestors(torch.tensor([TREE.parents]))[0]
     assert seen[1:, 1:].equal(TREE.visibility()) and seen[:, 0].all() and not seen[0, 1:].any()
+
+
+def engine_run(model, drafter, prompts, max_tokens, **config):
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    engine = Engine(model, drafter, EngineConfig(max_batch=len(prompts), **config))
+    requests = [Request(f"r{i}", list(p), SamplingParams(max_tokens=max_tokens), speculative=drafter is not None)
+                for i, p in enumerate(prompts)]
+    events = engine.generate(requests)
+    return [[t for e in events[r.request_id] for t in e.token_ids] for r in requests], \
+        [events[r.request_id][-1].stats for r in requests], engine
+
+
+def test_the_engines_tree_steps_equal_target_only_and_take_fewer_steps(smollm2, smollm2_tokenizer):
+    """EngineConfig.draft_tree with the shipped drafter, two held-out chat prompts in one batch: every token
+    the target-only engine's, fewer steps than chains, and each request's steps those of `decode_paged`
+    (the trees the engine builds are the reference's)."""
+    from specsplit.local import LocalSetup, make_drafter
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+    prompts = [p.encode(smollm2_tokenizer) for p in read_prompts(HELDOUT_PATH) if p.kind == "chat"][:2]
+    base, _, _ = engine_run(smollm2, None, prompts, 24)
+    chained = engine_run(smollm2, make_drafter("dflash", smollm2, LocalSetup(drafter="dflash", dtype="float32")),
+                         prompts, 24)
+    drafter = make_drafter("dflash", smollm2, LocalSetup(drafter="dflash", dtype="float32"))
+    tokens, stats, engine = engine_run(smollm2, drafter, prompts, 24, draft_tree=15, draft_tree_keep=8)
+    assert tokens == base == chained[0]
+    assert sum(s.steps for s in stats) < sum(s.steps for s in chained[1])
+    for prompt, got, st in zip(prompts, tokens, stats):
+        ref = decode_paged(smollm2, drafter.model, drafter.head, prompt, 24, TreePolicy(budget=15, keep=8))
+        assert ref.tokens == got and st.steps == ref.steps + 1  # the engine counts its prefill a step
+        assert st.accepted == len(got) - st.steps and 0 < st.drafted <= 15 * ref.steps
+    assert engine.cache.num_free_blocks == engine.config.kv_blocks  # every block back, the trees' rows included
+
+
+def test_evaluate_reports_draft_trees_beside_their_teacher_forced_walk(tiny_llama_dir):
+    from specsplit.evaluate import EvalPrompt, EvalSettings, evaluate
+
+    model = load_target(tiny_llama_dir)
+    drafter = random_drafter("dflash", target_info(model), target_head(model), seed=0, block_size=4)
+    prompts = [EvalPrompt("chat", [5, 6, 7, 8, 9]), EvalPrompt("code", [30, 31, 32])]
+    rep = evaluate(model, drafter, prompts, EvalSettings(max_tokens=12, batch=2, draft_tree=6))
+    assert rep["mismatches"] == 0 and rep["served"]["mismatches"] == 0
+    assert rep["generated"] == rep["steps"] + rep["accepted"]
+    assert sum(rep["position_acceptance"]) * rep["proposals"] == pytest.approx(rep["accepted"])
+    walk = rep["teacher_forced"]["tree_walk"]
+    assert walk["tokens"] == rep["generated"] - len(prompts) and walk["steps"] == rep["steps"] - len(prompts)
+    for bad in ({"draft_tree": -1}, {"draft_tree": 4, "temperature": 0.5}, {"draft_tree": True}):
+        with pytest.raises(InvalidRequest):
+            EvalSettings(**bad)
