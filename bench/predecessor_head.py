@@ -31,10 +31,10 @@ from torch import nn
 from specsplit.drafter_service.base import DraftVocab
 from specsplit.drafter_service.training import dflash_block_hidden
 from specsplit.evaluate import walk_steps
-from specsplit.local import LocalSetup, make_drafter, target_dir
+from specsplit.local import LocalSetup, load_parts
 from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service.dense import capture_features, generate
-from specsplit.target_service.model import CaptureSpec, load_target
+from specsplit.target_service.model import CaptureSpec
 from specsplit.train import block_targets
 from specsplit.train_data import HELDOUT_PATH, Prompt, read_prompts, training_prompts
 
@@ -158,10 +158,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     started = time.perf_counter()
-    folder = target_dir("default")
-    model = load_target(folder, dtype=torch.float32, device=args.device)
-    tokenizer = Tokenizer.from_dir(folder)
-    drafter = make_drafter(args.drafter, model, LocalSetup(drafter=args.drafter, device=args.device, dtype="float32"))
+    model, tokenizer, drafter = load_parts(LocalSetup(drafter=args.drafter, device=args.device, dtype="float32"))
     dm, head = drafter.model, drafter.head
     vocab = DraftVocab(dm.d2t, head.vocab_size)
     if vocab.table is not None:

@@ -27,10 +27,10 @@ import time
 
 import torch
 
-from specsplit.local import LocalSetup, make_drafter, target_dir
+from specsplit.local import LocalSetup, load_parts
 from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service.dense import capture_features, generate
-from specsplit.target_service.model import CaptureSpec, load_target
+from specsplit.target_service.model import CaptureSpec
 from specsplit.train_data import HELDOUT_PATH, Prompt, read_prompts, training_prompts
 from specsplit.tree_eval import TreePolicy, candidates, chain_policy, decode_paged, frequent_paths, true_ranks, walk
 
@@ -82,10 +82,7 @@ def main() -> None:
     if min(args.budgets) < 1 or args.keep < 1:
         parser.error("--budgets and --keep: each at least 1")
     started = time.perf_counter()
-    folder = target_dir("default")
-    model = load_target(folder, dtype=torch.float32, device=args.device)
-    tokenizer = Tokenizer.from_dir(folder)
-    drafter = make_drafter(args.drafter, model, LocalSetup(drafter=args.drafter, device=args.device, dtype="float32"))
+    model, tokenizer, drafter = load_parts(LocalSetup(drafter=args.drafter, device=args.device, dtype="float32"))
     dm, head = drafter.model, drafter.head
     held = continuations(model, tokenizer, read_prompts(HELDOUT_PATH)[:args.prompts], args.tokens, args.gen_batch)
     arms = [chain_policy(dm.cfg.block_size - 1)] + [TreePolicy(budget=n, keep=args.keep) for n in args.budgets]

@@ -6,6 +6,10 @@ lo..positions[b, j] of its own sequence, lo = 0, or max(0, pos - window + 1) wit
 The queries' own keys are already in the cache, so causality inside a verify block follows from the
 positions alone. Both paths are graph-capturable: no host sync, no data-dependent shapes; the block
 table and the positions are read on the device.
+
+A draft tree's verify (`shared.tree`) passes `tree` [B, Q] int64: bit j of query i's word set where it sees
+the block's query j (the key at positions[b, 0] + j), so a node sees the context and its ancestors only; keys
+before the block are seen as in a chain. (Its rotary positions are the model's business; no sliding window.)
 """
 
 from __future__ import annotations
@@ -18,11 +22,23 @@ import torch
 from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, positions, scale, window=None):
+def paged_attention(q, k_cache, v_cache, block_tables, positions, scale, window=None, tree=None):
     """The Triton kernel on CUDA tensors when Triton is installed, the torch reference otherwise."""
     if HAVE_TRITON and q.is_cuda:
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, window)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, positions, scale, window)
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, window, tree=tree)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, positions, scale, window, tree)
+
+
+MAX_TREE_QUERIES = 64  # a tree's visibility is one int64 word a query
+
+
+def _check_tree(tree: torch.Tensor | None, positions: torch.Tensor, window: int | None) -> None:
+    if tree is None:
+        return
+    if window is not None:
+        raise ValueError("a tree verify takes no sliding window (its distances are its depths, not its rows)")
+    if tree.shape != positions.shape or tree.dtype != torch.int64 or positions.shape[1] > MAX_TREE_QUERIES:
+        raise ValueError(f"tree: int64 [B, Q] like positions {tuple(positions.shape)}, Q <= {MAX_TREE_QUERIES}")
 
 
 def paged_attention_reference(
@@ -33,9 +49,11 @@ def paged_attention_reference(
     positions: torch.Tensor,     # [B, Q] int32/int64
     scale: float,
     window: int | None = None,
+    tree: torch.Tensor | None = None,  # [B, Q] int64 visibility words inside the block (see the module)
 ) -> torch.Tensor:               # [B, Q, Hq, D] in q's dtype
     """Every key the table can address (max_blocks * block_size per sequence), masked: simple, and
     static-shaped so that it can be captured in a CUDA graph too. Float32 throughout."""
+    _check_tree(tree, positions, window)
     batch, q_len, q_heads, head_dim = q.shape
     num_blocks, _, kv_heads, _ = k_cache.shape
     tables = block_tables.long().clamp(0, num_blocks - 1)
@@ -46,6 +64,10 @@ def paged_attention_reference(
     visible = key_pos <= pos  # [B, Q, L]
     if window is not None:
         visible &= key_pos > pos - window
+    if tree is not None:
+        rel = key_pos[None, None, :] - positions.long()[:, :1, None]  # [B, 1, L]: the key's row in the block
+        inside = (rel >= 0) & (rel < q_len)
+        visible &= ~inside | ((tree[:, :, None] >> rel.clamp(0, MAX_TREE_QUERIES - 1)) & 1).bool()
     # Slots no query sees may never have been written (NaN included): a 0 weight times NaN is NaN.
     v = v.masked_fill(~visible.any(1)[:, :, None, None], 0)
     qg = q.float().unflatten(2, (kv_heads, -1))  # [B, Q, Hkv, G, D]: head h reads kv head h // G
@@ -57,13 +79,14 @@ def paged_attention_reference(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, out_ptr, lse_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, tree_ptr, out_ptr, lse_ptr, scale_log2,
     stride_qb, stride_qq, stride_qh,
     stride_kb, stride_ks, stride_kh,  # shared by k and v (both contiguous)
-    stride_tb, stride_pb, stride_pq,
+    stride_tb, stride_pb, stride_pq, stride_treeb,
     Q_LEN: tl.constexpr, Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, TILES: tl.constexpr, USE_GDC: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     """One program per (sequence, kv head, row tile, split): the group's heads x queries in tiles of
     ROWS rows (TILES of them), so each key is read once per tile. Writes out [B, Q, Hq, NUM_SPLITS, D]
@@ -82,6 +105,9 @@ def _paged_attention_kernel(
     lo = tl.zeros_like(hi)
     if WINDOW > 0:
         lo = tl.maximum(hi - WINDOW + 1, 0)
+    if TREE:  # the block's first row (the root), and each row's word of the block rows it sees
+        root = tl.load(positions_ptr + seq * stride_pb).to(tl.int32)
+        words = tl.load(tree_ptr + seq * stride_treeb + query)
 
     # This split's share of the keys the tile needs, first..last, in whole key tiles.
     first, last = tl.min(lo, axis=0), tl.max(hi, axis=0)
@@ -102,6 +128,11 @@ def _paged_attention_kernel(
         v = tl.load(v_ptr + kv, mask=needed[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N], log2 units
         visible = needed[None, :] & (keys[None, :] <= hi[:, None]) & (keys[None, :] >= lo[:, None])
+        if TREE:
+            rel = keys - root
+            inside = (rel >= 0) & (rel < Q_LEN)
+            seen = ((words[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1) != 0
+            visible = visible & (~inside[None, :] | seen)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -134,9 +165,11 @@ def _combine_splits_kernel(partial_ptr, lse_ptr, out_ptr, NUM_SPLITS: tl.constex
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, window=None,
-                           num_splits: int | None = None, block_n: int = 64):
+                           num_splits: int | None = None, block_n: int = 64, tree=None):
     """Launch wrapper (same arguments as the reference). num_splits > 1 is flash-decoding: the keys are
     split over more programs when B * Hkv alone cannot fill the GPU; None picks it from the shapes."""
+    _check_tree(tree, positions, window)
+    tree = None if tree is None else tree.contiguous()
     batch, q_len, q_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and q_heads % kv_heads == 0
@@ -159,14 +192,15 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, 
         lse = torch.empty(batch, q_len, q_heads, num_splits, dtype=torch.float32, device=q.device)
     rows, tiles = row_tiles(groups * q_len)
     _paged_attention_kernel[(batch, kv_heads * tiles, num_splits)](
-        q, k_cache, v_cache, block_tables, positions, partial, lse, scale * math.log2(math.e),
+        q, k_cache, v_cache, block_tables, positions, positions if tree is None else tree, partial, lse,
+        scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), positions.stride(0), positions.stride(1),
+        block_tables.stride(0), positions.stride(0), positions.stride(1), 0 if tree is None else tree.stride(0),
         Q_LEN=q_len, Q_HEADS=q_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         ROWS=rows, BLOCK_N=block_n, WINDOW=window or 0, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: no effect on 16-bit inputs
-        TILES=tiles, num_warps=8 if rows * head_dim >= 8192 else 4,
+        TILES=tiles, TREE=tree is not None, num_warps=8 if rows * head_dim >= 8192 else 4,
         **dependent_launch(q.device, "paged_attention"),
     )
     if num_splits > 1:

@@ -42,16 +42,19 @@ def ragged_case(seed, batch, q_len, q_heads, kv_heads, head_dim, max_context, bl
     return (*(t.to(device=device, dtype=dtype) for t in args), tables.to(device), positions.to(device))
 
 
-def naive_attention(q, k_cache, v_cache, tables, positions, scale, window):
+def naive_attention(q, k_cache, v_cache, tables, positions, scale, window, tree=None):
     """One (sequence, query) at a time, its keys listed position by position, in float64."""
     batch, q_len, q_heads, _ = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for b in range(batch):
+        root = int(positions[b, 0])
         for j in range(q_len):
             pos = int(positions[b, j])
             lo = 0 if window is None else max(0, pos - window + 1)
-            slots = [(int(tables[b, p // block_size]), p % block_size) for p in range(lo, pos + 1)]
+            seen = [p for p in range(lo, pos + 1)
+                    if tree is None or not root <= p < root + q_len or int(tree[b, j]) >> (p - root) & 1]
+            slots = [(int(tables[b, p // block_size]), p % block_size) for p in seen]
             k = torch.stack([k_cache[s] for s in slots]).double().repeat_interleave(q_heads // kv_heads, 1)
             v = torch.stack([v_cache[s] for s in slots]).double().repeat_interleave(q_heads // kv_heads, 1)
             weights = (torch.einsum("hd,nhd->hn", q[b, j].double(), k) * scale).softmax(-1)
@@ -70,6 +73,37 @@ def test_reference_matches_naive_loop(q_len, q_heads, kv_heads, window):
     # one wrong key, block or mask moves an output by O(0.1).
     torch.testing.assert_close(out.double(), naive_attention(q, k, v, tables, positions, 32 ** -0.5, window),
                                atol=1e-5, rtol=1e-5)
+
+
+def tree_words(seed: int, batch: int, q_len: int) -> torch.Tensor:
+    """[B, Q] int64: each row a random tree's root then its nodes; a row's word has the bits of the block rows
+    it sees (itself, its ancestors, the root)."""
+    gen = torch.Generator().manual_seed(seed)
+    words = [[1] for _ in range(batch)]
+    for row in words:
+        for i in range(1, q_len):
+            row.append(row[int(torch.randint(0, i, (1,), generator=gen))] | (1 << i))  # a parent: a row before it
+    return torch.tensor([[as_int64(w) for w in row] for row in words])
+
+
+def as_int64(word: int) -> int:
+    """A 64-bit word as the signed value an int64 holds (bit 63 set: negative)."""
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+@pytest.mark.parametrize("q_len", [2, 7, 16, 64])
+def test_reference_sees_a_trees_ancestors_only(q_len):
+    q, k, v, tables, positions = ragged_case(q_len + 40, 3, q_len, 9, 3, 16, max_context=q_len + 40)
+    tree = tree_words(q_len, 3, q_len)
+    out = paged_attention_reference(q, k, v, tables, positions, 0.25, tree=tree)
+    torch.testing.assert_close(out.double(), naive_attention(q, k, v, tables, positions, 0.25, None, tree),
+                               atol=1e-5, rtol=1e-5)
+    chain = torch.tensor([as_int64((1 << (i + 1)) - 1) for i in range(q_len)]).expand(3, -1)  # the rows before
+    torch.testing.assert_close(paged_attention_reference(q, k, v, tables, positions, 0.25, tree=chain),
+                               paged_attention_reference(q, k, v, tables, positions, 0.25))
+    for bad in ({"window": 4, "tree": tree}, {"tree": tree[:, :1]}, {"tree": tree.int()}):
+        with pytest.raises(ValueError):
+            paged_attention_reference(q, k, v, tables, positions, 0.25, **bad)
 
 
 def test_reference_block_size_not_a_power_of_two():
@@ -96,6 +130,7 @@ INTERPRETED = [
     (2, 2, 3, 8, 2, 128, 100, 16, None, 4),
     (3, 2, 8, 4, 4, 32, 120, 8, 20, 2),
     (5, 1, 16, 8, 2, 64, 100, 16, None, 2),  # 64 rows a group (4 heads x 16 queries): two row tiles
+    (8, 2, 16, 9, 3, 64, 90, 16, "tree", 2),  # a draft tree's verify: each node its ancestors
 ]
 # (2.5-4.7 s each under the interpreter: under `slow`, so the default run stays under five minutes)
 INTERPRETED_LONG = [
@@ -121,9 +156,11 @@ def check_triton_interpreted(cases: list[tuple]) -> None:
     for seed, batch, q_len, q_heads, kv_heads, head_dim, context, block_size, window, splits in cases:
         q, k, v, tables, positions = ragged_case(seed, batch, q_len, q_heads, kv_heads, head_dim, context, block_size)
         scale = head_dim ** -0.5
-        out = paged_attention_triton(q, k, v, tables, positions, scale, window, num_splits=splits)
+        tree = tree_words(seed, batch, q_len) if window == "tree" else None
+        window = None if window == "tree" else window
+        out = paged_attention_triton(q, k, v, tables, positions, scale, window, num_splits=splits, tree=tree)
         # both float32; the kernel's exp2 and online rescaling add a few ulps: same bound as above
-        torch.testing.assert_close(out, paged_attention_reference(q, k, v, tables, positions, scale, window),
+        torch.testing.assert_close(out, paged_attention_reference(q, k, v, tables, positions, scale, window, tree),
                                    atol=1e-5, rtol=1e-5)
     print("interpreted cases ok:", len(cases))
 
@@ -209,6 +246,26 @@ def test_triton_matches_reference_cuda(geometry, dtype, q_len, window, num_split
     # to bf16 (2^-9 relative) and the kernel rounds the softmax weights to bf16 before P @ V.
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_splits", [1, None])
+@pytest.mark.parametrize("q_len", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_triton_tree_verify_matches_reference_cuda(geometry, dtype, q_len, num_splits):
+    """A draft tree's verify (each node its ancestors): the kernel against the reference, one to six streams."""
+    q_heads, kv_heads, head_dim = GEOMETRIES[geometry]
+    for batch in (1, 6):
+        q, k, v, tables, positions = ragged_case(q_len + batch, batch, q_len, q_heads, kv_heads, head_dim,
+                                                 max_context=4096, dtype=dtype, device="cuda")
+        tree = tree_words(q_len, batch, q_len).cuda()
+        scale = head_dim ** -0.5
+        out = paged_attention_triton(q, k, v, tables, positions, scale, num_splits=num_splits, tree=tree)
+        ref = paged_attention_reference(q, k, v, tables, positions, scale, tree=tree)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.gpu

@@ -64,16 +64,14 @@
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
-#   (next, after the forty-first session, which ran on an H100: `attach` (--prefill-copies and --overlap-attach no
-#   faster: 2.95 / 2.71 ms a step against 2.47 as shipped; both stay off), `host-flags-bench` ROUNDS=1 (the page
-#   as fast as device memory: target device waits now on by default where the page goes) and `train 47` with the
-#   refining pass (+5.8 % tau over its own plain pass, not shipped; TRAINING.log), then `defaults` (the prefill
-#   test with its drafter warmed first, and the pair on the new default: passed): `defaults` again for its second
-#   half (the chaos and MPS GPU tests on the new default, not run yet), then issue 10 on an H200 (the H100's pool
-#   is a third of the H200's, so a training call may pass needs_h200): `train 48 --walk-anchors 0.5 --lr 1e-4` (the shipped recipe, +0.03 a run) or with
-#   `--reveal-share 0.5 --refine 2` (whether the plain pass holds with a full pool); `regroup-bench`,
-#   `attach-bench`; `predecessor` (~5 min: does a shallow correction that sees the draft before each row, trained on
-#   a hundred times the CPU pilot's anchors, beat the plain drafts held out?))
+#   bash tools/gpu_round.sh trees         # issue 10: draft trees' walk by budget, static trees calibrated over 3,000
+#                                         # training-side prompts (paths saved), the engine's eager tree steps held out
+#   (next, after the forty-second session, which ran on an H100: `defaults` (second half passed), `train 48` (the
+#   shipped recipe with the H100's pool doubled: 3.59 -> 3.55, not shipped), and draft trees measured teacher-forced
+#   (`bench/tree_tau.py`: a best-first tree of 15 nodes takes the walk 3.67 -> 4.28, chat 3.20 -> 3.77): `trees`
+#   (the engine's tree steps decoded on the GPU, static shapes calibrated at scale for the captured verify that
+#   comes next); then `regroup-bench`, `attach-bench`; `predecessor` (~5 min, the shallow correction: the trees
+#   do what it aimed at, so it is the least wanted))
 # Start with the two uploads and the first phase in one message of back-to-back calls (`services` needs no
 # model: it can ride on the first upload's call): the machine is given back 30 s after a call, and the
 # nineteenth session lost two fresh machines' start-up to a reply that came later than that.
@@ -729,6 +727,20 @@ defaults)
     | tail -12 | log
   timeout 280 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_chaos_gpu.py tests/test_mps.py 2>&1 \
     | grep -E "Error:|assert|FAILED|passed|failed|xfail" | tail -12 | log
+  ;;
+trees)
+  # (forty-second session) draft trees (shared/tree.py): the shipped drafter's held-out walk by tree budget, the
+  # static trees' paths calibrated over 3,000 training-side continuations and saved for a captured verify, the
+  # first 16 prompts decoded for real with each (outputs and step counts against the walk's); then the in-process
+  # engine's eager tree steps (EngineConfig.draft_tree) on all 80 held-out prompts in float32: decoded tau beside
+  # the trees' teacher-forced walk, 0 mismatches wanted (the speed is an eager step's, not a served one's). First
+  # the paged attention kernel's tree mask against its reference (interpreted on the CPU only so far)
+  timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py -k tree 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
+  timeout 280 python bench/tree_tau.py --device cuda --gen-batch 128 --budgets 15 23 31 63 --calibrate 3000 \
+    --save-paths "$OUT/tree_paths.json" --decode 16 2>&1 | grep -v INFO | tee "$OUT/tree_tau.txt" | tail -16 | log
+  timeout 280 python -m specsplit.cli eval-acceptance --device cuda --dtype float32 --draft-tree 15 --max-tokens 128 \
+    2>&1 | grep -v INFO | tee "$OUT/eval_tree.txt" | grep -E "^tau|walk|mismatches|speedup" | log
   ;;
 predecessor)
   # (forty-first session, not run yet) issue 10: would drafts gain from seeing the draft before them, through a
