@@ -122,8 +122,9 @@ class EngineConfig:
     # Greedy steps of an in-process DFlash drafter verify a draft tree of this many nodes a sequence instead of
     # one chain (`shared.tree`): the best rank paths of the block's rows by summed log-probability, each row
     # offering its `draft_tree_keep` best tokens. On the shipped drafter's held-out walk a tree of 15 nodes, the
-    # chain's verify width, took tau 3.67 -> 4.28 (chat 3.20 -> 3.77; bench/tree_tau.py). Eager for now (no
-    # captured steps, no chained or ahead steps, no drafter service): measurement only. 0: chains.
+    # chain's verify width, took tau 3.67 -> 4.28 (chat 3.20 -> 3.77; bench/tree_tau.py). Not chained, not ahead,
+    # not through a drafter service yet; on a GPU the verify replays a captured tree bucket and the drafter's
+    # candidates are eager: measurement only. 0: chains.
     draft_tree: int = 0
     draft_tree_keep: int = 8
 
@@ -240,9 +241,13 @@ class Engine:
         shorter = {self._max_drafts(n) + 1 for n, _ in self.config.drafts_by_batch if n <= self.config.max_batch}
         if self.config.auto_drafts and self.proposer is not None and self.proposer.spec is not None:
             shorter |= {k + 1 for k in self._new_tuner().choices}
+        cfg = self.model.config
+        windowed = any(cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers))
+        trees = (self.config.draft_tree + 1,) if self.config.draft_tree and not windowed else ()
         return StepGraphs(self.model, self.cache, self.capture, max_batch=self.config.max_batch,
-                          query_lens=(1, drafts + 1, *shorter),
-                          max_len=min(longest, self.config.kv_blocks * self.config.kv_block_size))
+                          query_lens=(1, drafts + 1, *shorter), tree_lens=trees,
+                          max_len=min(longest + self.config.draft_tree,
+                                      self.config.kv_blocks * self.config.kv_block_size))
 
     def graphed_prefill_forwards(self, *, use_graphs: bool = True) -> PrefillForwards:
         """The static forwards prompts go in through (`EngineConfig.graphed_prefill`), captured as CUDA
@@ -651,8 +656,12 @@ class Engine:
         inputs = [[s.tokens[-1], *t.tokens] for s, t in zip(seqs, trees)]
         starts = [s.last_position for s in seqs]
         verify_started = time.perf_counter()
-        out = self._forward([s.seq_id for s in seqs], inputs, starts, logits_last_only=False,
-                            trees=[t.parents if len(t) else None for t in trees])
+        parents = [t.parents if len(t) else None for t in trees]
+        ids = [s.seq_id for s in seqs]
+        if self.graphs is not None and self.graphs.tree_bucket(len(seqs), max(map(len, inputs))) is not None:
+            out = self.graphs.forward_tree(StepBatch(ids, inputs, starts, trees=parents))
+        else:
+            out = self._forward(ids, inputs, starts, logits_last_only=False, trees=parents)
         picks = out.logits.argmax(-1).tolist()
         verified = time.perf_counter()
         features = self._features(out)

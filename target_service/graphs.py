@@ -42,6 +42,9 @@ class StepBatch:
     seq_ids: list[int]  # [B] KV cache sequence ids
     tokens: list[list[int]]  # [B] of [n_i] token ids: the last committed token, then drafts
     starts: list[int]  # [B] position of each sequence's first token
+    # A tree bucket's step (`StepGraphs.forward_tree`): per sequence None or a draft tree's parents, its tokens
+    # the root and then the nodes (`ForwardBatch.trees`)
+    trees: list[tuple[int, ...] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,8 @@ class StaticForward:
     """The decode/verify forward as fixed-shape tensor ops over buffers of one bucket (B x Q tokens)."""
 
     def __init__(self, model: TargetModel, cache: PagedKVCache, capture: CaptureSpec, batch: int,
-                 query_len: int, max_blocks: int, scratch_block: int, fused: list[FusedWeights] | None) -> None:
+                 query_len: int, max_blocks: int, scratch_block: int, fused: list[FusedWeights] | None,
+                 tree: bool = False) -> None:
         self.model, self.cache, self.capture, self.fused = model, cache, capture, fused
         self.batch, self.query_len = batch, query_len
         device = cache.device
@@ -118,6 +122,15 @@ class StaticForward:
         self.positions = self.inputs[1].view(batch, query_len)  # [B, Q]
         self.slots.fill_(self.scratch_slot)  # the capture's warm-up run writes K/V: only ever to scratch
         self._copied = torch.cuda.Event() if pinned else None
+        # A tree bucket's rows: their rotary positions (a node's root's plus its depth) and the block rows each
+        # sees (`kernels.paged_attention`'s words; -1, every row up to its own, for a chain or padding)
+        self.tree = tree
+        self.rotary = self.positions
+        self.words: torch.Tensor | None = None
+        if tree:
+            self._tree_device = torch.zeros(2, batch, query_len, dtype=torch.int64, device=device)
+            self._tree_host = torch.zeros(2, batch, query_len, dtype=torch.int64, pin_memory=pinned)
+            self.rotary, self.words = self._tree_device[0], self._tree_device[1]
         # Arrival counters of the greedy picks' one-launch row max (kernels.workspace), this bucket's own.
         self.workspace = arrival_counters(batch * query_len, device)
         self.output: ForwardOutput | None = None
@@ -156,6 +169,9 @@ class StaticForward:
         inputs[3, :count] = flat
         self.host_rows = flat  # the same rows, for picking the step's rows out of the bucket's argmax
         placed = self._place_drafts(drafts, inputs) if drafts is not None else 0
+        if self.tree:
+            self._load_trees(step, positions)
+            self._tree_device.copy_(self._tree_host, non_blocking=True)
         self._device_bytes.copy_(self._host_bytes, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -163,6 +179,25 @@ class StaticForward:
             dest, src = self.inputs[4, :placed], self.inputs[5, :placed]
             self.token_ids.index_copy_(0, dest, drafts.tokens.reshape(-1).index_select(0, src).to(torch.int64))
         return self.rows[:count]
+
+    def _load_trees(self, step: StepBatch, positions: np.ndarray) -> None:
+        """The host staging of a tree bucket's rotary positions and visibility words."""
+        rotary, words = self._tree_host.numpy()
+        rotary[:], words[:] = positions, -1
+        for b, parents in enumerate(step.trees or ()):
+            if parents is None:
+                continue
+            if len(parents) + 1 != len(step.tokens[b]):
+                raise InvalidRequest(f"sequence {b}'s tree has {len(parents)} nodes for {len(step.tokens[b])} tokens")
+            depth, word = [0], [1]
+            for i, parent in enumerate(parents):
+                if not -1 <= parent < i:
+                    raise InvalidRequest(f"sequence {b}'s tree node {i} has parent {parent}")
+                depth.append(depth[parent + 1] + 1)
+                word.append(word[parent + 1] | 1 << (i + 1))
+            n = len(depth)
+            rotary[b, :n] = step.starts[b] + np.asarray(depth)
+            words[b, :n] = np.asarray([w - (1 << 64) if w >= 1 << 63 else w for w in word], dtype=np.int64)
 
     def load_fed(self, seq_ids: list[int], tokens: torch.Tensor, starts: torch.Tensor) -> None:
         """A step whose tokens [B, n] and first positions [B] are on the device only (a chained step's:
@@ -232,7 +267,7 @@ class StaticForward:
         """The layers' own forward, attention swapped for paged attention: the unfused step."""
         model = self.model
         stack = model.model
-        positions = self.positions.view(-1)
+        positions = self.rotary.reshape(-1)
         x = stack.embed_tokens(self.token_ids)  # [B * Q, hidden]
         cos, sin = stack.rotary_emb(positions, x.dtype)
         captured = {}
@@ -252,7 +287,7 @@ class StaticForward:
         """The fused layers (`shared.fused`: ten launches a layer, or seven), attending causally over the
         KV cache through the block tables."""
         cfg, stack = self.model.config, self.model.model
-        positions = self.positions.view(-1)
+        positions = self.rotary.reshape(-1)
         residual = stack.embed_tokens(self.token_ids)  # [B * Q, hidden]
         cos, sin = stack.rotary_emb(positions, residual.dtype)
 
@@ -260,7 +295,7 @@ class StaticForward:
             q = rope_and_cache_write(q, k, v, cos, sin, self.cache.k_pool[i], self.cache.v_pool[i], self.slots)
             return paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[i],
                                    self.cache.v_pool[i], self.block_tables, self.positions,
-                                   stack.layers[i].self_attn.scale, cfg.layer_window(i)).flatten(0, 1)
+                                   stack.layers[i].self_attn.scale, cfg.layer_window(i), self.words).flatten(0, 1)
 
         h, last, captured = run_fused_layers(cfg, stack.layers, self.fused, residual, attend, stack.norm.weight,
                                              self.capture.layer_ids)
@@ -278,7 +313,7 @@ class StaticForward:
         self.cache.write_slots(layer, self.slots, k, v)
         out = paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[layer],
                               self.cache.v_pool[layer], self.block_tables, self.positions, attn.scale,
-                              self.model.config.layer_window(layer))
+                              self.model.config.layer_window(layer), self.words)
         return attn.output(out.reshape(q.shape))
 
 
@@ -290,7 +325,8 @@ class StepGraphs:
     """
 
     def __init__(self, model: TargetModel, cache: PagedKVCache, capture: CaptureSpec, *, max_batch: int,
-                 query_lens: tuple[int, ...], max_len: int, use_graphs: bool = True, fused: bool = True) -> None:
+                 query_lens: tuple[int, ...], max_len: int, use_graphs: bool = True, fused: bool = True,
+                 tree_lens: tuple[int, ...] = ()) -> None:
         capture.validate(model.config.num_hidden_layers)
         if _SCRATCH not in cache:  # several StepGraphs over one cache share it
             cache.allocate(_SCRATCH)
@@ -303,6 +339,13 @@ class StepGraphs:
         weights = fuse_projections(model, model.model.layers) if fused else None
         self.forwards = {(b, q): StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block, weights)
                          for b in self.batches for q in self.query_lens}
+        # Draft trees' verifies (`forward_tree`), keyed (batch, -rows) beside the chains' buckets
+        if tree_lens and any(model.config.layer_window(i) is not None for i in range(model.config.num_hidden_layers)):
+            raise InvalidRequest("tree verifies take no sliding window")
+        self.tree_lens = tuple(sorted(set(tree_lens)))
+        for b, q in itertools.product(self.batches, self.tree_lens):
+            self.forwards[(b, -q)] = StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block, weights,
+                                                   tree=True)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # Where launched steps' picks land on the host, two in turn: a launch may be queued while the
         # one before it is still unread, never more (see `launch_decode`).
@@ -328,6 +371,19 @@ class StepGraphs:
         # rows are always copied: a drafter may hold them past the next forward (a stash not yet sent).
         logits = out.logits if rows.numel() == fwd.batch * fwd.query_len else pick(out.logits)
         return ForwardOutput(logits, pick(out.layer_features), pick(out.last_hidden),
+                             bucket_argmax=out.bucket_argmax, bucket_rows=fwd.host_rows)
+
+    def tree_bucket(self, num_seqs: int, rows: int) -> tuple[int, int] | None:
+        b, q = bucket_for(num_seqs, self.batches), bucket_for(rows, list(self.tree_lens))
+        return None if b is None or q is None else (b, -q)
+
+    def forward_tree(self, step: StepBatch) -> ForwardOutput:
+        """A draft trees' verify (`StepBatch.trees`) in a tree bucket: rows in token order, as `forward`'s."""
+        if step.trees is None or len(step.trees) != len(step.seq_ids):
+            raise InvalidRequest("a tree verify names each sequence's tree (None: a chain)")
+        fwd, rows, out = self._run(step, None, tree=True)
+        pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+        return ForwardOutput(pick(out.logits), pick(out.layer_features), pick(out.last_hidden),
                              bucket_argmax=out.bucket_argmax, bucket_rows=fwd.host_rows)
 
     def launch_decode(self, step: StepBatch, fed: DeviceDrafts | None = None,
@@ -400,10 +456,11 @@ class StepGraphs:
                 fwd.output = kept  # the graph's outputs, which its replays rewrite (a failed capture's neither)
         return out
 
-    def _run(self, step: StepBatch, drafts: DeviceDrafts | None) -> tuple[StaticForward, torch.Tensor, ForwardOutput]:
+    def _run(self, step: StepBatch, drafts: DeviceDrafts | None,
+             tree: bool = False) -> tuple[StaticForward, torch.Tensor, ForwardOutput]:
         """Load the step into its bucket and run it: (the bucket's forward, the step's rows of it, its output)."""
         lengths = [len(t) for t in step.tokens]
-        key = self.bucket(len(lengths), max(lengths))
+        key = (self.tree_bucket if tree else self.bucket)(len(lengths), max(lengths))
         if key is None or min(lengths) == 0:
             raise InvalidRequest(f"no captured bucket holds {len(lengths)} sequences of up to {max(lengths)} tokens")
         last = [s + n - 1 for s, n in zip(step.starts, lengths)]

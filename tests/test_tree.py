@@ -273,7 +273,7 @@ def engine_run(model, drafter, prompts, max_tokens, **config):
     from specsplit.target_service.engine import Engine, EngineConfig
     from specsplit.target_service.sequence import Request
 
-    engine = Engine(model, drafter, EngineConfig(max_batch=len(prompts), **config))
+    engine = Engine(model, drafter, EngineConfig(**{"max_batch": len(prompts), **config}))
     requests = [Request(f"r{i}", list(p), SamplingParams(max_tokens=max_tokens), speculative=drafter is not None)
                 for i, p in enumerate(prompts)]
     events = engine.generate(requests)
@@ -318,3 +318,57 @@ def test_evaluate_reports_draft_trees_beside_their_teacher_forced_walk(tiny_llam
     for bad in ({"draft_tree": -1}, {"draft_tree": 4, "temperature": 0.5}, {"draft_tree": True}):
         with pytest.raises(InvalidRequest):
             EvalSettings(**bad)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_tree_bucket_of_the_static_step_equals_the_eager_tree_verify(tiny_llama_dir, tiny_mistral_dir, fused):
+    """The captured step's forward with draft trees (a tree bucket: rotary positions and the kernel's words as
+    inputs), run uncaptured on the CPU as the graphs' reference, gives the eager paged verify's logits and rows,
+    with a tree smaller than its bucket and a plain sequence beside it; a sliding window is refused."""
+    from specsplit.target_service.graphs import StepBatch, StepGraphs
+
+    model = load_target(tiny_llama_dir)
+    capture = CaptureSpec(layer_ids=(0, model.config.num_hidden_layers - 1))
+    context, other = [3, 14, 15, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [7, 1, 8, 2, 8]
+    outs = []
+    for static in (False, True):
+        cache = model.new_cache(num_blocks=16, block_size=4)
+        for seq_id in (0, 1):
+            cache.allocate(seq_id)
+        model(paged_batch([(0, 0, context[:-1]), (1, 0, other)]), cache, capture)
+        parts, trees = [(0, len(context) - 1, [context[-1], *TREE.tokens]), (1, len(other), [4])], [TREE.parents, None]
+        if static:
+            graphs = StepGraphs(model, cache, capture, max_batch=2, query_lens=(1,), max_len=64, use_graphs=False,
+                                fused=fused, tree_lens=(8,))
+            outs.append(graphs.forward_tree(StepBatch([0, 1], [p[2] for p in parts], [p[1] for p in parts],
+                                                      trees=[tuple(t) if t else None for t in trees])))
+        else:
+            outs.append(model(paged_batch(parts, trees=trees), cache, capture))
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[1].layer_features, outs[0].layer_features, atol=1e-4, rtol=1e-4)
+    sliding = load_target(tiny_mistral_dir)
+    with pytest.raises(InvalidRequest):
+        StepGraphs(sliding, sliding.new_cache(num_blocks=4, block_size=4), CaptureSpec(), max_batch=1,
+                   query_lens=(1,), max_len=16, use_graphs=False, tree_lens=(8,))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_engines_tree_steps_replay_a_tree_bucket_on_the_gpu(smollm2_dir):
+    """On a GPU (float32) the engine's tree steps verify in a captured tree bucket: every token the target-only
+    engine's, fewer steps than the chains' at eight held-out prompts through four slots."""
+    from specsplit.local import LocalSetup, make_drafter
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+    model = load_target(smollm2_dir, dtype=torch.float32, device="cuda")
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)[:8]]
+    setup = LocalSetup(drafter="dflash", device="cuda", dtype="float32")
+    base, _, _ = engine_run(model, None, prompts, 64, max_batch=4)
+    _, chained, _ = engine_run(model, make_drafter("dflash", model, setup), prompts, 64, max_batch=4)
+    tokens, stats, engine = engine_run(model, make_drafter("dflash", model, setup), prompts, 64, max_batch=4,
+                                       draft_tree=15)
+    assert engine.graphs is not None and engine.graphs.tree_bucket(4, 16) is not None
+    assert tokens == base
+    assert sum(s.steps for s in stats) < sum(s.steps for s in chained)

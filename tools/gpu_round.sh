@@ -735,8 +735,9 @@ trees)
   # engine's eager tree steps (EngineConfig.draft_tree) on all 80 held-out prompts in float32: decoded tau beside
   # the trees' teacher-forced walk, 0 mismatches wanted (the speed is an eager step's, not a served one's). First
   # the paged attention kernel's tree mask against its reference (interpreted on the CPU only so far)
-  timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py -k tree 2>&1 \
-    | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
+  # and the engine's tree steps replaying a captured tree bucket (`StepGraphs.forward_tree`)
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py tests/test_tree.py -k tree \
+    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
   timeout 280 python bench/tree_tau.py --device cuda --gen-batch 128 --budgets 15 23 31 63 --calibrate 3000 \
     --save-paths "$OUT/tree_paths.json" --decode 16 2>&1 | grep -v INFO | tee "$OUT/tree_tau.txt" | tail -16 | log
   timeout 280 python -m specsplit.cli eval-acceptance --device cuda --dtype float32 --draft-tree 15 --max-tokens 128 \
