@@ -26,6 +26,8 @@ import torch
 
 from specsplit.shared.errors import InvalidRequest
 
+MAX_TREE_NODES = 63  # a tree verify's rows (its root and nodes) fit the attention kernel's one int64 word a row
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -189,9 +191,10 @@ def grow_trees(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> TreeBatch:
         parents.append(level_parent)
         depths.append(torch.full_like(level_rank, row + 1))
     score, rank, parent, depth = (torch.cat(t, 1) for t in (scores, ranks, parents, depths))
-    # a node never outscores its parent; a hair per depth breaks their ties so no node is kept without it
-    key = score - depth * 1e-6
-    keep = key.topk(min(budget, score.shape[1]), -1).indices.sort(-1).values  # [B, N]: level order kept
+    # A node never outscores its parent, and the nodes stand level by level: a stable sort keeps a parent
+    # before a child that ties it (a row sure of its token adds 0), so no node is kept without its parent
+    order = score.sort(dim=-1, descending=True, stable=True).indices
+    keep = order[:, :min(budget, score.shape[1])].sort(-1).values  # [B, N]: the best, in level order
     # renumber the kept nodes' parents: position of the parent among the kept (the root stays -1)
     where = torch.full_like(score, -1, dtype=torch.long)
     where.scatter_(1, keep, torch.arange(keep.shape[1], device=device).expand(batch, -1))

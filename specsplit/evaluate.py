@@ -31,6 +31,7 @@ from specsplit.drafter_service.training import dflash_block_hidden
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.proposer import Proposal, ProposeRequest, Proposer
 from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.tree import MAX_TREE_NODES
 from specsplit.target_service.dense import capture_features
 from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.model import CaptureSpec, TargetModel
@@ -70,8 +71,9 @@ class EvalSettings:
             raise InvalidRequest(f"refine names a policy twice: {', '.join(map(str, self.refine))}")
         if self.refine and self.temperature > 0:
             raise InvalidRequest("a refining pass is scored greedy only (teacher forcing): give temperature 0")
-        if isinstance(self.draft_tree, bool) or not isinstance(self.draft_tree, int) or self.draft_tree < 0:
-            raise InvalidRequest(f"draft_tree is a number of nodes >= 0, got {self.draft_tree!r}")
+        if isinstance(self.draft_tree, bool) or not isinstance(self.draft_tree, int) \
+                or not 0 <= self.draft_tree <= MAX_TREE_NODES:
+            raise InvalidRequest(f"draft_tree is a number of nodes in 0..{MAX_TREE_NODES}, got {self.draft_tree!r}")
         if self.draft_tree and (self.temperature > 0 or self.refine):
             raise InvalidRequest("draft trees are verified greedily and drafted in one pass: temperature 0, "
                                  "no refine")
@@ -206,6 +208,8 @@ def evaluate(model: TargetModel, proposer: Proposer, prompts: Sequence[EvalPromp
         raise InvalidRequest("no prompts to evaluate")
     if settings.refine and not isinstance(proposer, DFlashDrafter):
         raise InvalidRequest("a refining pass is a DFlash drafter's, in this process")
+    if settings.draft_tree and not isinstance(proposer, DFlashDrafter):
+        raise InvalidRequest("draft trees are drafted by a DFlash drafter, in this process")
     recorder = AcceptanceRecorder(proposer)
     if model.embed_weight.device.type == "cuda":
         warm_prompts, warm = prompts, settings

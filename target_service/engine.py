@@ -25,7 +25,7 @@ from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
-from specsplit.shared.tree import DraftTree, best_first
+from specsplit.shared.tree import MAX_TREE_NODES, DraftTree, best_first
 from specsplit.shared.tree import accept_greedy as accept_tree
 from specsplit.shared.verify import device_longs, sample_accept, sample_tokens, verify_sampled
 from specsplit.target_service.chain import ChainBuffers, ChainedStep, ChainProgram, accept_greedy
@@ -140,10 +140,10 @@ class EngineConfig:
             raise InvalidRequest(f"chain_capture is a number of sequences >= 0, got {self.chain_capture!r}")
         if not isinstance(self.chain_capture_remote, bool):
             raise InvalidRequest(f"chain_capture_remote is true or false, got {self.chain_capture_remote!r}")
-        for name, least, unit in (("draft_tree", 0, "nodes"), ("draft_tree_keep", 1, "tokens")):
+        for name, least, most in (("draft_tree", 0, MAX_TREE_NODES), ("draft_tree_keep", 1, 1024)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise InvalidRequest(f"{name} is a number of {unit} >= {least}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+                raise InvalidRequest(f"{name} is a number in {least}..{most}, got {value!r}")
         for pair in self.drafts_by_batch:
             if len(pair) != 2 or pair[0] < 1 or pair[1] < 0:
                 raise InvalidRequest(f"drafts_by_batch: {pair!r} is not a (sequences >= 1, drafts >= 0) pair")
@@ -648,6 +648,8 @@ class Engine:
         started = time.perf_counter()
         if requests:
             got = self._drafter_call(self.proposer.propose_candidates, requests, self.config.draft_tree_keep)
+            if got is not _FAILED and not self._candidates_fit(got, requests, counts, index):
+                got = _FAILED
             if got is not _FAILED:
                 logp, ids = (t.tolist() for t in got)
                 for row, i in enumerate(index):
@@ -681,6 +683,22 @@ class Engine:
             offset += len(rows)
         self._count_step(verify_started, verified)
         return [self._emit(seq, new_tokens, kept) for seq, new_tokens, kept in done]
+
+    def _candidates_fit(self, got, requests: list[ProposeRequest], counts: list[int], index: list[int]) -> bool:
+        """Whether a drafter's tree candidates keep its contract (one row block a request, as deep as asked,
+        target ids, finite log-probabilities); otherwise it is detached, as for drafts out of contract."""
+        logp, ids = got
+        vocab = self.model.config.vocab_size
+        deep = max(counts[i] for i in index)
+        fits = logp.shape == ids.shape and logp.dim() == 3 and logp.shape[0] == len(requests) \
+            and logp.shape[1] >= deep and bool(torch.isfinite(logp).all()) \
+            and bool(((ids >= 0) & (ids < vocab)).all())
+        if not fits:
+            log.warning("the drafter's tree candidates are out of contract (shape %s for %d requests %d deep, "
+                        "or ids outside [0, %d), or non-finite scores); continuing without speculation",
+                        tuple(logp.shape), len(requests), deep, vocab)
+            self._detach()
+        return fits
 
     def _drop_ahead(self) -> None:
         """Drop a decode step launched ahead and not taken: its sequences' tokens are computed again, the

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from specsplit.kernels.paged_attention import paged_attention
+from specsplit.kernels.paged_attention import MAX_TREE_QUERIES, paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.kernels.row_max import row_max
 from specsplit.kernels.workspace import arrival_counters
@@ -342,6 +342,8 @@ class StepGraphs:
         # Draft trees' verifies (`forward_tree`), keyed (batch, -rows) beside the chains' buckets
         if tree_lens and any(model.config.layer_window(i) is not None for i in range(model.config.num_hidden_layers)):
             raise InvalidRequest("tree verifies take no sliding window")
+        if any(not 1 <= q <= MAX_TREE_QUERIES for q in tree_lens):
+            raise InvalidRequest(f"a tree verify holds 1..{MAX_TREE_QUERIES} rows, got {tree_lens}")
         self.tree_lens = tuple(sorted(set(tree_lens)))
         for b, q in itertools.product(self.batches, self.tree_lens):
             self.forwards[(b, -q)] = StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block, weights,

@@ -239,9 +239,15 @@ def test_trees_grown_on_the_device_are_best_firsts(seed):
             tree = grown.tree(b)
             assert token_paths(tree) == token_paths(best_first(logp[b].tolist(), ids[b].tolist(), budget))
             assert len(tree) == budget and grown.depths[b].tolist() == list(tree.depths)
-    # a row sure of its token (log-probability 0) ties child and parent: the parent is kept first
+    # a row sure of its token (log-probability 0) ties child and parent: the parent is kept first, at scores
+    # where a hair per depth would round away (a review's case: the child kept, its parent dropped)
     sure = torch.zeros(1, 3, 1), torch.tensor([[[4], [5], [6]]])
     assert grow_trees(*sure, 2).tree(0) == DraftTree((4, 5), (-1, 0))
+    far = torch.tensor([[[0.0, -20, -21], [0, -200, -201], [0, -200, -201]]]), torch.arange(1, 10).view(1, 3, 3)
+    for budget in range(1, 10):
+        tree = grow_trees(*far, budget)
+        assert token_paths(tree.tree(0)) == token_paths(best_first(far[0][0].tolist(), far[1][0].tolist(), budget))
+        assert ((tree.parents >= 0) | (tree.depths == 1)).all()
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -303,6 +309,39 @@ def test_the_engines_tree_steps_equal_target_only_and_take_fewer_steps(smollm2, 
     assert engine.cache.num_free_blocks == engine.config.kv_blocks  # every block back, the trees' rows included
 
 
+class BadCandidates:
+    """A pass-through drafter whose tree candidates break the contract in one way."""
+
+    def __init__(self, inner, how: str) -> None:
+        self.inner, self.how = inner, how
+
+    def propose_candidates(self, requests, keep):
+        logp, ids = self.inner.propose_candidates(requests, keep)
+        if self.how == "ids":
+            return logp, ids + 10 ** 6
+        if self.how == "nan":
+            return logp * float("nan"), ids
+        return logp[:, :1], ids[:, :1]  # one row, where more were asked for
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("how", ["ids", "nan", "shallow"])
+def test_candidates_out_of_contract_detach_the_drafter_and_lose_no_token(tiny_llama_dir, how):
+    from specsplit.target_service.engine import EngineConfig
+
+    model = load_target(tiny_llama_dir)
+    prompts = [[5, 6, 7, 8, 9], [30, 31, 32]]
+    base, _, _ = engine_run(model, None, prompts, 10)
+    drafter = random_drafter("dflash", target_info(model), target_head(model), seed=0, block_size=4)
+    tokens, _, engine = engine_run(model, BadCandidates(drafter, how), prompts, 10, draft_tree=6)
+    assert tokens == base and not engine.drafter_ok
+    for bad in ({"draft_tree": 64}, {"draft_tree": -1}, {"draft_tree_keep": 0}, {"draft_tree": True}):
+        with pytest.raises(InvalidRequest):
+            EngineConfig(**bad)
+
+
 def test_evaluate_reports_draft_trees_beside_their_teacher_forced_walk(tiny_llama_dir):
     from specsplit.evaluate import EvalPrompt, EvalSettings, evaluate
 
@@ -315,9 +354,12 @@ def test_evaluate_reports_draft_trees_beside_their_teacher_forced_walk(tiny_llam
     assert sum(rep["position_acceptance"]) * rep["proposals"] == pytest.approx(rep["accepted"])
     walk = rep["teacher_forced"]["tree_walk"]
     assert walk["tokens"] == rep["generated"] - len(prompts) and walk["steps"] == rep["steps"] - len(prompts)
-    for bad in ({"draft_tree": -1}, {"draft_tree": 4, "temperature": 0.5}, {"draft_tree": True}):
+    for bad in ({"draft_tree": -1}, {"draft_tree": 4, "temperature": 0.5}, {"draft_tree": True}, {"draft_tree": 64}):
         with pytest.raises(InvalidRequest):
             EvalSettings(**bad)
+    mtp = random_drafter("mtp", target_info(model), target_head(model), seed=0)
+    with pytest.raises(InvalidRequest):
+        evaluate(model, mtp, prompts, EvalSettings(max_tokens=4, batch=2, draft_tree=6))
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -354,7 +396,7 @@ def test_a_tree_bucket_of_the_static_step_equals_the_eager_tree_verify(tiny_llam
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_the_engines_tree_steps_replay_a_tree_bucket_on_the_gpu(smollm2_dir):
+def test_the_engines_tree_steps_replay_a_tree_bucket_on_the_gpu(smollm2_dir, monkeypatch):
     """On a GPU (float32) the engine's tree steps verify in a captured tree bucket: every token the target-only
     engine's, fewer steps than the chains' at eight held-out prompts through four slots."""
     from specsplit.local import LocalSetup, make_drafter
@@ -367,8 +409,15 @@ def test_the_engines_tree_steps_replay_a_tree_bucket_on_the_gpu(smollm2_dir):
     setup = LocalSetup(drafter="dflash", device="cuda", dtype="float32")
     base, _, _ = engine_run(model, None, prompts, 64, max_batch=4)
     _, chained, _ = engine_run(model, make_drafter("dflash", model, setup), prompts, 64, max_batch=4)
+    from specsplit.target_service.graphs import StepGraphs
+
+    replayed = []
+    forward_tree = StepGraphs.forward_tree
+    monkeypatch.setattr(StepGraphs, "forward_tree", lambda self, step: replayed.append(
+        self.graphs.get(self.tree_bucket(len(step.seq_ids), max(map(len, step.tokens)))) is not None)
+        or forward_tree(self, step))
     tokens, stats, engine = engine_run(model, make_drafter("dflash", model, setup), prompts, 64, max_batch=4,
                                        draft_tree=15)
-    assert engine.graphs is not None and engine.graphs.tree_bucket(4, 16) is not None
+    assert replayed and all(replayed)  # every tree step's verify replayed a captured tree bucket
     assert tokens == base
     assert sum(s.steps for s in stats) < sum(s.steps for s in chained)
