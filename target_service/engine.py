@@ -635,8 +635,8 @@ class Engine:
             and all(s.request.params.greedy for s in seqs)
 
     def _tree_step(self, seqs: list[Sequence]) -> list[StepEvent]:
-        """One greedy step verifying a draft tree a sequence (the eager reference path): the drafter's
-        candidates, each sequence's best-first tree, one forward over every tree (`ForwardBatch.trees`), the
+        """One greedy step verifying a draft tree a sequence, step by step (a captured tree bucket's verify on
+        a GPU, the eager one elsewhere): the drafter's candidates, each sequence's best-first tree, one forward over every tree (`ForwardBatch.trees`), the
         longest path of the target's own picks accepted, its k/v moved to the positions its tokens take, and
         the drafter told as if that path had been a chain drafted and accepted whole."""
         self._quiesce()
@@ -687,16 +687,16 @@ class Engine:
     def _candidates_fit(self, got, requests: list[ProposeRequest], counts: list[int], index: list[int]) -> bool:
         """Whether a drafter's tree candidates keep its contract (one row block a request, as deep as asked,
         target ids, finite log-probabilities); otherwise it is detached, as for drafts out of contract."""
-        logp, ids = got
         vocab = self.model.config.vocab_size
         deep = max(counts[i] for i in index)
-        fits = logp.shape == ids.shape and logp.dim() == 3 and logp.shape[0] == len(requests) \
-            and logp.shape[1] >= deep and bool(torch.isfinite(logp).all()) \
-            and bool(((ids >= 0) & (ids < vocab)).all())
+        logp, ids = got if isinstance(got, tuple) and len(got) == 2 else (None, None)
+        fits = isinstance(logp, torch.Tensor) and isinstance(ids, torch.Tensor) and logp.shape == ids.shape \
+            and logp.dim() == 3 and logp.shape[0] == len(requests) and logp.shape[1] >= deep \
+            and logp.dtype.is_floating_point and not ids.dtype.is_floating_point \
+            and bool(torch.isfinite(logp).all()) and bool(((ids >= 0) & (ids < vocab)).all())
         if not fits:
-            log.warning("the drafter's tree candidates are out of contract (shape %s for %d requests %d deep, "
-                        "or ids outside [0, %d), or non-finite scores); continuing without speculation",
-                        tuple(logp.shape), len(requests), deep, vocab)
+            log.warning("the drafter's tree candidates are out of contract (not [%d, >= %d, K] target ids in "
+                        "[0, %d) with finite scores); continuing without speculation", len(requests), deep, vocab)
             self._detach()
         return fits
 

@@ -321,13 +321,17 @@ class BadCandidates:
             return logp, ids + 10 ** 6
         if self.how == "nan":
             return logp * float("nan"), ids
+        if self.how == "floats":
+            return logp, ids.float()
+        if self.how == "list":
+            return [logp.tolist(), ids.tolist()]
         return logp[:, :1], ids[:, :1]  # one row, where more were asked for
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
 
-@pytest.mark.parametrize("how", ["ids", "nan", "shallow"])
+@pytest.mark.parametrize("how", ["ids", "nan", "shallow", "floats", "list"])
 def test_candidates_out_of_contract_detach_the_drafter_and_lose_no_token(tiny_llama_dir, how):
     from specsplit.target_service.engine import EngineConfig
 
