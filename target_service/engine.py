@@ -636,9 +636,10 @@ class Engine:
 
     def _tree_step(self, seqs: list[Sequence]) -> list[StepEvent]:
         """One greedy step verifying a draft tree a sequence, step by step (a captured tree bucket's verify on
-        a GPU, the eager one elsewhere): the drafter's candidates, each sequence's best-first tree, one forward over every tree (`ForwardBatch.trees`), the
-        longest path of the target's own picks accepted, its k/v moved to the positions its tokens take, and
-        the drafter told as if that path had been a chain drafted and accepted whole."""
+        a GPU, the eager one elsewhere): the drafter's candidates, each sequence's best-first tree, one forward
+        over every tree (`ForwardBatch.trees`), the longest path of the target's own picks accepted, its k/v
+        moved to the positions its tokens take, and the drafter told as if that path had been a chain drafted
+        and accepted whole."""
         self._quiesce()
         self._drop_ahead()
         self._launched, self._prefetched, self._prefetch_seconds = None, None, 0.0
