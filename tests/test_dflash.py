@@ -641,3 +641,30 @@ def test_free_releases_the_sequence():
     with pytest.raises(UnknownSequence):
         drafter.free(3)
     drafter.alloc(3, 10)  # the id is reusable
+
+
+def test_tree_candidates_rank_each_rows_tokens_as_the_drafts_do():
+    """`propose_candidates`: each row's K best tokens, best first, the first of each row the plain propose's
+    draft, log-probabilities falling; bad requests are refused as `propose` refuses them."""
+    from specsplit.shared.errors import InvalidRequest, StateConflict, UnknownSequence
+
+    drafter = make()
+    history = History(drafter, 4)
+    for seq in (0, 1):
+        drafter.alloc(seq, 50)
+        drafter.prefill(seq, [1] * 5, history.fresh(5))
+    requests = [ProposeRequest(0, 8, 5, GAMMA - 1), ProposeRequest(1, 9, 5, 2)]
+    logp, ids = drafter.propose_candidates(requests, 3)
+    assert logp.shape == ids.shape == (2, GAMMA - 1, 3)
+    assert (logp[:, :, :-1] >= logp[:, :, 1:]).all() and (logp <= 0).all()
+    drafts = drafter.propose(requests)
+    assert ids[0, :, 0].tolist() == drafts[0].tokens and ids[1, :2, 0].tolist() == drafts[1].tokens
+    mask = bool_to_bitmask(torch.ones(INFO.vocab_size, dtype=torch.bool))
+    for bad, keep, error in (([ProposeRequest(0, 8, 5, 2)], 0, InvalidRequest),  # no candidates a row
+                             ([ProposeRequest(0, 8, 5, 0)], 3, InvalidRequest),  # no rows
+                             ([], 3, InvalidRequest),
+                             ([ProposeRequest(0, 8, 5, 2, bitmask=mask)], 3, InvalidRequest),
+                             ([ProposeRequest(0, 8, 4, 2)], 3, StateConflict),  # not at the anchor's position
+                             ([ProposeRequest(7, 8, 5, 2)], 3, UnknownSequence)):
+        with pytest.raises(error):
+            drafter.propose_candidates(bad, keep)
