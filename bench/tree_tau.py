@@ -14,7 +14,7 @@ verify step emits when greedy speculative decoding walks the continuation with t
 (today's), best-first trees of each budget (the best rank paths of each block), and with `--calibrate P` static
 trees (the rank paths the true tokens took most often over P training-side continuations: a shape a captured
 verify can keep; `--save-paths FILE` writes them as JSON). `--decode N` also decodes the first N prompts for
-real with each arm (`tree_eval.decode_paged`) and checks the output against the target's and the steps against
+real with each arm (`tree_eval.decode`, paged) and checks the output against the target's and the steps against
 the walk's. A tree
 of N nodes is verified in N+1 rows a sequence where the chain takes 16, which this does not price.
 """
@@ -32,7 +32,7 @@ from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service.dense import capture_features, generate
 from specsplit.target_service.model import CaptureSpec
 from specsplit.train_data import HELDOUT_PATH, Prompt, read_prompts, training_prompts
-from specsplit.tree_eval import TreePolicy, candidates, chain_policy, decode_paged, frequent_paths, true_ranks, walk
+from specsplit.tree_eval import TreePolicy, candidates, chain_policy, decode, frequent_paths, true_ranks, walk
 
 
 def continuations(model, tokenizer: Tokenizer, prompts: list[Prompt], tokens: int,
@@ -119,7 +119,7 @@ def main() -> None:
         for arm in arms:
             steps = tokens = differing = off_walk = 0
             for _, ids, continuation in held[:args.decode]:
-                got = decode_paged(model, dm, head, ids, len(continuation), arm, tokenizer.eos_token_ids)
+                got = decode(model, dm, head, ids, len(continuation), arm, tokenizer.eos_token_ids, paged=True)
                 walked = walk(model, dm, head, ids, continuation, [arm])[0]
                 steps, tokens = steps + got.steps, tokens + len(got.tokens) - 1
                 differing += got.tokens != continuation

@@ -57,10 +57,7 @@ class DraftTree:
 
     @property
     def depths(self) -> tuple[int, ...]:
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return tuple(depths)
+        return tuple(block_rows(self.parents)[0][1:])
 
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root's child down to `node`, in order."""
@@ -72,13 +69,23 @@ class DraftTree:
 
     def visibility(self) -> torch.Tensor:
         """[N, N] bool: node i sees node j iff j is i or one of its ancestors."""
-        n = len(self)
-        seen = torch.zeros(n, n, dtype=torch.bool)
-        for i, parent in enumerate(self.parents):
-            if parent >= 0:
-                seen[i] = seen[parent]
-            seen[i, i] = True
-        return seen
+        words = block_rows(self.parents)[1][1:]
+        return torch.tensor([[word >> (j + 1) & 1 for j in range(len(self))] for word in words],
+                            dtype=torch.bool).view(len(self), len(self))
+
+
+def block_rows(parents: Sequence[int]) -> tuple[list[int], list[int]]:
+    """A tree verify's rows, the root's and then node i's at row i + 1: each row's depth (the root's 0) and its
+    visibility word, bit c set where it sees row c (itself and its ancestors, the root among them). Refuses a
+    parent that is not an earlier node or the root (-1)."""
+    depths, words = [0], [1]
+    for i, parent in enumerate(parents):
+        parent = int(parent)
+        if not -1 <= parent < i:
+            raise InvalidRequest(f"tree node {i}'s parent {parent} is not an earlier node or the root (-1)")
+        depths.append(depths[parent + 1] + 1)
+        words.append(words[parent + 1] | 1 << (i + 1))
+    return depths, words
 
 
 def accept_greedy(tree: DraftTree, picks: Sequence[int]) -> tuple[list[int], list[int]]:

@@ -1,13 +1,12 @@
 """A DFlash drafter's blocks verified as draft trees (`shared.tree`): teacher-forced walks and real decoding.
 
-The reference for tree verification, before any cached or graphed path: `decode` runs greedy speculative
-decoding one sequence at a time, the target recomputing the whole sequence and the tree each step
-(`dense.tree_forward`), the drafter's block over the target's rows of every emitted token before the anchor
-(`training.dflash_block_hidden`, the training forward that `evaluate`'s alignment tests hold equal to the
-served drafter's). `walk` scores the same trees teacher-forced over the target's greedy continuations: the
-steps decoding would take, each next anchor one past the last accepted node. The two agree step for step
-when drafting and verification agree on what each sees; its output equals the target's greedy output
-whatever the tree holds.
+The reference for tree verification, before any cached or graphed path: `decode` runs greedy speculative decoding
+one sequence at a time, the target recomputing the whole sequence and the tree each step (`dense.tree_forward`; or
+through its paged cache, `paged=True`), the drafter's block over the target's rows of every emitted token before the
+anchor (`training.dflash_block_hidden`, the training forward that `evaluate`'s alignment tests hold equal to the
+served drafter's). `walk` scores the same trees teacher-forced over the target's greedy continuations: the steps
+decoding would take, each next anchor one past the last accepted node. The two agree step for step when drafting and
+verification agree on what each sees; its output equals the target's greedy output whatever the tree holds.
 
 A `TreePolicy` turns a block's rows into a tree: the `budget` best rank paths (`best_first`), or a fixed set
 of them (`paths`: a static tree, the shape a captured verify can keep), e.g. the paths the true tokens took
@@ -30,7 +29,7 @@ from specsplit.evaluate import walk_steps
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.tree import DraftTree, accept_greedy, best_first, from_paths, matched
 from specsplit.target_service.dense import capture_features, tree_forward
-from specsplit.target_service.model import CaptureSpec, ForwardBatch, ForwardOutput, TargetModel
+from specsplit.target_service.model import CaptureSpec, ForwardBatch, TargetModel
 
 
 @dataclass(frozen=True)
@@ -89,65 +88,60 @@ class Decoded:
 
 @torch.no_grad()
 def decode(target: TargetModel, drafter: DFlashModel, head: TargetHead, prompt: Sequence[int], max_new: int,
-           policy: TreePolicy, eos_ids: Sequence[int] = ()) -> Decoded:
-    """Greedy speculative decoding of one prompt with draft trees (the reference: no cache)."""
+           policy: TreePolicy, eos_ids: Sequence[int] = (), *, paged: bool = False) -> Decoded:
+    """Greedy speculative decoding of one prompt with draft trees. The reference recomputes the context and
+    the tree each step (`dense.tree_forward`, no cache); `paged` verifies each tree in one forward through the
+    target's paged KV cache (`ForwardBatch.trees`), then moves the accepted path's k/v to the positions its
+    tokens take (`PagedKVCache.move`) and drops the rest. The two agree token for token and step for step."""
     if not prompt or max_new < 1:
         raise InvalidRequest("decode takes a prompt and at least one new token")
     capture = CaptureSpec(layer_ids=drafter.cfg.target_layer_ids)
     device = target.embed_weight.device
-    first = tree_forward(target, prompt, DraftTree((), ()), capture)
-    seq, rows = list(prompt) + [int(first.logits[0].argmax())], first.features
-    steps, eos = 0, set(eos_ids)
+    step, settle = _paged_steps(target, capture, len(prompt) + max_new + policy.budget + 1) if paged else \
+        (lambda seq, tree: _dense_step(target, capture, seq, tree), None)
+    logits, rows = step(list(prompt), None)  # the prefill: the first token, the prompt's rows
+    seq, steps, eos = list(prompt) + [int(logits[-1].argmax())], 0, set(eos_ids)
     while len(seq) - len(prompt) < max_new and not eos.intersection(seq[len(prompt):]):
-        anchor = len(seq) - 1  # the last emitted token: no row yet
-        padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-        logp, ids = candidates(drafter, head, padded, torch.tensor(seq, device=device), [anchor], policy.width)
-        tree = policy.tree(logp[0], ids[0])
-        out = tree_forward(target, seq, tree, capture)
-        accepted, emitted = accept_greedy(tree, out.logits.argmax(-1).tolist())
-        rows = torch.cat([out.features[:len(seq)], out.features[len(seq) + torch.tensor(accepted, dtype=torch.long,
-                                                                                         device=device)]])
-        seq += emitted
-        steps += 1
-    return Decoded(_cut(seq[len(prompt):], max_new, eos), steps)
-
-
-@torch.no_grad()
-def decode_paged(target: TargetModel, drafter: DFlashModel, head: TargetHead, prompt: Sequence[int], max_new: int,
-                 policy: TreePolicy, eos_ids: Sequence[int] = ()) -> Decoded:
-    """`decode` through the target's paged KV cache: each step verifies the tree in one cached forward
-    (`ForwardBatch.trees`), then moves the accepted path's k/v to the positions its tokens take
-    (`PagedKVCache.move`) and drops the rest. Equal to `decode` token for token and step for step."""
-    if not prompt or max_new < 1:
-        raise InvalidRequest("decode takes a prompt and at least one new token")
-    capture = CaptureSpec(layer_ids=drafter.cfg.target_layer_ids)
-    device = target.embed_weight.device
-    cache = target.new_cache(num_blocks=(len(prompt) + max_new + policy.budget + 1) // 16 + 2)
-    cache.allocate(0)
-
-    def forward(tokens: Sequence[int], first: int, parents: Sequence[int] | None) -> ForwardOutput:
-        batch = ForwardBatch(torch.tensor(list(tokens), device=device), torch.arange(first, first + len(tokens)),
-                             torch.tensor([0, len(tokens)]), [0], trees=None if parents is None else [parents],
-                             logits_index=None if parents is not None else torch.tensor([len(tokens) - 1]))
-        return target(batch, cache, capture)
-
-    out = forward(prompt, 0, None)  # the prefill: the first token
-    seq, rows = list(prompt) + [int(out.logits[0].argmax())], out.layer_features
-    steps, eos = 0, set(eos_ids)
-    while len(seq) - len(prompt) < max_new and not eos.intersection(seq[len(prompt):]):
-        root = len(seq) - 1
+        root = len(seq) - 1  # the last emitted token: no row yet
         padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
         logp, ids = candidates(drafter, head, padded, torch.tensor(seq, device=device), [root], policy.width)
         tree = policy.tree(logp[0], ids[0])
-        out = forward([seq[-1], *tree.tokens], root, tree.parents)
-        accepted, emitted = accept_greedy(tree, out.logits.argmax(-1).tolist())
-        cache.move(0, [root + 1 + i for i in accepted], [root + 1 + d for d in range(len(accepted))])
-        cache.truncate(0, root + 1 + len(accepted))
-        keep = torch.tensor([0] + [1 + i for i in accepted], dtype=torch.long, device=device)
-        rows = torch.cat([rows, out.layer_features[keep]])
+        logits, block = step(seq, tree)  # [N + 1] rows each: the root's, then the nodes'
+        accepted, emitted = accept_greedy(tree, logits.argmax(-1).tolist())
+        if settle is not None:
+            settle(root, accepted)
+        rows = torch.cat([rows, block[torch.tensor([0] + [1 + i for i in accepted], device=device)]])
         seq += emitted
         steps += 1
     return Decoded(_cut(seq[len(prompt):], max_new, eos), steps)
+
+
+def _dense_step(target: TargetModel, capture: CaptureSpec, seq: list[int],
+                tree: DraftTree | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill's (tree None: the last row's logits, every row) or a verify's logits and rows, recomputed."""
+    out = tree_forward(target, seq, tree or DraftTree((), ()), capture)
+    return out.logits, out.features if tree is None else out.features[len(seq) - 1:]
+
+
+def _paged_steps(target: TargetModel, capture: CaptureSpec, most: int):
+    """`decode`'s step and settle through a paged KV cache of room for `most` positions."""
+    device = target.embed_weight.device
+    cache = target.new_cache(num_blocks=most // 16 + 2)
+    cache.allocate(0)
+
+    def step(seq: list[int], tree: DraftTree | None) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, first = (seq, 0) if tree is None else ([seq[-1], *tree.tokens], len(seq) - 1)
+        batch = ForwardBatch(torch.tensor(tokens, device=device), torch.arange(first, first + len(tokens)),
+                             torch.tensor([0, len(tokens)]), [0], trees=None if tree is None else [tree.parents],
+                             logits_index=torch.tensor([len(tokens) - 1]) if tree is None else None)
+        out = target(batch, cache, capture)
+        return out.logits, out.layer_features
+
+    def settle(root: int, accepted: list[int]) -> None:
+        cache.move(0, [root + 1 + i for i in accepted], [root + 1 + d for d in range(len(accepted))])
+        cache.truncate(0, root + 1 + len(accepted))
+
+    return step, settle
 
 
 def _cut(new: list[int], max_new: int, eos: set[int]) -> list[int]:

@@ -29,6 +29,7 @@ from specsplit.shared.errors import InvalidRequest, StateConflict
 from specsplit.shared.fused import FusedWeights, fuse_projections, run_fused_layers
 from specsplit.shared.layers import SelfAttention, head_logits
 from specsplit.shared.ragged import ragged_arange
+from specsplit.shared.tree import block_rows
 from specsplit.target_service.kv_cache import PagedKVCache
 from specsplit.target_service.model import CaptureSpec, ForwardOutput, TargetModel
 
@@ -189,12 +190,7 @@ class StaticForward:
                 continue
             if len(parents) + 1 != len(step.tokens[b]):
                 raise InvalidRequest(f"sequence {b}'s tree has {len(parents)} nodes for {len(step.tokens[b])} tokens")
-            depth, word = [0], [1]
-            for i, parent in enumerate(parents):
-                if not -1 <= parent < i:
-                    raise InvalidRequest(f"sequence {b}'s tree node {i} has parent {parent}")
-                depth.append(depth[parent + 1] + 1)
-                word.append(word[parent + 1] | 1 << (i + 1))
+            depth, word = block_rows(parents)
             n = len(depth)
             rotary[b, :n] = step.starts[b] + np.asarray(depth)
             words[b, :n] = np.asarray([w - (1 << 64) if w >= 1 << 63 else w for w in word], dtype=np.int64)

@@ -27,6 +27,7 @@ from specsplit.shared.layers import (
     head_logits, padded_visibility, visibility_mask,
 )
 from specsplit.shared.staging import to_host
+from specsplit.shared.tree import block_rows
 from specsplit.target_service.kv_cache import PagedKVCache
 
 
@@ -150,14 +151,8 @@ def _tree_blocks(trees: Sequence[Sequence[int] | None] | None, bounds: list[tupl
         if len(parents) + 1 != b - a:
             raise InvalidRequest(f"sequence {index}'s tree has {len(parents)} nodes; its rows are {b - a} "
                                  "(the root and one a node)")
-        sees = torch.eye(b - a, dtype=torch.bool)
-        depths = [0]
-        for i, parent in enumerate(parents):
-            if not -1 <= int(parent) < i:
-                raise InvalidRequest(f"sequence {index}'s tree node {i} has parent {parent}: not an earlier "
-                                     "node or the root (-1)")
-            sees[i + 1] |= sees[int(parent) + 1]
-            depths.append(depths[int(parent) + 1] + 1)
+        depths, words = block_rows(parents)
+        sees = torch.tensor([[word >> c & 1 for c in range(b - a)] for word in words], dtype=torch.bool)
         out[index] = _TreeBlock(a, first, torch.tensor(depths), sees)
     return out
 

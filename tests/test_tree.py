@@ -16,7 +16,7 @@ from specsplit.shared.tree import (DraftTree, accept_greedy, accept_trees, best_
                                    tree_ancestors)
 from specsplit.target_service.dense import dense_forward, generate, tree_forward
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
-from specsplit.tree_eval import TreePolicy, chain_policy, decode, decode_paged, frequent_paths, true_ranks, walk
+from specsplit.tree_eval import TreePolicy, chain_policy, decode, frequent_paths, true_ranks, walk
 
 #        root
 #      /   |   \
@@ -192,7 +192,7 @@ def test_tree_decoding_equals_the_targets_greedy_output_and_its_teacher_forced_w
             got = decode(model, dm, head, prompt, 12, policy)
             assert got.tokens == continuation, policy
             assert got.steps == walked, policy
-            assert decode_paged(model, dm, head, prompt, 12, policy) == got
+            assert decode(model, dm, head, prompt, 12, policy, paged=True) == got
     with pytest.raises(InvalidRequest):
         decode(model, dm, head, [], 4, policies[0])
 
@@ -215,7 +215,7 @@ def test_the_shipped_drafters_trees_accept_more_and_stay_lossless(smollm2, smoll
         for n, (policy, walked) in enumerate(zip(policies, walk(smollm2, dm, head, prompt, continuation, policies))):
             got = decode(smollm2, dm, head, prompt, 32, policy)
             assert got.tokens == continuation and got.steps == walked
-            assert decode_paged(smollm2, dm, head, prompt, 32, policy) == got
+            assert decode(smollm2, dm, head, prompt, 32, policy, paged=True) == got
             totals[n] += got.steps
     assert totals[1] < totals[0]
 
@@ -289,7 +289,7 @@ def engine_run(model, drafter, prompts, max_tokens, **config):
 
 def test_the_engines_tree_steps_equal_target_only_and_take_fewer_steps(smollm2, smollm2_tokenizer):
     """EngineConfig.draft_tree with the shipped drafter, two held-out chat prompts in one batch: every token
-    the target-only engine's, fewer steps than chains, and each request's steps those of `decode_paged`
+    the target-only engine's, fewer steps than chains, and each request's steps those of `decode(paged=True)`
     (the trees the engine builds are the reference's)."""
     from specsplit.local import LocalSetup, make_drafter
     from specsplit.train_data import HELDOUT_PATH, read_prompts
@@ -303,7 +303,7 @@ def test_the_engines_tree_steps_equal_target_only_and_take_fewer_steps(smollm2, 
     assert tokens == base == chained[0]
     assert sum(s.steps for s in stats) < sum(s.steps for s in chained[1])
     for prompt, got, st in zip(prompts, tokens, stats):
-        ref = decode_paged(smollm2, drafter.model, drafter.head, prompt, 24, TreePolicy(budget=15, keep=8))
+        ref = decode(smollm2, drafter.model, drafter.head, prompt, 24, TreePolicy(budget=15, keep=8), paged=True)
         assert ref.tokens == got and st.steps == ref.steps + 1  # the engine counts its prefill a step
         assert st.accepted == len(got) - st.steps and 0 < st.drafted <= 15 * ref.steps
     assert engine.cache.num_free_blocks == engine.config.kv_blocks  # every block back, the trees' rows included
