@@ -738,10 +738,13 @@ trees)
   # and the engine's tree steps replaying a captured tree bucket (`StepGraphs.forward_tree`)
   timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py tests/test_tree.py -k tree \
     2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
-  timeout 280 python bench/tree_tau.py --device cuda --gen-batch 128 --budgets 15 23 31 63 --calibrate 3000 \
-    --save-paths "$OUT/tree_paths.json" --decode 16 2>&1 | grep -v INFO | tee "$OUT/tree_tau.txt" | tail -16 | log
   timeout 280 python -m specsplit.cli eval-acceptance --device cuda --dtype float32 --draft-tree 15 --max-tokens 128 \
     2>&1 | grep -v INFO | tee "$OUT/eval_tree.txt" | grep -E "^tau|walk|mismatches|speedup" | log
+  ;;
+trees-walk)
+  # (forty-third session) the second half of `trees`: the walk by budget, static trees calibrated at scale
+  timeout 400 python bench/tree_tau.py --device cuda --gen-batch 128 --budgets 15 23 31 63 --calibrate 3000 \
+    --save-paths "$OUT/tree_paths.json" --decode 16 2>&1 | grep -v INFO | tee "$OUT/tree_tau.txt" | tail -16 | log
   ;;
 predecessor)
   # (forty-first session, not run yet) issue 10: would drafts gain from seeing the draft before them, through a
