@@ -684,6 +684,22 @@ class DFlashDrafter(Drafter):
         meta = torch.stack([anchors, positions, bases])
         return self.propose_graphs.fed(self.head, meta, batch.tables)[:, :num_drafts].clone()
 
+    def chain_candidates(self, batch: "ChainBatch", anchors: torch.Tensor, positions: torch.Tensor,
+                         keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chained step's draft-tree candidates (`propose_candidates` on the device): each block row's `keep`
+        best log-probabilities and their target ids, [B, γ-1, keep] each, for anchors [B] at positions [B]
+        that only the device knows. Read from the static block forward's logits: nothing waits."""
+        shape = (len(batch.seq_ids),)
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1 or anchors.shape != shape \
+                or positions.shape != shape:
+            raise ValueError(f"chained candidates take one anchor and position per sequence and keep >= 1, got "
+                             f"{tuple(anchors.shape)}, {tuple(positions.shape)} and {keep!r}")
+        bases = (positions - self.spec.window).clamp(min=0) // batch.periods * batch.periods
+        drafted = self.propose_graphs.fed_drafts(self.head, torch.stack([anchors, positions, bases]), batch.tables)
+        logp = torch.log_softmax(drafted.logits.float(), -1)
+        top, index = logp.topk(min(keep, logp.shape[-1]), -1)
+        return top, self.vocab.to_target(index)
+
     def chain_commit(self, batch: "ChainBatch", rows: torch.Tensor, positions: torch.Tensor, count: int) -> None:
         """Context K/V of every verified row, rows [B * count, feature_dim] (sequence i's rows i*count ..,
         at positions[i] ..), into their ring slots. The rows past what the verify accepted lie at or

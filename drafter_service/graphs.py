@@ -210,6 +210,10 @@ class ProposeGraphs:
         """`__call__` with anchors, positions and bases already on the device, as rows of `meta` [3, B]
         (a chained step's: the last verify's picks, where the host does not know them yet). Returns the
         greedy drafts [B, γ-1], valid until the next replay."""
+        return self.fed_drafts(head, meta, tables).tokens
+
+    def fed_drafts(self, head: TargetHead, meta: torch.Tensor, tables: Sequence[torch.Tensor]) -> "GraphDrafts":
+        """`fed`, returning every output (a draft tree's candidates are read from the logits)."""
         batch = meta.shape[1]
         buffers, run = self._buffers(head, batch)
         buffers.meta[:, :batch].copy_(meta)
@@ -218,8 +222,8 @@ class ProposeGraphs:
             # a capture would bake this stack of today's tables into every replay
             raise RuntimeError("a chained step's tables must be bound (`bind`) before its capture")
         self._set_tables(buffers, tables)
-        drafts, _, _ = run()
-        return drafts[:batch]
+        drafts, best, logits = run()
+        return GraphDrafts(drafts[:batch], best[:batch], logits[:batch])
 
     def bind(self, head: TargetHead, tables: Sequence[torch.Tensor]) -> None:
         """Put these sequences' tables into their bucket's buffers now, on the host's side of a step, so

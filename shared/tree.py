@@ -228,6 +228,18 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     return seen
 
 
+def tree_words(parents: torch.Tensor) -> torch.Tensor:
+    """The block rows each row of B trees' verifies sees, [B, N + 1] int64 from parents [B, N] (N < 64): bit c
+    of row r set iff r sees row c (row 0 the root), as `block_rows` gives them one tree at a time and the
+    paged attention's `tree` words read them. Bit 63 is the sign bit: the sum wraps as the bits' OR."""
+    seen = tree_ancestors(parents)
+    if seen.shape[-1] > 64:
+        raise InvalidRequest(f"a tree's words hold 64 rows, got {seen.shape[-1]}")
+    bits = torch.ones((), dtype=torch.int64, device=parents.device) << torch.arange(
+        seen.shape[-1], dtype=torch.int64, device=parents.device)
+    return (seen.long() * bits).sum(-1)
+
+
 def accept_trees(trees: TreeBatch, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification of B trees at once: picks [B, N + 1] the target's argmax after the root, then after
     each node. Returns the accepted count [B] and the accepted nodes [B, N] by depth (-1 past the count); the

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from specsplit.shared.errors import StateConflict
+from specsplit.shared.tree import TreeBatch, accept_trees
 from specsplit.target_service.sequence import Sequence
 
 
@@ -33,6 +34,18 @@ def accept_greedy(drafts: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
     the length of the longest prefix of drafts equal to the picks at the same places."""
     k = drafts.shape[1]
     return (drafts == picks[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def accept_tree_paths(trees: TreeBatch, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft trees [B, N] against the verify's greedy picks [B, N + 1] (after the root, then after each node) →
+    each sequence's accepted count [B], its accepted nodes [B, N] by depth (-1 past the count) and what it
+    emits [B, N + 1]: the path's tokens, then the pick after its last node, then padding. No host reads."""
+    count, nodes = accept_trees(trees, picks)
+    last = nodes.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
+    final = picks.gather(1, torch.where(count > 0, last + 1, 0)[:, None])  # [B, 1]: the bonus pick
+    path = trees.tokens.gather(1, nodes.clamp(min=0))
+    emitted = torch.cat([path, final], dim=1).scatter(1, count[:, None], final)
+    return count, nodes, emitted
 
 
 @dataclass(frozen=True)
@@ -107,8 +120,11 @@ class ChainProgram:
     reservations, the block tables into the verify's and the drafter's buffers, the feed when the batch
     changed, the copy of `outcome` to the host."""
 
-    def __init__(self, n: int, k: int, device: torch.device) -> None:
+    def __init__(self, n: int, k: int, device: torch.device, tree: bool = False) -> None:
         self.n, self.k = n, k
+        # A draft tree's step (`EngineConfig.draft_tree`): k nodes a sequence where a chain has k drafts, the
+        # same verify width, the same outcome (its accepted path read as drafts accepted)
+        self.tree = tree
         self.feed = torch.zeros((2, n), dtype=torch.int64, device=device)
         self.outcome = torch.zeros(n * (k + 2), dtype=torch.int64, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None

@@ -25,10 +25,10 @@ from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
-from specsplit.shared.tree import MAX_TREE_NODES, DraftTree, best_first
+from specsplit.shared.tree import MAX_TREE_NODES, DraftTree, best_first, grow_trees, tree_words
 from specsplit.shared.tree import accept_greedy as accept_tree
 from specsplit.shared.verify import device_longs, sample_accept, sample_tokens, verify_sampled
-from specsplit.target_service.chain import ChainBuffers, ChainedStep, ChainProgram, accept_greedy
+from specsplit.target_service.chain import ChainBuffers, ChainedStep, ChainProgram, accept_greedy, accept_tree_paths
 from specsplit.target_service.counters import EngineCounters
 from specsplit.target_service.draft_tuner import DraftTuner
 from specsplit.target_service.graphs import DeviceDrafts, LaunchedStep, StepBatch, StepGraphs
@@ -218,7 +218,7 @@ class Engine:
         # the last one was read (a chained step's time is the time between two reads)
         self._chain: ChainedStep | None = None
         self._chain_buffers: ChainBuffers | None = None
-        self._chain_programs: dict[tuple[int, int], ChainProgram] = {}  # (n, k) → program, least recently used first
+        self._chain_programs: dict[tuple[int, int, bool], ChainProgram] = {}  # (n, k, tree) → program, least recently used first
         # The sequences and k of the chained propose a drafter service was sent as the last step launched
         # (see _chain_send_ahead), for the next launch only
         self._sent_ahead: tuple[tuple[int, ...], int] | None = None
@@ -609,13 +609,13 @@ class Engine:
         return self.drafter_ok and seq.request.speculative and not seq.drafter_refused
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
-        if self._tree_steps(seqs):
-            return self._tree_step(seqs)
         k, chained = self._chain_plan(seqs)
         if k or self._chain is not None:
             events = self._chain_step(chained, k)
             if events is not None:
                 return events
+        if self._tree_steps(seqs):
+            return self._tree_step(seqs)
         self._chain_read_at = None
         self._quiesce()
         if self._decodes_ahead(seqs):
@@ -842,8 +842,9 @@ class Engine:
             return 0, []
         if not any(s.drafter_attached for s in seqs):
             return 0, []  # (plain decoding goes ahead its own way)
-        k = self._max_drafts(len(seqs))
-        if k < 1 or self.graphs.bucket(len(seqs), k + 1) is None:
+        tree = self._tree_chains(seqs)
+        k = self.config.draft_tree if tree else self._max_drafts(len(seqs))
+        if k < 1 or (self.graphs.tree_bucket if tree else self.graphs.bucket)(len(seqs), k + 1) is None:
             return 0, []
         pending = self._chain
         ahead = {} if pending is None else {s.seq_id: n + 1 for s, n in zip(pending.seqs, pending.counts)}
@@ -851,6 +852,17 @@ class Engine:
             return 0, []  # one that could not chain even with nothing pending
         chained = [s for s in seqs if self._chain_room(s, ahead.get(s.seq_id, 0), k)]
         return (k, chained) if any(s.drafter_attached for s in chained) else (0, [])
+
+    def _tree_chains(self, seqs: list[Sequence]) -> bool:
+        """Whether chained steps of `seqs` verify draft trees (EngineConfig.draft_tree): every sequence greedy and
+        drafting, an in-process drafter whose chained proposes offer candidates (`chain_candidates`), a tree
+        of at most as many nodes as the drafter's rows (its commit takes as many), and a tree bucket for them.
+        A tree step of N nodes is a chained step of k = N: the same verify width, reservations and outcome."""
+        n = self.config.draft_tree
+        return 0 < n <= self._spec.max_drafts and _capability(self.proposer, "chain_candidates") is not None \
+            and getattr(self.proposer, "chain_captured_whole", True) \
+            and all(s.request.params.greedy and s.drafter_attached for s in seqs) \
+            and self.graphs.tree_bucket(len(seqs), n + 1) is not None
 
     def _chain_room(self, seq: Sequence, rows: int, k: int, offers_k: bool = True) -> bool:
         """Whether a chained step of k drafts has room for `seq` when the steps launched and not read yet may
@@ -899,8 +911,11 @@ class Engine:
         before the verify (it is detached; the sequences' host records are as they were) or the cache
         lacks the blocks. sent: the sequences and k of the propose sent ahead as `pending` launched."""
         ids = [s.seq_id for s in seqs]
+        tree = self.config.draft_tree == k and self._tree_chains(seqs)
+        if self.config.draft_tree == k and not tree and self.graphs.bucket(len(seqs), k + 1) is None:
+            return None  # planned as trees, and some of these sequences cannot take one: a step as usual
         before = pending.program if pending is not None else None
-        if before is None or before is not self._chain_programs.get((len(seqs), k)) \
+        if before is None or before is not self._chain_programs.get((len(seqs), k, tree)) \
                 or [s.seq_id for s in pending.seqs] != ids or self._chain_capturable(before):
             # Only the same step again (its shape's kernels launched before, the feed in place, no capture)
             # runs while our stream may wait on the device for the drafts, the step before's or its own
@@ -925,11 +940,11 @@ class Engine:
             return None
         # The host's side: tables, the drafter's tables, and the feed unless the step not read yet was
         # this program's with these sequences (its replay left their next anchors in the feed)
-        fwd = self.graphs.chain_tables(ids, k + 1, firsts, ends)
+        fwd = self.graphs.chain_tables(ids, k + 1, firsts, ends, tree=tree)
         bind = getattr(self.proposer, "chain_bind", None)  # (a drafter whose proposes take no host tables: none)
         if bind is not None and self._drafter_call(bind, batch) is _FAILED:
             return None
-        program = self._chain_program(len(seqs), k)
+        program = self._chain_program(len(seqs), k, tree)
         row_of = {} if pending is None else {s.seq_id: i for i, s in enumerate(pending.seqs)}
         # (read before the feed below may overwrite the step not read yet's; a propose goes ahead only when
         # every sequence drafts)
@@ -1081,15 +1096,15 @@ class Engine:
                 if s.seq_id not in held and s.seq_id not in unread and s.drafter_attached and self._is_running(s)
                 and s.seq_id not in self._prefilling and self._chain_room(s, 0, k)]
 
-    def _chain_program(self, n: int, k: int) -> ChainProgram:
-        """The program of chained steps of n sequences and k drafts (made on first use; the least recently
-        used past `_CHAIN_PROGRAMS` are dropped, with their graphs)."""
-        program = self._chain_programs.pop((n, k), None)
+    def _chain_program(self, n: int, k: int, tree: bool = False) -> ChainProgram:
+        """The program of chained steps of n sequences and k drafts, or trees of k nodes (made on first use; the
+        least recently used past `_CHAIN_PROGRAMS` are dropped, with their graphs)."""
+        program = self._chain_programs.pop((n, k, tree), None)
         if program is None:
-            program = ChainProgram(n, k, self._device)
+            program = ChainProgram(n, k, self._device, tree)
             while len(self._chain_programs) >= _CHAIN_PROGRAMS:
                 self._chain_programs.pop(next(iter(self._chain_programs)))
-        self._chain_programs[(n, k)] = program  # (last in order: the most recently used)
+        self._chain_programs[(n, k, tree)] = program  # (last in order: the most recently used)
         return program
 
     def _chain_run(self, program: ChainProgram, whole: bool, device_work) -> bool:
@@ -1133,6 +1148,8 @@ class Engine:
         `call` runs the drafter's verbs (`_drafter_call`; None while capturing: a failure then aborts
         the capture). False: the drafter failed before the verify (it is detached)."""
         call = call or (lambda verb, *args: verb(*args))
+        if program.tree:
+            return self._chain_tree(call, program, batch, fwd)
         anchors, positions = program.feed
         drafts = self._chain_drafts(call, batch, anchors, positions, program.k, among, len(seqs), ahead_rows)
         if drafts is None:
@@ -1140,6 +1157,44 @@ class Engine:
         # failing (uncaptured), the drafter is detached; the picks stand (they never depended on the drafts)
         self._chain_verify(program, fwd, seqs, counts, among, drafts,
                            lambda rows, at: call(self.proposer.chain_commit, batch, rows, at, program.k + 1))
+        return True
+
+    def _chain_tree(self, call, program: ChainProgram, batch, fwd) -> bool:
+        """A chained step of draft trees (`_tree_chains`), from `program.feed` to `program.outcome` and the next
+        feed, all on the device: the drafter's candidates, each sequence's best-first tree of k nodes
+        (`grow_trees`), one verify of the roots and nodes in a tree bucket, the longest path of the target's
+        picks accepted (`accept_tree_paths`), its k/v moved to the positions its tokens take and its rows
+        committed to the drafter in their place, as if it had been a chain drafted and accepted whole. The
+        rows past it lie where the next verify and propose write first. False: the drafter failed."""
+        n, k = program.n, program.k
+        anchors, positions = program.feed
+        got = call(self.proposer.chain_candidates, batch, anchors, positions, self.config.draft_tree_keep)
+        if got is _FAILED:
+            return False
+        logp, ids = got
+        trees = grow_trees(logp, ids.clamp(0, self.model.config.vocab_size - 1), k)
+        nodes = trees.tokens.shape[1]  # k (a drafter's k rows always hold k nodes)
+        tokens = torch.cat([anchors[:, None], trees.tokens], dim=1)
+        rotary = positions[:, None] + torch.cat([torch.zeros_like(trees.depths[:, :1]), trees.depths], dim=1)
+        out = self.graphs.chain_run(fwd, tokens, positions, (rotary, tree_words(trees.parents)))
+        picks = out.bucket_argmax.view(fwd.batch, fwd.query_len)[:n, :nodes + 1]
+        accepted, path, emitted = accept_tree_paths(trees, picks)
+        program.outcome.view(n, k + 2)[:, :nodes + 1].copy_(emitted)
+        program.outcome.view(n, k + 2)[:, k + 1].copy_(accepted)
+        depth = torch.arange(nodes, device=path.device)
+        on_path = path >= 0
+        src = torch.where(on_path, path, depth) + 1  # rows of the verify (the root's is 0)
+        at = positions[:, None] + torch.arange(1, nodes + 1, device=path.device)
+        scratch = torch.full_like(at, fwd.scratch_slot)
+        self.cache.move_slots(torch.where(on_path, fwd.slots_at(n, positions[:, None] + src), scratch).view(-1),
+                              torch.where(on_path, fwd.slots_at(n, at), scratch).view(-1))
+        rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:n]
+        order = torch.cat([torch.zeros_like(src[:, :1]), src], dim=1)  # the root, then the path in depth order
+        rows = rows.gather(1, order[:, :, None].expand(-1, -1, rows.shape[-1]))
+        call(self.proposer.chain_commit, batch, rows.reshape(-1, rows.shape[-1]), positions, k + 1)
+        final = emitted.gather(1, accepted[:, None]).squeeze(1)
+        positions.add_(accepted + 1)  # the next feed, after everything above read this one
+        anchors.copy_(final)
         return True
 
     def _chain_tail(self, program: ChainProgram, batch, fwd, seqs: list[Sequence], counts: list[int],
@@ -1275,7 +1330,7 @@ class Engine:
         # 2.0 ms a step where steady steps took 1.2, and the rarely timed k won (k = 1, 0.96x target-only
         # where k = 7 gave 1.25x); a one-step retry of another k was timed with its switch in it. Acceptance
         # is counted from every step.
-        if self.tuner is not None:
+        if self.tuner is not None and not (step.program is not None and step.program.tree):
             shape = ([s.seq_id for s in step.seqs], k)
             launched = self._chain
             steady = self._chain_read_at is not None and self._prefill_seconds == self._chain_prefill_clock \

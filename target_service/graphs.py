@@ -230,6 +230,23 @@ class StaticForward:
                 self._copied.record()
             self._fed = key
 
+    def load_fed_tree(self, rotary: torch.Tensor, words: torch.Tensor) -> None:
+        """A tree bucket's fed step, after `load_fed_device`: its rows' rotary positions and visibility words
+        [B, n] (`shared.tree.tree_words`) on the device. Padding sequences see every row up to their own."""
+        batch, n = words.shape
+        if not self.tree or n != self.query_len:
+            raise InvalidRequest(f"a fed tree verify fills a tree bucket's {self.query_len} rows, got {n}")
+        self.rotary[:batch].copy_(rotary)
+        self.rotary[batch:].copy_(self.positions[batch:])
+        self.words[:batch].copy_(words)
+        self.words[batch:].fill_(-1)
+
+    def slots_at(self, batch: int, positions: torch.Tensor) -> torch.Tensor:
+        """The cache rows [B, m] int64 of positions [B, m] of the bucket's first B sequences, through the block
+        tables loaded last (a fed step's: the positions must lie within the blocks reserved for it)."""
+        size = self.cache.block_size
+        return self.block_tables[:batch].gather(1, positions // size).long() * size + positions % size
+
     def load_fed_device(self, tokens: torch.Tensor, starts: torch.Tensor) -> None:
         """`load_fed`'s device side, after `load_fed_tables` of the same sequences: positions, slots and
         tokens (no host copy: inlined in a whole chained step's graph, see target_service.chain)."""
@@ -422,9 +439,11 @@ class StepGraphs:
         fwd = self.chain_tables(seq_ids, n, firsts, ends)
         return fwd, self.chain_run(fwd, tokens, starts)
 
-    def chain_tables(self, seq_ids: list[int], n: int, firsts: list[int], ends: list[int]) -> StaticForward:
-        """`chain`'s host side: the cache grown to `ends`, the tables of the bucket's forward loaded."""
-        key = self.bucket(len(seq_ids), n)
+    def chain_tables(self, seq_ids: list[int], n: int, firsts: list[int], ends: list[int], *,
+                     tree: bool = False) -> StaticForward:
+        """`chain`'s host side: the cache grown to `ends`, the tables of the bucket's forward loaded (a tree
+        bucket's with `tree`, whose rows `chain_run` is given the rotary positions and words of)."""
+        key = (self.tree_bucket if tree else self.bucket)(len(seq_ids), n)
         if key is None or not len(seq_ids) == len(firsts) == len(ends):
             raise InvalidRequest(f"no captured bucket holds {len(seq_ids)} sequences of {n} tokens")
         if any(end < first + n for first, end in zip(firsts, ends)):
@@ -436,12 +455,18 @@ class StepGraphs:
         fwd.load_fed_tables(seq_ids, n)
         return fwd
 
-    def chain_run(self, fwd: StaticForward, tokens: torch.Tensor, starts: torch.Tensor) -> ForwardOutput:
+    def chain_run(self, fwd: StaticForward, tokens: torch.Tensor, starts: torch.Tensor,
+                  tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardOutput:
         """`chain`'s device side, after `chain_tables`: the verify's outputs, bucket-shaped. Inlined in a
         capture (`shared.cuda_graphs.inlined`), the forward runs into it and returns the capture's own
-        outputs; the bucket's graph keeps its own."""
+        outputs; the bucket's graph keeps its own. A tree bucket's step takes `tree`: its rows' rotary
+        positions and visibility words [B, n] (`StaticForward.load_fed_tree`)."""
+        if fwd.tree != (tree is not None):
+            raise InvalidRequest("a tree bucket's fed verify takes its rows' rotary positions and words, a chain's none")
         fwd.load_fed_device(tokens, starts)
-        graph = self.graphs.get((fwd.batch, fwd.query_len))
+        if tree is not None:
+            fwd.load_fed_tree(*tree)
+        graph = self.graphs.get((fwd.batch, -fwd.query_len if fwd.tree else fwd.query_len))
         if graph is not None and not inlining():
             graph.replay()
             return fwd.output

@@ -194,6 +194,14 @@ class PagedKVCache:
         for layer in range(self.num_layers):
             self.write_slots(layer, to_slots, *self.read_slots(layer, from_slots))
 
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's k/v of pool rows `src` [n] copied to rows `dst` [n] on the device, all read before any
+        is written (a chained tree step's accepted paths; no host reads, so a capture can hold it). The caller
+        owns the rows: no checks here, and rows meant for nothing go scratch to scratch."""
+        for pool in (self.k_pool, self.v_pool):
+            flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # [L, num_blocks * block_size, Hkv, D]
+            flat.index_copy_(1, dst, flat.index_select(1, src))
+
     def gather(self, layer: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k/v [length, Hkv, D] of positions 0..length-1 of a sequence."""
         return self.read_slots(layer, self.context_slots(seq_id, length))

@@ -309,6 +309,57 @@ def test_the_engines_tree_steps_equal_target_only_and_take_fewer_steps(smollm2, 
     assert engine.cache.num_free_blocks == engine.config.kv_blocks  # every block back, the trees' rows included
 
 
+def test_chained_tree_steps_equal_target_only_and_accept_as_the_eager_tree_steps(smollm2, smollm2_tokenizer):
+    """Chained steps of draft trees (`Engine._chain_tree`: candidates, trees, verify, accept, k/v moved and the
+    drafter's rows committed, all on the device; the static forwards uncaptured on the CPU), with a request
+    joining mid-run and short ones ending: every token the target-only engine's, each request's accepted
+    count the eager tree steps' (so the moved k/v and the committed rows are what those steps leave), fewer
+    steps than chained chains, and nothing left allocated."""
+    from specsplit.local import LocalSetup, make_drafter
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.graphs import StepGraphs
+    from specsplit.target_service.sequence import Request
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+    prompts = [p.encode(smollm2_tokenizer) for p in read_prompts(HELDOUT_PATH)][:3]
+    lengths = [24, 9, 20]
+
+    def run(chained: bool, **config):
+        drafter = make_drafter("dflash", smollm2, LocalSetup(drafter="dflash", dtype="float32"))
+        drafter.use_static_forwards(use_graphs=False)
+        engine = Engine(smollm2, drafter, EngineConfig(max_batch=3, chain_steps=chained, **config))
+        engine.graphs = StepGraphs(smollm2, engine.cache, engine.capture, max_batch=3, query_lens=(1, 16),
+                                   max_len=512, use_graphs=False, tree_lens=(16,) if config else ())
+        engine.add(Request("r0", list(prompts[0]), SamplingParams(max_tokens=lengths[0])))
+        engine.add(Request("r1", list(prompts[1]), SamplingParams(max_tokens=lengths[1])))
+        events: dict[str, list] = {}
+        for n in itertools.count():
+            if n == 2:
+                engine.add(Request("r2", list(prompts[2]), SamplingParams(max_tokens=lengths[2])))
+            for e in engine.step():
+                events.setdefault(e.request_id, []).append(e)
+            if not engine.has_work:
+                break
+        assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1  # all but the scratch block
+        assert drafter.pool.num_free_blocks == drafter.pool.num_blocks and len(drafter.store) == 0
+        tokens = [[t for e in events[f"r{i}"] for t in e.token_ids] for i in range(3)]
+        chunks = [[len(e.token_ids) for e in events[f"r{i}"]] for i in range(3)]  # what each step emitted
+        return tokens, [events[f"r{i}"][-1].stats for i in range(3)], engine, chunks
+
+    base, _, _ = engine_run(smollm2, None, prompts, 24)
+    trees, stats, engine, chunks = run(True, draft_tree=15, draft_tree_keep=8)
+    assert engine.counters.chained > 3 and any(key[2] for key in engine._chain_programs)
+    assert [t == b[:len(t)] for t, b in zip(trees, base)] == [True] * 3 and list(map(len, trees)) == lengths
+    eager, _, _, eager_chunks = run(False, draft_tree=15, draft_tree_keep=8)
+    assert eager == trees
+    # step by step the same accepted paths, up to the last step (where the eager trees grow only as deep as
+    # the tokens left, and a chained step launched before the host knew the end may run on past it)
+    assert [c[:-1] for c in chunks] == [c[:-1] for c in eager_chunks] and max(map(max, chunks)) > 4
+    _, chain_stats, _, _ = run(True)
+    assert sum(s.steps for s in stats) < sum(s.steps for s in chain_stats)
+
+
 class BadCandidates:
     """A pass-through drafter whose tree candidates break the contract in one way."""
 
