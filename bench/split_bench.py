@@ -214,6 +214,10 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
         for suffix, (*_, label) in KERNEL_VARIANTS.items():
             if f"{name}_{suffix}" in rates:
                 ratios[f"{name}_{label}"] = [a / b for a, b in zip(rates[name], rates[f"{name}_{suffix}"])]
+    if "in_process_trees" in rates:
+        trees = rates["in_process_trees"]
+        ratios["in_process_trees_over_in_process"] = [d / b for b, d in zip(local, trees)]
+        ratios["in_process_trees_over_target_only"] = [d / a for a, d in zip(base, trees)]
     if "services_not_ahead" in rates:
         ratios["services_ahead_over_not_ahead"] = [c / d for c, d in zip(split, rates["services_not_ahead"])]
     if "services_unprepared" in rates:
@@ -254,6 +258,12 @@ def summary(batch: int, prompts: list[str], result: dict) -> str:
         over_local = over.get("services_over_in_process", full[2] / full[1])
         line += (f"; while every slot was busy: target only {full[0]:.0f} tok/s, in-process {over_base:.2f}x "
                  f"({over_base / local['tau']:.2f} tau), services {over_local:.2f}x in-process")
+    if "in_process_trees_over_target_only" in result:
+        over = median.get("in_process_trees_over_target_only", result["in_process_trees_over_target_only"])
+        line += (f"; draft trees of {result['draft_tree_nodes']} nodes in-process {over:.2f}x target only (tau "
+                 f"{result['in_process_trees']['tau']:.2f}, {over / result['in_process_trees']['tau']:.2f} tau), "
+                 f"{median.get('in_process_trees_over_in_process', result['in_process_trees_over_in_process']):.2f}x "
+                 f"chains, {result['requests_differing_trees_vs_target_only']} requests differing")
     if "services_over_no_regroup" in result:
         line += f"; services {median.get('services_over_no_regroup', result['services_over_no_regroup']):.2f}x without regroup"
     return line
@@ -276,6 +286,8 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--also-step-by-step", action="store_true",
                     help="also run target-only and in-process with EngineConfig(decode_ahead=False), side by side")
+    ap.add_argument("--also-trees", type=int, default=0, metavar="N",
+                    help="an in-process engine verifying draft trees of N nodes (EngineConfig.draft_tree), in the rounds")
     ap.add_argument("--no-chain", action="store_true", help="every engine with EngineConfig(chain_steps=False)")
     ap.add_argument("--also-unchained", action="store_true",
                     help="also run in-process and through the services with EngineConfig(chain_steps=False), "
@@ -503,6 +515,21 @@ def main() -> None:
             engines = {"target_only": base_engine, "in_process": local_engine, "services": split_engine}
             rates = {name: [r["tokens_per_s"]] for name, r in (("target_only", base), ("in_process", local),
                                                               ("services", split))}
+            if args.also_trees:  # draft trees, in-process, against its chains and target only (in the rounds)
+                engine = engines["in_process_trees"] = Engine(model, local_drafter, replace(conf, draft_tree=args.also_trees))
+                run(engine, tokenizer, prompts, args.max_tokens, "warm")
+                tree_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "l")
+                rates["in_process_trees"] = [result["tokens_per_s"]]
+                plain.update({"in_process_trees": result, "draft_tree_nodes": args.also_trees,
+                              "in_process_trees_over_in_process": result["tokens_per_s"] / local["tokens_per_s"],
+                              "in_process_trees_over_target_only": result["tokens_per_s"] / base["tokens_per_s"],
+                              "requests_differing_trees_vs_target_only": sum(
+                                  a != b for a, b in zip(base_tokens, tree_tokens))})
+                print(f"batch {batch}: draft trees of {args.also_trees} nodes in-process {result['tokens_per_s']:.0f} "
+                      f"tok/s (tau {result['tau']:.2f}, {result['chained_steps']} chained, "
+                      f"{result['chained_steps_replayed_whole']} replayed whole), "
+                      f"{plain['in_process_trees_over_target_only']:.2f}x target only, "
+                      f"{plain['in_process_trees_over_in_process']:.2f}x chains (tau {local['tau']:.2f})", flush=True)
             for name, engine in kernel_engines.items():  # (their graphs were all captured above, each its way)
                 engines[name] = engine
                 rates[name] = [plain[name]["tokens_per_s"]]

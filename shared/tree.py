@@ -220,7 +220,8 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     device = parents.device
     up = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), parents + 1], 1)  # root's parent: itself
     eye = torch.eye(n + 1, dtype=torch.bool, device=device).expand(batch, -1, -1)
-    seen = eye | torch.nn.functional.one_hot(up, n + 1).bool()
+    # (a comparison, not one_hot: one_hot reads its input's range back to the host, which a capture refuses)
+    seen = eye | (up[:, :, None] == torch.arange(n + 1, device=device))
     hops = 1
     while hops < n + 1:
         seen = seen | torch.einsum("brc,bcd->brd", seen.float(), seen.float()).bool()  # two steps of reach

@@ -472,7 +472,32 @@ def test_the_engines_tree_steps_replay_a_tree_bucket_on_the_gpu(smollm2_dir, mon
         self.graphs.get(self.tree_bucket(len(step.seq_ids), max(map(len, step.tokens)))) is not None)
         or forward_tree(self, step))
     tokens, stats, engine = engine_run(model, make_drafter("dflash", model, setup), prompts, 64, max_batch=4,
-                                       draft_tree=15)
+                                       draft_tree=15, chain_steps=False)
     assert replayed and all(replayed)  # every tree step's verify replayed a captured tree bucket
     assert tokens == base
+    assert sum(s.steps for s in stats) < sum(s.steps for s in chained)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_chained_tree_steps_replay_whole_on_the_gpu(smollm2_dir, max_batch):
+    """On a GPU (float32) the engine's tree steps chain and are captured whole (candidates, trees, verify,
+    accept, k/v move and commit as one graph): every token the target-only engine's, fewer steps than the
+    chained chains', at one and four slots."""
+    from specsplit.local import LocalSetup, make_drafter
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+    model = load_target(smollm2_dir, dtype=torch.float32, device="cuda")
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)[:6]]
+    setup = LocalSetup(drafter="dflash", device="cuda", dtype="float32")
+    base, _, _ = engine_run(model, None, prompts, 64, max_batch=max_batch)
+    _, chained, _ = engine_run(model, make_drafter("dflash", model, setup), prompts, 64, max_batch=max_batch)
+    tokens, stats, engine = engine_run(model, make_drafter("dflash", model, setup), prompts, 64, max_batch=max_batch,
+                                       draft_tree=15)
+    assert tokens == base
+    trees = [p for key, p in engine._chain_programs.items() if key[2]]
+    assert trees and any(p.graph is not None for p in trees) and engine.counters.chain_replays > 10
     assert sum(s.steps for s in stats) < sum(s.steps for s in chained)

@@ -64,6 +64,8 @@
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
+#   bash tools/gpu_round.sh tree-chains   # (forty-third session) trees chained, captured whole: GPU tests, tau and speedup
+#   bash tools/gpu_round.sh tree-bench    # ... split_bench --also-trees 15 at one and eight streams, two rounds
 #   bash tools/gpu_round.sh trees         # issue 10: draft trees' walk by budget, static trees calibrated over 3,000
 #                                         # training-side prompts (paths saved), the engine's eager tree steps held out
 #   (next, after the forty-second session, which ran on an H100: `defaults` (second half passed), `train 48` (the
@@ -740,6 +742,19 @@ trees)
     2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
   timeout 280 python -m specsplit.cli eval-acceptance --device cuda --dtype float32 --draft-tree 15 --max-tokens 128 \
     2>&1 | grep -v INFO | tee "$OUT/eval_tree.txt" | grep -E "^tau|walk|mismatches|speedup" | log
+  ;;
+tree-chains)
+  # (forty-third session) draft trees chained and captured whole (Engine._chain_tree): the GPU tests of trees and
+  # chains, then the shipped drafter's tau by kind and the speedup in one run (bf16, all 80 held-out prompts)
+  timeout 260 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tree.py tests/test_chain.py \
+    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  timeout 300 python -m specsplit.cli eval-acceptance --device cuda --draft-tree 15 --max-tokens 128 \
+    2>&1 | grep -v INFO | tee "$OUT/eval_tree_chains.txt" | grep -E "^tau|walk|mismatches|speedup|engine" | log
+  ;;
+tree-bench)
+  # ... and tokens/s at one and eight streams: trees beside chains and target only, two rounds
+  timeout 560 python bench/split_bench.py --device cuda --batch 1 8 --max-tokens 128 --also-trees 15 --rounds 2 \
+    --json-out "$OUT/tree_bench.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
   ;;
 trees-walk)
   # (forty-third session) the second half of `trees`: the walk by budget, static trees calibrated at scale
