@@ -241,15 +241,20 @@ def tree_words(parents: torch.Tensor) -> torch.Tensor:
     return (seen.long() * bits).sum(-1)
 
 
-def accept_trees(trees: TreeBatch, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_trees(trees: TreeBatch, picks: torch.Tensor,
+                 words: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification of B trees at once: picks [B, N + 1] the target's argmax after the root, then after
     each node. Returns the accepted count [B] and the accepted nodes [B, N] by depth (-1 past the count); the
-    emitted tokens are theirs, then picks at the last of them (or at the root). No host reads."""
+    emitted tokens are theirs, then picks at the last of them (or at the root). No host reads. `words`, the
+    trees' `tree_words` where they are at hand, spare finding the ancestors again."""
     batch, n = trees.tokens.shape
     device = trees.tokens.device
     after_parent = picks.gather(1, trees.parents + 1)  # [B, N]
     match = trees.tokens == after_parent
-    seen = tree_ancestors(trees.parents)[:, 1:, 1:]  # node sees node
+    if words is None:
+        seen = tree_ancestors(trees.parents)[:, 1:, 1:]  # node sees node
+    else:
+        seen = (words[:, 1:, None] >> torch.arange(1, n + 1, device=device)) & 1 == 1
     ok = ~(seen & ~match[:, None, :]).any(-1)  # every node on its path matched
     depth = torch.where(ok, trees.depths, 0)
     count, last = depth.max(-1)  # the deepest accepted (siblings differ, so one path)

@@ -36,11 +36,12 @@ def accept_greedy(drafts: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
     return (drafts == picks[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def accept_tree_paths(trees: TreeBatch, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accept_tree_paths(trees: TreeBatch, picks: torch.Tensor,
+                      words: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft trees [B, N] against the verify's greedy picks [B, N + 1] (after the root, then after each node) →
     each sequence's accepted count [B], its accepted nodes [B, N] by depth (-1 past the count) and what it
     emits [B, N + 1]: the path's tokens, then the pick after its last node, then padding. No host reads."""
-    count, nodes = accept_trees(trees, picks)
+    count, nodes = accept_trees(trees, picks, words)
     last = nodes.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
     final = picks.gather(1, torch.where(count > 0, last + 1, 0)[:, None])  # [B, 1]: the bonus pick
     path = trees.tokens.gather(1, nodes.clamp(min=0))

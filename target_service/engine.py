@@ -25,7 +25,8 @@ from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
-from specsplit.shared.tree import MAX_TREE_NODES, DraftTree, best_first, grow_trees, tree_words
+from specsplit.kernels.tree_grow import grow_tree_words
+from specsplit.shared.tree import MAX_TREE_NODES, DraftTree, best_first
 from specsplit.shared.tree import accept_greedy as accept_tree
 from specsplit.shared.verify import device_longs, sample_accept, sample_tokens, verify_sampled
 from specsplit.target_service.chain import ChainBuffers, ChainedStep, ChainProgram, accept_greedy, accept_tree_paths
@@ -1162,7 +1163,7 @@ class Engine:
     def _chain_tree(self, call, program: ChainProgram, batch, fwd) -> bool:
         """A chained step of draft trees (`_tree_chains`), from `program.feed` to `program.outcome` and the next
         feed, all on the device: the drafter's candidates, each sequence's best-first tree of k nodes
-        (`grow_trees`), one verify of the roots and nodes in a tree bucket, the longest path of the target's
+        (`kernels.tree_grow`), one verify of the roots and nodes in a tree bucket, the longest path of the target's
         picks accepted (`accept_tree_paths`), its k/v moved to the positions its tokens take and its rows
         committed to the drafter in their place, as if it had been a chain drafted and accepted whole. The
         rows past it lie where the next verify and propose write first. False: the drafter failed."""
@@ -1172,13 +1173,13 @@ class Engine:
         if got is _FAILED:
             return False
         logp, ids = got
-        trees = grow_trees(logp, ids.clamp(0, self.model.config.vocab_size - 1), k)
+        trees, words = grow_tree_words(logp, ids.clamp(0, self.model.config.vocab_size - 1), k)  # (one launch)
         nodes = trees.tokens.shape[1]  # k (a drafter's k rows always hold k nodes)
         tokens = torch.cat([anchors[:, None], trees.tokens], dim=1)
         rotary = positions[:, None] + torch.cat([torch.zeros_like(trees.depths[:, :1]), trees.depths], dim=1)
-        out = self.graphs.chain_run(fwd, tokens, positions, (rotary, tree_words(trees.parents)))
+        out = self.graphs.chain_run(fwd, tokens, positions, (rotary, words))
         picks = out.bucket_argmax.view(fwd.batch, fwd.query_len)[:n, :nodes + 1]
-        accepted, path, emitted = accept_tree_paths(trees, picks)
+        accepted, path, emitted = accept_tree_paths(trees, picks, words)
         program.outcome.view(n, k + 2)[:, :nodes + 1].copy_(emitted)
         program.outcome.view(n, k + 2)[:, k + 1].copy_(accepted)
         depth = torch.arange(nodes, device=path.device)

@@ -13,7 +13,7 @@ from specsplit.drafter_service.checkpoint import random_drafter
 from specsplit.local import target_head, target_info
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.tree import (DraftTree, accept_greedy, accept_trees, best_first, from_paths, grow_trees, matched,
-                                   tree_ancestors)
+                                   tree_ancestors, tree_words)
 from specsplit.target_service.dense import dense_forward, generate, tree_forward
 from specsplit.target_service.model import CaptureSpec, ForwardBatch, load_target
 from specsplit.tree_eval import TreePolicy, chain_policy, decode, frequent_paths, true_ranks, walk
@@ -267,6 +267,8 @@ def test_trees_accepted_on_the_device_as_on_the_host(seed):
                     node = kids[trial % len(kids)]
                     picks[b, tree.parents[node] + 1] = tree.tokens[node]
         count, nodes = accept_trees(grown, picks)
+        by_words = accept_trees(grown, picks, tree_words(grown.parents))  # (the ancestors read from the words)
+        assert torch.equal(by_words[0], count) and torch.equal(by_words[1], nodes)
         for b in range(4):
             accepted, _ = accept_greedy(grown.tree(b), picks[b].tolist())
             assert count[b] == len(accepted) and nodes[b].tolist() == accepted + [-1] * (12 - len(accepted))

@@ -752,7 +752,10 @@ tree-chains)
     2>&1 | grep -v INFO | tee "$OUT/eval_tree_chains.txt" | grep -E "^tau|walk|mismatches|speedup|engine" | log
   ;;
 tree-bench)
-  # ... and tokens/s at one and eight streams: trees beside chains and target only, two rounds
+  # ... and tokens/s at one and eight streams: trees beside chains and target only, two rounds; first the GPU tests
+  # of the one-launch trees (kernels/tree_grow.py) and the chained tree steps that build theirs with it
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tree_grow.py tests/test_tree.py -k "grow or chained" \
+    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
   timeout 560 python bench/split_bench.py --device cuda --batch 1 8 --max-tokens 128 --also-trees 15 --rounds 2 \
     --json-out "$OUT/tree_bench.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
   ;;

@@ -1,0 +1,107 @@
+"""Best-first draft trees in one launch: a chained tree step's trees (`shared.tree`) built on the device.
+
+`shared.tree.grow_trees` builds B trees with torch ops level by level: some eight kernels a level, well over
+a hundred for a block of 15 rows. Captured in a chained step's graph, each is a few microseconds of a GPU
+doing almost nothing: on the H100 a tree step took 1.70 ms where a chain step took 1.07 (the forty-third
+session, `bench/split_bench.py --also-trees 15`, one stream). Here one program a tree runs
+`shared.tree.best_first` itself: N pops of the best path on a frontier held in registers (a popped path
+offers its next sibling and its first child), each node's visibility word (`tree_words`: its parent's, and
+its own row's bit) kept as it is made. Ties may pick other nodes of equal score than `best_first` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.tree import TreeBatch, grow_trees, tree_words
+
+from ._triton import HAVE_TRITON, tl, triton
+
+
+def grow_tree_words_reference(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> tuple[TreeBatch, torch.Tensor]:
+    """B trees of `budget` nodes from each block's candidates, logp and ids [B, R, K] (each row's best first),
+    and their rows' visibility words [B, budget + 1]: `grow_trees` and `tree_words`."""
+    trees = grow_trees(logp, ids, budget)
+    return trees, tree_words(trees.parents)
+
+
+def grow_tree_words(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> tuple[TreeBatch, torch.Tensor]:
+    """The Triton kernel on CUDA, the torch reference elsewhere."""
+    if HAVE_TRITON and logp.is_cuda:
+        return grow_tree_words_triton(logp, ids, budget)
+    return grow_tree_words_reference(logp, ids, budget)
+
+
+@triton.jit
+def _best_first_kernel(logp_ptr, ids_ptr, tokens_ptr, parents_ptr, depths_ptr, words_ptr, R, K,
+                       N: tl.constexpr, NP: tl.constexpr, F: tl.constexpr):
+    """Program b pops tree b's N best paths. The frontier's slot 0 starts with row 0's best; pop i puts the
+    popped path's sibling in its slot and its child in slot i + 1 (each while its row has one). A slot's score is its base (its parent's
+    score) plus its own log-probability: no subtraction, so -inf scores stay -inf."""
+    b = tl.program_id(0).to(tl.int64)
+    base_ptr = logp_ptr + b * R * K
+    slots = tl.arange(0, F)
+    first = tl.load(base_ptr)
+    score = tl.where(slots == 0, first, float("-inf"))
+    base = tl.zeros([F], dtype=tl.float32)
+    row = tl.zeros([F], dtype=tl.int32)
+    rank = tl.zeros([F], dtype=tl.int32)
+    parent = tl.full([F], -1, dtype=tl.int32)
+    nodes = tl.arange(0, NP)
+    depth_of = tl.zeros([NP], dtype=tl.int32)
+    word_of = tl.zeros([NP], dtype=tl.int64)
+    live = slots == 0  # slots holding a path not taken yet (a -inf path is one: best_first keeps it too)
+    for i in range(N):
+        top = tl.max(tl.where(live, score, float("-inf")), 0)
+        best = tl.min(tl.where(live & (score == top), slots, F), 0)  # the first live slot of the best score
+        pick = slots == best
+        s = tl.sum(tl.where(pick, score, 0.0), 0)
+        at_base = tl.sum(tl.where(pick, base, 0.0), 0)
+        r = tl.sum(tl.where(pick, row, 0), 0)
+        k = tl.sum(tl.where(pick, rank, 0), 0)
+        p = tl.sum(tl.where(pick, parent, 0), 0)
+        at_p = nodes == p  # (none for a child of the root)
+        depth = tl.sum(tl.where(at_p, depth_of, 0), 0) + 1
+        word = tl.sum(tl.where(at_p, word_of, 0), 0) | 1 | (tl.full([], 1, tl.int64) << (i + 1))
+        here = nodes == i
+        depth_of = tl.where(here, depth, depth_of)
+        word_of = tl.where(here, word, word_of)
+        out = b * N + i
+        tl.store(tokens_ptr + out, tl.load(ids_ptr + b * R * K + r * K + k).to(tl.int64))
+        tl.store(parents_ptr + out, p.to(tl.int64))
+        tl.store(depths_ptr + out, depth.to(tl.int64))
+        # the sibling into the popped slot: the same base, the next rank's log-probability
+        sibling = k + 1 < K
+        sib = at_base + tl.load(base_ptr + r * K + k + 1, mask=sibling, other=0.0)
+        score = tl.where(pick, sib, score)
+        live = tl.where(pick, sibling, live)
+        rank = tl.where(pick, k + 1, rank)
+        # the child into slot i + 1: this path's score, the next row's best
+        child = r + 1 < R
+        kid = s + tl.load(base_ptr + (r + 1) * K, mask=child, other=0.0)
+        put = slots == i + 1
+        score = tl.where(put, kid, score)
+        live = live | (put & child)
+        base = tl.where(put, s, base)
+        row = tl.where(put, r + 1, row)
+        rank = tl.where(put, 0, rank)
+        parent = tl.where(put, i, parent)
+    words = words_ptr + b * (N + 1)
+    tl.store(words, tl.full([], 1, tl.int64))  # the root sees itself
+    tl.store(words + 1 + nodes, word_of, mask=nodes < N)
+
+
+def grow_tree_words_triton(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> tuple[TreeBatch, torch.Tensor]:
+    """`grow_tree_words` in one launch: logp float32 [B, R, K], ids int [B, R, K] (contiguous), budget 1..63."""
+    if logp.dim() != 3 or logp.shape != ids.shape or not 1 <= budget < 64 or logp.shape[1] < 1:
+        raise InvalidRequest(f"trees of 1..63 nodes from [B, R, K] candidates, got {tuple(logp.shape)}, "
+                             f"{tuple(ids.shape)} and {budget}")
+    logp, ids = logp.float().contiguous(), ids.contiguous()
+    batch, rows, width = logp.shape
+    out = [torch.empty((batch, budget), dtype=torch.int64, device=logp.device) for _ in range(3)]
+    words = torch.empty((batch, budget + 1), dtype=torch.int64, device=logp.device)
+    _best_first_kernel[(batch,)](logp, ids, *out, words, rows, width, N=budget,
+                                 NP=triton.next_power_of_2(budget), F=triton.next_power_of_2(budget + 1),
+                                 num_warps=1)
+    return TreeBatch(*out), words

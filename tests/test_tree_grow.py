@@ -1,0 +1,88 @@
+"""The one-launch best-first trees (`kernels.tree_grow`) against `shared.tree.best_first` and the torch reference:
+under Triton's CPU interpreter here (a child process, see tests/kernel_checks.py), on CUDA and inside a CUDA graph
+in the gpu tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit.kernels.tree_grow import grow_tree_words, grow_tree_words_reference, grow_tree_words_triton
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.tree import best_first, tree_words
+from tests.kernel_checks import captured, run_interpreted
+
+SHAPES = ((3, 15, 8, 15), (2, 4, 3, 9), (1, 2, 1, 2), (2, 15, 8, 31), (4, 15, 8, 63))
+
+
+def candidates(batch: int, rows: int, width: int, seed: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Random log-probabilities, each row's best first (one -inf among them), and distinct tokens a row."""
+    gen = torch.Generator().manual_seed(seed)
+    logp = torch.log_softmax(torch.randn(batch, rows, width, generator=gen) * 3, -1).sort(-1, descending=True).values
+    logp[0, -1, -1] = float("-inf")
+    ids = torch.stack([torch.randperm(1000, generator=gen)[:rows * width].view(rows, width) for _ in range(batch)])
+    return logp.to(device), ids.to(device)
+
+
+def assert_best_first(grow, seed: int, device="cpu") -> None:
+    """`grow`'s trees hold `best_first`'s token paths, their depths and words agree with their parents."""
+    for batch, rows, width, budget in SHAPES:
+        logp, ids = candidates(batch, rows, width, seed, device)
+        trees, words = grow(logp, ids, budget)
+        assert torch.equal(words, tree_words(trees.parents)), (batch, rows, width, budget)
+        for b in range(batch):
+            got, want = trees.tree(b), best_first(logp[b].tolist(), ids[b].tolist(), budget)
+
+            def paths(tree):
+                return sorted(tuple(tree.tokens[n] for n in tree.path_to(i)) for i in range(len(tree)))
+
+            assert paths(got) == paths(want), (b, got, want)
+            assert trees.depths[b].tolist() == [len(got.path_to(i)) for i in range(len(got))]
+            assert all(p < i for i, p in enumerate(got.parents))  # parents before children
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_torch_reference_grows_best_first_trees(seed):
+    assert_best_first(grow_tree_words_reference, seed)
+    logp, ids = candidates(2, 15, 8, seed)
+    trees, _ = grow_tree_words(logp, ids, 15)  # (off CUDA: the reference)
+    assert torch.equal(trees.tokens, grow_tree_words_reference(logp, ids, 15)[0].tokens)
+
+
+def test_the_kernel_refuses_what_it_cannot_hold():
+    logp, ids = candidates(1, 4, 3, 0)
+    for budget in (0, 64):
+        with pytest.raises(InvalidRequest):
+            grow_tree_words_triton(logp, ids, budget)
+    with pytest.raises(InvalidRequest):
+        grow_tree_words_triton(logp, ids[:, :2], 3)
+
+
+def check_triton_interpreted() -> None:
+    """Run with TRITON_INTERPRET=1 set before triton is imported (test_triton_interpreted does)."""
+    for seed in range(2):
+        assert_best_first(grow_tree_words_triton, seed)
+    print("interpreted tree grow ok")
+
+
+def test_triton_interpreted():
+    run_interpreted(__file__, "tree grow ok")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_grows_best_first_trees_on_cuda_and_in_a_graph():
+    for seed in range(3):
+        assert_best_first(grow_tree_words_triton, seed, "cuda")
+    logp, ids = candidates(8, 15, 8, 5, "cuda")
+    graph, (trees, words) = captured(lambda: grow_tree_words_triton(logp, ids, 15))
+    want, want_words = grow_tree_words_triton(logp, ids, 15)
+    logp.copy_(candidates(8, 15, 8, 6, "cuda")[0])
+    graph.replay()
+    again, again_words = grow_tree_words_triton(logp, ids, 15)
+    assert torch.equal(trees.tokens, again.tokens) and torch.equal(words, again_words)
+    assert not torch.equal(want.tokens, again.tokens)
+
+
+if __name__ == "__main__":
+    check_triton_interpreted()
