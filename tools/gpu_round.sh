@@ -759,6 +759,11 @@ tree-bench)
   timeout 560 python bench/split_bench.py --device cuda --batch 1 8 --max-tokens 128 --also-trees 15 --rounds 2 \
     --json-out "$OUT/tree_bench.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
   ;;
+tree-waves)
+  # ... eight streams kept full (32 requests through 8 slots): batch 8's steady state, its shapes captured early
+  timeout 560 python bench/split_bench.py --device cuda --batch 8 --waves 4 --max-tokens 128 --also-trees 15 \
+    --rounds 2 --json-out "$OUT/tree_waves.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
+  ;;
 trees-walk)
   # (forty-third session) the second half of `trees`: the walk by budget, static trees calibrated at scale
   timeout 400 python bench/tree_tau.py --device cuda --gen-batch 128 --budgets 15 23 31 63 --calibrate 3000 \
