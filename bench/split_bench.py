@@ -287,7 +287,8 @@ def main() -> None:
     ap.add_argument("--also-step-by-step", action="store_true",
                     help="also run target-only and in-process with EngineConfig(decode_ahead=False), side by side")
     ap.add_argument("--also-trees", type=int, default=0, metavar="N",
-                    help="an in-process engine verifying draft trees of N nodes (EngineConfig.draft_tree), in the rounds")
+                    help="an in-process engine verifying draft trees of N nodes (EngineConfig.draft_tree), "
+                         "in the rounds")
     ap.add_argument("--no-chain", action="store_true", help="every engine with EngineConfig(chain_steps=False)")
     ap.add_argument("--also-unchained", action="store_true",
                     help="also run in-process and through the services with EngineConfig(chain_steps=False), "
@@ -516,7 +517,8 @@ def main() -> None:
             rates = {name: [r["tokens_per_s"]] for name, r in (("target_only", base), ("in_process", local),
                                                               ("services", split))}
             if args.also_trees:  # draft trees, in-process, against its chains and target only (in the rounds)
-                engine = engines["in_process_trees"] = Engine(model, local_drafter, replace(conf, draft_tree=args.also_trees))
+                engine = engines["in_process_trees"] = Engine(model, local_drafter,
+                                                              replace(conf, draft_tree=args.also_trees))
                 run(engine, tokenizer, prompts, args.max_tokens, "warm")
                 tree_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "l")
                 rates["in_process_trees"] = [result["tokens_per_s"]]

@@ -37,8 +37,8 @@ def grow_tree_words(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> tuple
 def _best_first_kernel(logp_ptr, ids_ptr, tokens_ptr, parents_ptr, depths_ptr, words_ptr, R, K,
                        N: tl.constexpr, NP: tl.constexpr, F: tl.constexpr):
     """Program b pops tree b's N best paths. The frontier's slot 0 starts with row 0's best; pop i puts the
-    popped path's sibling in its slot and its child in slot i + 1 (each while its row has one). A slot's score is its base (its parent's
-    score) plus its own log-probability: no subtraction, so -inf scores stay -inf."""
+    popped path's sibling in its slot and its child in slot i + 1 (each while its row has one). A slot's score
+    is its base (its parent's score) plus its own log-probability: no subtraction, so -inf scores stay -inf."""
     b = tl.program_id(0).to(tl.int64)
     base_ptr = logp_ptr + b * R * K
     slots = tl.arange(0, F)

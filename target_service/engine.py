@@ -219,7 +219,8 @@ class Engine:
         # the last one was read (a chained step's time is the time between two reads)
         self._chain: ChainedStep | None = None
         self._chain_buffers: ChainBuffers | None = None
-        self._chain_programs: dict[tuple[int, int, bool], ChainProgram] = {}  # (n, k, tree) → program, least recently used first
+        # (n, k, tree) → program, least recently used first
+        self._chain_programs: dict[tuple[int, int, bool], ChainProgram] = {}
         # The sequences and k of the chained propose a drafter service was sent as the last step launched
         # (see _chain_send_ahead), for the next launch only
         self._sent_ahead: tuple[tuple[int, ...], int] | None = None

@@ -462,7 +462,8 @@ class StepGraphs:
         outputs; the bucket's graph keeps its own. A tree bucket's step takes `tree`: its rows' rotary
         positions and visibility words [B, n] (`StaticForward.load_fed_tree`)."""
         if fwd.tree != (tree is not None):
-            raise InvalidRequest("a tree bucket's fed verify takes its rows' rotary positions and words, a chain's none")
+            raise InvalidRequest("a tree bucket's fed verify takes its rows' rotary positions and words, "
+                                 "a chain's none")
         fwd.load_fed_device(tokens, starts)
         if tree is not None:
             fwd.load_fed_tree(*tree)

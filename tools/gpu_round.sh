@@ -64,7 +64,7 @@
 #   bash tools/gpu_round.sh fold-check    # (next) the GPU tests changed after the device time, tokens/s over 3 rounds
 #   bash tools/gpu_round.sh eval      # issue 10: the shipped drafter's tau and speedup in one run, by kind
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
-#   bash tools/gpu_round.sh tree-chains   # (forty-third session) trees chained, captured whole: GPU tests, tau and speedup
+#   bash tools/gpu_round.sh tree-chains   # (forty-third session) trees chained, captured whole: GPU tests, tau, speedup
 #   bash tools/gpu_round.sh tree-bench    # ... split_bench --also-trees 15 at one and eight streams, two rounds
 #   bash tools/gpu_round.sh trees         # issue 10: draft trees' walk by budget, static trees calibrated over 3,000
 #                                         # training-side prompts (paths saved), the engine's eager tree steps held out
@@ -754,7 +754,8 @@ tree-chains)
 tree-bench)
   # ... and tokens/s at one and eight streams: trees beside chains and target only, two rounds; first the GPU tests
   # of the one-launch trees (kernels/tree_grow.py) and the chained tree steps that build theirs with it
-  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tree_grow.py tests/test_tree.py -k "grow or chained" \
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tree_grow.py tests/test_tree.py \
+    -k "grow or chained" \
     2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
   timeout 560 python bench/split_bench.py --device cuda --batch 1 8 --max-tokens 128 --also-trees 15 --rounds 2 \
     --json-out "$OUT/tree_bench.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
