@@ -16,7 +16,7 @@ import torch
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.tree import TreeBatch, grow_trees, tree_words
 
-from ._triton import HAVE_TRITON, tl, triton
+from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
 
 def grow_tree_words_reference(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> tuple[TreeBatch, torch.Tensor]:
@@ -35,10 +35,11 @@ def grow_tree_words(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> tuple
 
 @triton.jit
 def _best_first_kernel(logp_ptr, ids_ptr, tokens_ptr, parents_ptr, depths_ptr, words_ptr, R, K,
-                       N: tl.constexpr, NP: tl.constexpr, F: tl.constexpr):
+                       N: tl.constexpr, NP: tl.constexpr, F: tl.constexpr, USE_GDC: tl.constexpr):
     """Program b pops tree b's N best paths. The frontier's slot 0 starts with row 0's best; pop i puts the
     popped path's sibling in its slot and its child in slot i + 1 (each while its row has one). A slot's score
     is its base (its parent's score) plus its own log-probability: no subtraction, so -inf scores stay -inf."""
+    gdc_enter(USE_GDC)
     b = tl.program_id(0).to(tl.int64)
     base_ptr = logp_ptr + b * R * K
     slots = tl.arange(0, F)
@@ -103,5 +104,5 @@ def grow_tree_words_triton(logp: torch.Tensor, ids: torch.Tensor, budget: int) -
     words = torch.empty((batch, budget + 1), dtype=torch.int64, device=logp.device)
     _best_first_kernel[(batch,)](logp, ids, *out, words, rows, width, N=budget,
                                  NP=triton.next_power_of_2(budget), F=triton.next_power_of_2(budget + 1),
-                                 num_warps=1)
+                                 num_warps=1, **dependent_launch(logp.device, "tree_grow"))
     return TreeBatch(*out), words

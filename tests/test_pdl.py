@@ -96,6 +96,9 @@ KERNELS = {
     "row_max._row_max_kernel": ({"SPLITS": 12, "SPLITS_POW2": 16, "BLOCK": 4096},
                                 {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "arrivals_ptr": "*i32",
                                  "val_ptr": "*fp32", "idx_ptr": "*i64"}),
+    "tree_grow._best_first_kernel": ({"N": 15, "NP": 16, "F": 16},
+                                     {"logp_ptr": "*fp32", "ids_ptr": "*i64", "tokens_ptr": "*i64",
+                                      "parents_ptr": "*i64", "depths_ptr": "*i64", "words_ptr": "*i64"}),
     "skinny_linear._skinny_linear_kernel": (
         {"HAS_BIAS": False, "SWIGLU": True, "ADD": False, "NORM_OUT": False, "NORM_IN": True, "SQUARES_BLOCK": 64,
          "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256}, {"squares_ptr": "*fp32"}),
