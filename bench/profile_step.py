@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--num-drafts", type=int, default=None, metavar="K",
                     help="drafts per step (default: the drafter's most)")
+    ap.add_argument("--draft-tree", type=int, default=0, metavar="N",
+                    help="verify draft trees of N nodes (EngineConfig.draft_tree; chained in-process)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--stacks", action="store_true",
                     help="also list host->device and device->host copies and syncs by the Python line that made them")
@@ -46,7 +48,8 @@ def main() -> None:
     model = load_target(folder, dtype=torch.bfloat16, device="cuda")
     tokenizer = Tokenizer.from_dir(folder)
     drafter = None if args.drafter == "none" else make_drafter(args.drafter, model, setup)
-    engine = Engine(model, drafter, EngineConfig(max_batch=args.batch, num_drafts=args.num_drafts))
+    engine = Engine(model, drafter, EngineConfig(max_batch=args.batch, num_drafts=args.num_drafts,
+                                                 draft_tree=args.draft_tree))
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     params = SamplingParams(max_tokens=48 * args.steps + 64, ignore_eos=True)  # three stretches of steps
     for i in range(args.batch):
@@ -67,7 +70,8 @@ def main() -> None:
         wall = (time.perf_counter() - start) / args.steps
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / args.steps  # ms
-    k = "" if args.num_drafts is None else f", k = {args.num_drafts}"
+    k = ("" if args.num_drafts is None else f", k = {args.num_drafts}") \
+        + (f", trees of {args.draft_tree} nodes" if args.draft_tree else "")
     lines = [f"drafter {args.drafter}, batch {args.batch}{k}: wall {unprofiled * 1e3:.3f} ms/step unprofiled, "
              f"{wall * 1e3:.3f} profiled, GPU busy {busy:.3f} ms/step, "
              f"{len(kernels) / args.steps:.0f} kernels/step",
@@ -79,7 +83,8 @@ def main() -> None:
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        suffix = "" if args.num_drafts is None else f"-k{args.num_drafts}"
+        suffix = ("" if args.num_drafts is None else f"-k{args.num_drafts}") \
+            + (f"-tree{args.draft_tree}" if args.draft_tree else "")
         with open(os.path.join(args.out, f"profile-{args.drafter}-b{args.batch}{suffix}.txt"), "w") as f:
             f.write(text)
 

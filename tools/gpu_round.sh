@@ -765,6 +765,16 @@ tree-waves)
   timeout 560 python bench/split_bench.py --device cuda --batch 8 --waves 4 --max-tokens 128 --also-trees 15 \
     --rounds 2 --json-out "$OUT/tree_waves.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
   ;;
+tree-profile)
+  # (forty-third session) where a chained tree step's time goes beside a chain step's: a 16-sequence tree step took
+  # 4.4 ms in eval-acceptance; kernels by GPU time at one and sixteen streams
+  for batch in 1 16; do
+    for tree in 0 15; do
+      timeout 120 python bench/profile_step.py --drafter dflash --batch $batch --steps 30 --draft-tree $tree \
+        --out "$OUT" 2>&1 | grep -v INFO | head -22 | log
+    done
+  done
+  ;;
 trees-walk)
   # (forty-third session) the second half of `trees`: the walk by budget, static trees calibrated at scale
   timeout 400 python bench/tree_tau.py --device cuda --gen-batch 128 --budgets 15 23 31 63 --calibrate 3000 \
