@@ -32,6 +32,8 @@ from specsplit.kernels.norm import rms_norm
 from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels import rope
 from specsplit.kernels.rope import rope_and_cache_write
+from specsplit.kernels.top_k import top_k_logp
+from specsplit.kernels.workspace import arrival_counters
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.errors import CheckpointError, InvalidRequest
 from specsplit.shared.fused import FusedWeights, fuse_projections, run_fused_layers
@@ -483,6 +485,8 @@ class DFlashDrafter(Drafter):
         self.propose_graphs: ProposeGraphs | None = None
         self._chain: ChainBatch | None = None  # the last chained step's sequences (see chain_batch)
         self._chain_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per batch size: tables, periods
+        # Arrival counters of the chained tree candidates' one-launch top-k (kernels.workspace): a row each
+        self._top_k_workspace = arrival_counters(max_batch * cfg.block_size, self.device)
         self.refine = refine
         if cuda_graphs and self.device.type == "cuda" and refine is None:
             self.use_static_forwards(use_graphs=True)
@@ -696,9 +700,9 @@ class DFlashDrafter(Drafter):
                              f"{tuple(anchors.shape)}, {tuple(positions.shape)} and {keep!r}")
         bases = (positions - self.spec.window).clamp(min=0) // batch.periods * batch.periods
         drafted = self.propose_graphs.fed_drafts(self.head, torch.stack([anchors, positions, bases]), batch.tables)
-        logp = torch.log_softmax(drafted.logits.float(), -1)
-        top, index = logp.topk(min(keep, logp.shape[-1]), -1)
-        return top, self.vocab.to_target(index)
+        logits = drafted.logits
+        top, index = top_k_logp(logits.flatten(0, 1), min(keep, logits.shape[-1]), self._top_k_workspace)
+        return top.view(*logits.shape[:2], -1), self.vocab.to_target(index.view(*logits.shape[:2], -1))
 
     def chain_commit(self, batch: "ChainBatch", rows: torch.Tensor, positions: torch.Tensor, count: int) -> None:
         """Context K/V of every verified row, rows [B * count, feature_dim] (sequence i's rows i*count ..,

@@ -775,6 +775,16 @@ tree-profile)
     done
   done
   ;;
+tree-topk)
+  # (forty-third session) the candidates' top-k in one launch (kernels/top_k.py): its GPU tests and the chained trees',
+  # then a tree step's profile at one and sixteen streams (were 1.258 and 2.191 ms with log_softmax + topk)
+  timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_top_k.py tests/test_tree.py -k "top_k or chained" \
+    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  for batch in 1 16; do
+    timeout 100 python bench/profile_step.py --drafter dflash --batch $batch --steps 30 --draft-tree 15 \
+      --out "$OUT" 2>&1 | grep -v INFO | head -1 | log
+  done
+  ;;
 trees-walk)
   # (forty-third session) the second half of `trees`: the walk by budget, static trees calibrated at scale
   timeout 400 python bench/tree_tau.py --device cuda --gen-batch 128 --budgets 15 23 31 63 --calibrate 3000 \

@@ -1,0 +1,93 @@
+"""Each row's K largest values as log-probabilities, and their columns: a draft tree's candidates (`shared.tree`).
+
+The drafter's rows are logits over the vocabulary; a tree wants each row's K best tokens and their
+log-probabilities. `torch.log_softmax` then `torch.topk` is a softmax pass and a radix select of several kernels:
+at sixteen streams (240 rows of 49,152) about 0.3 ms of a chained tree step of 2.2 (the forty-third session,
+`bench/profile_step.py --batch 16 --draft-tree 15`, H100). Here one launch: programs of BLOCK columns each keep
+their block's K best and its (max, sum of exp) partials; the last of a row's programs to finish
+(`kernels.workspace`) merges them, the logsumexp and the K best of all, best first (the first column among equal
+values). Rows must hold at least K columns, all finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
+
+BLOCK = 2048  # columns a program reads
+
+
+def top_k_logp_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities float32 [R, k], columns int64 [R, k]) of each row's k largest, x [R, V]."""
+    return torch.log_softmax(x.float(), dim=-1).topk(k, dim=-1)
+
+
+def top_k_logp(x: torch.Tensor, k: int, workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel for a CUDA x with a workspace (at least R counters), the torch reference otherwise."""
+    if HAVE_TRITON and x.is_cuda and workspace is not None and k <= min(x.shape[-1], 64):
+        return top_k_logp_triton(x, k, workspace)
+    return top_k_logp_reference(x, k)
+
+
+@triton.jit
+def _top_k_kernel(x_ptr, stride_x, vocab, part_val_ptr, part_idx_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
+                  val_ptr, idx_ptr, K: tl.constexpr, KP: tl.constexpr, SPLITS: tl.constexpr,
+                  SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    """Program (row, split) keeps columns split*BLOCK..'s K best and their (max, sum exp) partials; the row's last
+    arrival merges."""
+    gdc_enter(USE_GDC)
+    row, split = tl.program_id(0), tl.program_id(1)
+    cols = split * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    top = tl.max(x, axis=0)
+    tl.store(part_max_ptr + row * SPLITS + split, top)
+    tl.store(part_sum_ptr + row * SPLITS + split, tl.sum(tl.exp(x - top), axis=0))
+    at_part = (row * SPLITS + split) * KP
+    for j in tl.static_range(K):
+        best = tl.max(x, axis=0)
+        at = tl.min(tl.where((x == best) & (cols < vocab), cols, vocab), axis=0)  # (vocab: none left)
+        tl.store(part_val_ptr + at_part + j, best)
+        tl.store(part_idx_ptr + at_part + j, at)
+        x = tl.where(cols == at, float("-inf"), x)
+    tl.debug_barrier()
+    counter = arrivals_ptr + row
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+        tl.debug_barrier()
+        splits = tl.arange(0, SPLITS_POW2)
+        real = splits < SPLITS
+        maxes = tl.load(part_max_ptr + row * SPLITS + splits, mask=real, other=float("-inf"), cache_modifier=".cg")
+        sums = tl.load(part_sum_ptr + row * SPLITS + splits, mask=real, other=0.0, cache_modifier=".cg")
+        peak = tl.max(maxes, axis=0)
+        lse = peak + tl.log(tl.sum(sums * tl.exp(maxes - peak), axis=0))
+        cand = tl.arange(0, SPLITS_POW2 * KP)
+        kept = (cand // KP < SPLITS) & (cand % KP < K)
+        idxs = tl.load(part_idx_ptr + row * SPLITS * KP + cand, mask=kept, other=vocab, cache_modifier=".cg")
+        vals = tl.load(part_val_ptr + row * SPLITS * KP + cand, mask=kept, other=float("-inf"), cache_modifier=".cg")
+        vals = tl.where(idxs < vocab, vals, float("-inf"))
+        for j in tl.static_range(K):
+            best = tl.max(vals, axis=0)
+            at = tl.min(tl.where((vals == best) & (idxs < vocab), idxs, vocab), axis=0)
+            tl.store(val_ptr + row * K + j, best - lse)
+            tl.store(idx_ptr + row * K + j, at.to(tl.int64))
+            vals = tl.where(idxs == at, float("-inf"), vals)
+        tl.atomic_xchg(counter, 0)
+
+
+def top_k_logp_triton(x: torch.Tensor, k: int, workspace: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_k_logp` in one launch: x [R, V] (float32/bfloat16/float16, rows contiguous), 1 <= k <= min(V, 64)."""
+    assert x.dim() == 2 and x.stride(1) == 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    rows, vocab = x.shape
+    assert rows >= 1 and 1 <= k <= min(vocab, 64) and vocab < 2 ** 31
+    assert workspace.dtype == torch.int32 and workspace.numel() >= rows and workspace.device == x.device
+    splits, kp = triton.cdiv(vocab, BLOCK), triton.next_power_of_2(k)
+    part_val = torch.empty(rows, splits, kp, dtype=torch.float32, device=x.device)
+    part_idx = torch.empty(rows, splits, kp, dtype=torch.int32, device=x.device)
+    part_max = torch.empty(rows, splits, dtype=torch.float32, device=x.device)
+    part_sum = torch.empty(rows, splits, dtype=torch.float32, device=x.device)
+    values = torch.empty(rows, k, dtype=torch.float32, device=x.device)
+    indices = torch.empty(rows, k, dtype=torch.int64, device=x.device)
+    _top_k_kernel[(rows, splits)](x, x.stride(0), vocab, part_val, part_idx, part_max, part_sum, workspace, values,
+                                  indices, K=k, KP=kp, SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits),
+                                  BLOCK=BLOCK, num_warps=4, **dependent_launch(x.device, "top_k"))
+    return values, indices
