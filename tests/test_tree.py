@@ -311,6 +311,7 @@ def test_the_engines_tree_steps_equal_target_only_and_take_fewer_steps(smollm2, 
     assert engine.cache.num_free_blocks == engine.config.kv_blocks  # every block back, the trees' rows included
 
 
+@pytest.mark.slow  # (~45 s on two cores: three engines of the shipped model; CI runs it with the slow ones)
 def test_chained_tree_steps_equal_target_only_and_accept_as_the_eager_tree_steps(smollm2, smollm2_tokenizer):
     """Chained steps of draft trees (`Engine._chain_tree`: candidates, trees, verify, accept, k/v moved and the
     drafter's rows committed, all on the device; the static forwards uncaptured on the CPU), with a request
