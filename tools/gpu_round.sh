@@ -753,7 +753,10 @@ tree-chains)
   ;;
 tree-bench)
   # ... and tokens/s at one and eight streams: trees beside chains and target only, two rounds; first the GPU tests
-  # of the one-launch trees (kernels/tree_grow.py) and the chained tree steps that build theirs with it
+  # of the one-launch trees (kernels/tree_grow.py) and the chained tree steps that build theirs with it. (Next
+  # session: first issue 10's figure at one stream, tau by kind and the speedup in one run)
+  timeout 200 python -m specsplit.cli eval-acceptance --device cuda --draft-tree 15 --max-tokens 128 --batch 1 \
+    2>&1 | grep -v INFO | tee "$OUT/eval_tree_b1.txt" | grep -E "^tau|walk|mismatches|speedup|engine" | log
   timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tree_grow.py tests/test_tree.py \
     -k "grow or chained" \
     2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
