@@ -176,6 +176,62 @@ def test_the_accepted_path_moved_into_place_is_what_a_plain_run_cached(tiny_llam
             cache.move(0, src, dst)
 
 
+def test_slots_moved_on_the_device_are_the_checked_move(tiny_llama_dir):
+    """`PagedKVCache.move_slots` (a chained tree step's: slots on the device, every layer, unchecked) leaves the
+    pool as `move` of the same positions does; a pair meant for nothing goes scratch to scratch."""
+    model = load_target(tiny_llama_dir)
+    caches = [model.new_cache(num_blocks=8, block_size=4) for _ in range(2)]
+    for cache in caches:
+        cache.allocate(0)
+        model(paged_batch([(0, 0, list(range(5, 19)))]), cache)
+    src, dst = [9, 11, 12], [7, 8, 9]
+    caches[0].move(0, src, dst)
+    scratch = caches[1].num_blocks - 1  # a block the sequence does not hold
+    slots = lambda p: caches[1].slots(0, torch.tensor(p))  # noqa: E731
+    caches[1].move_slots(torch.cat([slots(src), torch.tensor([scratch * 4])]),
+                         torch.cat([slots(dst), torch.tensor([scratch * 4])]))
+    for layer in range(model.config.num_hidden_layers):
+        for a, b in zip(caches[0].gather(layer, 0, 14), caches[1].gather(layer, 0, 14)):
+            assert torch.equal(a, b)
+
+
+def test_fed_tree_verifies_refuse_what_they_cannot_hold(tiny_llama_dir):
+    """A chain bucket's fed verify takes no tree, a tree bucket's needs one of its own width; words hold 64 rows;
+    chained candidates want one anchor and position a sequence and keep >= 1."""
+    from specsplit.target_service.graphs import StepGraphs
+
+    model = load_target(tiny_llama_dir)
+    cache = model.new_cache(num_blocks=16, block_size=4)
+    graphs = StepGraphs(model, cache, CaptureSpec(), max_batch=2, query_lens=(1, 5), max_len=32, use_graphs=False,
+                        tree_lens=(5,))
+    cache.allocate(0)
+    model(paged_batch([(0, 0, [1, 2, 3])]), cache)
+    tokens, starts = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([3])
+    chain = graphs.chain_tables([0], 5, [3], [8])
+    tree = graphs.chain_tables([0], 5, [3], [8], tree=True)
+    words = tree_words(torch.tensor([[-1, 0, 0, 2]]))
+    with pytest.raises(InvalidRequest):
+        graphs.chain_run(chain, tokens, starts, (starts[:, None] + torch.arange(5), words))
+    with pytest.raises(InvalidRequest):
+        graphs.chain_run(tree, tokens, starts)
+    with pytest.raises(InvalidRequest):
+        graphs.chain_run(tree, tokens, starts, (starts[:, None] + torch.arange(4), words[:, :4]))
+    with pytest.raises(InvalidRequest):
+        tree_words(torch.full((1, 64), -1))
+    drafter = random_drafter("dflash", target_info(model), target_head(model), seed=0, dtype=torch.float32,
+                             block_size=8, max_drafts=7, num_layers=1, window=40)
+    drafter.use_static_forwards(use_graphs=False)
+    drafter.alloc(3, 64)
+    drafter.prefill(3, [5, 6, 7], torch.randn(3, drafter.spec.feature_dim), 0)
+    batch = drafter.chain_batch([3], [0])
+    anchor, position = torch.tensor([9]), torch.tensor([3])
+    logp, ids = drafter.chain_candidates(batch, anchor, position, 4)
+    assert logp.shape == ids.shape == (1, 7, 4) and bool((logp[..., :-1] >= logp[..., 1:]).all())
+    for keep, anchors in ((0, anchor), (True, anchor), ("4", anchor), (4, torch.tensor([9, 9]))):
+        with pytest.raises(ValueError):
+            drafter.chain_candidates(batch, anchors, position, keep)
+
+
 def test_tree_decoding_equals_the_targets_greedy_output_and_its_teacher_forced_walk(tiny_llama_dir):
     """With a random drafter few drafts land, so the policy that accepts most here is a wide tree; either way
     every token is the target's, and decoding takes the steps the teacher-forced walk counts."""
