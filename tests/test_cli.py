@@ -116,13 +116,33 @@ def test_a_command_without_its_subcommand_prints_its_help(argv, usage, capsys):
 
 
 @pytest.mark.parametrize("flag, value", [("--target", "default"), ("--drafter", "dflash"), ("--device", "cpu"),
-                                         ("--dtype", "float32"), ("--dev", "cuda")])
+                                         ("--dtype", "float32"), ("--dev", "cuda"), ("--draft-tree", "15")])
 def test_generate_server_refuses_what_the_server_chose(flag, value, capsys):
     argv = ["generate", "--server", "unix:/nonexistent/target.sock", "--prompt", "Hi", flag, value]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "cannot be used with --server" in err and "the target service chose" in err
     assert (flag if flag != "--dev" else "--device") in err
+
+
+@pytest.mark.parametrize("extra", [["--drafter", "mtp"], ["--drafter", "none"],
+                                   ["--drafter", "dflash", "--no-speculation"],
+                                   ["--drafter", "dflash", "--temperature", "0.7"],
+                                   ["--drafter", "dflash", "--draft-tree", "64"]])
+def test_generate_local_refuses_draft_trees_it_cannot_verify(extra, capsys):
+    assert main(["generate", "--local", "--prompt", "Hi", "--draft-tree", "15", *extra]) == 2
+    err = capsys.readouterr().err
+    assert "--draft-tree verifies" in err or "draft_tree" in err
+
+
+@pytest.mark.slow
+def test_generate_local_with_draft_trees_is_the_targets_output_in_fewer_steps(capsys):
+    argv = ["--local", "--drafter", "dflash", "--max-tokens", "24", "--ignore-eos"]
+    chains = generate_json(argv, capsys)
+    trees = generate_json([*argv, "--draft-tree", "15"], capsys)
+    alone = generate_json(["--local", "--max-tokens", "24", "--ignore-eos"], capsys)
+    assert trees["token_ids"] == chains["token_ids"] == alone["token_ids"]
+    assert trees["stats"]["steps"] < chains["stats"]["steps"]
 
 
 def test_draft_lengths_are_parsed_and_bad_values_are_refused(capsys):
@@ -170,7 +190,7 @@ def test_output_stream_leaves_special_tokens_out_of_the_text(smollm2_dir, native
 
 
 def generate_json(argv: list[str], capsys) -> dict:
-    assert main(["generate", *argv, "--chat", "--prompt", "Say hello.", "--max-tokens", "48", "--json"]) == 0
+    assert main(["generate", "--chat", "--prompt", "Say hello.", "--max-tokens", "48", *argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
