@@ -781,7 +781,8 @@ tree-profile)
 tree-topk)
   # (forty-third session) the candidates' top-k in one launch (kernels/top_k.py): its GPU tests and the chained trees',
   # then a tree step's profile at one and sixteen streams (were 1.258 and 2.191 ms with log_softmax + topk)
-  timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_top_k.py tests/test_tree.py -k "top_k or chained" \
+  timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_top_k.py tests/test_tree.py \
+    -k "top_k or chained" \
     2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
   for batch in 1 16; do
     timeout 100 python bench/profile_step.py --drafter dflash --batch $batch --steps 30 --draft-tree 15 \
