@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from specsplit.shared.errors import InvalidRequest
-from specsplit.shared.tree import TreeBatch, grow_trees, tree_words
+from specsplit.shared.tree import TreeBatch, grow_trees, holds_nodes, tree_words
 
 from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
@@ -27,10 +27,24 @@ def grow_tree_words_reference(logp: torch.Tensor, ids: torch.Tensor, budget: int
 
 
 def grow_tree_words(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> tuple[TreeBatch, torch.Tensor]:
-    """The Triton kernel on CUDA, the torch reference elsewhere."""
+    """The Triton kernel on CUDA, the torch reference elsewhere. A NaN score (a drafter's non-finite logits)
+    ranks last, as -inf does: whatever the scores, the trees are well formed (their acceptance is the target's)."""
+    check_tree_shape(logp, ids, budget)
+    logp = torch.nan_to_num(logp.float(), nan=float("-inf"))
     if HAVE_TRITON and logp.is_cuda:
         return grow_tree_words_triton(logp, ids, budget)
     return grow_tree_words_reference(logp, ids, budget)
+
+
+def check_tree_shape(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> None:
+    """Candidates [B, R, K] alike, and a budget of 1..63 nodes that R rows of K candidates have as many rank
+    paths for (else a tree would run out of nodes to take)."""
+    if logp.dim() != 3 or logp.shape != ids.shape or min(logp.shape) < 1 or not 1 <= budget < 64:
+        raise InvalidRequest(f"trees of 1..63 nodes from [B, R, K] candidates, got {tuple(logp.shape)}, "
+                             f"{tuple(ids.shape)} and {budget}")
+    _, rows, width = logp.shape
+    if not holds_nodes(rows, width, budget):
+        raise InvalidRequest(f"{rows} rows of {width} candidates hold fewer rank paths than {budget} nodes")
 
 
 @triton.jit
@@ -94,10 +108,8 @@ def _best_first_kernel(logp_ptr, ids_ptr, tokens_ptr, parents_ptr, depths_ptr, w
 
 
 def grow_tree_words_triton(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> tuple[TreeBatch, torch.Tensor]:
-    """`grow_tree_words` in one launch: logp float32 [B, R, K], ids int [B, R, K] (contiguous), budget 1..63."""
-    if logp.dim() != 3 or logp.shape != ids.shape or not 1 <= budget < 64 or logp.shape[1] < 1:
-        raise InvalidRequest(f"trees of 1..63 nodes from [B, R, K] candidates, got {tuple(logp.shape)}, "
-                             f"{tuple(ids.shape)} and {budget}")
+    """`grow_tree_words` in one launch: logp float32 [B, R, K] (no NaN), ids int [B, R, K], budget 1..63."""
+    check_tree_shape(logp, ids, budget)
     logp, ids = logp.float().contiguous(), ids.contiguous()
     batch, rows, width = logp.shape
     out = [torch.empty((batch, budget), dtype=torch.int64, device=logp.device) for _ in range(3)]

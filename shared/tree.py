@@ -229,6 +229,18 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     return seen
 
 
+def holds_nodes(rows: int, width: int, budget: int) -> bool:
+    """Whether `rows` rows of `width` candidates hold at least `budget` rank paths (width + width² + ... ): a
+    tree of that many nodes can be grown from them."""
+    paths, level = 0, 1
+    for _ in range(rows):
+        level *= width
+        paths += level
+        if paths >= budget:
+            return True
+    return False
+
+
 def tree_words(parents: torch.Tensor) -> torch.Tensor:
     """The block rows each row of B trees' verifies sees, [B, N + 1] int64 from parents [B, N] (N < 64): bit c
     of row r set iff r sees row c (row 0 the root), as `block_rows` gives them one tree at a time and the

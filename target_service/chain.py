@@ -121,10 +121,11 @@ class ChainProgram:
     reservations, the block tables into the verify's and the drafter's buffers, the feed when the batch
     changed, the copy of `outcome` to the host."""
 
-    def __init__(self, n: int, k: int, device: torch.device, tree: bool = False) -> None:
+    def __init__(self, n: int, k: int, device: torch.device, tree: int = 0) -> None:
         self.n, self.k = n, k
-        # A draft tree's step (`EngineConfig.draft_tree`): k nodes a sequence where a chain has k drafts, the
-        # same verify width, the same outcome (its accepted path read as drafts accepted)
+        # A draft tree's step (`EngineConfig.draft_tree`): k nodes a sequence where a chain has k drafts, grown from
+        # the drafter's first `tree` rows (0: a chain step); the same verify width, the same outcome (its accepted
+        # path read as drafts accepted)
         self.tree = tree
         self.feed = torch.zeros((2, n), dtype=torch.int64, device=device)
         self.outcome = torch.zeros(n * (k + 2), dtype=torch.int64, device=device)

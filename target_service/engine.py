@@ -26,7 +26,7 @@ from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
 from specsplit.kernels.tree_grow import grow_tree_words
-from specsplit.shared.tree import MAX_TREE_NODES, DraftTree, best_first
+from specsplit.shared.tree import MAX_TREE_NODES, DraftTree, best_first, holds_nodes
 from specsplit.shared.tree import accept_greedy as accept_tree
 from specsplit.shared.verify import device_longs, sample_accept, sample_tokens, verify_sampled
 from specsplit.target_service.chain import ChainBuffers, ChainedStep, ChainProgram, accept_greedy, accept_tree_paths
@@ -219,8 +219,8 @@ class Engine:
         # the last one was read (a chained step's time is the time between two reads)
         self._chain: ChainedStep | None = None
         self._chain_buffers: ChainBuffers | None = None
-        # (n, k, tree) → program, least recently used first
-        self._chain_programs: dict[tuple[int, int, bool], ChainProgram] = {}
+        # (n, k, tree rows or 0) → program, least recently used first
+        self._chain_programs: dict[tuple[int, int, int], ChainProgram] = {}
         # The sequences and k of the chained propose a drafter service was sent as the last step launched
         # (see _chain_send_ahead), for the next launch only
         self._sent_ahead: tuple[tuple[int, ...], int] | None = None
@@ -844,7 +844,7 @@ class Engine:
             return 0, []
         if not any(s.drafter_attached for s in seqs):
             return 0, []  # (plain decoding goes ahead its own way)
-        tree = self._tree_chains(seqs)
+        tree = self._tree_depth(seqs) > 0
         k = self.config.draft_tree if tree else self._max_drafts(len(seqs))
         if k < 1 or (self.graphs.tree_bucket if tree else self.graphs.bucket)(len(seqs), k + 1) is None:
             return 0, []
@@ -855,16 +855,22 @@ class Engine:
         chained = [s for s in seqs if self._chain_room(s, ahead.get(s.seq_id, 0), k)]
         return (k, chained) if any(s.drafter_attached for s in chained) else (0, [])
 
-    def _tree_chains(self, seqs: list[Sequence]) -> bool:
-        """Whether chained steps of `seqs` verify draft trees (EngineConfig.draft_tree): every sequence greedy and
-        drafting, an in-process drafter whose chained proposes offer candidates (`chain_candidates`), a tree
-        of at most as many nodes as the drafter's rows (its commit takes as many), and a tree bucket for them.
-        A tree step of N nodes is a chained step of k = N: the same verify width, reservations and outcome."""
-        n = self.config.draft_tree
-        return 0 < n <= self._spec.max_drafts and _capability(self.proposer, "chain_candidates") is not None \
-            and getattr(self.proposer, "chain_captured_whole", True) \
-            and all(s.request.params.greedy and s.drafter_attached for s in seqs) \
-            and self.graphs.tree_bucket(len(seqs), n + 1) is not None
+    def _tree_depth(self, seqs: list[Sequence]) -> int:
+        """How many block rows the trees of a chained step of `seqs` grow from (EngineConfig.draft_tree): the
+        drafts the step would offer as a chain (`_max_drafts`: the draft length, its schedule by batch, the
+        tuner's choice). 0 when its steps do not verify trees: a sequence sampled or not drafting, a drafter
+        that is not in-process or offers no candidates (`chain_candidates`), no tree bucket, a tree of more
+        nodes than the drafter's rows (its commit takes as many), no drafts (speculation off at this batch
+        size), or fewer rank paths in those rows than the tree's nodes. A tree step of N nodes is a chained
+        step of k = N: the same verify width, reservations and outcome."""
+        n, keep = self.config.draft_tree, self.config.draft_tree_keep
+        if not (0 < n <= self._spec.max_drafts and _capability(self.proposer, "chain_candidates") is not None
+                and getattr(self.proposer, "chain_captured_whole", True)
+                and all(s.request.params.greedy and s.drafter_attached for s in seqs)
+                and self.graphs.tree_bucket(len(seqs), n + 1) is not None):
+            return 0
+        depth = min(self._max_drafts(len(seqs)), self._spec.max_drafts)
+        return depth if depth >= 1 and holds_nodes(depth, keep, n) else 0
 
     def _chain_room(self, seq: Sequence, rows: int, k: int, offers_k: bool = True) -> bool:
         """Whether a chained step of k drafts has room for `seq` when the steps launched and not read yet may
@@ -913,7 +919,7 @@ class Engine:
         before the verify (it is detached; the sequences' host records are as they were) or the cache
         lacks the blocks. sent: the sequences and k of the propose sent ahead as `pending` launched."""
         ids = [s.seq_id for s in seqs]
-        tree = self.config.draft_tree == k and self._tree_chains(seqs)
+        tree = self._tree_depth(seqs) if self.config.draft_tree == k else 0  # (its rows; 0: a chain step)
         if self.config.draft_tree == k and not tree and self.graphs.bucket(len(seqs), k + 1) is None:
             return None  # planned as trees, and some of these sequences cannot take one: a step as usual
         before = pending.program if pending is not None else None
@@ -942,7 +948,7 @@ class Engine:
             return None
         # The host's side: tables, the drafter's tables, and the feed unless the step not read yet was
         # this program's with these sequences (its replay left their next anchors in the feed)
-        fwd = self.graphs.chain_tables(ids, k + 1, firsts, ends, tree=tree)
+        fwd = self.graphs.chain_tables(ids, k + 1, firsts, ends, tree=tree > 0)
         bind = getattr(self.proposer, "chain_bind", None)  # (a drafter whose proposes take no host tables: none)
         if bind is not None and self._drafter_call(bind, batch) is _FAILED:
             return None
@@ -1098,9 +1104,9 @@ class Engine:
                 if s.seq_id not in held and s.seq_id not in unread and s.drafter_attached and self._is_running(s)
                 and s.seq_id not in self._prefilling and self._chain_room(s, 0, k)]
 
-    def _chain_program(self, n: int, k: int, tree: bool = False) -> ChainProgram:
-        """The program of chained steps of n sequences and k drafts, or trees of k nodes (made on first use; the
-        least recently used past `_CHAIN_PROGRAMS` are dropped, with their graphs)."""
+    def _chain_program(self, n: int, k: int, tree: int = 0) -> ChainProgram:
+        """The program of chained steps of n sequences and k drafts, or trees of k nodes grown from `tree` rows
+        (made on first use; the least recently used past `_CHAIN_PROGRAMS` are dropped, with their graphs)."""
         program = self._chain_programs.pop((n, k, tree), None)
         if program is None:
             program = ChainProgram(n, k, self._device, tree)
@@ -1162,7 +1168,7 @@ class Engine:
         return True
 
     def _chain_tree(self, call, program: ChainProgram, batch, fwd) -> bool:
-        """A chained step of draft trees (`_tree_chains`), from `program.feed` to `program.outcome` and the next
+        """A chained step of draft trees (`_tree_depth`), from `program.feed` to `program.outcome` and the next
         feed, all on the device: the drafter's candidates, each sequence's best-first tree of k nodes
         (`kernels.tree_grow`), one verify of the roots and nodes in a tree bucket, the longest path of the target's
         picks accepted (`accept_tree_paths`), its k/v moved to the positions its tokens take and its rows
@@ -1173,7 +1179,7 @@ class Engine:
         got = call(self.proposer.chain_candidates, batch, anchors, positions, self.config.draft_tree_keep)
         if got is _FAILED:
             return False
-        logp, ids = got
+        logp, ids = (t[:, :program.tree] for t in got)  # the rows this step's drafts may reach
         trees, words = grow_tree_words(logp, ids.clamp(0, self.model.config.vocab_size - 1), k)  # (one launch)
         nodes = trees.tokens.shape[1]  # k (a drafter's k rows always hold k nodes)
         tokens = torch.cat([anchors[:, None], trees.tokens], dim=1)

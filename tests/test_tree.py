@@ -419,6 +419,37 @@ def test_chained_tree_steps_equal_target_only_and_accept_as_the_eager_tree_steps
     assert sum(s.steps for s in stats) < sum(s.steps for s in chain_stats)
 
 
+def test_chained_trees_keep_the_draft_length_limits(tiny_llama_dir):
+    """Chained trees grow only from the rows a chain step would draft (`_tree_depth`: the draft length, its
+    schedule by batch), none where speculation is off; their outputs stay the target's."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.graphs import StepGraphs
+    from specsplit.target_service.sequence import Request
+
+    model = load_target(tiny_llama_dir)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+
+    def run(**config):
+        drafter = random_drafter("dflash", target_info(model), target_head(model), seed=0, dtype=torch.float32,
+                                 block_size=8, max_drafts=7, num_layers=1, window=64)
+        drafter.use_static_forwards(use_graphs=False)
+        engine = Engine(model, drafter, EngineConfig(max_batch=2, draft_tree=7, draft_tree_keep=4, **config))
+        engine.graphs = StepGraphs(model, engine.cache, engine.capture, max_batch=2, query_lens=(1, 4, 8),
+                                   max_len=256, use_graphs=False, tree_lens=(8,))
+        requests = [Request(f"r{i}", p, SamplingParams(max_tokens=14)) for i, p in enumerate(prompts)]
+        events = engine.generate(requests)
+        return [[t for e in events[r.request_id] for t in e.token_ids] for r in requests], set(engine._chain_programs)
+
+    base, _, _ = engine_run(model, None, prompts, 14)
+    tokens, keys = run()
+    assert tokens == base and {key[2] for key in keys} == {7}  # trees of 7 nodes from all 7 rows
+    tokens, keys = run(num_drafts=3)
+    assert tokens == base and {key[2] for key in keys if key[1] == 7} == {3}  # ... from the 3 a chain would draft
+    tokens, keys = run(drafts_by_batch=((1, 0),))
+    assert tokens == base and not any(key[2] for key in keys)  # no drafts at any batch size: no trees either
+
+
 class BadCandidates:
     """A pass-through drafter whose tree candidates break the contract in one way."""
 

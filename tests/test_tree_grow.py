@@ -51,17 +51,38 @@ def test_the_torch_reference_grows_best_first_trees(seed):
 
 def test_the_kernel_refuses_what_it_cannot_hold():
     logp, ids = candidates(1, 4, 3, 0)
-    for budget in (0, 64):
+    for budget in (0, 64, 40):  # (4 rows of 3 candidates: 3 + 9 + 27 + 81 paths; 2 rows of 1: 2)
         with pytest.raises(InvalidRequest):
-            grow_tree_words_triton(logp, ids, budget)
+            grow_tree_words_triton(logp, ids, budget if budget != 40 else 121)
+    with pytest.raises(InvalidRequest):
+        grow_tree_words(logp[:, :2, :1], ids[:, :2, :1], 3)
     with pytest.raises(InvalidRequest):
         grow_tree_words_triton(logp, ids[:, :2], 3)
+
+
+def assert_well_formed_with_nan(grow) -> None:
+    """A NaN score (a drafter's non-finite logits) ranks last: the trees stay well formed, NaN row 0 included."""
+    logp, ids = candidates(2, 6, 3, 9)
+    logp[0, 0, 0], logp[1, 2] = float("nan"), float("nan")
+    trees, words = grow(logp, ids, 9)
+    assert torch.equal(words, tree_words(trees.parents))
+    for b in range(2):
+        tree = trees.tree(b)
+        assert all(p < i for i, p in enumerate(tree.parents))
+        assert trees.depths[b].tolist() == [len(tree.path_to(i)) for i in range(len(tree))]
+        assert len(set(tree.parents)) > 1 or len(tree) == 1  # (not every node hung from one parent)
+
+
+def test_nan_scores_make_well_formed_trees():
+    assert_well_formed_with_nan(grow_tree_words)
 
 
 def check_triton_interpreted() -> None:
     """Run with TRITON_INTERPRET=1 set before triton is imported (test_triton_interpreted does)."""
     for seed in range(2):
         assert_best_first(grow_tree_words_triton, seed)
+    assert_well_formed_with_nan(lambda logp, ids, budget: grow_tree_words_triton(
+        torch.nan_to_num(logp, nan=float("-inf")), ids, budget))
     print("interpreted tree grow ok")
 
 
