@@ -1181,7 +1181,7 @@ class Engine:
             return False
         logp, ids = (t[:, :program.tree] for t in got)  # the rows this step's drafts may reach
         trees, words = grow_tree_words(logp, ids.clamp(0, self.model.config.vocab_size - 1), k)  # (one launch)
-        nodes = trees.tokens.shape[1]  # k (a drafter's k rows always hold k nodes)
+        nodes = trees.tokens.shape[1]  # k (the rows hold at least k rank paths: _tree_depth)
         tokens = torch.cat([anchors[:, None], trees.tokens], dim=1)
         rotary = positions[:, None] + torch.cat([torch.zeros_like(trees.depths[:, :1]), trees.depths], dim=1)
         out = self.graphs.chain_run(fwd, tokens, positions, (rotary, words))
