@@ -763,9 +763,9 @@ class DFlashDrafter(Drafter):
     def propose_candidates(self, requests: Sequence[ProposeRequest], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's block rows as a draft tree's candidates (`shared.tree`): the `keep` best
         log-probabilities of each of its first num_drafts rows and their target ids, [len(requests), R, keep]
-        each (R the widest num_drafts; a shorter request's rows past its own are not its). Eager: the static
-        forwards draft chains only. Checks and errors are `propose`'s; no grammar masks (a tree's runners-up
-        would need each its own)."""
+        each (R the widest num_drafts; a shorter request's rows past its own are not its). From the static block
+        forward where it serves the batch (`_graph_draft`), eager otherwise. Checks and errors are `propose`'s;
+        no grammar masks (a tree's runners-up would need each its own)."""
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise InvalidRequest(f"keep is a number of candidates >= 1, got {keep!r}")
         batch = self._check_requests(requests)
@@ -774,6 +774,12 @@ class DFlashDrafter(Drafter):
         if any(d.allowed is not None for d in batch):
             raise InvalidRequest("draft trees take no grammar bitmask")
         most = max(d.request.num_drafts for d in batch)
+        drafted = self._graph_draft(batch) if len(batch) <= self.spec.max_batch else None
+        if drafted is not None:  # (read at once: the graph's outputs are valid until its next replay)
+            logits = drafted.logits[:, :most]
+            top, index = top_k_logp(logits.reshape(-1, logits.shape[-1]), min(keep, logits.shape[-1]),
+                                    self._top_k_workspace)
+            return top.view(len(batch), most, -1), self.vocab.to_target(index.view(len(batch), most, -1))
         logps, ids = [], []
         for i in range(0, len(batch), self.spec.max_batch):
             chunk = batch[i:i + self.spec.max_batch]

@@ -659,6 +659,15 @@ def test_tree_candidates_rank_each_rows_tokens_as_the_drafts_do():
     assert (logp[:, :, :-1] >= logp[:, :, 1:]).all() and (logp <= 0).all()
     drafts = drafter.propose(requests)
     assert ids[0, :, 0].tolist() == drafts[0].tokens and ids[1, :2, 0].tolist() == drafts[1].tokens
+    static = make()  # the same drafter on its static block forward (uncaptured here): the same candidates
+    static.use_static_forwards(use_graphs=False)
+    again = History(static, 4)
+    for seq in (0, 1):
+        static.alloc(seq, 50)
+        static.prefill(seq, [1] * 5, again.fresh(5))
+    got = static.propose_candidates(requests, 3)
+    assert static.propose_graphs is not None and torch.equal(got[1], ids)
+    torch.testing.assert_close(got[0], logp, atol=1e-5, rtol=1e-5)
     mask = bool_to_bitmask(torch.ones(INFO.vocab_size, dtype=torch.bool))
     for bad, keep, error in (([ProposeRequest(0, 8, 5, 2)], 0, InvalidRequest),  # no candidates a row
                              ([ProposeRequest(0, 8, 5, 0)], 3, InvalidRequest),  # no rows
