@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
+from .workspace import arrived_last
 
 BLOCK = 2048  # columns a program reads
 
@@ -44,10 +45,8 @@ def _row_max_kernel(x_ptr, stride_x, vocab, part_val_ptr, part_idx_ptr, arrivals
     at = tl.where(first_nan < vocab, first_nan, at)
     tl.store(part_val_ptr + row * SPLITS + split, best)
     tl.store(part_idx_ptr + row * SPLITS + split, at)
-    tl.debug_barrier()
     counter = arrivals_ptr + row
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-        tl.debug_barrier()
+    if arrived_last(counter, SPLITS):
         splits = tl.arange(0, SPLITS_POW2)
         real = splits < SPLITS
         vals = tl.load(part_val_ptr + row * SPLITS + splits, mask=real, other=float("-inf"), cache_modifier=".cg")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
+from .workspace import arrived_last
 
 BLOCK = 2048  # columns a program reads
 
@@ -50,10 +51,8 @@ def _top_k_kernel(x_ptr, stride_x, vocab, part_val_ptr, part_idx_ptr, part_max_p
         tl.store(part_val_ptr + at_part + j, best)
         tl.store(part_idx_ptr + at_part + j, at)
         x = tl.where(cols == at, float("-inf"), x)
-    tl.debug_barrier()
     counter = arrivals_ptr + row
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-        tl.debug_barrier()
+    if arrived_last(counter, SPLITS):
         splits = tl.arange(0, SPLITS_POW2)
         real = splits < SPLITS
         maxes = tl.load(part_max_ptr + row * SPLITS + splits, mask=real, other=float("-inf"), cache_modifier=".cg")
