@@ -758,7 +758,7 @@ tree-bench)
   timeout 200 python -m specsplit.cli eval-acceptance --device cuda --draft-tree 15 --max-tokens 128 --batch 1 \
     2>&1 | grep -v INFO | tee "$OUT/eval_tree_b1.txt" | grep -E "^tau|walk|mismatches|speedup|engine" | log
   timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tree_grow.py tests/test_tree.py \
-    -k "grow or chained" \
+    tests/test_row_max.py tests/test_top_k.py -k "grow or chained or triton or top_k" \
     2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
   timeout 560 python bench/split_bench.py --device cuda --batch 1 8 --max-tokens 128 --also-trees 15 --rounds 2 \
     --json-out "$OUT/tree_bench.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
