@@ -123,11 +123,15 @@ class EngineConfig:
     # Greedy steps of an in-process DFlash drafter verify a draft tree of this many nodes a sequence instead of
     # one chain (`shared.tree`): the best rank paths of the block's rows by summed log-probability, each row
     # offering its `draft_tree_keep` best tokens. On the shipped drafter's held-out walk a tree of 15 nodes, the
-    # chain's verify width, took tau 3.67 -> 4.28 (chat 3.20 -> 3.77; bench/tree_tau.py). Not chained, not ahead,
-    # not through a drafter service yet; on a GPU the verify replays a captured tree bucket and the drafter's
-    # candidates are eager: measurement only. 0: chains.
+    # chain's verify width, took tau 3.67 -> 4.28 (chat 3.20 -> 3.77; bench/tree_tau.py). On a GPU tree steps
+    # chain and replay as one graph as chain steps do (`_chain_tree`); not through a drafter service yet.
+    # 0: chains.
     draft_tree: int = 0
     draft_tree_keep: int = 8
+    # Trees only in steps of at most this many sequences (None: any); larger steps verify chains. A wider batch
+    # makes the verify's extra rows cost more and gains the same tau: at eight streams trees did not beat chains
+    # (H100, forty-third and forty-fourth sessions). Tree buckets are captured only up to this batch.
+    draft_tree_batch: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
@@ -141,8 +145,11 @@ class EngineConfig:
             raise InvalidRequest(f"chain_capture is a number of sequences >= 0, got {self.chain_capture!r}")
         if not isinstance(self.chain_capture_remote, bool):
             raise InvalidRequest(f"chain_capture_remote is true or false, got {self.chain_capture_remote!r}")
-        for name, least, most in (("draft_tree", 0, MAX_TREE_NODES), ("draft_tree_keep", 1, 1024)):
+        for name, least, most in (("draft_tree", 0, MAX_TREE_NODES), ("draft_tree_keep", 1, 1024),
+                                  ("draft_tree_batch", 1, self.max_batch)):
             value = getattr(self, name)
+            if name == "draft_tree_batch" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
                 raise InvalidRequest(f"{name} is a number in {least}..{most}, got {value!r}")
         for pair in self.drafts_by_batch:
@@ -247,7 +254,7 @@ class Engine:
         windowed = any(cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers))
         trees = (self.config.draft_tree + 1,) if self.config.draft_tree and not windowed else ()
         return StepGraphs(self.model, self.cache, self.capture, max_batch=self.config.max_batch,
-                          query_lens=(1, drafts + 1, *shorter), tree_lens=trees,
+                          query_lens=(1, drafts + 1, *shorter), tree_lens=trees, tree_batch=self.config.draft_tree_batch,
                           max_len=min(longest + self.config.draft_tree,
                                       self.config.kv_blocks * self.config.kv_block_size))
 
@@ -632,9 +639,13 @@ class Engine:
     def _tree_steps(self, seqs: list[Sequence]) -> bool:
         """Whether this step verifies draft trees (EngineConfig.draft_tree): every sequence greedy, an
         in-process drafter that offers candidates, nothing chained or launched ahead pending."""
-        return self.config.draft_tree > 0 and self.drafter_ok and self._chain is None \
+        return self.config.draft_tree > 0 and self.drafter_ok and self._chain is None and self._trees_fit(seqs) \
             and _capability(self.proposer, "propose_candidates") is not None \
             and all(s.request.params.greedy for s in seqs)
+
+    def _trees_fit(self, seqs: list[Sequence]) -> bool:
+        """Whether a step of `seqs` is small enough for trees (EngineConfig.draft_tree_batch)."""
+        return self.config.draft_tree_batch is None or len(seqs) <= self.config.draft_tree_batch
 
     def _tree_step(self, seqs: list[Sequence]) -> list[StepEvent]:
         """One greedy step verifying a draft tree a sequence, step by step (a captured tree bucket's verify on
@@ -859,12 +870,14 @@ class Engine:
         """How many block rows the trees of a chained step of `seqs` grow from (EngineConfig.draft_tree): the
         drafts the step would offer as a chain (`_max_drafts`: the draft length, its schedule by batch, the
         tuner's choice). 0 when its steps do not verify trees: a sequence sampled or not drafting, a drafter
-        that is not in-process or offers no candidates (`chain_candidates`), no tree bucket, a tree of more
+        that is not in-process or offers no candidates (`chain_candidates`), more sequences than
+        `draft_tree_batch`, no tree bucket, a tree of more
         nodes than the drafter's rows (its commit takes as many), no drafts (speculation off at this batch
         size), or fewer rank paths in those rows than the tree's nodes. A tree step of N nodes is a chained
         step of k = N: the same verify width, reservations and outcome."""
         n, keep = self.config.draft_tree, self.config.draft_tree_keep
-        if not (0 < n <= self._spec.max_drafts and _capability(self.proposer, "chain_candidates") is not None
+        if not (0 < n <= self._spec.max_drafts and self._trees_fit(seqs)
+                and _capability(self.proposer, "chain_candidates") is not None
                 and getattr(self.proposer, "chain_captured_whole", True)
                 and all(s.request.params.greedy and s.drafter_attached for s in seqs)
                 and self.graphs.tree_bucket(len(seqs), n + 1) is not None):

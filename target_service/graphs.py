@@ -339,7 +339,7 @@ class StepGraphs:
 
     def __init__(self, model: TargetModel, cache: PagedKVCache, capture: CaptureSpec, *, max_batch: int,
                  query_lens: tuple[int, ...], max_len: int, use_graphs: bool = True, fused: bool = True,
-                 tree_lens: tuple[int, ...] = ()) -> None:
+                 tree_lens: tuple[int, ...] = (), tree_batch: int | None = None) -> None:
         capture.validate(model.config.num_hidden_layers)
         if _SCRATCH not in cache:  # several StepGraphs over one cache share it
             cache.allocate(_SCRATCH)
@@ -358,7 +358,10 @@ class StepGraphs:
         if any(not 1 <= q <= MAX_TREE_QUERIES for q in tree_lens):
             raise InvalidRequest(f"a tree verify holds 1..{MAX_TREE_QUERIES} rows, got {tree_lens}")
         self.tree_lens = tuple(sorted(set(tree_lens)))
-        for b, q in itertools.product(self.batches, self.tree_lens):
+        # (up to the bucket of `tree_batch` sequences: larger steps verify chains)
+        most = self.batches[-1] if tree_batch is None else bucket_for(min(tree_batch, self.batches[-1]), self.batches)
+        self.tree_batches = tuple(b for b in self.batches if b <= most)
+        for b, q in itertools.product(self.tree_batches, self.tree_lens):
             self.forwards[(b, -q)] = StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block, weights,
                                                    tree=True)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -389,7 +392,7 @@ class StepGraphs:
                              bucket_argmax=out.bucket_argmax, bucket_rows=fwd.host_rows)
 
     def tree_bucket(self, num_seqs: int, rows: int) -> tuple[int, int] | None:
-        b, q = bucket_for(num_seqs, self.batches), bucket_for(rows, list(self.tree_lens))
+        b, q = bucket_for(num_seqs, list(self.tree_batches)), bucket_for(rows, list(self.tree_lens))
         return None if b is None or q is None else (b, -q)
 
     def forward_tree(self, step: StepBatch) -> ForwardOutput:

@@ -135,6 +135,35 @@ def test_generate_local_refuses_draft_trees_it_cannot_verify(extra, capsys):
     assert "--draft-tree verifies" in err or "draft_tree" in err
 
 
+@pytest.mark.parametrize("extra, nodes", [(["--drafter", "dflash", "--device", "cuda"], 15),
+                                          (["--drafter", "dflash", "--device", "cuda:1", "--draft-tree", "7"], 7),
+                                          (["--drafter", "dflash"], 0),
+                                          (["--drafter", "mtp", "--device", "cuda"], 0),
+                                          (["--drafter", "dflash", "--device", "cuda", "--no-speculation"], 0),
+                                          (["--drafter", "dflash", "--device", "cuda", "--temperature", "0.5"], 0),
+                                          (["--drafter", "dflash", "--device", "cuda", "--draft-tree", "0"], 0)])
+def test_generate_local_draft_trees_by_default_where_they_pay(extra, nodes, monkeypatch):
+    """`--draft-tree auto` (the default): trees of 15 nodes for greedy DFlash decoding on a GPU, chains elsewhere."""
+    import specsplit.local
+
+    seen = []
+
+    def load_local(setup, config):
+        seen.append(config.draft_tree)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(specsplit.local, "load_local", load_local)
+    with pytest.raises(SystemExit):
+        main(["generate", "--local", "--prompt", "Hi", *extra])
+    assert seen == [nodes]
+
+
+def test_draft_tree_takes_a_number_or_auto(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--local", "--prompt", "Hi", "--draft-tree", "many"])
+    assert "is not a number of nodes or auto" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_generate_local_with_draft_trees_is_the_targets_output_in_fewer_steps(capsys):
     argv = ["--local", "--drafter", "dflash", "--max-tokens", "24", "--ignore-eos"]

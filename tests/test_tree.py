@@ -430,14 +430,14 @@ def test_chained_trees_keep_the_draft_length_limits(tiny_llama_dir):
     model = load_target(tiny_llama_dir)
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
 
-    def run(**config):
+    def run(lengths=(14, 14), **config):
         drafter = random_drafter("dflash", target_info(model), target_head(model), seed=0, dtype=torch.float32,
                                  block_size=8, max_drafts=7, num_layers=1, window=64)
         drafter.use_static_forwards(use_graphs=False)
         engine = Engine(model, drafter, EngineConfig(max_batch=2, draft_tree=7, draft_tree_keep=4, **config))
         engine.graphs = StepGraphs(model, engine.cache, engine.capture, max_batch=2, query_lens=(1, 4, 8),
                                    max_len=256, use_graphs=False, tree_lens=(8,))
-        requests = [Request(f"r{i}", p, SamplingParams(max_tokens=14)) for i, p in enumerate(prompts)]
+        requests = [Request(f"r{i}", p, SamplingParams(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
         events = engine.generate(requests)
         return [[t for e in events[r.request_id] for t in e.token_ids] for r in requests], set(engine._chain_programs)
 
@@ -448,6 +448,28 @@ def test_chained_trees_keep_the_draft_length_limits(tiny_llama_dir):
     assert tokens == base and {key[2] for key in keys if key[1] == 7} == {3}  # ... from the 3 a chain would draft
     tokens, keys = run(drafts_by_batch=((1, 0),))
     assert tokens == base and not any(key[2] for key in keys)  # no drafts at any batch size: no trees either
+    base = [engine_run(model, None, [p], n)[0][0] for p, n in zip(prompts, (14, 40))]
+    tokens, keys = run((14, 40), draft_tree_batch=1)  # trees only where one sequence is left
+    assert tokens == base and {key[2] for key in keys if key[0] == 2} == {0} \
+        and {key[2] for key in keys if key[0] == 1} == {7}
+
+
+def test_tree_buckets_stop_at_the_tree_batch(tiny_llama_dir):
+    """`draft_tree_batch` bounds the batch buckets a tree verify is captured for (and refuses what it cannot be)."""
+    from specsplit.target_service.engine import EngineConfig
+    from specsplit.target_service.graphs import StepGraphs
+
+    model = load_target(tiny_llama_dir)
+    cache = model.new_cache(num_blocks=64, block_size=16)
+    for tree_batch, buckets in ((None, (1, 2, 4, 8)), (3, (1, 2, 4)), (1, (1,)), (100, (1, 2, 4, 8))):
+        graphs = StepGraphs(model, cache, CaptureSpec(), max_batch=8, query_lens=(1, 8), max_len=256,
+                            use_graphs=False, tree_lens=(8,), tree_batch=tree_batch)
+        assert graphs.tree_batches == buckets and graphs.bucket(8, 8) == (8, 8)
+        assert graphs.tree_bucket(buckets[-1], 8) == (buckets[-1], -8)
+        assert graphs.tree_bucket(buckets[-1] + 1, 8) is None
+    for bad in (0, -1, 3, True, 1.5):
+        with pytest.raises(InvalidRequest, match="draft_tree_batch"):
+            EngineConfig(max_batch=2, draft_tree=7, draft_tree_batch=bad)
 
 
 class BadCandidates:
