@@ -21,10 +21,19 @@ slim)
   fi
   grep -qxF "$line" "$exclude" 2>/dev/null || echo "$line" >> "$exclude"
   git rm -r --cached -q "$dir"
+  # a commit now would delete the checkpoints from main (two sessions did): refuse commits until restore
+  hook=.git/hooks/pre-commit
+  if [ ! -e "$hook" ]; then
+    printf '#!/bin/sh\n[ ! -e .git/device-tree-slim ] || { echo "device_tree: slim (checkpoints untracked);' > "$hook"
+    printf ' run bash tools/device_tree.sh restore first" >&2; exit 1; }\n' >> "$hook"
+    chmod +x "$hook"
+  fi
+  touch .git/device-tree-slim
   echo "untracked $dir (still on disk, ignored); tracked files now $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) bytes"
   ;;
 restore)
   git reset -q -- "$dir"
+  rm -f .git/device-tree-slim
   if [ -f "$exclude" ]; then
     grep -vxF "$line" "$exclude" > "$exclude.tmp" || true
     mv "$exclude.tmp" "$exclude"
