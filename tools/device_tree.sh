@@ -20,20 +20,26 @@ slim)
     exit 1
   fi
   grep -qxF "$line" "$exclude" 2>/dev/null || echo "$line" >> "$exclude"
-  git rm -r --cached -q "$dir"
-  # a commit now would delete the checkpoints from main (two sessions did): refuse commits until restore
-  hook=.git/hooks/pre-commit
-  if [ ! -e "$hook" ]; then
-    printf '#!/bin/sh\n[ ! -e .git/device-tree-slim ] || { echo "device_tree: slim (checkpoints untracked);' > "$hook"
-    printf ' run bash tools/device_tree.sh restore first" >&2; exit 1; }\n' >> "$hook"
-    chmod +x "$hook"
+  # a commit while slim would delete the checkpoints from main (two sessions did): refuse commits until restore
+  hooks=$(git rev-parse --git-path hooks)
+  mkdir -p "$hooks"
+  if [ ! -e "$hooks/pre-commit" ]; then
+    cat > "$hooks/pre-commit" <<'HOOK'
+#!/bin/sh
+if [ -e "$(git rev-parse --git-dir)/device-tree-slim" ]; then
+  echo "device_tree: slim (the checkpoints untracked); run bash tools/device_tree.sh restore first" >&2
+  exit 1
+fi
+HOOK
+    chmod +x "$hooks/pre-commit"
   fi
-  touch .git/device-tree-slim
+  touch "$(git rev-parse --git-dir)/device-tree-slim"
+  git rm -r --cached -q "$dir"
   echo "untracked $dir (still on disk, ignored); tracked files now $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) bytes"
   ;;
 restore)
   git reset -q -- "$dir"
-  rm -f .git/device-tree-slim
+  rm -f "$(git rev-parse --git-dir)/device-tree-slim"
   if [ -f "$exclude" ]; then
     grep -vxF "$line" "$exclude" > "$exclude.tmp" || true
     mv "$exclude.tmp" "$exclude"
