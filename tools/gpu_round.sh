@@ -763,6 +763,28 @@ tree-bench)
   timeout 560 python bench/split_bench.py --device cuda --batch 1 8 --max-tokens 128 --also-trees 15 --rounds 2 \
     --json-out "$OUT/tree_bench.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
   ;;
+tree-batch)
+  # (forty-fourth session) where trees stop paying (EngineConfig.draft_tree_batch): two and four streams kept full,
+  # beside chains and target only; then `generate --local` on a GPU with its default --draft-tree auto (trees), and
+  # the chained trees' GPU tests with tree buckets captured up to a batch
+  timeout 420 python bench/split_bench.py --device cuda --batch 2 4 --waves 4 --max-tokens 128 --also-trees 15 \
+    --rounds 2 --json-out "$OUT/tree_batch.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
+  for tree in auto 0; do
+    timeout 60 python -m specsplit.cli generate --local --device cuda --drafter dflash --max-tokens 128 --ignore-eos \
+      --prompt "Write a Python function that merges two sorted lists." --draft-tree $tree 2>&1 >/dev/null \
+      | grep -E "tokens|Error" | sed "s/^/draft-tree $tree: /" | log
+  done
+  timeout 100 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tree.py -k "chained or tree_batch" \
+    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  ;;
+issue10-final)
+  # (forty-fourth session) issue 10's last figures: the chained, captured trees in float32 over all 80 held-out
+  # prompts at one stream (mismatches against target-only: 0 expected), and the MTP head's tau beside DFlash's
+  timeout 300 python -m specsplit.cli eval-acceptance --device cuda --dtype float32 --draft-tree 15 --max-tokens 128 \
+    --batch 1 2>&1 | grep -v INFO | tee "$OUT/eval_tree_b1_fp32.txt" | grep -E "^tau|walk|mismatches|speedup|engine" | log
+  timeout 200 python -m specsplit.cli eval-acceptance --device cuda --drafter mtp --max-tokens 128 \
+    2>&1 | grep -v INFO | tee "$OUT/eval_mtp.txt" | grep -E "^tau|mismatches|speedup" | log
+  ;;
 tree-waves)
   # ... eight streams kept full (32 requests through 8 slots): batch 8's steady state, its shapes captured early
   timeout 560 python bench/split_bench.py --device cuda --batch 8 --waves 4 --max-tokens 128 --also-trees 15 \
