@@ -218,6 +218,12 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
         trees = rates["in_process_trees"]
         ratios["in_process_trees_over_in_process"] = [d / b for b, d in zip(local, trees)]
         ratios["in_process_trees_over_target_only"] = [d / a for a, d in zip(base, trees)]
+    if "services_trees" in rates:
+        trees = rates["services_trees"]
+        ratios["services_trees_over_services"] = [d / c for c, d in zip(split, trees)]
+        ratios["services_trees_over_target_only"] = [d / a for a, d in zip(base, trees)]
+        if "in_process_trees" in rates:
+            ratios["services_trees_over_in_process_trees"] = [d / b for b, d in zip(rates["in_process_trees"], trees)]
     if "services_not_ahead" in rates:
         ratios["services_ahead_over_not_ahead"] = [c / d for c, d in zip(split, rates["services_not_ahead"])]
     if "services_unprepared" in rates:
@@ -264,6 +270,14 @@ def summary(batch: int, prompts: list[str], result: dict) -> str:
                  f"{result['in_process_trees']['tau']:.2f}, {over / result['in_process_trees']['tau']:.2f} tau), "
                  f"{median.get('in_process_trees_over_in_process', result['in_process_trees_over_in_process']):.2f}x "
                  f"chains, {result['requests_differing_trees_vs_target_only']} requests differing")
+    if "services_trees_over_target_only" in result:
+        trees = result["services_trees"]
+        over = median.get("services_trees_over_target_only", result["services_trees_over_target_only"])
+        line += (f"; draft trees through the services {over:.2f}x target only (tau {trees['tau']:.2f}), "
+                 f"{median.get('services_trees_over_services', result['services_trees_over_services']):.2f}x the "
+                 f"services' chains, {median.get('services_trees_over_in_process_trees', result['services_trees_over_in_process_trees']):.2f}x "
+                 f"in-process trees, "
+                 f"{result['requests_differing_services_trees_vs_target_only']} requests differing")
     if "services_over_no_regroup" in result:
         line += f"; services {median.get('services_over_no_regroup', result['services_over_no_regroup']):.2f}x without regroup"
     return line
@@ -287,8 +301,8 @@ def main() -> None:
     ap.add_argument("--also-step-by-step", action="store_true",
                     help="also run target-only and in-process with EngineConfig(decode_ahead=False), side by side")
     ap.add_argument("--also-trees", type=int, default=0, metavar="N",
-                    help="an in-process engine verifying draft trees of N nodes (EngineConfig.draft_tree), "
-                         "in the rounds")
+                    help="an in-process engine verifying draft trees of N nodes (EngineConfig.draft_tree), and one "
+                         "through the services (the drafter answering its rows' candidates), in the rounds")
     ap.add_argument("--no-chain", action="store_true", help="every engine with EngineConfig(chain_steps=False)")
     ap.add_argument("--also-unchained", action="store_true",
                     help="also run in-process and through the services with EngineConfig(chain_steps=False), "
@@ -411,6 +425,10 @@ def main() -> None:
         # ... and one whose engine takes the propose sent ahead only for the same batch (--also-no-regroup)
         no_regroup = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
                                     head=(model.embed_weight, model.lm_head_weight)) if args.also_no_regroup else None
+        # ... and one asking for draft trees' candidates (--also-trees: the services' trees)
+        remote_trees = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
+                                      head=(model.embed_weight, model.lm_head_weight),
+                                      tree_keep=EngineConfig.draft_tree_keep) if args.also_trees else None
         # ... and one to the second drafter service (--also-unprepared)
         if args.also_unprepared:
             wait_healthy(second, 300)
@@ -532,6 +550,21 @@ def main() -> None:
                       f"{result['chained_steps_replayed_whole']} replayed whole), "
                       f"{plain['in_process_trees_over_target_only']:.2f}x target only, "
                       f"{plain['in_process_trees_over_in_process']:.2f}x chains (tau {local['tau']:.2f})", flush=True)
+                engine = engines["services_trees"] = Engine(model, remote_trees, replace(conf, draft_tree=args.also_trees))
+                run(engine, tokenizer, prompts, args.max_tokens, "warm")
+                services_tree_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "s")
+                rates["services_trees"] = [result["tokens_per_s"]]
+                plain.update({"services_trees": result,
+                              "services_trees_over_services": result["tokens_per_s"] / split["tokens_per_s"],
+                              "services_trees_over_target_only": result["tokens_per_s"] / base["tokens_per_s"],
+                              "services_trees_over_in_process_trees":
+                                  result["tokens_per_s"] / plain["in_process_trees"]["tokens_per_s"],
+                              "requests_differing_services_trees_vs_target_only": sum(
+                                  a != b for a, b in zip(base_tokens, services_tree_tokens))})
+                print(f"batch {batch}: draft trees of {args.also_trees} nodes through the services "
+                      f"{result['tokens_per_s']:.0f} tok/s (tau {result['tau']:.2f}), "
+                      f"{plain['services_trees_over_target_only']:.2f}x target only, "
+                      f"{plain['services_trees_over_services']:.2f}x the services' chains", flush=True)
             for name, engine in kernel_engines.items():  # (their graphs were all captured above, each its way)
                 engines[name] = engine
                 rates[name] = [plain[name]["tokens_per_s"]]
@@ -672,6 +705,8 @@ def main() -> None:
         results["empty_step_round_trip_p50_ms_over_grpc"] = 1e3 * statistics.median([over_grpc.ping() for _ in range(200)])
         remote.close()
         over_grpc.close()
+        if remote_trees is not None:
+            remote_trees.close()
         if not_ahead is not None:
             not_ahead.close()
         if device_waits is not None:

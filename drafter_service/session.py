@@ -85,6 +85,17 @@ def chains(proposer: Proposer) -> bool:
         and getattr(proposer, "propose_graphs", None) is not None and getattr(proposer, "context_graphs", None) is not None
 
 
+def tree_candidates(proposer: Proposer) -> bool:
+    """Whether `proposer`'s chained proposes may answer draft-tree candidates (ChainStep.tree_keep)."""
+    return chains(proposer) and getattr(type(proposer), "chain_candidates", None) is not None
+
+
+def candidate_columns(num_drafts: int, tree_keep: int) -> int:
+    """The drafts-buffer columns a chained propose's answer takes: its drafts, or (ChainStep.tree_keep) its rows'
+    candidate ids and then their log-probabilities' bit patterns."""
+    return 2 * num_drafts * tree_keep if tree_keep else num_drafts
+
+
 def _in_client_ids(verb):
     """Errors out of `verb` name the client's sequence ids: the drafter raised them with its own."""
 
@@ -667,6 +678,12 @@ class Session:
             raise StateConflict("this drafter does not serve chained steps (DrafterDescription.chains)")
         if n > spec.max_batch or k > spec.max_drafts:
             raise InvalidRequest(f"a chained propose takes up to {spec.max_batch} sequences and {spec.max_drafts} drafts")
+        keep = chain.tree_keep
+        if keep and not tree_candidates(self.proposer):
+            raise StateConflict("this drafter offers no draft-tree candidates (DrafterDescription.tree_candidates)")
+        if keep > spec.vocab_size:
+            raise InvalidRequest(f"a chained propose's tree_keep is at most the vocabulary ({spec.vocab_size})")
+        width = candidate_columns(k, keep)
         done = self._done_target(chain)
         self._bind_head()
         batch = self._chain_batch(chain.seq_ids, chain.ahead)
@@ -675,7 +692,7 @@ class Session:
         view = event = None
         if drafts_buffer:
             view, event = self.importer.drafts_target(drafts_buffer)
-            if not (n <= view.shape[0] and k <= view.shape[1] and view.device == _indexed(self.device)):
+            if not (n <= view.shape[0] and width <= view.shape[1] and view.device == _indexed(self.device)):
                 view = event = None
         vocab = self.proposer.spec.vocab_size
 
@@ -684,15 +701,25 @@ class Session:
             if deferred is not None:
                 self.proposer.chain_commit(batch, deferred[0], bounded[0], deferred[1])
             # an anchor out of the vocabulary would be a device assert in the embedding
-            return self.proposer.chain_propose(batch, bounded[1].clamp(max=vocab - 1), bounded[2], k)
+            anchors, positions = bounded[1].clamp(max=vocab - 1), bounded[2]
+            if not keep:
+                return self.proposer.chain_propose(batch, anchors, positions, k)
+            # a tree's candidates: the ids, then the log-probabilities' bits, as int32 columns of one row each
+            logp, ids = self.proposer.chain_candidates(batch, anchors, positions, keep)
+            return torch.cat([ids[:, :k].reshape(n, -1).to(torch.int32),
+                              logp[:, :k].reshape(n, -1).float().view(torch.int32)], dim=1)
 
         if view is None:
-            rows = drafts().cpu().tolist()
+            rows = drafts().cpu()
             self._write_done(done, chain.done_value)
-            return (), {seq_id: Proposal(tokens=row) for seq_id, row in zip(chain.seq_ids, rows)}
+            if keep:
+                cut = k * keep
+                return (), {seq_id: Proposal(tokens=row[:cut].tolist(), confidence=row[cut:].view(torch.float32).tolist())
+                            for seq_id, row in zip(chain.seq_ids, rows)}
+            return (), {seq_id: Proposal(tokens=row) for seq_id, row in zip(chain.seq_ids, rows.tolist())}
 
         def device_work() -> None:
-            view[:n, :k].copy_(drafts())
+            view[:n, :width].copy_(drafts())
 
         if deferred is not None:
             self._chain_device(_chain_key(n, k, deferred[1], deferred[0], feed, view, chain, drafts_buffer),
@@ -734,6 +761,7 @@ class Session:
             return None
         n, k, count = len(chain.seq_ids), chain.num_drafts, chain.commit_rows
         if n > spec.max_batch or k > spec.max_drafts or count > spec.max_drafts + 1 \
+                or (chain.tree_keep and (chain.tree_keep > spec.vocab_size or not tree_candidates(self.proposer))) \
                 or any(self.importer.descriptor(ref.buffer_id).kind is not BufferKind.CUDA_IPC
                        for ref in (chain.rows, chain.feed)):
             return None
@@ -743,7 +771,7 @@ class Session:
         view, event = self.importer.drafts_target(batch.drafts_buffer)
         here = _indexed(self.device)
         if rows.shape[0] != n * count or chain.feed.row_offset != 0 or chain.feed.rows != FEED_ROWS \
-                or n > feed.shape[1] or n > view.shape[0] or k > view.shape[1] \
+                or n > feed.shape[1] or n > view.shape[0] or candidate_columns(k, chain.tree_keep) > view.shape[1] \
                 or not view.device == rows.device == feed.device == here:
             return None
         feed = feed[:, :n]
@@ -1054,7 +1082,7 @@ def _chain_key(n: int, k: int, count: int, rows: torch.Tensor, feed: torch.Tenso
                chain: ChainStep, drafts_buffer: int) -> tuple:
     """A fused chained step's graph: its shape, every address it reads or writes, their buffers (last)."""
     rows_buffer = chain.rows.buffer_id if isinstance(chain.rows, RowRef) else 0
-    return (n, k, count, rows.data_ptr(), feed.data_ptr(), drafts.data_ptr(),
+    return (n, k, count, chain.tree_keep, rows.data_ptr(), feed.data_ptr(), drafts.data_ptr(),
             frozenset((rows_buffer, chain.feed.buffer_id, drafts_buffer)))
 
 

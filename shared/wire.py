@@ -49,6 +49,7 @@ from specsplit.shared.generation import (  # noqa: F401 (re-exported: wire conve
 from specsplit.shared.generation import check_token_ids as _tokens
 from specsplit.shared.generation import enum_from_proto as _from_proto
 from specsplit.shared.proposer import CarriedKV, DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest
+from specsplit.shared.tree import MAX_TREE_KEEP
 from specsplit.shared.transport import (
     BufferDescriptor,
     BufferKind,
@@ -206,6 +207,7 @@ class DrafterDescription:
     written_flags: bool = False  # its stream may wait on the device for ChainStep.written_value
     prefill_allocs: bool = False  # PrefillDrafter allocates the sequence when asked (alloc_budget_tokens)
     host_flags: bool = False  # takes its DONE buffer in a host page passed with the Step socket hello
+    tree_candidates: bool = False  # a chained propose may ask for draft-tree candidates (ChainStep.tree_keep)
 
 
 def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
@@ -233,6 +235,7 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
         written_flags=d.written_flags,
         prefill_allocs=d.prefill_allocs,
         host_flags=d.host_flags,
+        tree_candidates=d.tree_candidates,
     )
 
 
@@ -253,7 +256,7 @@ def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescrip
     )
     return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns,
                               pb.step_socket, pb.drafts_buffer, pb.instance, pb.chains, pb.done_flags,
-                              pb.written_flags, pb.prefill_allocs, pb.host_flags)
+                              pb.written_flags, pb.prefill_allocs, pb.host_flags, pb.tree_candidates)
 
 
 def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:
@@ -428,6 +431,7 @@ class ChainStep:
     done_value: int = 0
     written_value: int = 0  # written by the target's stream into the DONE buffer's element 1 after its writes (0: none)
     written_buffer: int = 0  # ... or into this DONE buffer's element 0 (device memory; 0: done_buffer's element 1)
+    tree_keep: int = 0  # the propose answers each row's tree_keep best tokens instead of drafts (0: drafts)
 
     def __post_init__(self) -> None:
         # (parsed from every chained Step on the drafter's critical path: few Python operations a field)
@@ -461,6 +465,8 @@ class ChainStep:
             raise InvalidRequest("a chained step's written value (1..2^32-1) goes with its done buffer")
         if self.written_buffer < 0 or (self.written_buffer and not self.written_value):
             raise InvalidRequest("a chained step's written buffer goes with its written value")
+        if not 0 <= self.tree_keep <= MAX_TREE_KEEP or (self.tree_keep and not self.seq_ids):
+            raise InvalidRequest(f"a chained step's tree_keep (0..{MAX_TREE_KEEP}) goes with a propose")
 
     @property
     def empty(self) -> bool:
@@ -473,7 +479,7 @@ def chain_to_proto(c: ChainStep) -> drafter_pb2.ChainStep:
         commit_rows=c.commit_rows, rows=rows_to_proto(c.rows) if c.rows is not None else None,
         feed=rows_to_proto(c.feed) if c.feed is not None else None, seq_ids=c.seq_ids, ahead=c.ahead,
         num_drafts=c.num_drafts, done_buffer=c.done_buffer, done_value=c.done_value,
-        written_value=c.written_value, written_buffer=c.written_buffer)
+        written_value=c.written_value, written_buffer=c.written_buffer, tree_keep=c.tree_keep)
 
 
 def chain_from_proto(pb: drafter_pb2.ChainStep) -> ChainStep:
@@ -481,7 +487,7 @@ def chain_from_proto(pb: drafter_pb2.ChainStep) -> ChainStep:
                      rows_from_proto(pb.rows) if pb.HasField("rows") else None,
                      rows_from_proto(pb.feed) if pb.HasField("feed") else None,
                      tuple(pb.seq_ids), tuple(pb.ahead), pb.num_drafts, pb.done_buffer, pb.done_value,
-                     pb.written_value, pb.written_buffer)
+                     pb.written_value, pb.written_buffer, pb.tree_keep)
 
 
 @dataclass(frozen=True)

@@ -296,7 +296,9 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
     auto = args.num_drafts == "auto"
     engine = EngineConfig(max_batch=args.max_batch, num_drafts=None if auto else args.num_drafts,
                           kv_blocks=args.kv_blocks, cuda_graphs=args.cuda_graphs,
-                          drafts_by_batch=args.drafts_by_batch, auto_drafts=auto)
+                          drafts_by_batch=args.drafts_by_batch, auto_drafts=auto, draft_tree=args.draft_tree,
+                          draft_tree_keep=args.draft_tree_keep,
+                          draft_tree_batch=min(args.draft_tree_batch, args.max_batch) if args.draft_tree else None)
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
                               drafter_timeout=args.drafter_timeout, step_socket=not args.step_over_grpc,
                               device_waits=args.device_waits, host_flags=args.host_flags,
@@ -536,6 +538,15 @@ def add_service_parsers(sub) -> None:
     ts.add_argument("--drafts-by-batch", type=drafts_by_batch, default=(), metavar="N:K,...",
                     help="at most K drafts per sequence in a step of N or more sequences, e.g. 8:7,32:3 "
                          "(default: --num-drafts at every batch size)")
+    ts.add_argument("--draft-tree", type=int, default=0, metavar="NODES",
+                    help="greedy steps of a DFlash drafter service verify a best-first draft tree of this many nodes "
+                         "a sequence instead of a chain (1..63, at most its drafts; 0: chains): the drafter answers "
+                         "each block row's --draft-tree-keep best tokens, the tree is grown and verified here")
+    ts.add_argument("--draft-tree-keep", type=int, default=8, metavar="K",
+                    help="with --draft-tree: the tokens each block row offers the tree (default 8)")
+    ts.add_argument("--draft-tree-batch", type=int, default=4, metavar="N",
+                    help="with --draft-tree: trees only in steps of at most N sequences, chains above (default 4: "
+                         "in-process at 2 and 4 streams trees beat chains, at 8 they did not)")
     ts.add_argument("--kv-blocks", type=int, default=2048, help="KV cache size, in blocks of 16 tokens")
     ts.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="on a GPU, replay decode/verify steps as CUDA graphs captured at start "

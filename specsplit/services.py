@@ -127,7 +127,8 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
                                   timeout=settings.drafter_timeout, max_batch=settings.engine.max_batch,
                                   head=(model.embed_weight, model.lm_head_weight),
                                   security=settings.drafter_security, step_socket=settings.step_socket,
-                                  device_waits=settings.device_waits, host_flags=settings.host_flags)
+                                  device_waits=settings.device_waits, host_flags=settings.host_flags,
+                                  tree_keep=settings.engine.draft_tree_keep if settings.engine.draft_tree else 0)
     engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids,
                     text_stream=tokenizer.output_stream)
     loop = EngineLoop(engine)

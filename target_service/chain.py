@@ -138,6 +138,8 @@ class ChainProgram:
         self.drafts = torch.zeros((n, k), dtype=torch.int64, device=device)
         self.committed_at = torch.zeros(n, dtype=torch.int64, device=device)
         self.kept: tuple[torch.Tensor, torch.Tensor] | None = None
+        # ... and a tree step's input instead of drafts: the candidates' log-probabilities and ids [n, rows, keep]
+        self.candidates: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def keep(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """A step's verified rows [n * (k + 1), F] and their positions [n], for the commit after it (the

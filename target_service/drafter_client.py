@@ -47,6 +47,7 @@ from specsplit.shared.transport import (
     FEED_ROWS, BufferDescriptor, BufferExporter, BufferKind, BufferRole, RowBuffer, choose_mode, device_uuid,
     encode_inline, host_id, identity_digest,
 )
+from specsplit.shared.tree import MAX_TREE_KEEP
 from specsplit.shared.verify import device_longs
 from specsplit.shared.device_waits import DeviceWaits
 from specsplit.shared.host_flags import Flag, HostPage
@@ -269,6 +270,7 @@ class _Connection:
     done_sent: int = 0  # ... and the one the last Step sent asked for (0: none)
     written_value: int = 0  # the last value our stream wrote into `done`'s element 1 (a drafter with written_flags)
     offered: bool = False  # the last Step sent named `drafts`
+    tree_candidates: bool = False  # the drafter answers chained draft-tree candidates (DrafterDescription)
     allocated: set[int] = field(default_factory=set)  # seq ids this connection's drafter session holds
     dead: bool = False  # the Step stream ended: the drafter has dropped (or never had) this session
     error: SpecsplitError | None = None  # why the Step stream ended, when the drafter said
@@ -391,7 +393,8 @@ class RemoteProposer:
     def __init__(self, address: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
                  max_batch: int = 64, security: ClientSecurity = ClientSecurity(), step_socket: bool = True,
-                 chain_ahead: bool = True, device_waits: bool | None = False, host_flags: bool = True) -> None:
+                 chain_ahead: bool = True, device_waits: bool | None = False, host_flags: bool = True,
+                 tree_keep: int = 0) -> None:
         # max_batch: the engine's widest step; security: the drafter's token and TLS (shared.security);
         # step_socket: send the Step stream to the drafter's step socket when it offers one on this host;
         # chain_ahead: send each chained step's propose as the step before it launches (chain_prefetch);
@@ -400,7 +403,12 @@ class RemoteProposer:
         # where they go into the host page (its waits' release gets through a kernel module's load), else
         # our host polls;
         # host_flags: with device waits, the DONE buffer in a host page passed over the step socket when the
-        # drafter takes one (our watchdog then releases a wait with a store of our CPU; shared.host_flags)
+        # drafter takes one (our watchdog then releases a wait with a store of our CPU; shared.host_flags);
+        # tree_keep: each block row's candidates a chained draft tree asks for (EngineConfig.draft_tree_keep;
+        # 0: no trees), which the drafts buffer is made wide enough for
+        if isinstance(tree_keep, bool) or not isinstance(tree_keep, int) or not 0 <= tree_keep <= MAX_TREE_KEEP:
+            raise InvalidRequest(f"tree_keep is a number of tokens in 0..{MAX_TREE_KEEP}, got {tree_keep!r}")
+        self.tree_keep = tree_keep
         self.address = grpc_target(address)
         self.security = security
         self.device, self.dtype, self.timeout = torch.device(device), dtype, timeout
@@ -538,9 +546,11 @@ class RemoteProposer:
         conn.step = RowStager(conn.exporter, step_rows, spec.feature_dim, self.dtype, stage_on, self.link)
         conn.bulk = RowStager(conn.exporter, 1024, spec.feature_dim, self.dtype, stage_on, self.link)
         buffers = [b.buffer for b in (conn.step, conn.bulk) if b.buffer is not None]
+        conn.tree_candidates = desc.tree_candidates and self.tree_keep > 0 and self.tree_keep <= spec.vocab_size
         if self.mode == "cuda_ipc" and desc.drafts_buffer:  # drafts may stay on the GPU, written into our buffer
-            conn.drafts = conn.exporter.create(self.max_batch, spec.max_drafts, torch.int32, self.device,
-                                               BufferRole.DRAFTS)
+            # (with draft trees: wide enough for each row's candidates, ids then log-probabilities)
+            width = 2 * spec.max_drafts * self.tree_keep if conn.tree_candidates else spec.max_drafts
+            conn.drafts = conn.exporter.create(self.max_batch, width, torch.int32, self.device, BufferRole.DRAFTS)
             buffers.append(conn.drafts)
         if desc.chains and conn.exporter is not None and stage_on == self.device:
             # (rows staged in host memory for a GPU target would make each chained step wait for its verify)
@@ -1111,7 +1121,7 @@ class RemoteProposer:
         self._chain_ahead = self._chain_ahead_result = None
         self._write_feed(conn, 1, anchors)
         self._write_feed(conn, 2, positions)
-        self._send(conn, [], into_buffer=True, chain=(batch, num_drafts))
+        self._send(conn, [], into_buffer=True, chain=(batch, num_drafts, 0))
         self._unanswered = self._unanswered_chain = True
         self._chain_ahead = (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn)
         self.link.sent_ahead += 1
@@ -1145,7 +1155,7 @@ class RemoteProposer:
         else:
             self._write_feed(conn, 1, anchors)
             self._write_feed(conn, 2, positions)
-            self._send(conn, [], into_buffer=True, chain=(batch, num_drafts))
+            self._send(conn, [], into_buffer=True, chain=(batch, num_drafts, 0))
             answer = self._answer(conn, self.step_deadline())
             want = tuple((seq_id, num_drafts) for seq_id in batch.seq_ids)
         n = len(batch.seq_ids)
@@ -1160,6 +1170,52 @@ class RemoteProposer:
             self._disconnect()
             raise DrafterUnavailable("the drafter answered a chained propose without its drafts")
         return torch.tensor([list(p.tokens) for p in drafts], dtype=torch.int64, device=self.device)
+
+    @property
+    def tree_candidates(self) -> bool:
+        """Whether the attached drafter answers chained draft-tree candidates, `tree_keep` a row (the engine grows
+        trees through it only then)."""
+        conn = self._conn
+        return conn is not None and not conn.dead and conn.feed is not None and conn.tree_candidates
+
+    def chain_candidates(self, batch: RemoteChainBatch, anchors: torch.Tensor, positions: torch.Tensor,
+                         keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chained step's draft-tree candidates for anchors [B] at positions [B] (on the device): each of the
+        drafter's max_drafts block rows' `keep` best log-probabilities and target ids, [B, rows, keep] each on
+        our device, from one Step now with the queued commit and settles (no propose goes ahead for trees).
+        The values are the peer's bytes: the engine clamps the ids, and a NaN score ranks last."""
+        if keep != self.tree_keep:
+            raise ValueError(f"this drafter connection asks for {self.tree_keep} candidates a row, not {keep}")
+        conn = self._chain_conn(batch)  # (reads an answer still out)
+        if not conn.tree_candidates or self.spec is None:
+            raise DrafterUnavailable("the attached drafter offers no draft-tree candidates")
+        self._chain_ahead = self._chain_ahead_result = None  # (a propose sent ahead drafted for nothing)
+        self._ahead = self._ahead_result = None
+        rows = self.spec.max_drafts
+        self._write_feed(conn, 1, anchors)
+        self._write_feed(conn, 2, positions)
+        self._send(conn, [], into_buffer=True, chain=(batch, rows, keep))
+        answer = self._answer(conn, self.step_deadline())
+        n, cut = len(batch.seq_ids), rows * keep
+        if answer.in_buffer:
+            self._check_rows(conn, answer)
+            if answer.in_buffer != tuple((seq_id, rows) for seq_id in batch.seq_ids) \
+                    or 2 * cut > conn.drafts.tensor.shape[1]:
+                self._disconnect()
+                raise DrafterUnavailable("the drafter answered a chained tree's candidates for other sequences")
+            view = conn.drafts.tensor[:n, :2 * cut]
+            ids, logp = view[:, :cut].long(), view[:, cut:].clone().view(torch.float32)
+            self._note_read(conn)
+            self.link.drafts_on_device += n
+        else:
+            got = [answer.proposals.get(seq_id) for seq_id in batch.seq_ids]
+            if any(p is None or len(p.tokens) != cut or p.confidence is None or len(p.confidence) != cut
+                   for p in got):
+                self._disconnect()
+                raise DrafterUnavailable("the drafter answered a chained tree without its candidates")
+            ids = torch.tensor([p.tokens for p in got], dtype=torch.int64).to(self.device, non_blocking=True)
+            logp = torch.tensor([p.confidence for p in got], dtype=torch.float32).to(self.device, non_blocking=True)
+        return logp.view(n, rows, keep), ids.view(n, rows, keep)
 
     def _rows_ahead(self, sent, answer: wire.StepResult | None, batch: RemoteChainBatch, anchors: torch.Tensor,
                     positions: torch.Tensor, num_drafts: int, ahead_rows: Sequence[int] | None) -> list[int] | None:
@@ -1247,7 +1303,7 @@ class RemoteProposer:
             conn.feed_fresh = False
         conn.feed.tensor[row, :values.shape[0]].copy_(values)
 
-    def _chain_part(self, conn: _Connection, propose: tuple[RemoteChainBatch, int] | None) -> wire.ChainStep | None:
+    def _chain_part(self, conn: _Connection, propose: tuple[RemoteChainBatch, int, int] | None) -> wire.ChainStep | None:
         """What the next Step carries of chained steps: the settles and commit queued, and `propose`."""
         settle_ids, settle_counts = self._settles
         commit = self._chain_commit
@@ -1263,7 +1319,7 @@ class RemoteProposer:
             feed = conn.feed.ref(0, FEED_ROWS)
         commit_ids, count, offset = commit if commit is not None else ((), 0, 0)
         rows = conn.step.buffer.ref(offset, len(commit_ids) * count) if commit is not None else None
-        batch, num_drafts = propose if propose is not None else (None, 0)
+        batch, num_drafts, tree_keep = propose if propose is not None else (None, 0, 0)
         done_buffer = done_value = written_value = written_buffer = 0
         if batch is not None and conn.done is not None:  # (our stream will wait for this value, not our host)
             conn.done_value = done_value = next_value(conn.done_value)
@@ -1277,7 +1333,7 @@ class RemoteProposer:
         conn.done_sent = done_value
         return wire.ChainStep(tuple(settle_ids), tuple(settle_counts), commit_ids, count, rows, feed,
                               batch.seq_ids if batch is not None else (), batch.ahead if batch is not None else (),
-                              num_drafts, done_buffer, done_value, written_value, written_buffer)
+                              num_drafts, done_buffer, done_value, written_value, written_buffer, tree_keep)
 
     def take_kv(self, seq_id: int) -> CarriedKV:
         self._flush([])
@@ -1312,10 +1368,10 @@ class RemoteProposer:
         return self._answer(conn, timeout or self.step_deadline())
 
     def _send(self, conn: _Connection, proposes: list[ProposeRequest], *, into_buffer: bool = False,
-              chain: tuple[RemoteChainBatch, int] | None = None) -> None:
+              chain: tuple[RemoteChainBatch, int, int] | None = None) -> None:
         """into_buffer: the drafts may come in the connection's drafts buffer (StepRequest.drafts_buffer);
-        chain: a chained propose (batch, drafts) instead of `proposes`. The queued chained settles and
-        commit go with any Step."""
+        chain: a chained propose (batch, drafts, tree_keep: 0, or its rows' candidates a draft tree wants)
+        instead of `proposes`. The queued chained settles and commit go with any Step."""
         self._send_alloc(conn)  # (an allocation left for a prefill goes before anything naming the sequence)
         conn.step.seal()
         self._step_id += 1

@@ -26,7 +26,7 @@ from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
 from specsplit.kernels.tree_grow import grow_tree_words
-from specsplit.shared.tree import MAX_TREE_NODES, DraftTree, best_first, holds_nodes
+from specsplit.shared.tree import MAX_TREE_KEEP, MAX_TREE_NODES, DraftTree, best_first, holds_nodes
 from specsplit.shared.tree import accept_greedy as accept_tree
 from specsplit.shared.verify import device_longs, sample_accept, sample_tokens, verify_sampled
 from specsplit.target_service.chain import ChainBuffers, ChainedStep, ChainProgram, accept_greedy, accept_tree_paths
@@ -124,8 +124,9 @@ class EngineConfig:
     # one chain (`shared.tree`): the best rank paths of the block's rows by summed log-probability, each row
     # offering its `draft_tree_keep` best tokens. On the shipped drafter's held-out walk a tree of 15 nodes, the
     # chain's verify width, took tau 3.67 -> 4.28 (chat 3.20 -> 3.77; bench/tree_tau.py). On a GPU tree steps
-    # chain and replay as one graph as chain steps do (`_chain_tree`); not through a drafter service yet.
-    # 0: chains.
+    # chain and replay as one graph as chain steps do (`_chain_tree`); through a drafter service that offers
+    # candidates (`RemoteProposer(tree_keep=...)`, ChainStep.tree_keep) the drafter answers each row's best
+    # tokens and the rest replays as the target's graph (`_chain_tail`). 0: chains.
     draft_tree: int = 0
     draft_tree_keep: int = 8
     # Trees only in steps of at most this many sequences (None: any); larger steps verify chains. A wider batch
@@ -145,7 +146,7 @@ class EngineConfig:
             raise InvalidRequest(f"chain_capture is a number of sequences >= 0, got {self.chain_capture!r}")
         if not isinstance(self.chain_capture_remote, bool):
             raise InvalidRequest(f"chain_capture_remote is true or false, got {self.chain_capture_remote!r}")
-        for name, least, most in (("draft_tree", 0, MAX_TREE_NODES), ("draft_tree_keep", 1, 1024),
+        for name, least, most in (("draft_tree", 0, MAX_TREE_NODES), ("draft_tree_keep", 1, MAX_TREE_KEEP),
                                   ("draft_tree_batch", 1, self.max_batch)):
             value = getattr(self, name)
             if name == "draft_tree_batch" and value is None:
@@ -870,15 +871,15 @@ class Engine:
         """How many block rows the trees of a chained step of `seqs` grow from (EngineConfig.draft_tree): the
         drafts the step would offer as a chain (`_max_drafts`: the draft length, its schedule by batch, the
         tuner's choice). 0 when its steps do not verify trees: a sequence sampled or not drafting, a drafter
-        that is not in-process or offers no candidates (`chain_candidates`), more sequences than
-        `draft_tree_batch`, no tree bucket, a tree of more
-        nodes than the drafter's rows (its commit takes as many), no drafts (speculation off at this batch
-        size), or fewer rank paths in those rows than the tree's nodes. A tree step of N nodes is a chained
+        that offers no candidates (`chain_candidates`; a drafter service's `tree_candidates`), more sequences
+        than `draft_tree_batch`, no tree bucket, a tree of more nodes than the drafter's rows (its commit takes
+        as many), no drafts (speculation off at this batch size), or fewer rank paths in those rows than the
+        tree's nodes. A tree step of N nodes is a chained
         step of k = N: the same verify width, reservations and outcome."""
         n, keep = self.config.draft_tree, self.config.draft_tree_keep
         if not (0 < n <= self._spec.max_drafts and self._trees_fit(seqs)
                 and _capability(self.proposer, "chain_candidates") is not None
-                and getattr(self.proposer, "chain_captured_whole", True)
+                and getattr(self.proposer, "tree_candidates", True)  # (a drafter service's, when it offers them)
                 and all(s.request.params.greedy and s.drafter_attached for s in seqs)
                 and self.graphs.tree_bucket(len(seqs), n + 1) is not None):
             return 0
@@ -992,7 +993,7 @@ class Engine:
         if self._chain_buffers is None:
             self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
         launched = self._chain_buffers.launch(seqs, k, counts, program, started)
-        if among is None:
+        if among is None and not program.tree:  # (a tree's candidates are asked for as its step launches)
             self._sent_ahead = self._chain_send_ahead(seqs, k, counts, pending, program, back)
         return launched
 
@@ -1187,12 +1188,21 @@ class Engine:
         picks accepted (`accept_tree_paths`), its k/v moved to the positions its tokens take and its rows
         committed to the drafter in their place, as if it had been a chain drafted and accepted whole. The
         rows past it lie where the next verify and propose write first. False: the drafter failed."""
-        n, k = program.n, program.k
         anchors, positions = program.feed
         got = call(self.proposer.chain_candidates, batch, anchors, positions, self.config.draft_tree_keep)
         if got is _FAILED:
             return False
-        logp, ids = (t[:, :program.tree] for t in got)  # the rows this step's drafts may reach
+        self._tree_verify(program, fwd, *got,
+                          lambda rows, at: call(self.proposer.chain_commit, batch, rows, at, program.k + 1))
+        return True
+
+    def _tree_verify(self, program: ChainProgram, fwd, logp: torch.Tensor, ids: torch.Tensor, commit) -> None:
+        """A chained tree step's device work from its candidates on (logp and ids [B, rows, keep], the drafter's;
+        the first `program.tree` rows are read): the trees, the verify, the accept, `program.outcome`, the k/v
+        move, `commit(rows, positions)` of the accepted path's rows in path order, then the next feed."""
+        n, k = program.n, program.k
+        anchors, positions = program.feed
+        logp, ids = logp[:, :program.tree], ids[:, :program.tree]  # the rows this step's drafts may reach
         trees, words = grow_tree_words(logp, ids.clamp(0, self.model.config.vocab_size - 1), k)  # (one launch)
         nodes = trees.tokens.shape[1]  # k (the rows hold at least k rank paths: _tree_depth)
         tokens = torch.cat([anchors[:, None], trees.tokens], dim=1)
@@ -1212,11 +1222,10 @@ class Engine:
         rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:n]
         order = torch.cat([torch.zeros_like(src[:, :1]), src], dim=1)  # the root, then the path in depth order
         rows = rows.gather(1, order[:, :, None].expand(-1, -1, rows.shape[-1]))
-        call(self.proposer.chain_commit, batch, rows.reshape(-1, rows.shape[-1]), positions, k + 1)
+        commit(rows.reshape(-1, rows.shape[-1]), positions)
         final = emitted.gather(1, accepted[:, None]).squeeze(1)
         positions.add_(accepted + 1)  # the next feed, after everything above read this one
         anchors.copy_(final)
-        return True
 
     def _chain_tail(self, program: ChainProgram, batch, fwd, seqs: list[Sequence], counts: list[int],
                     ahead_rows: list[int] | None = None) -> bool:
@@ -1227,8 +1236,17 @@ class Engine:
         verified rows' commit queued for the next Step from what the graph kept. False: the drafter
         failed before the verify (it is detached)."""
 
+        keep = self.config.draft_tree_keep
+        if program.tree and program.candidates is None:  # (the graph's input, as `drafts` is a chain's)
+            rows = self._spec.max_drafts
+            program.candidates = (torch.zeros((program.n, rows, keep), dtype=torch.float32, device=self._device),
+                                  torch.zeros((program.n, rows, keep), dtype=torch.int64, device=self._device))
+
         def tail() -> None:
-            self._chain_verify(program, fwd, seqs, counts, None, program.drafts, program.keep)
+            if program.tree:
+                self._tree_verify(program, fwd, *program.candidates, program.keep)
+            else:
+                self._chain_verify(program, fwd, seqs, counts, None, program.drafts, program.keep)
 
         # Captured before the propose: the graph reads the drafts by address, and nothing waits on our stream
         # yet (with device waits the propose queues a wait for the drafter's done value, and a capture's first
@@ -1236,11 +1254,21 @@ class Engine:
         if self._chain_capturable(program):
             self._chain_capture(program, tail)
         anchors, positions = program.feed
-        drafts = self._chain_drafts(self._drafter_call, batch, anchors, positions, program.k, None, len(seqs),
-                                    ahead_rows)
-        if drafts is None:
-            return False
-        program.drafts.copy_(drafts)
+        if program.tree:
+            got = self._drafter_call(self.proposer.chain_candidates, batch, anchors, positions, keep)
+            if got is _FAILED:
+                return False
+            for into, values in zip(program.candidates, got):
+                if values.shape != into.shape:  # (the engine's own ask: a drafter answering otherwise is detached)
+                    self._detach()
+                    return False
+                into.copy_(values)
+        else:
+            drafts = self._chain_drafts(self._drafter_call, batch, anchors, positions, program.k, None, len(seqs),
+                                        ahead_rows)
+            if drafts is None:
+                return False
+            program.drafts.copy_(drafts)
         if program.graph is not None:
             program.graph.replay()
             self.counters.chain_replays += 1

@@ -40,6 +40,23 @@ def test_cuda_ipc_split_equals_in_process(kind, specsplit_factory):
         assert "chained drafts: our stream waits on the host page" in log
 
 
+def test_target_serve_with_draft_trees_streams_the_in_process_trees_tokens(specsplit_factory):
+    """`specsplit target serve --draft-tree 15` through the harness: each request's tokens are target-only's and
+    the in-process trees', in the in-process trees' steps (fewer than the services' chains would take)."""
+    from specsplit.target_service.engine import EngineConfig
+
+    services = specsplit_factory(ServiceSpec(drafter="dflash", device="cuda", dtype="float32",
+                                             target_args=("--draft-tree", "15")))
+    client = services.client()
+    remote = [client.generate(p, GREEDY) for p in PROMPTS]
+    engine, tokenizer = load_local(LocalSetup(drafter="dflash", device="cuda", dtype="float32", seed=0),
+                                   EngineConfig(draft_tree=15))
+    for i, p in enumerate(PROMPTS):  # (one at a time, as the client sent them)
+        events = engine.generate([Request(str(i), tokenizer.encode(p), GREEDY)])[str(i)]
+        assert remote[i].token_ids == [t for e in events for t in e.token_ids] == local_tokens("none")[i]
+        assert remote[i].stats.steps == events[-1].stats.steps and remote[i].stats.accepted > 0
+
+
 STALL_CYCLES = 120_000_000_000  # a GPU sleep of about a minute on an H200
 
 
@@ -415,6 +432,45 @@ def test_the_targets_side_of_a_services_chained_step_replayed_as_a_graph_accepts
     assert graphed_accepted == accepted and sum(accepted) > 0 and counters.chained == plain.chained
     assert plain.chain_replays == 0 and counters.chain_captures >= 3 and counters.chain_replays >= 20, \
         (counters.chain_captures, counters.chain_replays, counters.chained)
+
+
+@pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])
+def test_draft_trees_through_the_drafter_service_accept_as_the_in_process_trees(tmp_path, device_waits):
+    """Draft trees through the services (ChainStep.tree_keep): the drafter writes each block row's best tokens into
+    the target's drafts buffer (ids, then their log-probabilities' bits), the target grows, verifies and accepts
+    the trees, its side replayed as a graph. Requests of three lengths (the batch shrinks): the tokens are
+    target-only's, each request accepts as many drafts as with the in-process trees (float32: the same
+    candidates), in fewer steps than the services' chains."""
+    from specsplit.target_service.engine import EngineConfig
+
+    model, tokenizer = default_target()
+    lengths = (160, 100, 60)
+    requests = lambda: [Request(str(i), tokenizer.encode(p), SamplingParams(max_tokens=n, ignore_eos=True))  # noqa: E731
+                        for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+
+    def outcome(engine):
+        events = engine.generate(requests())
+        return ([[t for e in events[str(i)] for t in e.token_ids] for i in range(len(lengths))],
+                [events[str(i)][-1].stats for i in range(len(lengths))])
+
+    local, _ = load_local(LocalSetup(drafter="dflash", device="cuda", dtype="float32", seed=0),
+                          EngineConfig(max_batch=4, draft_tree=15))
+    want, want_stats = outcome(local)
+    with spawned_drafter(tmp_path) as address:
+        engine, remote = remote_engine(address, model, config={"draft_tree": 15}, device_waits=device_waits,
+                                       tree_keep=8)
+        assert remote.tree_candidates and remote._conn.drafts.tensor.shape[1] == 2 * 15 * 8
+        tokens, stats = outcome(engine)
+        trees = engine.counters
+        remote.close()
+        engine, remote = remote_engine(address, model, device_waits=device_waits)
+        _, chain_stats = outcome(engine)
+        remote.close()
+    alone = [local_tokens("none", SamplingParams(max_tokens=n, ignore_eos=True))[i] for i, n in enumerate(lengths)]
+    assert tokens == want == alone
+    assert [s.accepted for s in stats] == [s.accepted for s in want_stats] and sum(s.accepted for s in stats) > 0
+    assert sum(s.steps for s in stats) < sum(s.steps for s in chain_stats)
+    assert trees.fallbacks == 0 and trees.chain_replays >= 20, (trees.chain_captures, trees.chain_replays)
 
 
 @pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])

@@ -785,6 +785,15 @@ issue10-final)
   timeout 200 python -m specsplit.cli eval-acceptance --device cuda --drafter mtp --max-tokens 128 \
     2>&1 | grep -v INFO | tee "$OUT/eval_mtp.txt" | grep -E "^tau|mismatches|speedup" | log
   ;;
+services-trees)
+  # (forty-fourth session) draft trees through the two services (ChainStep.tree_keep): the GPU tests (candidates in
+  # the target's drafts buffer, host polls and device waits), then tokens/s at one, two and four streams beside the
+  # services' chains, the in-process trees and target only
+  timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "draft_trees" \
+    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  timeout 330 python bench/split_bench.py --device cuda --batch 1 2 4 --max-tokens 128 --also-trees 15 --rounds 2 \
+    --json-out "$OUT/services_trees.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
+  ;;
 tree-waves)
   # ... eight streams kept full (32 requests through 8 slots): batch 8's steady state, its shapes captured early
   timeout 560 python bench/split_bench.py --device cuda --batch 8 --waves 4 --max-tokens 128 --also-trees 15 \

@@ -12,7 +12,7 @@ class DescribeDrafterRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterDescription(_message.Message):
-    __slots__ = ("kind", "block_size", "max_drafts", "target_layer_ids", "feature", "feature_dim", "hidden_size", "vocab_size", "max_batch", "window", "needs_target_head", "host_id", "device_uuid", "step_columns", "step_socket", "drafts_buffer", "instance", "chains", "done_flags", "written_flags", "prefill_allocs", "host_flags")
+    __slots__ = ("kind", "block_size", "max_drafts", "target_layer_ids", "feature", "feature_dim", "hidden_size", "vocab_size", "max_batch", "window", "needs_target_head", "host_id", "device_uuid", "step_columns", "step_socket", "drafts_buffer", "instance", "chains", "done_flags", "written_flags", "prefill_allocs", "host_flags", "tree_candidates")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFTS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class DrafterDescription(_message.Message):
     WRITTEN_FLAGS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ALLOCS_FIELD_NUMBER: _ClassVar[int]
     HOST_FLAGS_FIELD_NUMBER: _ClassVar[int]
+    TREE_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     kind: _common_pb2.DrafterKind
     block_size: int
     max_drafts: int
@@ -57,7 +58,8 @@ class DrafterDescription(_message.Message):
     written_flags: bool
     prefill_allocs: bool
     host_flags: bool
-    def __init__(self, kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., block_size: _Optional[int] = ..., max_drafts: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., feature_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., window: _Optional[int] = ..., needs_target_head: _Optional[bool] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., step_columns: _Optional[bool] = ..., step_socket: _Optional[str] = ..., drafts_buffer: _Optional[bool] = ..., instance: _Optional[str] = ..., chains: _Optional[bool] = ..., done_flags: _Optional[bool] = ..., written_flags: _Optional[bool] = ..., prefill_allocs: _Optional[bool] = ..., host_flags: _Optional[bool] = ...) -> None: ...
+    tree_candidates: bool
+    def __init__(self, kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., block_size: _Optional[int] = ..., max_drafts: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., feature_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., window: _Optional[int] = ..., needs_target_head: _Optional[bool] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., step_columns: _Optional[bool] = ..., step_socket: _Optional[str] = ..., drafts_buffer: _Optional[bool] = ..., instance: _Optional[str] = ..., chains: _Optional[bool] = ..., done_flags: _Optional[bool] = ..., written_flags: _Optional[bool] = ..., prefill_allocs: _Optional[bool] = ..., host_flags: _Optional[bool] = ..., tree_candidates: _Optional[bool] = ...) -> None: ...
 
 class RegisterBuffersRequest(_message.Message):
     __slots__ = ("buffers",)
@@ -314,7 +316,7 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., proposes: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., register_buffers: _Optional[_Iterable[_Union[_common_pb2.BufferDescriptor, _Mapping]]] = ..., release_buffers: _Optional[_Iterable[int]] = ..., verified: _Optional[_Union[VerifiedColumns, _Mapping]] = ..., propose_columns: _Optional[_Union[ProposeColumns, _Mapping]] = ..., draft_columns: _Optional[bool] = ..., drafts_buffer: _Optional[int] = ..., chain: _Optional[_Union[ChainStep, _Mapping]] = ...) -> None: ...
 
 class ChainStep(_message.Message):
-    __slots__ = ("settle_seq_ids", "settle_counts", "commit_seq_ids", "commit_rows", "rows", "feed", "seq_ids", "ahead", "num_drafts", "done_buffer", "done_value", "written_value", "written_buffer")
+    __slots__ = ("settle_seq_ids", "settle_counts", "commit_seq_ids", "commit_rows", "rows", "feed", "seq_ids", "ahead", "num_drafts", "done_buffer", "done_value", "written_value", "written_buffer", "tree_keep")
     SETTLE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SETTLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +330,7 @@ class ChainStep(_message.Message):
     DONE_VALUE_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_VALUE_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    TREE_KEEP_FIELD_NUMBER: _ClassVar[int]
     settle_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     settle_counts: _containers.RepeatedScalarFieldContainer[int]
     commit_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -341,7 +344,8 @@ class ChainStep(_message.Message):
     done_value: int
     written_value: int
     written_buffer: int
-    def __init__(self, settle_seq_ids: _Optional[_Iterable[int]] = ..., settle_counts: _Optional[_Iterable[int]] = ..., commit_seq_ids: _Optional[_Iterable[int]] = ..., commit_rows: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., feed: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., ahead: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., done_buffer: _Optional[int] = ..., done_value: _Optional[int] = ..., written_value: _Optional[int] = ..., written_buffer: _Optional[int] = ...) -> None: ...
+    tree_keep: int
+    def __init__(self, settle_seq_ids: _Optional[_Iterable[int]] = ..., settle_counts: _Optional[_Iterable[int]] = ..., commit_seq_ids: _Optional[_Iterable[int]] = ..., commit_rows: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., feed: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., ahead: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., done_buffer: _Optional[int] = ..., done_value: _Optional[int] = ..., written_value: _Optional[int] = ..., written_buffer: _Optional[int] = ..., tree_keep: _Optional[int] = ...) -> None: ...
 
 class VerifiedColumns(_message.Message):
     __slots__ = ("seq_ids", "buffer_id", "generation", "row_offsets", "stash_rows", "commit_rows", "base_pos", "token_ids", "num_accepted")

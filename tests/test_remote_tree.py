@@ -1,0 +1,226 @@
+"""Draft trees through the drafter service (ChainStep.tree_keep): the drafter answers each block row's best tokens,
+the target grows, verifies and accepts the trees; the same tokens and steps as the in-process trees, and a target
+asking for what the drafter cannot answer ends only its own connection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit.drafter_service.server import DrafterServer, serve
+from specsplit.shared import frames, wire
+from specsplit.shared.errors import InvalidRequest
+from specsplit.shared.tree import MAX_TREE_KEEP
+from specsplit.target_service.drafter_client import RemoteProposer
+from specsplit.target_service.graphs import StepGraphs
+from tests.test_remote_chain import _chained_once, _run, pair  # noqa: F401 (the fixture)
+
+NODES, KEEP = 7, 4
+
+
+def _engine(target, proposer, **config):
+    from specsplit.target_service.engine import Engine, EngineConfig
+
+    engine = Engine(target, proposer, EngineConfig(max_batch=4, **config))
+    drafts = engine._max_drafts()
+    engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4, query_lens=(1, drafts + 1),
+                               max_len=target.config.max_position_embeddings + drafts + 1, use_graphs=False,
+                               tree_lens=(NODES + 1,) if config.get("draft_tree") else (),
+                               tree_batch=config.get("draft_tree_batch"))
+    return engine
+
+
+def _recorded(proposer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every (logp, ids) `proposer.chain_candidates` returns from now on, copied."""
+    seen, ask = [], proposer.chain_candidates
+
+    def chain_candidates(*args):
+        got = ask(*args)
+        seen.append(tuple(t.clone() for t in got))
+        return got
+
+    proposer.chain_candidates = chain_candidates
+    return seen
+
+
+def _tree_steps(engine) -> int:
+    return sum(1 for key in engine._chain_programs if key[2])
+
+
+@pytest.mark.parametrize("captured", [True, False], ids=["tail-captured", "uncaptured"])
+def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(pair, tiny_chat_dir, captured):
+    """Each chained tree step asks the drafter service for its rows' candidates (answered inline on the CPU) and
+    grows, verifies and accepts its trees here (`chain_capture_remote`: as the tail a graph would hold, or
+    uncaptured, verb by verb): every candidate, every token and every step the in-process trees', and the tokens
+    target-only decoding's, a request joining mid-run included; nothing stays allocated on either side."""
+    from specsplit.shared.tokenizer import Tokenizer
+
+    target, local, address, remote = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    alone = _run(_engine(target, None, chain_steps=False), tokenizer)
+    trees = dict(draft_tree=NODES, draft_tree_keep=KEEP)
+    here = _recorded(local)
+    in_process = _engine(target, local, **trees)
+    want = _run(in_process, tokenizer)
+    proposer = RemoteProposer(address, max_batch=4, tree_keep=KEEP)
+    try:
+        assert proposer.tree_candidates
+        there = _recorded(proposer)
+        through = _engine(target, proposer, chain_capture_remote=captured, **trees)
+        got = _run(through, tokenizer)
+        assert got == want == alone
+        # every step's candidates, as the engine got them: the in-process drafter's, ids and log-probabilities
+        assert len(there) == len(here) > 10
+        for (logp, ids), (want_logp, want_ids) in zip(there, here):
+            assert torch.equal(ids, want_ids) and torch.allclose(logp, want_logp, atol=1e-5)
+        assert _tree_steps(through) > 0 and through.counters.fallbacks == 0 and through.drafter_ok
+        assert through.counters.chained == in_process.counters.chained > 10
+        proposer.flush()
+        assert len(remote.store) == 0 and remote.pool.num_free_blocks == remote.pool.num_blocks
+        assert through.cache.num_free_blocks == through.cache.num_blocks - 1  # all but the scratch block
+    finally:
+        proposer.close()
+
+
+def test_trees_through_the_services_stop_at_the_tree_batch(pair, tiny_chat_dir):
+    """`draft_tree_batch` 1: the steps of several sequences chain as chains through the service, the one left
+    alone at the end grows trees; every token still target-only decoding's."""
+    from specsplit.shared.tokenizer import Tokenizer
+
+    target, _, address, _ = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    alone = _run(_engine(target, None, chain_steps=False), tokenizer, lengths=(10, 12, 40))
+    proposer = RemoteProposer(address, max_batch=4, tree_keep=KEEP)
+    try:
+        through = _engine(target, proposer, draft_tree=NODES, draft_tree_keep=KEEP, draft_tree_batch=1)
+        assert _run(through, tokenizer, lengths=(10, 12, 40)) == alone
+        keys = set(through._chain_programs)
+        assert {key[2] for key in keys if key[0] > 1} == {0} and {key[2] for key in keys if key[0] == 1} == {NODES}
+    finally:
+        proposer.close()
+
+
+def test_a_target_without_tree_keep_or_a_drafter_without_candidates_chains_as_chains(pair, tiny_chat_dir):
+    """A RemoteProposer made without tree_keep offers no candidates: the engine's tree steps chain as chains
+    (the same tokens). A tree_keep out of range is refused where the proposer is made."""
+    from specsplit.shared.tokenizer import Tokenizer
+
+    target, _, address, _ = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    alone = _run(_engine(target, None, chain_steps=False), tokenizer)
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        assert not proposer.tree_candidates
+        through = _engine(target, proposer, draft_tree=NODES, draft_tree_keep=KEEP)
+        assert _run(through, tokenizer) == alone
+        assert _tree_steps(through) == 0 and through.counters.chained > 10 and through.drafter_ok
+    finally:
+        proposer.close()
+    for bad in (-1, 1025, True, 2.0):
+        with pytest.raises(InvalidRequest, match="tree_keep"):
+            RemoteProposer(address, tree_keep=bad)
+
+
+@pytest.mark.parametrize("fields", [dict(tree_keep=-1), dict(tree_keep=1025), dict(tree_keep=4)])
+def test_a_malformed_tree_ask_is_refused_as_it_is_parsed(fields):
+    """tree_keep is 0..1024 and goes with a propose (here there is none)."""
+    with pytest.raises(InvalidRequest, match="tree_keep"):
+        wire.ChainStep(**fields)
+
+
+@pytest.mark.parametrize("keep", [MAX_TREE_KEEP + 1, -3, 4])
+def test_a_tree_ask_the_drafter_cannot_answer_ends_only_that_connection(pair, keep):
+    """A Step asking for candidates beyond tree_keep's range (its bytes, past our own wire checks) is refused as it
+    is parsed (INVALID_ARGUMENT) and ends only that target's stream; one asking for candidates with no propose
+    too. Another target connected all along goes on getting its candidates, and the drafter serves the next."""
+    target, _, address, remote = pair
+    vocab = remote.spec.vocab_size
+    innocent = RemoteProposer(address, max_batch=4, tree_keep=KEEP)
+    innocent_batch = _chained_once(innocent, vocab)
+    proposer = RemoteProposer(address, max_batch=4, tree_keep=KEEP)
+    try:
+        _chained_once(proposer, vocab)
+        conn = proposer._conn
+        proposer._write_feed(conn, 1, torch.tensor([3, 4]))
+        proposer._write_feed(conn, 2, torch.tensor([6, 6]))
+        conn.feed.record()
+        feed = conn.feed.ref(0, 3)
+        chain = wire.ChainStep(seq_ids=(1, 2), ahead=(0, 0), num_drafts=3, feed=feed, tree_keep=2)
+        proposer._step_id += 1
+        pb = wire.step_to_proto(wire.StepBatch(proposer._step_id, chain=chain), columns=True)
+        pb.chain.tree_keep = keep
+        if keep == 4:  # (in range, but with nothing to propose: no sequences, no drafts)
+            del pb.chain.seq_ids[:], pb.chain.ahead[:]
+            pb.chain.num_drafts = 0
+        frames.send_frame(conn.sock, pb.SerializeToString())
+        with pytest.raises(InvalidRequest, match="tree_keep"):
+            proposer._answer(conn, 10.0)
+        logp, ids = innocent.chain_candidates(innocent_batch, torch.tensor([3, 4]), torch.tensor([6, 6]), KEEP)
+        assert logp.shape == ids.shape == (2, remote.spec.max_drafts, KEEP) and logp.dtype == torch.float32
+        assert bool((ids >= 0).all() and (ids < vocab).all()) and bool((logp.diff(dim=2) <= 0).all())
+    finally:
+        proposer.close()
+        innocent.close()
+    again = RemoteProposer(address, max_batch=4, tree_keep=KEEP)
+    try:
+        logp, ids = again.chain_candidates(_chained_once(again, vocab), torch.tensor([3, 4]), torch.tensor([6, 6]),
+                                           KEEP)
+        assert ids.shape == (2, remote.spec.max_drafts, KEEP)
+        with pytest.raises(ValueError, match="candidates a row"):
+            again.chain_candidates(again.chain_batch([1, 2], [0, 0]), torch.tensor([3, 4]), torch.tensor([6, 6]), 3)
+    finally:
+        again.close()
+
+
+def test_a_drafter_without_candidates_is_not_asked_for_trees(tiny_chat_dir, tmp_path):
+    """An MTP drafter serves no chained steps and offers no candidates: a target asking for trees sees none."""
+    from specsplit.drafter_service.checkpoint import random_drafter
+    from specsplit.local import target_head, target_info
+    from specsplit.target_service.model import load_target
+
+    target = load_target(tiny_chat_dir)
+    mtp = random_drafter("mtp", target_info(target), target_head(target), seed=0, dtype=torch.float32)
+    server_obj = DrafterServer(mtp, head=mtp.head, device="cpu")
+    address = f"unix:{tmp_path}/mtp.sock"
+    server = serve(server_obj, [address])
+    try:
+        proposer = RemoteProposer(address, max_batch=4, tree_keep=KEEP)
+        try:
+            assert proposer._conn is not None and not proposer.tree_candidates
+        finally:
+            proposer.close()
+    finally:
+        server.stop(None).wait()
+        server_obj.close()
+
+
+def test_a_drafter_answering_a_tree_without_its_candidates_is_dropped_and_no_token_is_lost(pair, tiny_chat_dir,
+                                                                                         monkeypatch):
+    """A drafter whose answer to a tree's ask holds too few candidates is dropped (DrafterUnavailable in
+    `chain_candidates`); the engine detaches it and decodes on as target-only decoding would."""
+    from specsplit.drafter_service import session
+    from specsplit.shared.proposer import Proposal
+    from specsplit.shared.tokenizer import Tokenizer
+
+    target, _, address, _ = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    alone = _run(_engine(target, None, chain_steps=False), tokenizer)
+    real = session.Session._chain_propose
+    calls = []
+
+    def short(self, chain, drafts_buffer):
+        in_buffer, proposals = real(self, chain, drafts_buffer)
+        calls.append(chain.tree_keep)
+        if chain.tree_keep and len(calls) > 3:
+            proposals = {seq_id: Proposal(tokens=p.tokens[:-1], confidence=p.confidence[:-1])
+                         for seq_id, p in proposals.items()}
+        return in_buffer, proposals
+
+    monkeypatch.setattr(session.Session, "_chain_propose", short)
+    proposer = RemoteProposer(address, max_batch=4, tree_keep=KEEP)
+    try:
+        through = _engine(target, proposer, draft_tree=NODES, draft_tree_keep=KEEP)
+        assert _run(through, tokenizer) == alone
+        assert through.counters.fallbacks >= 1 and calls.count(KEEP) > 3
+    finally:
+        proposer.close()
