@@ -30,7 +30,7 @@ import torch
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.metrics import DrafterMetrics
-from specsplit.drafter_service.session import Session, buffers_read, chains, done_flags, tree_candidates
+from specsplit.drafter_service.session import Session, buffers_read, chains, done_flags, served_tree_keep
 from specsplit.drafter_service.step_socket import StepSocketServer
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import logs, wire
@@ -271,7 +271,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             needs_target_head=self.head is None, step_columns=True, step_socket=self.step_socket,
             drafts_buffer=True, instance=self.instance, chains=chains(self.proposer),
             done_flags=chains(self.proposer) and done_flags(self.device), written_flags=self.written_flags,
-            prefill_allocs=True, host_flags=self.host_flags, tree_candidates=tree_candidates(self.proposer),
+            prefill_allocs=True, host_flags=self.host_flags, tree_keep=served_tree_keep(self.proposer),
         )
         return wire.description_to_proto(description)
 

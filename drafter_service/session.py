@@ -85,9 +85,18 @@ def chains(proposer: Proposer) -> bool:
         and getattr(proposer, "propose_graphs", None) is not None and getattr(proposer, "context_graphs", None) is not None
 
 
-def tree_candidates(proposer: Proposer) -> bool:
-    """Whether `proposer`'s chained proposes may answer draft-tree candidates (ChainStep.tree_keep)."""
-    return chains(proposer) and getattr(type(proposer), "chain_candidates", None) is not None
+# The candidates a block row offers a draft tree through the service (EngineConfig.draft_tree_keep's default)
+TREE_KEEP = 8
+
+
+def served_tree_keep(proposer: Proposer) -> int:
+    """How many candidates a row `proposer`'s chained proposes answer a draft tree (DrafterDescription.tree_keep;
+    ChainStep.tree_keep must equal it): TREE_KEEP, at most the draft vocabulary; 0 where it offers none (not
+    DFlash over its static forwards). One value: the top-k kernel is compiled for it once, and no peer can make
+    the drafter compile more or sort whole vocabularies."""
+    if not chains(proposer) or getattr(type(proposer), "chain_candidates", None) is None:
+        return 0
+    return min(TREE_KEEP, getattr(getattr(proposer, "vocab", None), "size", TREE_KEEP))
 
 
 def candidate_columns(num_drafts: int, tree_keep: int) -> int:
@@ -669,20 +678,21 @@ class Session:
 
     @_in_client_ids
     def _chain_propose(self, chain: ChainStep, drafts_buffer: int) -> tuple[tuple[tuple[int, int], ...], dict]:
-        """Drafts of the chain's sequences from the anchors and positions in feed rows 1 and 2: into the
-        drafts buffer when the step names one that holds them (then (seq_id, count) per row), else in
-        the answer."""
+        """Drafts of the chain's sequences from the anchors and positions in feed rows 1 and 2, or (tree_keep) each
+        block row's candidates for a draft tree (`candidate_columns`): into the drafts buffer when the step names
+        one that holds them (then (seq_id, count) per row), else in the answer."""
         spec = self.proposer.spec
         n, k = len(chain.seq_ids), chain.num_drafts
         if not chains(self.proposer):
             raise StateConflict("this drafter does not serve chained steps (DrafterDescription.chains)")
         if n > spec.max_batch or k > spec.max_drafts:
             raise InvalidRequest(f"a chained propose takes up to {spec.max_batch} sequences and {spec.max_drafts} drafts")
-        keep = chain.tree_keep
-        if keep and not tree_candidates(self.proposer):
-            raise StateConflict("this drafter offers no draft-tree candidates (DrafterDescription.tree_candidates)")
-        if keep > spec.vocab_size:
-            raise InvalidRequest(f"a chained propose's tree_keep is at most the vocabulary ({spec.vocab_size})")
+        keep, served = chain.tree_keep, served_tree_keep(self.proposer) if chain.tree_keep else 0
+        if keep and not served:
+            raise StateConflict("this drafter offers no draft-tree candidates (DrafterDescription.tree_keep is 0)")
+        if keep != served:
+            raise InvalidRequest(f"a chained propose's tree_keep is the drafter's {served} (DrafterDescription), "
+                                 f"not {keep}")
         width = candidate_columns(k, keep)
         done = self._done_target(chain)
         self._bind_head()
@@ -761,7 +771,7 @@ class Session:
             return None
         n, k, count = len(chain.seq_ids), chain.num_drafts, chain.commit_rows
         if n > spec.max_batch or k > spec.max_drafts or count > spec.max_drafts + 1 \
-                or (chain.tree_keep and (chain.tree_keep > spec.vocab_size or not tree_candidates(self.proposer))) \
+                or (chain.tree_keep and chain.tree_keep != served_tree_keep(self.proposer)) \
                 or any(self.importer.descriptor(ref.buffer_id).kind is not BufferKind.CUDA_IPC
                        for ref in (chain.rows, chain.feed)):
             return None

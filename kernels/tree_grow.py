@@ -27,10 +27,11 @@ def grow_tree_words_reference(logp: torch.Tensor, ids: torch.Tensor, budget: int
 
 
 def grow_tree_words(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> tuple[TreeBatch, torch.Tensor]:
-    """The Triton kernel on CUDA, the torch reference elsewhere. A NaN score (a drafter's non-finite logits)
-    ranks last, as -inf does: whatever the scores, the trees are well formed (their acceptance is the target's)."""
+    """The Triton kernel on CUDA, the torch reference elsewhere. The scores are a drafter's (a peer's bytes): a NaN
+    ranks last, as -inf does, and none exceeds 0 (a log-probability; +inf is 0), so no node outscores its parent:
+    whatever the scores, the trees are well formed (their acceptance is the target's)."""
     check_tree_shape(logp, ids, budget)
-    logp = torch.nan_to_num(logp.float(), nan=float("-inf"))
+    logp = torch.nan_to_num(logp.float(), nan=float("-inf"), posinf=0.0).clamp(max=0.0)
     if HAVE_TRITON and logp.is_cuda:
         return grow_tree_words_triton(logp, ids, budget)
     return grow_tree_words_reference(logp, ids, budget)

@@ -207,7 +207,7 @@ class DrafterDescription:
     written_flags: bool = False  # its stream may wait on the device for ChainStep.written_value
     prefill_allocs: bool = False  # PrefillDrafter allocates the sequence when asked (alloc_budget_tokens)
     host_flags: bool = False  # takes its DONE buffer in a host page passed with the Step socket hello
-    tree_candidates: bool = False  # a chained propose may ask for draft-tree candidates (ChainStep.tree_keep)
+    tree_keep: int = 0  # the candidates a row a chained propose may ask for (ChainStep.tree_keep; 0: none)
 
 
 def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
@@ -235,13 +235,15 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
         written_flags=d.written_flags,
         prefill_allocs=d.prefill_allocs,
         host_flags=d.host_flags,
-        tree_candidates=d.tree_candidates,
+        tree_keep=d.tree_keep,
     )
 
 
 def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescription:
     if pb.hidden_size <= 0 or pb.vocab_size <= 0 or pb.window < 0:
         raise InvalidRequest("drafter description needs positive hidden_size and vocab_size, window >= 0")
+    if not 0 <= pb.tree_keep <= min(MAX_TREE_KEEP, pb.vocab_size):
+        raise InvalidRequest(f"drafter description's tree_keep is 0..{MAX_TREE_KEEP}, at most its vocabulary")
     spec = DrafterSpec(
         kind=_from_proto(_DRAFTER_KIND, pb.kind, "drafter kind"),
         feature=_from_proto(_FEATURE, pb.feature, "feature kind"),
@@ -256,7 +258,7 @@ def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescrip
     )
     return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns,
                               pb.step_socket, pb.drafts_buffer, pb.instance, pb.chains, pb.done_flags,
-                              pb.written_flags, pb.prefill_allocs, pb.host_flags, pb.tree_candidates)
+                              pb.written_flags, pb.prefill_allocs, pb.host_flags, pb.tree_keep)
 
 
 def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:

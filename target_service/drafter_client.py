@@ -270,7 +270,7 @@ class _Connection:
     done_sent: int = 0  # ... and the one the last Step sent asked for (0: none)
     written_value: int = 0  # the last value our stream wrote into `done`'s element 1 (a drafter with written_flags)
     offered: bool = False  # the last Step sent named `drafts`
-    tree_candidates: bool = False  # the drafter answers chained draft-tree candidates (DrafterDescription)
+    tree_candidates: bool = False  # the drafter answers our tree_keep candidates a row (DrafterDescription.tree_keep)
     allocated: set[int] = field(default_factory=set)  # seq ids this connection's drafter session holds
     dead: bool = False  # the Step stream ended: the drafter has dropped (or never had) this session
     error: SpecsplitError | None = None  # why the Step stream ended, when the drafter said
@@ -546,7 +546,10 @@ class RemoteProposer:
         conn.step = RowStager(conn.exporter, step_rows, spec.feature_dim, self.dtype, stage_on, self.link)
         conn.bulk = RowStager(conn.exporter, 1024, spec.feature_dim, self.dtype, stage_on, self.link)
         buffers = [b.buffer for b in (conn.step, conn.bulk) if b.buffer is not None]
-        conn.tree_candidates = desc.tree_candidates and self.tree_keep > 0 and self.tree_keep <= spec.vocab_size
+        conn.tree_candidates = self.tree_keep > 0 and desc.tree_keep == self.tree_keep
+        if self.tree_keep and desc.tree_keep != self.tree_keep:
+            log.info("drafter at %s answers %s candidates a row, not the %d draft trees ask for: chains only",
+                     self.address, desc.tree_keep or "no", self.tree_keep)
         if self.mode == "cuda_ipc" and desc.drafts_buffer:  # drafts may stay on the GPU, written into our buffer
             # (with draft trees: wide enough for each row's candidates, ids then log-probabilities)
             width = 2 * spec.max_drafts * self.tree_keep if conn.tree_candidates else spec.max_drafts
@@ -1034,7 +1037,8 @@ class RemoteProposer:
         if not answer.in_buffer:
             return {}
         self._check_rows(conn, answer)
-        (rows,) = to_host(conn.drafts.tensor[:len(answer.in_buffer)])  # _answer saw the drafter's work done
+        most = max(n for _, n in answer.in_buffer)  # (a buffer wide enough for trees' candidates: their drafts only)
+        (rows,) = to_host(conn.drafts.tensor[:len(answer.in_buffer), :most])  # _answer saw the drafter's work done
         self._note_read(conn)
         return {seq_id: Proposal(tokens=rows[i][:n]) for i, (seq_id, n) in enumerate(answer.in_buffer)}
 

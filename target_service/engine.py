@@ -120,7 +120,7 @@ class EngineConfig:
     # chained step that is not the one before. Off (the waits drained as for device memory) until the H200
     # has run the hang's test with the page (thirty-eighth session; `gpu_round.sh host-flags`).
     unquiesced_host_flags: bool = False
-    # Greedy steps of an in-process DFlash drafter verify a draft tree of this many nodes a sequence instead of
+    # Greedy steps of a DFlash drafter verify a draft tree of this many nodes a sequence instead of
     # one chain (`shared.tree`): the best rank paths of the block's rows by summed log-probability, each row
     # offering its `draft_tree_keep` best tokens. On the shipped drafter's held-out walk a tree of 15 nodes, the
     # chain's verify width, took tau 3.67 -> 4.28 (chat 3.20 -> 3.77; bench/tree_tau.py). On a GPU tree steps
@@ -879,7 +879,8 @@ class Engine:
         n, keep = self.config.draft_tree, self.config.draft_tree_keep
         if not (0 < n <= self._spec.max_drafts and self._trees_fit(seqs)
                 and _capability(self.proposer, "chain_candidates") is not None
-                and getattr(self.proposer, "tree_candidates", True)  # (a drafter service's, when it offers them)
+                and getattr(self.proposer, "tree_candidates", True)  # (a drafter service's, when it offers them,
+                and getattr(self.proposer, "tree_keep", keep) == keep  # as many a row as we ask for)
                 and all(s.request.params.greedy and s.drafter_attached for s in seqs)
                 and self.graphs.tree_bucket(len(seqs), n + 1) is not None):
             return 0

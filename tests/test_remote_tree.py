@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.drafter_service.server import DrafterServer, serve
+from specsplit.drafter_service.session import TREE_KEEP, served_tree_keep
 from specsplit.shared import frames, wire
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.tree import MAX_TREE_KEEP
@@ -15,7 +15,7 @@ from specsplit.target_service.drafter_client import RemoteProposer
 from specsplit.target_service.graphs import StepGraphs
 from tests.test_remote_chain import _chained_once, _run, pair  # noqa: F401 (the fixture)
 
-NODES, KEEP = 7, 4
+NODES, KEEP = 7, TREE_KEEP  # (the candidates a row the drafter serves)
 
 
 def _engine(target, proposer, **config):
@@ -47,7 +47,7 @@ def _tree_steps(engine) -> int:
     return sum(1 for key in engine._chain_programs if key[2])
 
 
-@pytest.mark.parametrize("captured", [True, False], ids=["tail-captured", "uncaptured"])
+@pytest.mark.parametrize("captured", [True, False], ids=["as-tail", "verb-by-verb"])
 def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(pair, tiny_chat_dir, captured):
     """Each chained tree step asks the drafter service for its rows' candidates (answered inline on the CPU) and
     grows, verifies and accepts its trees here (`chain_capture_remote`: as the tail a graph would hold, or
@@ -119,6 +119,16 @@ def test_a_target_without_tree_keep_or_a_drafter_without_candidates_chains_as_ch
     for bad in (-1, 1025, True, 2.0):
         with pytest.raises(InvalidRequest, match="tree_keep"):
             RemoteProposer(address, tree_keep=bad)
+    # asking for other than what the drafter serves, or than the engine's trees want: chains, nothing detached
+    for asked, wanted in ((KEEP // 2, KEEP // 2), (KEEP, KEEP // 2)):
+        proposer = RemoteProposer(address, max_batch=4, tree_keep=asked)
+        try:
+            assert proposer.tree_candidates == (asked == KEEP)
+            through = _engine(target, proposer, draft_tree=NODES, draft_tree_keep=wanted)
+            assert _run(through, tokenizer) == alone
+            assert _tree_steps(through) == 0 and through.counters.fallbacks == 0 and through.drafter_ok
+        finally:
+            proposer.close()
 
 
 @pytest.mark.parametrize("fields", [dict(tree_keep=-1), dict(tree_keep=1025), dict(tree_keep=4)])
@@ -128,11 +138,22 @@ def test_a_malformed_tree_ask_is_refused_as_it_is_parsed(fields):
         wire.ChainStep(**fields)
 
 
-@pytest.mark.parametrize("keep", [MAX_TREE_KEEP + 1, -3, 4])
+@pytest.mark.parametrize("keep, vocab", [(-1, 100), (1025, 5000), (9, 8)])
+def test_a_drafter_description_offering_impossible_candidates_is_refused(keep, vocab):
+    """A drafter's description is a peer's bytes too: its tree_keep is 0..1024 and at most its vocabulary."""
+    from specsplit.protos.v1 import drafter_pb2
+
+    pb = drafter_pb2.DrafterDescription(hidden_size=8, vocab_size=vocab, max_drafts=3, max_batch=2, tree_keep=keep)
+    with pytest.raises(InvalidRequest, match="tree_keep"):
+        wire.description_from_proto(pb)
+
+
+@pytest.mark.parametrize("keep", [MAX_TREE_KEEP + 1, -3, "no propose", KEEP // 2, KEEP + 1])
 def test_a_tree_ask_the_drafter_cannot_answer_ends_only_that_connection(pair, keep):
     """A Step asking for candidates beyond tree_keep's range (its bytes, past our own wire checks) is refused as it
     is parsed (INVALID_ARGUMENT) and ends only that target's stream; one asking for candidates with no propose
-    too. Another target connected all along goes on getting its candidates, and the drafter serves the next."""
+    too, and one asking for other than the drafter serves (its top-k is built for that one value) as it runs.
+    Another target connected all along goes on getting its candidates, and the drafter serves the next."""
     target, _, address, remote = pair
     vocab = remote.spec.vocab_size
     innocent = RemoteProposer(address, max_batch=4, tree_keep=KEEP)
@@ -148,8 +169,8 @@ def test_a_tree_ask_the_drafter_cannot_answer_ends_only_that_connection(pair, ke
         chain = wire.ChainStep(seq_ids=(1, 2), ahead=(0, 0), num_drafts=3, feed=feed, tree_keep=2)
         proposer._step_id += 1
         pb = wire.step_to_proto(wire.StepBatch(proposer._step_id, chain=chain), columns=True)
-        pb.chain.tree_keep = keep
-        if keep == 4:  # (in range, but with nothing to propose: no sequences, no drafts)
+        pb.chain.tree_keep = KEEP if keep == "no propose" else keep
+        if keep == "no propose":  # (in range, but with nothing to propose: no sequences, no drafts)
             del pb.chain.seq_ids[:], pb.chain.ahead[:]
             pb.chain.num_drafts = 0
         frames.send_frame(conn.sock, pb.SerializeToString())
@@ -172,26 +193,35 @@ def test_a_tree_ask_the_drafter_cannot_answer_ends_only_that_connection(pair, ke
         again.close()
 
 
-def test_a_drafter_without_candidates_is_not_asked_for_trees(tiny_chat_dir, tmp_path):
-    """An MTP drafter serves no chained steps and offers no candidates: a target asking for trees sees none."""
+def test_a_drafter_without_candidates_is_not_asked_for_trees_and_refuses_them(pair, tiny_chat_dir, monkeypatch):
+    """A drafter that offers no candidates (DrafterDescription.tree_keep 0: MTP, or here a DFlash drafter told so)
+    is not asked for trees: the engine's tree steps chain as chains, every token target-only's. Asked all the
+    same (a peer's bytes), it refuses with FAILED_PRECONDITION, ending only that target's stream."""
+    from specsplit.drafter_service import server, session
     from specsplit.drafter_service.checkpoint import random_drafter
     from specsplit.local import target_head, target_info
-    from specsplit.target_service.model import load_target
+    from specsplit.shared.errors import StateConflict
+    from specsplit.shared.tokenizer import Tokenizer
 
-    target = load_target(tiny_chat_dir)
+    target, local, address, remote = pair
     mtp = random_drafter("mtp", target_info(target), target_head(target), seed=0, dtype=torch.float32)
-    server_obj = DrafterServer(mtp, head=mtp.head, device="cpu")
-    address = f"unix:{tmp_path}/mtp.sock"
-    server = serve(server_obj, [address])
+    assert served_tree_keep(mtp) == 0 and served_tree_keep(local) == KEEP
+    monkeypatch.setattr(server, "served_tree_keep", lambda proposer: 0)
+    monkeypatch.setattr(session, "served_tree_keep", lambda proposer: 0)
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    alone = _run(_engine(target, None, chain_steps=False), tokenizer)
+    proposer = RemoteProposer(address, max_batch=4, tree_keep=KEEP)
     try:
-        proposer = RemoteProposer(address, max_batch=4, tree_keep=KEEP)
-        try:
-            assert proposer._conn is not None and not proposer.tree_candidates
-        finally:
-            proposer.close()
+        assert proposer._conn is not None and not proposer.tree_candidates
+        through = _engine(target, proposer, draft_tree=NODES, draft_tree_keep=KEEP)
+        assert _run(through, tokenizer) == alone
+        assert _tree_steps(through) == 0 and through.counters.chained > 10 and through.counters.fallbacks == 0
+        proposer._conn.tree_candidates = True  # (as if it had said otherwise)
+        with pytest.raises(StateConflict, match="offers no draft-tree candidates"):
+            proposer.chain_candidates(_chained_once(proposer, remote.spec.vocab_size), torch.tensor([3, 4]),
+                                      torch.tensor([6, 6]), KEEP)
     finally:
-        server.stop(None).wait()
-        server_obj.close()
+        proposer.close()
 
 
 def test_a_drafter_answering_a_tree_without_its_candidates_is_dropped_and_no_token_is_lost(pair, tiny_chat_dir,

@@ -77,6 +77,24 @@ def test_nan_scores_make_well_formed_trees():
     assert_well_formed_with_nan(grow_tree_words)
 
 
+@pytest.mark.parametrize("hostile", [5.0, float("inf")])
+def test_scores_above_zero_cannot_emit_a_token_the_target_did_not_pick(hostile):
+    """A drafter's score above 0 (a log-probability cannot be) would let a child outscore its parent: kept
+    without it, the child hung from the root at depth 2, and its accepted path read a token nobody verified.
+    Clamped to 0, the trees stay well formed and every emitted token is the target's pick after its parent."""
+    from specsplit.target_service.chain import accept_tree_paths
+
+    logp = torch.tensor([[[-1.0, -2.0], [hostile, -3.0], [-0.5, -9.0]]])
+    ids = torch.tensor([[[1, 2], [3, 4], [5, 6]]])
+    trees, words = grow_tree_words(logp, ids, 5)
+    tree = trees.tree(0)
+    assert all(p < i for i, p in enumerate(tree.parents))
+    assert trees.depths[0].tolist() == [len(tree.path_to(i)) for i in range(len(tree))]
+    picks = torch.tensor([[3, 9, 9, 9, 9, 9]])  # the target picks 3 after the root: no node holds it
+    accepted, _, emitted = accept_tree_paths(trees, picks, words)
+    assert accepted.tolist() == [0] and emitted[0, 0].item() == 3
+
+
 def check_triton_interpreted() -> None:
     """Run with TRITON_INTERPRET=1 set before triton is imported (test_triton_interpreted does)."""
     for seed in range(2):

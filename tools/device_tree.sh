@@ -23,7 +23,9 @@ slim)
   # a commit while slim would delete the checkpoints from main (two sessions did): refuse commits until restore
   hooks=$(git rev-parse --git-path hooks)
   mkdir -p "$hooks"
-  if [ ! -e "$hooks/pre-commit" ]; then
+  if [ -e "$hooks/pre-commit" ] && ! grep -q device-tree-slim "$hooks/pre-commit"; then
+    echo "device_tree: a pre-commit hook of yours is there: commits are NOT refused while slim" >&2
+  elif [ ! -e "$hooks/pre-commit" ]; then
     cat > "$hooks/pre-commit" <<'HOOK'
 #!/bin/sh
 if [ -e "$(git rev-parse --git-dir)/device-tree-slim" ]; then

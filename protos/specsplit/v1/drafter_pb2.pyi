@@ -12,7 +12,7 @@ class DescribeDrafterRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterDescription(_message.Message):
-    __slots__ = ("kind", "block_size", "max_drafts", "target_layer_ids", "feature", "feature_dim", "hidden_size", "vocab_size", "max_batch", "window", "needs_target_head", "host_id", "device_uuid", "step_columns", "step_socket", "drafts_buffer", "instance", "chains", "done_flags", "written_flags", "prefill_allocs", "host_flags", "tree_candidates")
+    __slots__ = ("kind", "block_size", "max_drafts", "target_layer_ids", "feature", "feature_dim", "hidden_size", "vocab_size", "max_batch", "window", "needs_target_head", "host_id", "device_uuid", "step_columns", "step_socket", "drafts_buffer", "instance", "chains", "done_flags", "written_flags", "prefill_allocs", "host_flags", "tree_keep")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFTS_FIELD_NUMBER: _ClassVar[int]
@@ -35,7 +35,7 @@ class DrafterDescription(_message.Message):
     WRITTEN_FLAGS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ALLOCS_FIELD_NUMBER: _ClassVar[int]
     HOST_FLAGS_FIELD_NUMBER: _ClassVar[int]
-    TREE_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    TREE_KEEP_FIELD_NUMBER: _ClassVar[int]
     kind: _common_pb2.DrafterKind
     block_size: int
     max_drafts: int
@@ -58,8 +58,8 @@ class DrafterDescription(_message.Message):
     written_flags: bool
     prefill_allocs: bool
     host_flags: bool
-    tree_candidates: bool
-    def __init__(self, kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., block_size: _Optional[int] = ..., max_drafts: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., feature_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., window: _Optional[int] = ..., needs_target_head: _Optional[bool] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., step_columns: _Optional[bool] = ..., step_socket: _Optional[str] = ..., drafts_buffer: _Optional[bool] = ..., instance: _Optional[str] = ..., chains: _Optional[bool] = ..., done_flags: _Optional[bool] = ..., written_flags: _Optional[bool] = ..., prefill_allocs: _Optional[bool] = ..., host_flags: _Optional[bool] = ..., tree_candidates: _Optional[bool] = ...) -> None: ...
+    tree_keep: int
+    def __init__(self, kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., block_size: _Optional[int] = ..., max_drafts: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., feature_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., window: _Optional[int] = ..., needs_target_head: _Optional[bool] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., step_columns: _Optional[bool] = ..., step_socket: _Optional[str] = ..., drafts_buffer: _Optional[bool] = ..., instance: _Optional[str] = ..., chains: _Optional[bool] = ..., done_flags: _Optional[bool] = ..., written_flags: _Optional[bool] = ..., prefill_allocs: _Optional[bool] = ..., host_flags: _Optional[bool] = ..., tree_keep: _Optional[int] = ...) -> None: ...
 
 class RegisterBuffersRequest(_message.Message):
     __slots__ = ("buffers",)
