@@ -297,7 +297,6 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
     engine = EngineConfig(max_batch=args.max_batch, num_drafts=None if auto else args.num_drafts,
                           kv_blocks=args.kv_blocks, cuda_graphs=args.cuda_graphs,
                           drafts_by_batch=args.drafts_by_batch, auto_drafts=auto, draft_tree=args.draft_tree,
-                          draft_tree_keep=args.draft_tree_keep,
                           draft_tree_batch=min(args.draft_tree_batch, args.max_batch) if args.draft_tree else None)
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
                               drafter_timeout=args.drafter_timeout, step_socket=not args.step_over_grpc,
@@ -541,9 +540,7 @@ def add_service_parsers(sub) -> None:
     ts.add_argument("--draft-tree", type=int, default=0, metavar="NODES",
                     help="greedy steps of a DFlash drafter service verify a best-first draft tree of this many nodes "
                          "a sequence instead of a chain (1..63, at most its drafts; 0: chains): the drafter answers "
-                         "each block row's --draft-tree-keep best tokens, the tree is grown and verified here")
-    ts.add_argument("--draft-tree-keep", type=int, default=8, metavar="K",
-                    help="with --draft-tree: the tokens each block row offers the tree (default 8)")
+                         "each block row's 8 best tokens, the trees are grown and verified here")
     ts.add_argument("--draft-tree-batch", type=int, default=4, metavar="N",
                     help="with --draft-tree: trees only in steps of at most N sequences, chains above (default 4: "
                          "in-process at 2 and 4 streams trees beat chains, at 8 they did not)")

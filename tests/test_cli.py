@@ -160,12 +160,11 @@ def test_generate_local_draft_trees_by_default_where_they_pay(extra, nodes, monk
 
 @pytest.mark.parametrize("extra, want", [((), (0, 8, None)),
                                          (("--draft-tree", "15"), (15, 8, 4)),
-                                         (("--draft-tree", "15", "--draft-tree-keep", "4", "--draft-tree-batch", "2"),
-                                          (15, 4, 2)),
+                                         (("--draft-tree", "15", "--draft-tree-batch", "2"), (15, 8, 2)),
                                          (("--draft-tree", "15", "--max-batch", "2"), (15, 8, 2))])
 def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, monkeypatch):
-    """`target serve --draft-tree N [--draft-tree-keep K] [--draft-tree-batch B]`: the engine's trees (B at most
-    --max-batch; none without --draft-tree)."""
+    """`target serve --draft-tree N [--draft-tree-batch B]`: the engine's trees (B at most --max-batch; none without
+    --draft-tree), of the 8 candidates a row the drafter serves."""
     import specsplit.services
 
     seen = []
@@ -182,8 +181,7 @@ def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, m
     assert seen == [want]
 
 
-@pytest.mark.parametrize("extra", [("--draft-tree", "64"), ("--draft-tree", "15", "--draft-tree-batch", "0"),
-                                   ("--draft-tree", "15", "--draft-tree-keep", "0")])
+@pytest.mark.parametrize("extra", [("--draft-tree", "64"), ("--draft-tree", "15", "--draft-tree-batch", "0")])
 def test_target_serve_refuses_draft_trees_it_cannot_build(extra, capsys):
     assert main(["target", "serve", "--listen", "unix:/nonexistent/t.sock", *extra]) == 2
     assert "draft_tree" in capsys.readouterr().err
