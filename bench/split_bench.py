@@ -202,6 +202,25 @@ def kernel_setting(engine: str):
         setattr(module, attr, old)
 
 
+# The variants' ratios within each round: (name, numerator, denominator), where both ran
+VARIANT_RATIOS = (
+    ("in_process_trees_over_in_process", "in_process_trees", "in_process"),
+    ("in_process_trees_over_target_only", "in_process_trees", "target_only"),
+    ("services_trees_over_services", "services_trees", "services"),
+    ("services_trees_over_target_only", "services_trees", "target_only"),
+    ("services_trees_over_in_process_trees", "services_trees", "in_process_trees"),
+    ("services_ahead_over_not_ahead", "services", "services_not_ahead"),
+    ("services_over_unprepared", "services", "services_unprepared"),
+    ("services_over_tail_uncaptured", "services", "services_tail_uncaptured"),
+    ("services_over_no_regroup", "services", "services_no_regroup"),
+    ("services_device_waits_over_host_polls", "services_device_waits", "services"),
+    ("services_device_waits_over_in_process", "services_device_waits", "in_process"),
+    ("services_both_waits_over_host_polls", "services_both_waits", "services"),
+    ("services_both_waits_over_in_process", "services_both_waits", "in_process"),
+    ("services_both_waits_over_target_waits", "services_both_waits", "services_device_waits"),
+)
+
+
 def round_ratios(rates: dict[str, list[float]]) -> dict:
     """Each round's tokens/s of target_only, in_process and services, the ratios within each round, and
     the median of each (a ratio's median over rounds, not a ratio of medians: each round's are side by
@@ -214,33 +233,8 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
         for suffix, (*_, label) in KERNEL_VARIANTS.items():
             if f"{name}_{suffix}" in rates:
                 ratios[f"{name}_{label}"] = [a / b for a, b in zip(rates[name], rates[f"{name}_{suffix}"])]
-    if "in_process_trees" in rates:
-        trees = rates["in_process_trees"]
-        ratios["in_process_trees_over_in_process"] = [d / b for b, d in zip(local, trees)]
-        ratios["in_process_trees_over_target_only"] = [d / a for a, d in zip(base, trees)]
-    if "services_trees" in rates:
-        trees = rates["services_trees"]
-        ratios["services_trees_over_services"] = [d / c for c, d in zip(split, trees)]
-        ratios["services_trees_over_target_only"] = [d / a for a, d in zip(base, trees)]
-        if "in_process_trees" in rates:
-            ratios["services_trees_over_in_process_trees"] = [d / b for b, d in zip(rates["in_process_trees"], trees)]
-    if "services_not_ahead" in rates:
-        ratios["services_ahead_over_not_ahead"] = [c / d for c, d in zip(split, rates["services_not_ahead"])]
-    if "services_unprepared" in rates:
-        ratios["services_over_unprepared"] = [c / d for c, d in zip(split, rates["services_unprepared"])]
-    if "services_tail_uncaptured" in rates:
-        ratios["services_over_tail_uncaptured"] = [c / d for c, d in zip(split, rates["services_tail_uncaptured"])]
-    if "services_no_regroup" in rates:
-        ratios["services_over_no_regroup"] = [c / d for c, d in zip(split, rates["services_no_regroup"])]
-    if "services_device_waits" in rates:
-        ratios["services_device_waits_over_host_polls"] = [d / c for c, d in zip(split, rates["services_device_waits"])]
-        ratios["services_device_waits_over_in_process"] = [d / b for b, d in zip(local, rates["services_device_waits"])]
-    if "services_both_waits" in rates:
-        both = rates["services_both_waits"]
-        ratios["services_both_waits_over_host_polls"] = [d / c for c, d in zip(split, both)]
-        ratios["services_both_waits_over_in_process"] = [d / b for b, d in zip(local, both)]
-        if "services_device_waits" in rates:
-            ratios["services_both_waits_over_target_waits"] = [d / c for c, d in zip(rates["services_device_waits"], both)]
+    ratios.update({name: [a / b for a, b in zip(rates[top], rates[bottom])] for name, top, bottom in VARIANT_RATIOS
+                   if top in rates and bottom in rates})
     return {"tokens_per_s": rates, "ratios": ratios,
             "median": {name: statistics.median(values) for name, values in {**rates, **ratios}.items()}}
 
