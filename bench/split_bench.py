@@ -269,7 +269,8 @@ def summary(batch: int, prompts: list[str], result: dict) -> str:
         over = median.get("services_trees_over_target_only", result["services_trees_over_target_only"])
         line += (f"; draft trees through the services {over:.2f}x target only (tau {trees['tau']:.2f}), "
                  f"{median.get('services_trees_over_services', result['services_trees_over_services']):.2f}x the "
-                 f"services' chains, {median.get('services_trees_over_in_process_trees', result['services_trees_over_in_process_trees']):.2f}x "
+                 f"services' chains, "
+                 f"{median.get('services_trees_over_in_process_trees', result['services_trees_over_in_process_trees']):.2f}x "
                  f"in-process trees, "
                  f"{result['requests_differing_services_trees_vs_target_only']} requests differing")
     if "services_over_no_regroup" in result:
@@ -544,7 +545,8 @@ def main() -> None:
                       f"{result['chained_steps_replayed_whole']} replayed whole), "
                       f"{plain['in_process_trees_over_target_only']:.2f}x target only, "
                       f"{plain['in_process_trees_over_in_process']:.2f}x chains (tau {local['tau']:.2f})", flush=True)
-                engine = engines["services_trees"] = Engine(model, remote_trees, replace(conf, draft_tree=args.also_trees))
+                engine = engines["services_trees"] = Engine(model, remote_trees,
+                                                            replace(conf, draft_tree=args.also_trees))
                 run(engine, tokenizer, prompts, args.max_tokens, "warm")
                 services_tree_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "s")
                 rates["services_trees"] = [result["tokens_per_s"]]

@@ -724,7 +724,8 @@ class Session:
             self._write_done(done, chain.done_value)
             if keep:
                 cut = k * keep
-                return (), {seq_id: Proposal(tokens=row[:cut].tolist(), confidence=row[cut:].view(torch.float32).tolist())
+                return (), {seq_id: Proposal(tokens=row[:cut].tolist(),
+                                             confidence=row[cut:].view(torch.float32).tolist())
                             for seq_id, row in zip(chain.seq_ids, rows)}
             return (), {seq_id: Proposal(tokens=row) for seq_id, row in zip(chain.seq_ids, rows.tolist())}
 

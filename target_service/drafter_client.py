@@ -1307,7 +1307,8 @@ class RemoteProposer:
             conn.feed_fresh = False
         conn.feed.tensor[row, :values.shape[0]].copy_(values)
 
-    def _chain_part(self, conn: _Connection, propose: tuple[RemoteChainBatch, int, int] | None) -> wire.ChainStep | None:
+    def _chain_part(self, conn: _Connection,
+                    propose: tuple[RemoteChainBatch, int, int] | None) -> wire.ChainStep | None:
         """What the next Step carries of chained steps: the settles and commit queued, and `propose`."""
         settle_ids, settle_counts = self._settles
         commit = self._chain_commit

@@ -255,7 +255,8 @@ class Engine:
         windowed = any(cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers))
         trees = (self.config.draft_tree + 1,) if self.config.draft_tree and not windowed else ()
         return StepGraphs(self.model, self.cache, self.capture, max_batch=self.config.max_batch,
-                          query_lens=(1, drafts + 1, *shorter), tree_lens=trees, tree_batch=self.config.draft_tree_batch,
+                          query_lens=(1, drafts + 1, *shorter), tree_lens=trees,
+                          tree_batch=self.config.draft_tree_batch,
                           max_len=min(longest + self.config.draft_tree,
                                       self.config.kv_blocks * self.config.kv_block_size))
 

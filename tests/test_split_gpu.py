@@ -445,11 +445,10 @@ def test_draft_trees_through_the_drafter_service_accept_as_the_in_process_trees(
 
     model, tokenizer = default_target()
     lengths = (160, 100, 60)
-    requests = lambda: [Request(str(i), tokenizer.encode(p), SamplingParams(max_tokens=n, ignore_eos=True))  # noqa: E731
-                        for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
 
     def outcome(engine):
-        events = engine.generate(requests())
+        events = engine.generate([Request(str(i), tokenizer.encode(p), SamplingParams(max_tokens=n, ignore_eos=True))
+                                  for i, (p, n) in enumerate(zip(PROMPTS, lengths))])
         return ([[t for e in events[str(i)] for t in e.token_ids] for i in range(len(lengths))],
                 [events[str(i)][-1].stats for i in range(len(lengths))])
 

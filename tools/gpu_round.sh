@@ -781,7 +781,8 @@ issue10-final)
   # (forty-fourth session) issue 10's last figures: the chained, captured trees in float32 over all 80 held-out
   # prompts at one stream (mismatches against target-only: 0 expected), and the MTP head's tau beside DFlash's
   timeout 300 python -m specsplit.cli eval-acceptance --device cuda --dtype float32 --draft-tree 15 --max-tokens 128 \
-    --batch 1 2>&1 | grep -v INFO | tee "$OUT/eval_tree_b1_fp32.txt" | grep -E "^tau|walk|mismatches|speedup|engine" | log
+    --batch 1 2>&1 | grep -v INFO | tee "$OUT/eval_tree_b1_fp32.txt" \
+    | grep -E "^tau|walk|mismatches|speedup|engine" | log
   timeout 200 python -m specsplit.cli eval-acceptance --device cuda --drafter mtp --max-tokens 128 \
     2>&1 | grep -v INFO | tee "$OUT/eval_mtp.txt" | grep -E "^tau|mismatches|speedup" | log
   ;;
