@@ -13,6 +13,7 @@ import pytest
 
 from specsplit.cli import build_parser, main
 from specsplit.pair import ServiceSpec, spawn
+from specsplit.shared import logs
 from specsplit.shared.tokenizer import TextStream, Tokenizer
 
 # Flags (store_true) and required options have no default to show; one of --local/--server is required.
@@ -167,6 +168,7 @@ def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, m
     --draft-tree), of the 8 candidates a row the drafter serves."""
     import specsplit.services
 
+    monkeypatch.setattr(logs, "configure", lambda *args, **kwargs: None)  # (the root logger outlives the test)
     seen = []
 
     def start_target(settings):
@@ -182,7 +184,8 @@ def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, m
 
 
 @pytest.mark.parametrize("extra", [("--draft-tree", "64"), ("--draft-tree", "15", "--draft-tree-batch", "0")])
-def test_target_serve_refuses_draft_trees_it_cannot_build(extra, capsys):
+def test_target_serve_refuses_draft_trees_it_cannot_build(extra, capsys, monkeypatch):
+    monkeypatch.setattr(logs, "configure", lambda *args, **kwargs: None)  # (the root logger outlives the test)
     assert main(["target", "serve", "--listen", "unix:/nonexistent/t.sock", *extra]) == 2
     assert "draft_tree" in capsys.readouterr().err
 
