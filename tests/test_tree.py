@@ -253,6 +253,7 @@ def test_tree_decoding_equals_the_targets_greedy_output_and_its_teacher_forced_w
         decode(model, dm, head, [], 4, policies[0])
 
 
+@pytest.mark.slow  # (34 s: the default suite stays under five minutes; CI runs it with the slow tests)
 def test_the_shipped_drafters_trees_accept_more_and_stay_lossless(smollm2, smollm2_tokenizer):
     """The shipped drafter on two held-out chat prompts: a best-first tree of 15 nodes (today's verify width)
     accepts more tokens a step than the chain, its output is the target's greedy output, and decoding takes
