@@ -1157,10 +1157,7 @@ class RemoteProposer:
             self.link.chain_taken_regrouped += sent[0] != batch.seq_ids
             want = tuple((seq_id, num_drafts) for seq_id in sent[0])
         else:
-            self._write_feed(conn, 1, anchors)
-            self._write_feed(conn, 2, positions)
-            self._send(conn, [], into_buffer=True, chain=(batch, num_drafts, 0))
-            answer = self._answer(conn, self.step_deadline())
+            answer = self._chain_ask(conn, batch, anchors, positions, num_drafts)
             want = tuple((seq_id, num_drafts) for seq_id in batch.seq_ids)
         n = len(batch.seq_ids)
         if answer.in_buffer:
@@ -1174,6 +1171,15 @@ class RemoteProposer:
             self._disconnect()
             raise DrafterUnavailable("the drafter answered a chained propose without its drafts")
         return torch.tensor([list(p.tokens) for p in drafts], dtype=torch.int64, device=self.device)
+
+    def _chain_ask(self, conn: _Connection, batch: RemoteChainBatch, anchors: torch.Tensor, positions: torch.Tensor,
+                   num_drafts: int, tree_keep: int = 0) -> wire.StepResult:
+        """A chained propose's Step now, from anchors and positions [B] on the device (with the queued commit and
+        settles), and its answer: drafts, or (tree_keep) each row's candidates."""
+        self._write_feed(conn, 1, anchors)
+        self._write_feed(conn, 2, positions)
+        self._send(conn, [], into_buffer=True, chain=(batch, num_drafts, tree_keep))
+        return self._answer(conn, self.step_deadline())
 
     @property
     def tree_candidates(self) -> bool:
@@ -1196,10 +1202,7 @@ class RemoteProposer:
         self._chain_ahead = self._chain_ahead_result = None  # (a propose sent ahead drafted for nothing)
         self._ahead = self._ahead_result = None
         rows = self.spec.max_drafts
-        self._write_feed(conn, 1, anchors)
-        self._write_feed(conn, 2, positions)
-        self._send(conn, [], into_buffer=True, chain=(batch, rows, keep))
-        answer = self._answer(conn, self.step_deadline())
+        answer = self._chain_ask(conn, batch, anchors, positions, rows, keep)
         n, cut = len(batch.seq_ids), rows * keep
         if answer.in_buffer:
             self._check_rows(conn, answer)
