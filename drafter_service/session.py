@@ -47,6 +47,7 @@ from specsplit.shared.errors import (
 )
 from specsplit.shared.proposer import CarriedKV, Proposal, Proposer, ProposeRequest
 from specsplit.shared.stream_ops import stream_ops
+from specsplit.shared.tree import TREE_KEEP
 from specsplit.shared.transport import (
     FEED_ROWS, BufferDescriptor, BufferImporter, BufferKind, BufferRole, HEAD_ROLES, InlineRows, RowRef, RowSource,
 )
@@ -83,10 +84,6 @@ def chains(proposer: Proposer) -> bool:
     """Whether `proposer` serves chained steps (StepRequest.chain): DFlash over its static forwards."""
     return getattr(type(proposer), "chain_batch", None) is not None and getattr(proposer, "refine", None) is None \
         and getattr(proposer, "propose_graphs", None) is not None and getattr(proposer, "context_graphs", None) is not None
-
-
-# The candidates a block row offers a draft tree through the service (EngineConfig.draft_tree_keep's default)
-TREE_KEEP = 8
 
 
 def served_tree_keep(proposer: Proposer) -> int:

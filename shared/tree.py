@@ -28,6 +28,7 @@ from specsplit.shared.errors import InvalidRequest
 
 MAX_TREE_NODES = 63  # a tree verify's rows (its root and nodes) fit the attention kernel's one int64 word a row
 MAX_TREE_KEEP = 1024  # tokens a block row offers a tree (EngineConfig.draft_tree_keep, ChainStep.tree_keep)
+TREE_KEEP = 8  # ... by default, and the one count a drafter service serves (DrafterDescription.tree_keep)
 
 
 @dataclass(frozen=True)

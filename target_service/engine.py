@@ -26,7 +26,7 @@ from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
 from specsplit.kernels.tree_grow import grow_tree_words
-from specsplit.shared.tree import MAX_TREE_KEEP, MAX_TREE_NODES, DraftTree, best_first, holds_nodes
+from specsplit.shared.tree import MAX_TREE_KEEP, MAX_TREE_NODES, TREE_KEEP, DraftTree, best_first, holds_nodes
 from specsplit.shared.tree import accept_greedy as accept_tree
 from specsplit.shared.verify import device_longs, sample_accept, sample_tokens, verify_sampled
 from specsplit.target_service.chain import ChainBuffers, ChainedStep, ChainProgram, accept_greedy, accept_tree_paths
@@ -128,7 +128,7 @@ class EngineConfig:
     # candidates (`RemoteProposer(tree_keep=...)`, ChainStep.tree_keep) the drafter answers each row's best
     # tokens and the rest replays as the target's graph (`_chain_tail`). 0: chains.
     draft_tree: int = 0
-    draft_tree_keep: int = 8
+    draft_tree_keep: int = TREE_KEEP
     # Trees only in steps of at most this many sequences (None: any); larger steps verify chains. A wider batch
     # makes the verify's extra rows cost more and gains the same tau: at eight streams trees did not beat chains
     # (H100, forty-third and forty-fourth sessions). Tree buckets are captured only up to this batch.

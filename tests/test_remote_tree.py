@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.drafter_service.session import TREE_KEEP, served_tree_keep
+from specsplit.drafter_service.session import served_tree_keep
 from specsplit.shared import frames, wire
 from specsplit.shared.errors import InvalidRequest
-from specsplit.shared.tree import MAX_TREE_KEEP
+from specsplit.shared.tree import MAX_TREE_KEEP, TREE_KEEP
 from specsplit.target_service.drafter_client import RemoteProposer
 from specsplit.target_service.graphs import StepGraphs
 from tests.test_remote_chain import _chained_once, _run, pair  # noqa: F401 (the fixture)
