@@ -159,13 +159,24 @@ def test_generate_local_draft_trees_by_default_where_they_pay(extra, nodes, monk
     assert seen == [nodes]
 
 
-@pytest.mark.parametrize("extra, want", [((), (0, 8, None)),
-                                         (("--draft-tree", "15"), (15, 8, 4)),
-                                         (("--draft-tree", "15", "--draft-tree-batch", "2"), (15, 8, 2)),
-                                         (("--draft-tree", "15", "--max-batch", "2"), (15, 8, 2))])
+DRAFTER = ("--drafter", "unix:/nonexistent/d.sock")
+
+
+@pytest.mark.parametrize("extra, want", [(DRAFTER, (0, 8, None)),
+                                         ((*DRAFTER, "--draft-tree", "15"), (15, 8, 4)),
+                                         ((*DRAFTER, "--draft-tree", "15", "--draft-tree-batch", "2"), (15, 8, 2)),
+                                         ((*DRAFTER, "--draft-tree", "15", "--max-batch", "2"), (15, 8, 2)),
+                                         ((*DRAFTER, "--device", "cuda"), (15, 8, 4)),
+                                         ((*DRAFTER, "--device", "cuda:1", "--draft-tree-batch", "2"), (15, 8, 2)),
+                                         ((*DRAFTER, "--device", "cuda", "--draft-tree", "0"), (0, 8, None)),
+                                         ((*DRAFTER, "--device", "cuda", "--num-drafts", "7"), (0, 8, None)),
+                                         ((*DRAFTER, "--device", "cuda", "--num-drafts", "auto"), (0, 8, None)),
+                                         ((*DRAFTER, "--device", "cuda", "--drafts-by-batch", "8:7"), (0, 8, None)),
+                                         (("--device", "cuda"), (0, 8, None))])
 def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, monkeypatch):
-    """`target serve --draft-tree N [--draft-tree-batch B]`: the engine's trees (B at most --max-batch; none without
-    --draft-tree), of the 8 candidates a row the drafter serves."""
+    """`target serve --draft-tree N|auto [--draft-tree-batch B]`: the engine's trees (B at most --max-batch), of the 8
+    candidates a row the drafter serves. auto (the default): trees of 15 nodes on a GPU with a drafter at its own
+    draft length; chains on the CPU, at a draft length given or learned, or with no drafter."""
     import specsplit.services
 
     monkeypatch.setattr(logs, "configure", lambda *args, **kwargs: None)  # (the root logger outlives the test)
@@ -178,8 +189,7 @@ def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, m
 
     monkeypatch.setattr(specsplit.services, "start_target", start_target)
     with pytest.raises(SystemExit):
-        main(["target", "serve", "--listen", "unix:/nonexistent/t.sock", "--drafter", "unix:/nonexistent/d.sock",
-              *extra])
+        main(["target", "serve", "--listen", "unix:/nonexistent/t.sock", *extra])
     assert seen == [want]
 
 
