@@ -194,6 +194,9 @@ def _finish(model: DrafterModel, dtype: torch.dtype, device: str | torch.device)
 
 def _wrap(model: DrafterModel, head: TargetHead, *, window: int, max_batch: int, max_drafts: int,
           pool_blocks: int | None = None) -> AnyDrafter:
+    # A drafter that serves never trains: no forward of its records autograd history (a forward that did would
+    # hold its activations for as long as the K/V it wrote into the pool, the whole session)
+    model.eval().requires_grad_(False)
     if isinstance(model, DFlashModel):
         return DFlashDrafter(model, head, window=window, max_batch=max_batch, pool_blocks=pool_blocks)
     return MTPDrafter(model, head, max_drafts=max_drafts, max_batch=max_batch)
