@@ -543,7 +543,7 @@ def add_service_parsers(sub) -> None:
                          "(default: --num-drafts at every batch size)")
     ts.add_argument("--draft-tree", type=draft_tree_nodes, default="auto", metavar="NODES|auto",
                     help="greedy steps of a DFlash drafter service verify a best-first draft tree of this many nodes "
-                         "a sequence instead of a chain (1..63, at most its drafts; 0: chains): the drafter answers "
+                         "a sequence instead of a chain (1..63, grown from its rows; 0: chains): the drafter answers "
                          "each block row's 8 best tokens, the trees are grown and verified here (default auto: "
                          f"{AUTO_DRAFT_TREE} on a GPU without --num-drafts or --drafts-by-batch, where the services' "
                          "trees ran 1.05-1.18x their chains at 1 to 4 streams; else chains. A drafter that offers "
@@ -745,7 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.add_argument("--draft-tree", type=draft_tree_nodes, default="auto", metavar="NODES|auto", action=Given,
                      help="with --local, greedy and the DFlash drafter: verify a best-first draft tree of this many "
-                          "nodes a step instead of a chain (0: chains; 1..63; at most the drafter's drafts, 15, chain "
+                          "nodes a step instead of a chain (0: chains; 1..63, grown from the drafter's 15 rows; they chain "
                           f"and run as one CUDA graph a step on a GPU; default auto: {AUTO_DRAFT_TREE} on a GPU, "
                           "where one stream decoded 1.14x faster than with chains, else chains)")
     gen.add_argument("--auth-token-file", default=None, metavar="PATH",

@@ -141,8 +141,14 @@ class ChainProgram:
         # ... and a tree step's input instead of drafts: the candidates' log-probabilities and ids [n, rows, keep]
         self.candidates: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @property
+    def commit_width(self) -> int:
+        """The rows a sequence's commit to the drafter holds: a chain's k + 1 verified; a tree's root and the
+        deepest path its rows allow (a tree may have more nodes than the drafter has rows, never a longer path)."""
+        return (min(self.k, self.tree) if self.tree else self.k) + 1
+
     def keep(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """A step's verified rows [n * (k + 1), F] and their positions [n], for the commit after it (the
+        """A step's verified rows [n * commit_width, F] and their positions [n], for the commit after it (the
         positions copied: the feed moves on after this). Captured, the rows live in the pool every chained
         graph shares: valid until the next replay of any shape, so the commit must copy them at once, in
         stream order (`RemoteProposer.chain_commit` does)."""

@@ -126,7 +126,9 @@ class EngineConfig:
     # chain's verify width, took tau 3.67 -> 4.28 (chat 3.20 -> 3.77; bench/tree_tau.py). On a GPU tree steps
     # chain and replay as one graph as chain steps do (`_chain_tree`); through a drafter service that offers
     # candidates (`RemoteProposer(tree_keep=...)`, ChainStep.tree_keep) the drafter answers each row's best
-    # tokens and the rest replays as the target's graph (`_chain_tail`). 0: chains.
+    # tokens and the rest replays as the target's graph (`_chain_tail`). A tree may have more nodes than the
+    # drafter has rows (the walk: tau 4.67 at 31 nodes from the same 15 rows): its verify is wider, its paths no
+    # deeper. 0: chains.
     draft_tree: int = 0
     draft_tree_keep: int = TREE_KEEP
     # Trees only in steps of at most this many sequences (None: any); larger steps verify chains. A wider batch
@@ -873,12 +875,12 @@ class Engine:
         drafts the step would offer as a chain (`_max_drafts`: the draft length, its schedule by batch, the
         tuner's choice). 0 when its steps do not verify trees: a sequence sampled or not drafting, a drafter
         that offers no candidates (`chain_candidates`; a drafter service's `tree_candidates`), more sequences
-        than `draft_tree_batch`, no tree bucket, a tree of more nodes than the drafter's rows (its commit takes
-        as many), no drafts (speculation off at this batch size), or fewer rank paths in those rows than the
-        tree's nodes. A tree step of N nodes is a chained
-        step of k = N: the same verify width, reservations and outcome."""
+        than `draft_tree_batch`, no tree bucket, no drafts (speculation off at this batch size), or fewer rank
+        paths in those rows than the tree's nodes. A tree step of N nodes is a chained step of k = N: the same
+        verify width, reservations and outcome; a tree may have more nodes than the drafter has rows (its paths
+        are no deeper, and its commit holds the deepest: `ChainProgram.commit_width`)."""
         n, keep = self.config.draft_tree, self.config.draft_tree_keep
-        if not (0 < n <= self._spec.max_drafts and self._trees_fit(seqs)
+        if not (n > 0 and self._trees_fit(seqs)
                 and _capability(self.proposer, "chain_candidates") is not None
                 and getattr(self.proposer, "tree_candidates", True)  # (a drafter service's, when it offers them,
                 and getattr(self.proposer, "tree_keep", keep) == keep  # as many a row as we ask for)
@@ -993,7 +995,8 @@ class Engine:
         if not ran:
             return None
         if self._chain_buffers is None:
-            self._chain_buffers = ChainBuffers(self.graphs.batches[-1], self._spec.max_drafts, self._device)
+            self._chain_buffers = ChainBuffers(self.graphs.batches[-1], max(self._spec.max_drafts, self.config.draft_tree),
+                                               self._device)
         launched = self._chain_buffers.launch(seqs, k, counts, program, started)
         if among is None and not program.tree:  # (a tree's candidates are asked for as its step launches)
             self._sent_ahead = self._chain_send_ahead(seqs, k, counts, pending, program, back)
@@ -1195,7 +1198,7 @@ class Engine:
         if got is _FAILED:
             return False
         self._tree_verify(program, fwd, *got,
-                          lambda rows, at: call(self.proposer.chain_commit, batch, rows, at, program.k + 1))
+                          lambda rows, at: call(self.proposer.chain_commit, batch, rows, at, program.commit_width))
         return True
 
     def _tree_verify(self, program: ChainProgram, fwd, logp: torch.Tensor, ids: torch.Tensor, commit) -> None:
@@ -1222,7 +1225,8 @@ class Engine:
         self.cache.move_slots(torch.where(on_path, fwd.slots_at(n, positions[:, None] + src), scratch).view(-1),
                               torch.where(on_path, fwd.slots_at(n, at), scratch).view(-1))
         rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:n]
-        order = torch.cat([torch.zeros_like(src[:, :1]), src], dim=1)  # the root, then the path in depth order
+        # the root, then the path in depth order, as deep as the tree's rows reach (`commit_width`)
+        order = torch.cat([torch.zeros_like(src[:, :1]), src], dim=1)[:, :program.commit_width]
         rows = rows.gather(1, order[:, :, None].expand(-1, -1, rows.shape[-1]))
         commit(rows.reshape(-1, rows.shape[-1]), positions)
         final = emitted.gather(1, accepted[:, None]).squeeze(1)
@@ -1278,7 +1282,7 @@ class Engine:
             tail()
             program.runs += 1
         rows, at = program.kept
-        self._drafter_call(self.proposer.chain_commit, batch, rows, at, program.k + 1)
+        self._drafter_call(self.proposer.chain_commit, batch, rows, at, program.commit_width)
         return True
 
     def _chain_verify(self, program: ChainProgram, fwd, seqs: list[Sequence], counts: list[int],

@@ -25,7 +25,7 @@ def _engine(target, proposer, **config):
     drafts = engine._max_drafts()
     engine.graphs = StepGraphs(target, engine.cache, engine.capture, max_batch=4, query_lens=(1, drafts + 1),
                                max_len=target.config.max_position_embeddings + drafts + 1, use_graphs=False,
-                               tree_lens=(NODES + 1,) if config.get("draft_tree") else (),
+                               tree_lens=(config["draft_tree"] + 1,) if config.get("draft_tree") else (),
                                tree_batch=config.get("draft_tree_batch"))
     return engine
 
@@ -47,19 +47,23 @@ def _tree_steps(engine) -> int:
     return sum(1 for key in engine._chain_programs if key[2])
 
 
+@pytest.mark.parametrize("nodes", [NODES, 2 * NODES - 1], ids=["as-many-as-rows", "wider-than-rows"])
 @pytest.mark.parametrize("captured", [True, False], ids=["as-tail", "verb-by-verb"])
-def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(pair, tiny_chat_dir, captured):
+def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(pair, tiny_chat_dir, captured, nodes):
     """Each chained tree step asks the drafter service for its rows' candidates (answered inline on the CPU) and
     grows, verifies and accepts its trees here (`chain_capture_remote`: as the tail a graph would hold, or
     uncaptured, verb by verb): every candidate, every token and every step the in-process trees', and the tokens
-    target-only decoding's, a request joining mid-run included; nothing stays allocated on either side."""
+    target-only decoding's, a request joining mid-run included; nothing stays allocated on either side. Trees of
+    as many nodes as the drafter's 7 rows, and of 13 (wider, no deeper: each commit still holds at most 8 rows)."""
     from specsplit.shared.tokenizer import Tokenizer
 
     target, local, address, remote = pair
     tokenizer = Tokenizer.from_dir(tiny_chat_dir)
     alone = _run(_engine(target, None, chain_steps=False), tokenizer)
-    trees = dict(draft_tree=NODES, draft_tree_keep=KEEP)
+    trees = dict(draft_tree=nodes, draft_tree_keep=KEEP)
     here = _recorded(local)
+    widths, commit = [], local.chain_commit
+    local.chain_commit = lambda batch, rows, at, width: widths.append(width) or commit(batch, rows, at, width)
     in_process = _engine(target, local, **trees)
     want = _run(in_process, tokenizer)
     proposer = RemoteProposer(address, max_batch=4, tree_keep=KEEP)
@@ -75,6 +79,8 @@ def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(p
             assert torch.equal(ids, want_ids) and torch.allclose(logp, want_logp, atol=1e-5)
         assert _tree_steps(through) > 0 and through.counters.fallbacks == 0 and through.drafter_ok
         assert through.counters.chained == in_process.counters.chained > 10
+        assert {key[1:] for key in through._chain_programs if key[2]} == {(nodes, local.spec.max_drafts)}
+        assert set(widths) == {min(nodes, local.spec.max_drafts) + 1}  # (the in-process trees' commits)
         proposer.flush()
         assert len(remote.store) == 0 and remote.pool.num_free_blocks == remote.pool.num_blocks
         assert through.cache.num_free_blocks == through.cache.num_blocks - 1  # all but the scratch block

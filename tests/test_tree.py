@@ -455,6 +455,68 @@ def test_chained_trees_keep_the_draft_length_limits(tiny_llama_dir):
         and {key[2] for key in keys if key[0] == 1} == {7}
 
 
+def test_chained_trees_wider_than_the_drafters_rows_accept_as_step_by_step_trees(tiny_llama_dir):
+    """Trees of more nodes than the drafter has rows (13 from 7 rows of 4 candidates): the chained steps (verify
+    13 + 1 rows, commit the root and at most 7 path rows) emit what step-by-step tree steps emit, step by step, and
+    the target-only tokens; the drafter is never asked to commit more rows than a chain's. The candidates are
+    scripted from the target-only continuation, the true token ranked second at some rows, so paths run deep only
+    through the runners-up a wide tree holds."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.graphs import StepGraphs
+    from specsplit.target_service.sequence import Request
+
+    model = load_target(tiny_llama_dir)
+    vocab, rows, keep = model.config.vocab_size, 7, 4
+    prompts, lengths = [[5, 6, 7, 8, 9], [11, 12, 13]], (30, 22)
+    base = [engine_run(model, None, [p], n)[0][0] for p, n in zip(prompts, lengths)]
+    full = {f"r{i}": p + b for i, (p, b) in enumerate(zip(prompts, base))}
+    scores = torch.tensor([-0.2, -0.9, -2.0, -3.0])
+
+    def scripted(engine, seq_ids, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        by_id = {s.seq_id: full[s.request.request_id] for s in engine.running.values()}
+        ids = torch.zeros((len(seq_ids), rows, keep), dtype=torch.int64)
+        for b, (seq_id, at) in enumerate(zip(seq_ids, positions)):
+            tokens = by_id[seq_id]
+            for r in range(rows):
+                true = tokens[at + 1 + r] if at + 1 + r < len(tokens) else 0
+                others = [t for t in range(1, vocab) if t != true][(at + r) % 50:][:keep - 1]
+                rank = 1 if (at + r) % 3 == 2 else 0
+                ids[b, r] = torch.tensor(others[:rank] + [true] + others[rank:])
+        return scores.expand(len(seq_ids), rows, keep).clone(), ids
+
+    def run(chained: bool):
+        drafter = random_drafter("dflash", target_info(model), target_head(model), seed=0, dtype=torch.float32,
+                                 block_size=8, max_drafts=7, num_layers=1, window=64)
+        drafter.use_static_forwards(use_graphs=False)
+        widths, commit = [], drafter.chain_commit
+        drafter.chain_commit = lambda batch, rows, at, width: widths.append(width) or commit(batch, rows, at, width)
+        engine = Engine(model, drafter, EngineConfig(max_batch=2, draft_tree=13, draft_tree_keep=keep,
+                                                     chain_steps=chained))
+        drafter.chain_candidates = lambda batch, anchors, positions, k: scripted(engine, batch.seq_ids,
+                                                                                 positions.tolist())
+        drafter.propose_candidates = lambda requests, k: scripted(engine, [r.seq_id for r in requests],
+                                                                  [r.position for r in requests])
+        engine.graphs = StepGraphs(model, engine.cache, engine.capture, max_batch=2, query_lens=(1, 8),
+                                   max_len=256, use_graphs=False, tree_lens=(14,))
+        requests = [Request(f"r{i}", p, SamplingParams(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
+        events = engine.generate(requests)
+        assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1 and len(drafter.store) == 0
+        return ([[t for e in events[r.request_id] for t in e.token_ids] for r in requests],
+                [[len(e.token_ids) for e in events[r.request_id]] for r in requests], engine, widths)
+
+    tokens, chunks, engine, widths = run(True)
+    eager, eager_chunks, _, _ = run(False)
+    assert tokens == eager == base
+    assert {key[1:] for key in engine._chain_programs if key[2]} == {(13, 7)} and engine.counters.chained > 3
+    assert set(widths) == {8}  # the root and the 7 rows' deepest path
+    # the same accepted paths step by step, up to the eager steps' last (where their trees grow only as deep as the
+    # tokens left, and a chained step launched before the host knew the end runs on past it); deeper than a chain
+    # of the top candidates reaches (every third true token ranks second: at most 2 drafts, 3 tokens a step)
+    assert [c[:len(e) - 1] for c, e in zip(chunks, eager_chunks)] == [e[:-1] for e in eager_chunks]
+    assert max(map(max, chunks)) >= 4, chunks
+
+
 def test_tree_buckets_stop_at_the_tree_batch(tiny_llama_dir):
     """`draft_tree_batch` bounds the batch buckets a tree verify is captured for (and refuses what it cannot be)."""
     from specsplit.target_service.engine import EngineConfig
