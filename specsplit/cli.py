@@ -715,8 +715,8 @@ def add_training_parsers(sub) -> None:
     ev.add_argument("--refine", type=refine_policies, default=(), metavar="POLICY,...", help=REFINE_HELP)
     ev.add_argument("--draft-tree", type=int, default=0, metavar="NODES",
                     help="greedy DFlash steps verify a best-first draft tree of this many nodes instead of a chain "
-                         "(on a GPU, up to the drafter's drafts, chained and captured as chains are; default 0: "
-                         "chains)")
+                         "(1..63, grown from the drafter's rows; on a GPU chained and captured as chains are; "
+                         "default 0: chains)")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
 
 
