@@ -745,8 +745,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.add_argument("--draft-tree", type=draft_tree_nodes, default="auto", metavar="NODES|auto", action=Given,
                      help="with --local, greedy and the DFlash drafter: verify a best-first draft tree of this many "
-                          "nodes a step instead of a chain (0: chains; 1..63, grown from the drafter's 15 rows; they chain "
-                          f"and run as one CUDA graph a step on a GPU; default auto: {AUTO_DRAFT_TREE} on a GPU, "
+                          "nodes a step instead of a chain (0: chains; 1..63, grown from the drafter's 15 rows; they "
+                          f"chain and run as one CUDA graph a step on a GPU; default auto: {AUTO_DRAFT_TREE} on a GPU, "
                           "where one stream decoded 1.14x faster than with chains, else chains)")
     gen.add_argument("--auth-token-file", default=None, metavar="PATH",
                      help="with --server: send the token in this file (default: $SPECSPLIT_AUTH_TOKEN, or none)")

@@ -995,8 +995,10 @@ class Engine:
         if not ran:
             return None
         if self._chain_buffers is None:
-            self._chain_buffers = ChainBuffers(self.graphs.batches[-1], max(self._spec.max_drafts, self.config.draft_tree),
-                                               self._device)
+            # as wide as the widest step a bucket holds (a tree step's k is its nodes; a drafter attached later
+            # may draft more than this one, never past the buckets)
+            widest = max(self.graphs.query_lens + self.graphs.tree_lens) - 1
+            self._chain_buffers = ChainBuffers(self.graphs.batches[-1], widest, self._device)
         launched = self._chain_buffers.launch(seqs, k, counts, program, started)
         if among is None and not program.tree:  # (a tree's candidates are asked for as its step launches)
             self._sent_ahead = self._chain_send_ahead(seqs, k, counts, pending, program, back)
