@@ -419,11 +419,18 @@ class Engine:
         each time it was, its batch changed: at eight streams with requests ending and arriving, some
         sequence was that close half the time, and each such step waited for a drafter service's round
         trip and the device.) The rows past the budget are computed for nothing: the sequence has ended
-        by the time its step is read."""
+        by the time its step is read. A draft tree's verify holds its nodes, when the drafter offers trees."""
         spec = self.proposer.spec if self.proposer is not None else None
         if spec is None:
             return 1
-        return (3 if self._chains() else 1) * (max(spec.max_drafts, self.config.draft_tree) + 1)
+        tree = self.config.draft_tree if self._offers_trees() else 0
+        return (3 if self._chains() else 1) * (max(spec.max_drafts, tree) + 1)
+
+    def _offers_trees(self) -> bool:
+        """Whether the proposer answers draft-tree candidates (a drafter service's: once attached, if it does)."""
+        return (_capability(self.proposer, "chain_candidates") is not None
+                or _capability(self.proposer, "propose_candidates") is not None) \
+            and getattr(self.proposer, "tree_candidates", True)
 
     def _chains(self) -> bool:
         """Whether this engine's speculative steps may chain now (see _chain_plan; a drafter service's

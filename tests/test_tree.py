@@ -535,6 +535,21 @@ def test_tree_buckets_stop_at_the_tree_batch(tiny_llama_dir):
             EngineConfig(max_batch=2, draft_tree=7, draft_tree_batch=bad)
 
 
+def test_a_sequence_holds_a_trees_rows_past_its_budget_only_where_the_drafter_offers_trees(tiny_llama_dir):
+    """`Engine._overhang`: a verify of draft trees of 13 nodes may write 14 rows past a sequence's budget where the
+    drafter answers candidates (DFlash), where it does not (MTP) only its own drafts' (so a target asking for trees
+    by default holds no more KV for an MTP drafter than for chains)."""
+    from specsplit.target_service.engine import Engine, EngineConfig
+
+    model = load_target(tiny_llama_dir)
+    info, head = target_info(model), target_head(model)
+    dflash = random_drafter("dflash", info, head, seed=0, block_size=8, max_drafts=7, num_layers=1)
+    mtp = random_drafter("mtp", info, head, seed=0, max_drafts=3)
+    for drafter, tree, rows in ((dflash, 13, 14), (dflash, 0, 8), (mtp, 13, 4), (mtp, 0, 4)):
+        engine = Engine(model, drafter, EngineConfig(max_batch=2, draft_tree=tree, chain_steps=False))
+        assert engine._overhang() == rows, (type(drafter).__name__, tree)
+
+
 class BadCandidates:
     """A pass-through drafter whose tree candidates break the contract in one way."""
 
