@@ -66,8 +66,9 @@
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 #   bash tools/gpu_round.sh tree-chains   # (forty-third session) trees chained, captured whole: GPU tests, tau, speedup
 #   bash tools/gpu_round.sh tree-bench    # ... split_bench --also-trees 15 at one and eight streams, two rounds
-#   bash tools/gpu_round.sh wide-trees    # (next, forty-fifth session) GPU tests changed without a device; trees of 31
-#                                         # nodes beside 15: tau and speedup at one stream; wide-trees-bench: tokens/s
+#   bash tools/gpu_round.sh wide-trees    # (next, forty-fifth session) the GPU tests changed without a device; then
+#                                         # wide-trees-eval: trees of 31 nodes beside 15, tau, speedup and kernels at
+#                                         # one stream; wide-trees-bench: tokens/s at 1, 2 and 4 streams
 #   bash tools/gpu_round.sh trees         # issue 10: draft trees' walk by budget, static trees calibrated over 3,000
 #                                         # training-side prompts (paths saved), the engine's eager tree steps held out
 #   (next, after the forty-second session, which ran on an H100: `defaults` (second half passed), `train 48` (the
@@ -798,20 +799,25 @@ services-trees)
     --json-out "$OUT/services_trees.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
   ;;
 wide-trees)
-  # (forty-fifth session, not run yet: no device was lent) first the GPU tests changed without a device: the
-  # services' captured chain test (lengths fixed: its two-sequence phase had 4 steps), `target serve --draft-tree auto`
-  # (now trees on a GPU) through the harness, the chained trees'; then trees wider than the drafter's rows (31 nodes
-  # from its 15; the CPU decode of all 80 held-out prompts gave tau 4.66 against 4.29 at 15): tau and the speedup
-  # at one stream beside 15, and tokens/s at one, two and four streams, in-process and through the services
-  timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py tests/test_tree.py \
+  # (forty-fifth session, not run yet: no device was lent) the GPU tests changed without a device: the services'
+  # captured chain test (lengths fixed: its two-sequence phase had 4 steps), `target serve --draft-tree auto` (now
+  # trees on a GPU) through the harness, the chained trees' (trees wider than the drafter's rows now chain too)
+  timeout 540 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py tests/test_tree.py \
     -k "replayed_as_a_graph or draft_tree or split_equals_in_process or chained" \
     2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  ;;
+wide-trees-eval)
+  # ... trees of 31 nodes from the drafter's 15 rows (the CPU decode of all 80 held-out prompts, float32: tau 4.66
+  # against 4.29 at 15): tau and the speedup at one stream beside 15, then a step's kernels at one stream
   for tree in 31 15; do
     timeout 100 python -m specsplit.cli eval-acceptance --device cuda --draft-tree $tree --max-tokens 128 --batch 1 \
       2>&1 | grep -v INFO | tee "$OUT/eval_tree$tree.txt" | grep -E "^tau|walk|mismatches|speedup|engine" | log
+    timeout 100 python bench/profile_step.py --drafter dflash --batch 1 --steps 30 --draft-tree $tree \
+      --out "$OUT" 2>&1 | grep -v INFO | head -12 | log
   done
   ;;
 wide-trees-bench)
+  # ... tokens/s at one, two and four streams: in-process and services' trees of 31 beside chains and target only
   timeout 560 python bench/split_bench.py --device cuda --batch 1 2 4 --max-tokens 128 --also-trees 31 --rounds 2 \
     --json-out "$OUT/wide_trees.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
   ;;
