@@ -695,20 +695,23 @@ def test_the_tuner_times_only_steady_chained_steps(tiny_chat_dir):
     free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in _tuned_engine(target, None, 2).generate(reqs()).items()}
     engine = _tuned_engine(target, _oracle_drafter(target, tokenizer, prompts, free), 2)
     seen, observe = [], engine.tuner.observe
+    # (each read's prefill count, draft length and time, and the draft length of the step launched after it)
     engine.tuner.observe = lambda n, k, seconds, verified: (  # noqa: E731
-        seen.append((engine.counters.prefills, k, seconds)), observe(n, k, seconds, verified))
+        seen.append((engine.counters.prefills, k, seconds, engine._chain and engine._chain.num_drafts)),
+        observe(n, k, seconds, verified))
     got = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine.generate(reqs()).items()}
     assert got == free and engine.counters.chained > 10
-    timed = [i for i, (_, _, seconds) in enumerate(seen) if seconds is not None]
-    untimed = [p for p, _, seconds in seen if seconds is None]
+    timed = [i for i, (_, _, seconds, _) in enumerate(seen) if seconds is not None]
+    untimed = [p for p, _, seconds, _ in seen if seconds is None]
     assert timed and all(seen[i][2] > 0 for i in timed)
     # the first read after each of the two later admissions is untimed (more are: batches that shrank)
     assert {3, 4} <= set(untimed) and len(untimed) >= 2
-    # a timed chained read lies between two of its own draft length (the tuner's warm-up switches k every
-    # few steps; k = 0 steps run step by step, each timed on its own)
+    # a timed chained read lies between two of its own draft length: the read before it and the step launched
+    # after it (the tuner's warm-up switches k every few steps; k = 0 steps run step by step, each timed on its
+    # own). (The step launched after the last read may never be read: its requests had ended.)
     chained = [i for i in timed if seen[i][1] > 0]
-    assert len({k for _, k, _ in seen}) > 2 and chained
-    assert all(0 < i < len(seen) - 1 and seen[i - 1][1] == seen[i][1] == seen[i + 1][1] for i in chained)
+    assert len({k for _, k, _, _ in seen}) > 2 and chained
+    assert all(i > 0 and seen[i - 1][1] == seen[i][1] == seen[i][3] for i in chained), seen
 
 
 def test_riders_without_the_drafter_stay_exact_when_the_drafting_ones_end(tiny_chat_dir):
