@@ -301,7 +301,8 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
     engine = EngineConfig(max_batch=args.max_batch, num_drafts=None if auto else args.num_drafts,
                           kv_blocks=args.kv_blocks, cuda_graphs=args.cuda_graphs,
                           drafts_by_batch=args.drafts_by_batch, auto_drafts=auto, draft_tree=tree,
-                          draft_tree_batch=min(args.draft_tree_batch, args.max_batch) if tree else None)
+                          draft_tree_batch=min(args.draft_tree_batch, args.max_batch) if tree else None,
+                          trees_by_batch=args.trees_by_batch if tree else ())
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
                               drafter_timeout=args.drafter_timeout, step_socket=not args.step_over_grpc,
                               device_waits=args.device_waits, host_flags=args.host_flags,
@@ -366,8 +367,7 @@ def draft_tree_nodes(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of nodes or auto") from None
 
 
-def drafts_by_batch(text: str) -> tuple[tuple[int, int], ...]:
-    """`8:7,32:3` -> ((8, 7), (32, 3)): from N sequences in a step, at most K drafts per sequence."""
+def _by_batch(text: str, unit: str) -> tuple[tuple[int, int], ...]:
     pairs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         n, sep, k = item.partition(":")
@@ -376,9 +376,19 @@ def drafts_by_batch(text: str) -> tuple[tuple[int, int], ...]:
         except ValueError:
             pair = None
         if not sep or pair is None or pair[0] < 1 or pair[1] < 0:
-            raise argparse.ArgumentTypeError(f"{item!r} is not N:K with N >= 1 sequences and K >= 0 drafts")
+            raise argparse.ArgumentTypeError(f"{item!r} is not N:K with N >= 1 sequences and K >= 0 {unit}")
         pairs.append(pair)
     return tuple(pairs)
+
+
+def drafts_by_batch(text: str) -> tuple[tuple[int, int], ...]:
+    """`8:7,32:3` -> ((8, 7), (32, 3)): from N sequences in a step, at most K drafts per sequence."""
+    return _by_batch(text, "drafts")
+
+
+def trees_by_batch(text: str) -> tuple[tuple[int, int], ...]:
+    """`2:15` -> ((2, 15),): from N sequences in a step, trees of at most K nodes (0: chains)."""
+    return _by_batch(text, "nodes")
 
 
 REFINE_HELP = ("DFlash, greedy: also score, teacher-forced and decoded, a refining second pass given the first's "
@@ -551,6 +561,10 @@ def add_service_parsers(sub) -> None:
     ts.add_argument("--draft-tree-batch", type=int, default=4, metavar="N",
                     help="with --draft-tree: trees only in steps of at most N sequences, chains above (default 4: "
                          "in-process at 2 and 4 streams trees beat chains, at 8 they did not)")
+    ts.add_argument("--trees-by-batch", type=trees_by_batch, default=(), metavar="N:NODES,...",
+                    help="with --draft-tree: trees of at most NODES nodes in a step of N or more sequences (0: chains "
+                         "there), e.g. --draft-tree 31 --trees-by-batch 2:15 (default: --draft-tree's nodes up to "
+                         "--draft-tree-batch)")
     ts.add_argument("--kv-blocks", type=int, default=2048, help="KV cache size, in blocks of 16 tokens")
     ts.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="on a GPU, replay decode/verify steps as CUDA graphs captured at start "

@@ -135,6 +135,11 @@ class EngineConfig:
     # makes the verify's extra rows cost more and gains the same tau: at eight streams trees did not beat chains
     # (H100, forty-third and forty-fourth sessions). Tree buckets are captured only up to this batch.
     draft_tree_batch: int | None = None
+    # Smaller trees in larger steps: `((2, 15),)` with draft_tree 31 verifies trees of 31 nodes at one stream and
+    # of 15 from two sequences on (a pair (N, 0): chains from N on). A wider verify costs more the more sequences
+    # share it, and a tree's extra nodes gain tau slower than its rows (the held-out walk: 4.28, 4.67, 5.00 at
+    # 15, 31 and 63 nodes). Pairs lower the nodes as `drafts_by_batch` lowers drafts (`trees_for`).
+    trees_by_batch: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.prefill_chunk, self.prefill_tokens, self.kv_blocks, self.kv_block_size) <= 0:
@@ -158,6 +163,11 @@ class EngineConfig:
         for pair in self.drafts_by_batch:
             if len(pair) != 2 or pair[0] < 1 or pair[1] < 0:
                 raise InvalidRequest(f"drafts_by_batch: {pair!r} is not a (sequences >= 1, drafts >= 0) pair")
+        for pair in self.trees_by_batch:
+            if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in pair) or pair[0] < 1 \
+                    or not 0 <= pair[1] <= MAX_TREE_NODES:
+                raise InvalidRequest(f"trees_by_batch: {pair!r} is not a (sequences >= 1, nodes in "
+                                     f"0..{MAX_TREE_NODES}) pair")
 
     def drafts_for(self, num_seqs: int, most: int) -> int:
         """The drafts per sequence in a step of `num_seqs` sequences, for a drafter that offers `most`."""
@@ -166,6 +176,17 @@ class EngineConfig:
             if num_seqs >= from_seqs:
                 limit = min(limit, drafts)
         return limit
+
+    def trees_for(self, num_seqs: int) -> int:
+        """The nodes of the draft trees a step of `num_seqs` sequences verifies (0: chains): `draft_tree`, lowered
+        by `trees_by_batch` and none past `draft_tree_batch`."""
+        if self.draft_tree_batch is not None and num_seqs > self.draft_tree_batch:
+            return 0
+        nodes = self.draft_tree
+        for from_seqs, most in self.trees_by_batch:
+            if num_seqs >= from_seqs:
+                nodes = min(nodes, most)
+        return nodes
 
 
 def capture_for(proposer: Proposer | None) -> CaptureSpec:
@@ -246,7 +267,7 @@ class Engine:
             return None
         return DraftTuner(self.config.drafts_for(1, self.proposer.spec.max_drafts))
 
-    def _capture_graphs(self) -> StepGraphs:
+    def _capture_graphs(self, *, use_graphs: bool = True) -> StepGraphs:
         drafts = self._max_drafts()
         longest = self.model.config.max_position_embeddings + drafts + 1
         # A verify length per draft length the schedule can pick (each captured for every batch bucket).
@@ -255,10 +276,11 @@ class Engine:
             shorter |= {k + 1 for k in self._new_tuner().choices}
         cfg = self.model.config
         windowed = any(cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers))
-        trees = (self.config.draft_tree + 1,) if self.config.draft_tree and not windowed else ()
+        # a tree verify's rows per step size (EngineConfig.trees_for), each captured in its batch bucket
+        trees = () if windowed else {(n, self.config.trees_for(n) + 1) for n in range(1, self.config.max_batch + 1)
+                                     if self.config.trees_for(n)}
         return StepGraphs(self.model, self.cache, self.capture, max_batch=self.config.max_batch,
-                          query_lens=(1, drafts + 1, *shorter), tree_lens=trees,
-                          tree_batch=self.config.draft_tree_batch,
+                          query_lens=(1, drafts + 1, *shorter), tree_shapes=trees, use_graphs=use_graphs,
                           max_len=min(longest + self.config.draft_tree,
                                       self.config.kv_blocks * self.config.kv_block_size))
 
@@ -650,13 +672,9 @@ class Engine:
     def _tree_steps(self, seqs: list[Sequence]) -> bool:
         """Whether this step verifies draft trees (EngineConfig.draft_tree): every sequence greedy, an
         in-process drafter that offers candidates, nothing chained or launched ahead pending."""
-        return self.config.draft_tree > 0 and self.drafter_ok and self._chain is None and self._trees_fit(seqs) \
+        return self.config.trees_for(len(seqs)) > 0 and self.drafter_ok and self._chain is None \
             and _capability(self.proposer, "propose_candidates") is not None \
             and all(s.request.params.greedy for s in seqs)
-
-    def _trees_fit(self, seqs: list[Sequence]) -> bool:
-        """Whether a step of `seqs` is small enough for trees (EngineConfig.draft_tree_batch)."""
-        return self.config.draft_tree_batch is None or len(seqs) <= self.config.draft_tree_batch
 
     def _tree_step(self, seqs: list[Sequence]) -> list[StepEvent]:
         """One greedy step verifying a draft tree a sequence, step by step (a captured tree bucket's verify on
@@ -669,7 +687,7 @@ class Engine:
         self._launched, self._prefetched, self._prefetch_seconds = None, None, 0.0
         counts = self._draft_counts(seqs)
         requests, index = self._propose_requests(seqs, counts)
-        trees = [DraftTree((), ()) for _ in seqs]
+        trees, nodes = [DraftTree((), ()) for _ in seqs], self.config.trees_for(len(seqs))
         started = time.perf_counter()
         if requests:
             got = self._drafter_call(self.proposer.propose_candidates, requests, self.config.draft_tree_keep)
@@ -678,7 +696,7 @@ class Engine:
             if got is not _FAILED:
                 logp, ids = (t.tolist() for t in got)
                 for row, i in enumerate(index):
-                    trees[i] = best_first(logp[row][:counts[i]], ids[row][:counts[i]], self.config.draft_tree)
+                    trees[i] = best_first(logp[row][:counts[i]], ids[row][:counts[i]], nodes)
             self.counters.propose.observe(time.perf_counter() - started)
         inputs = [[s.tokens[-1], *t.tokens] for s, t in zip(seqs, trees)]
         starts = [s.last_position for s in seqs]
@@ -867,7 +885,7 @@ class Engine:
         if not any(s.drafter_attached for s in seqs):
             return 0, []  # (plain decoding goes ahead its own way)
         tree = self._tree_depth(seqs) > 0
-        k = self.config.draft_tree if tree else self._max_drafts(len(seqs))
+        k = self.config.trees_for(len(seqs)) if tree else self._max_drafts(len(seqs))
         if k < 1 or (self.graphs.tree_bucket if tree else self.graphs.bucket)(len(seqs), k + 1) is None:
             return 0, []
         pending = self._chain
@@ -886,8 +904,8 @@ class Engine:
         paths in those rows than the tree's nodes. A tree step of N nodes is a chained step of k = N: the same
         verify width, reservations and outcome; a tree may have more nodes than the drafter has rows (its paths
         are no deeper, and its commit holds the deepest: `ChainProgram.commit_width`)."""
-        n, keep = self.config.draft_tree, self.config.draft_tree_keep
-        if not (n > 0 and self._trees_fit(seqs)
+        n, keep = self.config.trees_for(len(seqs)), self.config.draft_tree_keep
+        if not (n > 0
                 and _capability(self.proposer, "chain_candidates") is not None
                 and getattr(self.proposer, "tree_candidates", True)  # (a drafter service's, when it offers them,
                 and getattr(self.proposer, "tree_keep", keep) == keep  # as many a row as we ask for)
@@ -944,8 +962,9 @@ class Engine:
         before the verify (it is detached; the sequences' host records are as they were) or the cache
         lacks the blocks. sent: the sequences and k of the propose sent ahead as `pending` launched."""
         ids = [s.seq_id for s in seqs]
-        tree = self._tree_depth(seqs) if self.config.draft_tree == k else 0  # (its rows; 0: a chain step)
-        if self.config.draft_tree == k and not tree and self.graphs.bucket(len(seqs), k + 1) is None:
+        planned = self.config.trees_for(len(seqs)) == k  # (the step planned as trees: see _chain_plan)
+        tree = self._tree_depth(seqs) if planned else 0  # (its rows; 0: a chain step)
+        if planned and not tree and self.graphs.bucket(len(seqs), k + 1) is None:
             return None  # planned as trees, and some of these sequences cannot take one: a step as usual
         before = pending.program if pending is not None else None
         if before is None or before is not self._chain_programs.get((len(seqs), k, tree)) \

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -339,7 +339,8 @@ class StepGraphs:
 
     def __init__(self, model: TargetModel, cache: PagedKVCache, capture: CaptureSpec, *, max_batch: int,
                  query_lens: tuple[int, ...], max_len: int, use_graphs: bool = True, fused: bool = True,
-                 tree_lens: tuple[int, ...] = (), tree_batch: int | None = None) -> None:
+                 tree_lens: tuple[int, ...] = (), tree_batch: int | None = None,
+                 tree_shapes: Iterable[tuple[int, int]] = ()) -> None:
         capture.validate(model.config.num_hidden_layers)
         if _SCRATCH not in cache:  # several StepGraphs over one cache share it
             cache.allocate(_SCRATCH)
@@ -352,18 +353,28 @@ class StepGraphs:
         weights = fuse_projections(model, model.model.layers) if fused else None
         self.forwards = {(b, q): StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block, weights)
                          for b in self.batches for q in self.query_lens}
-        # Draft trees' verifies (`forward_tree`), keyed (batch, -rows) beside the chains' buckets
-        if tree_lens and any(model.config.layer_window(i) is not None for i in range(model.config.num_hidden_layers)):
+        # Draft trees' verifies (`forward_tree`), keyed (batch, -rows) beside the chains' buckets: each of
+        # `tree_lens` up to the bucket of `tree_batch` sequences (None: every bucket; larger steps verify
+        # chains), and each (sequences, rows) of `tree_shapes` in its sequences' bucket
+        shapes = set(tree_shapes)
+        most = self.batches[-1] if tree_batch is None else min(tree_batch, self.batches[-1])
+        shapes |= {(n, q) for n in range(1, most + 1) for q in tree_lens}
+        if shapes and any(model.config.layer_window(i) is not None for i in range(model.config.num_hidden_layers)):
             raise InvalidRequest("tree verifies take no sliding window")
-        if any(not 1 <= q <= MAX_TREE_QUERIES for q in tree_lens):
-            raise InvalidRequest(f"a tree verify holds 1..{MAX_TREE_QUERIES} rows, got {tree_lens}")
-        self.tree_lens = tuple(sorted(set(tree_lens)))
-        # (up to the bucket of `tree_batch` sequences: larger steps verify chains)
-        most = self.batches[-1] if tree_batch is None else bucket_for(min(tree_batch, self.batches[-1]), self.batches)
-        self.tree_batches = tuple(b for b in self.batches if b <= most)
-        for b, q in itertools.product(self.tree_batches, self.tree_lens):
-            self.forwards[(b, -q)] = StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block, weights,
-                                                   tree=True)
+        if any(not 1 <= q <= MAX_TREE_QUERIES for _, q in shapes):
+            raise InvalidRequest(f"a tree verify holds 1..{MAX_TREE_QUERIES} rows, got {sorted({q for _, q in shapes})}")
+        if any(not 1 <= n <= self.batches[-1] for n, _ in shapes):
+            raise InvalidRequest(f"tree verifies of 1..{self.batches[-1]} sequences, got {sorted({n for n, _ in shapes})}")
+        lens_at: dict[int, set[int]] = {}
+        for n, q in shapes:
+            lens_at.setdefault(bucket_for(n, self.batches), set()).add(q)
+        self._tree_lens_at = {b: tuple(sorted(lens)) for b, lens in sorted(lens_at.items())}
+        self.tree_batches = tuple(self._tree_lens_at)
+        self.tree_lens = tuple(sorted({q for _, q in shapes}))
+        for b, lens in self._tree_lens_at.items():
+            for q in lens:
+                self.forwards[(b, -q)] = StaticForward(model, cache, capture, b, q, self.max_blocks, scratch_block,
+                                                       weights, tree=True)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # Where launched steps' picks land on the host, two in turn: a launch may be queued while the
         # one before it is still unread, never more (see `launch_decode`).
@@ -392,8 +403,9 @@ class StepGraphs:
                              bucket_argmax=out.bucket_argmax, bucket_rows=fwd.host_rows)
 
     def tree_bucket(self, num_seqs: int, rows: int) -> tuple[int, int] | None:
-        b, q = bucket_for(num_seqs, list(self.tree_batches)), bucket_for(rows, list(self.tree_lens))
-        return None if b is None or q is None else (b, -q)
+        b = bucket_for(num_seqs, self.batches)
+        q = None if b not in self._tree_lens_at else bucket_for(rows, list(self._tree_lens_at[b]))
+        return None if q is None else (b, -q)
 
     def forward_tree(self, step: StepBatch) -> ForwardOutput:
         """A draft trees' verify (`StepBatch.trees`) in a tree bucket: rows in token order, as `forward`'s."""

@@ -172,11 +172,15 @@ DRAFTER = ("--drafter", "unix:/nonexistent/d.sock")
                                          ((*DRAFTER, "--device", "cuda", "--num-drafts", "7"), (0, 8, None)),
                                          ((*DRAFTER, "--device", "cuda", "--num-drafts", "auto"), (0, 8, None)),
                                          ((*DRAFTER, "--device", "cuda", "--drafts-by-batch", "8:7"), (0, 8, None)),
-                                         (("--device", "cuda"), (0, 8, None))])
+                                         (("--device", "cuda"), (0, 8, None)),
+                                         ((*DRAFTER, "--draft-tree", "31", "--trees-by-batch", "2:15,3:0"),
+                                          (31, 8, 4, ((2, 15), (3, 0)))),
+                                         ((*DRAFTER, "--draft-tree", "0", "--trees-by-batch", "2:15"), (0, 8, None))])
 def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, monkeypatch):
-    """`target serve --draft-tree N|auto [--draft-tree-batch B]`: the engine's trees (B at most --max-batch), of the 8
-    candidates a row the drafter serves. auto (the default): trees of 15 nodes on a GPU with a drafter at its own
-    draft length; chains on the CPU, at a draft length given or learned, or with no drafter."""
+    """`target serve --draft-tree N|auto [--draft-tree-batch B] [--trees-by-batch N:M]`: the engine's trees (B at
+    most --max-batch; M nodes from N sequences on), of the 8 candidates a row the drafter serves. auto (the
+    default): trees of 15 nodes on a GPU with a drafter at its own draft length; chains on the CPU, at a draft
+    length given or learned, or with no drafter."""
     import specsplit.services
 
     monkeypatch.setattr(logs, "configure", lambda *args, **kwargs: None)  # (the root logger outlives the test)
@@ -184,7 +188,8 @@ def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, m
 
     def start_target(settings):
         engine = settings.engine
-        seen.append((engine.draft_tree, engine.draft_tree_keep, engine.draft_tree_batch))
+        seen.append((engine.draft_tree, engine.draft_tree_keep, engine.draft_tree_batch)
+                    + ((engine.trees_by_batch,) if engine.trees_by_batch else ()))
         raise SystemExit(0)
 
     monkeypatch.setattr(specsplit.services, "start_target", start_target)
@@ -193,11 +198,19 @@ def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, m
     assert seen == [want]
 
 
-@pytest.mark.parametrize("extra", [("--draft-tree", "64"), ("--draft-tree", "15", "--draft-tree-batch", "0")])
-def test_target_serve_refuses_draft_trees_it_cannot_build(extra, capsys, monkeypatch):
+@pytest.mark.parametrize("extra, says", [(("--draft-tree", "64"), "draft_tree"),
+                                         (("--draft-tree", "15", "--draft-tree-batch", "0"), "draft_tree_batch"),
+                                         (("--draft-tree", "15", "--trees-by-batch", "2:64"), "trees_by_batch"),
+                                         (("--draft-tree", "15", "--trees-by-batch", "0:7"), "N:K with N >= 1"),
+                                         (("--draft-tree", "15", "--trees-by-batch", "2"), "K >= 0 nodes")])
+def test_target_serve_refuses_draft_trees_it_cannot_build(extra, says, capsys, monkeypatch):
     monkeypatch.setattr(logs, "configure", lambda *args, **kwargs: None)  # (the root logger outlives the test)
-    assert main(["target", "serve", "--listen", "unix:/nonexistent/t.sock", *extra]) == 2
-    assert "draft_tree" in capsys.readouterr().err
+    try:
+        rc = main(["target", "serve", "--listen", "unix:/nonexistent/t.sock", *extra])
+    except SystemExit as exit:  # (argparse's own refusals)
+        rc = exit.code
+    assert rc == 2
+    assert says in capsys.readouterr().err
 
 
 def test_draft_tree_takes_a_number_or_auto(capsys):

@@ -455,6 +455,45 @@ def test_chained_trees_keep_the_draft_length_limits(tiny_llama_dir):
         and {key[2] for key in keys if key[0] == 1} == {7}
 
 
+@pytest.mark.parametrize("chained", [True, False])
+def test_trees_by_batch_verify_smaller_trees_in_larger_steps(tiny_llama_dir, chained):
+    """`trees_by_batch`: a step of two sequences verifies trees of the nodes given from two on (5, or chains for 0)
+    and the one sequence left trees of `draft_tree`'s 13 (more than the drafter's 7 rows), chained or step by step,
+    each in a tree bucket the engine's graphs hold for its size; the tokens stay the target's."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    model = load_target(tiny_llama_dir)
+    prompts, lengths = [[5, 6, 7, 8, 9], [11, 12, 13]], (14, 40)
+    base = [engine_run(model, None, [p], n)[0][0] for p, n in zip(prompts, lengths)]
+
+    def run(pairs):
+        drafter = random_drafter("dflash", target_info(model), target_head(model), seed=0, dtype=torch.float32,
+                                 block_size=8, max_drafts=7, num_layers=1, window=64)
+        drafter.use_static_forwards(use_graphs=False)
+        engine = Engine(model, drafter, EngineConfig(max_batch=2, draft_tree=13, draft_tree_keep=4,
+                                                     trees_by_batch=pairs, chain_steps=chained))
+        engine.graphs = engine._capture_graphs(use_graphs=False)
+        verified, forward_tree = [], engine.graphs.forward_tree
+        engine.graphs.forward_tree = lambda step: verified.append(
+            (len(step.seq_ids), max(map(len, step.tokens)))) or forward_tree(step)
+        requests = [Request(f"r{i}", p, SamplingParams(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
+        events = engine.generate(requests)
+        tokens = [[t for e in events[r.request_id] for t in e.token_ids] for r in requests]
+        if chained:  # (batch, k, rows) of the chained programs that verified trees
+            return tokens, engine.graphs, {key[:2] for key in engine._chain_programs if key[2]}
+        return tokens, engine.graphs, {(n, max(rows for m, rows in verified if m == n)) for n, _ in verified}
+
+    tokens, graphs, trees = run(((2, 5),))
+    assert tokens == base and graphs.tree_bucket(1, 14) == (1, -14) and graphs.tree_bucket(2, 6) == (2, -6)
+    assert graphs.tree_bucket(2, 14) is None  # (a 14-row verify is captured for one sequence only)
+    assert trees == ({(2, 5), (1, 13)} if chained else {(2, 6), (1, 14)})
+    tokens, graphs, trees = run(((2, 0),))
+    assert tokens == base and graphs.tree_batches == (1,)
+    assert trees == ({(1, 13)} if chained else {(1, 14)})
+
+
 def test_chained_trees_wider_than_the_drafters_rows_accept_as_step_by_step_trees(tiny_llama_dir):
     """Trees of more nodes than the drafter has rows (13 from 7 rows of 4 candidates): the chained steps (verify
     13 + 1 rows, commit the root and at most 7 path rows) emit what step-by-step tree steps emit, step by step, and

@@ -807,11 +807,16 @@ wide-trees)
     2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
   ;;
 wide-trees-eval)
-  # ... trees of 31 nodes from the drafter's 15 rows (the CPU decode of all 80 held-out prompts, float32: tau 4.66
-  # against 4.29 at 15): tau and the speedup at one stream beside 15, then a step's kernels at one stream
-  for tree in 31 15; do
-    timeout 100 python -m specsplit.cli eval-acceptance --device cuda --draft-tree $tree --max-tokens 128 --batch 1 \
+  # ... trees of 63 and 31 nodes from the drafter's 15 rows (the CPU decode of all 80 held-out prompts, float32: tau
+  # 4.66 at 31 against 4.29 at 15; the teacher-forced walk 5.00 at 63): tau and the speedup at one stream beside 15
+  for tree in 63 31 15; do
+    timeout 120 python -m specsplit.cli eval-acceptance --device cuda --draft-tree $tree --max-tokens 128 --batch 1 \
       2>&1 | grep -v INFO | tee "$OUT/eval_tree$tree.txt" | grep -E "^tau|walk|mismatches|speedup|engine" | log
+  done
+  ;;
+wide-trees-profile)
+  # ... a step's kernels at one stream, trees of 31 beside 15
+  for tree in 31 15; do
     timeout 100 python bench/profile_step.py --drafter dflash --batch 1 --steps 30 --draft-tree $tree \
       --out "$OUT" 2>&1 | grep -v INFO | head -12 | log
   done
