@@ -209,6 +209,7 @@ VARIANT_RATIOS = (
     ("services_trees_over_services", "services_trees", "services"),
     ("services_trees_over_target_only", "services_trees", "target_only"),
     ("services_trees_over_in_process_trees", "services_trees", "in_process_trees"),
+    ("services_trees_ahead_over_services_trees", "services_trees_ahead", "services_trees"),
     ("services_ahead_over_not_ahead", "services", "services_not_ahead"),
     ("services_over_unprepared", "services", "services_unprepared"),
     ("services_over_tail_uncaptured", "services", "services_tail_uncaptured"),
@@ -273,6 +274,10 @@ def summary(batch: int, prompts: list[str], result: dict) -> str:
                  f"{median.get('services_trees_over_in_process_trees', result['services_trees_over_in_process_trees']):.2f}x "
                  f"in-process trees, "
                  f"{result['requests_differing_services_trees_vs_target_only']} requests differing")
+    if "services_trees_ahead_over_services_trees" in result:
+        over = median.get("services_trees_ahead_over_services_trees", result["services_trees_ahead_over_services_trees"])
+        line += (f"; trees sent ahead {over:.2f}x not ahead, "
+                 f"{result['requests_differing_services_trees_ahead_vs_target_only']} requests differing")
     if "services_over_no_regroup" in result:
         line += f"; services {median.get('services_over_no_regroup', result['services_over_no_regroup']):.2f}x without regroup"
     return line
@@ -298,6 +303,9 @@ def main() -> None:
     ap.add_argument("--also-trees", type=int, default=0, metavar="N",
                     help="an in-process engine verifying draft trees of N nodes (EngineConfig.draft_tree), and one "
                          "through the services (the drafter answering its rows' candidates), in the rounds")
+    ap.add_argument("--also-trees-ahead", action="store_true",
+                    help="(with --also-trees) also through the services with each tree step's next candidates asked "
+                         "for as it launches (RemoteProposer(trees_ahead=True)), in the rounds")
     ap.add_argument("--no-chain", action="store_true", help="every engine with EngineConfig(chain_steps=False)")
     ap.add_argument("--also-unchained", action="store_true",
                     help="also run in-process and through the services with EngineConfig(chain_steps=False), "
@@ -424,6 +432,10 @@ def main() -> None:
         remote_trees = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
                                       head=(model.embed_weight, model.lm_head_weight),
                                       tree_keep=EngineConfig.draft_tree_keep) if args.also_trees else None
+        trees_ahead = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
+                                     head=(model.embed_weight, model.lm_head_weight), trees_ahead=True,
+                                     tree_keep=EngineConfig.draft_tree_keep) \
+            if args.also_trees and args.also_trees_ahead else None
         # ... and one to the second drafter service (--also-unprepared)
         if args.also_unprepared:
             wait_healthy(second, 300)
@@ -561,6 +573,22 @@ def main() -> None:
                       f"{result['tokens_per_s']:.0f} tok/s (tau {result['tau']:.2f}), "
                       f"{plain['services_trees_over_target_only']:.2f}x target only, "
                       f"{plain['services_trees_over_services']:.2f}x the services' chains", flush=True)
+                if trees_ahead is not None:
+                    engine = engines["services_trees_ahead"] = Engine(model, trees_ahead,
+                                                                      replace(conf, draft_tree=args.also_trees))
+                    run(engine, tokenizer, prompts, args.max_tokens, "warm")
+                    ahead_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "a")
+                    rates["services_trees_ahead"] = [result["tokens_per_s"]]
+                    plain.update({"services_trees_ahead": result,
+                                  "services_trees_ahead_over_services_trees":
+                                      result["tokens_per_s"] / plain["services_trees"]["tokens_per_s"],
+                                  "trees_taken_ahead": trees_ahead.link.chain_taken_ahead,
+                                  "requests_differing_services_trees_ahead_vs_target_only": sum(
+                                      a != b for a, b in zip(base_tokens, ahead_tokens))})
+                    print(f"batch {batch}: draft trees of {args.also_trees} nodes through the services, sent ahead "
+                          f"{result['tokens_per_s']:.0f} tok/s (tau {result['tau']:.2f}, "
+                          f"{trees_ahead.link.chain_taken_ahead} taken ahead so far), "
+                          f"{plain['services_trees_ahead_over_services_trees']:.2f}x not ahead", flush=True)
             for name, engine in kernel_engines.items():  # (their graphs were all captured above, each its way)
                 engines[name] = engine
                 rates[name] = [plain[name]["tokens_per_s"]]
@@ -703,6 +731,8 @@ def main() -> None:
         over_grpc.close()
         if remote_trees is not None:
             remote_trees.close()
+        if trees_ahead is not None:
+            trees_ahead.close()
         if not_ahead is not None:
             not_ahead.close()
         if device_waits is not None:

@@ -306,7 +306,7 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
                               drafter_timeout=args.drafter_timeout, step_socket=not args.step_over_grpc,
                               device_waits=args.device_waits, host_flags=args.host_flags,
-                              max_streams=args.max_streams,
+                              trees_ahead=args.trees_ahead, max_streams=args.max_streams,
                               max_message_bytes=int(args.max_message_mib * (1 << 20)),
                               security=server_security(args), drafter_security=drafter_security(args),
                               metrics=metrics_address(args))
@@ -565,6 +565,10 @@ def add_service_parsers(sub) -> None:
                     help="with --draft-tree: trees of at most NODES nodes in a step of N or more sequences (0: chains "
                          "there), e.g. --draft-tree 31 --trees-by-batch 2:15 (default: --draft-tree's nodes up to "
                          "--draft-tree-batch)")
+    ts.add_argument("--trees-ahead", action=argparse.BooleanOptionalAction, default=False,
+                    help="with --draft-tree: ask the drafter for a tree step's next candidates as the step launches, "
+                         "as chains' proposes are sent ahead, so the next tree step of the same sequences takes "
+                         "them without a round trip of its own (default: off until measured on a GPU)")
     ts.add_argument("--kv-blocks", type=int, default=2048, help="KV cache size, in blocks of 16 tokens")
     ts.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="on a GPU, replay decode/verify steps as CUDA graphs captured at start "

@@ -70,6 +70,7 @@ class TargetSettings:
     # they go into the host page the drafter takes (--host-flags), else our host polls
     device_waits: bool | None = None
     host_flags: bool = True  # --host-flags: ... in a host page passed over the drafter's step socket when it takes one
+    trees_ahead: bool = False  # --trees-ahead: a tree step's next candidates asked for as it launches (RemoteProposer)
     max_streams: int = 64  # Generate streams open at once; more are refused with RESOURCE_EXHAUSTED
     max_message_bytes: int = DEFAULT_MESSAGE_BYTES  # largest Generate request accepted
     security: ServerSecurity = ServerSecurity()  # token and TLS its callers need (--auth-token-file, --tls-*)
@@ -128,7 +129,8 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
                                   head=(model.embed_weight, model.lm_head_weight),
                                   security=settings.drafter_security, step_socket=settings.step_socket,
                                   device_waits=settings.device_waits, host_flags=settings.host_flags,
-                                  tree_keep=settings.engine.draft_tree_keep if settings.engine.draft_tree else 0)
+                                  tree_keep=settings.engine.draft_tree_keep if settings.engine.draft_tree else 0,
+                                  trees_ahead=settings.trees_ahead)
     engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids,
                     text_stream=tokenizer.output_stream)
     loop = EngineLoop(engine)

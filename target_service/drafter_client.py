@@ -394,7 +394,7 @@ class RemoteProposer:
                  timeout: float = 30.0, head: tuple[torch.Tensor, torch.Tensor] | None = None,
                  max_batch: int = 64, security: ClientSecurity = ClientSecurity(), step_socket: bool = True,
                  chain_ahead: bool = True, device_waits: bool | None = False, host_flags: bool = True,
-                 tree_keep: int = 0) -> None:
+                 tree_keep: int = 0, trees_ahead: bool = False) -> None:
         # max_batch: the engine's widest step; security: the drafter's token and TLS (shared.security);
         # step_socket: send the Step stream to the drafter's step socket when it offers one on this host;
         # chain_ahead: send each chained step's propose as the step before it launches (chain_prefetch);
@@ -405,7 +405,9 @@ class RemoteProposer:
         # host_flags: with device waits, the DONE buffer in a host page passed over the step socket when the
         # drafter takes one (our watchdog then releases a wait with a store of our CPU; shared.host_flags);
         # tree_keep: each block row's candidates a chained draft tree asks for (EngineConfig.draft_tree_keep;
-        # 0: no trees), which the drafts buffer is made wide enough for
+        # 0: no trees), which the drafts buffer is made wide enough for;
+        # trees_ahead: a chained tree step's candidates asked for as the step before launches, as chain_ahead does
+        # for chains (chain_prefetch with tree_keep), taken when the next step is a tree step of the same batch
         if isinstance(tree_keep, bool) or not isinstance(tree_keep, int) or not 0 <= tree_keep <= MAX_TREE_KEEP:
             raise InvalidRequest(f"tree_keep is a number of tokens in 0..{MAX_TREE_KEEP}, got {tree_keep!r}")
         self.tree_keep = tree_keep
@@ -416,6 +418,7 @@ class RemoteProposer:
         self.max_batch = max_batch
         self.use_step_socket = step_socket
         self.chain_ahead = chain_ahead
+        self.trees_ahead = trees_ahead
         self.device_waits = device_waits
         self.host_flags = host_flags
         self._page_refused: str | None = None  # why no host page is made or passed any more (None: it is)
@@ -1101,7 +1104,7 @@ class RemoteProposer:
         self._chain_commit = (batch.seq_ids, count, offset)
 
     def chain_prefetch(self, seq_ids: Sequence[int], anchors_ahead: Sequence[int], anchors: torch.Tensor,
-                       positions: torch.Tensor, num_drafts: int) -> tuple[int, ...] | None:
+                       positions: torch.Tensor, num_drafts: int, tree_keep: int = 0) -> tuple[int, ...] | None:
         """Send the next chained step's propose now, with the commit just queued and the settles: anchors [B]
         and positions [B] are device tensors the step just launched writes (read by the drafter's GPU once
         its host has seen them written, as every feed); `anchors_ahead` counts the rows of the steps
@@ -1110,11 +1113,15 @@ class RemoteProposer:
         are left out. The answer is read by the next use of the connection; `chain_propose` takes its
         drafts when asked for the same sequences, k and feed tensors, or for some of these sequences
         (`ahead_rows`), and they are dropped otherwise (a propose changes no state). Returns the
-        sequences proposed for, in order (None: nothing was sent)."""
-        if not self.chain_ahead:
+        sequences proposed for, in order (None: nothing was sent). tree_keep: the next step's draft-tree
+        candidates instead (`trees_ahead`; num_drafts its rows), which `chain_candidates` takes for the same
+        sequences, rows and feed tensors."""
+        if not (self.trees_ahead if tree_keep else self.chain_ahead):
             return None
+        if tree_keep and tree_keep != self.tree_keep:
+            raise ValueError(f"this drafter connection asks for {self.tree_keep} candidates a row, not {tree_keep}")
         conn = self._live()  # reads any answer still out: our buffers are ours to write again
-        if conn.feed is None or self.spec is None:
+        if conn.feed is None or self.spec is None or (tree_keep and not conn.tree_candidates):
             return None
         most = min(self.max_batch, self.spec.max_batch)
         if len(seq_ids) > most:
@@ -1125,9 +1132,9 @@ class RemoteProposer:
         self._chain_ahead = self._chain_ahead_result = None
         self._write_feed(conn, 1, anchors)
         self._write_feed(conn, 2, positions)
-        self._send(conn, [], into_buffer=True, chain=(batch, num_drafts, 0))
+        self._send(conn, [], into_buffer=True, chain=(batch, num_drafts, tree_keep))
         self._unanswered = self._unanswered_chain = True
-        self._chain_ahead = (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn)
+        self._chain_ahead = (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn, tree_keep)
         self.link.sent_ahead += 1
         self.link.chain_sent_ahead += 1
         return batch.seq_ids
@@ -1140,9 +1147,8 @@ class RemoteProposer:
         row ahead_rows[i] of the propose sent ahead (a batch that lost sequences, or gained some it was
         sent for besides the step's): its drafts are taken, those rows, with no round trip. The ids
         are the peer's bytes: the engine bounds them."""
-        taken = self._take_unanswered(batch, anchors, positions, num_drafts)
-        if taken is not None:
-            return taken
+        if self._take_unanswered(batch, anchors, positions, num_drafts):
+            return self._drafts_in_buffer(batch.conn, len(batch.seq_ids), num_drafts)
         conn = self._chain_conn(batch)  # (reads a prefetched answer, if one is out)
         sent, answer = self._chain_ahead, self._chain_ahead_result
         self._chain_ahead = self._chain_ahead_result = None
@@ -1192,28 +1198,33 @@ class RemoteProposer:
                          keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A chained step's draft-tree candidates for anchors [B] at positions [B] (on the device): each of the
         drafter's max_drafts block rows' `keep` best log-probabilities and target ids, [B, rows, keep] each on
-        our device, from one Step now with the queued commit and settles (no propose goes ahead for trees).
-        The values are the peer's bytes: the engine clamps the ids, and a NaN score ranks last."""
+        our device: those `chain_prefetch` asked for the same (`trees_ahead`), or from one Step now with the
+        queued commit and settles. The values are the peer's bytes: the engine clamps the ids, and a NaN score
+        ranks last."""
         if keep != self.tree_keep:
             raise ValueError(f"this drafter connection asks for {self.tree_keep} candidates a row, not {keep}")
+        rows = self.spec.max_drafts if self.spec is not None else 0
+        n, cut = len(batch.seq_ids), rows * keep
+        if rows and self._take_unanswered(batch, anchors, positions, rows, keep):
+            return self._candidates_in_buffer(batch.conn, n, rows, keep)
         conn = self._chain_conn(batch)  # (reads an answer still out)
         if not conn.tree_candidates or self.spec is None:
             raise DrafterUnavailable("the attached drafter offers no draft-tree candidates")
-        self._chain_ahead = self._chain_ahead_result = None  # (a propose sent ahead drafted for nothing)
+        sent, answer = self._chain_ahead, self._chain_ahead_result
+        self._chain_ahead = self._chain_ahead_result = None  # (a propose sent ahead for others drafted for nothing)
         self._ahead = self._ahead_result = None
-        rows = self.spec.max_drafts
-        answer = self._chain_ask(conn, batch, anchors, positions, rows, keep)
-        n, cut = len(batch.seq_ids), rows * keep
+        if self._rows_ahead(sent, answer, batch, anchors, positions, rows, None, keep) is not None:
+            self._host_waits_next = False  # (as chain_propose's: the answer was read, its work seen done)
+            self.link.chain_taken_ahead += 1
+        else:
+            answer = self._chain_ask(conn, batch, anchors, positions, rows, keep)
         if answer.in_buffer:
             self._check_rows(conn, answer)
             if answer.in_buffer != tuple((seq_id, rows) for seq_id in batch.seq_ids) \
                     or 2 * cut > conn.drafts.tensor.shape[1]:
                 self._disconnect()
                 raise DrafterUnavailable("the drafter answered a chained tree's candidates for other sequences")
-            view = conn.drafts.tensor[:n, :2 * cut]
-            ids, logp = view[:, :cut].long(), view[:, cut:].clone().view(torch.float32)
-            self._note_read(conn)
-            self.link.drafts_on_device += n
+            return self._candidates_in_buffer(conn, n, rows, keep)
         else:
             got = [answer.proposals.get(seq_id) for seq_id in batch.seq_ids]
             if any(p is None or len(p.tokens) != cut or p.confidence is None or len(p.confidence) != cut
@@ -1224,34 +1235,48 @@ class RemoteProposer:
             logp = torch.tensor([p.confidence for p in got], dtype=torch.float32).to(self.device, non_blocking=True)
         return logp.view(n, rows, keep), ids.view(n, rows, keep)
 
+    def _candidates_in_buffer(self, conn: _Connection, n: int, rows: int, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first n sequences' tree candidates in our drafts buffer, [n, rows, keep] log-probabilities and ids
+        (the ids, then the log-probabilities' float32 bits), copied on our stream (ordered after the drafter's
+        writes by whoever called), the read noted for the next Step that offers the buffer."""
+        cut = rows * keep
+        view = conn.drafts.tensor[:n, :2 * cut]
+        ids, logp = view[:, :cut].long(), view[:, cut:].clone().view(torch.float32)
+        self._note_read(conn)
+        self.link.drafts_on_device += n
+        return logp.view(n, rows, keep), ids.view(n, rows, keep)
+
     def _rows_ahead(self, sent, answer: wire.StepResult | None, batch: RemoteChainBatch, anchors: torch.Tensor,
-                    positions: torch.Tensor, num_drafts: int, ahead_rows: Sequence[int] | None) -> list[int] | None:
+                    positions: torch.Tensor, num_drafts: int, ahead_rows: Sequence[int] | None,
+                    tree_keep: int = 0) -> list[int] | None:
         """The rows of the chained propose sent ahead (`sent`, answered by `answer`) that are this one's drafts,
         or None: it was for another connection or k, a verb for one of these sequences was queued since
         (verbs for others ride on the next Step: a sequence's drafts depend on its own state alone), or
-        it is neither the same batch on the same feed nor rows of it the engine vouches for."""
+        it is neither the same batch on the same feed nor rows of it the engine vouches for (a tree's candidates,
+        `tree_keep`, only the same batch on the same feed)."""
         if sent is None or answer is None or self._chain_commit is not None \
                 or any(seq_id in self._pending for seq_id in batch.seq_ids):
             return None
-        ids, k, anchors_key, positions_key, conn = sent
-        if conn is not batch.conn or k != num_drafts:
+        ids, k, anchors_key, positions_key, conn, keep = sent
+        if conn is not batch.conn or k != num_drafts or keep != tree_keep:
             return None
         n = len(batch.seq_ids)
         if ids == batch.seq_ids and (anchors_key, positions_key) == (_feed_key(anchors), _feed_key(positions)):
             return list(range(n))
-        if ahead_rows is None or len(ahead_rows) != n or any(not 0 <= r < len(ids) for r in ahead_rows) \
+        if tree_keep or ahead_rows is None or len(ahead_rows) != n or any(not 0 <= r < len(ids) for r in ahead_rows) \
                 or tuple(ids[r] for r in ahead_rows) != batch.seq_ids:
             return None
         return list(ahead_rows)
 
     def _take_unanswered(self, batch: RemoteChainBatch, anchors: torch.Tensor, positions: torch.Tensor,
-                         num_drafts: int) -> torch.Tensor | None:
-        """With device waits: the drafts of the chained propose sent ahead, when it is this one, taken before
-        its answer is read. Our stream waits for the propose's done value (the drafter's stream writes it
+                         num_drafts: int, tree_keep: int = 0) -> bool:
+        """With device waits: the drafts (or a tree's candidates, `tree_keep`) of the chained propose sent ahead,
+        when it is this one, taken before its answer is read: True, and our stream waits for them; the caller
+        reads the buffer. Our stream waits for the propose's done value (the drafter's stream writes it
         after the drafts), so the verify is launched now and the answer read after it, by the connection's
         next use (`_live`, from `chain_commit` on): our host no longer waits for the drafter's between two
         steps. The answer is checked then, and one that is not these drafts drops the drafter; the verify
-        that read the buffer cost speed, never a token (it is exact, and the engine clamps the ids). None
+        that read the buffer cost speed, never a token (it is exact, and the engine clamps the ids). False
         where the answer must be read first (no device waits, the engine asked our host to wait, another
         step or buffer, verbs queued since)."""
         conn, n = self._conn, len(batch.seq_ids)
@@ -1259,12 +1284,13 @@ class RemoteProposer:
                 or not (self._unanswered and self._unanswered_chain) or self._taken_unanswered is not None \
                 or self._chain_commit is not None or self._pending or not conn.offered or not conn.done_sent \
                 or self._waits.failure is not None or conn.drafts is None \
-                or n > conn.drafts.tensor.shape[0] or num_drafts > conn.drafts.tensor.shape[1] \
-                or self._chain_ahead != (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn):
-            return None
+                or n > conn.drafts.tensor.shape[0] \
+                or num_drafts * (2 * tree_keep if tree_keep else 1) > conn.drafts.tensor.shape[1] \
+                or self._chain_ahead != (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn,
+                                         tree_keep):
+            return False
         left = max(STEP_DEADLINE_FLOOR, conn.sent_at + self.step_deadline() - time.perf_counter())
-        self._waits.wait(conn.done_flags[0], conn.done_sent, time.perf_counter() + left)  # before the read below
-        tokens = self._drafts_in_buffer(conn, n, num_drafts)
+        self._waits.wait(conn.done_flags[0], conn.done_sent, time.perf_counter() + left)  # before the caller's read
         self._chain_ahead = None
         self._ahead = self._ahead_result = None  # (as chain_propose drops a step-by-step prefetch's)
         self._taken_unanswered = tuple((seq_id, num_drafts) for seq_id in batch.seq_ids)
@@ -1272,7 +1298,7 @@ class RemoteProposer:
         self.link.drafts_ahead += n
         self.link.chain_taken_ahead += 1
         self.link.taken_unanswered += 1
-        return tokens
+        return True
 
     def _drafts_in_buffer(self, conn: _Connection, n: int, num_drafts: int, rows: list[int] | None = None) -> torch.Tensor:
         """A copy of the first n rows' drafts in our drafts buffer (or of `rows`, in that order), queued on our

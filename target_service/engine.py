@@ -1026,8 +1026,10 @@ class Engine:
             widest = max(self.graphs.query_lens + self.graphs.tree_lens) - 1
             self._chain_buffers = ChainBuffers(self.graphs.batches[-1], widest, self._device)
         launched = self._chain_buffers.launch(seqs, k, counts, program, started)
-        if among is None and not program.tree:  # (a tree's candidates are asked for as its step launches)
-            self._sent_ahead = self._chain_send_ahead(seqs, k, counts, pending, program, back)
+        if among is None:
+            sent = self._chain_send_ahead(seqs, k, counts, pending, program, back)
+            # (a tree's candidates sent ahead are the same batch's alone: `_ahead_rows` regroups chains)
+            self._sent_ahead = None if program.tree else sent
         return launched
 
     @staticmethod
@@ -1059,9 +1061,10 @@ class Engine:
         since the last launch, which the next step will add, are asked for too (`_joining`), and those of
         the step not read yet that sit this one out (`back`, see _rejoining): so neither a request's end,
         nor its successor's arrival, nor a sampled sequence stepping out and back costs a round trip.
-        Returns the sequences asked for and k (None: nothing was sent)."""
+        A tree step asks for the next tree step's candidates, for its own sequences only (the drafter's
+        `trees_ahead`). Returns the sequences asked for and k (None: nothing was sent)."""
         prefetch = _capability(self.proposer, "chain_prefetch")
-        if prefetch is None or not self.drafter_ok:
+        if prefetch is None or not self.drafter_ok or (program.tree and not getattr(self.proposer, "trees_ahead", False)):
             return None
         unread = {} if pending is None else {s.seq_id: n + 1 for s, n in zip(pending.seqs, pending.counts)}
         rows = [unread.get(s.seq_id, 0) + n + 1 for s, n in zip(seqs, counts)]
@@ -1074,6 +1077,11 @@ class Engine:
                 self._drafter_call(send)
             return None
         ids = [s.seq_id for s in seqs]
+        if program.tree:
+            anchors, positions = program.feed
+            sent = self._drafter_call(prefetch, ids, rows, anchors, positions, self._spec.max_drafts,
+                                      self.config.draft_tree_keep)
+            return None if sent is None or sent is _FAILED else (sent, k)
         feeds = [program.feed]
         joining = self._joining(seqs, unread, k) if self.config.chain_regroup else []
         if joining:  # (their anchors and positions the host's, as the next step's feed takes them)

@@ -1400,7 +1400,7 @@ def test_with_device_waits_a_chained_propose_sent_ahead_is_taken_before_its_answ
         answer = wire.StepResult(proposer._step_id, in_buffer=answer_rows)
         monkeypatch.setattr(proposer, "_receive", lambda conn, timeout: order.append("answer") or answer)
         proposer._send = lambda *args, **kwargs: order.append("send")
-        proposer._chain_ahead = ((0, 2), 3, _feed_key(anchors), _feed_key(positions), conn)
+        proposer._chain_ahead = ((0, 2), 3, _feed_key(anchors), _feed_key(positions), conn, 0)
         proposer._unanswered = proposer._unanswered_chain = True
         return RemoteChainBatch(ids, (0,) * len(ids), conn)
 
@@ -1493,7 +1493,7 @@ def test_a_chained_propose_sent_ahead_is_taken_for_the_rows_the_engine_names_and
         answer = wire.StepResult(proposer._step_id, in_buffer=answer_rows)
         monkeypatch.setattr(proposer, "_receive", lambda conn, timeout: answer)
         proposer._send = lambda *args, **kwargs: order.append("send")
-        proposer._chain_ahead = ((0, 2, 3), 3, _feed_key(anchors), _feed_key(positions), conn)
+        proposer._chain_ahead = ((0, 2, 3), 3, _feed_key(anchors), _feed_key(positions), conn, 0)
         proposer._unanswered = proposer._unanswered_chain = True
         return RemoteChainBatch(ids, (0,) * len(ids), conn)
 

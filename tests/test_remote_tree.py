@@ -4,6 +4,8 @@ asking for what the drafter cannot answer ends only its own connection."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -47,14 +49,20 @@ def _tree_steps(engine) -> int:
     return sum(1 for key in engine._chain_programs if key[2])
 
 
-@pytest.mark.parametrize("nodes", [NODES, 2 * NODES - 1], ids=["as-many-as-rows", "wider-than-rows"])
-@pytest.mark.parametrize("captured", [True, False], ids=["as-tail", "verb-by-verb"])
-def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(pair, tiny_chat_dir, captured, nodes):
+@pytest.mark.parametrize("captured, nodes, ahead", [(True, NODES, False), (False, NODES, False),
+                                                    (True, 2 * NODES - 1, False), (False, 2 * NODES - 1, False),
+                                                    (True, NODES, True), (False, 2 * NODES - 1, True)],
+                         ids=["as-tail", "verb-by-verb", "wider-than-rows-as-tail", "wider-than-rows-verb-by-verb",
+                              "sent-ahead-as-tail", "sent-ahead-wider-verb-by-verb"])
+def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(pair, tiny_chat_dir, captured, nodes,
+                                                                               ahead):
     """Each chained tree step asks the drafter service for its rows' candidates (answered inline on the CPU) and
     grows, verifies and accepts its trees here (`chain_capture_remote`: as the tail a graph would hold, or
     uncaptured, verb by verb): every candidate, every token and every step the in-process trees', and the tokens
     target-only decoding's, a request joining mid-run included; nothing stays allocated on either side. Trees of
-    as many nodes as the drafter's 7 rows, and of 13 (wider, no deeper: each commit still holds at most 8 rows)."""
+    as many nodes as the drafter's 7 rows, and of 13 (wider, no deeper: each commit still holds at most 8 rows).
+    With `trees_ahead` the next tree step's candidates are asked for as each step launches, and taken by the next
+    step of the same batch (most steps here) instead of a Step of its own."""
     from specsplit.shared.tokenizer import Tokenizer
 
     target, local, address, remote = pair
@@ -66,7 +74,7 @@ def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(p
     local.chain_commit = lambda batch, rows, at, width: widths.append(width) or commit(batch, rows, at, width)
     in_process = _engine(target, local, **trees)
     want = _run(in_process, tokenizer)
-    proposer = RemoteProposer(address, max_batch=4, tree_keep=KEEP)
+    proposer = RemoteProposer(address, max_batch=4, tree_keep=KEEP, trees_ahead=ahead)
     try:
         assert proposer.tree_candidates
         there = _recorded(proposer)
@@ -81,6 +89,8 @@ def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(p
         assert through.counters.chained == in_process.counters.chained > 10
         assert {key[1:] for key in through._chain_programs if key[2]} == {(nodes, local.spec.max_drafts)}
         assert set(widths) == {min(nodes, local.spec.max_drafts) + 1}  # (the in-process trees' commits)
+        taken = proposer.link.chain_taken_ahead
+        assert (taken > len(there) // 2) if ahead else taken == 0, (taken, len(there))
         proposer.flush()
         assert len(remote.store) == 0 and remote.pool.num_free_blocks == remote.pool.num_blocks
         assert through.cache.num_free_blocks == through.cache.num_blocks - 1  # all but the scratch block
@@ -260,3 +270,75 @@ def test_a_drafter_answering_a_tree_without_its_candidates_is_dropped_and_no_tok
         assert through.counters.fallbacks >= 1 and calls.count(KEEP) > 3
     finally:
         proposer.close()
+
+
+def test_with_device_waits_a_trees_candidates_sent_ahead_are_taken_before_their_answer_only_as_candidates(
+        pair, monkeypatch):
+    """`trees_ahead` with device waits: the candidates a tree step asked for as the step before launched are taken
+    by `chain_candidates` for the same sequences, rows and feed before their answer is read (our stream first
+    waiting for the propose's done value), ids and log-probabilities read from the drafts buffer as the drafter
+    wrote them; the answer is read by the connection's next use and checked then. A chain's propose for the same
+    sequences and k never takes them as drafts (the answer is read first, and a Step of its own goes), nor does a
+    tree ask for other sequences (whose answer then does not fit it). (Stand-in buffers, as the chains' test in tests/test_remote_chain.py; the real
+    ones are GPU-only: tests/test_split_gpu.py.)"""
+    from types import SimpleNamespace
+
+    from specsplit.shared.errors import DrafterUnavailable
+    from specsplit.target_service import drafter_client
+    from specsplit.target_service.drafter_client import RemoteChainBatch, _feed_key
+
+    _, local, address, _ = pair
+    rows, keep = local.spec.max_drafts, KEEP
+    cut = rows * keep
+    order: list = []
+    monkeypatch.setattr(drafter_client, "_importer_done", lambda drafts, wait=0.0: order.append("host") or True)
+    monkeypatch.setattr(RemoteProposer, "_note_read", staticmethod(lambda conn: order.append("read noted")))
+    anchors, positions = torch.tensor([5, 6]), torch.tensor([10, 11])
+    ids = torch.arange(2 * cut, dtype=torch.int32).reshape(2, cut) % 97
+    logp = -torch.rand(2, cut)
+    buffer = torch.zeros(4, 2 * cut, dtype=torch.int32)
+    buffer[:2, :cut], buffer[:2, cut:] = ids, logp.view(torch.int32)
+
+    def sent_ahead(proposer, answer_rows, *, ask_ids=(0, 2)):
+        """The state `chain_prefetch(..., tree_keep)` leaves: candidates for sequences 0 and 2, out unanswered."""
+        conn = proposer._conn
+        conn.drafts, conn.tree_candidates = SimpleNamespace(tensor=buffer), True
+        conn.offered, conn.done_sent, conn.sent_at = True, 5, time.perf_counter()
+        proposer._waits = SimpleNamespace(wait=lambda tensor, value, deadline: order.append(("wait", value)),
+                                          failure=None, release=lambda: None)
+        conn.done_flags = (None,)
+        answer = wire.StepResult(proposer._step_id, in_buffer=answer_rows)
+        monkeypatch.setattr(proposer, "_receive", lambda conn, timeout: order.append("answer") or answer)
+        monkeypatch.setattr(proposer, "_check_rows", lambda conn, answer: None)
+        proposer._send = lambda *args, **kwargs: order.append("send")
+        proposer._chain_ahead = ((0, 2), rows, _feed_key(anchors), _feed_key(positions), conn, keep)
+        proposer._unanswered = proposer._unanswered_chain = True
+        return RemoteChainBatch(ask_ids, (0,) * len(ask_ids), conn)
+
+    want = ((0, rows), (2, rows))
+    for ask in ("candidates", "a chain's drafts", "candidates for others"):
+        order.clear()
+        proposer = RemoteProposer(address, max_batch=4, tree_keep=keep, trees_ahead=True)
+        try:
+            proposer._live()
+            batch = sent_ahead(proposer, want, ask_ids=(0, 1) if ask == "candidates for others" else (0, 2))
+            if ask == "candidates":
+                got_logp, got_ids = proposer.chain_candidates(batch, anchors, positions, keep)
+                assert order == [("wait", 5), "read noted"] and proposer._unanswered  # (read after the verify)
+                assert torch.equal(got_ids, ids.long().view(2, rows, keep))
+                assert torch.equal(got_logp, logp.view(2, rows, keep))
+                proposer._live()  # the connection's next use reads the answer and finds it right
+                assert order[2:] == ["answer"] and proposer._conn is not None
+                assert (proposer.link.taken_unanswered, proposer.link.chain_taken_ahead) == (1, 1)
+            elif ask == "a chain's drafts":  # (the stand-in answers the Step sent instead as it answered the first)
+                proposer.chain_propose(batch, anchors, positions, rows)
+                assert [o for o in order if o in ("answer", "send")][:3] == ["answer", "send", "answer"], order
+                assert proposer.link.taken_unanswered == proposer.link.chain_taken_ahead == 0
+            else:
+                with pytest.raises(DrafterUnavailable, match="other sequences"):  # (the answer, for 0 and 2)
+                    proposer.chain_candidates(batch, anchors, positions, keep)
+                assert [o for o in order if o in ("answer", "send")][:2] == ["answer", "send"], order
+                assert proposer.link.taken_unanswered == 0
+        finally:
+            proposer._waits = None
+            proposer.close()

@@ -437,13 +437,15 @@ def test_the_targets_side_of_a_services_chained_step_replayed_as_a_graph_accepts
         (counters.chain_captures, counters.chain_replays, counters.chained, programs)
 
 
-@pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])
-def test_draft_trees_through_the_drafter_service_accept_as_the_in_process_trees(tmp_path, device_waits):
+@pytest.mark.parametrize("device_waits, ahead", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["host-polls", "device-waits", "host-polls-sent-ahead", "device-waits-sent-ahead"])
+def test_draft_trees_through_the_drafter_service_accept_as_the_in_process_trees(tmp_path, device_waits, ahead):
     """Draft trees through the services (ChainStep.tree_keep): the drafter writes each block row's best tokens into
     the target's drafts buffer (ids, then their log-probabilities' bits), the target grows, verifies and accepts
     the trees, its side replayed as a graph. Requests of three lengths (the batch shrinks): the tokens are
     target-only's, each request accepts as many drafts as with the in-process trees (float32: the same
-    candidates), in fewer steps than the services' chains."""
+    candidates), in fewer steps than the services' chains. With `trees_ahead` most steps take candidates asked
+    for as the step before launched (with device waits, before their answer is read)."""
     from specsplit.target_service.engine import EngineConfig
 
     model, tokenizer = default_target()
@@ -460,10 +462,10 @@ def test_draft_trees_through_the_drafter_service_accept_as_the_in_process_trees(
     want, want_stats = outcome(local)
     with spawned_drafter(tmp_path) as address:
         engine, remote = remote_engine(address, model, config={"draft_tree": 15}, device_waits=device_waits,
-                                       tree_keep=8)
+                                       tree_keep=8, trees_ahead=ahead)
         assert remote.tree_candidates and remote._conn.drafts.tensor.shape[1] == 2 * 15 * 8
         tokens, stats = outcome(engine)
-        trees = engine.counters
+        trees, taken = engine.counters, remote.link.chain_taken_ahead
         remote.close()
         engine, remote = remote_engine(address, model, device_waits=device_waits)
         _, chain_stats = outcome(engine)
@@ -473,6 +475,7 @@ def test_draft_trees_through_the_drafter_service_accept_as_the_in_process_trees(
     assert [s.accepted for s in stats] == [s.accepted for s in want_stats] and sum(s.accepted for s in stats) > 0
     assert sum(s.steps for s in stats) < sum(s.steps for s in chain_stats)
     assert trees.fallbacks == 0 and trees.chain_replays >= 20, (trees.chain_captures, trees.chain_replays)
+    assert (taken > trees.chained // 2) if ahead else taken == 0, (taken, trees.chained)
 
 
 @pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])

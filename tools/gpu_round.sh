@@ -821,6 +821,15 @@ wide-trees-profile)
       --out "$OUT" 2>&1 | grep -v INFO | head -12 | log
   done
   ;;
+trees-ahead)
+  # (forty-sixth session, not run yet) a tree step's next candidates asked for as it launches (`--trees-ahead`):
+  # its GPU tests (host polls and device waits), then tokens/s beside the services' trees not sent ahead
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+    -k "draft_trees_through_the_drafter_service" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  timeout 380 python bench/split_bench.py --device cuda --batch 1 2 4 --max-tokens 128 --also-trees 15 \
+    --also-trees-ahead --rounds 2 --json-out "$OUT/trees_ahead.json" 2>&1 | grep -v INFO \
+    | grep -E "^batch|Error|error" | log
+  ;;
 wide-trees-bench)
   # ... tokens/s at one, two and four streams: in-process and services' trees of 31 beside chains and target only
   timeout 560 python bench/split_bench.py --device cuda --batch 1 2 4 --max-tokens 128 --also-trees 31 --rounds 2 \
