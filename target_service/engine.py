@@ -893,6 +893,8 @@ class Engine:
         if not all(self._chain_room(s, 0, k) for s in seqs):
             return 0, []  # one that could not chain even with nothing pending
         chained = [s for s in seqs if self._chain_room(s, ahead.get(s.seq_id, 0), k)]
+        if tree and self.config.trees_for(len(chained)) != k:
+            return 0, []  # (fewer sequences' trees have other nodes, `trees_by_batch`: this step goes as usual)
         return (k, chained) if any(s.drafter_attached for s in chained) else (0, [])
 
     def _tree_depth(self, seqs: list[Sequence]) -> int:
@@ -964,8 +966,8 @@ class Engine:
         ids = [s.seq_id for s in seqs]
         planned = self.config.trees_for(len(seqs)) == k  # (the step planned as trees: see _chain_plan)
         tree = self._tree_depth(seqs) if planned else 0  # (its rows; 0: a chain step)
-        if planned and not tree and self.graphs.bucket(len(seqs), k + 1) is None:
-            return None  # planned as trees, and some of these sequences cannot take one: a step as usual
+        if not tree and self.graphs.bucket(len(seqs), k + 1) is None:
+            return None  # (planned as trees, and some of these sequences cannot take one; or no bucket): as usual
         before = pending.program if pending is not None else None
         if before is None or before is not self._chain_programs.get((len(seqs), k, tree)) \
                 or [s.seq_id for s in pending.seqs] != ids or self._chain_capturable(before):

@@ -494,6 +494,48 @@ def test_trees_by_batch_verify_smaller_trees_in_larger_steps(tiny_llama_dir, cha
     assert trees == ({(1, 13)} if chained else {(1, 14)})
 
 
+@pytest.mark.parametrize("max_drafts", [7, 4])
+def test_a_tree_step_planned_for_more_sequences_than_can_chain_never_runs_as_a_chain_of_its_nodes(tiny_llama_dir,
+                                                                                                max_drafts):
+    """`trees_by_batch` ((2, 5)) with trees of 13 at one stream: when one of two sequences cannot chain (it nears the
+    context's end with a step not read yet) the step planned as two sequences' trees of 5 is not launched as one
+    sequence's (whose trees have 13 nodes): it goes as usual. It once ran as a chain of k = 5, or, with no chain
+    bucket of 6 rows (4 drafts), raised out of the engine's step and failed every request. (A helper's review.)"""
+    import itertools
+
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+
+    model = load_target(tiny_llama_dir)
+    limit = model.config.max_position_embeddings
+    prompts, lengths = [[5, 6, 7, 8, 9], [11, 12, 13]], (limit - 5, 40)
+    base = [engine_run(model, None, [p], n)[0][0] for p, n in zip(prompts, lengths)]
+    drafter = random_drafter("dflash", target_info(model), target_head(model), seed=0, dtype=torch.float32,
+                             block_size=8, max_drafts=max_drafts, num_layers=1, window=64)
+    drafter.use_static_forwards(use_graphs=False)
+    engine = Engine(model, drafter, EngineConfig(max_batch=2, draft_tree=13, draft_tree_keep=4,
+                                                 trees_by_batch=((2, 5),)))
+    engine.graphs = engine._capture_graphs(use_graphs=False)
+    engine.add(Request("r0", prompts[0], SamplingParams(max_tokens=lengths[0], ignore_eos=True)))
+    tokens: dict[str, list[int]] = {}
+    late = None
+    for step in itertools.count():
+        seq = next(iter(engine.running.values()), None)
+        if late is None and seq is not None and len(seq.tokens) > limit - 45:  # r1 runs while r0 meets the end
+            late = step
+            engine.add(Request("r1", prompts[1], SamplingParams(max_tokens=lengths[1], ignore_eos=True)))
+        for e in engine.step():
+            tokens.setdefault(e.request_id, []).extend(e.token_ids)
+        if not engine.has_work:
+            break
+    assert late is not None and [tokens["r0"], tokens["r1"]] == base
+    keys = set(engine._chain_programs)
+    assert {key[1] for key in keys if key[0] == 1 and key[2]} <= {13}  # one sequence's trees: 13 nodes
+    assert not any(key[1] == 5 and not key[2] for key in keys), keys  # never a chain of the trees' 5
+    assert any(key[0] == 2 and key[1] == 5 and key[2] for key in keys), keys  # (two sequences' trees ran)
+
+
 def test_chained_trees_wider_than_the_drafters_rows_accept_as_step_by_step_trees(tiny_llama_dir):
     """Trees of more nodes than the drafter has rows (13 from 7 rows of 4 candidates): the chained steps (verify
     13 + 1 rows, commit the root and at most 7 path rows) emit what step-by-step tree steps emit, step by step, and
