@@ -234,8 +234,11 @@ def round_ratios(rates: dict[str, list[float]]) -> dict:
         for suffix, (*_, label) in KERNEL_VARIANTS.items():
             if f"{name}_{suffix}" in rates:
                 ratios[f"{name}_{label}"] = [a / b for a, b in zip(rates[name], rates[f"{name}_{suffix}"])]
-    ratios.update({name: [a / b for a, b in zip(rates[top], rates[bottom])] for name, top, bottom in VARIANT_RATIOS
-                   if top in rates and bottom in rates})
+    # (and each further tree size's, in-process, over the first's: --also-trees N M ...)
+    extra = [(f"{name}_over_in_process_trees", name, "in_process_trees") for name in rates
+             if name.startswith("in_process_trees_")]
+    ratios.update({name: [a / b for a, b in zip(rates[top], rates[bottom])]
+                   for name, top, bottom in (*VARIANT_RATIOS, *extra) if top in rates and bottom in rates})
     return {"tokens_per_s": rates, "ratios": ratios,
             "median": {name: statistics.median(values) for name, values in {**rates, **ratios}.items()}}
 
@@ -265,6 +268,9 @@ def summary(batch: int, prompts: list[str], result: dict) -> str:
                  f"{result['in_process_trees']['tau']:.2f}, {over / result['in_process_trees']['tau']:.2f} tau), "
                  f"{median.get('in_process_trees_over_in_process', result['in_process_trees_over_in_process']):.2f}x "
                  f"chains, {result['requests_differing_trees_vs_target_only']} requests differing")
+    for name in (key for key in result if key.startswith("in_process_trees_") and key[17:].isdigit()):
+        over = median.get(f"{name}_over_in_process_trees", result[f"{name}_over_in_process_trees"])
+        line += f"; trees of {name[17:]} nodes in-process {over:.2f}x those of {result['draft_tree_nodes']}"
     if "services_trees_over_target_only" in result:
         trees = result["services_trees"]
         over = median.get("services_trees_over_target_only", result["services_trees_over_target_only"])
@@ -300,9 +306,10 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--also-step-by-step", action="store_true",
                     help="also run target-only and in-process with EngineConfig(decode_ahead=False), side by side")
-    ap.add_argument("--also-trees", type=int, default=0, metavar="N",
+    ap.add_argument("--also-trees", type=int, nargs="+", default=[0], metavar="N",
                     help="an in-process engine verifying draft trees of N nodes (EngineConfig.draft_tree), and one "
-                         "through the services (the drafter answering its rows' candidates), in the rounds")
+                         "through the services (the drafter answering its rows' candidates), in the rounds; further "
+                         "counts (--also-trees 31 15 63): in-process engines of those too, beside the first")
     ap.add_argument("--also-trees-ahead", action="store_true",
                     help="(with --also-trees) also through the services with each tree step's next candidates asked "
                          "for as it launches (RemoteProposer(trees_ahead=True)), in the rounds")
@@ -370,6 +377,7 @@ def main() -> None:
     ap.add_argument("--drafter-profile-host", action="store_true",
                     help="with --drafter-profile: the host only, with Python stacks (its --profile-host)")
     args = ap.parse_args()
+    args.also_trees, args.more_trees = args.also_trees[0], args.also_trees[1:]
     if args.rounds < 1:
         ap.error("--rounds takes 1 or more")
     if args.waves < 1:
@@ -557,6 +565,20 @@ def main() -> None:
                       f"{result['chained_steps_replayed_whole']} replayed whole), "
                       f"{plain['in_process_trees_over_target_only']:.2f}x target only, "
                       f"{plain['in_process_trees_over_in_process']:.2f}x chains (tau {local['tau']:.2f})", flush=True)
+                for nodes in args.more_trees:  # (--also-trees N M ...: in-process trees of M beside N's)
+                    name = f"in_process_trees_{nodes}"
+                    engine = engines[name] = Engine(model, local_drafter, replace(conf, draft_tree=nodes))
+                    run(engine, tokenizer, prompts, args.max_tokens, "warm")
+                    more_tokens, more = run(engine, tokenizer, prompts, args.max_tokens, "l")
+                    rates[name] = [more["tokens_per_s"]]
+                    plain.update({name: more,
+                                  f"{name}_over_in_process_trees": more["tokens_per_s"] / result["tokens_per_s"],
+                                  f"{name}_over_target_only": more["tokens_per_s"] / base["tokens_per_s"],
+                                  f"requests_differing_trees_{nodes}_vs_target_only": sum(
+                                      a != b for a, b in zip(base_tokens, more_tokens))})
+                    print(f"batch {batch}: draft trees of {nodes} nodes in-process {more['tokens_per_s']:.0f} tok/s "
+                          f"(tau {more['tau']:.2f}), {plain[f'{name}_over_target_only']:.2f}x target only, "
+                          f"{plain[f'{name}_over_in_process_trees']:.2f}x trees of {args.also_trees}", flush=True)
                 engine = engines["services_trees"] = Engine(model, remote_trees,
                                                             replace(conf, draft_tree=args.also_trees))
                 run(engine, tokenizer, prompts, args.max_tokens, "warm")

@@ -831,8 +831,9 @@ trees-ahead)
     | grep -E "^batch|Error|error" | log
   ;;
 wide-trees-bench)
-  # ... tokens/s at one, two and four streams: in-process and services' trees of 31 beside chains and target only
-  timeout 560 python bench/split_bench.py --device cuda --batch 1 2 4 --max-tokens 128 --also-trees 31 --rounds 2 \
+  # ... tokens/s at one, two and four streams: in-process and services' trees of 31 beside chains and target only,
+  # and in-process trees of 15 beside those of 31 (which trees_by_batch to make the default)
+  timeout 560 python bench/split_bench.py --device cuda --batch 1 2 4 --max-tokens 128 --also-trees 31 15 --rounds 2 \
     --json-out "$OUT/wide_trees.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
   ;;
 tree-waves)
