@@ -66,9 +66,12 @@
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 #   bash tools/gpu_round.sh tree-chains   # (forty-third session) trees chained, captured whole: GPU tests, tau, speedup
 #   bash tools/gpu_round.sh tree-bench    # ... split_bench --also-trees 15 at one and eight streams, two rounds
-#   bash tools/gpu_round.sh wide-trees    # (next, forty-fifth session) the GPU tests changed without a device; then
-#                                         # wide-trees-eval: trees of 31 nodes beside 15, tau, speedup and kernels at
-#                                         # one stream; wide-trees-bench: tokens/s at 1, 2 and 4 streams
+#   bash tools/gpu_round.sh wide-trees-eval  # (next; forty-fifth and forty-sixth sessions had no device) trees of
+#                                         # 63, 31 and 15 nodes at one stream: tau and speedup in one run each; then
+#                                         # wide-trees-bench: tokens/s at 1, 2 and 4 streams (31 beside 15: which
+#                                         # trees_by_batch to make the default); trees-ahead: the services' tree
+#                                         # candidates sent ahead, its GPU tests and tokens/s; wide-trees: the GPU
+#                                         # tests changed without a device; wide-trees-profile: a step's kernels
 #   bash tools/gpu_round.sh trees         # issue 10: draft trees' walk by budget, static trees calibrated over 3,000
 #                                         # training-side prompts (paths saved), the engine's eager tree steps held out
 #   (next, after the forty-second session, which ran on an H100: `defaults` (second half passed), `train 48` (the
