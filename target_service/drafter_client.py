@@ -1215,6 +1215,7 @@ class RemoteProposer:
         self._ahead = self._ahead_result = None
         if self._rows_ahead(sent, answer, batch, anchors, positions, rows, None, keep) is not None:
             self._host_waits_next = False  # (as chain_propose's: the answer was read, its work seen done)
+            self.link.drafts_ahead += n
             self.link.chain_taken_ahead += 1
         else:
             answer = self._chain_ask(conn, batch, anchors, positions, rows, keep)
