@@ -281,7 +281,8 @@ def summary(batch: int, prompts: list[str], result: dict) -> str:
                  f"in-process trees, "
                  f"{result['requests_differing_services_trees_vs_target_only']} requests differing")
     if "services_trees_ahead_over_services_trees" in result:
-        over = median.get("services_trees_ahead_over_services_trees", result["services_trees_ahead_over_services_trees"])
+        name = "services_trees_ahead_over_services_trees"
+        over = median.get(name, result[name])
         line += (f"; trees sent ahead {over:.2f}x not ahead, "
                  f"{result['requests_differing_services_trees_ahead_vs_target_only']} requests differing")
     if "services_over_no_regroup" in result:

@@ -1236,7 +1236,8 @@ class RemoteProposer:
             logp = torch.tensor([p.confidence for p in got], dtype=torch.float32).to(self.device, non_blocking=True)
         return logp.view(n, rows, keep), ids.view(n, rows, keep)
 
-    def _candidates_in_buffer(self, conn: _Connection, n: int, rows: int, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _candidates_in_buffer(self, conn: _Connection, n: int, rows: int,
+                              keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first n sequences' tree candidates in our drafts buffer, [n, rows, keep] log-probabilities and ids
         (the ids, then the log-probabilities' float32 bits), copied on our stream (ordered after the drafter's
         writes by whoever called), the read noted for the next Step that offers the buffer."""

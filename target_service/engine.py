@@ -1066,7 +1066,8 @@ class Engine:
         A tree step asks for the next tree step's candidates, for its own sequences only (the drafter's
         `trees_ahead`). Returns the sequences asked for and k (None: nothing was sent)."""
         prefetch = _capability(self.proposer, "chain_prefetch")
-        if prefetch is None or not self.drafter_ok or (program.tree and not getattr(self.proposer, "trees_ahead", False)):
+        if prefetch is None or not self.drafter_ok \
+                or (program.tree and not getattr(self.proposer, "trees_ahead", False)):
             return None
         unread = {} if pending is None else {s.seq_id: n + 1 for s, n in zip(pending.seqs, pending.counts)}
         rows = [unread.get(s.seq_id, 0) + n + 1 for s, n in zip(seqs, counts)]

@@ -362,9 +362,11 @@ class StepGraphs:
         if shapes and any(model.config.layer_window(i) is not None for i in range(model.config.num_hidden_layers)):
             raise InvalidRequest("tree verifies take no sliding window")
         if any(not 1 <= q <= MAX_TREE_QUERIES for _, q in shapes):
-            raise InvalidRequest(f"a tree verify holds 1..{MAX_TREE_QUERIES} rows, got {sorted({q for _, q in shapes})}")
+            raise InvalidRequest(f"a tree verify holds 1..{MAX_TREE_QUERIES} rows, "
+                                 f"got {sorted({q for _, q in shapes})}")
         if any(not 1 <= n <= self.batches[-1] for n, _ in shapes):
-            raise InvalidRequest(f"tree verifies of 1..{self.batches[-1]} sequences, got {sorted({n for n, _ in shapes})}")
+            raise InvalidRequest(f"tree verifies of 1..{self.batches[-1]} sequences, "
+                                 f"got {sorted({n for n, _ in shapes})}")
         lens_at: dict[int, set[int]] = {}
         for n, q in shapes:
             lens_at.setdefault(bucket_for(n, self.batches), set()).add(q)
