@@ -279,7 +279,8 @@ def test_with_device_waits_a_trees_candidates_sent_ahead_are_taken_before_their_
     waiting for the propose's done value), ids and log-probabilities read from the drafts buffer as the drafter
     wrote them; the answer is read by the connection's next use and checked then. A chain's propose for the same
     sequences and k never takes them as drafts (the answer is read first, and a Step of its own goes), nor does a
-    tree ask for other sequences (whose answer then does not fit it). (Stand-in buffers, as the chains' test in
+    tree ask for other sequences (a Step of its own goes, which the stand-in answers as it answered the first: for
+    other sequences than it asked for, so the drafter is dropped). (Stand-in buffers, as the chains' test in
     tests/test_remote_chain.py; the real ones are GPU-only: tests/test_split_gpu.py.)"""
     from types import SimpleNamespace
 
