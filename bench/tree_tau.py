@@ -1,7 +1,7 @@
 """How far would a DFlash drafter's drafts go verified as a tree instead of one chain? No training.
 
     python bench/tree_tau.py [dflash | CHECKPOINT] --prompts 80 --tokens 128 --budgets 15 31 63 \
-        [--calibrate 800] [--decode 16]
+        [--calibrate 800] [--decode 16] [--fit-scores 400 --save-scores FOLDER]
 
 A DFlash block drafts its γ-1 rows in one parallel pass, each row's distribution given only the anchor's context,
 so the rows' runners-up cost nothing more to draft: a target could verify a tree of them (`shared.tree`) where
@@ -17,6 +17,11 @@ verify can keep; `--save-paths FILE` writes them as JSON). `--decode N` also dec
 real with each arm (`tree_eval.decode`, paged) and checks the output against the target's and the steps against
 the walk's. A tree
 of N nodes is verified in N+1 rows a sequence where the chain takes 16, which this does not price.
+
+`--fit-scores P` fits draft-tree scores (`drafter_service.tree_scores`) over P training-side continuations'
+candidates (`--fit-keep` a row, the engine's 8 by default) and adds best-first trees over them as arms;
+`--save-scores FOLDER` writes them where a checkpoint ships them. A checkpoint that ships scores also gets arms
+over its own ("tree N shipped").
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import torch
 
+from specsplit.drafter_service.tree_scores import fit as fit_scores
 from specsplit.local import LocalSetup, load_parts
+from specsplit.shared.tree import TREE_KEEP
 from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service.dense import capture_features, generate
 from specsplit.target_service.model import CaptureSpec
@@ -48,10 +56,11 @@ def continuations(model, tokenizer: Tokenizer, prompts: list[Prompt], tokens: in
 
 
 @torch.no_grad()
-def calibration_ranks(model, drafter, data, keep: int) -> list[list[int]]:
-    """The true tokens' ranks in each block row at every anchor of the continuations."""
+def calibration_candidates(model, drafter, data, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every anchor of the continuations: its block rows' `keep` best log-probabilities [N, γ-1, keep] and the
+    true tokens' ranks among them [N, γ-1] (-1: not there)."""
     dm, head = drafter.model, drafter.head
-    out = []
+    logps, ranks = [], []
     for _, prompt, continuation in data:
         seq = prompt + continuation
         tokens = torch.tensor(seq, device=model.embed_weight.device)
@@ -60,9 +69,18 @@ def calibration_ranks(model, drafter, data, keep: int) -> list[list[int]]:
         anchors = list(range(len(prompt), len(seq) - 1))
         for start in range(0, len(anchors), 64):
             part = anchors[start:start + 64]
-            _, ids = candidates(dm, head, rows, tokens, part, keep)
-            out += [true_ranks(ids[n].cpu(), seq[a + 1:]) for n, a in enumerate(part)]
-    return out
+            logp, ids = candidates(dm, head, rows, tokens, part, keep)
+            logps.append(logp.float().cpu())
+            ranks += [true_ranks(ids[n].cpu(), seq[a + 1:]) for n, a in enumerate(part)]
+    return torch.cat(logps), torch.tensor(ranks, dtype=torch.long)
+
+
+def training_side(tokenizer: Tokenizer, count: int) -> list[Prompt]:
+    """The first `count` training-side prompts of up to 192 tokens, in the held-out set's mix of kinds."""
+    pool = [p for p in training_prompts(0) if len(p.encode(tokenizer)) <= 192]
+    shares = {"chat": count // 2, "code": count * 3 // 10}
+    shares["math"] = count - sum(shares.values())
+    return [p for kind, n in shares.items() for p in [q for q in pool if q.kind == kind][:n]]
 
 
 def main() -> None:
@@ -78,29 +96,50 @@ def main() -> None:
                         help="also: static trees of the paths taken most often over P training-side prompts")
     parser.add_argument("--save-paths", default=None, metavar="FILE", help="the static trees' rank paths, as JSON")
     parser.add_argument("--decode", type=int, default=0, metavar="N", help="also decode the first N prompts")
+    parser.add_argument("--fit-scores", type=int, default=0, metavar="P",
+                        help="also: best-first trees over scores fitted on P training-side prompts (`tree_scores`)")
+    parser.add_argument("--save-scores", default=None, metavar="FOLDER",
+                        help="write the fitted scores as FOLDER/tree_scores.json (a drafter checkpoint's)")
+    parser.add_argument("--fit-keep", type=int, default=TREE_KEEP,
+                        help="candidates a row the scores are fitted over (the engine's, by default)")
     args = parser.parse_args()
-    if min(args.budgets) < 1 or args.keep < 1:
-        parser.error("--budgets and --keep: each at least 1")
+    if min(args.budgets) < 1 or args.keep < 1 or args.fit_keep < 1:
+        parser.error("--budgets, --keep and --fit-keep: each at least 1")
+    if args.save_scores and not args.fit_scores:
+        parser.error("--save-scores writes what --fit-scores fits")
     started = time.perf_counter()
     model, tokenizer, drafter = load_parts(LocalSetup(drafter=args.drafter, device=args.device, dtype="float32"))
     dm, head = drafter.model, drafter.head
     held = continuations(model, tokenizer, read_prompts(HELDOUT_PATH)[:args.prompts], args.tokens, args.gen_batch)
     arms = [chain_policy(dm.cfg.block_size - 1)] + [TreePolicy(budget=n, keep=args.keep) for n in args.budgets]
+    if drafter.tree_scores is not None:  # (the checkpoint's own)
+        arms += [TreePolicy(budget=n, keep=args.fit_keep, scores=drafter.tree_scores, name=f"tree {n} shipped")
+                 for n in args.budgets]
     if args.calibrate:
-        pool = [p for p in training_prompts(0) if len(p.encode(tokenizer)) <= 192]
-        shares = {"chat": args.calibrate // 2, "code": args.calibrate * 3 // 10}  # the held-out set's mix
-        shares["math"] = args.calibrate - sum(shares.values())
-        side = [p for kind, n in shares.items() for p in [q for q in pool if q.kind == kind][:n]]
-        ranks = calibration_ranks(model, drafter, continuations(model, tokenizer, side, args.tokens, args.gen_batch),
-                                  args.keep)
+        side = training_side(tokenizer, args.calibrate)
+        _, ranks = calibration_candidates(
+            model, drafter, continuations(model, tokenizer, side, args.tokens, args.gen_batch), args.keep)
         print(f"{len(side)} training-side continuations ({len(ranks)} anchors) calibrate the static trees; "
               f"{time.perf_counter() - started:.0f}s")
-        arms += [TreePolicy(budget=n, paths=frequent_paths(ranks, n)) for n in args.budgets]
+        arms += [TreePolicy(budget=n, paths=frequent_paths(ranks.tolist(), n)) for n in args.budgets]
         if args.save_paths:
             with open(args.save_paths, "w") as f:
                 json.dump({"calibration": {"prompts": len(side), "anchors": len(ranks), "tokens": args.tokens},
                            "paths": {str(a.budget): [list(p) for p in a.paths] for a in arms if a.paths
                                      and str(a).startswith("static")}}, f)
+    if args.fit_scores:
+        side = training_side(tokenizer, args.fit_scores)
+        logp, ranks = calibration_candidates(
+            model, drafter, continuations(model, tokenizer, side, args.tokens, args.gen_batch), args.fit_keep)
+        scores = fit_scores(logp, ranks)
+        scores = replace(scores, fit={**scores.fit, "prompts": len(side), "tokens": args.tokens,
+                                      "drafter": args.drafter})
+        print(f"{len(side)} training-side continuations ({len(ranks)} anchors) fit the tree scores; "
+              f"{time.perf_counter() - started:.0f}s")
+        print("b by row: " + " ".join(f"{b:.2f}" for b in scores.b))
+        arms += [TreePolicy(budget=n, keep=args.fit_keep, scores=scores) for n in args.budgets]
+        if args.save_scores:
+            print(f"wrote {scores.save(args.save_scores)}")
     print(f"{len(held)} held-out continuations; {time.perf_counter() - started:.0f}s")
     kinds = sorted({p.kind for p, _, _ in held})
     tally = [{kind: [0, 0] for kind in kinds} for _ in arms]  # per arm and kind: steps, tokens past the prefill's

@@ -20,6 +20,7 @@ from torch import nn
 from specsplit.drafter_service.dflash import DFlashConfig, DFlashDrafter, DFlashModel, build_target_layer_ids
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.mtp import MTPConfig, MTPDrafter, MTPModel
+from specsplit.drafter_service.tree_scores import SCORES_FILE, TreeScores, read_tree_scores
 from specsplit.shared.checkpoint import INDEX_FILE, load_state_dict
 from specsplit.shared.config import read_config_json
 from specsplit.shared.errors import CheckpointError, InvalidRequest
@@ -53,7 +54,8 @@ def _save(folder: str | Path, model: DrafterModel, config: dict, max_file_bytes:
     tensors = {name: t.detach().cpu().clone().contiguous() for name, t in model.state_dict().items()}
     shards = _shards(tensors, max_file_bytes)
     folder.mkdir(parents=True, exist_ok=True)
-    for old in [*folder.glob("*.safetensors"), folder / INDEX_FILE]:  # a stale file would be read too
+    # A stale file would be read too; tree scores were fitted to the weights they lie beside
+    for old in [*folder.glob("*.safetensors"), folder / INDEX_FILE, folder / SCORES_FILE]:
         old.unlink(missing_ok=True)
     dtype = next(model.parameters()).dtype
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -120,9 +122,12 @@ def load_drafter(folder: str | Path, head: TargetHead, *, target_info: TargetInf
                  dtype: torch.dtype | None = None, device: str | torch.device = "cpu", window: int = 4096,
                  max_batch: int = 64, max_drafts: int = 4, pool_blocks: int | None = None) -> AnyDrafter:
     """A ready drafter from a checkpoint folder. `max_drafts` applies to MTP (DFlash drafts γ-1),
-    `pool_blocks` to DFlash (its context pool; None: `DFlashDrafter`'s default)."""
-    return _wrap(load_model(folder, target_info=target_info, dtype=dtype, device=device), head,
-                 window=window, max_batch=max_batch, max_drafts=max_drafts, pool_blocks=pool_blocks)
+    `pool_blocks` to DFlash (its context pool; None: `DFlashDrafter`'s default). A DFlash checkpoint's
+    `tree_scores.json`, where it ships one, scores its draft-tree candidates (`tree_scores`)."""
+    model = load_model(folder, target_info=target_info, dtype=dtype, device=device)
+    scores = read_tree_scores(folder, model.cfg.block_size - 1) if isinstance(model, DFlashModel) else None
+    return _wrap(model, head, window=window, max_batch=max_batch, max_drafts=max_drafts, pool_blocks=pool_blocks,
+                 tree_scores=scores)
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -193,12 +198,13 @@ def _finish(model: DrafterModel, dtype: torch.dtype, device: str | torch.device)
 
 
 def _wrap(model: DrafterModel, head: TargetHead, *, window: int, max_batch: int, max_drafts: int,
-          pool_blocks: int | None = None) -> AnyDrafter:
+          pool_blocks: int | None = None, tree_scores: TreeScores | None = None) -> AnyDrafter:
     # A drafter that serves never trains: no forward of its records autograd history (a forward that did would
     # hold its activations for as long as the K/V it wrote into the pool, the whole session)
     model.eval().requires_grad_(False)
     if isinstance(model, DFlashModel):
-        return DFlashDrafter(model, head, window=window, max_batch=max_batch, pool_blocks=pool_blocks)
+        return DFlashDrafter(model, head, window=window, max_batch=max_batch, pool_blocks=pool_blocks,
+                             tree_scores=tree_scores)
     return MTPDrafter(model, head, max_drafts=max_drafts, max_batch=max_batch)
 
 

@@ -28,6 +28,7 @@ from specsplit.drafter_service.base import (
 from specsplit.drafter_service.context_pool import ContextPool, ring_size
 from specsplit.drafter_service.graphs import ContextGraphs, GraphDrafts, ProposeGraphs
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
+from specsplit.drafter_service.tree_scores import TreeScores
 from specsplit.kernels.norm import rms_norm
 from specsplit.kernels.paged_attention import paged_attention
 from specsplit.kernels import rope
@@ -456,7 +457,7 @@ class DFlashDrafter(Drafter):
 
     def __init__(self, model: DFlashModel, head: TargetHead, *, window: int = 4096, max_batch: int = 64,
                  cuda_graphs: bool = True, pool_blocks: int | None = None,
-                 refine: RefinePolicy | None = None) -> None:
+                 refine: RefinePolicy | None = None, tree_scores: TreeScores | None = None) -> None:
         cfg = model.cfg
         if head.hidden_size != cfg.decoder.hidden_size or head.vocab_size != cfg.decoder.vocab_size:
             raise CheckpointError(f"target head [{head.vocab_size}, {head.hidden_size}] does not fit a drafter "
@@ -488,8 +489,18 @@ class DFlashDrafter(Drafter):
         # Arrival counters of the chained tree candidates' one-launch top-k (kernels.workspace): a row each
         self._top_k_workspace = arrival_counters(max_batch * cfg.block_size, self.device)
         self.refine = refine
+        self.tree_scores: TreeScores | None = None  # its candidates' scores (None: their log-probabilities)
+        self.use_tree_scores(tree_scores)
         if cuda_graphs and self.device.type == "cuda" and refine is None:
             self.use_static_forwards(use_graphs=True)
+
+    def use_tree_scores(self, scores: TreeScores | None) -> None:
+        """Score the draft-tree candidates this drafter answers so (`tree_scores`; None: their log-probabilities).
+        Set before a chained step's graph captures them."""
+        if scores is not None and scores.rows != self.spec.max_drafts:
+            raise CheckpointError(f"tree scores for {scores.rows} rows, the drafter drafts {self.spec.max_drafts}")
+        self.tree_scores = scores
+        self._tree_score_params = None if scores is None else scores.on(self.device)
 
     def use_static_forwards(self, *, use_graphs: bool) -> None:
         """Run the context and block forwards over static buffers, as CUDA graphs when `use_graphs`
@@ -702,7 +713,13 @@ class DFlashDrafter(Drafter):
         drafted = self.propose_graphs.fed_drafts(self.head, torch.stack([anchors, positions, bases]), batch.tables)
         logits = drafted.logits
         top, index = top_k_logp(logits.flatten(0, 1), min(keep, logits.shape[-1]), self._top_k_workspace)
-        return top.view(*logits.shape[:2], -1), self.vocab.to_target(index.view(*logits.shape[:2], -1))
+        shape = (*logits.shape[:2], -1)
+        return self._scored(top.view(shape)), self.vocab.to_target(index.view(shape))
+
+    def _scored(self, logp: torch.Tensor) -> torch.Tensor:
+        """Candidates' scores [B, R, K] from their log-probabilities: the checkpoint's `tree_scores` where it
+        ships them."""
+        return logp if self.tree_scores is None else self.tree_scores.apply(logp, self._tree_score_params)
 
     def chain_commit(self, batch: "ChainBatch", rows: torch.Tensor, positions: torch.Tensor, count: int) -> None:
         """Context K/V of every verified row, rows [B * count, feature_dim] (sequence i's rows i*count ..,
@@ -761,8 +778,8 @@ class DFlashDrafter(Drafter):
 
     @torch.no_grad()
     def propose_candidates(self, requests: Sequence[ProposeRequest], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each request's block rows as a draft tree's candidates (`shared.tree`): the `keep` best
-        log-probabilities of each of its first num_drafts rows and their target ids, [len(requests), R, keep]
+        """Each request's block rows as a draft tree's candidates (`shared.tree`): the scores (`_scored`) of the
+        `keep` best of each of its first num_drafts rows and their target ids, [len(requests), R, keep]
         each (R the widest num_drafts; a shorter request's rows past its own are not its). From the static block
         forward where it serves the batch (`_graph_draft`), eager otherwise. Checks and errors are `propose`'s;
         no grammar masks (a tree's runners-up would need each its own)."""
@@ -779,7 +796,8 @@ class DFlashDrafter(Drafter):
             logits = drafted.logits[:, :most]
             top, index = top_k_logp(logits.reshape(-1, logits.shape[-1]), min(keep, logits.shape[-1]),
                                     self._top_k_workspace)
-            return top.view(len(batch), most, -1), self.vocab.to_target(index.view(len(batch), most, -1))
+            shape = (len(batch), most, -1)
+            return self._scored(top.view(shape)), self.vocab.to_target(index.view(shape))
         logps, ids = [], []
         for i in range(0, len(batch), self.spec.max_batch):
             chunk = batch[i:i + self.spec.max_batch]
@@ -791,7 +809,7 @@ class DFlashDrafter(Drafter):
             top, index = logp.topk(min(keep, logp.shape[-1]), -1)
             logps.append(top)
             ids.append(self.vocab.to_target(index))
-        return torch.cat(logps), torch.cat(ids)
+        return self._scored(torch.cat(logps)), torch.cat(ids)
 
     def _context(self, states: Sequence[DFlashState]) -> BlockContext:
         """The eager reference's context: each sequence's visible rows gathered out of the pool."""

@@ -654,7 +654,8 @@ def cmd_eval_acceptance(args: argparse.Namespace) -> None:
                             num_drafts=args.num_drafts, seed=args.seed, refine=args.refine,
                             draft_tree=args.draft_tree)
     rep = run(target=args.target, drafter=args.drafter, prompts_path=args.prompts or HELDOUT_PATH,
-              settings=settings, device=args.device, dtype=args.dtype, limit=args.limit, seed=args.seed)
+              settings=settings, device=args.device, dtype=args.dtype, limit=args.limit, seed=args.seed,
+              tree_scores=args.tree_scores)
     print(dumps(rep) if args.json else format_report(rep))
 
 
@@ -735,6 +736,9 @@ def add_training_parsers(sub) -> None:
                     help="greedy DFlash steps verify a best-first draft tree of this many nodes instead of a chain "
                          "(1..63, grown from the drafter's rows; on a GPU chained and captured as chains are; "
                          "default 0: chains)")
+    ev.add_argument("--tree-scores", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --draft-tree: grow the trees from the scores a DFlash checkpoint ships "
+                         "(tree_scores.json), or, with --no-tree-scores, from the drafter's log-probabilities")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -249,7 +249,7 @@ def tree_walk(model: TargetModel, drafter: DFlashDrafter, prompts: Sequence[Eval
     asked for fewer drafts (`num_drafts`, or a request's last steps)."""
     from specsplit.tree_eval import TreePolicy, walk  # (it reads this module's walk_steps)
 
-    policy = TreePolicy(budget=settings.draft_tree, keep=EngineConfig.draft_tree_keep)
+    policy = TreePolicy(budget=settings.draft_tree, keep=EngineConfig.draft_tree_keep, scores=drafter.tree_scores)
     steps = tokens = 0
     for prompt, generated in zip(prompts, base.tokens):
         if len(generated) > 1:
@@ -465,7 +465,9 @@ def format_report(rep: dict) -> str:
                                                                 for kind, w in by_kind.items()))
         tree = forced.get("tree_walk")
         if tree is not None:
-            lines.append(f"the steps above verified draft trees of {rep['draft_tree']} nodes; their "
+            scored = {True: " (grown from the checkpoint's tree scores)", False: " (grown from the drafter's "
+                      "log-probabilities)"}.get(rep.get("tree_scores"), "")
+            lines.append(f"the steps above verified draft trees of {rep['draft_tree']} nodes{scored}; their "
                          f"teacher-forced walk: {tree['tau_excl_prefill']:.3f} over {tree['steps']} steps")
     tps = rep["tokens_per_s"]
     lines.append(f"tokens/s: speculative {tps['speculative']:.1f}, target-only {tps['target_only']:.1f}, "
@@ -491,8 +493,9 @@ def format_report(rep: dict) -> str:
 
 
 def run(*, target: str, drafter: str, prompts_path: str | Path, settings: EvalSettings, device: str,
-        dtype: str | None, limit: int | None, seed: int = 0) -> dict:
-    """`specsplit eval-acceptance`: load the target, the drafter and the prompts; evaluate."""
+        dtype: str | None, limit: int | None, seed: int = 0, tree_scores: bool = True) -> dict:
+    """`specsplit eval-acceptance`: load the target, the drafter and the prompts; evaluate (draft trees from
+    the scores the drafter's checkpoint ships unless not `tree_scores`)."""
     from specsplit.shared.tokenizer import Tokenizer
     from specsplit.local import LocalSetup, make_drafter, target_dir
     from specsplit.train_data import read_prompts
@@ -506,7 +509,10 @@ def run(*, target: str, drafter: str, prompts_path: str | Path, settings: EvalSe
     tokenizer = Tokenizer.from_dir(folder)
     prompts = [EvalPrompt(p.kind, p.encode(tokenizer)) for p in read_prompts(prompts_path, limit)]
     proposer = make_drafter(drafter, model, setup)
+    if not tree_scores and getattr(proposer, "tree_scores", None) is not None:
+        proposer.use_tree_scores(None)
     rep = evaluate(model, proposer, prompts, settings, eos_ids=tokenizer.eos_token_ids)
+    rep["tree_scores"] = getattr(proposer, "tree_scores", None) is not None
     rep["drafter"] = drafter
     return rep
 

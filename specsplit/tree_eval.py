@@ -24,6 +24,7 @@ import torch
 from specsplit.drafter_service.base import DraftVocab
 from specsplit.drafter_service.dflash import DFlashModel
 from specsplit.drafter_service.heads import TargetHead
+from specsplit.drafter_service.tree_scores import TreeScores
 from specsplit.drafter_service.training import dflash_block_hidden
 from specsplit.evaluate import walk_steps
 from specsplit.shared.errors import InvalidRequest
@@ -38,6 +39,7 @@ class TreePolicy:
     paths: tuple[tuple[int, ...], ...] | None = None  # a static tree's rank paths
     keep: int = 32  # candidates a row that best-first trees choose among
     name: str = ""  # how reports call it; by default "tree N" or "static N"
+    scores: TreeScores | None = None  # best-first trees: the candidates scored so (a drafter's `tree_scores`)
 
     def __post_init__(self) -> None:
         if self.budget < 1 or self.keep < 1:
@@ -54,10 +56,13 @@ class TreePolicy:
         """logp, ids [γ-1, K]: each block row's candidates best first."""
         if self.paths is not None:
             return from_paths(self.paths, ids.tolist())
+        if self.scores is not None:
+            logp = self.scores.apply(logp)
         return best_first(logp.tolist(), ids.tolist(), self.budget)
 
     def __str__(self) -> str:
-        return self.name or f"{'static' if self.paths is not None else 'tree'} {self.budget}"
+        return self.name or f"{'static' if self.paths is not None else 'tree'} {self.budget}" \
+            + (" scored" if self.scores is not None and self.paths is None else "")
 
 
 def chain_policy(drafts: int) -> TreePolicy:

@@ -66,7 +66,9 @@
 #   bash tools/gpu_round.sh train 27   # issue 10: the drafter continued 7.2 minutes
 #   bash tools/gpu_round.sh tree-chains   # (forty-third session) trees chained, captured whole: GPU tests, tau, speedup
 #   bash tools/gpu_round.sh tree-bench    # ... split_bench --also-trees 15 at one and eight streams, two rounds
-#   bash tools/gpu_round.sh wide-trees-eval  # (next; forty-fifth and forty-sixth sessions had no device) trees of
+#   bash tools/gpu_round.sh tree-scores   # (next) trees grown from the shipped tree scores against without: tau,
+#                                         # speedup at one stream; the GPU tests of chained trees with them
+#   bash tools/gpu_round.sh wide-trees-eval  # (forty-seventh session: run on an H100; README) trees of
 #                                         # 63, 31 and 15 nodes at one stream: tau and speedup in one run each; then
 #                                         # wide-trees-bench: tokens/s at 1, 2 and 4 streams (31 beside 15: which
 #                                         # trees_by_batch to make the default); trees-ahead: the services' tree
@@ -808,6 +810,17 @@ wide-trees)
   timeout 540 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py tests/test_tree.py \
     -k "replayed_as_a_graph or draft_tree or split_equals_in_process or chained" \
     2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  ;;
+tree-scores)
+  # (forty-seventh session, not run yet) trees grown from the shipped drafter's tree scores against its
+  # log-probabilities, at one stream (CPU float32 walk, held-out: 4.29 -> ~4.4 at 15 nodes): tau and speedup
+  for scores in --tree-scores --no-tree-scores; do
+    timeout 120 python -m specsplit.cli eval-acceptance --device cuda --draft-tree 15 --max-tokens 128 --batch 1 \
+      $scores 2>&1 | grep -v INFO | tee "$OUT/eval${scores}.txt" | grep -E "^tau|walk|mismatches|speedup" | log
+  done
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tree.py tests/test_split_gpu.py \
+    -k "chained_tree_steps_replay_whole or draft_trees_through_the_drafter_service" 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
   ;;
 wide-trees-eval)
   # ... trees of 63 and 31 nodes from the drafter's 15 rows (the CPU decode of all 80 held-out prompts, float32: tau
