@@ -36,7 +36,7 @@ from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.kernels.top_k import top_k_logp
 from specsplit.kernels.workspace import arrival_counters
 from specsplit.shared.config import ModelConfig
-from specsplit.shared.errors import CheckpointError, InvalidRequest
+from specsplit.shared.errors import CheckpointError, InvalidRequest, StateConflict
 from specsplit.shared.fused import FusedWeights, fuse_projections, run_fused_layers
 from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer, head_logits
 from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest
@@ -499,6 +499,9 @@ class DFlashDrafter(Drafter):
         Set before a chained step's graph captures them."""
         if scores is not None and scores.rows != self.spec.max_drafts:
             raise CheckpointError(f"tree scores for {scores.rows} rows, the drafter drafts {self.spec.max_drafts}")
+        if getattr(self, "_tree_scores_answered", False) and scores is not self.tree_scores:
+            # (a chained step's graph may hold the candidates as they were scored: it would go on so)
+            raise StateConflict("tree scores are set before the drafter answers any candidates")
         self.tree_scores = scores
         self._tree_score_params = None if scores is None else scores.on(self.device)
 
@@ -719,7 +722,11 @@ class DFlashDrafter(Drafter):
     def _scored(self, logp: torch.Tensor) -> torch.Tensor:
         """Candidates' scores [B, R, K] from their log-probabilities: the checkpoint's `tree_scores` where it
         ships them."""
-        return logp if self.tree_scores is None else self.tree_scores.apply(logp, self._tree_score_params)
+        self._tree_scores_answered = True
+        if self.tree_scores is None:
+            return logp
+        params = self._tree_score_params
+        return self.tree_scores.apply(logp, params if params.device == logp.device else None)
 
     def chain_commit(self, batch: "ChainBatch", rows: torch.Tensor, positions: torch.Tensor, count: int) -> None:
         """Context K/V of every verified row, rows [B * count, feature_dim] (sequence i's rows i*count ..,

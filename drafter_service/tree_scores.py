@@ -29,6 +29,8 @@ from specsplit.shared.errors import CheckpointError
 
 SCORES_FILE = "tree_scores.json"
 FORMAT = "specsplit-tree-scores/1"
+PAST_END = -2  # a fit's rank for a row past its continuation's end (-1: the target's token not among the K)
+BOUND = 1e4  # every parameter's magnitude at most (b at least 1 / BOUND): finite scores in float32
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,11 @@ class TreeScores:
             raise CheckpointError(f"tree scores need a, b and c for each of one or more rows, got "
                                   f"{len(self.a)}, {len(self.b)} and {len(self.c)}")
         for name, values in (("a", self.a), ("b", self.b), ("c", self.c)):
-            if not all(isinstance(v, float) and math.isfinite(v) for v in values):
-                raise CheckpointError(f"tree scores' {name} must be finite numbers")
-        if min(self.b) <= 0:
-            raise CheckpointError("tree scores' b must be above 0 (a row's candidates keep their order)")
+            if not all(isinstance(v, float) and math.isfinite(v) and abs(v) <= BOUND for v in values):
+                raise CheckpointError(f"tree scores' {name} must be finite numbers within ±{BOUND:g}")
+        if min(self.b) < 1 / BOUND:
+            raise CheckpointError(f"tree scores' b must be at least {1 / BOUND:g} (a row's candidates keep their "
+                                  f"order)")
 
     @property
     def rows(self) -> int:
@@ -80,7 +83,10 @@ class TreeScores:
             if not isinstance(got, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                     for v in got):
                 raise CheckpointError(f"{where}: {name} must be a list of numbers")
-            values.append(tuple(float(v) for v in got))
+            try:
+                values.append(tuple(float(v) for v in got))
+            except OverflowError:
+                raise CheckpointError(f"{where}: {name} holds a number past a float's range") from None
         fit = raw.get("fit")
         if fit is not None and not isinstance(fit, dict):
             raise CheckpointError(f"{where}: fit must be an object")
@@ -102,7 +108,7 @@ def read_tree_scores(folder: str | Path, rows: int) -> TreeScores | None:
         return None
     try:
         raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path}: unreadable ({exc})") from None
     scores = TreeScores.from_json(raw, str(path))
     if scores.rows != rows:
@@ -114,12 +120,13 @@ def fit(logp: torch.Tensor, ranks: torch.Tensor, *, iterations: int = 200) -> Tr
     """The scores' logistic fit over anchors' candidates: logp [N, R, K] each row's best first, ranks [N, R] the
     target's token's rank in each row (-1: not among the K). A row is an example where the target's tokens took
     every row before it among the candidates (a tree could have reached it), each of its K candidates labelled
-    with whether it is the target's; the loss is their mean binary cross-entropy. Deterministic on the CPU."""
+    with whether it is the target's (PAST_END: a row past the continuation's end, left out); the loss is their mean binary cross-entropy. Deterministic on the CPU."""
     n, rows, width = logp.shape
     if ranks.shape != (n, rows) or n < 1:
         raise ValueError(f"fit takes logp [N, R, K] and ranks [N, R], got {tuple(logp.shape)}, {tuple(ranks.shape)}")
     hit = (ranks >= 0) & (ranks < width)
     reached = torch.cat([torch.ones(n, 1, dtype=torch.bool), hit[:, :-1].cumprod(1).bool()], 1)  # [N, R]
+    reached &= ranks != PAST_END  # (a row past the continuation's end has no token to miss)
     label = F.one_hot(ranks.clamp(0, width - 1), width).float() * hit[..., None]
     lp = logp.float().clamp(min=-30.0)  # (a candidate past the drafter's vocabulary mask weighs nothing)
     weight = reached[..., None].float().expand(-1, -1, width)

@@ -24,7 +24,7 @@ import torch
 from specsplit.drafter_service.base import DraftVocab
 from specsplit.drafter_service.dflash import DFlashModel
 from specsplit.drafter_service.heads import TargetHead
-from specsplit.drafter_service.tree_scores import TreeScores
+from specsplit.drafter_service.tree_scores import PAST_END, TreeScores
 from specsplit.drafter_service.training import dflash_block_hidden
 from specsplit.evaluate import walk_steps
 from specsplit.shared.errors import InvalidRequest
@@ -198,9 +198,13 @@ def frequent_paths(ranks: Sequence[Sequence[int]], budget: int) -> tuple[tuple[i
 
 
 def true_ranks(ids: torch.Tensor, continuation: Sequence[int]) -> list[int]:
-    """Row j's rank of continuation[j] among ids [γ-1, K] (-1: not there, or past the continuation's end)."""
+    """Row j's rank of continuation[j] among ids [γ-1, K]: -1 where it is not there, -2 past the continuation's end
+    (no token to miss: a fit leaves it out)."""
     out = []
     for j in range(ids.shape[0]):
-        hit = (ids[j] == continuation[j]).nonzero() if j < len(continuation) else ()
+        if j >= len(continuation):
+            out.append(PAST_END)
+            continue
+        hit = (ids[j] == continuation[j]).nonzero()
         out.append(int(hit[0]) if len(hit) else -1)
     return out

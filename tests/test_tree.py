@@ -87,7 +87,7 @@ def test_frequent_paths_form_the_tree_the_true_tokens_took_most():
     ranks = [[0, 0, 1], [0, 0, -1], [1, 0, 0], [0, 1, 0], [0, 0, 0], [0, 0, 0]]
     assert frequent_paths(ranks, 3) == ((0,), (0, 0), (0, 0, 0))  # taken 5, 4 and 2 times
     assert frequent_paths(ranks, 4)[3] == (1,)  # of those taken once, the shortest first
-    assert true_ranks(torch.tensor([[3, 4], [5, 6], [7, 8]]), [4, 9]) == [1, -1, -1]
+    assert true_ranks(torch.tensor([[3, 4], [5, 6], [7, 8]]), [4, 9]) == [1, -1, -2]  # -2: past the end
     assert chain_policy(3).paths == ((0,), (0, 0), (0, 0, 0)) and str(chain_policy(3)) == "chain 3"
     with pytest.raises(InvalidRequest):
         TreePolicy(budget=2, paths=((0,), (0, 0), (1,)))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specsplit.drafter_service.checkpoint import load_drafter, random_drafter, save_dflash
-from specsplit.drafter_service.tree_scores import SCORES_FILE, TreeScores, fit, read_tree_scores
+from specsplit.drafter_service.tree_scores import PAST_END, SCORES_FILE, TreeScores, fit, read_tree_scores
 from specsplit.local import target_head, target_info
 from specsplit.shared.errors import CheckpointError
 from specsplit.shared.tree import best_first, matched
@@ -70,6 +70,13 @@ def test_fitted_scores_grow_the_tree_that_accepts_more():
         return sum(matched(tree, [ids[j][r] for j, r in enumerate(row)]) for row in test_ranks.tolist())
 
     assert accepted(scored) > 1.1 * accepted(raw)
+    # a row past its continuation's end has no token to miss: left out, it leaves row 1's odds as they are
+    reaching = (ranks[:, 0] == 0).nonzero().squeeze(1)[:800]
+    for past, row_1 in ((PAST_END, (0.92, 0.98)), (-1, (0.5, 0.8))):
+        cut = ranks.clone()
+        cut[reaching, 1] = past
+        best = fit(logp, cut).apply(logp[0])[1, 0].exp()
+        assert row_1[0] < best < row_1[1], past
     with pytest.raises(ValueError):
         fit(logp, ranks[:, :1])
 
@@ -92,30 +99,39 @@ def test_scores_round_trip_and_a_checkpoint_ships_them(tiny_llama_dir, tmp_path)
 
 def test_a_drafter_answers_its_candidates_scored(tiny_llama_dir):
     """Eager and from the static block forward alike: the scored candidates are the scores of the unscored
-    ones, same ids, and trees grown from them are what the policy with those scores grows."""
+    ones, same ids, and trees grown from them are what the policy with those scores grows. Scores are set before
+    the drafter answers: a captured step would go on scoring as it was captured."""
+    from specsplit.shared.errors import StateConflict
     from specsplit.shared.proposer import ProposeRequest
 
     model = load_target(tiny_llama_dir)
-    drafter = random_drafter("dflash", target_info(model), target_head(model), seed=0, block_size=4)
     s = scores(3, seed=2)
-    g = torch.Generator().manual_seed(0)
-    requests = []
-    for n, (prompt, anchor) in enumerate([([5, 6, 7, 8], 9), ([30, 31, 32], 33)]):
-        drafter.alloc(n, 50)
-        drafter.prefill(n, prompt, torch.randn(len(prompt), drafter.spec.feature_dim, generator=g))
-        requests.append(ProposeRequest(seq_id=n, last_token=anchor, position=len(prompt), num_drafts=3))
-    for static in (False, True):
+
+    def drafter_with(tree_scores, static):
+        drafter = random_drafter("dflash", target_info(model), target_head(model), seed=0, block_size=4)
+        drafter.use_tree_scores(tree_scores)
         if static:
             drafter.use_static_forwards(use_graphs=False)
-        drafter.use_tree_scores(None)
-        raw, raw_ids = drafter.propose_candidates(requests, 8)
-        drafter.use_tree_scores(s)
+        g = torch.Generator().manual_seed(0)
+        for n, prompt in enumerate([[5, 6, 7, 8], [30, 31, 32]]):
+            drafter.alloc(n, 50)
+            drafter.prefill(n, prompt, torch.randn(len(prompt), drafter.spec.feature_dim, generator=g))
+        return drafter
+
+    requests = [ProposeRequest(seq_id=0, last_token=9, position=4, num_drafts=3),
+                ProposeRequest(seq_id=1, last_token=33, position=3, num_drafts=3)]
+    for static in (False, True):
+        raw, raw_ids = drafter_with(None, static).propose_candidates(requests, 8)
+        drafter = drafter_with(s, static)
         got, ids = drafter.propose_candidates(requests, 8)
-        assert torch.equal(ids, raw_ids) and torch.allclose(got, s.apply(raw))
+        assert torch.equal(ids, raw_ids) and torch.allclose(got, s.apply(raw)) and not torch.allclose(got, raw)
         policy = TreePolicy(budget=6, keep=8, scores=s)
         assert policy.tree(raw[0], ids[0]) == best_first(got[0].tolist(), ids[0].tolist(), 6)
+        drafter.use_tree_scores(s)  # (the same: nothing changes)
+        with pytest.raises(StateConflict):
+            drafter.use_tree_scores(None)
     with pytest.raises(CheckpointError):
-        drafter.use_tree_scores(scores(4))
+        drafter_with(scores(4), False)
 
 
 @pytest.mark.parametrize("bad", [
@@ -132,13 +148,19 @@ def test_a_drafter_answers_its_candidates_scored(tiny_llama_dir):
     '{"format": "specsplit-tree-scores/1", "a": [0.0], "b": [Infinity], "c": [0.0]}',
     json.dumps({"format": "specsplit-tree-scores/1", "a": [0.0], "b": [1.0], "c": [0.0], "fit": 3}),
     json.dumps({"format": "specsplit-tree-scores/1", "a": [0.0] * 2, "b": [1.0] * 2, "c": [0.0] * 2}),  # rows
+    '{"format": "specsplit-tree-scores/1", "a": [1' + "0" * 400 + '], "b": [1.0], "c": [0.0]}',  # past a float
+    json.dumps({"format": "specsplit-tree-scores/1", "a": [0.0], "b": [1e300], "c": [0.0]}),  # inf in float32
+    json.dumps({"format": "specsplit-tree-scores/1", "a": [0.0], "b": [1e-300], "c": [0.0]}),  # 0 in float32
+    json.dumps({"format": "specsplit-tree-scores/1", "a": [1e39], "b": [1.0], "c": [0.0]}),
+    "[" * 100_000 + "]" * 100_000,  # nested past the parser's recursion
+    b"\xff\xfe not text",
 ])
 def test_malformed_scores_refuse_the_checkpoint_with_the_reason(tiny_llama_dir, tmp_path, bad):
     model = load_target(tiny_llama_dir)
     drafter = random_drafter("dflash", target_info(model), target_head(model), seed=0, block_size=2)
     folder = tmp_path / "ckpt"
     save_dflash(folder, drafter)
-    (folder / SCORES_FILE).write_text(bad)
+    (folder / SCORES_FILE).write_bytes(bad if isinstance(bad, bytes) else bad.encode())
     with pytest.raises(CheckpointError, match=SCORES_FILE):
         load_drafter(folder, target_head(model), target_info=target_info(model))
     shutil.rmtree(folder)
