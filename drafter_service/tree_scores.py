@@ -120,7 +120,8 @@ def fit(logp: torch.Tensor, ranks: torch.Tensor, *, iterations: int = 200) -> Tr
     """The scores' logistic fit over anchors' candidates: logp [N, R, K] each row's best first, ranks [N, R] the
     target's token's rank in each row (-1: not among the K). A row is an example where the target's tokens took
     every row before it among the candidates (a tree could have reached it), each of its K candidates labelled
-    with whether it is the target's (PAST_END: a row past the continuation's end, left out); the loss is their mean binary cross-entropy. Deterministic on the CPU."""
+    with whether it is the target's (PAST_END: a row past the continuation's end, left out); the loss is their
+    mean binary cross-entropy. Deterministic on the CPU."""
     n, rows, width = logp.shape
     if ranks.shape != (n, rows) or n < 1:
         raise ValueError(f"fit takes logp [N, R, K] and ranks [N, R], got {tuple(logp.shape)}, {tuple(ranks.shape)}")
