@@ -362,7 +362,8 @@ def test_the_engines_tree_steps_equal_target_only_and_take_fewer_steps(smollm2, 
     assert tokens == base == chained[0]
     assert sum(s.steps for s in stats) < sum(s.steps for s in chained[1])
     for prompt, got, st in zip(prompts, tokens, stats):
-        ref = decode(smollm2, drafter.model, drafter.head, prompt, 24, TreePolicy(budget=15, keep=8), paged=True)
+        ref = decode(smollm2, drafter.model, drafter.head, prompt, 24,
+                     TreePolicy(budget=15, keep=8, scores=drafter.tree_scores), paged=True)  # (the shipped scores)
         assert ref.tokens == got and st.steps == ref.steps + 1  # the engine counts its prefill a step
         assert st.accepted == len(got) - st.steps and 0 < st.drafted <= 15 * ref.steps
     assert engine.cache.num_free_blocks == engine.config.kv_blocks  # every block back, the trees' rows included

@@ -164,3 +164,30 @@ def test_malformed_scores_refuse_the_checkpoint_with_the_reason(tiny_llama_dir, 
     with pytest.raises(CheckpointError, match=SCORES_FILE):
         load_drafter(folder, target_head(model), target_info=target_info(model))
     shutil.rmtree(folder)
+
+
+@pytest.mark.slow
+def test_the_shipped_drafters_scored_trees_decode_as_their_walk(smollm2, smollm2_tokenizer):
+    """The shipped checkpoint's tree scores through eval-acceptance's engine (eager tree steps on the CPU): every
+    token the target's, and exactly the steps of the scored trees' teacher-forced walk, which over these prompts'
+    tokens differs from the unscored trees' walk (an engine growing trees from the raw log-probabilities would
+    not match it)."""
+    from specsplit.evaluate import EvalPrompt, EvalSettings, evaluate
+    from specsplit.local import LocalSetup, make_drafter
+    from specsplit.target_service.dense import generate
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+    from specsplit.tree_eval import walk
+
+    drafter = make_drafter("dflash", smollm2, LocalSetup(drafter="dflash", device="cpu", dtype="float32"))
+    assert drafter.tree_scores is not None  # the checkpoint ships them
+    prompts = [EvalPrompt(p.kind, p.encode(smollm2_tokenizer)) for p in read_prompts(HELDOUT_PATH)[:4]]
+    rep = evaluate(smollm2, drafter, prompts, EvalSettings(max_tokens=32, batch=4, draft_tree=15))
+    tree_walk = rep["teacher_forced"]["tree_walk"]
+    assert rep["mismatches"] == 0 and tree_walk["steps"] == rep["steps"] - len(prompts)
+    policies = [TreePolicy(budget=15, keep=8, scores=drafter.tree_scores), TreePolicy(budget=15, keep=8)]
+    ids = [p.ids for p in prompts]
+    steps = [0, 0]
+    for prompt, full in zip(ids, generate(smollm2, ids, 32).rows()):
+        for n, walked in enumerate(walk(smollm2, drafter.model, drafter.head, prompt, full[len(prompt):], policies)):
+            steps[n] += walked
+    assert steps[0] == tree_walk["steps"] and steps[0] != steps[1]
