@@ -813,7 +813,7 @@ wide-trees)
   ;;
 tree-scores)
   # (forty-seventh session, not run yet) trees grown from the shipped drafter's tree scores against its
-  # log-probabilities, at one stream (CPU float32 walk, held-out: 4.29 -> ~4.4 at 15 nodes): tau and speedup
+  # log-probabilities, at one stream (CPU float32 walk, held-out: 4.286 -> 4.393 at 15 nodes): tau and speedup
   for scores in --tree-scores --no-tree-scores; do
     timeout 120 python -m specsplit.cli eval-acceptance --device cuda --draft-tree 15 --max-tokens 128 --batch 1 \
       $scores 2>&1 | grep -v INFO | tee "$OUT/eval${scores}.txt" | grep -E "^tau|walk|mismatches|speedup" | log
