@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ class TreeScores:
     a: tuple[float, ...]  # per block row (row 0 the anchor's next token): the offset
     b: tuple[float, ...]  # ... the weight of the candidate's log-probability (> 0: order kept)
     c: tuple[float, ...]  # ... the weight of the row's best log-probability
-    fit: dict | None = None  # what it was fitted on (prompts, anchors, keep), for the record
+    fit: dict | None = field(default=None, compare=False)  # what it was fitted on (prompts, anchors, keep): a record
 
     def __post_init__(self) -> None:
         rows = len(self.a)
