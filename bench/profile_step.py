@@ -15,8 +15,10 @@ import traceback
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.profiler import ProfilerActivity, profile
 
+from specsplit.kernels import tree_accept
 from specsplit.local import LocalSetup, make_drafter, target_dir
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.tokenizer import Tokenizer
@@ -36,20 +38,28 @@ def main() -> None:
                     help="drafts per step (default: the drafter's most)")
     ap.add_argument("--draft-tree", type=int, default=0, metavar="N",
                     help="verify draft trees of N nodes (EngineConfig.draft_tree; chained in-process)")
+    ap.add_argument("--tree-accept", choices=("kernel", "torch"), default="kernel",
+                    help="a chained tree step's bookkeeping after its verify: one Triton launch (kernels/tree_accept.py) "
+                         "or its torch reference")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--stacks", action="store_true",
                     help="also list host->device and device->host copies and syncs by the Python line that made them")
+    ap.add_argument("--op-sites", action="store_true",
+                    help="run the chained step uncaptured (chain_capture 0) and list its eager device ops by the "
+                         "Python line that made them: what a captured step's small kernels are")
     args = ap.parse_args()
     if args.num_drafts is not None and args.num_drafts < 1:
         ap.error("--num-drafts: at least 1")
     torch.set_grad_enabled(False)
+    tree_accept.KERNEL = args.tree_accept == "kernel"
     setup = LocalSetup(drafter=args.drafter, device="cuda", dtype="bfloat16", seed=0)
     folder = target_dir("default")
     model = load_target(folder, dtype=torch.bfloat16, device="cuda")
     tokenizer = Tokenizer.from_dir(folder)
     drafter = None if args.drafter == "none" else make_drafter(args.drafter, model, setup)
     engine = Engine(model, drafter, EngineConfig(max_batch=args.batch, num_drafts=args.num_drafts,
-                                                 draft_tree=args.draft_tree))
+                                                 draft_tree=args.draft_tree,
+                                                 **({"chain_capture": 0} if args.op_sites else {})))
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     params = SamplingParams(max_tokens=48 * args.steps + 64, ignore_eos=True)  # three stretches of steps
     for i in range(args.batch):
@@ -71,7 +81,9 @@ def main() -> None:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / args.steps  # ms
     k = ("" if args.num_drafts is None else f", k = {args.num_drafts}") \
-        + (f", trees of {args.draft_tree} nodes" if args.draft_tree else "")
+        + (f", trees of {args.draft_tree} nodes" if args.draft_tree else "") \
+        + (", chained step uncaptured" if args.op_sites else "") \
+        + (", tree accept in torch" if args.draft_tree and args.tree_accept == "torch" else "")
     lines = [f"drafter {args.drafter}, batch {args.batch}{k}: wall {unprofiled * 1e3:.3f} ms/step unprofiled, "
              f"{wall * 1e3:.3f} profiled, GPU busy {busy:.3f} ms/step, "
              f"{len(kernels) / args.steps:.0f} kernels/step",
@@ -79,12 +91,15 @@ def main() -> None:
              prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)]
     if args.stacks:
         lines.append(copy_sites(engine, args.steps))
+    if args.op_sites:
+        lines.append(op_sites(engine, args.steps))
     text = "\n".join(lines)
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         suffix = ("" if args.num_drafts is None else f"-k{args.num_drafts}") \
-            + (f"-tree{args.draft_tree}" if args.draft_tree else "")
+            + (f"-tree{args.draft_tree}" if args.draft_tree else "") + ("-sites" if args.op_sites else "") \
+            + ("-torch-accept" if args.draft_tree and args.tree_accept == "torch" else "")
         with open(os.path.join(args.out, f"profile-{args.drafter}-b{args.batch}{suffix}.txt"), "w") as f:
             f.write(text)
 
@@ -133,6 +148,46 @@ def copy_sites(engine, steps: int) -> str:
     rows = sorted(mode.sites.items(), key=lambda kv: -kv[1])
     out = ["host<->device transfers and device reads per step, by call site:"]
     out += [f"{n / steps:6.2f}  {site}" for site, n in rows[:40]]
+    return "\n".join(out)
+
+
+class DeviceOpSites(TorchDispatchMode):
+    """Counts the aten ops on CUDA tensors that launch work (views and metadata left out), by the innermost
+    line of our code that made them. Graph replays and Triton launches are not aten ops: not counted."""
+
+    VIEWS = {"view", "_unsafe_view", "slice", "select", "expand", "as_strided", "unsqueeze", "squeeze", "permute",
+             "t", "transpose", "alias", "detach", "lift_fresh", "split", "unbind", "split_with_sizes", "chunk",
+             "narrow", "diagonal", "unfold", "_reshape_alias", "reshape", "view_as", "sym_size", "sym_stride",
+             "sym_numel", "sym_storage_offset", "is_same_size", "empty", "empty_like", "empty_strided",
+             "resolve_conj", "resolve_neg", "record_stream"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__.rstrip("_")
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        if name not in self.VIEWS and any(t.is_cuda for t in tensors):
+            frame = next((f for f in reversed(traceback.extract_stack()[:-1])
+                          if any(part in f.filename for part in ("_service/", "/shared/", "/kernels/"))), None)
+            where = f"{frame.filename.rsplit('/', 2)[-2]}/{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} " \
+                    f"{frame.name}" if frame else "?"
+            key = f"{name:22} {where}"
+            self.sites[key] = self.sites.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_sites(engine, steps: int) -> str:
+    mode = DeviceOpSites()
+    with mode:
+        for _ in range(steps):
+            engine.step()
+    torch.cuda.synchronize()
+    rows = sorted(mode.sites.items(), key=lambda kv: -kv[1])
+    total = sum(mode.sites.values()) / steps
+    out = [f"eager device ops per step outside captured graphs ({total:.1f}), by call site:"]
+    out += [f"{n / steps:6.2f}  {site}" for site, n in rows[:120]]
     return "\n".join(out)
 
 

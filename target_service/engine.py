@@ -25,11 +25,12 @@ from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
+from specsplit.kernels.tree_accept import accept_tree_step
 from specsplit.kernels.tree_grow import grow_tree_words
 from specsplit.shared.tree import MAX_TREE_KEEP, MAX_TREE_NODES, TREE_KEEP, DraftTree, best_first, holds_nodes
 from specsplit.shared.tree import accept_greedy as accept_tree
 from specsplit.shared.verify import device_longs, sample_accept, sample_tokens, verify_sampled
-from specsplit.target_service.chain import ChainBuffers, ChainedStep, ChainProgram, accept_greedy, accept_tree_paths
+from specsplit.target_service.chain import ChainBuffers, ChainedStep, ChainProgram, accept_greedy
 from specsplit.target_service.counters import EngineCounters
 from specsplit.target_service.draft_tuner import DraftTuner
 from specsplit.target_service.graphs import DeviceDrafts, LaunchedStep, StepBatch, StepGraphs
@@ -1229,7 +1230,7 @@ class Engine:
         """A chained step of draft trees (`_tree_depth`), from `program.feed` to `program.outcome` and the next
         feed, all on the device: the drafter's candidates, each sequence's best-first tree of k nodes
         (`kernels.tree_grow`), one verify of the roots and nodes in a tree bucket, the longest path of the target's
-        picks accepted (`accept_tree_paths`), its k/v moved to the positions its tokens take and its rows
+        picks accepted (`kernels.tree_accept`), its k/v moved to the positions its tokens take and its rows
         committed to the drafter in their place, as if it had been a chain drafted and accepted whole. The
         rows past it lie where the next verify and propose write first. False: the drafter failed."""
         anchors, positions = program.feed
@@ -1248,29 +1249,21 @@ class Engine:
         anchors, positions = program.feed
         logp, ids = logp[:, :program.tree], ids[:, :program.tree]  # the rows this step's drafts may reach
         trees, words = grow_tree_words(logp, ids.clamp(0, self.model.config.vocab_size - 1), k)  # (one launch)
-        nodes = trees.tokens.shape[1]  # k (the rows hold at least k rank paths: _tree_depth)
         tokens = torch.cat([anchors[:, None], trees.tokens], dim=1)
         rotary = positions[:, None] + torch.cat([torch.zeros_like(trees.depths[:, :1]), trees.depths], dim=1)
         out = self.graphs.chain_run(fwd, tokens, positions, (rotary, words))
-        picks = out.bucket_argmax.view(fwd.batch, fwd.query_len)[:n, :nodes + 1]
-        accepted, path, emitted = accept_tree_paths(trees, picks, words)
-        program.outcome.view(n, k + 2)[:, :nodes + 1].copy_(emitted)
-        program.outcome.view(n, k + 2)[:, k + 1].copy_(accepted)
-        depth = torch.arange(nodes, device=path.device)
-        on_path = path >= 0
-        src = torch.where(on_path, path, depth) + 1  # rows of the verify (the root's is 0)
-        at = positions[:, None] + torch.arange(1, nodes + 1, device=path.device)
-        scratch = torch.full_like(at, fwd.scratch_slot)
-        self.cache.move_slots(torch.where(on_path, fwd.slots_at(n, positions[:, None] + src), scratch).view(-1),
-                              torch.where(on_path, fwd.slots_at(n, at), scratch).view(-1))
+        picks = out.bucket_argmax.view(fwd.batch, fwd.query_len)[:n]
+        # the accepted paths, the outcome row, the commit's rows and the k/v moves: one launch on a GPU
+        kept = accept_tree_step(trees, words, picks, positions, fwd.block_tables[:n], self.cache.block_size,
+                                fwd.scratch_slot, program.outcome.view(n, k + 2))
+        self.cache.move_slots(kept.move_from.view(-1), kept.move_to.view(-1))
         rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:n]
         # the root, then the path in depth order, as deep as the tree's rows reach (`commit_width`)
-        order = torch.cat([torch.zeros_like(src[:, :1]), src], dim=1)[:, :program.commit_width]
+        order = kept.order[:, :program.commit_width]
         rows = rows.gather(1, order[:, :, None].expand(-1, -1, rows.shape[-1]))
         commit(rows.reshape(-1, rows.shape[-1]), positions)
-        final = emitted.gather(1, accepted[:, None]).squeeze(1)
-        positions.add_(accepted + 1)  # the next feed, after everything above read this one
-        anchors.copy_(final)
+        positions.add_(kept.accepted + 1)  # the next feed, after everything above read this one
+        anchors.copy_(kept.final)
 
     def _chain_tail(self, program: ChainProgram, batch, fwd, seqs: list[Sequence], counts: list[int],
                     ahead_rows: list[int] | None = None) -> bool:

@@ -822,6 +822,22 @@ tree-scores)
     -k "chained_tree_steps_replay_whole or draft_trees_through_the_drafter_service" 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
   ;;
+tree-accept)
+  # (forty-eighth session) a chained tree step's bookkeeping after its verify in one launch (kernels/tree_accept.py,
+  # some forty torch kernels before): its GPU tests and the tree steps' (in-process and through the services), then
+  # ms a step beside the torch reference at one and eight streams, and the speedup at one stream
+  timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tree_accept.py tests/test_tree.py \
+    tests/test_split_gpu.py -k "accept or chained_tree_steps_replay_whole or draft_trees_through_the_drafter_service" \
+    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  for batch in 1 8; do
+    for accept in kernel torch kernel torch; do
+      timeout 60 python bench/profile_step.py --drafter dflash --batch $batch --steps 60 --draft-tree 15 \
+        --tree-accept $accept --out "$OUT" 2>&1 | grep -E "^drafter|Error" | log
+    done
+  done
+  timeout 120 python -m specsplit.cli eval-acceptance --device cuda --draft-tree 15 --max-tokens 128 --batch 1 \
+    2>&1 | grep -v INFO | tee "$OUT/eval_tree_accept.txt" | grep -E "^tau|mismatches|speedup" | log
+  ;;
 wide-trees-eval)
   # ... trees of 63 and 31 nodes from the drafter's 15 rows (the CPU decode of all 80 held-out prompts, float32: tau
   # 4.66 at 31 against 4.29 at 15; the teacher-forced walk 5.00 at 63): tau and the speedup at one stream beside 15
