@@ -26,7 +26,7 @@ from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
 from specsplit.kernels.tree_accept import accept_tree_step
-from specsplit.kernels.tree_grow import grow_tree_words
+from specsplit.kernels.tree_grow import grow_verify_inputs
 from specsplit.shared.tree import MAX_TREE_KEEP, MAX_TREE_NODES, TREE_KEEP, DraftTree, best_first, holds_nodes
 from specsplit.shared.tree import accept_greedy as accept_tree
 from specsplit.shared.verify import device_longs, sample_accept, sample_tokens, verify_sampled
@@ -1248,9 +1248,9 @@ class Engine:
         n, k = program.n, program.k
         anchors, positions = program.feed
         logp, ids = logp[:, :program.tree], ids[:, :program.tree]  # the rows this step's drafts may reach
-        trees, words = grow_tree_words(logp, ids.clamp(0, self.model.config.vocab_size - 1), k)  # (one launch)
-        tokens = torch.cat([anchors[:, None], trees.tokens], dim=1)
-        rotary = positions[:, None] + torch.cat([torch.zeros_like(trees.depths[:, :1]), trees.depths], dim=1)
+        # the trees, and the verify's tokens and rotary positions (ids clamped into the vocabulary): one launch
+        trees, words, tokens, rotary = grow_verify_inputs(logp, ids, k, self.model.config.vocab_size, anchors,
+                                                          positions)
         out = self.graphs.chain_run(fwd, tokens, positions, (rotary, words))
         picks = out.bucket_argmax.view(fwd.batch, fwd.query_len)[:n]
         # the accepted paths, the outcome row, the commit's rows and the k/v moves: one launch on a GPU

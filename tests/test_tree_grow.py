@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.kernels.tree_grow import grow_tree_words, grow_tree_words_reference, grow_tree_words_triton
+from specsplit.kernels.tree_grow import (_grow_triton, grow_tree_words, grow_tree_words_reference, grow_tree_words_triton,
+                                         grow_verify_inputs, grow_verify_inputs_reference)
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.tree import best_first, tree_words
 from tests.kernel_checks import captured, run_interpreted
@@ -95,12 +96,62 @@ def test_scores_above_zero_cannot_emit_a_token_the_target_did_not_pick(hostile):
     assert accepted.tolist() == [0] and emitted[0, 0].item() == 3
 
 
+def assert_verify_inputs(grow, device="cpu") -> None:
+    """`grow_verify_inputs`: the trees of the ids clamped into the vocabulary (best-first's token paths, a NaN and
+    a +inf score among them), their words, the verify's tokens (the anchor, then the nodes') and rotary positions
+    (the root's, then its plus each node's depth)."""
+    vocab = 700
+    for seed, (batch, rows, width, budget) in enumerate(SHAPES):
+        logp, ids = candidates(batch, rows, width, seed, device)
+        ids = ids - 150  # (some below 0, some at or past the vocabulary: a hostile drafter's)
+        logp[-1, 0, -1], logp[0, -1, 0] = float("nan"), float("inf")
+        anchors = torch.arange(batch, device=device) + 5
+        positions = torch.arange(batch, device=device) * 17 + 3
+        trees, words, tokens, rotary = grow(logp, ids, budget, vocab, anchors, positions)
+        assert torch.equal(words, tree_words(trees.parents)), (batch, rows, width, budget)
+        assert torch.equal(tokens[:, 0], anchors) and torch.equal(tokens[:, 1:], trees.tokens)
+        assert torch.equal(rotary, positions[:, None] + torch.cat([torch.zeros_like(trees.depths[:, :1]),
+                                                                    trees.depths], 1))
+        assert int(trees.tokens.min()) >= 0 and int(trees.tokens.max()) < vocab
+        for b in range(batch):  # (clamped ids may repeat a token among siblings: no DraftTree of them)
+            parents, depths = trees.parents[b].tolist(), trees.depths[b].tolist()
+            assert all(-1 <= p < i for i, p in enumerate(parents))
+            assert depths == [1 if p < 0 else depths[p] + 1 for p in parents]
+
+
+def test_the_verify_inputs_reference():
+    assert_verify_inputs(grow_verify_inputs_reference)
+    logp, ids = candidates(2, 15, 8, 0)
+    with pytest.raises(InvalidRequest):
+        grow_verify_inputs(logp, ids, 15, 0, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(InvalidRequest):
+        grow_verify_inputs(logp, ids, 15, 9, torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+
+
+def assert_kernel_verify_inputs_equal_the_reference(device="cpu") -> None:
+    """Tie-free candidates (no NaN, no inf): the kernel's trees hold the reference's token paths, and its verify
+    inputs are its own trees' (assert_verify_inputs checks the rest)."""
+    for seed, (batch, rows, width, budget) in enumerate(SHAPES):
+        logp, ids = candidates(batch, rows, width, seed + 10, device)
+        logp[0, -1, -1] = -30.0  # (candidates() puts one -inf in: ties among -inf paths may differ)
+        anchors, positions = torch.arange(batch, device=device), torch.arange(batch, device=device) * 3
+        got = _grow_triton(logp, ids, budget, 1000, anchors, positions)  # (ids within: no clamp repeats a token)
+        want = grow_verify_inputs_reference(logp, ids, budget, 1000, anchors, positions)
+        for b in range(batch):
+            def paths(trees):
+                tree = trees.tree(b)
+                return sorted(tuple(tree.tokens[n] for n in tree.path_to(i)) for i in range(len(tree)))
+
+            assert paths(got[0]) == paths(want[0]), (seed, b)
+
+
 def check_triton_interpreted() -> None:
     """Run with TRITON_INTERPRET=1 set before triton is imported (test_triton_interpreted does)."""
     for seed in range(2):
         assert_best_first(grow_tree_words_triton, seed)
-    assert_well_formed_with_nan(lambda logp, ids, budget: grow_tree_words_triton(
-        torch.nan_to_num(logp, nan=float("-inf")), ids, budget))
+    assert_well_formed_with_nan(grow_tree_words_triton)  # (the kernel reads a NaN as -inf itself)
+    assert_verify_inputs(_grow_triton)
+    assert_kernel_verify_inputs_equal_the_reference()
     print("interpreted tree grow ok")
 
 
@@ -113,6 +164,9 @@ def test_triton_interpreted():
 def test_triton_grows_best_first_trees_on_cuda_and_in_a_graph():
     for seed in range(3):
         assert_best_first(grow_tree_words_triton, seed, "cuda")
+    assert_well_formed_with_nan(lambda logp, ids, budget: grow_tree_words(logp.cuda(), ids.cuda(), budget))
+    assert_verify_inputs(grow_verify_inputs, "cuda")
+    assert_kernel_verify_inputs_equal_the_reference("cuda")
     logp, ids = candidates(8, 15, 8, 5, "cuda")
     graph, (trees, words) = captured(lambda: grow_tree_words_triton(logp, ids, 15))
     want, want_words = grow_tree_words_triton(logp, ids, 15)

@@ -824,10 +824,12 @@ tree-scores)
   ;;
 tree-accept)
   # (forty-eighth session) a chained tree step's bookkeeping after its verify in one launch (kernels/tree_accept.py,
-  # some forty torch kernels before): its GPU tests and the tree steps' (in-process and through the services), then
-  # ms a step beside the torch reference at one and eight streams, and the speedup at one stream
-  timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tree_accept.py tests/test_tree.py \
-    tests/test_split_gpu.py -k "accept or chained_tree_steps_replay_whole or draft_trees_through_the_drafter_service" \
+  # some forty torch kernels before) and its verify's inputs made by the tree kernel (grow_verify_inputs, seven
+  # fewer): their GPU tests and the tree steps' (in-process and through the services), then ms a step beside the
+  # torch accept at one and eight streams, and the speedup at one stream
+  timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tree_accept.py tests/test_tree_grow.py \
+    tests/test_tree.py tests/test_split_gpu.py \
+    -k "accept or grows or chained_tree_steps_replay_whole or draft_trees_through_the_drafter_service" \
     2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
   for batch in 1 8; do
     for accept in kernel torch kernel torch; do
