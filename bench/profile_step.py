@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.profiler import ProfilerActivity, profile
 
-from specsplit.kernels import tree_accept
+from specsplit.kernels import chain_meta, fed_inputs, tree_accept
 from specsplit.local import LocalSetup, make_drafter, target_dir
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.tokenizer import Tokenizer
@@ -26,6 +26,8 @@ from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
 
+# The kernels that stand for a run of small torch ops in a step's graph, each with a module switch to its reference
+ONE_LAUNCH = {"tree_accept": tree_accept, "fed_inputs": fed_inputs, "chain_meta": chain_meta}
 PROMPT = "Explain how a hash map works, with an example in Python."
 
 
@@ -38,9 +40,9 @@ def main() -> None:
                     help="drafts per step (default: the drafter's most)")
     ap.add_argument("--draft-tree", type=int, default=0, metavar="N",
                     help="verify draft trees of N nodes (EngineConfig.draft_tree; chained in-process)")
-    ap.add_argument("--tree-accept", choices=("kernel", "torch"), default="kernel",
-                    help="a chained tree step's bookkeeping after its verify: one Triton launch (kernels/tree_accept.py) "
-                         "or its torch reference")
+    ap.add_argument("--torch-kernels", nargs="+", default=[], choices=sorted(ONE_LAUNCH), metavar="NAME",
+                    help="run these one-launch kernels' torch references instead, to measure the kernels against "
+                         f"them: {', '.join(sorted(ONE_LAUNCH))}")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--stacks", action="store_true",
                     help="also list host->device and device->host copies and syncs by the Python line that made them")
@@ -51,7 +53,8 @@ def main() -> None:
     if args.num_drafts is not None and args.num_drafts < 1:
         ap.error("--num-drafts: at least 1")
     torch.set_grad_enabled(False)
-    tree_accept.KERNEL = args.tree_accept == "kernel"
+    for name in args.torch_kernels:
+        ONE_LAUNCH[name].KERNEL = False
     setup = LocalSetup(drafter=args.drafter, device="cuda", dtype="bfloat16", seed=0)
     folder = target_dir("default")
     model = load_target(folder, dtype=torch.bfloat16, device="cuda")
@@ -83,7 +86,7 @@ def main() -> None:
     k = ("" if args.num_drafts is None else f", k = {args.num_drafts}") \
         + (f", trees of {args.draft_tree} nodes" if args.draft_tree else "") \
         + (", chained step uncaptured" if args.op_sites else "") \
-        + (", tree accept in torch" if args.draft_tree and args.tree_accept == "torch" else "")
+        + "".join(f", {name} in torch" for name in args.torch_kernels)
     lines = [f"drafter {args.drafter}, batch {args.batch}{k}: wall {unprofiled * 1e3:.3f} ms/step unprofiled, "
              f"{wall * 1e3:.3f} profiled, GPU busy {busy:.3f} ms/step, "
              f"{len(kernels) / args.steps:.0f} kernels/step",
@@ -99,7 +102,7 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         suffix = ("" if args.num_drafts is None else f"-k{args.num_drafts}") \
             + (f"-tree{args.draft_tree}" if args.draft_tree else "") + ("-sites" if args.op_sites else "") \
-            + ("-torch-accept" if args.draft_tree and args.tree_accept == "torch" else "")
+            + "".join(f"-torch-{name}" for name in args.torch_kernels)
         with open(os.path.join(args.out, f"profile-{args.drafter}-b{args.batch}{suffix}.txt"), "w") as f:
             f.write(text)
 

@@ -698,9 +698,8 @@ class DFlashDrafter(Drafter):
         if not 0 < num_drafts <= self.spec.max_drafts or anchors.shape != shape or positions.shape != shape:
             raise ValueError(f"a chained propose takes one anchor and position per sequence and 1.."
                              f"{self.spec.max_drafts} drafts, got {num_drafts}")
-        bases = (positions - self.spec.window).clamp(min=0) // batch.periods * batch.periods
-        meta = torch.stack([anchors, positions, bases])
-        return self.propose_graphs.fed(self.head, meta, batch.tables)[:, :num_drafts].clone()
+        return self.propose_graphs.fed_chain(self.head, anchors, positions, batch.periods,
+                                             batch.tables).tokens[:, :num_drafts].clone()
 
     def chain_candidates(self, batch: "ChainBatch", anchors: torch.Tensor, positions: torch.Tensor,
                          keep: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -712,8 +711,7 @@ class DFlashDrafter(Drafter):
                 or positions.shape != shape:
             raise ValueError(f"chained candidates take one anchor and position per sequence and keep >= 1, got "
                              f"{tuple(anchors.shape)}, {tuple(positions.shape)} and {keep!r}")
-        bases = (positions - self.spec.window).clamp(min=0) // batch.periods * batch.periods
-        drafted = self.propose_graphs.fed_drafts(self.head, torch.stack([anchors, positions, bases]), batch.tables)
+        drafted = self.propose_graphs.fed_chain(self.head, anchors, positions, batch.periods, batch.tables)
         logits = drafted.logits
         top, index = top_k_logp(logits.flatten(0, 1), min(keep, logits.shape[-1]), self._top_k_workspace)
         shape = (*logits.shape[:2], -1)
@@ -737,10 +735,7 @@ class DFlashDrafter(Drafter):
         if rows.shape[0] != len(batch.seq_ids) * count or not 0 < count <= self.spec.max_drafts + 1:
             raise ValueError(f"a chained commit takes {len(batch.seq_ids)} x count rows, count 1.."
                              f"{self.spec.max_drafts + 1}; got {rows.shape[0]} rows, count {count}")
-        size = self.pool.block_size
-        at = positions[:, None] + torch.arange(count, device=positions.device)  # [B, count]
-        blocks = batch.stacked.gather(1, (at // size) % (batch.periods[:, None] // size)).long()
-        self.context_graphs.fed(rows, at.view(-1), (blocks * size + at % size).view(-1))
+        self.context_graphs.fed_ring(rows, positions, count, batch.stacked, batch.periods)
 
     def chain_settle(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
         """What a chained step committed, read back: `counts[i]` rows (its accepted drafts and anchor) of

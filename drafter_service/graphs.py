@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from specsplit.drafter_service.context_pool import ContextPool
 from specsplit.drafter_service.heads import TargetHead
+from specsplit.kernels.chain_meta import commit_meta, propose_meta
 from specsplit.kernels.row_max import row_max
 from specsplit.kernels.workspace import arrival_counters
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture_serving, inlining
@@ -111,15 +112,16 @@ class ContextGraphs:
             self._runs[size] = (static_rows, meta, run)
         return self._runs[size]
 
-    def fed(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """`__call__` with positions and slots [n] already on the device (a chained step's, computed
-        there from positions the host does not know yet): no host copy, nothing waits."""
+    def fed_ring(self, rows: torch.Tensor, positions: torch.Tensor, count: int, stacked: torch.Tensor,
+                 periods: torch.Tensor) -> None:
+        """`__call__` for a chained step's rows [B * count, feature_dim], sequence b's from positions[b] on (on
+        the device: the host does not know them yet), into their slots through the rings of tables `stacked`
+        [B, W] (`periods` [B] positions each): no host copy, nothing waits. The positions and slots are
+        written in one launch on a GPU (`kernels.chain_meta`)."""
         n = rows.shape[0]
         static_rows, meta, run = self._buffers(bucket_for(n, self.buckets), rows)
-        meta[0, :n].copy_(positions)
-        meta[1, :n].copy_(slots)
-        meta[0, n:].zero_()
-        meta[1, n:].fill_(self.context_pool.scratch * self.context_pool.block_size)
+        commit_meta(positions, count, stacked, periods, self.context_pool.block_size,
+                    self.context_pool.scratch * self.context_pool.block_size, meta)
         static_rows[:n].copy_(rows)
         run()
 
@@ -206,18 +208,15 @@ class ProposeGraphs:
         drafts, best, logits = run()
         return GraphDrafts(drafts[:batch], best[:batch], logits[:batch])
 
-    def fed(self, head: TargetHead, meta: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Tensor:
-        """`__call__` with anchors, positions and bases already on the device, as rows of `meta` [3, B]
-        (a chained step's: the last verify's picks, where the host does not know them yet). Returns the
-        greedy drafts [B, γ-1], valid until the next replay."""
-        return self.fed_drafts(head, meta, tables).tokens
-
-    def fed_drafts(self, head: TargetHead, meta: torch.Tensor, tables: Sequence[torch.Tensor]) -> "GraphDrafts":
-        """`fed`, returning every output (a draft tree's candidates are read from the logits)."""
-        batch = meta.shape[1]
+    def fed_chain(self, head: TargetHead, anchors: torch.Tensor, positions: torch.Tensor, periods: torch.Tensor,
+                  tables: Sequence[torch.Tensor]) -> "GraphDrafts":
+        """`__call__` with anchors and positions [B] already on the device (a chained step's: the last verify's
+        picks, where the host does not know them yet), each ring's base from its `periods` [B]; the inputs
+        written in one launch on a GPU (`kernels.chain_meta`). Returns every output (the greedy drafts [B, γ-1]
+        and, for a draft tree's candidates, the logits), valid until the next replay."""
+        batch = anchors.shape[0]
         buffers, run = self._buffers(head, batch)
-        buffers.meta[:, :batch].copy_(meta)
-        buffers.meta[:, batch:].zero_()
+        propose_meta(anchors, positions, self.window, periods, buffers.meta)
         if inlining() and not self._bound(buffers, tables):
             # a capture would bake this stack of today's tables into every replay
             raise RuntimeError("a chained step's tables must be bound (`bind`) before its capture")

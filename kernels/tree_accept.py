@@ -19,7 +19,7 @@ from specsplit.shared.tree import TreeBatch
 
 from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
-KERNEL = True  # False: the torch reference on CUDA too (`bench/profile_step.py --tree-accept torch` measures both)
+KERNEL = True  # False: the torch reference on CUDA too (`bench/profile_step.py --torch-kernels tree_accept`)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from specsplit.kernels.fed_inputs import write_fed_inputs
 from specsplit.kernels.paged_attention import MAX_TREE_QUERIES, paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.kernels.row_max import row_max
@@ -230,34 +231,24 @@ class StaticForward:
                 self._copied.record()
             self._fed = key
 
-    def load_fed_tree(self, rotary: torch.Tensor, words: torch.Tensor) -> None:
-        """A tree bucket's fed step, after `load_fed_device`: its rows' rotary positions and visibility words
-        [B, n] (`shared.tree.tree_words`) on the device. Padding sequences see every row up to their own."""
-        batch, n = words.shape
-        if not self.tree or n != self.query_len:
-            raise InvalidRequest(f"a fed tree verify fills a tree bucket's {self.query_len} rows, got {n}")
-        self.rotary[:batch].copy_(rotary)
-        self.rotary[batch:].copy_(self.positions[batch:])
-        self.words[:batch].copy_(words)
-        self.words[batch:].fill_(-1)
-
     def slots_at(self, batch: int, positions: torch.Tensor) -> torch.Tensor:
         """The cache rows [B, m] int64 of positions [B, m] of the bucket's first B sequences, through the block
         tables loaded last (a fed step's: the positions must lie within the blocks reserved for it)."""
         size = self.cache.block_size
         return self.block_tables[:batch].gather(1, positions // size).long() * size + positions % size
 
-    def load_fed_device(self, tokens: torch.Tensor, starts: torch.Tensor) -> None:
+    def load_fed_device(self, tokens: torch.Tensor, starts: torch.Tensor,
+                        tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """`load_fed`'s device side, after `load_fed_tables` of the same sequences: positions, slots and
-        tokens (no host copy: inlined in a whole chained step's graph, see target_service.chain)."""
-        batch, n = tokens.shape
-        q, block_size = self.query_len, self.cache.block_size
-        offsets = torch.arange(q, device=starts.device)
-        at = starts[:, None] + offsets.clamp(max=n - 1)  # [B, Q]
-        self.positions[:batch].copy_(at)
-        slots = self.block_tables[:batch].gather(1, at // block_size).long() * block_size + at % block_size
-        self.slots.view(self.batch, q)[:batch].copy_(torch.where(offsets < n, slots, self.scratch_slot))
-        self.token_ids.view(self.batch, q)[:batch, :n].copy_(tokens)
+        tokens (no host copy: inlined in a whole chained step's graph, see target_service.chain), and a tree
+        bucket's `tree`: its rows' rotary positions and visibility words [B, n] (`shared.tree.tree_words`;
+        padding sequences see every row up to their own). One launch on a GPU (`kernels.fed_inputs`)."""
+        if tree is not None and (not self.tree or tree[1].shape[1] != self.query_len):
+            raise InvalidRequest(f"a fed tree verify fills a tree bucket's {self.query_len} rows, got "
+                                 f"{tree[1].shape[1]}")
+        write_fed_inputs(tokens, starts, self.block_tables, self.cache.block_size, self.scratch_slot,
+                         self.token_ids, self.positions, self.slots,
+                         None if tree is None else (*tree, self.rotary, self.words))
 
     def _place_drafts(self, drafts: DeviceDrafts, inputs: np.ndarray) -> int:
         """Rows 4/5 of the host inputs: token-row slots of each draft and its index in drafts.tokens."""
@@ -477,13 +468,11 @@ class StepGraphs:
         """`chain`'s device side, after `chain_tables`: the verify's outputs, bucket-shaped. Inlined in a
         capture (`shared.cuda_graphs.inlined`), the forward runs into it and returns the capture's own
         outputs; the bucket's graph keeps its own. A tree bucket's step takes `tree`: its rows' rotary
-        positions and visibility words [B, n] (`StaticForward.load_fed_tree`)."""
+        positions and visibility words [B, n] (`StaticForward.load_fed_device`)."""
         if fwd.tree != (tree is not None):
             raise InvalidRequest("a tree bucket's fed verify takes its rows' rotary positions and words, "
                                  "a chain's none")
-        fwd.load_fed_device(tokens, starts)
-        if tree is not None:
-            fwd.load_fed_tree(*tree)
+        fwd.load_fed_device(tokens, starts, tree)
         graph = self.graphs.get((fwd.batch, -fwd.query_len if fwd.tree else fwd.query_len))
         if graph is not None and not inlining():
             graph.replay()

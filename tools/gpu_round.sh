@@ -834,11 +834,29 @@ tree-accept)
   for batch in 1 8; do
     for accept in kernel torch kernel torch; do
       timeout 60 python bench/profile_step.py --drafter dflash --batch $batch --steps 60 --draft-tree 15 \
-        --tree-accept $accept --out "$OUT" 2>&1 | grep -E "^drafter|Error" | log
+        $([ $accept = torch ] && echo --torch-kernels tree_accept) --out "$OUT" 2>&1 | grep -E "^drafter|Error" | log
     done
   done
   timeout 120 python -m specsplit.cli eval-acceptance --device cuda --draft-tree 15 --max-tokens 128 --batch 1 \
     2>&1 | grep -v INFO | tee "$OUT/eval_tree_accept.txt" | grep -E "^tau|mismatches|speedup" | log
+  ;;
+one-launch)
+  # (forty-eighth session) a chained step's small torch ops as one launch each: the verify's inputs
+  # (kernels/fed_inputs.py; fifteen kernels a chain step, nineteen a tree step) and the drafter's propose and
+  # commit inputs (kernels/chain_meta.py; seven and fourteen): their GPU tests and the chained steps' (in-process
+  # and through the services), then ms a step beside the torch ops, chains and trees at one and eight streams
+  timeout 230 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fed_inputs.py tests/test_chain_meta.py \
+    tests/test_chain.py tests/test_tree.py tests/test_split_gpu.py \
+    -k "fed or meta or chained_steps_on or captured_whole or chained_tree_steps_replay_whole or replayed_as_the_drafters" \
+    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  for batch in 1 8; do
+    for tree in 0 15; do
+      for kernels in "" "--torch-kernels fed_inputs chain_meta" "" "--torch-kernels fed_inputs chain_meta"; do
+        timeout 30 python bench/profile_step.py --drafter dflash --batch $batch --steps 60 --draft-tree $tree \
+          $kernels --out "$OUT" 2>&1 | grep -E "^drafter|Error" | log
+      done
+    done
+  done
   ;;
 wide-trees-eval)
   # ... trees of 63 and 31 nodes from the drafter's 15 rows (the CPU decode of all 80 held-out prompts, float32: tau
