@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specsplit.kernels.kv_move import move_rows
 from specsplit.shared.errors import AlreadyExists, CapacityExceeded, InvalidRequest, StateConflict, UnknownSequence
 from specsplit.shared.memory import zeroed
 
@@ -197,10 +198,9 @@ class PagedKVCache:
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's k/v of pool rows `src` [n] copied to rows `dst` [n] on the device, all read before any
         is written (a chained tree step's accepted paths; no host reads, so a capture can hold it). The caller
-        owns the rows: no checks here, and rows meant for nothing go scratch to scratch."""
-        for pool in (self.k_pool, self.v_pool):
-            flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # [L, num_blocks * block_size, Hkv, D]
-            flat.index_copy_(1, dst, flat.index_select(1, src))
+        owns the rows: no checks here, and rows meant for nothing go scratch to scratch. One launch on a GPU
+        (`kernels.kv_move`)."""
+        move_rows(self.k_pool, self.v_pool, src, dst)
 
     def gather(self, layer: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k/v [length, Hkv, D] of positions 0..length-1 of a sequence."""

@@ -842,16 +842,20 @@ tree-accept)
   ;;
 one-launch)
   # (forty-eighth session) a chained step's small torch ops as one launch each: the verify's inputs
-  # (kernels/fed_inputs.py; fifteen kernels a chain step, nineteen a tree step) and the drafter's propose and
-  # commit inputs (kernels/chain_meta.py; seven and fourteen): their GPU tests and the chained steps' (in-process
-  # and through the services), then ms a step beside the torch ops, chains and trees at one and eight streams
-  timeout 230 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fed_inputs.py tests/test_chain_meta.py \
-    tests/test_chain.py tests/test_tree.py tests/test_split_gpu.py \
-    -k "fed or meta or chained_steps_on or captured_whole or chained_tree_steps_replay_whole or replayed_as_the_drafters" \
+  # (kernels/fed_inputs.py; fifteen kernels a chain step, nineteen a tree step), the drafter's propose and commit
+  # inputs (kernels/chain_meta.py; seven and fourteen) and a tree step's k/v moves (kernels/kv_move.py; four):
+  # their GPU tests and the chained steps' (in-process and through the services), then ms a step beside the torch
+  # ops, chains and trees at one and eight streams (and trees beside all of this session's kernels in torch)
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fed_inputs.py tests/test_chain_meta.py \
+    tests/test_kv_move.py tests/test_chain.py tests/test_tree.py tests/test_split_gpu.py \
+    -k "fed or meta or moves or chained_steps_on or chained_tree_steps_replay_whole or replayed_as_the_drafters" \
     2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  torch_ops="--torch-kernels fed_inputs chain_meta kv_move"
   for batch in 1 8; do
     for tree in 0 15; do
-      for kernels in "" "--torch-kernels fed_inputs chain_meta" "" "--torch-kernels fed_inputs chain_meta"; do
+      variants=("" "$torch_ops" "" "$torch_ops")
+      [ $tree = 15 ] && variants+=("$torch_ops tree_accept")
+      for kernels in "${variants[@]}"; do
         timeout 30 python bench/profile_step.py --drafter dflash --batch $batch --steps 60 --draft-tree $tree \
           $kernels --out "$OUT" 2>&1 | grep -E "^drafter|Error" | log
       done
