@@ -67,8 +67,9 @@ def _fed_inputs_kernel(tokens_ptr, stride_tokens, starts_ptr, tables_ptr, stride
     at = tl.load(starts_ptr + tl.minimum(r, B - 1)) + tl.minimum(j, n - 1)  # (a padding row's is not stored)
     tl.store(positions_ptr + r * Q + j, at, mask=fed)
     block = at // block_size
-    entry = tl.load(tables_ptr + r * stride_tables + block, mask=fed & (j < n) & (block < table_width), other=0)
-    slot = tl.where(j < n, entry.to(tl.int64) * block_size + at % block_size, scratch_slot)
+    inside = (j < n) & (block < table_width)  # (past the table, where the reference would fail: scratch)
+    entry = tl.load(tables_ptr + r * stride_tables + block, mask=fed & inside, other=0)
+    slot = tl.where(inside, entry.to(tl.int64) * block_size + at % block_size, scratch_slot)
     tl.store(slots_ptr + r * Q + j, slot, mask=fed)
     token = tl.load(tokens_ptr + r * stride_tokens + j, mask=fed & (j < n), other=0)
     tl.store(token_ids_ptr + r * Q + j, token, mask=fed & (j < n))
@@ -85,7 +86,9 @@ def write_fed_inputs_triton(tokens: torch.Tensor, starts: torch.Tensor, tables: 
                             scratch_slot: int, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                             tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """`write_fed_inputs` in one launch: int64 tokens [B, n] and starts [B], int32 or int64 tables [rows, W], the
-    bucket's int64 buffers contiguous (tree: int64 rotary and words [B, Q] with unit column stride, [rows, Q] outs)."""
+    bucket's int64 buffers contiguous (tree: int64 rotary and words [B, Q] with unit column stride, [rows, Q]
+    outs). A token whose position lies past its table (where the reference would fail) writes scratch, never
+    another sequence's rows."""
     batch, n = tokens.shape
     rows, q = positions.shape
     assert 1 <= n <= q and batch <= rows and starts.shape == (batch,) and tables.shape[0] >= rows

@@ -117,19 +117,21 @@ def _accept_tree_kernel(tokens_ptr, parents_ptr, depths_ptr, words_ptr, picks_pt
     tl.store(order_ptr + b * (N + 1) + 1 + d, src.to(tl.int64), mask=d < N)
     root = tl.load(positions_ptr + b)
     table = tables_ptr + b * stride_tables
+    # (a source lies at or past its destination: one past the table moves nothing, scratch to scratch)
+    movable = held & (d < N) & ((root + src) // block_size < table_width)
     for side in tl.static_range(2):
         at = root + (src if side == 0 else d + 1)
-        block = at // block_size
-        entry = tl.load(table + block, mask=held & (d < N) & (block < table_width), other=0).to(tl.int64)
-        row = tl.where(held, entry * block_size + at % block_size, scratch)
+        entry = tl.load(table + at // block_size, mask=movable, other=0).to(tl.int64)
+        row = tl.where(movable, entry * block_size + at % block_size, scratch)
         tl.store((move_from_ptr if side == 0 else move_to_ptr) + b * N + d, row, mask=d < N)
 
 
 def accept_tree_step_triton(trees: TreeBatch, words: torch.Tensor, picks: torch.Tensor, positions: torch.Tensor,
                             tables: torch.Tensor, block_size: int, scratch: int, outcome: torch.Tensor) -> TreeOutcome:
     """`accept_tree_step` in one launch: int64 trees, words and positions (contiguous), picks [B, >= N + 1] and
-    outcome [B, >= N + 2] int64 with unit column stride, int32 or int64 tables [B, W] likewise. A path's rows
-    that would fall past its table go to row 0 of block 0: the caller reserves the blocks its trees reach."""
+    outcome [B, >= N + 2] int64 with unit column stride, int32 or int64 tables [B, W] likewise. The caller
+    reserves the blocks its trees reach; a path row whose source would lie past its table (where the reference
+    would fail) moves scratch to scratch instead, so no other sequence's rows are ever read or written."""
     batch, nodes = trees.tokens.shape
     assert 1 <= nodes < 64 and words.shape == (batch, nodes + 1) and picks.shape[0] == batch
     assert picks.shape[1] >= nodes + 1 and outcome.shape[0] == batch and outcome.shape[1] >= nodes + 2

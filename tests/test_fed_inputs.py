@@ -71,10 +71,20 @@ def test_off_cuda_the_write_is_the_reference():
     assert_matches_reference(write_fed_inputs, 0)
 
 
+def assert_past_the_table_writes_scratch(write, device="cpu") -> None:
+    """Positions past a sequence's table (which the engine never feeds: the reference fails there) write the
+    scratch slot, not a row of another sequence's block."""
+    tokens, starts, tables, _, _, token_ids, positions, slots, _ = args = case(2, 2, 8, 8, False, 3, device)
+    starts.copy_(torch.tensor([tables.shape[1] * BLOCK - 3, 0]))  # (sequence 0's last five tokens past its table)
+    write(*args)
+    assert slots[:8].tolist()[3:] == [SCRATCH] * 5 and SCRATCH not in slots[:3].tolist()
+
+
 def check_triton_interpreted() -> None:
     """Run with TRITON_INTERPRET=1 set before triton is imported (test_triton_interpreted does)."""
     for seed in range(2):
         assert_matches_reference(write_fed_inputs_triton, seed)
+    assert_past_the_table_writes_scratch(write_fed_inputs_triton)
     print("interpreted fed inputs ok")
 
 
@@ -87,6 +97,7 @@ def test_triton_interpreted():
 def test_triton_writes_as_the_reference_on_cuda_and_in_a_graph():
     for seed in range(3):
         assert_matches_reference(write_fed_inputs_triton, seed, "cuda")
+    assert_past_the_table_writes_scratch(write_fed_inputs_triton, "cuda")
     args = case(2, 4, 8, 8, True, 7, "cuda")  # (two padding rows)
     graph, _ = captured(lambda: write_fed_inputs_triton(*args))
     other = case(2, 4, 8, 8, True, 8, "cuda")

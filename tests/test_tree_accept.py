@@ -102,10 +102,31 @@ def test_a_hostile_tree_of_repeated_siblings_still_emits_only_the_targets_picks(
     assert got.accepted.item() == 2 and outcome[0, :3].tolist() == [5, 7, 9]  # (the deeper: node 1, then 3)
 
 
+def assert_paths_past_the_table_move_nothing(step, device="cpu") -> None:
+    """A root too near its table's end for its path (which the engine never verifies: the reference fails there)
+    moves scratch to scratch, never a row of another sequence's block; the paths within their tables move."""
+    from specsplit.shared.tree import TreeBatch
+
+    tree, words, picks, positions, tables, outcome = case(2, 15, 8, 15, 0, device)
+    picks[:, :16] = 5000  # (first: nothing accepted, for a path of the chain below)
+    trees = TreeBatch(*(t.clone() for t in tree))
+    trees.parents.copy_(torch.arange(-1, 14, device=device).expand(2, -1))  # (a chain of 15 nodes)
+    trees.depths.copy_(torch.arange(1, 16, device=device).expand(2, -1))
+    words.copy_(torch.cumsum(1 << torch.arange(16, device=device), 0).expand(2, -1))
+    picks[:, :15] = trees.tokens  # (each node the target's pick after its parent: all 15 accepted)
+    positions.copy_(torch.tensor([tables.shape[1] * BLOCK - 6, 0], device=device))
+    got = step(trees, words, picks, positions, tables, BLOCK, SCRATCH, outcome)
+    assert got.accepted.tolist() == [15, 15]
+    assert got.move_from[0].tolist()[:4] != [SCRATCH] * 4  # (rows 1..5 past the root lie within the table)
+    assert got.move_from[0].tolist()[5:] == [SCRATCH] * 10 and got.move_to[0].tolist()[5:] == [SCRATCH] * 10
+    assert SCRATCH not in got.move_to[1].tolist()
+
+
 def check_triton_interpreted() -> None:
     """Run with TRITON_INTERPRET=1 set before triton is imported (test_triton_interpreted does)."""
     for seed in range(2):
         assert_matches_reference(accept_tree_step_triton, seed)
+    assert_paths_past_the_table_move_nothing(accept_tree_step_triton)
     print("interpreted tree accept ok")
 
 
@@ -120,6 +141,7 @@ def test_triton_accepts_as_the_reference_on_cuda_and_in_a_graph():
 
     for seed in range(3):
         assert_matches_reference(accept_tree_step_triton, seed, "cuda")
+    assert_paths_past_the_table_move_nothing(accept_tree_step_triton, "cuda")
     tree, words, picks, positions, tables, outcome = case(8, 15, 8, 15, 4, "cuda")
     trees = TreeBatch(*tree)
     graph, got = captured(lambda: accept_tree_step_triton(trees, words, picks, positions, tables, BLOCK, SCRATCH,
