@@ -713,9 +713,21 @@ class DFlashDrafter(Drafter):
                              f"{tuple(anchors.shape)}, {tuple(positions.shape)} and {keep!r}")
         drafted = self.propose_graphs.fed_chain(self.head, anchors, positions, batch.periods, batch.tables)
         logits = drafted.logits
-        top, index = top_k_logp(logits.flatten(0, 1), min(keep, logits.shape[-1]), self._top_k_workspace)
+        top, index = top_k_logp(logits.flatten(0, 1), min(keep, logits.shape[-1]), self._top_k_workspace,
+                                self._score_params(logits.shape[1], logits.device))  # (scored in its launch)
         shape = (*logits.shape[:2], -1)
-        return self._scored(top.view(shape)), self.vocab.to_target(index.view(shape))
+        return top.view(shape), self.vocab.to_target(index.view(shape))
+
+    def _score_params(self, rows: int, device: torch.device) -> torch.Tensor | None:
+        """The checkpoint's tree scores (`tree_scores`) of a block's first `rows` rows as `top_k_logp` takes them
+        [3, rows], on `device`; None where it ships none."""
+        self._tree_scores_answered = True
+        if self.tree_scores is None:
+            return None
+        if rows > self.tree_scores.rows:
+            raise CheckpointError(f"tree scores for {self.tree_scores.rows} rows, asked for {rows}")
+        params = self._tree_score_params
+        return (params if params.device == device else self.tree_scores.on(device))[:, :rows]
 
     def _scored(self, logp: torch.Tensor) -> torch.Tensor:
         """Candidates' scores [B, R, K] from their log-probabilities: the checkpoint's `tree_scores` where it
@@ -797,9 +809,9 @@ class DFlashDrafter(Drafter):
         if drafted is not None:  # (read at once: the graph's outputs are valid until its next replay)
             logits = drafted.logits[:, :most]
             top, index = top_k_logp(logits.reshape(-1, logits.shape[-1]), min(keep, logits.shape[-1]),
-                                    self._top_k_workspace)
+                                    self._top_k_workspace, self._score_params(most, logits.device))
             shape = (len(batch), most, -1)
-            return self._scored(top.view(shape)), self.vocab.to_target(index.view(shape))
+            return top.view(shape), self.vocab.to_target(index.view(shape))
         logps, ids = [], []
         for i in range(0, len(batch), self.spec.max_batch):
             chunk = batch[i:i + self.spec.max_batch]

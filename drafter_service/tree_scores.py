@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specsplit.kernels.top_k import scored
 from specsplit.shared.errors import CheckpointError
 
 SCORES_FILE = "tree_scores.json"
@@ -66,9 +67,7 @@ class TreeScores:
         rows = logp.shape[-2]
         if rows > self.rows:
             raise CheckpointError(f"tree scores for {self.rows} rows, asked for {rows}")
-        a, b, c = (self.on(logp.device) if params is None else params)[:, :rows, None]
-        lp = logp.float()
-        return F.logsigmoid(a + b * lp + c * lp[..., :1])
+        return scored(logp, self.on(logp.device) if params is None else params)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "a": list(self.a), "b": list(self.b), "c": list(self.c), "fit": self.fit}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.kernels.top_k import BLOCK, top_k_logp, top_k_logp_reference, top_k_logp_triton
+from specsplit.kernels.top_k import BLOCK, scored, top_k_logp, top_k_logp_reference, top_k_logp_triton
 from specsplit.kernels.workspace import arrival_counters
 from tests.kernel_checks import captured, run_interpreted
 
@@ -37,6 +37,38 @@ def test_off_cuda_it_is_the_reference():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def score_params(block_rows: int, device="cpu") -> torch.Tensor:
+    """Tree scores' (a, b, c) for a block of rows, a slice of a wider fit's (its row stride not its width)."""
+    gen = torch.Generator().manual_seed(9)
+    fit = torch.stack([torch.randn(block_rows + 4, generator=gen), 1.5 + torch.rand(block_rows + 4, generator=gen),
+                       torch.randn(block_rows + 4, generator=gen) * 0.3])
+    return fit.to(device)[:, :block_rows]
+
+
+def assert_scored(top_k, device="cpu", dtype=torch.float32) -> None:
+    """With scores, each kept value is its log-probability's score at its row's place in its block (the columns
+    unchanged), as `scored` makes them: the tree scores' math (`drafter_service.tree_scores`)."""
+    x = rows(BLOCK + 300, 7, 12, dtype, device)  # (four blocks of three rows)
+    params = score_params(3, device)
+    got = top_k(x, 5, params)
+    logp, index = top_k_logp_reference(x, 5)
+    want = scored(logp.view(4, 3, 5), params).view(12, 5)
+    torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.float().gather(1, got[1]), x.float().gather(1, index), atol=0, rtol=0)
+    assert bool((got[0] < 0).all()) and not torch.allclose(got[0], logp)
+
+
+def test_scored_candidates_off_cuda_and_their_checks():
+    assert_scored(lambda x, k, params: top_k_logp(x, k, arrival_counters(12, "cpu"), params))
+    from specsplit.drafter_service.tree_scores import TreeScores
+
+    fit = TreeScores((0.5, -0.2), (2.0, 1.5), (0.1, 0.3))
+    logp = torch.log_softmax(torch.randn(3, 2, 6), -1).sort(-1, descending=True).values
+    assert torch.equal(fit.apply(logp), scored(logp, fit.on("cpu")))  # (one math for both)
+    with pytest.raises(ValueError):
+        top_k_logp(rows(300, 0, 6), 4, None, score_params(4))  # (6 rows are no whole blocks of 4)
+
+
 def check_triton_interpreted() -> None:
     """Run with TRITON_INTERPRET=1 set before triton is imported (test_triton_interpreted does)."""
     workspace = arrival_counters(8, "cpu")
@@ -45,6 +77,7 @@ def check_triton_interpreted() -> None:
         for _ in range(2):  # twice: the first call must leave the counters ready
             assert_same(top_k_logp_triton(x, k, workspace), top_k_logp_reference(x, k), x)
         assert not workspace.any(), "the arrival counters must be left zero"
+    assert_scored(lambda x, k, params: top_k_logp_triton(x, k, arrival_counters(12, "cpu"), params))
     print("interpreted top k ok")
 
 
@@ -67,6 +100,7 @@ def test_triton_matches_the_reference_on_cuda_and_in_a_graph(dtype):
     graph.replay()
     assert_same(got, top_k_logp_reference(x, 8), x)
     assert not workspace.any()
+    assert_scored(lambda x, k, params: top_k_logp_triton(x, k, workspace, params), "cuda", dtype)
 
 
 if __name__ == "__main__":

@@ -862,6 +862,19 @@ one-launch)
     done
   done
   ;;
+scored-top-k)
+  # (forty-eighth session, not run yet) the tree scores computed in the top-k's launch (kernels/top_k.py, five
+  # elementwise kernels fewer a tree step): its GPU tests and the chained trees', then the end-to-end speedup at
+  # one stream with every one-launch kernel of the session, trees and chains (the last measured before them:
+  # 2.46x trees on the H200 with only the acceptance kernel)
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_top_k.py tests/test_tree.py \
+    tests/test_split_gpu.py -k "reference_on_cuda or chained_tree_steps_replay_whole or draft_trees_through" \
+    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  for tree in 15 0; do
+    timeout 120 python -m specsplit.cli eval-acceptance --device cuda --draft-tree $tree --max-tokens 128 --batch 1 \
+      2>&1 | grep -v INFO | tee "$OUT/eval_tree$tree.txt" | grep -E "^tau|mismatches|speedup" | log
+  done
+  ;;
 wide-trees-eval)
   # ... trees of 63 and 31 nodes from the drafter's 15 rows (the CPU decode of all 80 held-out prompts, float32: tau
   # 4.66 at 31 against 4.29 at 15; the teacher-forced walk 5.00 at 63): tau and the speedup at one stream beside 15
