@@ -87,7 +87,8 @@ def _accept_tree_kernel(tokens_ptr, parents_ptr, depths_ptr, words_ptr, picks_pt
     after_parent = tl.load(picks + parent + 1, mask=real, other=-1)
     match = (token == after_parent) & real
     # [i, c]: node i sees node c (c itself or an ancestor)
-    sees = ((word[:, None] >> (i[None, :] + 1)) & 1) == 1
+    bit = tl.where(real, i + 1, 0)  # node c's bit (a padding lane's shift kept below 64: no undefined shift)
+    sees = ((word[:, None] >> bit[None, :]) & 1) == 1
     sees = sees & real[:, None] & real[None, :]
     missed = tl.sum((sees & ~match[None, :]).to(tl.int32), 1)
     ok = (missed == 0) & real
@@ -95,7 +96,7 @@ def _accept_tree_kernel(tokens_ptr, parents_ptr, depths_ptr, words_ptr, picks_pt
     count = tl.max(reach, 0)
     last = tl.min(tl.where(ok & (reach == count), i, NP), 0)  # the deepest accepted (the first, were two)
     last_word = tl.sum(tl.where(i == last, word, 0), 0)
-    on_path = (((last_word >> (i + 1)) & 1) == 1) & real & (count > 0)
+    on_path = (((last_word >> bit) & 1) == 1) & real & (count > 0)
     # by depth: d = 0..N-1 holds the path's node at depth d + 1, if the path reaches it
     d = tl.arange(0, NP)
     at_depth = on_path[None, :] & (depth[None, :] == (d[:, None] + 1))  # [d, i]

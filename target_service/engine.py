@@ -1256,7 +1256,7 @@ class Engine:
         # the accepted paths, the outcome row, the commit's rows and the k/v moves: one launch on a GPU
         kept = accept_tree_step(trees, words, picks, positions, fwd.block_tables[:n], self.cache.block_size,
                                 fwd.scratch_slot, program.outcome.view(n, k + 2))
-        self.cache.move_slots(kept.move_from.view(-1), kept.move_to.view(-1))
+        self.cache.move_slots(kept.move_from.view(-1), kept.move_to.view(-1), kept.move_from.shape[1])
         rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:n]
         # the root, then the path in depth order, as deep as the tree's rows reach (`commit_width`)
         order = kept.order[:, :program.commit_width]

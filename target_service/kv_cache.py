@@ -195,12 +195,13 @@ class PagedKVCache:
         for layer in range(self.num_layers):
             self.write_slots(layer, to_slots, *self.read_slots(layer, from_slots))
 
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor, group: int | None = None) -> None:
         """Every layer's k/v of pool rows `src` [n] copied to rows `dst` [n] on the device, all read before any
         is written (a chained tree step's accepted paths; no host reads, so a capture can hold it). The caller
         owns the rows: no checks here, and rows meant for nothing go scratch to scratch. One launch on a GPU
-        (`kernels.kv_move`)."""
-        move_rows(self.k_pool, self.v_pool, src, dst)
+        (`kernels.kv_move`); `group`, where the moves come a sequence's path at a time (its length), lets each
+        sequence's be made apart."""
+        move_rows(self.k_pool, self.v_pool, src, dst, group)
 
     def gather(self, layer: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k/v [length, Hkv, D] of positions 0..length-1 of a sequence."""

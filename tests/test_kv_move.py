@@ -19,8 +19,8 @@ def pools(shape, seed: int, device="cpu", dtype=torch.float32):
 
 
 def moves(rows: int, seed: int, device="cpu"):
-    """A tree step's moves: paths of several sequences, each row to an earlier one that may be another's source,
-    and scratch to scratch pairs (the nodes off the paths)."""
+    """A tree step's moves, a sequence's path at a time (groups of 7): each row to an earlier one that may be
+    another's source, then scratch to scratch pairs (the nodes off the path)."""
     gen = torch.Generator().manual_seed(seed)
     scratch = rows - 1
     src, dst = [], []
@@ -29,8 +29,8 @@ def moves(rows: int, seed: int, device="cpu"):
         for depth, node in enumerate(taken):
             src.append(start + 1 + node)
             dst.append(start + 1 + depth)  # (at or before its source: a later source may be written first)
-    src += [scratch] * 3
-    dst += [scratch] * 3
+        src += [scratch] * 3
+        dst += [scratch] * 3
     return torch.tensor(src, device=device), torch.tensor(dst, device=device)
 
 
@@ -51,11 +51,20 @@ def test_the_reference_moves_each_row_as_read_before_any_write():
 
 def assert_matches_reference(move, seed: int, device="cpu", dtype=torch.float32) -> None:
     for shape in SHAPES:
-        got, want = pools(shape, seed, device, dtype), pools(shape, seed, device, dtype)
-        src, dst = moves(shape[1] * shape[2], seed + 1, device)
-        move(*got, src, dst)
-        move_rows_reference(*want, src, dst)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), shape
+        for group in (None, 7):  # (all in one program's reads, or a sequence's path a program)
+            got, want = pools(shape, seed, device, dtype), pools(shape, seed, device, dtype)
+            src, dst = moves(shape[1] * shape[2], seed + 1, device)
+            move(*got, src, dst, group)
+            move_rows_reference(*want, src, dst)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (shape, group)
+
+
+def test_groups_must_divide_the_moves():
+    k, v = pools(SHAPES[0], 0)
+    src, dst = moves(24, 1)
+    for group in (0, 5):
+        with pytest.raises(ValueError):
+            move_rows(k, v, src, dst, group)
 
 
 def test_off_cuda_the_move_is_the_reference():

@@ -89,7 +89,7 @@ def test_off_cuda_the_step_is_the_reference():
     assert_matches_reference(accept_tree_step, 0)
 
 
-def test_a_hostile_tree_of_repeated_siblings_still_emits_only_the_targets_picks():
+def assert_repeated_siblings_emit_only_the_targets_picks(step) -> None:
     """Two siblings of one token (a drafter's repeated candidates) both match the target's pick: the deeper path
     is taken, and every emitted token is the target's."""
     from specsplit.shared.tree import TreeBatch
@@ -98,8 +98,13 @@ def test_a_hostile_tree_of_repeated_siblings_still_emits_only_the_targets_picks(
     words = torch.tensor([[1, 0b11, 0b101, 0b1011, 0b10101]])
     picks = torch.tensor([[5, 7, 7, 9, 9]])  # after node 1 the target picks 7: node 3 holds it
     outcome = torch.zeros((1, 6), dtype=torch.int64)
-    got = accept_tree_step(trees, words, picks, torch.tensor([0]), torch.tensor([[0, 1]]), BLOCK, SCRATCH, outcome)
+    got = step(trees, words, picks, torch.tensor([0]), torch.tensor([[0, 1]]), BLOCK, SCRATCH, outcome)
     assert got.accepted.item() == 2 and outcome[0, :3].tolist() == [5, 7, 9]  # (the deeper: node 1, then 3)
+    assert got.order[0].tolist() == [0, 2, 4, 3, 4]  # (the root, node 1's row, node 3's, then unused depths)
+
+
+def test_a_hostile_tree_of_repeated_siblings_still_emits_only_the_targets_picks():
+    assert_repeated_siblings_emit_only_the_targets_picks(accept_tree_step_reference)
 
 
 def assert_paths_past_the_table_move_nothing(step, device="cpu") -> None:
@@ -127,6 +132,7 @@ def check_triton_interpreted() -> None:
     for seed in range(2):
         assert_matches_reference(accept_tree_step_triton, seed)
     assert_paths_past_the_table_move_nothing(accept_tree_step_triton)
+    assert_repeated_siblings_emit_only_the_targets_picks(accept_tree_step_triton)
     print("interpreted tree accept ok")
 
 

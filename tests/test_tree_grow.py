@@ -129,11 +129,14 @@ def test_the_verify_inputs_reference():
 
 
 def assert_kernel_verify_inputs_equal_the_reference(device="cpu") -> None:
-    """Tie-free candidates (no NaN, no inf): the kernel's trees hold the reference's token paths, and its verify
-    inputs are its own trees' (assert_verify_inputs checks the rest)."""
+    """Tie-free candidates (no NaN; a positive score and +inf, each its row's only 0 once clamped): the kernel's
+    trees hold the reference's token paths, and its verify inputs are its own trees' (assert_verify_inputs checks
+    the rest)."""
     for seed, (batch, rows, width, budget) in enumerate(SHAPES):
         logp, ids = candidates(batch, rows, width, seed + 10, device)
         logp[0, -1, -1] = -30.0  # (candidates() puts one -inf in: ties among -inf paths may differ)
+        if rows > 2:  # a hostile drafter's scores above 0, in rows the trees reach: read as 0 (a child never
+            logp[-1, 1, 0], logp[0, 2, 0] = 2.5, float("inf")  # outscores its parent), as the reference does
         anchors, positions = torch.arange(batch, device=device), torch.arange(batch, device=device) * 3
         got = _grow_triton(logp, ids, budget, 1000, anchors, positions)  # (ids within: no clamp repeats a token)
         want = grow_verify_inputs_reference(logp, ids, budget, 1000, anchors, positions)
