@@ -19,7 +19,7 @@ KERNEL = True  # False: the torch reference on CUDA too (`bench/profile_step.py 
 
 def write_fed_inputs_reference(tokens: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor, block_size: int,
                                scratch_slot: int, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                               tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                               tree: tuple[torch.Tensor, ...] | None = None) -> None:
     """Torch ops. The first B of a bucket's rows (of Q queries) take tokens [B, n] (n <= Q) from starts [B] on:
     token_ids [rows * Q] (their first n), positions [rows, Q] (padding queries at the last token's), slots
     [rows * Q] (the cache rows through tables [rows, W] of `block_size` blocks; padding queries write scratch).

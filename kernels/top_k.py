@@ -21,7 +21,8 @@ BLOCK = 2048  # columns a program reads
 KERNEL = True  # False: the torch reference on CUDA too (`bench/profile_step.py --torch-kernels top_k`)
 
 
-def top_k_logp_reference(x: torch.Tensor, k: int, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_logp_reference(x: torch.Tensor, k: int,
+                         scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities float32 [R, k], columns int64 [R, k]) of each row's k largest, x [R, V]; with `scores`
     [3, block rows] (x's rows in blocks of that many), their scores (`scored`) instead."""
     logp, index = torch.log_softmax(x.float(), dim=-1).topk(k, dim=-1)
@@ -54,8 +55,9 @@ def top_k_logp(x: torch.Tensor, k: int, workspace: torch.Tensor | None = None,
 
 @triton.jit
 def _top_k_kernel(x_ptr, stride_x, vocab, part_val_ptr, part_idx_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
-                  val_ptr, idx_ptr, scores_ptr, stride_scores, block_rows, K: tl.constexpr, KP: tl.constexpr, SPLITS: tl.constexpr,
-                  SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr, SCORED: tl.constexpr, USE_GDC: tl.constexpr):
+                  val_ptr, idx_ptr, scores_ptr, stride_scores, block_rows, K: tl.constexpr, KP: tl.constexpr,
+                  SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK: tl.constexpr, SCORED: tl.constexpr,
+                  USE_GDC: tl.constexpr):
     """Program (row, split) keeps columns split*BLOCK..'s K best and their (max, sum exp) partials; the row's last
     arrival merges (and, SCORED, writes each kept value's score: scores [3, block_rows] of row % block_rows)."""
     gdc_enter(USE_GDC)
@@ -124,7 +126,8 @@ def top_k_logp_triton(x: torch.Tensor, k: int, workspace: torch.Tensor,
         assert rows % scores.shape[1] == 0 and scores.device == x.device
     _top_k_kernel[(rows, splits)](x, x.stride(0), vocab, part_val, part_idx, part_max, part_sum, workspace, values,
                                   indices, values if scores is None else scores,
-                                  0 if scores is None else scores.stride(0), 1 if scores is None else scores.shape[1], K=k, KP=kp, SPLITS=splits,
+                                  0 if scores is None else scores.stride(0),
+                                  1 if scores is None else scores.shape[1], K=k, KP=kp, SPLITS=splits,
                                   SPLITS_POW2=triton.next_power_of_2(splits), BLOCK=BLOCK, SCORED=scores is not None,
                                   num_warps=4, **dependent_launch(x.device, "top_k"))
     return values, indices

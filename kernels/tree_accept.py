@@ -70,8 +70,8 @@ def accept_tree_step(trees: TreeBatch, words: torch.Tensor, picks: torch.Tensor,
 
 @triton.jit
 def _accept_tree_kernel(tokens_ptr, parents_ptr, depths_ptr, words_ptr, picks_ptr, stride_picks, positions_ptr,
-                        tables_ptr, stride_tables, table_width, block_size, scratch, outcome_ptr, stride_outcome, outcome_width,
-                        accepted_ptr, final_ptr, order_ptr, move_from_ptr, move_to_ptr,
+                        tables_ptr, stride_tables, table_width, block_size, scratch, outcome_ptr, stride_outcome,
+                        outcome_width, accepted_ptr, final_ptr, order_ptr, move_from_ptr, move_to_ptr,
                         N: tl.constexpr, NP: tl.constexpr, USE_GDC: tl.constexpr):
     """Program b: tree b's N nodes along one axis (i) and the depths 1..N along another (d). A node is on an
     accepted path when it and each of its ancestors (its word's bits) hold the target's pick after its parent."""

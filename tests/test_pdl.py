@@ -96,12 +96,24 @@ KERNELS = {
     "row_max._row_max_kernel": ({"SPLITS": 12, "SPLITS_POW2": 16, "BLOCK": 4096},
                                 {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "arrivals_ptr": "*i32",
                                  "val_ptr": "*fp32", "idx_ptr": "*i64"}),
-    "top_k._top_k_kernel": ({"K": 8, "KP": 8, "SPLITS": 24, "SPLITS_POW2": 32, "BLOCK": 2048},
+    "top_k._top_k_kernel": ({"K": 8, "KP": 8, "SPLITS": 24, "SPLITS_POW2": 32, "BLOCK": 2048, "SCORED": True},
                             {"x_ptr": "*fp32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "part_max_ptr": "*fp32",
-                             "part_sum_ptr": "*fp32", "arrivals_ptr": "*i32", "val_ptr": "*fp32", "idx_ptr": "*i64"}),
-    "tree_grow._best_first_kernel": ({"N": 15, "NP": 16, "F": 16},
+                             "part_sum_ptr": "*fp32", "arrivals_ptr": "*i32", "val_ptr": "*fp32", "idx_ptr": "*i64",
+                             "scores_ptr": "*fp32"}),
+    "tree_grow._best_first_kernel": ({"N": 15, "NP": 16, "F": 16, "ROOTS": True},
                                      {"logp_ptr": "*fp32", "ids_ptr": "*i64", "tokens_ptr": "*i64",
-                                      "parents_ptr": "*i64", "depths_ptr": "*i64", "words_ptr": "*i64"}),
+                                      "parents_ptr": "*i64", "depths_ptr": "*i64", "words_ptr": "*i64",
+                                      "anchors_ptr": "*i64", "positions_ptr": "*i64", "verify_tokens_ptr": "*i64",
+                                      "rotary_ptr": "*i64"}),
+    "tree_accept._accept_tree_kernel": ({"N": 15, "NP": 16}, {"tables_ptr": "*i32", **{name: "*i64" for name in (
+        "tokens_ptr", "parents_ptr", "depths_ptr", "words_ptr", "picks_ptr", "positions_ptr", "outcome_ptr",
+        "accepted_ptr", "final_ptr", "order_ptr", "move_from_ptr", "move_to_ptr")}}),
+    "fed_inputs._fed_inputs_kernel": ({"Q": 16, "QP": 16, "TREE": True}, {"tables_ptr": "*i32", **{
+        name: "*i64" for name in ("tokens_ptr", "starts_ptr", "token_ids_ptr", "positions_ptr", "slots_ptr",
+                                  "rotary_ptr", "words_ptr", "rotary_out_ptr", "words_out_ptr")}}),
+    "chain_meta._chain_meta_kernel": ({"ROWS": 48, "ROWS_P2": 64, "COMMIT": True}, {"stacked_ptr": "*i32", **{
+        name: "*i64" for name in ("meta_ptr", "anchors_ptr", "positions_ptr", "periods_ptr")}}),
+    "kv_move._move_rows_kernel": ({"WIDTH": 192, "ROWS": 16, "BLOCK_C": 64}, {"src_ptr": "*i64", "dst_ptr": "*i64"}),
     "skinny_linear._skinny_linear_kernel": (
         {"HAS_BIAS": False, "SWIGLU": True, "ADD": False, "NORM_OUT": False, "NORM_IN": True, "SQUARES_BLOCK": 64,
          "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256}, {"squares_ptr": "*fp32"}),
@@ -110,7 +122,17 @@ FLOATS = {"eps", "scale_log2"}
 MEMORY_OPS = ("ld.global", "st.global", "atom.global", "red.global", "cp.async", "ld.volatile.global")
 
 
-def sm90_ptx(name: str, use_gdc: int) -> str:
+# The other sides of the kernels' constexpr switches, compiled too (test_each_kernel_variant_compiles)
+VARIANTS = {
+    "top_k._top_k_kernel": {"SCORED": False},
+    "tree_grow._best_first_kernel": {"ROOTS": False},
+    "fed_inputs._fed_inputs_kernel": {"TREE": False, "Q": 8},
+    "chain_meta._chain_meta_kernel": {"COMMIT": False},
+    "tree_accept._accept_tree_kernel": {"N": 63, "NP": 64},
+}
+
+
+def sm90_ptx(name: str, use_gdc: int, variant: dict | None = None) -> str:
     """The kernel compiled on this machine (no GPU needed) for compute capability 9.0, as PTX."""
     import importlib
 
@@ -120,7 +142,7 @@ def sm90_ptx(name: str, use_gdc: int) -> str:
     module, kernel_name = name.split(".")
     kernel = getattr(importlib.import_module(f"specsplit.kernels.{module}"), kernel_name)
     constexprs, pointers = KERNELS[name]
-    constexprs = {**constexprs, "USE_GDC": use_gdc}
+    constexprs = {**constexprs, **(variant or {}), "USE_GDC": use_gdc}
     signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "*bf16") if p.name.endswith("_ptr")
                  else "fp32" if p.name in FLOATS else "i32" for p in kernel.params}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
@@ -157,6 +179,14 @@ def test_each_kernel_waits_before_it_touches_memory(name):
     without, no grid dependency control at all. Every Triton kernel of kernels/ is here."""
     assert_waits_first(sm90_ptx(name, _triton.TRIGGERS["start"]))
     assert "griddepcontrol" not in sm90_ptx(name, 0)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_each_kernel_variant_compiles_and_waits_first(name):
+    """A kernel's other constexpr branches (scored or not, a tree's or a chain's, ...) compile for Hopper too, and
+    wait before they touch memory."""
+    assert_waits_first(sm90_ptx(name, _triton.TRIGGERS["start"], VARIANTS[name]))
 
 
 @needs_triton
