@@ -134,22 +134,31 @@ class HostDeviceSites(TorchFunctionMode):
                 pinned = (args[0] if name != "copy_" else other).is_pinned() if not src_cuda else False
                 kind = f"host->device ({'pinned' if pinned else 'pageable'})" if dst_cuda else "device->host"
         if kind is not None:
-            frame = next((f for f in reversed(traceback.extract_stack()[:-1])
-                          if any(part in f.filename for part in ("_service/", "/shared/", "specsplit/"))), None)
-            where = f"{frame.filename.rsplit('/', 2)[-2]}/{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}" \
-                if frame else "?"
-            key = f"{kind:26} {name:10} {where}"
+            key = f"{kind:26} {name:10} {our_line(('_service/', '/shared/', 'specsplit/'))}"
             self.sites[key] = self.sites.get(key, 0) + 1
         return func(*args, **kwargs)
 
 
-def copy_sites(engine, steps: int) -> str:
-    mode = HostDeviceSites()
+def counted_steps(engine, steps: int, mode) -> list[tuple[str, int]]:
+    """`steps` engine steps under `mode` (one of the counters here): its sites, most counted first."""
     with mode:
         for _ in range(steps):
             engine.step()
     torch.cuda.synchronize()
-    rows = sorted(mode.sites.items(), key=lambda kv: -kv[1])
+    return sorted(mode.sites.items(), key=lambda kv: -kv[1])
+
+
+def our_line(parts: tuple[str, ...]) -> str:
+    """The innermost line of the caller's stack in a file whose path holds one of `parts`, as folder/file:line name."""
+    frame = next((f for f in reversed(traceback.extract_stack()[:-2]) if any(part in f.filename for part in parts)),
+                 None)
+    if frame is None:
+        return "?"
+    return f"{frame.filename.rsplit('/', 2)[-2]}/{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}"
+
+
+def copy_sites(engine, steps: int) -> str:
+    rows = counted_steps(engine, steps, HostDeviceSites())
     out = ["host<->device transfers and device reads per step, by call site:"]
     out += [f"{n / steps:6.2f}  {site}" for site, n in rows[:40]]
     return "\n".join(out)
@@ -173,23 +182,14 @@ class DeviceOpSites(TorchDispatchMode):
         name = func.overloadpacket.__name__.rstrip("_")
         tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
         if name not in self.VIEWS and any(t.is_cuda for t in tensors):
-            frame = next((f for f in reversed(traceback.extract_stack()[:-1])
-                          if any(part in f.filename for part in ("_service/", "/shared/", "/kernels/"))), None)
-            where = f"{frame.filename.rsplit('/', 2)[-2]}/{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} " \
-                    f"{frame.name}" if frame else "?"
-            key = f"{name:22} {where}"
+            key = f"{name:22} {our_line(('_service/', '/shared/', '/kernels/'))}"
             self.sites[key] = self.sites.get(key, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
 def op_sites(engine, steps: int) -> str:
-    mode = DeviceOpSites()
-    with mode:
-        for _ in range(steps):
-            engine.step()
-    torch.cuda.synchronize()
-    rows = sorted(mode.sites.items(), key=lambda kv: -kv[1])
-    total = sum(mode.sites.values()) / steps
+    rows = counted_steps(engine, steps, DeviceOpSites())
+    total = sum(n for _, n in rows) / steps
     out = [f"eager device ops per step outside captured graphs ({total:.1f}), by call site:"]
     out += [f"{n / steps:6.2f}  {site}" for site, n in rows[:120]]
     return "\n".join(out)
