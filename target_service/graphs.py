@@ -231,12 +231,6 @@ class StaticForward:
                 self._copied.record()
             self._fed = key
 
-    def slots_at(self, batch: int, positions: torch.Tensor) -> torch.Tensor:
-        """The cache rows [B, m] int64 of positions [B, m] of the bucket's first B sequences, through the block
-        tables loaded last (a fed step's: the positions must lie within the blocks reserved for it)."""
-        size = self.cache.block_size
-        return self.block_tables[:batch].gather(1, positions // size).long() * size + positions % size
-
     def load_fed_device(self, tokens: torch.Tensor, starts: torch.Tensor,
                         tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """`load_fed`'s device side, after `load_fed_tables` of the same sequences: positions, slots and
