@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.profiler import ProfilerActivity, profile
 
-from specsplit.kernels import chain_meta, fed_inputs, kv_move, top_k, tree_accept
+from specsplit.kernels import chain_accept, chain_meta, fed_inputs, kv_move, top_k, tree_accept
 from specsplit.local import LocalSetup, make_drafter, target_dir
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.tokenizer import Tokenizer
@@ -28,7 +28,7 @@ from specsplit.target_service.sequence import Request
 
 # The kernels that stand for a run of small torch ops in a step's graph, each with a module switch to its reference
 ONE_LAUNCH = {"tree_accept": tree_accept, "fed_inputs": fed_inputs, "chain_meta": chain_meta, "kv_move": kv_move,
-              "top_k": top_k}
+              "top_k": top_k, "chain_accept": chain_accept}
 PROMPT = "Explain how a hash map works, with an example in Python."
 
 

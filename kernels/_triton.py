@@ -66,7 +66,7 @@ PDL_TRIGGER = "start"
 PDL_SKIP: frozenset[str] = frozenset({"skinny_linear_heavy"})
 FAMILIES = ("skinny_linear", "skinny_linear_heavy", "rms_norm", "rope", "rotary_tables", "paged_attention",
             "combine_splits", "silu_mul", "row_max", "tree_grow", "tree_accept", "fed_inputs", "chain_meta", "kv_move",
-            "top_k")
+            "chain_accept", "top_k")
 TRIGGERS = {"start": 1, "exit": 2}  # USE_GDC's values where PDL is on (0: off)
 # Whether this Triton has grid dependency control (its gdc_* functions came with launch_pdl; with an older
 # Triton, as older torch releases bring, every kernel launches plain)

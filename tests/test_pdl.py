@@ -113,6 +113,8 @@ KERNELS = {
                                   "rotary_ptr", "words_ptr", "rotary_out_ptr", "words_out_ptr")}}),
     "chain_meta._chain_meta_kernel": ({"ROWS": 48, "ROWS_P2": 64, "COMMIT": True}, {"stacked_ptr": "*i32", **{
         name: "*i64" for name in ("meta_ptr", "anchors_ptr", "positions_ptr", "periods_ptr")}}),
+    "chain_accept._accept_chain_kernel": ({"K": 15, "KP": 16}, {name: "*i64" for name in (
+        "drafts_ptr", "picks_ptr", "outcome_ptr", "accepted_ptr", "final_ptr")}),
     "kv_move._move_rows_kernel": ({"WIDTH": 192, "ROWS": 16, "BLOCK_C": 64}, {"src_ptr": "*i64", "dst_ptr": "*i64"}),
     "skinny_linear._skinny_linear_kernel": (
         {"HAS_BIAS": False, "SWIGLU": True, "ADD": False, "NORM_OUT": False, "NORM_IN": True, "SQUARES_BLOCK": 64,

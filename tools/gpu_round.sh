@@ -864,12 +864,20 @@ one-launch)
   ;;
 scored-top-k)
   # (forty-eighth session, not run yet) the tree scores computed in the top-k's launch (kernels/top_k.py, five
-  # elementwise kernels fewer a tree step): its GPU tests and the chained trees', then the end-to-end speedup at
-  # one stream with every one-launch kernel of the session, trees and chains (the last measured before them:
-  # 2.46x trees on the H200 with only the acceptance kernel)
-  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_top_k.py tests/test_tree.py \
-    tests/test_split_gpu.py -k "reference_on_cuda or chained_tree_steps_replay_whole or draft_trees_through" \
+  # elementwise kernels fewer a tree step), a chain step's greedy acceptance in one launch (kernels/chain_accept.py,
+  # about ten fewer) and kv_move a sequence a program: their GPU tests and the chained steps', ms a chain step beside
+  # the torch acceptance, then the end-to-end speedup at one stream with every one-launch kernel of the session,
+  # trees and chains (the last measured before them: 2.46x trees on the H200 with only the tree acceptance kernel)
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_top_k.py tests/test_chain_accept.py \
+    tests/test_kv_move.py tests/test_chain.py tests/test_tree.py tests/test_split_gpu.py \
+    -k "reference_on_cuda or accepts_as or moves_as or chained_steps_on or chained_tree_steps_replay_whole or draft_trees_through" \
     2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  for batch in 1 8; do
+    for kernels in "" "--torch-kernels chain_accept"; do
+      timeout 30 python bench/profile_step.py --drafter dflash --batch $batch --steps 60 $kernels --out "$OUT" 2>&1 \
+        | grep -E "^drafter|Error" | log
+    done
+  done
   for tree in 15 0; do
     timeout 120 python -m specsplit.cli eval-acceptance --device cuda --draft-tree $tree --max-tokens 128 --batch 1 \
       2>&1 | grep -v INFO | tee "$OUT/eval_tree$tree.txt" | grep -E "^tau|mismatches|speedup" | log
