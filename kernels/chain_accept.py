@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
+from ._triton import HAVE_TRITON, _switch, dependent_launch, gdc_enter, tl, triton
 
-KERNEL = True  # False: the torch reference on CUDA too (`bench/profile_step.py --torch-kernels chain_accept`)
+# Off until a GPU has run it (built without one, the forty-eighth session; `gpu_round.sh scored-top-k` sets
+# SPECSPLIT_CHAIN_ACCEPT_KERNEL=1): the torch reference on CUDA too. `bench/profile_step.py --torch-kernels
+# chain_accept` turns it off where the variable turned it on.
+KERNEL = _switch("SPECSPLIT_CHAIN_ACCEPT_KERNEL", False)
 
 
 def accept_chain_step_reference(drafts: torch.Tensor, picks: torch.Tensor,

@@ -14,11 +14,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
+from ._triton import HAVE_TRITON, _switch, dependent_launch, gdc_enter, tl, triton
 from .workspace import arrived_last
 
 BLOCK = 2048  # columns a program reads
 KERNEL = True  # False: the torch reference on CUDA too (`bench/profile_step.py --torch-kernels top_k`)
+# The tree scores computed in the kernel's launch (built without a GPU, the forty-eighth session; off until one has
+# run it, `gpu_round.sh scored-top-k` sets SPECSPLIT_TOP_K_SCORES=1): else the kernel's log-probabilities are
+# scored by torch ops after it (`scored`), as before
+SCORES_IN_LAUNCH = _switch("SPECSPLIT_TOP_K_SCORES", False)
 
 
 def top_k_logp_reference(x: torch.Tensor, k: int,
@@ -49,7 +53,10 @@ def top_k_logp(x: torch.Tensor, k: int, workspace: torch.Tensor | None = None,
         raise ValueError(f"scores [3, rows of a block] for x's rows in whole blocks, got {tuple(scores.shape)} for "
                          f"{x.shape[0]} rows")
     if KERNEL and HAVE_TRITON and x.is_cuda and workspace is not None and k <= min(x.shape[-1], 64):
-        return top_k_logp_triton(x, k, workspace, scores)
+        if scores is None or SCORES_IN_LAUNCH:
+            return top_k_logp_triton(x, k, workspace, scores)
+        logp, index = top_k_logp_triton(x, k, workspace)
+        return scored(logp.view(-1, scores.shape[1], k), scores).view(-1, k), index
     return top_k_logp_reference(x, k, scores)
 
 

@@ -101,6 +101,7 @@ def test_triton_matches_the_reference_on_cuda_and_in_a_graph(dtype):
     assert_same(got, top_k_logp_reference(x, 8), x)
     assert not workspace.any()
     assert_scored(lambda x, k, params: top_k_logp_triton(x, k, workspace, params), "cuda", dtype)
+    assert_scored(lambda x, k, params: top_k_logp(x, k, workspace, params), "cuda", dtype)  # (as switched)
 
 
 if __name__ == "__main__":

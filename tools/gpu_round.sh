@@ -868,6 +868,7 @@ scored-top-k)
   # about ten fewer) and kv_move a sequence a program: their GPU tests and the chained steps', ms a chain step beside
   # the torch acceptance, then the end-to-end speedup at one stream with every one-launch kernel of the session,
   # trees and chains (the last measured before them: 2.46x trees on the H200 with only the tree acceptance kernel)
+  export SPECSPLIT_CHAIN_ACCEPT_KERNEL=1 SPECSPLIT_TOP_K_SCORES=1  # (both off by default until this has run)
   timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_top_k.py tests/test_chain_accept.py \
     tests/test_kv_move.py tests/test_chain.py tests/test_tree.py tests/test_split_gpu.py \
     -k "reference_on_cuda or accepts_as or moves_as or chained_steps_on or chained_tree_steps_replay_whole or draft_trees_through" \
