@@ -30,9 +30,15 @@ def accept_chain_step_reference(drafts: torch.Tensor, picks: torch.Tensor,
     k = drafts.shape[1]
     accepted = accept_greedy(drafts, picks[:, :k + 1])
     final = picks.gather(1, accepted[:, None]).squeeze(1)  # the bonus pick, or the one that differed
+    write_outcome(drafts, accepted, final, outcome)
+    return accepted, final
+
+
+def write_outcome(drafts: torch.Tensor, accepted: torch.Tensor, final: torch.Tensor, outcome: torch.Tensor) -> None:
+    """What each sequence gains into outcome [B, k + 2]: its drafts [B, k] with the token after its accepted ones
+    (`final` [B]) at its accepted count, then that count (`accepted` [B]). Torch ops, however they were accepted."""
     emitted = torch.cat([drafts, final[:, None]], dim=1).scatter(1, accepted[:, None], final[:, None])
     outcome.copy_(torch.cat([emitted, accepted[:, None]], dim=1))
-    return accepted, final
 
 
 def accept_chain_step(drafts: torch.Tensor, picks: torch.Tensor,

@@ -25,7 +25,7 @@ from specsplit.shared.logs import fields
 from specsplit.shared.proposer import FeatureKind, ProposeRequest, Proposer
 from specsplit.shared.sampling import make_generator
 from specsplit.shared.tokenizer import TextStream
-from specsplit.kernels.chain_accept import accept_chain_step
+from specsplit.kernels.chain_accept import accept_chain_step, write_outcome
 from specsplit.kernels.tree_accept import accept_tree_step
 from specsplit.kernels.tree_grow import grow_verify_inputs
 from specsplit.shared.tree import MAX_TREE_KEEP, MAX_TREE_NODES, TREE_KEEP, DraftTree, best_first, holds_nodes
@@ -1330,9 +1330,7 @@ class Engine:
             accepted, final = accept_chain_step(drafts, picks, program.outcome.view(len(seqs), k + 2))
         else:
             accepted, final = self._chain_accept(seqs, counts, drafts, fwd, out, among)
-            # What each sequence gains: its accepted drafts, then the final token (greedy: its picks up to there)
-            emitted = torch.cat([drafts, final[:, None]], dim=1).scatter(1, accepted[:, None], final[:, None])
-            program.outcome.copy_(torch.cat([emitted, accepted[:, None]], dim=1).view(-1))
+            write_outcome(drafts, accepted, final, program.outcome.view(len(seqs), k + 2))
         rows = out.layer_features.view(fwd.batch, fwd.query_len, -1)[:len(seqs), :k + 1]
         at = positions
         if among is not None:
