@@ -414,6 +414,7 @@ def report(prompts: Sequence[EvalPrompt], spec: Run, base: Run, records: Sequenc
         "by_kind": tau_by_kind(spec.stats, prompts),
         "tokens_per_s": {"speculative": spec_tps, "target_only": base_tps, "speedup": spec_tps / base_tps},
         "seconds": {"speculative": timed.seconds, "target_only": base.seconds},
+        "decode": decode_speed(timed, base),
         "mismatches": sum(a != b for a, b in zip(spec.tokens, base.tokens)) if greedy else None,
     }
     if served is not None:
@@ -425,6 +426,22 @@ def report(prompts: Sequence[EvalPrompt], spec: Run, base: Run, records: Sequenc
                          # and captures, prefills and the host seconds in them (the target-only run's beside it)
                          "engine": served.engine, "target_only_engine": base.engine}
     return rep
+
+
+def decode_speed(spec: Run, base: Run) -> dict | None:
+    """Tokens/s of the decode steps alone, what a stream sees once its first token is out: each run's tokens
+    after the first of each request over its seconds less the host seconds its prefills took (launching the
+    prompts' forwards and reading their first tokens, which waits for the GPU). None where a run did not count
+    its prefills."""
+    def tps(run: Run) -> float | None:
+        prefill_s = run.engine.get("prefill_s")
+        if prefill_s is None or run.seconds <= prefill_s:
+            return None
+        return (run.generated - len(run.stats)) / (run.seconds - prefill_s)
+    spec_tps, base_tps = tps(spec), tps(base)
+    if spec_tps is None or not base_tps:
+        return None
+    return {"speculative": spec_tps, "target_only": base_tps, "speedup": spec_tps / base_tps}
 
 
 def format_report(rep: dict) -> str:
@@ -472,6 +489,12 @@ def format_report(rep: dict) -> str:
     tps = rep["tokens_per_s"]
     lines.append(f"tokens/s: speculative {tps['speculative']:.1f}, target-only {tps['target_only']:.1f}, "
                  f"speedup {tps['speedup']:.2f}x")
+    decode = rep.get("decode")
+    if decode is not None:
+        lines.append(f"decode tokens/s (prefill forwards' host time and first tokens left out): speculative "
+                     f"{decode['speculative']:.1f}, target-only {decode['target_only']:.1f}, "
+                     f"speedup {decode['speedup']:.2f}x"
+                     + (f" = {decode['speedup'] / rep['tau_excl_prefill']:.2f} tau" if rep["tau_excl_prefill"] else ""))
     served = rep.get("served")
     if served is not None:
         lines.append(f"  (speculative: the bare drafter's run, tau {served['tau']:.3f}; the recorded run's plain "

@@ -50,6 +50,11 @@ def check_report(rep: dict, prompts, max_tokens: int) -> None:
     # target-only decodes one token a step: a step per generated token but each prompt's first (its prefill's)
     assert served["target_only_engine"]["steps"] >= max_tokens - 1
     assert "engine:" in format_report(rep)
+    decode, seconds = rep["decode"], rep["seconds"]
+    for name, run in (("speculative", served["engine"]), ("target_only", served["target_only_engine"])):
+        assert decode[name] == pytest.approx((rep["generated"] - len(prompts)) / (seconds[name] - run["prefill_s"]))
+    assert decode["speedup"] == pytest.approx(decode["speculative"] / decode["target_only"])
+    assert "decode tokens/s" in format_report(rep)
     json.dumps(rep)
     assert "mismatches" in format_report(rep)
 
@@ -120,3 +125,14 @@ def test_cli_evaluates_a_target_on_text_prompts(tiny_chat_dir, tmp_path, capsys)
     with pytest.raises(SystemExit):
         main(["eval-acceptance", "--target", str(tiny_chat_dir), "--prompts", str(prompts), "--refine", "1,p2"])
     assert "--refine: a refine policy's confidence lies in (0, 1), got 2.0" in capsys.readouterr().err
+
+
+def test_decode_speed_leaves_out_prefill_and_first_tokens():
+    from specsplit.evaluate import Run, decode_speed
+    from specsplit.target_service.sequence import RequestStats
+    stats = [RequestStats(steps=5, generated=11), RequestStats(steps=3, generated=9)]  # 20 tokens, 2 first ones
+    spec = Run([], stats, seconds=2.0, engine={"prefill_s": 0.5})
+    base = Run([], stats, seconds=4.0, engine={"prefill_s": 1.0})
+    assert decode_speed(spec, base) == pytest.approx({"speculative": 12.0, "target_only": 6.0, "speedup": 2.0})
+    assert decode_speed(Run([], stats, seconds=2.0), base) is None  # a run that did not count its prefills
+    assert decode_speed(Run([], stats, 0.5, {"prefill_s": 0.5}), base) is None  # nothing left to time
