@@ -210,6 +210,8 @@ VARIANT_RATIOS = (
     ("services_trees_over_target_only", "services_trees", "target_only"),
     ("services_trees_over_in_process_trees", "services_trees", "in_process_trees"),
     ("services_trees_ahead_over_services_trees", "services_trees_ahead", "services_trees"),
+    ("services_trees_both_waits_over_services_trees", "services_trees_both_waits", "services_trees"),
+    ("services_trees_both_waits_over_in_process_trees", "services_trees_both_waits", "in_process_trees"),
     ("services_ahead_over_not_ahead", "services", "services_not_ahead"),
     ("services_over_unprepared", "services", "services_unprepared"),
     ("services_over_tail_uncaptured", "services", "services_tail_uncaptured"),
@@ -416,6 +418,14 @@ def main() -> None:
         third_metrics = f"http://127.0.0.1:{third_port}/metrics"
         drafter_procs.append(subprocess.Popen(cmd[:cmd.index("--listen") + 1] + [third] + cmd[cmd.index("--listen") + 2:]
                                               + ["--device-waits", "--max-targets", "1", "--metrics-port", str(third_port)]))
+    # (--also-trees with --also-both-waits) a fourth like the third, for the services' trees sent ahead with both
+    # streams waiting on the device (one target a drafter: two would take each other's stream)
+    fourth = f"unix:{tempfile.mkdtemp(prefix='specsplit-bench-')}/drafter.sock" \
+        if args.also_both_waits and args.also_trees else ""
+    if fourth:
+        drafter_procs.append(subprocess.Popen(cmd[:cmd.index("--listen") + 1] + [fourth] + cmd[cmd.index("--listen") + 2:]
+                                              + ["--device-waits", "--max-targets", "1", "--metrics-port",
+                                                 str(free_port())]))
     try:
         wait_healthy(sock, 300)
         remote = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
@@ -456,6 +466,15 @@ def main() -> None:
         both_waits = RemoteProposer(third, device=setup.device, dtype=setup.torch_dtype,
                                     head=(model.embed_weight, model.lm_head_weight),
                                     device_waits=True, host_flags=args.host_flags) if args.also_both_waits else None
+        # ... and trees with candidates sent ahead to the fourth (--also-trees with --also-both-waits): neither
+        # host waits for the other's GPU work before it launches its own
+        if fourth:
+            wait_healthy(fourth, 300)
+        trees_both_waits = RemoteProposer(fourth, device=setup.device, dtype=setup.torch_dtype,
+                                          head=(model.embed_weight, model.lm_head_weight), device_waits=True,
+                                          host_flags=args.host_flags, trees_ahead=True,
+                                          tree_keep=EngineConfig.draft_tree_keep) \
+            if fourth else None
         results = {"device": args.device, "drafter": args.drafter, "transport": remote.mode,
                    "step_transport": remote.step_transport, "waves": args.waves, "mps": args.mps,
                    "done_in_host_page": [r._conn is not None and r._conn.page is not None
@@ -612,6 +631,26 @@ def main() -> None:
                           f"{result['tokens_per_s']:.0f} tok/s (tau {result['tau']:.2f}, "
                           f"{trees_ahead.link.chain_taken_ahead} taken ahead so far), "
                           f"{plain['services_trees_ahead_over_services_trees']:.2f}x not ahead", flush=True)
+                if trees_both_waits is not None:
+                    engine = engines["services_trees_both_waits"] = Engine(model, trees_both_waits,
+                                                                           replace(conf, draft_tree=args.also_trees))
+                    run(engine, tokenizer, prompts, args.max_tokens, "warm")
+                    both_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "t")
+                    rates["services_trees_both_waits"] = [result["tokens_per_s"]]
+                    plain.update({"services_trees_both_waits": result,
+                                  "services_trees_both_waits_over_services_trees":
+                                      result["tokens_per_s"] / plain["services_trees"]["tokens_per_s"],
+                                  "services_trees_both_waits_over_in_process_trees":
+                                      result["tokens_per_s"] / plain["in_process_trees"]["tokens_per_s"],
+                                  "trees_both_waits_taken_ahead": trees_both_waits.link.chain_taken_ahead,
+                                  "requests_differing_services_trees_both_waits_vs_target_only": sum(
+                                      a != b for a, b in zip(base_tokens, both_tokens))})
+                    print(f"batch {batch}: draft trees of {args.also_trees} nodes through the services, sent ahead, "
+                          f"both streams waiting on the device {result['tokens_per_s']:.0f} tok/s (tau "
+                          f"{result['tau']:.2f}, {trees_both_waits.link.chain_taken_ahead} taken ahead so far), "
+                          f"{plain['services_trees_both_waits_over_services_trees']:.2f}x the services' trees, "
+                          f"{plain['services_trees_both_waits_over_in_process_trees']:.2f}x in-process trees",
+                          flush=True)
             for name, engine in kernel_engines.items():  # (their graphs were all captured above, each its way)
                 engines[name] = engine
                 rates[name] = [plain[name]["tokens_per_s"]]

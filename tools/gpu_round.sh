@@ -884,6 +884,14 @@ scored-top-k)
       2>&1 | grep -v INFO | tee "$OUT/eval_tree$tree.txt" | grep -E "^tau|mismatches|speedup" | log
   done
   ;;
+kernels-bench)
+  # (forty-ninth session) with every one-launch kernel on (the last two by their switches): tokens/s at one and eight
+  # streams kept full, in-process trees and chains beside target only and the services (host polls, and both
+  # streams waiting on the device), one round; the goals' figures (0.8 tau, 0.6 tau, 0.97x in-process)
+  export SPECSPLIT_CHAIN_ACCEPT_KERNEL=1 SPECSPLIT_TOP_K_SCORES=1
+  timeout 570 python bench/split_bench.py --device cuda --batch 1 8 --waves 4 --max-tokens 128 --also-trees 15 \
+    --also-both-waits --json-out "$OUT/kernels_bench.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
+  ;;
 wide-trees-eval)
   # ... trees of 63 and 31 nodes from the drafter's 15 rows (the CPU decode of all 80 held-out prompts, float32: tau
   # 4.66 at 31 against 4.29 at 15; the teacher-forced walk 5.00 at 63): tau and the speedup at one stream beside 15
