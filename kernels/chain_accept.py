@@ -13,10 +13,10 @@ import torch
 
 from ._triton import HAVE_TRITON, _switch, dependent_launch, gdc_enter, tl, triton
 
-# Off until a GPU has run it (built without one, the forty-eighth session; `gpu_round.sh scored-top-k` sets
-# SPECSPLIT_CHAIN_ACCEPT_KERNEL=1): the torch reference on CUDA too. `bench/profile_step.py --torch-kernels
-# chain_accept` turns it off where the variable turned it on.
-KERNEL = _switch("SPECSPLIT_CHAIN_ACCEPT_KERNEL", False)
+# On since the forty-ninth session, which ran it on an H100 (`gpu_round.sh scored-top-k`: a chain step 0.982 ms
+# against 1.008 with the torch acceptance); SPECSPLIT_CHAIN_ACCEPT_KERNEL=0, or `bench/profile_step.py
+# --torch-kernels chain_accept`: the torch reference on CUDA too.
+KERNEL = _switch("SPECSPLIT_CHAIN_ACCEPT_KERNEL", True)
 
 
 def accept_chain_step_reference(drafts: torch.Tensor, picks: torch.Tensor,

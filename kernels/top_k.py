@@ -19,10 +19,10 @@ from .workspace import arrived_last
 
 BLOCK = 2048  # columns a program reads
 KERNEL = True  # False: the torch reference on CUDA too (`bench/profile_step.py --torch-kernels top_k`)
-# The tree scores computed in the kernel's launch (built without a GPU, the forty-eighth session; off until one has
-# run it, `gpu_round.sh scored-top-k` sets SPECSPLIT_TOP_K_SCORES=1): else the kernel's log-probabilities are
-# scored by torch ops after it (`scored`), as before
-SCORES_IN_LAUNCH = _switch("SPECSPLIT_TOP_K_SCORES", False)
+# The tree scores computed in the kernel's launch (on since the forty-ninth session, which ran it on an H100:
+# `gpu_round.sh scored-top-k`); SPECSPLIT_TOP_K_SCORES=0: the kernel's log-probabilities scored by torch ops after
+# it (`scored`), as before
+SCORES_IN_LAUNCH = _switch("SPECSPLIT_TOP_K_SCORES", True)
 
 
 def top_k_logp_reference(x: torch.Tensor, k: int,

@@ -868,7 +868,7 @@ scored-top-k)
   # about ten fewer) and kv_move a sequence a program: their GPU tests and the chained steps', ms a chain step beside
   # the torch acceptance, then the end-to-end speedup at one stream with every one-launch kernel of the session,
   # trees and chains (the last measured before them: 2.46x trees on the H200 with only the tree acceptance kernel)
-  export SPECSPLIT_CHAIN_ACCEPT_KERNEL=1 SPECSPLIT_TOP_K_SCORES=1  # (both off by default until this has run)
+  export SPECSPLIT_CHAIN_ACCEPT_KERNEL=1 SPECSPLIT_TOP_K_SCORES=1  # (both off by default until this had run; on since)
   timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_top_k.py tests/test_chain_accept.py \
     tests/test_kv_move.py tests/test_chain.py tests/test_tree.py tests/test_split_gpu.py \
     -k "reference_on_cuda or accepts_as or moves_as or chained_steps_on or chained_tree_steps_replay_whole or draft_trees_through" \
@@ -888,9 +888,18 @@ kernels-bench)
   # (forty-ninth session) with every one-launch kernel on (the last two by their switches): tokens/s at one and eight
   # streams kept full, in-process trees and chains beside target only and the services (host polls, and both
   # streams waiting on the device), one round; the goals' figures (0.8 tau, 0.6 tau, 0.97x in-process)
-  export SPECSPLIT_CHAIN_ACCEPT_KERNEL=1 SPECSPLIT_TOP_K_SCORES=1
   timeout 570 python bench/split_bench.py --device cuda --batch 1 8 --waves 4 --max-tokens 128 --also-trees 15 \
     --also-both-waits --json-out "$OUT/kernels_bench.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
+  ;;
+mps-trees)
+  # (forty-ninth session) the services with both streams waiting on the device, chains and trees sent ahead, under a
+  # private MPS server (one GPU context for both processes: no time-slicing between the target's and the drafter's)
+  # and without, one stream and eight kept full: the services over in-process in each
+  for mps in --mps ""; do
+    timeout 280 python bench/split_bench.py --device cuda --batch 1 8 --waves 4 --max-tokens 128 --also-trees 15 \
+      --also-both-waits $mps --json-out "$OUT/bench${mps:-_no_mps}.json" 2>&1 | grep -v INFO \
+      | grep -E "^batch|Error|error" | sed "s/^/${mps:-no mps}: /" | log
+  done
   ;;
 wide-trees-eval)
   # ... trees of 63 and 31 nodes from the drafter's 15 rows (the CPU decode of all 80 held-out prompts, float32: tau
