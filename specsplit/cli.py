@@ -334,7 +334,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     from specsplit.services import wait_for_signal
 
     with spawn(ServiceSpec(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
-                           seed=args.seed, mps=args.mps)) as services:
+                           seed=args.seed, mps=args.mps, device_waits=args.device_waits)) as services:
         print(f"drafter: {services.drafter_address}\ntarget:  {services.target_address}", flush=True)
         wait_for_signal()
 
@@ -615,6 +615,11 @@ def add_service_parsers(sub) -> None:
                        help="run both services as clients of a private NVIDIA MPS server (started and quit with "
                             "them; needs nvidia-cuda-mps-control), so one GPU runs their kernels side by side "
                             "instead of time-slicing two contexts (README, 'Measured')")
+        p.add_argument("--device-waits", action=argparse.BooleanOptionalAction, default=None,
+                       help="the two services' CUDA streams wait for each other on the device: the drafter serves "
+                            "this one target (drafter serve --device-waits --max-targets 1) and the target asks for "
+                            "a tree step's candidates ahead (target serve --trees-ahead); default: on with a CUDA "
+                            "device (--no-device-waits: each host waits for the other's GPU work, as before)")
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> None:

@@ -38,11 +38,31 @@ class ServiceSpec:
     drain_seconds: float = 5.0  # how long a SIGTERMed service lets calls in flight finish
     auth_token: str | None = None  # both services require it (and the target sends it to its drafter)
     mps: bool = False  # both services clients of a private MPS server (specsplit.mps), on a CUDA device
+    # The pair's streams wait for each other on the device: the drafter serves this one target (--device-waits
+    # --max-targets 1) and the target asks for a tree step's candidates as the step before launches (--trees-ahead),
+    # so neither host waits for the other's GPU work before launching its own. None: on with a CUDA device
+    device_waits: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mps and not self.device.startswith("cuda"):
             raise InvalidRequest(f"--mps shares one GPU between the two services: it needs a CUDA device, "
                                  f"not {self.device!r}")
+        if self.device_waits and not self.device.startswith("cuda"):
+            raise InvalidRequest(f"--device-waits orders the two services' CUDA streams: it needs a CUDA device, "
+                                 f"not {self.device!r}")
+
+    @property
+    def waits_on_device(self) -> bool:
+        return self.device.startswith("cuda") if self.device_waits is None else self.device_waits
+
+    def service_args(self, name: str) -> tuple[str, ...]:
+        """What `name` ("target" or "drafter") is started with beyond the common flags: the pair's device waits
+        (`device_waits`), then `target_args` / `drafter_args`."""
+        given = self.target_args if name == "target" else self.drafter_args
+        if not self.waits_on_device or self.drafter == "none":
+            return given
+        linked = ("--trees-ahead",) if name == "target" else ("--device-waits", "--max-targets", "1")
+        return linked + given
 
 
 def _common(spec: ServiceSpec) -> list[str]:
@@ -81,12 +101,12 @@ class Services:
         """The target alone; it serves without speculation until its drafter (if any) answers."""
         drafter = ["--drafter", self.drafter_address] if self.drafter_address else []
         self._spawn("target", ["target", "serve", "--listen", self.target_address, *drafter,
-                               *_common(self.spec), *self.spec.target_args])
+                               *_common(self.spec), *self.spec.service_args("target")])
         self._wait("target", self.target_address)
 
     def start_drafter(self) -> None:
         self._spawn("drafter", ["drafter", "serve", "--listen", self.drafter_address,
-                                "--drafter", self.spec.drafter, *_common(self.spec), *self.spec.drafter_args])
+                                "--drafter", self.spec.drafter, *_common(self.spec), *self.spec.service_args("drafter")])
         self._wait("drafter", self.drafter_address)
 
     def _wait(self, name: str, address: str) -> None:

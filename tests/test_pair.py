@@ -5,10 +5,48 @@ from __future__ import annotations
 
 import pytest
 
+from specsplit.cli import main
 from specsplit.pair import ServiceSpec, spawn
+from specsplit.shared.errors import InvalidRequest
 
 
 def test_a_service_that_dies_at_startup_is_reported_at_once_with_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="exited before it became healthy") as failure:  # not a timeout
         spawn(ServiceSpec(target=str(tmp_path / "absent"), drafter="none", startup_timeout=120.0), tmp_path)
     assert "no such checkpoint folder" in str(failure.value)  # the service's own words, from its log
+
+
+def test_a_pair_on_a_gpu_links_its_streams_by_default():
+    """On a CUDA device the pair's drafter serves its one target with device waits and the target asks for tree
+    candidates ahead; elsewhere, or with device_waits=False, each service gets only what it was given."""
+    gpu = ServiceSpec(device="cuda", target_args=("--draft-tree", "15"), drafter_args=("--metrics-port", "9"))
+    assert gpu.service_args("drafter") == ("--device-waits", "--max-targets", "1", "--metrics-port", "9")
+    assert gpu.service_args("target") == ("--trees-ahead", "--draft-tree", "15")
+    for spec in (ServiceSpec(device="cuda:1", device_waits=False, target_args=("--draft-tree", "15")),
+                 ServiceSpec(target_args=("--draft-tree", "15")),  # (the CPU)
+                 ServiceSpec(device="cuda", drafter="none", target_args=("--draft-tree", "15"))):
+        assert spec.service_args("drafter") == () and spec.service_args("target") == ("--draft-tree", "15")
+    with pytest.raises(InvalidRequest, match="--device-waits .* needs a CUDA device, not 'cpu'"):
+        ServiceSpec(device_waits=True)
+
+
+def test_up_refuses_device_waits_on_the_cpu(capsys):
+    assert main(["up", "--device-waits", "--device", "cpu"]) == 2
+    assert "--device-waits orders the two services' CUDA streams: it needs a CUDA device" in capsys.readouterr().err
+
+
+def test_the_pair_with_device_waits_starts_services_that_accept_them(tmp_path):
+    """The flags the pair adds are ones `drafter serve` and `target serve` take together (their parsers and the
+    drafter's settings check), whatever the device: checked here without starting either."""
+    from specsplit.cli import build_parser
+    from specsplit.services import DrafterSettings
+    from specsplit.local import LocalSetup
+    from specsplit.drafter_service.limits import DrafterLimits
+
+    spec = ServiceSpec(device="cuda")
+    parser = build_parser()
+    drafter = parser.parse_args(["drafter", "serve", "--listen", "unix:x", *spec.service_args("drafter")])
+    target = parser.parse_args(["target", "serve", "--listen", "unix:y", *spec.service_args("target")])
+    assert drafter.device_waits and drafter.max_targets == 1 and target.trees_ahead
+    DrafterSettings(("unix:x",), LocalSetup(), limits=DrafterLimits(max_targets=drafter.max_targets),
+                    device_waits=drafter.device_waits)  # (refused unless with --max-targets 1)

@@ -40,15 +40,23 @@ def test_cuda_ipc_split_equals_in_process(kind, specsplit_factory):
         assert "chained drafts: our stream waits on the host page" in log
 
 
-def test_target_serve_with_draft_trees_streams_the_in_process_trees_tokens(specsplit_factory):
+@pytest.mark.parametrize("device_waits", [True, False], ids=["device-waits", "host-waits"])
+def test_target_serve_with_draft_trees_streams_the_in_process_trees_tokens(device_waits, specsplit_factory):
     """`specsplit target serve --draft-tree 15` through the harness: each request's tokens are target-only's and
-    the in-process trees', in the in-process trees' steps (fewer than the services' chains would take)."""
+    the in-process trees', in the in-process trees' steps (fewer than the services' chains would take). With the
+    pair's device waits (the default on a GPU) the drafter's chained steps were launched behind a wait on its
+    stream and the target took tree candidates asked for ahead."""
     from specsplit.target_service.engine import EngineConfig
+    from tests.test_metrics import free_port, scrape, value
 
+    port = free_port()
     services = specsplit_factory(ServiceSpec(drafter="dflash", device="cuda", dtype="float32",
-                                             target_args=("--draft-tree", "15")))
+                                             target_args=("--draft-tree", "15"), device_waits=device_waits,
+                                             drafter_args=("--metrics-port", str(port))))
     client = services.client()
     remote = [client.generate(p, GREEDY) for p in PROMPTS]
+    waited = value(scrape(port), "specsplit_drafter_chain_graph_steps_total", outcome="waited")
+    assert (waited > 0) == device_waits, waited
     engine, tokenizer = load_local(LocalSetup(drafter="dflash", device="cuda", dtype="float32", seed=0),
                                    EngineConfig(draft_tree=15))
     for i, p in enumerate(PROMPTS):  # (one at a time, as the client sent them)

@@ -901,6 +901,16 @@ mps-trees)
       | grep -E "^batch|Error|error" | sed "s/^/${mps:-no mps}: /" | log
   done
   ;;
+linked-pair)
+  # (forty-ninth session) a pair on a GPU now links its streams by default (ServiceSpec.device_waits: the drafter
+  # --device-waits --max-targets 1, the target --trees-ahead): the GPU tests that start pairs as `specsplit up`
+  # does, the drafter SIGKILLed mid-stream among them, and the pair under MPS
+  timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+    -k "split_equals_in_process or streams_the_in_process_trees" 2>&1 \
+    | grep -E "Error:|assert|FAILED|passed|failed|xfail" | tail -10 | log
+  timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_chaos_gpu.py tests/test_mps.py \
+    -k "sigkill_of_either_side or mps" 2>&1 | grep -E "Error:|assert|FAILED|passed|failed|xfail" | tail -10 | log
+  ;;
 wide-trees-eval)
   # ... trees of 63 and 31 nodes from the drafter's 15 rows (the CPU decode of all 80 held-out prompts, float32: tau
   # 4.66 at 31 against 4.29 at 15; the teacher-forced walk 5.00 at 63): tau and the speedup at one stream beside 15
