@@ -366,10 +366,10 @@ class DFlashModel(nn.Module):
         """`block_hidden_paged`'s layers, fused; returns the final-normed hidden [B·γ, hidden]."""
         dec, gamma = self.cfg.decoder, local.shape[1]
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms=None) -> torch.Tensor:
             sliding = dec.layer_window(i)
             mask_pos, window = (last, ctx.window + gamma) if sliding is None else (local, sliding)
-            q = rope_and_cache_write(q, k, v, cos, sin, ctx.k_pool[i], ctx.v_pool[i], slots)
+            q = rope_and_cache_write(q, k, v, cos, sin, ctx.k_pool[i], ctx.v_pool[i], slots, norms, dec.rms_norm_eps)
             return paged_attention(q.view(*local.shape, *q.shape[1:]), ctx.k_pool[i], ctx.v_pool[i], ctx.tables,
                                    mask_pos, self.layers[i].self_attn.scale, window).flatten(0, 1)
 

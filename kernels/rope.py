@@ -26,6 +26,12 @@ TABLES_IN_ONE_LAUNCH = True
 # target-only against 1.96x at one stream, 1.30x against 1.28x at eight kept full. Read when the forward is
 # captured; SPECSPLIT_CONTEXT_ONE_LAUNCH=0 (read at import) turns it off.
 CONTEXT_IN_ONE_LAUNCH = _switch("SPECSPLIT_CONTEXT_ONE_LAUNCH", True)
+# Whether a fused layer's per-head q and k norms (Qwen3-style, as the shipped DFlash drafter's layers have) run in
+# `rope_and_cache_write`'s launch (`norms=`) instead of two launches of their own before it: 12 launches fewer a
+# step for the shipped 6-layer drafter, 72 for the Qwen3-8B shape. Built without a GPU (the forty-ninth session):
+# off until one has run it (`gpu_round.sh qk-norm-in-rope` sets SPECSPLIT_QK_NORM_IN_ROPE=1). Read when a forward
+# is captured (shared.fused.fused_layer).
+QK_NORM_IN_ROPE = _switch("SPECSPLIT_QK_NORM_IN_ROPE", False)
 
 
 def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -94,9 +100,14 @@ def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
-def rope_and_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
+def rope_and_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, slots, norms=None, eps=0.0) -> torch.Tensor:
     """Rotated q [T, Hq, D]; rotated k and v land in rows `slots` [T] of the caches viewed as
-    [num_blocks * block_size, Hkv, D] (the `PagedKVCache.write_slots` layout)."""
+    [num_blocks * block_size, Hkv, D] (the `PagedKVCache.write_slots` layout). With `norms` (the per-head q and k
+    norm weights [D]), q and k are normed first (as `kernels.norm.rms_norm`, with `eps`)."""
+    if norms is not None:
+        from .norm import rms_norm_reference
+
+        q, k = rms_norm_reference(q, norms[0], eps), rms_norm_reference(k, norms[1], eps)
     k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
     k_flat.index_copy_(0, slots, apply_rope_reference(k, cos, sin).to(k_cache.dtype))
     v_flat.index_copy_(0, slots, v.to(v_cache.dtype))
@@ -105,17 +116,19 @@ def rope_and_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, slots) -
 
 def rope_and_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slots: torch.Tensor) -> torch.Tensor:
+                         slots: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         eps: float = 0.0) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] (any strides with a unit last one: column views of a fused qkv
     projection are read in place), cos/sin [T, D], caches [num_blocks, block_size, Hkv, D], slots [T]
     int64. Returns rotated q as a new contiguous tensor; q, k and v are not modified. Hq may be 0: k
-    and v alone (the DFlash drafter's context rows have no queries)."""
+    and v alone (the DFlash drafter's context rows have no queries). `norms`: (q norm, k norm) weights [D],
+    each head of q and k normed with them before its rotation (eps: theirs), in the same launch."""
     if q.is_cuda and HAVE_TRITON:
-        return rope_and_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
-    return rope_and_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, slots)
+        return rope_and_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, slots, norms, eps)
+    return rope_and_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, slots, norms, eps)
 
 
-def rope_and_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
+def rope_and_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, slots, norms=None, eps=0.0) -> torch.Tensor:
     assert HAVE_TRITON, "triton is not installed"
     tokens, hq, dim = q.shape
     hkv = k.shape[1]
@@ -129,25 +142,39 @@ def rope_and_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, slots) -> t
         (q.dtype, k.dtype, v.dtype, cos.dtype, sin.dtype, k_cache.dtype)
     assert all(t.stride(-1) == 1 for t in (q, k, v, cos, sin)), "the last dimension must be contiguous"
     assert cos.stride() == sin.stride()
+    if norms is not None:
+        assert all(w.shape == (dim,) and w.dtype == q.dtype and w.is_contiguous() for w in norms), \
+            [(w.shape, w.dtype) for w in norms]
+    q_norm, k_norm = norms if norms is not None else (q, q)  # (not read without NORM)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _rope_kernel[(tokens,)](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
-        cos, sin, cos.stride(0), slots, q_out, k_cache, v_cache, hq, hkv,
-        DIM=dim, BLOCK_HQ=max(triton.next_power_of_2(hq), 1), BLOCK_HKV=triton.next_power_of_2(hkv),
+        cos, sin, cos.stride(0), slots, q_out, k_cache, v_cache, hq, hkv, q_norm, k_norm, eps,
+        NORM=norms is not None, DIM=dim, BLOCK_HQ=max(triton.next_power_of_2(hq), 1),
+        BLOCK_HKV=triton.next_power_of_2(hkv),
         # no FMA: x*cos + r*sin rounds each product, as torch does
         num_warps=4, enable_fp_fusion=False, **dependent_launch(q.device, "rope"))
     return q_out
 
 
 @triton.jit
-def _rotate(x_ptr, x_sh, out_ptr, out_sh, heads, cos1, cos2, sin1, sin2, DIM: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotates one token's `heads` heads at x_ptr (head stride x_sh) into out_ptr (head stride out_sh)."""
+def _rotate(x_ptr, x_sh, out_ptr, out_sh, heads, cos1, cos2, sin1, sin2, w_ptr, eps, NORM: tl.constexpr,
+            DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotates one token's `heads` heads at x_ptr (head stride x_sh) into out_ptr (head stride out_sh); with
+    NORM each head normed first by the weight at w_ptr [DIM] (in float32, rounded to the model dtype, then
+    scaled by the weight in that dtype, as kernels/norm.py)."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, DIM // 2)[None, :]
     mask = h < heads
-    x1 = tl.load(x_ptr + h * x_sh + d, mask=mask).to(tl.float32)
-    x2 = tl.load(x_ptr + h * x_sh + DIM // 2 + d, mask=mask).to(tl.float32)
+    x1 = tl.load(x_ptr + h * x_sh + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + h * x_sh + DIM // 2 + d, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
+    if NORM:
+        scale = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / DIM + eps)[:, None]
+        w1 = tl.load(w_ptr + d).to(tl.float32)
+        w2 = tl.load(w_ptr + DIM // 2 + d).to(tl.float32)
+        x1 = (w1 * (x1 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     # rotate_half(x) = (-x2, x1); each product and the sum rounded to the model dtype as in torch
     out1 = (x1 * cos1).to(dtype).to(tl.float32) - (x2 * sin1).to(dtype).to(tl.float32)
     out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
@@ -157,10 +184,11 @@ def _rotate(x_ptr, x_sh, out_ptr, out_sh, heads, cos1, cos2, sin1, sin2, DIM: tl
 
 @triton.jit
 def _rope_kernel(q_ptr, q_st, q_sh, k_ptr, k_st, k_sh, v_ptr, v_st, v_sh, cos_ptr, sin_ptr, cs_st, slots_ptr,
-                 q_out_ptr, k_cache_ptr, v_cache_ptr, hq, hkv,
+                 q_out_ptr, k_cache_ptr, v_cache_ptr, hq, hkv, q_norm_ptr, k_norm_ptr, eps, NORM: tl.constexpr,
                  DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, USE_GDC: tl.constexpr):
     """One program per token: rotates its q heads into q_out and its k heads into the cache row
-    slots[t], and copies its v heads there."""
+    slots[t] (with NORM each head normed first, q's by q_norm and k's by k_norm), and copies its v heads
+    there."""
     gdc_enter(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, DIM // 2)
@@ -168,10 +196,11 @@ def _rope_kernel(q_ptr, q_st, q_sh, k_ptr, k_st, k_sh, v_ptr, v_st, v_sh, cos_pt
     cos2 = tl.load(cos_ptr + t * cs_st + DIM // 2 + d).to(tl.float32)[None, :]
     sin1 = tl.load(sin_ptr + t * cs_st + d).to(tl.float32)[None, :]
     sin2 = tl.load(sin_ptr + t * cs_st + DIM // 2 + d).to(tl.float32)[None, :]
-    _rotate(q_ptr + t * q_st, q_sh, q_out_ptr + t * hq * DIM, DIM, hq, cos1, cos2, sin1, sin2,
-            DIM, BLOCK_HQ)
+    _rotate(q_ptr + t * q_st, q_sh, q_out_ptr + t * hq * DIM, DIM, hq, cos1, cos2, sin1, sin2, q_norm_ptr, eps,
+            NORM, DIM, BLOCK_HQ)
     row = tl.load(slots_ptr + t) * hkv * DIM  # the caches are contiguous [num_slots, Hkv, D]
-    _rotate(k_ptr + t * k_st, k_sh, k_cache_ptr + row, DIM, hkv, cos1, cos2, sin1, sin2, DIM, BLOCK_HKV)
+    _rotate(k_ptr + t * k_st, k_sh, k_cache_ptr + row, DIM, hkv, cos1, cos2, sin1, sin2, k_norm_ptr, eps, NORM,
+            DIM, BLOCK_HKV)
     h = tl.arange(0, BLOCK_HKV)[:, None]
     dd = tl.arange(0, DIM)[None, :]
     mask = h < hkv

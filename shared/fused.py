@@ -24,6 +24,7 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
+from specsplit.kernels import rope
 from specsplit.kernels.activation import silu_mul
 from specsplit.kernels.norm import add_rms_norm, rms_norm
 from specsplit.kernels.skinny_linear import (PendingNorm, linear, linear_triton, linear_triton_norm_out,
@@ -70,7 +71,9 @@ def _concat_into_views(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 # (layer index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, Hq, D]; q and k
 # are normed (Qwen3) but not rotated: the attention writes k/v where they belong and rotates.
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(layer, q, k, v, norms=None): the layer's attention output; `norms` (its per-head q and k norm weights,
+# given where `kernels.rope.QK_NORM_IN_ROPE`) to be applied to q and k in the rotary kernel's launch
+Attend = Callable[..., torch.Tensor]
 
 
 FOLD = True  # benches set it False to compare a step with the folds and without ...
@@ -108,9 +111,12 @@ def fused_layer(cfg: ModelConfig, index: int, layer: DecoderLayer, weights: Fuse
         qkv = linear(h, weights.qkv, weights.qkv_bias)
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     q, k, v = (t.view(t.shape[0], -1, cfg.head_dim) for t in (q, k, v))
-    if attn.q_norm is not None:
-        q, k = rms_norm(q, attn.q_norm.weight, eps), rms_norm(k, attn.k_norm.weight, eps)
-    out = attend(index, q, k, v)
+    if attn.q_norm is None:
+        out = attend(index, q, k, v)
+    elif rope.QK_NORM_IN_ROPE:  # normed in the rotary kernel's launch
+        out = attend(index, q, k, v, norms=(attn.q_norm.weight, attn.k_norm.weight))
+    else:
+        out = attend(index, rms_norm(q, attn.q_norm.weight, eps), rms_norm(k, attn.k_norm.weight, eps), v)
     out = out.reshape(out.shape[0], -1)
     post_norm, down, down_bias = layer.post_attention_layernorm.weight, mlp.down_proj.weight, mlp.down_proj.bias
     if not fold:

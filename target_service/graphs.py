@@ -289,8 +289,9 @@ class StaticForward:
         residual = stack.embed_tokens(self.token_ids)  # [B * Q, hidden]
         cos, sin = stack.rotary_emb(positions, residual.dtype)
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            q = rope_and_cache_write(q, k, v, cos, sin, self.cache.k_pool[i], self.cache.v_pool[i], self.slots)
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms=None) -> torch.Tensor:
+            q = rope_and_cache_write(q, k, v, cos, sin, self.cache.k_pool[i], self.cache.v_pool[i], self.slots,
+                                     norms, cfg.rms_norm_eps)
             return paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[i],
                                    self.cache.v_pool[i], self.block_tables, self.positions,
                                    stack.layers[i].self_attn.scale, cfg.layer_window(i), self.words).flatten(0, 1)

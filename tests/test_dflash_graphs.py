@@ -119,6 +119,33 @@ def test_static_forwards_equal_eager(window, one_launch, monkeypatch):
             assert_close(b[name], a[name], atol=ATOL, rtol=0)
 
 
+def test_static_forwards_equal_eager_with_q_and_k_normed_in_the_rotary_launch(monkeypatch):
+    """kernels.rope.QK_NORM_IN_ROPE: the fused layers hand their q and k norms to the rotary kernel (its reference
+    on the CPU) instead of norming first; the drafts are the eager forward's, and every layer's norms went in."""
+    monkeypatch.setattr(rope, "QK_NORM_IN_ROPE", True)
+    given = []
+    plain = rope.rope_and_cache_write
+
+    def spy(*args, **kw):
+        given.append(args[8] if len(args) > 8 else kw.get("norms"))
+        return plain(*args, **kw)
+
+    import specsplit.drafter_service.dflash as dflash
+    monkeypatch.setattr(dflash, "rope_and_cache_write", spy)
+    eager, static = make(), make()
+    static.use_static_forwards(use_graphs=False)
+    want, want_ctx = drive(eager, [7, 30, 3], steps=4)
+    got, got_ctx = drive(static, [7, 30, 3], steps=4)
+    for a, b in zip(want, got):
+        assert [p.tokens for p in a] == [p.tokens for p in b]
+        assert_close(torch.tensor([p.confidence for p in b]), torch.tensor([p.confidence for p in a]), atol=ATOL, rtol=0)
+    layers = static.model.layers
+    block_calls = [norms for norms in given if norms is not None]
+    assert block_calls and len(block_calls) % len(layers) == 0
+    for i, (q_norm, k_norm) in enumerate(block_calls[:len(layers)]):
+        assert q_norm is layers[i].self_attn.q_norm.weight and k_norm is layers[i].self_attn.k_norm.weight
+
+
 def test_bitmask_requests_take_the_eager_path():
     from specsplit.shared.proposer import bool_to_bitmask
 

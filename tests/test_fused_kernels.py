@@ -165,6 +165,35 @@ def check_rope(shape: Shape, tokens: int, dtype, device) -> None:
     assert q_out.is_contiguous()
 
 
+def qk_norms(shape: Shape, dtype, device, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head q and k norm weights [D] near 1 (a Qwen3-style layer's)."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(randn(shape.dim, dtype=dtype, device=device, gen=gen, scale=0.2) + 1 for _ in "qk")
+
+
+def check_rope_qk_norm(shape: Shape, tokens: int, dtype, device) -> None:
+    """q and k normed per head in the rotary launch (`norms=`): against the reference, which norms them with the
+    model's RMSNorm first, within the norm's few ulps carried through the rotation (bounded against the rows'
+    magnitude, as the context kernel's); v and the rows not written exact, only the tokens' slots written.
+    Without heads of q (the context's rows) k alone."""
+    for hq in (shape.hq, 0):
+        args = rope_inputs(dataclasses.replace(shape, hq=hq), tokens, dtype, device)
+        norms = qk_norms(shape, dtype, device)
+        kernel_args, reference_args = clone_caches(args), clone_caches(args)
+        q_out = rope.rope_and_cache_write_triton(*kernel_args, norms, EPS)
+        q_ref = rope.rope_and_cache_write_reference(*reference_args, norms, EPS)
+        bound = 8 * torch.finfo(dtype).eps
+        for got, want in ((q_out, q_ref), (kernel_args[5], reference_args[5])):
+            error = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+            assert error <= bound * max(want.float().abs().max().item() if want.numel() else 0.0, 1.0), error
+        assert torch.equal(kernel_args[6], reference_args[6])
+        # the norm did something: without it the rotated k differs by more than the bound
+        plain = clone_caches(args)
+        rope.rope_and_cache_write_reference(*plain)
+        assert not torch.allclose(plain[5].float(), reference_args[5].float(), rtol=0, atol=1e-2)
+        assert kernel_args[5].abs().sum(dim=(2, 3)).count_nonzero() == tokens
+
+
 def check_rope_kv_only(shape: Shape, tokens: int, dtype, device) -> None:
     """No queries (the DFlash drafter's context rows): k rotated and written, v written."""
     check_rope(dataclasses.replace(shape, hq=0), tokens, dtype, device)
@@ -195,7 +224,7 @@ def check_rotary_tables(shape: Shape, tokens: int, dtype, device) -> None:
 
 
 CHECKS = {"rms_norm": check_rms_norm, "silu_mul": check_silu_mul, "rope": check_rope,
-          "rope_kv_only": check_rope_kv_only, "rotary_tables": check_rotary_tables, "context_kv": check_context_kv}
+          "rope_kv_only": check_rope_kv_only, "rope_qk_norm": check_rope_qk_norm, "rotary_tables": check_rotary_tables, "context_kv": check_context_kv}
 
 
 # ---- the references are the model's math -----------------------------------------------------------
@@ -349,6 +378,10 @@ GRAPHED = {  # kernel: (dispatcher, reference, inputs)
                      norm_inputs),
     "silu_mul": (activation.silu_mul, activation.silu_mul_reference, gate_up_inputs),
     "rope": (rope.rope_and_cache_write, rope.rope_and_cache_write_reference, rope_inputs),
+    "rope_qk_norm": (lambda *a: rope.rope_and_cache_write(*a[:8], (a[8], a[9]), EPS),
+                     lambda *a: rope.rope_and_cache_write_reference(*a[:8], (a[8], a[9]), EPS),
+                     lambda shape, tokens, dtype, device, seed=0: (*rope_inputs(shape, tokens, dtype, device, seed),
+                                                                   *qk_norms(shape, dtype, device, seed))),
     "rotary_tables": (lambda p, f: rope.rotary_tables_triton(p, f, torch.bfloat16),
                       lambda p, f: rope.rotary_tables_reference(p, f, torch.bfloat16), tables_inputs),
 }
@@ -366,6 +399,12 @@ def test_kernel_replays_in_a_cuda_graph(kernel, shape, dtype):
     out = replay(fn, static, new)
     expected = reference(*new)  # for rope this writes the reference's cache rows into `new`'s caches
     outs, expecteds = (out, expected) if isinstance(out, tuple) else ((out,), (expected,))
+    if kernel == "rope_qk_norm":  # (the norm's few ulps, carried through the rotation: see check_rope_qk_norm)
+        relative = 8 * torch.finfo(dtype).eps
+        for got, want in ((out, expected), (static[5], new[5])):
+            assert (got.float() - want.float()).abs().max().item() <= relative * want.float().abs().max().item()
+        assert torch.equal(static[6], new[6])
+        return
     bound = 0 if kernel in ("rope", "rotary_tables") else max_ulps(kernel.removeprefix("add_"), dtype)
     for got, want in zip(outs, expecteds):
         assert ulps(got, want) <= bound

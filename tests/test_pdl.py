@@ -90,7 +90,7 @@ KERNELS = {
         {"tables_ptr": "*i32", "positions_ptr": "*i64", "out_ptr": "*fp32", "lse_ptr": "*fp32"}),
     "paged_attention._combine_splits_kernel": ({"NUM_SPLITS": 8, "HEAD_DIM": 64}, {"partial_ptr": "*fp32",
                                                                                   "lse_ptr": "*fp32"}),
-    "rope._rope_kernel": ({"DIM": 64, "BLOCK_HQ": 16, "BLOCK_HKV": 4}, {"slots_ptr": "*i64"}),
+    "rope._rope_kernel": ({"NORM": True, "DIM": 64, "BLOCK_HQ": 16, "BLOCK_HKV": 4}, {"slots_ptr": "*i64"}),
     "rope._context_kv_kernel": ({"NORM": True, "DIM": 64, "BLOCK_HKV": 4}, {"slots_ptr": "*i64"}),
     "rope._rotary_tables_kernel": ({"HALF": 32, "BLOCK_T": 16}, {"positions_ptr": "*i64", "inv_freq_ptr": "*fp32"}),
     "row_max._row_max_kernel": ({"SPLITS": 12, "SPLITS_POW2": 16, "BLOCK": 4096},
@@ -127,6 +127,7 @@ MEMORY_OPS = ("ld.global", "st.global", "atom.global", "red.global", "cp.async",
 # The other sides of the kernels' constexpr switches, compiled too (test_each_kernel_variant_compiles)
 VARIANTS = {
     "top_k._top_k_kernel": {"SCORED": False},
+    "rope._rope_kernel": {"NORM": False},
     "tree_grow._best_first_kernel": {"ROOTS": False},
     "fed_inputs._fed_inputs_kernel": {"TREE": False, "Q": 8},
     "chain_meta._chain_meta_kernel": {"COMMIT": False},

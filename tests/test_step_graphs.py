@@ -75,6 +75,32 @@ def test_static_forward_equals_eager(family, query_lens, fused, request):
         starts = [s + len(t) for s, t in zip(starts, tokens)]
 
 
+def test_static_forward_norms_q_and_k_in_the_rotary_launch(tiny_qwen3_dir, monkeypatch):
+    """kernels.rope.QK_NORM_IN_ROPE: a Qwen3 target's fused layers hand their per-head q and k norms to the rotary
+    kernel (its reference on the CPU): the step equals the eager forward, and each layer's norms went in."""
+    from specsplit.kernels import rope
+    from specsplit.target_service import graphs as graphs_module
+
+    monkeypatch.setattr(rope, "QK_NORM_IN_ROPE", True)
+    given = []
+    plain = graphs_module.rope_and_cache_write
+    monkeypatch.setattr(graphs_module, "rope_and_cache_write", lambda *a: given.append(a[8]) or plain(*a))
+    model = load_target(tiny_qwen3_dir)
+    capture = CaptureSpec(layer_ids=(0,), last_hidden=True)
+    (ref_cache, cache), _ = prefilled_pair(model, [9, 14])
+    graphs = StepGraphs(model, cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False,
+                        fused=True)
+    step = StepBatch([0, 1], [[5, 6, 7], [8]], [9, 14])
+    want, got = eager(model, ref_cache, step, capture), graphs.forward(step)
+    for name in ("logits", "layer_features", "last_hidden"):
+        expected = getattr(want, name).float()
+        assert_close(getattr(got, name).float(), expected, atol=atol(model, expected), rtol=0)
+    layers = model.model.layers
+    assert len(given) == len(layers)
+    assert all(q is layer.self_attn.q_norm.weight and k is layer.self_attn.k_norm.weight
+               for (q, k), layer in zip(given, layers))
+
+
 def test_padding_never_touches_real_sequences(tiny_llama_dir):
     """A step in a larger bucket leaves other sequences' cached keys exactly as they were."""
     model = load_target(tiny_llama_dir)

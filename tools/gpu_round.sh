@@ -911,6 +911,27 @@ linked-pair)
   timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_chaos_gpu.py tests/test_mps.py \
     -k "sigkill_of_either_side or mps" 2>&1 | grep -E "Error:|assert|FAILED|passed|failed|xfail" | tail -10 | log
   ;;
+qk-norm-in-rope)
+  # (forty-ninth session, not run yet) a fused layer's per-head q and k norms in the rotary kernel's launch
+  # (kernels/rope.py QK_NORM_IN_ROPE, off until this has run): its GPU tests (the kernel against its reference,
+  # replayed in a graph; the drafter's paged forwards; a Qwen3 target's graph replays; chained tree steps), then
+  # side by side, alternating: ms a tree step at one stream (the drafter's 6 layers: 12 launches fewer), the
+  # Qwen3-8B-shaped decode step against its floor (72 fewer), and the speedup at one stream
+  export SPECSPLIT_QK_NORM_IN_ROPE=1
+  timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py tests/test_dflash_graphs.py \
+    tests/test_step_graphs.py tests/test_tree.py -k "rope or triton_paged or cuda_graph_replay_equals_eager or chained_tree" \
+    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -8 | log
+  for round in 1 2; do
+    for on in 1 0; do
+      SPECSPLIT_QK_NORM_IN_ROPE=$on timeout 60 python bench/profile_step.py --drafter dflash --batch 1 --steps 60 \
+        --draft-tree 15 --out "$OUT/qk$on" 2>&1 | grep -E "^drafter|Error" | sed "s/^/qk norm in rope $on: /" | log
+      SPECSPLIT_QK_NORM_IN_ROPE=$on timeout 150 python bench/floor_profile.py --target qwen3-8b --batch 1 --query 1 \
+        --out "$OUT/qk$on" 2>&1 | grep -v INFO | grep -iE "ms|floor|Error" | head -4 | sed "s/^/qk norm in rope $on: /" | log
+    done
+  done
+  timeout 120 python -m specsplit.cli eval-acceptance --device cuda --draft-tree 15 --max-tokens 128 --batch 1 \
+    2>&1 | grep -v INFO | tee "$OUT/eval_tree15.txt" | grep -E "^tau|mismatches|speedup" | log
+  ;;
 wide-trees-eval)
   # ... trees of 63 and 31 nodes from the drafter's 15 rows (the CPU decode of all 80 held-out prompts, float32: tau
   # 4.66 at 31 against 4.29 at 15; the teacher-forced walk 5.00 at 63): tau and the speedup at one stream beside 15
