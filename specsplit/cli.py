@@ -568,7 +568,8 @@ def add_service_parsers(sub) -> None:
     ts.add_argument("--trees-ahead", action=argparse.BooleanOptionalAction, default=False,
                     help="with --draft-tree: ask the drafter for a tree step's next candidates as the step launches, "
                          "as chains' proposes are sent ahead, so the next tree step of the same sequences takes "
-                         "them without a round trip of its own (default: off until measured on a GPU)")
+                         "them without a round trip of its own (default: off; it pays with a drafter serving "
+                         "--device-waits, as `specsplit up` pairs them on a GPU)")
     ts.add_argument("--kv-blocks", type=int, default=2048, help="KV cache size, in blocks of 16 tokens")
     ts.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="on a GPU, replay decode/verify steps as CUDA graphs captured at start "
