@@ -558,9 +558,10 @@ def add_service_parsers(sub) -> None:
                          f"{AUTO_DRAFT_TREE} on a GPU without --num-drafts or --drafts-by-batch, where the services' "
                          "trees ran 1.05-1.18x their chains at 1 to 4 streams; else chains. A drafter that offers "
                          "no candidates, such as MTP, is asked for chains)")
-    ts.add_argument("--draft-tree-batch", type=int, default=4, metavar="N",
-                    help="with --draft-tree: trees only in steps of at most N sequences, chains above (default 4: "
-                         "in-process at 2 and 4 streams trees beat chains, at 8 they did not)")
+    ts.add_argument("--draft-tree-batch", type=int, default=8, metavar="N",
+                    help="with --draft-tree: trees only in steps of at most N sequences, chains above (default 8: "
+                         "with the one-launch kernels of the forty-eighth session trees beat chains at eight streams, "
+                         "1.20-1.33x in-process and through the services on an H100; more is not measured)")
     ts.add_argument("--trees-by-batch", type=trees_by_batch, default=(), metavar="N:NODES,...",
                     help="with --draft-tree: trees of at most NODES nodes in a step of N or more sequences (0: chains "
                          "there), e.g. --draft-tree 31 --trees-by-batch 2:15 (default: --draft-tree's nodes up to "

@@ -135,7 +135,8 @@ class EngineConfig:
     draft_tree_keep: int = TREE_KEEP
     # Trees only in steps of at most this many sequences (None: any); larger steps verify chains. A wider batch
     # makes the verify's extra rows cost more and gains the same tau: at eight streams trees did not beat chains
-    # (H100, forty-third and forty-fourth sessions). Tree buckets are captured only up to this batch.
+    # (H100, forty-third and forty-fourth sessions), and did with the forty-eighth session's one-launch kernels
+    # (1.2-1.33x, forty-ninth; `target serve --draft-tree-batch` 8). Tree buckets are captured only up to this batch.
     draft_tree_batch: int | None = None
     # Smaller trees in larger steps: `((2, 15),)` with draft_tree 31 verifies trees of 31 nodes at one stream and
     # of 15 from two sequences on (a pair (N, 0): chains from N on). A wider verify costs more the more sequences

@@ -163,10 +163,10 @@ DRAFTER = ("--drafter", "unix:/nonexistent/d.sock")
 
 
 @pytest.mark.parametrize("extra, want", [(DRAFTER, (0, 8, None)),
-                                         ((*DRAFTER, "--draft-tree", "15"), (15, 8, 4)),
+                                         ((*DRAFTER, "--draft-tree", "15"), (15, 8, 8)),
                                          ((*DRAFTER, "--draft-tree", "15", "--draft-tree-batch", "2"), (15, 8, 2)),
                                          ((*DRAFTER, "--draft-tree", "15", "--max-batch", "2"), (15, 8, 2)),
-                                         ((*DRAFTER, "--device", "cuda"), (15, 8, 4)),
+                                         ((*DRAFTER, "--device", "cuda"), (15, 8, 8)),
                                          ((*DRAFTER, "--device", "cuda:1", "--draft-tree-batch", "2"), (15, 8, 2)),
                                          ((*DRAFTER, "--device", "cuda", "--draft-tree", "0"), (0, 8, None)),
                                          ((*DRAFTER, "--device", "cuda", "--num-drafts", "7"), (0, 8, None)),
@@ -174,7 +174,7 @@ DRAFTER = ("--drafter", "unix:/nonexistent/d.sock")
                                          ((*DRAFTER, "--device", "cuda", "--drafts-by-batch", "8:7"), (0, 8, None)),
                                          (("--device", "cuda"), (0, 8, None)),
                                          ((*DRAFTER, "--draft-tree", "31", "--trees-by-batch", "2:15,3:0"),
-                                          (31, 8, 4, ((2, 15), (3, 0)))),
+                                          (31, 8, 8, ((2, 15), (3, 0)))),
                                          ((*DRAFTER, "--draft-tree", "0", "--trees-by-batch", "2:15"), (0, 8, None))])
 def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, monkeypatch):
     """`target serve --draft-tree N|auto [--draft-tree-batch B] [--trees-by-batch N:M]`: the engine's trees (B at
