@@ -615,36 +615,31 @@ def main() -> None:
                       f"{result['tokens_per_s']:.0f} tok/s (tau {result['tau']:.2f}), "
                       f"{plain['services_trees_over_target_only']:.2f}x target only, "
                       f"{plain['services_trees_over_services']:.2f}x the services' chains", flush=True)
-                if trees_ahead is not None:
-                    engine = engines["services_trees_ahead"] = Engine(model, trees_ahead,
-                                                                      replace(conf, draft_tree=args.also_trees))
+                def trees_variant(name: str, proposer: RemoteProposer, tag: str) -> dict:
+                    """The services' trees through another proposer, warmed and run once beside the rest (its
+                    engine goes on with the rounds): its result, with its ratio over the services' trees"""
+                    engine = engines[name] = Engine(model, proposer, replace(conf, draft_tree=args.also_trees))
                     run(engine, tokenizer, prompts, args.max_tokens, "warm")
-                    ahead_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "a")
-                    rates["services_trees_ahead"] = [result["tokens_per_s"]]
-                    plain.update({"services_trees_ahead": result,
-                                  "services_trees_ahead_over_services_trees":
-                                      result["tokens_per_s"] / plain["services_trees"]["tokens_per_s"],
-                                  "trees_taken_ahead": trees_ahead.link.chain_taken_ahead,
-                                  "requests_differing_services_trees_ahead_vs_target_only": sum(
-                                      a != b for a, b in zip(base_tokens, ahead_tokens))})
+                    tokens, result = run(engine, tokenizer, prompts, args.max_tokens, tag)
+                    rates[name] = [result["tokens_per_s"]]
+                    plain.update({name: result, f"{name}_over_services_trees":
+                                  result["tokens_per_s"] / plain["services_trees"]["tokens_per_s"],
+                                  f"requests_differing_{name}_vs_target_only": sum(
+                                      a != b for a, b in zip(base_tokens, tokens))})
+                    return result
+
+                if trees_ahead is not None:
+                    result = trees_variant("services_trees_ahead", trees_ahead, "a")
+                    plain["trees_taken_ahead"] = trees_ahead.link.chain_taken_ahead
                     print(f"batch {batch}: draft trees of {args.also_trees} nodes through the services, sent ahead "
                           f"{result['tokens_per_s']:.0f} tok/s (tau {result['tau']:.2f}, "
                           f"{trees_ahead.link.chain_taken_ahead} taken ahead so far), "
                           f"{plain['services_trees_ahead_over_services_trees']:.2f}x not ahead", flush=True)
                 if trees_both_waits is not None:
-                    engine = engines["services_trees_both_waits"] = Engine(model, trees_both_waits,
-                                                                           replace(conf, draft_tree=args.also_trees))
-                    run(engine, tokenizer, prompts, args.max_tokens, "warm")
-                    both_tokens, result = run(engine, tokenizer, prompts, args.max_tokens, "t")
-                    rates["services_trees_both_waits"] = [result["tokens_per_s"]]
-                    plain.update({"services_trees_both_waits": result,
-                                  "services_trees_both_waits_over_services_trees":
-                                      result["tokens_per_s"] / plain["services_trees"]["tokens_per_s"],
-                                  "services_trees_both_waits_over_in_process_trees":
-                                      result["tokens_per_s"] / plain["in_process_trees"]["tokens_per_s"],
-                                  "trees_both_waits_taken_ahead": trees_both_waits.link.chain_taken_ahead,
-                                  "requests_differing_services_trees_both_waits_vs_target_only": sum(
-                                      a != b for a, b in zip(base_tokens, both_tokens))})
+                    result = trees_variant("services_trees_both_waits", trees_both_waits, "t")
+                    plain.update({"services_trees_both_waits_over_in_process_trees":
+                                  result["tokens_per_s"] / plain["in_process_trees"]["tokens_per_s"],
+                                  "trees_both_waits_taken_ahead": trees_both_waits.link.chain_taken_ahead})
                     print(f"batch {batch}: draft trees of {args.also_trees} nodes through the services, sent ahead, "
                           f"both streams waiting on the device {result['tokens_per_s']:.0f} tok/s (tau "
                           f"{result['tau']:.2f}, {trees_both_waits.link.chain_taken_ahead} taken ahead so far), "

@@ -101,6 +101,17 @@ def test_static_forwards_follow_a_batch_whose_sequences_change():
         assert_close(torch.tensor([p.confidence for p in b]), torch.tensor([p.confidence for p in a]), atol=ATOL, rtol=0)
 
 
+def drive_both(eager, static, steps: int):
+    """Both drafters driven alike (`drive`): their drafts equal and their confidences within ATOL; their
+    final contexts (eager's, static's)."""
+    want, want_ctx = drive(eager, [7, 30, 3], steps=steps)
+    got, got_ctx = drive(static, [7, 30, 3], steps=steps)
+    for a, b in zip(want, got):
+        assert [p.tokens for p in a] == [p.tokens for p in b]
+        assert_close(torch.tensor([p.confidence for p in b]), torch.tensor([p.confidence for p in a]), atol=ATOL, rtol=0)
+    return want_ctx, got_ctx
+
+
 @pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("window", [4096, 12])
 def test_static_forwards_equal_eager(window, one_launch, monkeypatch):
@@ -109,11 +120,7 @@ def test_static_forwards_equal_eager(window, one_launch, monkeypatch):
     eager, static = make(window=window), make(window=window)
     assert all(layer.self_attn.k_norm is not None for layer in static.model.layers)  # (the branch folds them)
     static.use_static_forwards(use_graphs=False)
-    want, want_ctx = drive(eager, [7, 30, 3], steps=8)
-    got, got_ctx = drive(static, [7, 30, 3], steps=8)
-    for a, b in zip(want, got):
-        assert [p.tokens for p in a] == [p.tokens for p in b]
-        assert_close(torch.tensor([p.confidence for p in b]), torch.tensor([p.confidence for p in a]), atol=ATOL, rtol=0)
+    want_ctx, got_ctx = drive_both(eager, static, steps=8)
     for a, b in zip(want_ctx, got_ctx):
         for name in a:
             assert_close(b[name], a[name], atol=ATOL, rtol=0)
@@ -134,11 +141,7 @@ def test_static_forwards_equal_eager_with_q_and_k_normed_in_the_rotary_launch(mo
     monkeypatch.setattr(dflash, "rope_and_cache_write", spy)
     eager, static = make(), make()
     static.use_static_forwards(use_graphs=False)
-    want, want_ctx = drive(eager, [7, 30, 3], steps=4)
-    got, got_ctx = drive(static, [7, 30, 3], steps=4)
-    for a, b in zip(want, got):
-        assert [p.tokens for p in a] == [p.tokens for p in b]
-        assert_close(torch.tensor([p.confidence for p in b]), torch.tensor([p.confidence for p in a]), atol=ATOL, rtol=0)
+    drive_both(eager, static, steps=4)
     layers = static.model.layers
     block_calls = [norms for norms in given if norms is not None]
     assert block_calls and len(block_calls) % len(layers) == 0
