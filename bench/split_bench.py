@@ -422,10 +422,13 @@ def main() -> None:
     # streams waiting on the device (one target a drafter: two would take each other's stream)
     fourth = f"unix:{tempfile.mkdtemp(prefix='specsplit-bench-')}/drafter.sock" \
         if args.also_both_waits and args.also_trees else ""
+    fourth_metrics = ""
     if fourth:
+        fourth_port = free_port()
+        fourth_metrics = f"http://127.0.0.1:{fourth_port}/metrics"
         drafter_procs.append(subprocess.Popen(cmd[:cmd.index("--listen") + 1] + [fourth] + cmd[cmd.index("--listen") + 2:]
                                               + ["--device-waits", "--max-targets", "1", "--metrics-port",
-                                                 str(free_port())]))
+                                                 str(fourth_port)]))
     try:
         wait_healthy(sock, 300)
         remote = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
@@ -479,7 +482,7 @@ def main() -> None:
                    "step_transport": remote.step_transport, "waves": args.waves, "mps": args.mps,
                    "done_in_host_page": [r._conn is not None and r._conn.page is not None
                                          and r._conn.done is r._conn.page
-                                         for r in (device_waits, both_waits) if r is not None]}
+                                         for r in (device_waits, both_waits, trees_both_waits) if r is not None]}
         if results["done_in_host_page"]:
             print(f"device waits' DONE buffers in the host page: {results['done_in_host_page']}", flush=True)
         local_drafter = make_drafter(args.drafter, model, setup)
@@ -639,7 +642,11 @@ def main() -> None:
                     result = trees_variant("services_trees_both_waits", trees_both_waits, "t")
                     plain.update({"services_trees_both_waits_over_in_process_trees":
                                   result["tokens_per_s"] / plain["in_process_trees"]["tokens_per_s"],
-                                  "trees_both_waits_taken_ahead": trees_both_waits.link.chain_taken_ahead})
+                                  "trees_both_waits_taken_ahead": trees_both_waits.link.chain_taken_ahead,
+                                  # the fourth drafter's chained steps so far by how they ran ("waited": its stream
+                                  # waited on the device), warm-up runs included
+                                  "trees_both_waits_drafter_chain_graph_steps": labelled(
+                                      fourth_metrics, "chain_graph_steps_total", "outcome")})
                     print(f"batch {batch}: draft trees of {args.also_trees} nodes through the services, sent ahead, "
                           f"both streams waiting on the device {result['tokens_per_s']:.0f} tok/s (tau "
                           f"{result['tau']:.2f}, {trees_both_waits.link.chain_taken_ahead} taken ahead so far), "

@@ -20,7 +20,7 @@ cache, the DFlash drafter's block over its context pool.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, Sequence
+from typing import Collection, Protocol, Sequence
 
 import torch
 
@@ -71,9 +71,14 @@ def _concat_into_views(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 # (layer index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, Hq, D]; q and k
 # are normed (Qwen3) but not rotated: the attention writes k/v where they belong and rotates.
-# attend(layer, q, k, v, norms=None): the layer's attention output; `norms` (its per-head q and k norm weights,
-# given where `kernels.rope.QK_NORM_IN_ROPE`) to be applied to q and k in the rotary kernel's launch
-Attend = Callable[..., torch.Tensor]
+class Attend(Protocol):
+    """A fused layer's attention: the output of layer `layer`'s queries q over its keys and values (k and v
+    [T, H, D], which it writes where its keys live). `norms`, given where `kernels.rope.QK_NORM_IN_ROPE`: the
+    layer's per-head q and k norm weights, for the callee to apply to q and k first (in the rotary kernel's
+    launch), q and k being handed over unnormed."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
 
 
 FOLD = True  # benches set it False to compare a step with the folds and without ...

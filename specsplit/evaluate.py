@@ -431,8 +431,9 @@ def report(prompts: Sequence[EvalPrompt], spec: Run, base: Run, records: Sequenc
 def decode_speed(spec: Run, base: Run) -> dict | None:
     """Tokens/s of the decode steps alone, what a stream sees once its first token is out: each run's tokens
     after the first of each request over its seconds less the host seconds its prefills took (launching the
-    prompts' forwards and reading their first tokens, which waits for the GPU). None where a run did not count
-    its prefills."""
+    prompts' forwards and reading their first tokens, which waits for the GPU). An approximation: that wait also
+    holds whatever GPU work was queued before the prefill (a step launched ahead), left out with it. None where a
+    run did not count its prefills."""
     def tps(run: Run) -> float | None:
         prefill_s = run.engine.get("prefill_s")
         if prefill_s is None or run.seconds <= prefill_s:

@@ -50,16 +50,33 @@ class ServiceSpec:
         if self.device_waits and not self.device.startswith("cuda"):
             raise InvalidRequest(f"--device-waits orders the two services' CUDA streams: it needs a CUDA device, "
                                  f"not {self.device!r}")
+        if self.device_waits and self.drafter == "none":
+            raise InvalidRequest("--device-waits orders the target's stream and its drafter's: give a drafter")
+        clash = self._unlinking_drafter_args()
+        if self.device_waits and clash:
+            raise InvalidRequest(f"--device-waits serves one target with prepared chained graphs: the drafter's "
+                                 f"{clash} says otherwise (leave it out, or pass device_waits=False)")
+
+    def _unlinking_drafter_args(self) -> str | None:
+        """The first of `drafter_args` a drafter serving with device waits refuses (DrafterSettings), if any."""
+        for arg in self.drafter_args:
+            if arg.split("=", 1)[0] in ("--max-targets", "--no-chain-graphs", "--no-prepare-chains"):
+                return arg
+        return None
 
     @property
     def waits_on_device(self) -> bool:
-        return self.device.startswith("cuda") if self.device_waits is None else self.device_waits
+        """Whether the pair links its streams: as asked, else (None) on a CUDA device unless the drafter's own
+        arguments set what a linked drafter cannot take (its --max-targets, --no-chain-graphs, ...)."""
+        if self.device_waits is not None:
+            return self.device_waits
+        return self.device.startswith("cuda") and self.drafter != "none" and self._unlinking_drafter_args() is None
 
     def service_args(self, name: str) -> tuple[str, ...]:
         """What `name` ("target" or "drafter") is started with beyond the common flags: the pair's device waits
         (`device_waits`), then `target_args` / `drafter_args`."""
         given = self.target_args if name == "target" else self.drafter_args
-        if not self.waits_on_device or self.drafter == "none":
+        if not self.waits_on_device:
             return given
         linked = ("--trees-ahead",) if name == "target" else ("--device-waits", "--max-targets", "1")
         return linked + given

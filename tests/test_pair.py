@@ -28,6 +28,22 @@ def test_a_pair_on_a_gpu_links_its_streams_by_default():
         assert spec.service_args("drafter") == () and spec.service_args("target") == ("--draft-tree", "15")
     with pytest.raises(InvalidRequest, match="--device-waits .* needs a CUDA device, not 'cpu'"):
         ServiceSpec(device_waits=True)
+    with pytest.raises(InvalidRequest, match="give a drafter"):
+        ServiceSpec(device="cuda", drafter="none", device_waits=True)
+
+
+@pytest.mark.parametrize("clash", [("--max-targets", "4"), ("--max-targets=2",), ("--no-chain-graphs",),
+                                   ("--no-prepare-chains",)])
+def test_drafter_args_a_linked_drafter_cannot_take_leave_the_pair_unlinked(clash):
+    """Drafter arguments that a drafter serving with device waits refuses (DrafterSettings) keep the pair as it
+    was before (unlinked), given on their own; asked for with device_waits=True they are refused at once."""
+    spec = ServiceSpec(device="cuda", drafter_args=("--metrics-port", "9", *clash),
+                       target_args=("--draft-tree", "15"))
+    assert not spec.waits_on_device
+    assert spec.service_args("drafter") == ("--metrics-port", "9", *clash)
+    assert spec.service_args("target") == ("--draft-tree", "15")
+    with pytest.raises(InvalidRequest, match=f"the drafter's {clash[0]} says otherwise"):
+        ServiceSpec(device="cuda", drafter_args=clash, device_waits=True)
 
 
 def test_up_refuses_device_waits_on_the_cpu(capsys):

@@ -102,7 +102,9 @@ def fused_outputs(cfg: ModelConfig, layers, x: torch.Tensor, final_norm: torch.T
     """run_fused_layers over x with a stand-in attention (each query plus its group's value)."""
     group = cfg.num_attention_heads // cfg.num_key_value_heads
 
-    def attend(i, q, k, v):
+    def attend(i, q, k, v, norms=None):
+        if norms is not None:  # (kernels.rope.QK_NORM_IN_ROPE: q and k handed over unnormed, with their norms)
+            q = rms_norm_reference(q, norms[0], cfg.rms_norm_eps)
         return q * 0.5 + v.repeat_interleave(group, dim=1) + 0.1 * i
 
     weights = fused.fuse_projections(torch.nn.Module(), layers)
