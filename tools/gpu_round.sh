@@ -932,6 +932,13 @@ qk-norm-in-rope)
   timeout 120 python -m specsplit.cli eval-acceptance --device cuda --draft-tree 15 --max-tokens 128 --batch 1 \
     2>&1 | grep -v INFO | tee "$OUT/eval_tree15.txt" | grep -E "^tau|mismatches|speedup" | log
   ;;
+trees-wide-batch)
+  # (forty-ninth session, not run yet) `target serve --draft-tree-batch` is 8 now (trees beat chains at eight
+  # streams, 1.20-1.33x): do they at sixteen and thirty-two? In-process and through the services, trees of 15
+  # beside chains and target only, two rounds (the benches' engines bound no tree batch)
+  timeout 560 python bench/split_bench.py --device cuda --batch 16 32 --waves 4 --max-tokens 128 --also-trees 15 \
+    --rounds 2 --json-out "$OUT/trees_wide_batch.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
+  ;;
 wide-trees-eval)
   # ... trees of 63 and 31 nodes from the drafter's 15 rows (the CPU decode of all 80 held-out prompts, float32: tau
   # 4.66 at 31 against 4.29 at 15; the teacher-forced walk 5.00 at 63): tau and the speedup at one stream beside 15
