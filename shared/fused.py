@@ -69,13 +69,11 @@ def _concat_into_views(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return whole
 
 
-# (layer index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, Hq, D]; q and k
-# are normed (Qwen3) but not rotated: the attention writes k/v where they belong and rotates.
 class Attend(Protocol):
-    """A fused layer's attention: the output of layer `layer`'s queries q over its keys and values (k and v
-    [T, H, D], which it writes where its keys live). `norms`, given where `kernels.rope.QK_NORM_IN_ROPE`: the
-    layer's per-head q and k norm weights, for the callee to apply to q and k first (in the rotary kernel's
-    launch), q and k being handed over unnormed."""
+    """A fused layer's attention: (layer index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> its output
+    [T, Hq, D]. q and k come not rotated: the attention rotates them and writes k and v where its keys live. They
+    come normed where the layer has per-head norms (Qwen3), or, where `kernels.rope.QK_NORM_IN_ROPE`, unnormed
+    with those norms' weights as `norms`, for the callee to apply first (in the rotary kernel's launch)."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
