@@ -28,10 +28,12 @@ TABLES_IN_ONE_LAUNCH = True
 CONTEXT_IN_ONE_LAUNCH = _switch("SPECSPLIT_CONTEXT_ONE_LAUNCH", True)
 # Whether a fused layer's per-head q and k norms (Qwen3-style, as the shipped DFlash drafter's layers have) run in
 # `rope_and_cache_write`'s launch (`norms=`) instead of two launches of their own before it: 12 launches fewer a
-# step for the shipped 6-layer drafter, 72 for the Qwen3-8B shape. Built without a GPU (the forty-ninth session):
-# off until one has run it (`gpu_round.sh qk-norm-in-rope` sets SPECSPLIT_QK_NORM_IN_ROPE=1). Read when a forward
-# is captured (shared.fused.fused_layer).
-QK_NORM_IN_ROPE = _switch("SPECSPLIT_QK_NORM_IN_ROPE", False)
+# step for the shipped 6-layer drafter. On since the fiftieth session's H100 run (`gpu_round.sh qk-norm-in-rope`:
+# its GPU tests passed; a tree step at one stream 1.000 / 1.005 ms in 294 kernels against 1.006 / 1.012 in 306,
+# alternating). The Qwen3-8B shape's profiled step goes through cuBLAS and its unfused layers, so it keeps its
+# 438 launches either way. Read when a forward is captured (shared.fused.fused_layer);
+# SPECSPLIT_QK_NORM_IN_ROPE=0 (read at import) turns it off.
+QK_NORM_IN_ROPE = _switch("SPECSPLIT_QK_NORM_IN_ROPE", True)
 
 
 def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor,

@@ -334,7 +334,8 @@ def cmd_up(args: argparse.Namespace) -> None:
     from specsplit.services import wait_for_signal
 
     with spawn(ServiceSpec(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
-                           seed=args.seed, mps=args.mps, device_waits=args.device_waits)) as services:
+                           seed=args.seed, mps=args.mps, device_waits=args.device_waits,
+                           speculate_below=args.speculate_below)) as services:
         print(f"drafter: {services.drafter_address}\ntarget:  {services.target_address}", flush=True)
         wait_for_signal()
 
@@ -549,8 +550,10 @@ def add_service_parsers(sub) -> None:
                          "settled on 15 and ran 0.82-0.93x the default's rate in short runs, README sixteenth "
                          "session); `specsplit demo` measures which is fastest here")
     ts.add_argument("--drafts-by-batch", type=drafts_by_batch, default=(), metavar="N:K,...",
-                    help="at most K drafts per sequence in a step of N or more sequences, e.g. 8:7,32:3 "
-                         "(default: --num-drafts at every batch size)")
+                    help="at most K drafts per sequence in a step of N or more sequences, e.g. 8:7,32:3; where K "
+                         "is 0 the step's sequences rest from the drafter (its state freed, decoded as the target "
+                         "alone) and are attached again after 8 steps that draft (default: --num-drafts at every "
+                         "batch size; `specsplit up` on a GPU gives 4:0)")
     ts.add_argument("--draft-tree", type=draft_tree_nodes, default="auto", metavar="NODES|auto",
                     help="greedy steps of a DFlash drafter service verify a best-first draft tree of this many nodes "
                          "a sequence instead of a chain (1..63, grown from its rows; 0: chains): the drafter answers "
@@ -561,7 +564,8 @@ def add_service_parsers(sub) -> None:
     ts.add_argument("--draft-tree-batch", type=int, default=8, metavar="N",
                     help="with --draft-tree: trees only in steps of at most N sequences, chains above (default 8: "
                          "with the one-launch kernels of the forty-eighth session trees beat chains at eight streams, "
-                         "1.20-1.33x in-process and through the services on an H100; more is not measured)")
+                         "1.20-1.33x in-process and through the services on an H100; at 16 and 32 through the "
+                         "services 0.97-0.99x and 0.90-0.91x, fiftieth session)")
     ts.add_argument("--trees-by-batch", type=trees_by_batch, default=(), metavar="N:NODES,...",
                     help="with --draft-tree: trees of at most NODES nodes in a step of N or more sequences (0: chains "
                          "there), e.g. --draft-tree 31 --trees-by-batch 2:15 (default: --draft-tree's nodes up to "
@@ -622,6 +626,12 @@ def add_service_parsers(sub) -> None:
                             "this one target (drafter serve --device-waits --max-targets 1) and the target asks for "
                             "a tree step's candidates ahead (target serve --trees-ahead); default: on with a CUDA "
                             "device (--no-device-waits: each host waits for the other's GPU work, as before)")
+        p.add_argument("--speculate-below", type=int, default=None, metavar="N",
+                       help="the target drafts only in steps of fewer than N sequences; from N on they decode as "
+                            "the target alone (target serve --drafts-by-batch N:0; 0: at every batch size) "
+                            "(default: 4 with a CUDA device, where the two services share its GPU: there their "
+                            "trees ran 1.12x / 1.01x / 0.88x target only at 2 / 3 / 4 streams on an H100; "
+                            "else 0)")
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> None:

@@ -58,7 +58,8 @@ def run_demo(args) -> None:
         raise InvalidRequest("the demo compares speculation with the target alone: give it a drafter")
     started = time.perf_counter()
     spec = ServiceSpec(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
-                       seed=args.seed, mps=args.mps, device_waits=args.device_waits)  # (checked before the runs)
+                       seed=args.seed, mps=args.mps, device_waits=args.device_waits,
+                       speculate_below=args.speculate_below)  # (checked before the runs)
     setup = LocalSetup(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, seed=args.seed)
     if setup.device == "cpu":
         print(f"cpu: {one_thread_per_process()} intra-op thread(s) in each process (set OMP_NUM_THREADS to change it)",

@@ -25,6 +25,12 @@ from specsplit.shared.security import TOKEN_ENV
 from specsplit.shared.serving import wait_healthy
 
 
+# The two services on one GPU, linked (`device_waits`): their draft trees ran 1.12x, 1.01x and 0.88x target only
+# at 2, 3 and 4 streams (H100, fiftieth session, `split_bench --also-trees 15 --also-both-waits`), 0.55x at 8;
+# resting from the drafter instead, 0.93x at 8 and 0.89x at 16. So the pair drafts below four sequences a step.
+SHARED_GPU_SPECULATE_BELOW = 4
+
+
 @dataclass(frozen=True)  # used as a default argument: must not be mutable
 class ServiceSpec:
     target: str = "default"
@@ -42,8 +48,18 @@ class ServiceSpec:
     # --max-targets 1) and the target asks for a tree step's candidates as the step before launches (--trees-ahead),
     # so neither host waits for the other's GPU work before launching its own. None: on with a CUDA device
     device_waits: bool | None = None
+    # The target drafts only in steps of fewer than this many sequences; from there on its sequences rest from
+    # the drafter and decode as target only (target serve --drafts-by-batch N:0, EngineConfig.resume_after).
+    # None: SHARED_GPU_SPECULATE_BELOW on a CUDA device (the two services share its GPU), no limit elsewhere;
+    # 0: no limit. Left alone when target_args give --drafts-by-batch.
+    speculate_below: int | None = None
 
     def __post_init__(self) -> None:
+        if self.speculate_below is not None and (isinstance(self.speculate_below, bool)
+                                                 or not isinstance(self.speculate_below, int)
+                                                 or self.speculate_below < 0):
+            raise InvalidRequest(f"--speculate-below is a number of sequences >= 0 (0: no limit), got "
+                                 f"{self.speculate_below!r}")
         if self.mps and not self.device.startswith("cuda"):
             raise InvalidRequest(f"--mps shares one GPU between the two services: it needs a CUDA device, "
                                  f"not {self.device!r}")
@@ -72,10 +88,23 @@ class ServiceSpec:
             return self.device_waits
         return self.device.startswith("cuda") and self.drafter != "none" and self._unlinking_drafter_args() is None
 
+    @property
+    def speculates_below(self) -> int:
+        """The batch size from which the target drafts nothing (0: none): as asked, else (None) on a CUDA device
+        SHARED_GPU_SPECULATE_BELOW; 0 where the target's own arguments give --drafts-by-batch or there is no drafter."""
+        if self.drafter == "none" or any(a.split("=", 1)[0] == "--drafts-by-batch" for a in self.target_args):
+            return 0
+        if self.speculate_below is not None:
+            return self.speculate_below
+        return SHARED_GPU_SPECULATE_BELOW if self.device.startswith("cuda") else 0
+
     def service_args(self, name: str) -> tuple[str, ...]:
         """What `name` ("target" or "drafter") is started with beyond the common flags: the pair's device waits
-        (`device_waits`), then `target_args` / `drafter_args`."""
+        (`device_waits`), the target's batch size to stop drafting at (`speculate_below`), then `target_args` /
+        `drafter_args`."""
         given = self.target_args if name == "target" else self.drafter_args
+        if name == "target" and self.speculates_below:
+            given = ("--drafts-by-batch", f"{self.speculates_below}:0") + given
         if not self.waits_on_device:
             return given
         linked = ("--trees-ahead",) if name == "target" else ("--device-waits", "--max-targets", "1")

@@ -48,6 +48,8 @@ class EngineCounters:
     fallbacks: int = 0  # the drafter failed: every sequence went on without it (serial decoding)
     refusals: int = 0  # the drafter refused one sequence (its limits): that one decodes serially
     reattaches: int = 0  # a drafter attached after a fallback, or first answered after a start without it
+    rests: int = 0  # sequences set to rest from the drafter (freed, or not attached) at a batch size drafting nothing
+    resumes: int = 0  # ... and re-attached once the batch drafted again
     chained: int = 0  # speculative steps chained on the device (target_service/chain.py), counted when read
     chain_captures: int = 0  # chained steps' shapes captured as one CUDA graph (chain.ChainProgram; whole, or after a service's drafts) ...
     chain_replays: int = 0  # ... and chained steps launched as a replay of one

@@ -72,6 +72,14 @@ class EngineConfig:
     # pairs. A verify's cost grows with its tokens once the batch fills the GPU, while the drafts far
     # down a block are rarely accepted, so a big batch wants a short draft (bench/draft_length.py).
     drafts_by_batch: tuple[tuple[int, int], ...] = ()
+    # Where the schedule above gives no drafts at a step's batch size (a pair (N, 0), or num_drafts 0), the
+    # step's sequences rest from the drafter: their drafter state is freed and they decode as target only (one
+    # step launched ahead, no drafter call a step), and once the schedule has given drafts for this many steps
+    # in a row they are re-attached from rows re-captured by the prefill forwards (as after a drafter outage).
+    # Drafter-attached steps of no drafts told the drafter each step's row: 0.38x target only at eight and
+    # sixteen streams in-process (fiftieth session, H100, `split_bench --drafts-by-batch 8:0`). None: no rest,
+    # the drafter kept current a row a step (a catch-up).
+    resume_after: int | None = 8
     # Learn the draft length per batch size while serving (target_service/draft_tuner.py): the k among
     # 0, 1, 3, 7, 15 (within the limits above) that gives the most tokens per second of decode step.
     auto_drafts: bool = False
@@ -152,6 +160,9 @@ class EngineConfig:
             raise InvalidRequest(f"graphed_prefill is a number of tokens >= 0, got {self.graphed_prefill!r}")
         if self.num_drafts is not None and self.num_drafts < 0:
             raise InvalidRequest("num_drafts must be >= 0")
+        if self.resume_after is not None and (isinstance(self.resume_after, bool)
+                                              or not isinstance(self.resume_after, int) or self.resume_after < 1):
+            raise InvalidRequest(f"resume_after is a number of steps >= 1 or None, got {self.resume_after!r}")
         if isinstance(self.chain_capture, bool) or not isinstance(self.chain_capture, int) or self.chain_capture < 0:
             raise InvalidRequest(f"chain_capture is a number of sequences >= 0, got {self.chain_capture!r}")
         if not isinstance(self.chain_capture_remote, bool):
@@ -264,6 +275,7 @@ class Engine:
         self._chain_read_at: float | None = None
         self._chain_prefill_clock = 0.0  # _prefill_seconds at that read
         self._chain_read_shape: tuple[list[int], int] = ([], 0)  # that step's sequences and k (for the tuner)
+        self._drafting_streak = 0  # steps in a row the schedule gave drafts while sequences rested (resume_after)
 
     def _new_tuner(self) -> DraftTuner | None:
         if not self.config.auto_drafts or self.proposer is None or self.proposer.spec is None:
@@ -587,6 +599,12 @@ class Engine:
             seq.stats.steps += 1
             self.counters.prefills += 1
         attaching = [seq for seq in done if self._speculating(seq)]
+        stepping = sum(1 for s in self.running.values() if s.seq_id not in self._prefilling)
+        if attaching and self.config.resume_after is not None and self._schedule_drafts(stepping) == 0:  # (the next step's batch drafts nothing)
+            for seq in attaching:
+                seq.drafter_resting = True
+                self.counters.rests += 1
+            attaching = []
         if attaching:
             # The drafter's context forward: prefetched drafts are not taken past other drafter work
             # (see _prefetch_drafts).
@@ -654,6 +672,7 @@ class Engine:
         return self.drafter_ok and seq.request.speculative and not seq.drafter_refused
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
+        self._rest_or_resume(seqs)
         k, chained = self._chain_plan(seqs)
         if k or self._chain is not None:
             events = self._chain_step(chained, k)
@@ -672,10 +691,63 @@ class Engine:
             return self._finish_verify(launched, time.perf_counter())
         return self._finish_verify(self._launch_verify(seqs))
 
+    def _schedule_drafts(self, num_seqs: int) -> int | None:
+        """The drafts the schedule (num_drafts, drafts_by_batch) gives a step of `num_seqs` sequences; None
+        without a drafter to draft them (none, detached, or one that has not answered yet)."""
+        if self.proposer is None or self.proposer.spec is None or not self.drafter_ok:
+            return None
+        return self.config.drafts_for(num_seqs, self.proposer.spec.max_drafts)
+
+    def _rest_or_resume(self, seqs: list[Sequence]) -> None:
+        """EngineConfig.resume_after: a step whose batch size drafts nothing rests its sequences from the
+        drafter (once no chained step is out: the one out is read first, as usual); sequences resting are
+        re-attached once the schedule has given drafts `resume_after` steps in a row."""
+        drafts = self._schedule_drafts(len(seqs))
+        if drafts is None or self.config.resume_after is None:
+            return
+        if drafts == 0:
+            self._drafting_streak = 0
+            attached = [s for s in seqs if s.drafter_attached]
+            if attached and self._chain is None:
+                self._rest(attached)
+            return
+        resting = [s for s in seqs if s.drafter_resting and self._speculating(s)]
+        self._drafting_streak = self._drafting_streak + 1 if resting else 0
+        if resting and self._drafting_streak >= self.config.resume_after:
+            self._resume(resting)
+
+    def _rest(self, seqs: list[Sequence]) -> None:
+        """Free the drafter's state of `seqs`: they decode as target only (no drafter call a step) until
+        `_resume`. Drafts prefetched or a verify launched ahead for them are dropped first."""
+        self._quiesce()
+        self._launched, self._prefetched, self._prefetch_seconds = None, None, 0.0
+        for seq in seqs:
+            self._forget(seq)
+            seq.drafter_attached, seq.drafter_resting = False, True
+            self.counters.rests += 1
+        log.debug("%d sequences rest from the drafter: the schedule drafts nothing at this batch size", len(seqs))
+
+    def _resume(self, seqs: list[Sequence]) -> None:
+        """Attach resting sequences again, each from its rows re-captured (`_recapture`, as after an
+        outage), in one drafter context forward where the drafter batches appends. A decode step launched
+        ahead is dropped first (its tokens are computed again, the same way)."""
+        self._quiesce()
+        self._drop_ahead()
+        self._launched, self._prefetched, self._prefetch_seconds = None, None, 0.0
+        self._drafting_streak = 0
+        with self._batched_appends():
+            for seq in seqs:
+                if not self.drafter_ok:
+                    break
+                self._attach(seq, seq.tokens[:-1], self._recapture(seq))
+                self.counters.resumes += seq.drafter_attached
+
     def _tree_steps(self, seqs: list[Sequence]) -> bool:
         """Whether this step verifies draft trees (EngineConfig.draft_tree): every sequence greedy, an
-        in-process drafter that offers candidates, nothing chained or launched ahead pending."""
+        in-process drafter that offers candidates, one sequence attached to it at least, nothing chained or
+        launched ahead pending."""
         return self.config.trees_for(len(seqs)) > 0 and self.drafter_ok and self._chain is None \
+            and any(s.drafter_attached for s in seqs) \
             and _capability(self.proposer, "propose_candidates") is not None \
             and all(s.request.params.greedy for s in seqs)
 
@@ -1778,7 +1850,7 @@ class Engine:
                         extra=fields(request_id=seq.request.request_id, seq_id=seq.seq_id))
             self._detach()
             return
-        seq.drafter_attached = True
+        seq.drafter_attached, seq.drafter_resting = True, False
 
     def _maybe_reattach(self, seqs: list[Sequence]) -> None:
         """After a drafter outage, rebuild drafter state by re-capturing each sequence's rows."""

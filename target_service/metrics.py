@@ -81,6 +81,9 @@ class _EngineCollector(Collector):
                        c.refusals)
         yield _counter("drafter_reattaches", "drafter attached after a fallback (or after starting without one)",
                        c.reattaches)
+        yield _counter("drafter_rests", "sequences set to rest from the drafter at a batch size that drafts nothing "
+                       "(target serve --drafts-by-batch N:0): decoded as target only", c.rests)
+        yield _counter("drafter_resumes", "resting sequences attached again once their batch drafted", c.resumes)
         yield _gauge("drafter_attached", "1 while a drafter is attached", float(engine.drafter_ok))
         link = getattr(engine.proposer, "link", None)  # a drafter service's connection (RemoteProposer)
         if link is not None:

@@ -66,6 +66,7 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     drafter_attached: bool = False  # the drafter holds state for this sequence
     drafter_refused: bool = False  # the drafter refused this sequence (e.g. its budget): decode it serially
+    drafter_resting: bool = False  # detached while the batch size drafts nothing (EngineConfig.resume_after)
     # Positions its KV may take, held for it at admission: its budget and what its steps may write past it
     # (Engine._overhang then; fixed, so the room a chained step takes never outgrows what was held)
     reserved_tokens: int = 0

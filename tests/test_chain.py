@@ -441,6 +441,46 @@ def test_chained_steps_on_the_gpu_equal_target_only(smollm2_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tree", [0, 15], ids=["chains", "trees"])
+def test_sequences_resting_from_the_drafter_on_the_gpu_equal_target_only(smollm2_dir, tree):
+    """EngineConfig.resume_after on a GPU: 12 held-out prompts through max_batch 4 where three or more
+    sequences a step draft nothing (`drafts_by_batch` (3, 0)): those steps decode as target only, launched
+    ahead, the drafter's state freed; as requests end the last ones are re-attached from re-captured rows and
+    chain (or verify trees) again. The default model and the shipped drafter in float32: target-only's
+    tokens, sequences rested and resumed, chained steps taken, and both caches whole at the end."""
+    from specsplit.local import LocalSetup, make_drafter
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.engine import Engine, EngineConfig
+    from specsplit.target_service.sequence import Request
+    from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+    target = load_target(smollm2_dir, dtype=torch.float32, device="cuda")
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    drafter = make_drafter("dflash", target, LocalSetup(drafter="dflash", device="cuda", dtype="float32"))
+    prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)[:12]]
+
+    def run(proposer):
+        config = EngineConfig(max_batch=4, drafts_by_batch=((3, 0),), resume_after=4, draft_tree=tree)
+        engine = Engine(target, proposer, config, eos_ids=tokenizer.eos_token_ids)
+        for i, p in enumerate(prompts):
+            engine.add(Request(f"r{i}", p, SamplingParams(max_tokens=40 + 25 * (i % 3))))
+        events: dict[str, list[int]] = {}
+        while engine.has_work:
+            for e in engine.step():
+                events.setdefault(e.request_id, []).extend(e.token_ids)
+        return events, engine
+
+    want, _ = run(None)
+    got, engine = run(drafter)
+    assert got == want
+    assert engine.counters.rests > 0 and engine.counters.resumes > 0 and engine.counters.chained > 0
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks - 1
+    assert drafter.pool.num_free_blocks == drafter.pool.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_chained_steps_captured_whole_equal_target_only(smollm2_dir):
     """Greedy chained steps captured whole (`ChainProgram`: one graph replay a step): the default model
     and the shipped drafter in float32, 14 held-out prompts through max_batch 4 with ragged lengths, so
@@ -602,8 +642,9 @@ def test_a_drafter_failing_in_a_chained_step_detaches_and_loses_nothing(tiny_cha
 
 def test_short_requests_joining_a_chain_lose_nothing(tiny_chat_dir):
     """A short request joining two chained greedy ones, at several points, where three sequences draft
-    nothing (`drafts_by_batch`): it takes the batch off the chain while it runs, so the greedy sequences
-    go back and forth between chained steps and step-by-step ones (whose truncates and regrows can hand
+    nothing (`drafts_by_batch`): it takes the batch off the chain while it runs (the sequences rest from the
+    drafter and are re-attached after it ends), so the greedy sequences go back and forth between chained
+    steps and step-by-step ones (whose truncates and regrows can hand
     one sequence's freed blocks to the other). Every request ends as target-only's."""
     from specsplit.shared.sampling import SamplingParams
     from specsplit.shared.tokenizer import Tokenizer
@@ -624,7 +665,7 @@ def test_short_requests_joining_a_chain_lose_nothing(tiny_chat_dir):
         return engine
 
     free = {rid: [t for e in evs for t in e.token_ids] for rid, evs in engine_for(None).generate(long() + [short()]).items()}
-    chained = 0
+    chained = rested = resumed = 0  # (three sequences rest from the drafter: EngineConfig.resume_after)
     for at in (1, 2, 3, 5, 8):
         drafter = _oracle_drafter(target, tokenizer, prompts, free, unchained=False)
         engine = engine_for(drafter)
@@ -640,7 +681,9 @@ def test_short_requests_joining_a_chain_lose_nothing(tiny_chat_dir):
                 break
         assert out == free, at
         chained += engine.counters.chained
-    assert chained > 20
+        rested += engine.counters.rests
+        resumed += engine.counters.resumes
+    assert chained > 20 and rested > 0 and resumed > 0
 
 
 def _tuned_engine(target, proposer, max_batch: int):

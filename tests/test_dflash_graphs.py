@@ -126,10 +126,12 @@ def test_static_forwards_equal_eager(window, one_launch, monkeypatch):
             assert_close(b[name], a[name], atol=ATOL, rtol=0)
 
 
-def test_static_forwards_equal_eager_with_q_and_k_normed_in_the_rotary_launch(monkeypatch):
-    """kernels.rope.QK_NORM_IN_ROPE: the fused layers hand their q and k norms to the rotary kernel (its reference
-    on the CPU) instead of norming first; the drafts are the eager forward's, and every layer's norms went in."""
-    monkeypatch.setattr(rope, "QK_NORM_IN_ROPE", True)
+@pytest.mark.parametrize("in_rope", [True, False], ids=["in-rope", "apart"])
+def test_static_forwards_equal_eager_with_q_and_k_normed_in_the_rotary_launch(monkeypatch, in_rope):
+    """kernels.rope.QK_NORM_IN_ROPE (on by default): the fused layers hand their q and k norms to the rotary kernel
+    (its reference on the CPU) instead of norming first; the drafts are the eager forward's, and every layer's norms
+    went in. Off, none is handed over and the drafts are the same."""
+    monkeypatch.setattr(rope, "QK_NORM_IN_ROPE", in_rope)
     given = []
     plain = rope.rope_and_cache_write
 
@@ -144,6 +146,9 @@ def test_static_forwards_equal_eager_with_q_and_k_normed_in_the_rotary_launch(mo
     drive_both(eager, static, steps=4)
     layers = static.model.layers
     block_calls = [norms for norms in given if norms is not None]
+    if not in_rope:
+        assert given and not block_calls
+        return
     assert block_calls and len(block_calls) % len(layers) == 0
     for i, (q_norm, k_norm) in enumerate(block_calls[:len(layers)]):
         assert q_norm is layers[i].self_attn.q_norm.weight and k_norm is layers[i].self_attn.k_norm.weight

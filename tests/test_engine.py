@@ -452,9 +452,10 @@ def test_drafts_by_batch_is_checked():
 
 
 def test_steps_without_drafts_keep_the_drafter_current_in_one_call(target, tokenizer, reference, monkeypatch):
-    # Three requests of different lengths; no drafts while 2 or more share a step, so the drafter only
-    # receives catch-up rows until one sequence is left, then drafts from that context. Its drafts must be
-    # the same whether the catch-ups went one call per sequence or in the step's one call.
+    # Three requests of different lengths; no drafts while 2 or more share a step, and the sequences kept
+    # attached (resume_after=None: no rest), so the drafter only receives catch-up rows until one sequence is
+    # left, then drafts from that context. Its drafts must be the same whether the catch-ups went one call
+    # per sequence or in the step's one call.
     reqs = requests(tokenizer)
     for r, n in zip(reqs, (12, 24, MAX_TOKENS)):  # the last in the batch goes on alone
         r.params = SamplingParams(max_tokens=n, ignore_eos=True)
@@ -492,7 +493,7 @@ def test_steps_without_drafts_keep_the_drafter_current_in_one_call(target, token
 
         with monkeypatch.context() as patch:
             patch.setattr(engine_module, "_capability", lookup)
-            tokens, _ = run(target, inner, reqs, max_batch=4, drafts_by_batch=((2, 0),))
+            tokens, _ = run(target, inner, reqs, max_batch=4, drafts_by_batch=((2, 0),), resume_after=None)
         return tokens, drafts, calls
 
     tokens, drafts, calls = run_recording(one_call=True)
@@ -504,6 +505,63 @@ def test_steps_without_drafts_keep_the_drafter_current_in_one_call(target, token
         for k, plain_k in zip(context, plain_context):
             torch.testing.assert_close(k, plain_k)
     assert calls["catchup"] == 0 and calls["many"] > 0 and plain_calls["catchup"] > 0
+
+
+def test_a_batch_size_that_drafts_nothing_rests_its_sequences_from_the_drafter(target, tokenizer, reference):
+    """EngineConfig.resume_after: one request drafts alone; two more join, and while two or more share a step
+    (`drafts_by_batch` (2, 0)) the drafter is called for nothing but to free the first one's state (those
+    admitted then are never attached); once one sequence is left and the schedule has given drafts
+    `resume_after` steps in a row it is attached again from re-captured rows, and drafts. Every token is
+    target-only's, and the drafter holds nothing at the end."""
+    reqs = requests(tokenizer)
+    for r, n in zip(reqs, (MAX_TOKENS, 10, 14)):
+        r.params = SamplingParams(max_tokens=n, ignore_eos=True)
+    inner = drafter("dflash", target, block_size=8)
+    calls: list[str] = []
+    for verb in ("alloc", "prefill", "propose", "catchup", "commit_verified", "commit_verified_many", "stash",
+                 "commit", "trim", "free"):
+        if hasattr(inner, verb):
+            def recorded(*args, _verb=verb, _call=getattr(inner, verb), **kw):
+                calls.append(_verb)
+                return _call(*args, **kw)
+            setattr(inner, verb, recorded)
+    engine = Engine(target, inner, EngineConfig(max_batch=4, drafts_by_batch=((2, 0),), resume_after=3))
+    out: dict[str, list[int]] = {}
+    per_step: list[tuple[int, list[str]]] = []
+
+    def step() -> None:
+        calls.clear()
+        batch = sum(1 for s in engine.running.values() if s.seq_id not in engine._prefilling)
+        for event in engine.step():
+            out.setdefault(event.request_id, []).extend(event.token_ids)
+        per_step.append((batch, list(calls)))
+
+    engine.add(reqs[0])
+    for _ in range(3):
+        step()
+    drafted_alone = engine.running["r0"].stats.drafted
+    engine.add(reqs[1])
+    engine.add(reqs[2])
+    while engine.has_work:
+        step()
+    assert out == {r.request_id: reference[r.request_id][:r.params.max_tokens] for r in reqs}
+    assert drafted_alone > 0
+    shared = [verbs for batch, verbs in per_step if batch >= 2]
+    assert shared and [v for verbs in shared for v in verbs] == ["free"]  # r0's, once; r1 and r2 never attached
+    assert engine.counters.rests == 3 and engine.counters.resumes == 1  # r0 freed, r1 and r2 at admission
+    last_shared = max(i for i, (batch, _) in enumerate(per_step) if batch >= 2)
+    alone_again = [verbs for _, verbs in per_step[last_shared + 1:]]
+    # two steps alone without the drafter, then in the third (resume_after) re-attached, and drafting at once
+    assert alone_again[:2] == [[], []] and alone_again[2][:3] == ["alloc", "prefill", "propose"]
+    assert engine.counters.drafts[0] < sum(engine.counters.drafts) and not engine.running
+    assert len(inner.store) == 0
+
+
+def test_resume_after_is_checked():
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(InvalidRequest):
+            EngineConfig(resume_after=bad)
+    assert EngineConfig(resume_after=None).resume_after is None
 
 
 @pytest.mark.parametrize("kind", [None, "dflash"])

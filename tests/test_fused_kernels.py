@@ -308,6 +308,7 @@ def interpreted() -> str:
     return child.stdout + child.stderr
 
 
+@pytest.mark.slow  # (20 s on the CPU in all: the default run stays under five minutes; CI runs it after)
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_kernel_matches_reference_interpreted(check, interpreted):
     """float32 and float16 (the interpreter truncates float32 -> bfloat16 instead of rounding to nearest,

@@ -190,6 +190,7 @@ def test_drafter_fallbacks_and_reattaches_are_counted(tiny_chat_dir, tiny_chat_t
     samples = parse(generate_latest(metrics.registry).decode())
     assert value(samples, "specsplit_target_drafter_fallbacks_total") == 1  # one outage, however many verbs failed
     assert value(samples, "specsplit_target_drafter_reattaches_total") == 1
+    assert value(samples, "specsplit_target_drafter_rests_total") == 0  # (no batch size drafts nothing)
     assert value(samples, "specsplit_target_drafter_attached") == 1
     assert value(samples, "specsplit_target_tokens_total") == 32
     assert value(samples, "specsplit_target_verified_drafts_bucket", le="0.0") > 0  # serial steps while detached
@@ -309,3 +310,19 @@ def test_drafts_written_into_the_targets_buffer_are_counted_as_proposals():
     metrics.answered(StepResult(2, {}, (), in_buffer=((5, 3), (6, 7))), 0.001)
     assert metrics.proposals._value.get() == 3
     assert metrics.draft_tokens._value.get() == 12
+
+
+def test_sequences_resting_from_the_drafter_are_counted(tiny_chat_dir, tiny_chat_tokenizer_prompts):
+    """EngineConfig.resume_after: two sequences a step draft nothing (drafts_by_batch (2, 0)), so both rest from
+    the drafter as they are admitted; the longer one, alone after the shorter ends, is attached again."""
+    target = load_target(tiny_chat_dir, dtype=torch.float32)
+    engine = Engine(target, drafter("mtp", target), EngineConfig(max_batch=2, drafts_by_batch=((2, 0),),
+                                                                 resume_after=2))
+    metrics = TargetMetrics(engine, open_streams=lambda: 0)
+    for i, (prompt, n) in enumerate(zip(tiny_chat_tokenizer_prompts[:2], (4, 16))):
+        engine.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
+    while engine.has_work:
+        engine.step()
+    samples = parse(generate_latest(metrics.registry).decode())
+    assert value(samples, "specsplit_target_drafter_rests_total") == 2
+    assert value(samples, "specsplit_target_drafter_resumes_total") == 1

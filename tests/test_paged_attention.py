@@ -165,7 +165,8 @@ def check_triton_interpreted(cases: list[tuple]) -> None:
     print("interpreted cases ok:", len(cases))
 
 
-@pytest.mark.parametrize("cases", ["short", pytest.param("long", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (the default run stays under five minutes; CI runs the slow ones after it)
+@pytest.mark.parametrize("cases", ["short", "long"])
 def test_triton_interpreted(cases):
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -249,6 +249,7 @@ def test_the_targets_side_of_a_services_chained_step_replays_what_it_captured(pa
     assert counters.chained == plain.chained
 
 
+@pytest.mark.slow  # (10-12 s on the CPU: the default run stays under five minutes)
 def test_requests_ending_and_arriving_cost_no_round_trip(pair, tiny_chat_dir):
     """Six requests of different lengths through four slots, as a server sees them. A sequence near its end
     keeps chaining to its last token (its steps may write past its budget, Engine._overhang); the chained
@@ -1532,6 +1533,7 @@ def test_a_chained_propose_sent_ahead_is_taken_for_the_rows_the_engine_names_and
             proposer.close()
 
 
+@pytest.mark.slow  # (10-12 s on the CPU: the default run stays under five minutes)
 def test_every_row_taken_from_a_propose_sent_ahead_was_sent_with_the_anchor_and_position_the_step_feeds(
         pair, tiny_chat_dir):
     """Requests greedy and sampled (a sampled one near its end sits a chained step out, then is back in the

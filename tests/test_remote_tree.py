@@ -49,9 +49,14 @@ def _tree_steps(engine) -> int:
     return sum(1 for key in engine._chain_programs if key[2])
 
 
+_SLOW = pytest.mark.slow  # (4-6 s each on the CPU: the default run keeps one captured and one verb by verb)
+
+
 @pytest.mark.parametrize("captured, nodes, ahead", [(True, NODES, False), (False, NODES, False),
-                                                    (True, 2 * NODES - 1, False), (False, 2 * NODES - 1, False),
-                                                    (True, NODES, True), (False, 2 * NODES - 1, True)],
+                                                    pytest.param(True, 2 * NODES - 1, False, marks=_SLOW),
+                                                    pytest.param(False, 2 * NODES - 1, False, marks=_SLOW),
+                                                    pytest.param(True, NODES, True, marks=_SLOW),
+                                                    pytest.param(False, 2 * NODES - 1, True, marks=_SLOW)],
                          ids=["as-tail", "verb-by-verb", "wider-than-rows-as-tail", "wider-than-rows-verb-by-verb",
                               "sent-ahead-as-tail", "sent-ahead-wider-verb-by-verb"])
 def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(pair, tiny_chat_dir, captured, nodes,

@@ -75,13 +75,15 @@ def test_static_forward_equals_eager(family, query_lens, fused, request):
         starts = [s + len(t) for s, t in zip(starts, tokens)]
 
 
-def test_static_forward_norms_q_and_k_in_the_rotary_launch(tiny_qwen3_dir, monkeypatch):
-    """kernels.rope.QK_NORM_IN_ROPE: a Qwen3 target's fused layers hand their per-head q and k norms to the rotary
-    kernel (its reference on the CPU): the step equals the eager forward, and each layer's norms went in."""
+@pytest.mark.parametrize("in_rope", [True, False], ids=["in-rope", "apart"])
+def test_static_forward_norms_q_and_k_in_the_rotary_launch(tiny_qwen3_dir, monkeypatch, in_rope):
+    """kernels.rope.QK_NORM_IN_ROPE (on by default): a Qwen3 target's fused layers hand their per-head q and k norms
+    to the rotary kernel (its reference on the CPU): the step equals the eager forward, and each layer's norms went
+    in. Off, the layers norm q and k themselves and hand none over; the step is the same."""
     from specsplit.kernels import rope
     from specsplit.target_service import graphs as graphs_module
 
-    monkeypatch.setattr(rope, "QK_NORM_IN_ROPE", True)
+    monkeypatch.setattr(rope, "QK_NORM_IN_ROPE", in_rope)
     given = []
     plain = graphs_module.rope_and_cache_write
     monkeypatch.setattr(graphs_module, "rope_and_cache_write", lambda *a: given.append(a[8]) or plain(*a))
@@ -97,6 +99,9 @@ def test_static_forward_norms_q_and_k_in_the_rotary_launch(tiny_qwen3_dir, monke
         assert_close(getattr(got, name).float(), expected, atol=atol(model, expected), rtol=0)
     layers = model.model.layers
     assert len(given) == len(layers)
+    if not in_rope:
+        assert all(norms is None for norms in given)
+        return
     assert all(q is layer.self_attn.q_norm.weight and k is layer.self_attn.k_norm.weight
                for (q, k), layer in zip(given, layers))
 

@@ -932,6 +932,31 @@ qk-norm-in-rope)
   timeout 120 python -m specsplit.cli eval-acceptance --device cuda --draft-tree 15 --max-tokens 128 --batch 1 \
     2>&1 | grep -v INFO | tee "$OUT/eval_tree15.txt" | grep -E "^tau|mismatches|speedup" | log
   ;;
+wide-policy)
+  # (fiftieth session) Through the services on one GPU, speculation at sixteen and thirty-two streams ran 0.43-0.58x
+  # target only (trees-wide-batch): where does it stop paying, and what does a step of no drafts cost while the
+  # drafter stays attached? Services linked as `specsplit up` pairs them (trees ahead, both waits), target only and
+  # in-process beside them, at 4, 8, 12 and 16 streams; then the same with speculation off from 8 sequences a step
+  # (`--drafts-by-batch 8:0`: the rows still committed, the drafter caught up when the batch falls below 8)
+  timeout 330 python bench/split_bench.py --device cuda --batch 4 8 12 16 --waves 4 --max-tokens 128 --also-trees 15 \
+    --also-both-waits --json-out "$OUT/wide_policy.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
+  timeout 200 python bench/split_bench.py --device cuda --batch 8 16 --waves 4 --max-tokens 128 --also-trees 15 \
+    --also-both-waits --drafts-by-batch 8:0 --json-out "$OUT/wide_off.json" 2>&1 | grep -v INFO \
+    | grep -E "^batch|Error|error" | log
+  ;;
+resting)
+  # (fiftieth session) sequences rest from the drafter where the schedule drafts nothing (EngineConfig.resume_after,
+  # built after wide-policy measured such steps at 0.13-0.38x target only): its GPU tests, then the same
+  # split_bench as wide-policy's second (speculation off from 8 sequences a step), then the services beside
+  # in-process and target only at 2 and 3 streams (where do they stop paying?)
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_chain.py -k "resting or on_the_gpu_equal" \
+    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
+  timeout 200 python bench/split_bench.py --device cuda --batch 8 16 --waves 4 --max-tokens 128 --also-trees 15 \
+    --also-both-waits --drafts-by-batch 8:0 --json-out "$OUT/resting.json" 2>&1 | grep -v INFO \
+    | grep -E "^batch|Error|error" | log
+  timeout 170 python bench/split_bench.py --device cuda --batch 2 3 --waves 4 --max-tokens 128 --also-trees 15 \
+    --also-both-waits --json-out "$OUT/narrow.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
+  ;;
 trees-wide-batch)
   # (forty-ninth session, not run yet) `target serve --draft-tree-batch` is 8 now (trees beat chains at eight
   # streams, 1.20-1.33x): do they at sixteen and thirty-two? In-process and through the services, trees of 15
