@@ -1866,9 +1866,16 @@ class Engine:
         self.counters.reattaches += 1
         if self._spec is None:
             self._adopt_spec(seqs)
-        for seq in seqs:
-            if self._speculating(seq) and seq.seq_id not in self._prefilling:  # those attach when they are in
+        stepping = [s for s in seqs if s.seq_id not in self._prefilling]  # (those attach when they are in)
+        # a batch size that drafts nothing: they rest instead (EngineConfig.resume_after), nothing re-captured
+        rest = self.config.resume_after is not None and self._schedule_drafts(len(stepping)) == 0
+        for seq in stepping:
+            if self._speculating(seq):
                 self._forget(seq)
+                if rest:
+                    self.counters.rests += not seq.drafter_resting
+                    seq.drafter_resting = True
+                    continue
                 self._attach(seq, seq.tokens[:-1], self._recapture(seq))
 
     def _adopt_spec(self, seqs: list[Sequence]) -> None:

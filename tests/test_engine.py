@@ -557,6 +557,39 @@ def test_a_batch_size_that_drafts_nothing_rests_its_sequences_from_the_drafter(t
     assert len(inner.store) == 0
 
 
+def test_a_drafter_back_from_an_outage_while_the_batch_drafts_nothing_is_rested_from(target, tokenizer, reference):
+    """A drafter that comes back while two sequences share a step (`drafts_by_batch` (2, 0)) is attached again, but
+    the sequences rest from it at once: nothing re-captured, no drafter prefill; the one left alone after the
+    other ends is attached as resting ones are, and drafts. Every token is target-only's."""
+    reqs = requests(tokenizer)[:2]
+    for r, n in zip(reqs, (MAX_TOKENS, 8)):
+        r.params = SamplingParams(max_tokens=n, ignore_eos=True)
+    flaky = FlakyDrafter(drafter("dflash", target, block_size=8), fail_after=1)
+    prefills = []
+    flaky.prefill = lambda *args, **kw: prefills.append(args[0]) or flaky.inner.prefill(*args, **kw)
+    engine = Engine(target, flaky, EngineConfig(max_batch=2, drafts_by_batch=((2, 0),), resume_after=2))
+    out: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for event in engine.step():
+            out.setdefault(event.request_id, []).extend(event.token_ids)
+
+    engine.add(reqs[0])
+    while engine.drafter_ok:  # r0 drafts alone, then the drafter fails
+        step()
+    engine.add(reqs[1])
+    step()  # r1 in, the drafter still down
+    before = list(prefills)
+    flaky.up = True
+    step()  # back: both rest
+    assert engine.drafter_ok and engine.counters.reattaches == 1 and prefills == before
+    assert all(s.drafter_resting and not s.drafter_attached for s in engine.running.values())
+    while engine.has_work:
+        step()
+    assert out == {r.request_id: reference[r.request_id][:r.params.max_tokens] for r in reqs}
+    assert engine.counters.resumes == 1 and prefills[-1] == prefills[0] and len(prefills) == len(before) + 1
+
+
 def test_resume_after_is_checked():
     for bad in (0, -1, True, 2.5):
         with pytest.raises(InvalidRequest):

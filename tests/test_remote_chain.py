@@ -1612,6 +1612,7 @@ def test_every_row_taken_from_a_propose_sent_ahead_was_sent_with_the_anchor_and_
         proposer.close()
 
 
+@pytest.mark.slow  # (6 s on the CPU: the default run stays under five minutes)
 def test_sampled_sequences_near_their_end_still_let_the_chained_propose_go_ahead(pair, tiny_chat_dir):
     """A sampled sequence offers the drafts a step-by-step step would (fewer near its end), so it leaves a
     chained step whose draft count it cannot know yet (Engine._chain_plan). The propose sent ahead still

@@ -121,6 +121,7 @@ def test_trees_through_the_services_stop_at_the_tree_batch(pair, tiny_chat_dir):
         proposer.close()
 
 
+@pytest.mark.slow  # (6-7 s on the CPU: the default run stays under five minutes)
 def test_a_target_without_tree_keep_or_a_drafter_without_candidates_chains_as_chains(pair, tiny_chat_dir):
     """A RemoteProposer made without tree_keep offers no candidates: the engine's tree steps chain as chains
     (the same tokens). A tree_keep out of range is refused where the proposer is made."""

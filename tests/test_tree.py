@@ -346,6 +346,7 @@ def engine_run(model, drafter, prompts, max_tokens, **config):
         [events[r.request_id][-1].stats for r in requests], engine
 
 
+@pytest.mark.slow  # (13-14 s on the CPU: the default run stays under five minutes; GPU tests run the trees too)
 def test_the_engines_tree_steps_equal_target_only_and_take_fewer_steps(smollm2, smollm2_tokenizer):
     """EngineConfig.draft_tree with the shipped drafter, two held-out chat prompts in one batch: every token
     the target-only engine's, fewer steps than chains, and each request's steps those of `decode(paged=True)`
@@ -495,7 +496,7 @@ def test_trees_by_batch_verify_smaller_trees_in_larger_steps(tiny_llama_dir, cha
     assert trees == ({(1, 13)} if chained else {(1, 14)})
 
 
-@pytest.mark.parametrize("max_drafts", [7, 4])
+@pytest.mark.parametrize("max_drafts", [pytest.param(7, marks=pytest.mark.slow), 4])  # (the default run: one)
 def test_a_tree_step_planned_for_more_sequences_than_can_chain_never_runs_as_a_chain_of_its_nodes(tiny_llama_dir,
                                                                                                 max_drafts):
     """`trees_by_batch` ((2, 5)) with trees of 13 at one stream: when one of two sequences cannot chain (it nears the

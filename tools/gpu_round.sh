@@ -957,6 +957,13 @@ resting)
   timeout 170 python bench/split_bench.py --device cuda --batch 2 3 --waves 4 --max-tokens 128 --also-trees 15 \
     --also-both-waits --json-out "$OUT/narrow.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
   ;;
+pair-bench)
+  # (fiftieth session, not run yet) what gRPC clients see: pairs started as `specsplit up` starts them (linked,
+  # --speculate-below 0 and the default 4), 1 to 16 concurrent clients streaming held-out prompts, against the same
+  # target serving them with speculation off (bench/pair_bench.py). Is 4 the right default through the real pair?
+  timeout 560 python bench/pair_bench.py --device cuda --streams 1 2 3 4 8 16 --speculate-below 0 4 --requests 3 \
+    --max-tokens 128 --rounds 2 --json-out "$OUT/pair_bench.json" 2>&1 | grep -v INFO | grep -E "^streams|^pair|Error" | log
+  ;;
 trees-wide-batch)
   # (forty-ninth session, not run yet) `target serve --draft-tree-batch` is 8 now (trees beat chains at eight
   # streams, 1.20-1.33x): do they at sixteen and thirty-two? In-process and through the services, trees of 15

@@ -1,0 +1,127 @@
+"""Tokens/s as gRPC clients see them: service pairs started as `specsplit up` starts them, held-out prompts
+streamed by N concurrent clients, side by side in one run.
+
+    python bench/pair_bench.py --device cuda --streams 1 2 4 8 16 [--speculate-below 0 4] [--requests 3]
+        [--max-tokens 128] [--rounds 2] [--json-out PATH]
+
+One pair per --speculate-below value (`ServiceSpec.speculate_below`: the target drafts only in steps of fewer
+sequences; 0: at every batch size), all up at once (an idle pair costs the GPU nothing). At each stream count
+every pair serves the same prompts (N clients, each sending --requests held-out prompts one after another,
+greedy, EOS ends a request), and so does the first pair with speculation off for every request (the target-only
+baseline, the same process); each is warmed up once with the whole run, then timed in alternating rounds.
+Prints tokens/s (the median over rounds), each pair over target only, its tau, and how many requests' tokens
+differ from target only's (bf16 parts at near-ties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from specsplit.client import Client, Generation
+from specsplit.local import target_dir
+from specsplit.pair import ServiceSpec, spawn
+from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.tokenizer import Tokenizer
+from specsplit.train_data import HELDOUT_PATH, read_prompts
+
+
+def serve(address: str, prompts: list[list[list[int]]], max_tokens: int, speculative: bool
+          ) -> tuple[float, list[Generation]]:
+    """Each client's prompts one after another, the clients at once: (tokens/s over the wall time, results)."""
+    results: list[list[Generation]] = [[] for _ in prompts]
+    errors: list[BaseException] = []
+    params = SamplingParams(max_tokens=max_tokens)
+
+    def client_main(i: int) -> None:
+        try:
+            with Client(address) as client:
+                for ids in prompts[i]:
+                    results[i].append(client.generate(ids, params, speculative=speculative))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client_main, args=(i,)) for i in range(len(prompts))]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    flat = [g for per_client in results for g in per_client]
+    return sum(len(g.token_ids) for g in flat) / seconds, flat
+
+
+def tau(results: list[Generation]) -> float:
+    steps = sum(g.stats.steps for g in results)
+    return sum(len(g.token_ids) for g in results) / steps if steps else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="default: the services' own (bf16 on a GPU)")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--speculate-below", type=int, nargs="+", default=[0, 4])
+    ap.add_argument("--requests", type=int, default=3, help="prompts each client sends one after another")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    if min(args.streams) < 1 or args.requests < 1 or args.rounds < 1 or min(args.speculate_below) < 0:
+        ap.error("--streams, --requests and --rounds must be positive, --speculate-below >= 0")
+    tokenizer = Tokenizer.from_dir(target_dir("default"))
+    heldout = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)]
+    max_batch = ("--max-batch", str(max(16, max(args.streams))))
+    pairs = {}
+    try:
+        for below in args.speculate_below:
+            pairs[below] = spawn(ServiceSpec(device=args.device, dtype=args.dtype, speculate_below=below,
+                                             target_args=max_batch))
+            print(f"pair speculate_below={below}: target {pairs[below].spec.service_args('target')}", flush=True)
+        first = args.speculate_below[0]
+        runs = [("target_only", pairs[first].target_address, False)] + \
+            [(f"below_{b}", pairs[b].target_address, True) for b in args.speculate_below]
+        table = {}
+        for n in args.streams:
+            wanted = n * args.requests
+            chosen = [heldout[i % len(heldout)] for i in range(wanted)]
+            prompts = [chosen[i * args.requests:(i + 1) * args.requests] for i in range(n)]
+            for _, address, speculative in runs:  # warm-up: graphs captured, chained steps too
+                serve(address, prompts, args.max_tokens, speculative)
+            rates: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+            outputs: dict[str, list[Generation]] = {}
+            for _ in range(args.rounds):
+                for name, address, speculative in runs:
+                    rate, outputs[name] = serve(address, prompts, args.max_tokens, speculative)
+                    rates[name].append(rate)
+            base = statistics.median(rates["target_only"])
+            want = [g.token_ids for g in outputs["target_only"]]
+            row = {"target_only_tokens_per_s": base, "requests": wanted}
+            parts = [f"streams {n}: target only {base:.0f} tok/s"]
+            for name, _, _ in runs[1:]:
+                rate = statistics.median(rates[name])
+                differing = sum(g.token_ids != w for g, w in zip(outputs[name], want))
+                row[name] = {"tokens_per_s": rate, "over_target_only": rate / base, "tau": tau(outputs[name]),
+                             "requests_differing": differing, "rounds": rates[name]}
+                parts.append(f"{name.replace('_', ' ')} {rate / base:.2f}x (tau {tau(outputs[name]):.2f}, "
+                             f"{differing} differing)")
+            print("; ".join(parts), flush=True)
+            table[f"streams_{n}"] = row
+    finally:
+        for services in pairs.values():
+            services.stop()
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps({"device": args.device, "max_tokens": args.max_tokens,
+                                                   "speculate_below": args.speculate_below, **table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
