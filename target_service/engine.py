@@ -599,8 +599,9 @@ class Engine:
             seq.stats.steps += 1
             self.counters.prefills += 1
         attaching = [seq for seq in done if self._speculating(seq)]
+        # the next step's batch size drafts nothing: they rest from the drafter at once (EngineConfig.resume_after)
         stepping = sum(1 for s in self.running.values() if s.seq_id not in self._prefilling)
-        if attaching and self.config.resume_after is not None and self._schedule_drafts(stepping) == 0:  # (the next step's batch drafts nothing)
+        if attaching and self.config.resume_after is not None and self._schedule_drafts(stepping) == 0:
             for seq in attaching:
                 seq.drafter_resting = True
                 self.counters.rests += 1

@@ -964,6 +964,21 @@ pair-bench)
   timeout 560 python bench/pair_bench.py --device cuda --streams 1 2 3 4 8 16 --speculate-below 0 4 --requests 3 \
     --max-tokens 128 --rounds 2 --json-out "$OUT/pair_bench.json" 2>&1 | grep -v INFO | grep -E "^streams|^pair|Error" | log
   ;;
+tree-grow-preload)
+  # (fiftieth session, not run yet) the best-first tree kernel with each block's candidates read into registers
+  # before its pops (kernels/tree_grow.py PRELOAD_BLOCK, off until this has run; the forty-ninth session's profile
+  # had the kernel at 18 us a tree step, its pops' three global reads in series): its GPU tests both ways and the
+  # chained tree steps', then side by side, alternating, ms a tree step at one stream and the kernel's own time
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tree_grow.py tests/test_tree.py \
+    -k "cuda or chained_tree" 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
+  for round in 1 2; do
+    for on in 1 0; do
+      SPECSPLIT_TREE_GROW_PRELOAD=$on timeout 60 python bench/profile_step.py --drafter dflash --batch 1 --steps 60 \
+        --draft-tree 15 --out "$OUT/preload$on" 2>&1 | grep -E "^drafter|Error" | sed "s/^/preload $on: /" | log
+      grep -E "_best_first_kernel" "$OUT/preload$on/profile-dflash-b1-tree15.txt" | head -1 | sed "s/^/preload $on: /" | log
+    done
+  done
+  ;;
 trees-wide-batch)
   # (forty-ninth session, not run yet) `target serve --draft-tree-batch` is 8 now (trees beat chains at eight
   # streams, 1.20-1.33x): do they at sixteen and thirty-two? In-process and through the services, trees of 15
