@@ -67,9 +67,11 @@ def test_a_pair_sharing_a_gpu_drafts_below_four_sequences_a_step_by_default():
             ServiceSpec(device="cuda", speculate_below=bad)
 
 
-def test_up_refuses_device_waits_on_the_cpu(capsys):
+def test_up_and_demo_refuse_device_waits_on_the_cpu_and_a_negative_speculate_below(capsys):
     assert main(["up", "--device-waits", "--device", "cpu"]) == 2
     assert "--device-waits orders the two services' CUDA streams: it needs a CUDA device" in capsys.readouterr().err
+    assert main(["demo", "--speculate-below", "-1", "--device", "cpu"]) == 2
+    assert "--speculate-below is a number of sequences >= 0" in capsys.readouterr().err
 
 
 def test_the_pair_with_device_waits_starts_services_that_accept_them(tmp_path):
