@@ -26,7 +26,7 @@ from specsplit.shared.serving import wait_healthy
 
 
 # The two services on one GPU, linked (`device_waits`): their draft trees ran 1.12x, 1.01x and 0.88x target only
-# at 2, 3 and 4 streams (H100, fiftieth session, `split_bench --also-trees 15 --also-both-waits`), 0.55x at 8;
+# at 2, 3 and 4 streams (H100, fiftieth session, `split_bench --also-trees 15 --also-both-waits`), 0.63x at 8;
 # resting from the drafter instead, 0.93x at 8 and 0.89x at 16. So the pair drafts below four sequences a step.
 SHARED_GPU_SPECULATE_BELOW = 4
 
