@@ -2,7 +2,7 @@
 streamed by N concurrent clients, side by side in one run.
 
     python bench/pair_bench.py --device cuda --streams 1 2 4 8 16 [--speculate-below 0 4] [--requests 3]
-        [--max-tokens 128] [--rounds 2] [--json-out PATH]
+        [--max-tokens 128] [--rounds 2] [--mps] [--json-out PATH]
 
 One pair per --speculate-below value (`ServiceSpec.speculate_below`: the target drafts only in steps of fewer
 sequences; 0: at every batch size), all up at once (an idle pair costs the GPU nothing). At each stream count
@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3, help="prompts each client sends one after another")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--mps", action="store_true", help="every pair under a private MPS server of its own (`up --mps`)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if min(args.streams) < 1 or args.requests < 1 or args.rounds < 1 or min(args.speculate_below) < 0:
@@ -83,7 +84,7 @@ def main() -> None:
     try:
         for below in args.speculate_below:
             pairs[below] = spawn(ServiceSpec(device=args.device, dtype=args.dtype, speculate_below=below,
-                                             target_args=max_batch))
+                                             target_args=max_batch, mps=args.mps))
             print(f"pair speculate_below={below}: target {pairs[below].spec.service_args('target')}", flush=True)
         first = args.speculate_below[0]
         runs = [("target_only", pairs[first].target_address, False)] + \
@@ -119,8 +120,9 @@ def main() -> None:
             services.stop()
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps({"device": args.device, "max_tokens": args.max_tokens,
-                                                   "speculate_below": args.speculate_below, **table}, indent=1))
+        setting = {"device": args.device, "mps": args.mps, "max_tokens": args.max_tokens,
+                   "speculate_below": args.speculate_below}
+        Path(args.json_out).write_text(json.dumps({**setting, **table}, indent=1))
 
 
 if __name__ == "__main__":

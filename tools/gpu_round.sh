@@ -961,8 +961,12 @@ pair-bench)
   # (fiftieth session, not run yet) what gRPC clients see: pairs started as `specsplit up` starts them (linked,
   # --speculate-below 0 and the default 4), 1 to 16 concurrent clients streaming held-out prompts, against the same
   # target serving them with speculation off (bench/pair_bench.py). Is 4 the right default through the real pair?
-  timeout 560 python bench/pair_bench.py --device cuda --streams 1 2 3 4 8 16 --speculate-below 0 4 --requests 3 \
+  timeout 280 python bench/pair_bench.py --device cuda --streams 1 2 3 4 8 16 --speculate-below 0 4 --requests 3 \
     --max-tokens 128 --rounds 2 --json-out "$OUT/pair_bench.json" 2>&1 | grep -v INFO | grep -E "^streams|^pair|Error" | log
+  # ... and under MPS, where the services' step is cheaper (0.84x in-process at one stream): does it pay further?
+  timeout 280 python bench/pair_bench.py --device cuda --streams 1 2 3 4 8 16 --speculate-below 0 4 --requests 3 \
+    --max-tokens 128 --rounds 2 --mps --json-out "$OUT/pair_bench_mps.json" 2>&1 | grep -v INFO \
+    | grep -E "^streams|^pair|Error" | sed "s/^/mps: /" | log
   ;;
 tree-grow-preload)
   # (fiftieth session, not run yet) the best-first tree kernel with each block's candidates read into registers
