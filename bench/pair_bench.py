@@ -5,10 +5,11 @@ streamed by N concurrent clients, side by side in one run.
         [--max-tokens 128] [--rounds 2] [--mps] [--json-out PATH]
 
 One pair per --speculate-below value (`ServiceSpec.speculate_below`: the target drafts only in steps of fewer
-sequences; 0: at every batch size), all up at once (an idle pair costs the GPU nothing). At each stream count
-every pair serves the same prompts (N clients, each sending --requests held-out prompts one after another,
-greedy, EOS ends a request), and so does the first pair with speculation off for every request (the target-only
-baseline, the same process); each is warmed up once with the whole run, then timed in alternating rounds.
+sequences; 0: at every batch size), all up at once (an idle pair costs the GPU nothing; with --mps one at a time,
+each under its own server, beside its own target-only runs). At each stream count every pair serves the same
+prompts (N clients, each sending --requests held-out prompts one after another, greedy, EOS ends a request), and
+so does the first pair with speculation off for every request (the target-only baseline, the same process); each
+is warmed up once with the whole run, then timed in alternating rounds.
 Prints tokens/s (the median over rounds), each pair over target only, its tau, and how many requests' tokens
 differ from target only's (bf16 parts at near-ties).
 """
@@ -63,6 +64,31 @@ def tau(results: list[Generation]) -> float:
     return sum(len(g.token_ids) for g in results) / steps if steps else 0.0
 
 
+def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], args, row: dict, label: str) -> None:
+    """Warm every run up once, then time them in alternating rounds; into `row` each speculative run's median
+    tokens/s over the first (target-only) run's, its tau and its requests differing from target only's."""
+    for _, address, speculative in runs:  # warm-up: graphs captured, chained steps too
+        serve(address, prompts, args.max_tokens, speculative)
+    rates: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    outputs: dict[str, list[Generation]] = {}
+    for _ in range(args.rounds):
+        for name, address, speculative in runs:
+            rate, outputs[name] = serve(address, prompts, args.max_tokens, speculative)
+            rates[name].append(rate)
+    base = statistics.median(rates["target_only"])
+    want = [g.token_ids for g in outputs["target_only"]]
+    parts = [f"{label}: target only {base:.0f} tok/s"]
+    for name, _, _ in runs[1:]:
+        rate = statistics.median(rates[name])
+        differing = sum(g.token_ids != w for g, w in zip(outputs[name], want))
+        row[name] = {"tokens_per_s": rate, "target_only_tokens_per_s": base, "over_target_only": rate / base,
+                     "tau": tau(outputs[name]), "requests_differing": differing, "rounds": rates[name],
+                     "target_only_rounds": rates["target_only"]}
+        parts.append(f"{name.replace('_', ' ')} {rate / base:.2f}x (tau {tau(outputs[name]):.2f}, "
+                     f"{differing} differing)")
+    print("; ".join(parts), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -80,44 +106,27 @@ def main() -> None:
     tokenizer = Tokenizer.from_dir(target_dir("default"))
     heldout = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)]
     max_batch = ("--max-batch", str(max(16, max(args.streams))))
-    pairs = {}
-    try:
-        for below in args.speculate_below:
-            pairs[below] = spawn(ServiceSpec(device=args.device, dtype=args.dtype, speculate_below=below,
-                                             target_args=max_batch, mps=args.mps))
-            print(f"pair speculate_below={below}: target {pairs[below].spec.service_args('target')}", flush=True)
-        first = args.speculate_below[0]
-        runs = [("target_only", pairs[first].target_address, False)] + \
-            [(f"below_{b}", pairs[b].target_address, True) for b in args.speculate_below]
-        table = {}
-        for n in args.streams:
-            wanted = n * args.requests
-            chosen = [heldout[i % len(heldout)] for i in range(wanted)]
-            prompts = [chosen[i * args.requests:(i + 1) * args.requests] for i in range(n)]
-            for _, address, speculative in runs:  # warm-up: graphs captured, chained steps too
-                serve(address, prompts, args.max_tokens, speculative)
-            rates: dict[str, list[float]] = {name: [] for name, _, _ in runs}
-            outputs: dict[str, list[Generation]] = {}
-            for _ in range(args.rounds):
-                for name, address, speculative in runs:
-                    rate, outputs[name] = serve(address, prompts, args.max_tokens, speculative)
-                    rates[name].append(rate)
-            base = statistics.median(rates["target_only"])
-            want = [g.token_ids for g in outputs["target_only"]]
-            row = {"target_only_tokens_per_s": base, "requests": wanted}
-            parts = [f"streams {n}: target only {base:.0f} tok/s"]
-            for name, _, _ in runs[1:]:
-                rate = statistics.median(rates[name])
-                differing = sum(g.token_ids != w for g, w in zip(outputs[name], want))
-                row[name] = {"tokens_per_s": rate, "over_target_only": rate / base, "tau": tau(outputs[name]),
-                             "requests_differing": differing, "rounds": rates[name]}
-                parts.append(f"{name.replace('_', ' ')} {rate / base:.2f}x (tau {tau(outputs[name]):.2f}, "
-                             f"{differing} differing)")
-            print("; ".join(parts), flush=True)
-            table[f"streams_{n}"] = row
-    finally:
-        for services in pairs.values():
-            services.stop()
+    spec = lambda below: ServiceSpec(device=args.device, dtype=args.dtype, speculate_below=below,  # noqa: E731
+                                     target_args=max_batch, mps=args.mps)
+    # Under MPS one pair at a time (each its own private server), each beside its own target-only runs
+    groups = [args.speculate_below] if not args.mps else [[below] for below in args.speculate_below]
+    table: dict[str, dict] = {f"streams_{n}": {"requests": n * args.requests} for n in args.streams}
+    for group in groups:
+        pairs = {}
+        try:
+            for below in group:
+                pairs[below] = spawn(spec(below))
+                print(f"pair speculate_below={below}: target {pairs[below].spec.service_args('target')}", flush=True)
+            runs = [("target_only", pairs[group[0]].target_address, False)] + \
+                [(f"below_{b}", pairs[b].target_address, True) for b in group]
+            for n in args.streams:
+                row = table[f"streams_{n}"]
+                chosen = [heldout[i % len(heldout)] for i in range(n * args.requests)]
+                measure(runs, [chosen[i * args.requests:(i + 1) * args.requests] for i in range(n)], args, row,
+                        f"streams {n}" + (f", pair below {group[0]}" if args.mps else ""))
+        finally:
+            for services in pairs.values():
+                services.stop()
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         setting = {"device": args.device, "mps": args.mps, "max_tokens": args.max_tokens,

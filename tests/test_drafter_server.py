@@ -1262,6 +1262,7 @@ class _PendingWaits:
         pass
 
 
+@pytest.mark.slow  # (4-5 s on the CPU: the default run stays under five minutes)
 def test_work_waits_until_no_stream_waits_on_the_device(env):
     """--device-waits: any call but a prepared launch (here another target's unary call and Step) is held,
     under the lock, until the waiting session's stream waits for nothing (`DrafterServer._quiesce`): a

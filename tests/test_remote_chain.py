@@ -119,6 +119,7 @@ def test_chained_steps_through_the_services_equal_the_in_process_chain(pair, tin
         proposer.close()
 
 
+@pytest.mark.slow  # (4-5 s on the CPU: the default run stays under five minutes)
 def test_requests_attached_after_the_next_step_launched_decode_as_those_attached_before(pair, tiny_chat_dir):
     """EngineConfig.overlap_attach: a request arriving while a chained step is out is read and attached to
     the drafter after the next chained step of the others launched. Every token and every accepted count is
