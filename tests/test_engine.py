@@ -590,6 +590,36 @@ def test_a_drafter_back_from_an_outage_while_the_batch_drafts_nothing_is_rested_
     assert engine.counters.resumes == 1 and prefills[-1] == prefills[0] and len(prefills) == len(before) + 1
 
 
+def test_a_batch_going_back_and_forth_does_not_resume_before_resume_after_steps(target, tokenizer, reference):
+    """While short requests keep arriving (a step of two sequences drafts nothing, (2, 0)), the long one never
+    goes `resume_after` steps alone, so it is re-attached (a re-capture of its rows) only once they stop coming;
+    with resume_after 1 the same traffic re-attaches it between arrivals. Every token is target-only's."""
+
+    def serve(resume_after: int) -> tuple[Engine, list[int]]:
+        engine = Engine(target, drafter("dflash", target, block_size=8),
+                        EngineConfig(max_batch=2, drafts_by_batch=((2, 0),), resume_after=resume_after))
+        engine.add(requests(tokenizer)[0])
+        out: dict[str, list[int]] = {}
+        batches = []
+        for n in itertools.count():
+            if n < 24 and n % 3 == 0:
+                engine.add(Request(f"s{n}", tokenizer.encode(PROMPTS[1]),
+                                   SamplingParams(max_tokens=2, ignore_eos=True)))
+            batches.append(sum(1 for s in engine.running.values() if s.seq_id not in engine._prefilling))
+            for event in engine.step():
+                out.setdefault(event.request_id, []).extend(event.token_ids)
+            if not engine.has_work:
+                break
+        assert out["r0"] == reference["r0"]
+        return engine, batches
+
+    engine, batches = serve(resume_after=4)
+    alone = max(len(run) for run in "".join("a" if b == 1 else "." for b in batches[:24]).split("."))
+    assert 1 <= alone < 4 and engine.counters.resumes == 1
+    eager, _ = serve(resume_after=1)
+    assert eager.counters.resumes > 2
+
+
 def test_resume_after_is_checked():
     for bad in (0, -1, True, 2.5):
         with pytest.raises(InvalidRequest):
