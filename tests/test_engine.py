@@ -590,6 +590,7 @@ def test_a_drafter_back_from_an_outage_while_the_batch_drafts_nothing_is_rested_
     assert engine.counters.resumes == 1 and prefills[-1] == prefills[0] and len(prefills) == len(before) + 1
 
 
+@pytest.mark.slow  # (6 s on the CPU: the default run stays under five minutes)
 def test_a_batch_going_back_and_forth_does_not_resume_before_resume_after_steps(target, tokenizer, reference):
     """While short requests keep arriving (a step of two sequences drafts nothing, (2, 0)), the long one never
     goes `resume_after` steps alone, so it is re-attached (a re-capture of its rows) only once they stop coming;
