@@ -57,6 +57,8 @@
 #   bash tools/gpu_round.sh host-steps    # where the host's part of a steady decode step goes, target only and in-process
 #   bash tools/gpu_round.sh pdl-default   # Triton kernels launched dependent (on by default, heavy projections plain):
 #                                         # GPU tests, the steps' replays and served tokens/s with and without
+#   bash tools/gpu_round.sh mps-default   # (next) the pair under MPS by default: its GPU tests, pair_bench with and without
+#   bash tools/gpu_round.sh fold-combine  # (next) attention's splits combined by its last program: GPU tests, steps on/off
 #   bash tools/gpu_round.sh tables        # (next) the rotary tables in one launch (on): GPU tests, served tokens/s
 #                                         # with against without (one-launch attention: measured, removed)
 #   bash tools/gpu_round.sh served-trace  # the served decode steps under the profiler: where the device stands idle
@@ -982,6 +984,37 @@ tree-grow-preload)
       grep -E "_best_first_kernel" "$OUT/preload$on/profile-dflash-b1-tree15.txt" | head -1 | sed "s/^/preload $on: /" | log
     done
   done
+  ;;
+mps-default)
+  # (fifty-first session, not run yet) `specsplit up` now tries a private MPS server by default on a CUDA device
+  # (ServiceSpec.mps None), starting the services without it where it cannot. The pair's GPU tests under it (the
+  # split equals in-process, SIGKILL of either side over CUDA IPC, the pair under MPS equals the pair without);
+  # then what gRPC clients see, pairs with and without MPS, target only beside each (bench/pair_bench.py)
+  timeout 260 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py tests/test_chaos_gpu.py \
+    tests/test_mps.py 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
+  for mps in "" --mps; do
+    timeout 150 python bench/pair_bench.py --device cuda --streams 1 2 4 8 --speculate-below 4 --requests 2 \
+      --max-tokens 128 --rounds 1 $mps --json-out "$OUT/pair_bench${mps:-_no_mps}.json" 2>&1 | grep -v INFO \
+      | grep -E "^streams|^pair|Error" | sed "s/^/${mps:-no mps}: /" | log
+  done
+  ;;
+fold-combine)
+  # (fifty-first session, not run yet) a split attention's last split to arrive combines the splits
+  # (kernels/paged_attention.py FOLD_COMBINE, off until this has run): one launch a layer fewer, 36 a tree step at
+  # one stream (30 target layers, 6 drafter layers; last session's profile: ~5 us each). Its GPU tests and the
+  # steps' that compare graphs with eager runs and target only with speculation, with it on; then side by side,
+  # alternating, ms a step at one and eight streams, target only and trees of 15, and the combines left
+  SPECSPLIT_ATTENTION_FOLD_COMBINE=1 timeout 240 python -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_paged_attention.py tests/test_step_graphs.py tests/test_dflash_graphs.py tests/test_tree.py 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
+  for args in "--drafter none --batch 1" "--drafter dflash --batch 1 --draft-tree 15" "--drafter none --batch 8" \
+      "--drafter dflash --batch 8 --draft-tree 15" "--drafter none --batch 1" "--drafter dflash --batch 1 --draft-tree 15"; do
+    for on in 1 0; do
+      SPECSPLIT_ATTENTION_FOLD_COMBINE=$on timeout 60 python bench/profile_step.py $args --steps 60 \
+        --out "$OUT/fold$on" 2>&1 | grep -E "^drafter|Error" | sed "s/^/fold $on: /" | log
+    done
+  done
+  grep -c "_combine_splits_kernel" "$OUT"/fold1/*.txt "$OUT"/fold0/*.txt | log
   ;;
 trees-wide-batch)
   # (forty-ninth session, not run yet) `target serve --draft-tree-batch` is 8 now (trees beat chains at eight
