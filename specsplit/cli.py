@@ -617,10 +617,12 @@ def add_service_parsers(sub) -> None:
         add_model_args(p)
         p.set_defaults(func=func, drafter="dflash")
         p.add_argument("--seed", type=int, default=0, help="seeds a random drafter")
-        p.add_argument("--mps", action="store_true",
+        p.add_argument("--mps", action=argparse.BooleanOptionalAction, default=None,
                        help="run both services as clients of a private NVIDIA MPS server (started and quit with "
                             "them; needs nvidia-cuda-mps-control), so one GPU runs their kernels side by side "
-                            "instead of time-slicing two contexts (README, 'Measured')")
+                            "instead of time-slicing two contexts (README, 'Measured'); default: tried with a CUDA "
+                            "device, and where it cannot start the services start without it, with a warning "
+                            "(--mps: an error instead; --no-mps: never)")
         p.add_argument("--device-waits", action=argparse.BooleanOptionalAction, default=None,
                        help="the two services' CUDA streams wait for each other on the device: the drafter serves "
                             "this one target (drafter serve --device-waits --max-targets 1) and the target asks for "

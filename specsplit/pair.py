@@ -7,23 +7,25 @@ process that spawned them (`specsplit.lifeline`), and a folder `spawn` made is r
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specsplit.client import Client, Retry
 from specsplit.lifeline import Lifeline
-from specsplit.mps import MpsServer
+from specsplit.mps import MpsServer, MpsUnavailable
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.gguf_import import default_target_dir
 from specsplit.shared.security import TOKEN_ENV
 from specsplit.shared.serving import wait_healthy
 
+log = logging.getLogger(__name__)
 
 # The two services on one GPU, linked (`device_waits`): their draft trees ran 1.12x, 1.01x and 0.88x target only
 # at 2, 3 and 4 streams (H100, fiftieth session, `split_bench --also-trees 15 --also-both-waits`), 0.63x at 8;
@@ -43,7 +45,11 @@ class ServiceSpec:
     startup_timeout: float = 180.0
     drain_seconds: float = 5.0  # how long a SIGTERMed service lets calls in flight finish
     auth_token: str | None = None  # both services require it (and the target sends it to its drafter)
-    mps: bool = False  # both services clients of a private MPS server (specsplit.mps), on a CUDA device
+    # Both services clients of a private MPS server (specsplit.mps): one GPU context runs both processes' kernels
+    # instead of two contexts time-slicing the GPU. True: required (an error where it cannot start); False: off;
+    # None: on with a CUDA device and a drafter where it can be, else (no nvidia-cuda-mps-control, an MPS client
+    # already, the server or the services under it not starting) without it, with a warning saying why.
+    mps: bool | None = None
     # The pair's streams wait for each other on the device: the drafter serves this one target (--device-waits
     # --max-targets 1) and the target asks for a tree step's candidates as the step before launches (--trees-ahead),
     # so neither host waits for the other's GPU work before launching its own. None: on with a CUDA device
@@ -79,6 +85,14 @@ class ServiceSpec:
             if arg.split("=", 1)[0] in ("--max-targets", "--no-chain-graphs", "--no-prepare-chains"):
                 return arg
         return None
+
+    @property
+    def tries_mps(self) -> bool:
+        """Whether the pair starts a private MPS server (see `mps`): as asked, else (None) with a CUDA device and
+        a drafter (two processes on one GPU)."""
+        if self.mps is not None:
+            return self.mps
+        return self.device.startswith("cuda") and self.drafter != "none"
 
     @property
     def waits_on_device(self) -> bool:
@@ -136,8 +150,13 @@ class Services:
         self.target_address = f"unix:{self.workdir}/target.sock"
 
     def start(self) -> "Services":
-        if self.spec.mps:
-            self.mps = MpsServer(self._lifeline())
+        if self.spec.tries_mps:
+            try:
+                self.mps = MpsServer(self._lifeline())
+            except MpsUnavailable as exc:
+                if self.spec.mps:
+                    raise
+                log.warning("the services share the GPU without MPS (their two contexts time-slice it): %s", exc)
         if self.drafter_address:
             self.start_drafter()
         self.start_target()
@@ -228,6 +247,14 @@ def spawn(spec: ServiceSpec = ServiceSpec(), workdir: str | os.PathLike | None =
     services = Services(spec, folder, owns_workdir=workdir is None)
     try:
         return services.start()
+    except Exception as exc:
+        under_mps = services.mps is not None
+        services.stop()
+        if spec.mps is None and under_mps:  # (MPS was not asked for: try once more without it)
+            log.warning("the services did not start under MPS; starting them without it: %s",
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            return spawn(replace(spec, mps=False), workdir)
+        raise
     except BaseException:
         services.stop()
         raise

@@ -19,7 +19,7 @@ import pytest
 
 from specsplit.lifeline import Lifeline
 from specsplit.mps import MpsServer
-from specsplit.pair import ServiceSpec
+from specsplit.pair import Services, ServiceSpec, spawn
 from specsplit.shared.errors import InvalidRequest
 
 FAKE = """\
@@ -166,6 +166,63 @@ def test_the_command_line_reports_a_missing_control_program_as_an_error(monkeypa
     err = capsys.readouterr().err  # (the server starts before the services: nothing else ran)
     assert err.startswith("specsplit: error: --mps needs NVIDIA's nvidia-cuda-mps-control on PATH")
 
+
+def recorded_starts(monkeypatch, fail_under_mps: bool = False) -> list[bool]:
+    """Services' starts stand in: each records whether the pair's MPS server is up, and fails under it if asked."""
+    starts = []
+
+    def start(self):
+        starts.append(self.mps is not None)
+        if fail_under_mps and self.mps is not None:
+            raise RuntimeError("the service exited before it was healthy\n--- drafter.log ---\nMPS client failed")
+
+    monkeypatch.setattr(Services, "start_drafter", start)
+    monkeypatch.setattr(Services, "start_target", start)
+    return starts
+
+
+def test_a_pair_on_a_gpu_runs_under_mps_unless_told_not_to(fake_control, monkeypatch, tmp_path):
+    assert ServiceSpec(device="cuda").tries_mps and ServiceSpec(device="cuda:1", mps=True).tries_mps
+    assert not ServiceSpec(device="cuda", mps=False).tries_mps and not ServiceSpec(device="cuda", drafter="none").tries_mps
+    assert not ServiceSpec().tries_mps  # (the CPU)
+    starts = recorded_starts(monkeypatch)
+    services = spawn(ServiceSpec(target=str(tmp_path), device="cuda"))
+    try:
+        assert starts == [True, True] and fake_control.read_text().startswith("started")
+    finally:
+        services.stop()
+    assert fake_control.read_text().splitlines()[-1] == "quit"
+    starts.clear()
+    spawn(ServiceSpec(target=str(tmp_path), device="cuda", mps=False)).stop()
+    assert starts == [False, False]
+
+
+def test_where_mps_cannot_start_the_pair_starts_without_it_and_says_why(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no control program
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    starts = recorded_starts(monkeypatch)
+    with caplog.at_level("WARNING", logger="specsplit.pair"):
+        services = spawn(ServiceSpec(target=str(tmp_path), device="cuda"))
+    services.stop()
+    assert starts == [False, False]
+    assert "without MPS" in caplog.text and "nvidia-cuda-mps-control on PATH" in caplog.text
+    with pytest.raises(RuntimeError, match="nvidia-cuda-mps-control on PATH"):  # asked for: an error
+        spawn(ServiceSpec(target=str(tmp_path), device="cuda", mps=True))
+    assert starts == [False, False]
+
+
+def test_services_that_do_not_start_under_mps_start_again_without_it(fake_control, monkeypatch, tmp_path, caplog):
+    starts = recorded_starts(monkeypatch, fail_under_mps=True)
+    with caplog.at_level("WARNING", logger="specsplit.pair"):
+        services = spawn(ServiceSpec(target=str(tmp_path), device="cuda"))
+    services.stop()
+    assert starts == [True, False, False] and services.mps is None
+    assert "did not start under MPS; starting them without it: the service exited" in caplog.text
+    assert fake_control.read_text().splitlines()[-1] == "quit"  # the first server was quit
+    starts.clear()
+    with pytest.raises(RuntimeError, match="MPS client failed"):  # asked for: no second try
+        spawn(ServiceSpec(target=str(tmp_path), device="cuda", mps=True))
+    assert starts == [True]
 
 def test_mps_needs_a_cuda_device():
     with pytest.raises(InvalidRequest, match="needs a CUDA device, not 'cpu'"):
