@@ -88,6 +88,7 @@ def check_triton_interpreted() -> None:
     print("interpreted fed inputs ok")
 
 
+@pytest.mark.slow  # (the default run stays under five minutes; CI runs the slow ones after it)
 def test_triton_interpreted():
     run_interpreted(__file__, "fed inputs ok")
 

@@ -78,6 +78,7 @@ def check_triton_interpreted() -> None:
     print("interpreted kv move ok")
 
 
+@pytest.mark.slow  # (the default run stays under five minutes; CI runs the slow ones after it)
 def test_triton_interpreted():
     run_interpreted(__file__, "kv move ok")
 

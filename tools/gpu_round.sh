@@ -985,6 +985,22 @@ tree-grow-preload)
     done
   done
   ;;
+short-round)
+  # (fifty-first session: machines scarce, one call) the pair under MPS by default: its GPU tests; the folded
+  # attention combine: its GPU tests and ms a step on and off, alternating (see mps-default and fold-combine)
+  timeout 170 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py tests/test_chaos_gpu.py \
+    tests/test_mps.py 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | sed "s/^/mps default: /" | log
+  SPECSPLIT_ATTENTION_FOLD_COMBINE=1 timeout 100 python -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_paged_attention.py tests/test_step_graphs.py tests/test_dflash_graphs.py -k "fold or graph or eager" \
+    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | sed "s/^/fold tests: /" | log
+  for args in "--drafter none --batch 1" "--drafter dflash --batch 1 --draft-tree 15" \
+      "--drafter dflash --batch 8 --draft-tree 15" "--drafter dflash --batch 1 --draft-tree 15"; do
+    for on in 1 0; do
+      SPECSPLIT_ATTENTION_FOLD_COMBINE=$on timeout 45 python bench/profile_step.py $args --steps 60 \
+        --out "$OUT/fold$on" 2>&1 | grep -E "^drafter|Error" | sed "s/^/fold $on: /" | log
+    done
+  done
+  ;;
 mps-default)
   # (fifty-first session, not run yet) `specsplit up` now tries a private MPS server by default on a CUDA device
   # (ServiceSpec.mps None), starting the services without it where it cannot. The pair's GPU tests under it (the
