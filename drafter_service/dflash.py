@@ -236,9 +236,6 @@ class PagedContext:
     tables: torch.Tensor  # [B, width] int32: each sequence's ring, repeated
     base: torch.Tensor  # [B] a multiple of the ring's period, at most the oldest visible position
     window: int  # context rows a block sees: positions p - window .. p - 1
-    # Arrival counters for the attention's folded combine (kernels.paged_attention.FOLD_COMBINE), the
-    # forward's own (at least `arrivals(B, γ, heads, kv heads)`); None: combined by a second launch
-    workspace: torch.Tensor | None = None
 
 
 class DFlashModel(nn.Module):
@@ -359,8 +356,7 @@ class DFlashModel(nn.Module):
         for i, layer in enumerate(self.layers):
             sliding = self.cfg.decoder.layer_window(i)
             mask_pos, window = (last, ctx.window + gamma) if sliding is None else (local, sliding)
-            mix = _paged_mixer(ctx.k_pool[i], ctx.v_pool[i], ctx.tables, slots.view(-1), mask_pos, window, cos, sin,
-                               ctx.workspace)
+            mix = _paged_mixer(ctx.k_pool[i], ctx.v_pool[i], ctx.tables, slots.view(-1), mask_pos, window, cos, sin)
             x = layer(x, mix)
         return self.norm(x).view(batch, gamma, hidden)
 
@@ -375,8 +371,7 @@ class DFlashModel(nn.Module):
             mask_pos, window = (last, ctx.window + gamma) if sliding is None else (local, sliding)
             q = rope_and_cache_write(q, k, v, cos, sin, ctx.k_pool[i], ctx.v_pool[i], slots, norms, dec.rms_norm_eps)
             return paged_attention(q.view(*local.shape, *q.shape[1:]), ctx.k_pool[i], ctx.v_pool[i], ctx.tables,
-                                   mask_pos, self.layers[i].self_attn.scale, window,
-                                   workspace=ctx.workspace).flatten(0, 1)
+                                   mask_pos, self.layers[i].self_attn.scale, window).flatten(0, 1)
 
         return run_fused_layers(dec, self.layers, fused, x, attend, self.norm.weight)[0]
 
@@ -407,8 +402,7 @@ def _block_mixer(ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor, si
 
 
 def _paged_mixer(k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
-                 mask_pos: torch.Tensor, window: int, cos: torch.Tensor, sin: torch.Tensor,
-                 workspace: torch.Tensor | None = None) -> TokenMixer:
+                 mask_pos: torch.Tensor, window: int, cos: torch.Tensor, sin: torch.Tensor) -> TokenMixer:
     """Block queries attend their sequence's pool slots. k/v_pool [blocks, block_size, Hkv, D] of one
     layer, slots [B·γ] the block rows' own, mask_pos [B, γ] the position each query masks as."""
 
@@ -418,7 +412,7 @@ def _paged_mixer(k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tenso
         k_pool.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
         v_pool.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
         q = q.view(*mask_pos.shape, *q.shape[1:])  # [B, γ, Hq, D]
-        out = paged_attention(q, k_pool, v_pool, tables, mask_pos, attn.scale, window, workspace=workspace)
+        out = paged_attention(q, k_pool, v_pool, tables, mask_pos, attn.scale, window)
         return attn.output(out.reshape(-1, *out.shape[2:]))
 
     return mix

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from specsplit.drafter_service.context_pool import ContextPool
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.kernels.chain_meta import commit_meta, propose_meta
-from specsplit.kernels.paged_attention import arrivals
 from specsplit.kernels.row_max import row_max
 from specsplit.kernels.workspace import arrival_counters
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture_serving, inlining
@@ -140,11 +139,8 @@ class _ProposeBuffers:
         # [B, γ]: each block's ids, the anchor then mask tokens (only the anchors change between replays)
         self.ids = torch.full((batch, model.cfg.block_size), model.cfg.mask_token_id, dtype=torch.long, device=device)
         self.tables = torch.full((batch, width), context_pool.scratch, dtype=torch.int32, device=device)
-        # Arrival counters of the drafts' one-launch row max and of the attention's folded combine
-        # (kernels.workspace), this graph's own: its kernels take turns in stream order.
-        dec = model.cfg.decoder
-        self.workspace = arrival_counters(max(batch * model.cfg.block_size, arrivals(
-            batch, model.cfg.block_size, dec.num_attention_heads, dec.num_key_value_heads)), device)
+        # Arrival counters of the drafts' one-launch row max (kernels.workspace), this graph's own.
+        self.workspace = arrival_counters(batch * model.cfg.block_size, device)
         self.last_tables: list[torch.Tensor] = []  # the sequences' tables now in `tables`, in order
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,7 +153,7 @@ class _ProposeBuffers:
         if cfg.input_embedding_scale != 1.0:  # a multiply by 1 is exact: no launch for it
             block = block * cfg.input_embedding_scale
         block = block.to(pool.k.dtype)
-        context = PagedContext(pool.k, pool.v, self.tables, self.bases, self.window, self.workspace)
+        context = PagedContext(pool.k, pool.v, self.tables, self.bases, self.window)
         hidden = self.model.block_hidden_paged(block, self.positions, context, self.fused)
         # The argmax alone: a draft's log-probability (a softmax over the vocabulary per draft) is
         # computed from these outputs only when a request asks for it (`GraphDrafts.logp`).

@@ -10,6 +10,14 @@ table and the positions are read on the device.
 A draft tree's verify (`shared.tree`) passes `tree` [B, Q] int64: bit j of query i's word set where it sees
 the block's query j (the key at positions[b, 0] + j), so a node sees the context and its ancestors only; keys
 before the block are seen as in a chain. (Its rotary positions are the model's business; no sliding window.)
+
+Measured and dropped (fifty-first session, H100, `bench/profile_step.py`, alternating runs in one call): the
+splits combined by the last split program of each tile to arrive (arrival counters, as kernels.row_max does)
+instead of `_combine_splits_kernel`'s second launch. One launch a layer fewer (190 kernels a target-only step
+against 220, a tree step 258 against 294), yet the steps took 0.960 ms against 0.705 (target only, one stream),
+1.514 and 1.508 against 0.999 and 1.004 (trees of 15, one stream), 1.327 against 1.289 (eight streams): the
+attention launch went from 4.3 to 19.5 µs, its last program reading the 32 splits' rows one split after another
+where the combine launch reads them with 9 programs a query at once.
 """
 
 from __future__ import annotations
@@ -19,28 +27,14 @@ import math
 
 import torch
 
-from ._triton import HAVE_TRITON, _switch, dependent_launch, gdc_enter, tl, triton
-from .workspace import arrived_last
-
-# Whether a split attention's last program to finish combines the splits (`kernels.workspace`), where the
-# caller gives arrival counters, instead of a second launch (`_combine_splits_kernel`): one launch a layer
-# fewer (a tree step at one stream ran 36 combines of about 5 µs each, fiftieth session's profile). Built
-# without a GPU (fifty-first session): off until one has run it (SPECSPLIT_ATTENTION_FOLD_COMBINE=1).
-FOLD_COMBINE = _switch("SPECSPLIT_ATTENTION_FOLD_COMBINE", False)
+from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, positions, scale, window=None, tree=None, workspace=None):
-    """The Triton kernel on CUDA tensors when Triton is installed, the torch reference otherwise. workspace:
-    arrival counters (at least `arrivals(...)`), this caller's own, for FOLD_COMBINE."""
+def paged_attention(q, k_cache, v_cache, block_tables, positions, scale, window=None, tree=None):
+    """The Triton kernel on CUDA tensors when Triton is installed, the torch reference otherwise."""
     if HAVE_TRITON and q.is_cuda:
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, window, tree=tree,
-                                      workspace=workspace if FOLD_COMBINE else None)
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, window, tree=tree)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, positions, scale, window, tree)
-
-
-def arrivals(batch: int, q_len: int, q_heads: int, kv_heads: int) -> int:
-    """The arrival counters a folded combine needs: one per (sequence, kv head, row tile)."""
-    return batch * kv_heads * row_tiles(q_heads // kv_heads * q_len)[1]
 
 
 MAX_TREE_QUERIES = 64  # a tree's visibility is one int64 word a query
@@ -93,20 +87,18 @@ def paged_attention_reference(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, tree_ptr, out_ptr, lse_ptr, final_ptr, arrivals_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, tree_ptr, out_ptr, lse_ptr, scale_log2,
     stride_qb, stride_qq, stride_qh,
     stride_kb, stride_ks, stride_kh,  # shared by k and v (both contiguous)
     stride_tb, stride_pb, stride_pq, stride_treeb,
     Q_LEN: tl.constexpr, Q_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, TILES: tl.constexpr, USE_GDC: tl.constexpr,
-    TREE: tl.constexpr, FOLD: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     """One program per (sequence, kv head, row tile, split): the group's heads x queries in tiles of
     ROWS rows (TILES of them), so each key is read once per tile. Writes out [B, Q, Hq, NUM_SPLITS, D]
-    (normalised within the split) and, when split, the log2-sum-exp of each row's scores in its split.
-    With FOLD, the tile's last split to arrive (arrivals_ptr, one counter a tile) combines them into
-    final [B, Q, Hq, D] as `_combine_splits_kernel` does."""
+    (normalised within the split) and, when split, the log2-sum-exp of each row's scores in its split."""
     gdc_enter(USE_GDC)
     seq, split = tl.program_id(0), tl.program_id(2)
     kv_head, tile = tl.program_id(1) // TILES, tl.program_id(1) % TILES
@@ -164,25 +156,6 @@ def _paged_attention_kernel(
              mask=stored[:, None])
     if NUM_SPLITS > 1:
         tl.store(lse_ptr + out_row, m + tl.log2(denom), mask=stored)  # -inf where denom is 0
-    if FOLD:
-        counter = arrivals_ptr + seq * tl.num_programs(1) + tl.program_id(1)
-        if arrived_last(counter, NUM_SPLITS):
-            first_split = out_row - split  # each row sees its own key: some split's lse is finite
-            top = tl.full([ROWS], float("-inf"), tl.float32)
-            for s in range(NUM_SPLITS):
-                top = tl.maximum(top, tl.load(lse_ptr + first_split + s, mask=stored, other=0.0, cache_modifier=".cg"))
-            total = tl.zeros([ROWS], tl.float32)
-            folded = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-            for s in range(NUM_SPLITS):
-                weight = tl.exp2(tl.load(lse_ptr + first_split + s, mask=stored, other=0.0, cache_modifier=".cg") - top)
-                part = tl.load(out_ptr + (first_split + s)[:, None] * HEAD_DIM + dims[None, :], mask=stored[:, None],
-                               other=0.0, cache_modifier=".cg")
-                total += weight
-                folded += weight[:, None] * part
-            final_row = (seq * Q_LEN + query) * Q_HEADS + head
-            tl.store(final_ptr + final_row[:, None] * HEAD_DIM + dims[None, :],
-                     (folded / total[:, None]).to(final_ptr.dtype.element_ty), mask=stored[:, None])
-            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -200,11 +173,9 @@ def _combine_splits_kernel(partial_ptr, lse_ptr, out_ptr, NUM_SPLITS: tl.constex
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, window=None,
-                           num_splits: int | None = None, block_n: int = 64, tree=None, workspace=None):
+                           num_splits: int | None = None, block_n: int = 64, tree=None):
     """Launch wrapper (same arguments as the reference). num_splits > 1 is flash-decoding: the keys are
-    split over more programs when B * Hkv alone cannot fill the GPU; None picks it from the shapes. With
-    `workspace` (int32 arrival counters, zeroed, at least `arrivals(...)`, used by one stream at a time) a
-    split launch combines its splits itself, one launch instead of two."""
+    split over more programs when B * Hkv alone cannot fill the GPU; None picks it from the shapes."""
     _check_tree(tree, positions, window)
     tree = None if tree is None else tree.contiguous()
     batch, q_len, q_heads, head_dim = q.shape
@@ -228,23 +199,19 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, positions, scale, 
         partial = torch.empty(batch, q_len, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, q_len, q_heads, num_splits, dtype=torch.float32, device=q.device)
     rows, tiles = row_tiles(groups * q_len)
-    fold = num_splits > 1 and workspace is not None
-    if fold:
-        assert workspace.dtype == torch.int32 and workspace.device == q.device, workspace
-        assert workspace.numel() >= batch * kv_heads * tiles, (workspace.numel(), batch, kv_heads, tiles)
     _paged_attention_kernel[(batch, kv_heads * tiles, num_splits)](
-        q, k_cache, v_cache, block_tables, positions, positions if tree is None else tree, partial, lse, out,
-        workspace if fold else positions, scale * math.log2(math.e),
+        q, k_cache, v_cache, block_tables, positions, positions if tree is None else tree, partial, lse,
+        scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), positions.stride(0), positions.stride(1), 0 if tree is None else tree.stride(0),
         Q_LEN=q_len, Q_HEADS=q_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         ROWS=rows, BLOCK_N=block_n, WINDOW=window or 0, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: no effect on 16-bit inputs
-        TILES=tiles, TREE=tree is not None, FOLD=fold, num_warps=8 if rows * head_dim >= 8192 else 4,
+        TILES=tiles, TREE=tree is not None, num_warps=8 if rows * head_dim >= 8192 else 4,
         **dependent_launch(q.device, "paged_attention"),
     )
-    if num_splits > 1 and not fold:
+    if num_splits > 1:
         _combine_splits_kernel[(batch * q_len * q_heads,)](partial, lse, out, NUM_SPLITS=num_splits,
                                                           HEAD_DIM=head_dim, **dependent_launch(q.device, "combine_splits"))
     return out
@@ -260,7 +227,7 @@ def row_tiles(rows: int) -> tuple[int, int]:
     from target-only's at near-ties where 4- and 8-token ones (16- and 32-row tiles) kept them, the
     attention being what differed (sixteenth session; a 64-row tile presumably takes the warpgroup MMA
     path, with another rounding). Each tile reads the group's keys again (from L2, mostly)."""
-    per_tile = min(MAX_TILE_ROWS, max(16, 1 << (rows - 1).bit_length()))  # (Triton's next_power_of_2)
+    per_tile = min(MAX_TILE_ROWS, max(16, triton.next_power_of_2(rows)))
     return per_tile, -(-rows // per_tile)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from specsplit.kernels.fed_inputs import write_fed_inputs
-from specsplit.kernels.paged_attention import MAX_TREE_QUERIES, arrivals, paged_attention
+from specsplit.kernels.paged_attention import MAX_TREE_QUERIES, paged_attention
 from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.kernels.row_max import row_max
 from specsplit.kernels.workspace import arrival_counters
@@ -133,11 +133,8 @@ class StaticForward:
             self._tree_device = torch.zeros(2, batch, query_len, dtype=torch.int64, device=device)
             self._tree_host = torch.zeros(2, batch, query_len, dtype=torch.int64, pin_memory=pinned)
             self.rotary, self.words = self._tree_device[0], self._tree_device[1]
-        # Arrival counters of the greedy picks' one-launch row max and of the attention's folded combine
-        # (kernels.workspace), this bucket's own: its kernels take turns in stream order.
-        cfg = model.config
-        self.workspace = arrival_counters(max(batch * query_len, arrivals(
-            batch, query_len, cfg.num_attention_heads, cfg.num_key_value_heads)), device)
+        # Arrival counters of the greedy picks' one-launch row max (kernels.workspace), this bucket's own.
+        self.workspace = arrival_counters(batch * query_len, device)
         self.output: ForwardOutput | None = None
         self.host_rows: np.ndarray | None = None  # the last loaded step's rows of [B * Q]
         self._fed: tuple | None = None  # what the last `load_fed` copied, if nothing was loaded since
@@ -297,8 +294,7 @@ class StaticForward:
                                      norms, cfg.rms_norm_eps)
             return paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[i],
                                    self.cache.v_pool[i], self.block_tables, self.positions,
-                                   stack.layers[i].self_attn.scale, cfg.layer_window(i), self.words,
-                                   self.workspace).flatten(0, 1)
+                                   stack.layers[i].self_attn.scale, cfg.layer_window(i), self.words).flatten(0, 1)
 
         h, last, captured = run_fused_layers(cfg, stack.layers, self.fused, residual, attend, stack.norm.weight,
                                              self.capture.layer_ids)
@@ -316,7 +312,7 @@ class StaticForward:
         self.cache.write_slots(layer, self.slots, k, v)
         out = paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[layer],
                               self.cache.v_pool[layer], self.block_tables, self.positions, attn.scale,
-                              self.model.config.layer_window(layer), self.words, self.workspace)
+                              self.model.config.layer_window(layer), self.words)
         return attn.output(out.reshape(q.shape))
 
 
