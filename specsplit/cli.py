@@ -10,7 +10,7 @@ import signal
 import sys
 import uuid
 
-from specsplit.options import ENV_PREFIX, Append, env_defaults, resolve_env
+from specsplit.options import ENV_PREFIX, MPS_CHOICES, Append, env_defaults, resolve_env
 from specsplit.shared import logs
 from specsplit.shared.errors import InvalidRequest, SpecsplitError
 
@@ -334,7 +334,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     from specsplit.services import wait_for_signal
 
     with spawn(ServiceSpec(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
-                           seed=args.seed, mps=args.mps, device_waits=args.device_waits,
+                           seed=args.seed, mps=MPS_CHOICES[args.mps], device_waits=args.device_waits,
                            speculate_below=args.speculate_below)) as services:
         print(f"drafter: {services.drafter_address}\ntarget:  {services.target_address}", flush=True)
         wait_for_signal()
@@ -617,12 +617,12 @@ def add_service_parsers(sub) -> None:
         add_model_args(p)
         p.set_defaults(func=func, drafter="dflash")
         p.add_argument("--seed", type=int, default=0, help="seeds a random drafter")
-        p.add_argument("--mps", action=argparse.BooleanOptionalAction, default=None,
+        p.add_argument("--mps", nargs="?", const="on", choices=sorted(MPS_CHOICES), default="off",
                        help="run both services as clients of a private NVIDIA MPS server (started and quit with "
                             "them; needs nvidia-cuda-mps-control), so one GPU runs their kernels side by side "
-                            "instead of time-slicing two contexts (README, 'Measured'); default: tried with a CUDA "
-                            "device, and where it cannot start the services start without it, with a warning "
-                            "(--mps: an error instead; --no-mps: never)")
+                            "instead of time-slicing two contexts (README, 'Measured'): --mps (or on) requires it, "
+                            "--mps auto tries it with a CUDA device and starts the services without it, with a "
+                            "warning, where it cannot; default: off")
         p.add_argument("--device-waits", action=argparse.BooleanOptionalAction, default=None,
                        help="the two services' CUDA streams wait for each other on the device: the drafter serves "
                             "this one target (drafter serve --device-waits --max-targets 1) and the target asks for "

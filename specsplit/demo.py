@@ -17,6 +17,7 @@ import torch
 from specsplit.calibrate import Calibration, calibrate_local
 from specsplit.client import Client
 from specsplit.local import LocalSetup
+from specsplit.options import MPS_CHOICES
 from specsplit.pair import ServiceSpec, spawn
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.sampling import SamplingParams
@@ -58,7 +59,7 @@ def run_demo(args) -> None:
         raise InvalidRequest("the demo compares speculation with the target alone: give it a drafter")
     started = time.perf_counter()
     spec = ServiceSpec(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
-                       seed=args.seed, mps=args.mps, device_waits=args.device_waits,
+                       seed=args.seed, mps=MPS_CHOICES[args.mps], device_waits=args.device_waits,
                        speculate_below=args.speculate_below)  # (checked before the runs)
     setup = LocalSetup(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype, seed=args.seed)
     if setup.device == "cpu":

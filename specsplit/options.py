@@ -13,6 +13,8 @@ import os
 from specsplit.shared.errors import InvalidRequest
 
 ENV_PREFIX = "SPECSPLIT_"
+# `up` / `demo --mps [on|auto|off]` as `specsplit.pair.ServiceSpec.mps` takes it (None: try, else without)
+MPS_CHOICES = {"on": True, "auto": None, "off": False}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 

@@ -47,9 +47,10 @@ class ServiceSpec:
     auth_token: str | None = None  # both services require it (and the target sends it to its drafter)
     # Both services clients of a private MPS server (specsplit.mps): one GPU context runs both processes' kernels
     # instead of two contexts time-slicing the GPU. True: required (an error where it cannot start); False: off;
-    # None: on with a CUDA device and a drafter where it can be, else (no nvidia-cuda-mps-control, an MPS client
+    # None ("auto"): on with a CUDA device and a drafter where it can be, else (no nvidia-cuda-mps-control, an MPS client
     # already, the server or the services under it not starting) without it, with a warning saying why.
-    mps: bool | None = None
+    # (Off by default until a GPU has run the pair's GPU tests and pair_bench under "auto": gpu_round.sh mps-default.)
+    mps: bool | None = False
     # The pair's streams wait for each other on the device: the drafter serves this one target (--device-waits
     # --max-targets 1) and the target asks for a tree step's candidates as the step before launches (--trees-ahead),
     # so neither host waits for the other's GPU work before launching its own. None: on with a CUDA device
@@ -250,7 +251,7 @@ def spawn(spec: ServiceSpec = ServiceSpec(), workdir: str | os.PathLike | None =
     except Exception as exc:
         under_mps = services.mps is not None
         services.stop()
-        if spec.mps is None and under_mps:  # (MPS was not asked for: try once more without it)
+        if spec.mps is None and under_mps:  # (MPS was not required: try once more without it)
             log.warning("the services did not start under MPS; starting them without it: %s",
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return spawn(replace(spec, mps=False), workdir)

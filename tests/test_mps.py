@@ -181,12 +181,13 @@ def recorded_starts(monkeypatch, fail_under_mps: bool = False) -> list[bool]:
     return starts
 
 
-def test_a_pair_on_a_gpu_runs_under_mps_unless_told_not_to(fake_control, monkeypatch, tmp_path):
-    assert ServiceSpec(device="cuda").tries_mps and ServiceSpec(device="cuda:1", mps=True).tries_mps
-    assert not ServiceSpec(device="cuda", mps=False).tries_mps and not ServiceSpec(device="cuda", drafter="none").tries_mps
-    assert not ServiceSpec().tries_mps  # (the CPU)
+def test_a_pair_asked_to_try_mps_runs_under_it_on_a_gpu(fake_control, monkeypatch, tmp_path):
+    auto = dict(device="cuda", mps=None)
+    assert ServiceSpec(**auto).tries_mps and ServiceSpec(device="cuda:1", mps=True).tries_mps
+    assert not ServiceSpec(device="cuda").tries_mps  # (off by default: see ServiceSpec.mps)
+    assert not ServiceSpec(drafter="none", **auto).tries_mps and not ServiceSpec(mps=None).tries_mps  # (the CPU)
     starts = recorded_starts(monkeypatch)
-    services = spawn(ServiceSpec(target=str(tmp_path), device="cuda"))
+    services = spawn(ServiceSpec(target=str(tmp_path), **auto))
     try:
         assert starts == [True, True] and fake_control.read_text().startswith("started")
     finally:
@@ -202,7 +203,7 @@ def test_where_mps_cannot_start_the_pair_starts_without_it_and_says_why(monkeypa
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     starts = recorded_starts(monkeypatch)
     with caplog.at_level("WARNING", logger="specsplit.pair"):
-        services = spawn(ServiceSpec(target=str(tmp_path), device="cuda"))
+        services = spawn(ServiceSpec(target=str(tmp_path), device="cuda", mps=None))
     services.stop()
     assert starts == [False, False]
     assert "without MPS" in caplog.text and "nvidia-cuda-mps-control on PATH" in caplog.text
@@ -214,7 +215,7 @@ def test_where_mps_cannot_start_the_pair_starts_without_it_and_says_why(monkeypa
 def test_services_that_do_not_start_under_mps_start_again_without_it(fake_control, monkeypatch, tmp_path, caplog):
     starts = recorded_starts(monkeypatch, fail_under_mps=True)
     with caplog.at_level("WARNING", logger="specsplit.pair"):
-        services = spawn(ServiceSpec(target=str(tmp_path), device="cuda"))
+        services = spawn(ServiceSpec(target=str(tmp_path), device="cuda", mps=None))
     services.stop()
     assert starts == [True, False, False] and services.mps is None
     assert "did not start under MPS; starting them without it: the service exited" in caplog.text
@@ -223,6 +224,22 @@ def test_services_that_do_not_start_under_mps_start_again_without_it(fake_contro
     with pytest.raises(RuntimeError, match="MPS client failed"):  # asked for: no second try
         spawn(ServiceSpec(target=str(tmp_path), device="cuda", mps=True))
     assert starts == [True]
+
+@pytest.mark.parametrize("given,mps", [([], False), (["--mps"], True), (["--mps", "on"], True),
+                                       (["--mps", "auto"], None), (["--mps", "off"], False)])
+def test_the_command_line_asks_for_mps_on_auto_or_off(given, mps, monkeypatch):
+    from specsplit import cli, pair
+
+    specs = []
+    monkeypatch.setattr(pair, "spawn", lambda spec: specs.append(spec) or (_ for _ in ()).throw(SystemExit(0)))
+    for command in ("up", "demo"):
+        args = cli.build_parser().parse_args([command, "--device", "cuda", *given])
+        assert cli.MPS_CHOICES[args.mps] is mps
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--device", "cuda", *given])
+    assert specs[0].mps is mps
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["up", "--mps", "sometimes"])
 
 def test_mps_needs_a_cuda_device():
     with pytest.raises(InvalidRequest, match="needs a CUDA device, not 'cpu'"):
