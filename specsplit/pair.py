@@ -47,8 +47,8 @@ class ServiceSpec:
     auth_token: str | None = None  # both services require it (and the target sends it to its drafter)
     # Both services clients of a private MPS server (specsplit.mps): one GPU context runs both processes' kernels
     # instead of two contexts time-slicing the GPU. True: required (an error where it cannot start); False: off;
-    # None ("auto"): on with a CUDA device and a drafter where it can be, else (no nvidia-cuda-mps-control, an MPS client
-    # already, the server or the services under it not starting) without it, with a warning saying why.
+    # None ("auto"): on with a CUDA device and a drafter where it can be, else (no nvidia-cuda-mps-control, an MPS
+    # client already, the server or the services under it not starting) without it, with a warning saying why.
     # (Off by default until a GPU has run the pair's GPU tests and pair_bench under "auto": gpu_round.sh mps-default.)
     mps: bool | None = False
     # The pair's streams wait for each other on the device: the drafter serves this one target (--device-waits
