@@ -58,7 +58,6 @@
 #   bash tools/gpu_round.sh pdl-default   # Triton kernels launched dependent (on by default, heavy projections plain):
 #                                         # GPU tests, the steps' replays and served tokens/s with and without
 #   bash tools/gpu_round.sh mps-default   # (next) the pair under MPS by default: its GPU tests, pair_bench with and without
-#   bash tools/gpu_round.sh fold-combine  # attention's splits combined by its last program (measured slower, dropped)
 #   bash tools/gpu_round.sh tables        # (next) the rotary tables in one launch (on): GPU tests, served tokens/s
 #                                         # with against without (one-launch attention: measured, removed)
 #   bash tools/gpu_round.sh served-trace  # the served decode steps under the profiler: where the device stands idle
@@ -987,8 +986,9 @@ tree-grow-preload)
   ;;
 short-round)
   # (fifty-first session: machines scarce, one call; its test runs hit their timeouts, no verdict) the pair under
-  # MPS by default: its GPU tests; the folded
-  # attention combine: its GPU tests and ms a step on and off, alternating (see mps-default and fold-combine)
+  # MPS by default: its GPU tests; the attention's splits combined by its last program (FOLD_COMBINE): its GPU
+  # tests and ms a step on and off, alternating. The steps ran 1.36-1.51x slower with it: switch and code gone
+  # (kernels/paged_attention.py's docstring), this phase kept as the record of what ran
   timeout 170 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py tests/test_chaos_gpu.py \
     tests/test_mps.py 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | sed "s/^/mps default: /" | log
   SPECSPLIT_ATTENTION_FOLD_COMBINE=1 timeout 100 python -m pytest -q -m gpu -p no:cacheprovider \
@@ -1017,24 +1017,6 @@ mps-default)
       --max-tokens 128 --rounds 1 $mps --json-out "$OUT/pair_bench${mps:-_no_mps}.json" 2>&1 | grep -v INFO \
       | grep -E "^streams|^pair|Error" | sed "s/^/${mps:-no mps}: /" | log
   done
-  ;;
-fold-combine)
-  # (fifty-first session; run in short-round: the steps 1.36-1.51x slower, the code dropped) a split attention's last
-  # split to arrive combines the splits (kernels/paged_attention.py FOLD_COMBINE, switch and code gone): one launch a layer fewer, 36 a tree step at
-  # one stream (30 target layers, 6 drafter layers; last session's profile: ~5 us each). Its GPU tests and the
-  # steps' that compare graphs with eager runs and target only with speculation, with it on; then side by side,
-  # alternating, ms a step at one and eight streams, target only and trees of 15, and the combines left
-  SPECSPLIT_ATTENTION_FOLD_COMBINE=1 timeout 180 python -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_paged_attention.py tests/test_step_graphs.py tests/test_dflash_graphs.py -k "fold or graph or eager" \
-    2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
-  for args in "--drafter none --batch 1" "--drafter dflash --batch 1 --draft-tree 15" \
-      "--drafter dflash --batch 8 --draft-tree 15" "--drafter dflash --batch 1 --draft-tree 15"; do
-    for on in 1 0; do
-      SPECSPLIT_ATTENTION_FOLD_COMBINE=$on timeout 60 python bench/profile_step.py $args --steps 60 \
-        --out "$OUT/fold$on" 2>&1 | grep -E "^drafter|Error" | sed "s/^/fold $on: /" | log
-    done
-  done
-  grep -c "_combine_splits_kernel" "$OUT"/fold1/*.txt "$OUT"/fold0/*.txt | log
   ;;
 trees-wide-batch)
   # (forty-ninth session, not run yet) `target serve --draft-tree-batch` is 8 now (trees beat chains at eight
