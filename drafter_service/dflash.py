@@ -37,7 +37,7 @@ from specsplit.kernels.top_k import top_k_logp
 from specsplit.kernels.workspace import arrival_counters
 from specsplit.shared.config import ModelConfig
 from specsplit.shared.errors import CheckpointError, InvalidRequest, StateConflict
-from specsplit.shared.fused import FusedWeights, fuse_projections, run_fused_layers
+from specsplit.shared.fused import FusedWeights, PagedAttend, fuse_projections, run_fused_layers
 from specsplit.shared.layers import DecoderLayer, RMSNorm, RotaryEmbedding, SelfAttention, TokenMixer, head_logits
 from specsplit.shared.proposer import DrafterKind, DrafterSpec, FeatureKind, Proposal, ProposeRequest
 from specsplit.shared.ragged import ragged_arange
@@ -366,13 +366,13 @@ class DFlashModel(nn.Module):
         """`block_hidden_paged`'s layers, fused; returns the final-normed hidden [B·γ, hidden]."""
         dec, gamma = self.cfg.decoder, local.shape[1]
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms=None) -> torch.Tensor:
+        def attention(i: int, q: torch.Tensor) -> torch.Tensor:  # q rotated, the block's k and v in the pool
             sliding = dec.layer_window(i)
             mask_pos, window = (last, ctx.window + gamma) if sliding is None else (local, sliding)
-            q = rope_and_cache_write(q, k, v, cos, sin, ctx.k_pool[i], ctx.v_pool[i], slots, norms, dec.rms_norm_eps)
             return paged_attention(q.view(*local.shape, *q.shape[1:]), ctx.k_pool[i], ctx.v_pool[i], ctx.tables,
                                    mask_pos, self.layers[i].self_attn.scale, window).flatten(0, 1)
 
+        attend = PagedAttend(cos, sin, ctx.k_pool, ctx.v_pool, slots, dec.rms_norm_eps, attention)
         return run_fused_layers(dec, self.layers, fused, x, attend, self.norm.weight)[0]
 
     def logits(self, hidden: torch.Tensor, head: TargetHead) -> torch.Tensor:

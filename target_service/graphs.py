@@ -22,12 +22,11 @@ import torch
 
 from specsplit.kernels.fed_inputs import write_fed_inputs
 from specsplit.kernels.paged_attention import MAX_TREE_QUERIES, paged_attention
-from specsplit.kernels.rope import rope_and_cache_write
 from specsplit.kernels.row_max import row_max
 from specsplit.kernels.workspace import arrival_counters
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture, inlining
 from specsplit.shared.errors import InvalidRequest, StateConflict
-from specsplit.shared.fused import FusedWeights, fuse_projections, run_fused_layers
+from specsplit.shared.fused import FusedWeights, PagedAttend, fuse_projections, run_fused_layers
 from specsplit.shared.layers import SelfAttention, head_logits
 from specsplit.shared.ragged import ragged_arange
 from specsplit.shared.tree import block_rows
@@ -289,12 +288,12 @@ class StaticForward:
         residual = stack.embed_tokens(self.token_ids)  # [B * Q, hidden]
         cos, sin = stack.rotary_emb(positions, residual.dtype)
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms=None) -> torch.Tensor:
-            q = rope_and_cache_write(q, k, v, cos, sin, self.cache.k_pool[i], self.cache.v_pool[i], self.slots,
-                                     norms, cfg.rms_norm_eps)
+        def attention(i: int, q: torch.Tensor) -> torch.Tensor:  # q rotated, k and v in the cache
             return paged_attention(q.view(self.batch, self.query_len, *q.shape[1:]), self.cache.k_pool[i],
                                    self.cache.v_pool[i], self.block_tables, self.positions,
                                    stack.layers[i].self_attn.scale, cfg.layer_window(i), self.words).flatten(0, 1)
+
+        attend = PagedAttend(cos, sin, self.cache.k_pool, self.cache.v_pool, self.slots, cfg.rms_norm_eps, attention)
 
         h, last, captured = run_fused_layers(cfg, stack.layers, self.fused, residual, attend, stack.norm.weight,
                                              self.capture.layer_ids)

@@ -140,7 +140,8 @@ def test_static_forwards_equal_eager_with_q_and_k_normed_in_the_rotary_launch(mo
         return plain(*args, **kw)
 
     import specsplit.drafter_service.dflash as dflash
-    monkeypatch.setattr(dflash, "rope_and_cache_write", spy)
+    monkeypatch.setattr(dflash, "rope_and_cache_write", spy)  # (the context rows')
+    monkeypatch.setattr(rope, "rope_and_cache_write", spy)  # (the block's, through shared.fused.PagedAttend)
     eager, static = make(), make()
     static.use_static_forwards(use_graphs=False)
     drive_both(eager, static, steps=4)

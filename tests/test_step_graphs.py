@@ -81,12 +81,11 @@ def test_static_forward_norms_q_and_k_in_the_rotary_launch(tiny_qwen3_dir, monke
     to the rotary kernel (its reference on the CPU): the step equals the eager forward, and each layer's norms went
     in. Off, the layers norm q and k themselves and hand none over; the step is the same."""
     from specsplit.kernels import rope
-    from specsplit.target_service import graphs as graphs_module
 
     monkeypatch.setattr(rope, "QK_NORM_IN_ROPE", in_rope)
     given = []
-    plain = graphs_module.rope_and_cache_write
-    monkeypatch.setattr(graphs_module, "rope_and_cache_write", lambda *a: given.append(a[8]) or plain(*a))
+    plain = rope.rope_and_cache_write  # (shared.fused.PagedAttend calls it through the module)
+    monkeypatch.setattr(rope, "rope_and_cache_write", lambda *a: given.append(a[8]) or plain(*a))
     model = load_target(tiny_qwen3_dir)
     capture = CaptureSpec(layer_ids=(0,), last_hidden=True)
     (ref_cache, cache), _ = prefilled_pair(model, [9, 14])
