@@ -57,6 +57,7 @@
 #   bash tools/gpu_round.sh host-steps    # where the host's part of a steady decode step goes, target only and in-process
 #   bash tools/gpu_round.sh pdl-default   # Triton kernels launched dependent (on by default, heavy projections plain):
 #                                         # GPU tests, the steps' replays and served tokens/s with and without
+#   bash tools/gpu_round.sh qkv-rope      # (next) the rotation and cache write in the q/k/v projection: GPU tests, steps on/off
 #   bash tools/gpu_round.sh mps-default   # (next) the pair under MPS by default: its GPU tests, pair_bench with and without
 #   bash tools/gpu_round.sh tables        # (next) the rotary tables in one launch (on): GPU tests, served tokens/s
 #                                         # with against without (one-launch attention: measured, removed)
@@ -981,6 +982,25 @@ tree-grow-preload)
       SPECSPLIT_TREE_GROW_PRELOAD=$on timeout 60 python bench/profile_step.py --drafter dflash --batch 1 --steps 60 \
         --draft-tree 15 --out "$OUT/preload$on" 2>&1 | grep -E "^drafter|Error" | sed "s/^/preload $on: /" | log
       grep -E "_best_first_kernel" "$OUT/preload$on/profile-dflash-b1-tree15.txt" | head -1 | sed "s/^/preload $on: /" | log
+    done
+  done
+  ;;
+qkv-rope)
+  # (fifty-first session, not run yet) the q/k/v projection doing the rotation and the KV-cache write on its way
+  # out (kernels/qkv_rope.py, ROPE_IN_QKV, off until this has run): one launch a layer fewer, 30 a target-only
+  # step and 36 a tree step at one stream (each rope launch ~4 us in last session's profile). Its GPU tests (against
+  # the reference; SmolLM2's captured steps with it against without), the engine's lossless GPU tests with it on;
+  # then ms a step on and off, alternating, target only and trees of 15 at one and eight streams
+  timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_qkv_rope.py 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | sed "s/^/qkv-rope tests: /" | log
+  SPECSPLIT_ROPE_IN_QKV=1 timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_step_graphs.py \
+    tests/test_chain.py tests/test_tree.py 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 \
+    | sed "s/^/engine tests, on: /" | log
+  for args in "--drafter none --batch 1" "--drafter dflash --batch 1 --draft-tree 15" \
+      "--drafter dflash --batch 8 --draft-tree 15" "--drafter none --batch 1" "--drafter dflash --batch 1 --draft-tree 15"; do
+    for on in 1 0; do
+      SPECSPLIT_ROPE_IN_QKV=$on timeout 60 python bench/profile_step.py $args --steps 60 --out "$OUT/qkv$on" 2>&1 \
+        | grep -E "^drafter|Error" | sed "s/^/qkv-rope $on: /" | log
     done
   done
   ;;
