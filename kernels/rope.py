@@ -4,6 +4,15 @@ RoPE is the NeoX/HF "rotate_half" form, out = x*cos + rotate_half(x)*sin, comput
 with cos/sin [T, D] as the model computes them (once per forward, shared by every layer: so they stay an
 input rather than being recomputed in here). The kernel rounds where the torch ops round (each product,
 then the sum) and is built without FMA contraction, so on the GPU it equals the reference bit for bit.
+
+Measured and dropped (fifty-second session, H100, `gpu_round.sh qkv-rope`, `bench/profile_step.py` on and off
+alternating in one call): the rotation and the cache write done by the q/k/v projection on its way out (a program a
+head over the whole of K, both halves in registers), one launch a layer fewer. 30 kernels fewer a target-only step
+(190 against 220) and 36 a tree step (258 against 294), yet no faster: target only at one stream 0.719 ms against
+0.707, trees of 15 at one stream 1.000 against 0.999, at eight streams 1.258 against 1.283. Its 15 programs (one a
+head of SmolLM2's 9 + 3 + 3) each streamed a head's 64 rows of the weight: 9.0 µs a launch against the
+projection's 6.9 plus this module's 4.1, and the attention after it waited longer (7.3 µs against 3.2). Its bf16
+GPU test also parted from the reference past the tolerance. The code is gone.
 """
 
 from __future__ import annotations

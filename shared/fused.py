@@ -24,7 +24,7 @@ from typing import Callable, Collection, Protocol, Sequence
 
 import torch
 
-from specsplit.kernels import qkv_rope, rope
+from specsplit.kernels import rope
 from specsplit.kernels.activation import silu_mul
 from specsplit.kernels.norm import add_rms_norm, rms_norm
 from specsplit.kernels.skinny_linear import (PendingNorm, linear, linear_triton, linear_triton_norm_out,
@@ -81,9 +81,8 @@ class Attend(Protocol):
 
 class PagedAttend:
     """An `Attend` whose keys live in paged pools: each layer's q and k rotated and k and v written to rows
-    `slots` of its pools (`kernels.rope.rope_and_cache_write`), then `attention(layer, rotated q)`. It tells a
-    layer where the rotation reads and writes (`rotary`), so that the q/k/v projection can do both in its own
-    launch (`kernels.qkv_rope`, where `qkv_rope.ROPE_IN_QKV`) and call `attention` alone."""
+    `slots` of its pools (`kernels.rope.rope_and_cache_write`), then `attention(layer, rotated q)`: the
+    target's step graphs and the drafter's block forward attend through one."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, k_pools: Sequence[torch.Tensor],
                  v_pools: Sequence[torch.Tensor], slots: torch.Tensor, eps: float,
@@ -96,10 +95,6 @@ class PagedAttend:
         q = rope.rope_and_cache_write(q, k, v, self.cos, self.sin, self.k_pools[layer], self.v_pools[layer],
                                       self.slots, norms, self.eps)
         return self.attention(layer, q)
-
-    def rotary(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """(cos, sin, k pool, v pool, slots) of `layer`'s rotation and cache write."""
-        return self.cos, self.sin, self.k_pools[layer], self.v_pools[layer], self.slots
 
 
 FOLD = True  # benches set it False to compare a step with the folds and without ...
@@ -130,29 +125,19 @@ def fused_layer(cfg: ModelConfig, index: int, layer: DecoderLayer, weights: Fuse
     layer's normed input (normed with `next_norm`: the next layer's input norm, or the final norm; left
     pending where this layer folds and so does the next, `fold_next`) and this layer's output."""
     attn, mlp, eps = layer.self_attn, layer.mlp, cfg.rms_norm_eps
-    x, squares = (h.weighted, h.squares) if isinstance(h, PendingNorm) else (h, None)
-    assert fold or squares is None, "a norm is left pending only to a layer that folds"
-    norms = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
-    heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
-    if fold and qkv_rope.ROPE_IN_QKV and isinstance(attend, PagedAttend) \
-            and qkv_rope.takes_qkv_rope(x, weights.qkv, heads):
-        # the rotation and the cache write (and the per-head norms, if any) in the projection's launch
-        q = qkv_rope.qkv_rope_triton(x, weights.qkv, weights.qkv_bias, heads, *attend.rotary(index), norms=norms,
-                                     eps=eps, squares=squares, norm_eps=eps)
-        out = attend.attention(index, q)
+    if isinstance(h, PendingNorm):
+        assert fold, "a norm is left pending only to a layer that folds"
+        qkv = linear_triton(h.weighted, weights.qkv, weights.qkv_bias, norm_in=h.squares, eps=eps)
     else:
-        if squares is not None:
-            qkv = linear_triton(x, weights.qkv, weights.qkv_bias, norm_in=squares, eps=eps)
-        else:
-            qkv = linear(x, weights.qkv, weights.qkv_bias)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q, k, v = (t.view(t.shape[0], -1, cfg.head_dim) for t in (q, k, v))
-        if norms is None:
-            out = attend(index, q, k, v)
-        elif rope.QK_NORM_IN_ROPE:  # normed in the rotary kernel's launch
-            out = attend(index, q, k, v, norms=norms)
-        else:
-            out = attend(index, rms_norm(q, norms[0], eps), rms_norm(k, norms[1], eps), v)
+        qkv = linear(h, weights.qkv, weights.qkv_bias)
+    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    q, k, v = (t.view(t.shape[0], -1, cfg.head_dim) for t in (q, k, v))
+    if attn.q_norm is None:
+        out = attend(index, q, k, v)
+    elif rope.QK_NORM_IN_ROPE:  # normed in the rotary kernel's launch
+        out = attend(index, q, k, v, norms=(attn.q_norm.weight, attn.k_norm.weight))
+    else:
+        out = attend(index, rms_norm(q, attn.q_norm.weight, eps), rms_norm(k, attn.k_norm.weight, eps), v)
     out = out.reshape(out.shape[0], -1)
     post_norm, down, down_bias = layer.post_attention_layernorm.weight, mlp.down_proj.weight, mlp.down_proj.bias
     if not fold:

@@ -119,9 +119,6 @@ KERNELS = {
     "skinny_linear._skinny_linear_kernel": (
         {"HAS_BIAS": False, "SWIGLU": True, "ADD": False, "NORM_OUT": False, "NORM_IN": True, "SQUARES_BLOCK": 64,
          "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256}, {"squares_ptr": "*fp32"}),
-    "qkv_rope._qkv_rope_kernel": (
-        {"HQ": 9, "HKV": 3, "DIM": 64, "HAS_BIAS": False, "NORM_IN": True, "SQUARES_BLOCK": 64, "NORMS": True,
-         "BLOCK_M": 16, "BLOCK_K": 256}, {"squares_ptr": "*fp32", "slots_ptr": "*i64"}),
 }
 FLOATS = {"eps", "norm_eps", "scale_log2"}
 MEMORY_OPS = ("ld.global", "st.global", "atom.global", "red.global", "cp.async", "ld.volatile.global")
@@ -131,7 +128,6 @@ MEMORY_OPS = ("ld.global", "st.global", "atom.global", "red.global", "cp.async",
 VARIANTS = {
     "top_k._top_k_kernel": {"SCORED": False},
     "rope._rope_kernel": {"NORM": False},
-    "qkv_rope._qkv_rope_kernel": {"NORM_IN": False, "NORMS": False, "HAS_BIAS": True, "BLOCK_M": 64, "BLOCK_K": 128},
     "tree_grow._best_first_kernel": {"ROOTS": False},
     "fed_inputs._fed_inputs_kernel": {"TREE": False, "Q": 8},
     "chain_meta._chain_meta_kernel": {"COMMIT": False},
