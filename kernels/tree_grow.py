@@ -9,6 +9,11 @@ offers its next sibling and its first child), each node's visibility word (`tree
 its own row's bit) kept as it is made. Ties may pick other nodes of equal score than `best_first` does.
 `grow_verify_inputs` also writes the verify's tokens and rotary positions, and sanitises the drafter's scores and
 ids as it reads them: seven torch kernels fewer around a chained tree step's verify.
+
+Measured and dropped (fifty-second session, H100, `gpu_round.sh tree-grow-preload`, two rounds alternating): a
+block's candidates read into registers once, before the pops, instead of three global reads a pop in series. Its
+GPU tests passed, but a tree step at one stream took 0.999 / 1.000 ms with it against 0.998 / 0.999 without, the
+kernel itself 17.7 µs against 16.9 to 17.1 (picking an element out of a register tile costs a reduction over it).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.tree import TreeBatch, grow_trees, holds_nodes, tree_words
 
-from ._triton import HAVE_TRITON, _switch, dependent_launch, gdc_enter, tl, triton
+from ._triton import HAVE_TRITON, dependent_launch, gdc_enter, tl, triton
 
 
 def grow_tree_words_reference(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> tuple[TreeBatch, torch.Tensor]:
@@ -78,14 +83,6 @@ def check_tree_shape(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> None
         raise InvalidRequest(f"{rows} rows of {width} candidates hold fewer rank paths than {budget} nodes")
 
 
-# Whether a block's candidates are read into registers once, before the pops (`_best_first_kernel`'s PRELOAD),
-# where they are at most PRELOAD_MOST (padded): the shipped drafter's 15 rows of 8, 128. Built without a GPU (the
-# fiftieth session; the forty-ninth's H100 profile had the kernel at 18 us of a 1.0-ms tree step, its pops' reads
-# in series): off until one has run it (`gpu_round.sh tree-grow-preload` sets SPECSPLIT_TREE_GROW_PRELOAD=1).
-PRELOAD_BLOCK = _switch("SPECSPLIT_TREE_GROW_PRELOAD", False)
-PRELOAD_MOST = 512
-
-
 @triton.jit
 def _score(ptr, mask):
     """A drafter's score as `grow_tree_words` takes it: NaN ranks last (-inf), none above 0 (+inf is 0)."""
@@ -94,33 +91,17 @@ def _score(ptr, mask):
 
 
 @triton.jit
-def _at(tile, rr, kk, r, k):
-    """tile[r, k] of a tile held in registers (rows rr [RP, 1], ranks kk [1, KP]); 0 where (r, k) lies outside."""
-    return tl.sum(tl.sum(tl.where((rr == r) & (kk == k), tile, 0), 1), 0)
-
-
-@triton.jit
 def _best_first_kernel(logp_ptr, ids_ptr, tokens_ptr, parents_ptr, depths_ptr, words_ptr, R, K, vocab,
                        anchors_ptr, positions_ptr, verify_tokens_ptr, rotary_ptr,
                        N: tl.constexpr, NP: tl.constexpr, F: tl.constexpr, ROOTS: tl.constexpr,
-                       PRELOAD: tl.constexpr, RP: tl.constexpr, KP: tl.constexpr, USE_GDC: tl.constexpr):
+                       USE_GDC: tl.constexpr):
     """Program b pops tree b's N best paths. The frontier's slot 0 starts with row 0's best; pop i puts the
     popped path's sibling in its slot and its child in slot i + 1 (each while its row has one). A slot's score
     is its base (its parent's score) plus its own log-probability: no subtraction, so -inf scores stay -inf.
-    With ROOTS, ids are clamped into 0..vocab-1 and the verify's tokens and rotary positions written too.
-    With PRELOAD the block's scores and ids [R, K] (padded to [RP, KP]) are read into registers once, before
-    the pops: otherwise each pop's token, sibling and child are three reads of global memory in series."""
+    With ROOTS, ids are clamped into 0..vocab-1 and the verify's tokens and rotary positions written too."""
     gdc_enter(USE_GDC)
     b = tl.program_id(0).to(tl.int64)
     base_ptr = logp_ptr + b * R * K
-    if PRELOAD:
-        rr = tl.arange(0, RP)[:, None]
-        kk = tl.arange(0, KP)[None, :]
-        inside = (rr < R) & (kk < K)
-        block = _score(base_ptr + rr * K + kk, inside)
-        cands = tl.load(ids_ptr + b * R * K + rr * K + kk, mask=inside, other=0).to(tl.int64)
-    if ROOTS:
-        position = tl.load(positions_ptr + b).to(tl.int64)
     slots = tl.arange(0, F)
     first = _score(base_ptr, True)
     score = tl.where(slots == 0, first, float("-inf"))
@@ -148,32 +129,23 @@ def _best_first_kernel(logp_ptr, ids_ptr, tokens_ptr, parents_ptr, depths_ptr, w
         depth_of = tl.where(here, depth, depth_of)
         word_of = tl.where(here, word, word_of)
         out = b * N + i
-        if PRELOAD:
-            token = _at(cands, rr, kk, r, k)
-        else:
-            token = tl.load(ids_ptr + b * R * K + r * K + k).to(tl.int64)
+        token = tl.load(ids_ptr + b * R * K + r * K + k).to(tl.int64)
         if ROOTS:
             token = tl.minimum(tl.maximum(token, 0), vocab - 1)
             tl.store(verify_tokens_ptr + b * (N + 1) + 1 + i, token)
-            tl.store(rotary_ptr + b * (N + 1) + 1 + i, position + depth.to(tl.int64))
+            tl.store(rotary_ptr + b * (N + 1) + 1 + i, tl.load(positions_ptr + b) + depth.to(tl.int64))
         tl.store(tokens_ptr + out, token)
         tl.store(parents_ptr + out, p.to(tl.int64))
         tl.store(depths_ptr + out, depth.to(tl.int64))
         # the sibling into the popped slot: the same base, the next rank's log-probability
         sibling = k + 1 < K
-        if PRELOAD:
-            sib = at_base + _at(block, rr, kk, r, k + 1)
-        else:
-            sib = at_base + _score(base_ptr + r * K + k + 1, sibling)
+        sib = at_base + _score(base_ptr + r * K + k + 1, sibling)
         score = tl.where(pick, sib, score)
         live = tl.where(pick, sibling, live)
         rank = tl.where(pick, k + 1, rank)
         # the child into slot i + 1: this path's score, the next row's best
         child = r + 1 < R
-        if PRELOAD:
-            kid = s + _at(block, rr, kk, r + 1, 0)
-        else:
-            kid = s + _score(base_ptr + (r + 1) * K, child)
+        kid = s + _score(base_ptr + (r + 1) * K, child)
         put = slots == i + 1
         score = tl.where(put, kid, score)
         live = live | (put & child)
@@ -186,7 +158,7 @@ def _best_first_kernel(logp_ptr, ids_ptr, tokens_ptr, parents_ptr, depths_ptr, w
     tl.store(words + 1 + nodes, word_of, mask=nodes < N)
     if ROOTS:
         tl.store(verify_tokens_ptr + b * (N + 1), tl.load(anchors_ptr + b).to(tl.int64))
-        tl.store(rotary_ptr + b * (N + 1), position)
+        tl.store(rotary_ptr + b * (N + 1), tl.load(positions_ptr + b).to(tl.int64))
 
 
 def grow_tree_words_triton(logp: torch.Tensor, ids: torch.Tensor, budget: int) -> tuple[TreeBatch, torch.Tensor]:
@@ -208,11 +180,9 @@ def _grow_triton(logp: torch.Tensor, ids: torch.Tensor, budget: int, vocab: int,
     roots = anchors is not None
     verify_tokens, rotary = (torch.empty((batch, budget + 1), dtype=torch.int64, device=device) if roots else words
                              for _ in range(2))
-    rp, kp = triton.next_power_of_2(rows), triton.next_power_of_2(width)
     _best_first_kernel[(batch,)](logp, ids, *out, words, rows, width, vocab,
                                  anchors.contiguous() if roots else words, positions.contiguous() if roots else words,
                                  verify_tokens, rotary, N=budget, NP=triton.next_power_of_2(budget),
-                                 F=triton.next_power_of_2(budget + 1), ROOTS=roots,
-                                 PRELOAD=PRELOAD_BLOCK and rp * kp <= PRELOAD_MOST, RP=rp, KP=kp, num_warps=1,
+                                 F=triton.next_power_of_2(budget + 1), ROOTS=roots, num_warps=1,
                                  **dependent_launch(device, "tree_grow"))
     return TreeBatch(*out), words, verify_tokens, rotary

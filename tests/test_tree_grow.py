@@ -13,8 +13,7 @@ from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.tree import best_first, tree_words
 from tests.kernel_checks import captured, run_interpreted
 
-# (the last: a block too wide for the kernel to hold in registers, PRELOAD_MOST, read pop by pop as before)
-SHAPES = ((3, 15, 8, 15), (2, 4, 3, 9), (1, 2, 1, 2), (2, 15, 8, 31), (4, 15, 8, 63), (1, 3, 300, 20))
+SHAPES = ((3, 15, 8, 15), (2, 4, 3, 9), (1, 2, 1, 2), (2, 15, 8, 31), (4, 15, 8, 63))
 
 
 def candidates(batch: int, rows: int, width: int, seed: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,28 +148,13 @@ def assert_kernel_verify_inputs_equal_the_reference(device="cpu") -> None:
             assert paths(got[0]) == paths(want[0]), (seed, b)
 
 
-def check_kernel(device="cpu") -> None:
-    """The kernel's checks, with each block's candidates read into registers before the pops (PRELOAD_BLOCK)
-    and read pop by pop."""
-    from specsplit.kernels import tree_grow
-
-    preload = tree_grow.PRELOAD_BLOCK
-    try:
-        for tree_grow.PRELOAD_BLOCK in (True, False):
-            for seed in range(2):
-                assert_best_first(grow_tree_words_triton, seed, device)
-            # (the kernel reads a NaN as -inf itself)
-            assert_well_formed_with_nan(lambda logp, ids, budget: grow_tree_words_triton(logp.to(device),
-                                                                                          ids.to(device), budget))
-            assert_verify_inputs(_grow_triton, device)
-            assert_kernel_verify_inputs_equal_the_reference(device)
-    finally:
-        tree_grow.PRELOAD_BLOCK = preload
-
-
 def check_triton_interpreted() -> None:
     """Run with TRITON_INTERPRET=1 set before triton is imported (test_triton_interpreted does)."""
-    check_kernel()
+    for seed in range(2):
+        assert_best_first(grow_tree_words_triton, seed)
+    assert_well_formed_with_nan(grow_tree_words_triton)  # (the kernel reads a NaN as -inf itself)
+    assert_verify_inputs(_grow_triton)
+    assert_kernel_verify_inputs_equal_the_reference()
     print("interpreted tree grow ok")
 
 
@@ -182,8 +166,11 @@ def test_triton_interpreted():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_triton_grows_best_first_trees_on_cuda_and_in_a_graph():
-    check_kernel("cuda")
+    for seed in range(3):
+        assert_best_first(grow_tree_words_triton, seed, "cuda")
+    assert_well_formed_with_nan(lambda logp, ids, budget: grow_tree_words(logp.cuda(), ids.cuda(), budget))
     assert_verify_inputs(grow_verify_inputs, "cuda")
+    assert_kernel_verify_inputs_equal_the_reference("cuda")
     logp, ids = candidates(8, 15, 8, 5, "cuda")
     graph, (trees, words) = captured(lambda: grow_tree_words_triton(logp, ids, 15))
     want, want_words = grow_tree_words_triton(logp, ids, 15)
