@@ -617,12 +617,12 @@ def add_service_parsers(sub) -> None:
         add_model_args(p)
         p.set_defaults(func=func, drafter="dflash")
         p.add_argument("--seed", type=int, default=0, help="seeds a random drafter")
-        p.add_argument("--mps", nargs="?", const="on", choices=sorted(MPS_CHOICES), default="off",
+        p.add_argument("--mps", nargs="?", const="on", choices=sorted(MPS_CHOICES), default="auto",
                        help="run both services as clients of a private NVIDIA MPS server (started and quit with "
                             "them; needs nvidia-cuda-mps-control), so one GPU runs their kernels side by side "
                             "instead of time-slicing two contexts (README, 'Measured'): --mps (or on) requires it, "
                             "--mps auto tries it with a CUDA device and starts the services without it, with a "
-                            "warning, where it cannot; default: off")
+                            "warning, where it cannot (the default); --mps off never tries it")
         p.add_argument("--device-waits", action=argparse.BooleanOptionalAction, default=None,
                        help="the two services' CUDA streams wait for each other on the device: the drafter serves "
                             "this one target (drafter serve --device-waits --max-targets 1) and the target asks for "

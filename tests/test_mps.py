@@ -184,7 +184,7 @@ def recorded_starts(monkeypatch, fail_under_mps: bool = False) -> list[bool]:
 def test_a_pair_asked_to_try_mps_runs_under_it_on_a_gpu(fake_control, monkeypatch, tmp_path):
     auto = dict(device="cuda", mps=None)
     assert ServiceSpec(**auto).tries_mps and ServiceSpec(device="cuda:1", mps=True).tries_mps
-    assert not ServiceSpec(device="cuda").tries_mps  # (off by default: see ServiceSpec.mps)
+    assert ServiceSpec(device="cuda").tries_mps  # (auto by default: see ServiceSpec.mps)
     assert not ServiceSpec(drafter="none", **auto).tries_mps and not ServiceSpec(mps=None).tries_mps  # (the CPU)
     starts = recorded_starts(monkeypatch)
     services = spawn(ServiceSpec(target=str(tmp_path), **auto))
@@ -225,7 +225,7 @@ def test_services_that_do_not_start_under_mps_start_again_without_it(fake_contro
         spawn(ServiceSpec(target=str(tmp_path), device="cuda", mps=True))
     assert starts == [True]
 
-@pytest.mark.parametrize("given,mps", [([], False), (["--mps"], True), (["--mps", "on"], True),
+@pytest.mark.parametrize("given,mps", [([], None), (["--mps"], True), (["--mps", "on"], True),
                                        (["--mps", "auto"], None), (["--mps", "off"], False)])
 def test_the_command_line_asks_for_mps_on_auto_or_off(given, mps, monkeypatch):
     from specsplit import cli, pair
