@@ -98,7 +98,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3, help="prompts each client sends one after another")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--mps", action="store_true", help="every pair under a private MPS server of its own (`up --mps`)")
+    ap.add_argument("--mps", action="store_true",
+                    help="every pair under a private MPS server of its own (as `up` starts them on a GPU, where "
+                         "MPS can start); without it, as `up --mps off`")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if min(args.streams) < 1 or args.requests < 1 or args.rounds < 1 or min(args.speculate_below) < 0:

@@ -59,6 +59,8 @@
 #                                         # GPU tests, the steps' replays and served tokens/s with and without
 #   bash tools/gpu_round.sh qkv-rope      # the rotation and cache write in the q/k/v projection: GPU tests, steps on/off (run, dropped)
 #   bash tools/gpu_round.sh mps-default   # the pair under MPS by default: its GPU tests, pair_bench with and without (run: on)
+#   bash tools/gpu_round.sh mps-default-tests  # (next) the pair's GPU test files under the default, one by one (split: >320 s)
+#   bash tools/gpu_round.sh pair-bench    # (next) --speculate-below 0 / 4 / 8 under MPS through the real pair, 1-8 streams
 #   bash tools/gpu_round.sh tables        # (next) the rotary tables in one launch (on): GPU tests, served tokens/s
 #                                         # with against without (one-launch attention: measured, removed)
 #   bash tools/gpu_round.sh served-trace  # the served decode steps under the profiler: where the device stands idle
@@ -960,15 +962,14 @@ resting)
     --also-both-waits --json-out "$OUT/narrow.json" 2>&1 | grep -v INFO | grep -E "^batch|Error|error" | log
   ;;
 pair-bench)
-  # (fiftieth session, not run yet) what gRPC clients see: pairs started as `specsplit up` starts them (linked,
-  # --speculate-below 0 and the default 4), 1 to 16 concurrent clients streaming held-out prompts, against the same
-  # target serving them with speculation off (bench/pair_bench.py). Is 4 the right default through the real pair?
-  timeout 280 python bench/pair_bench.py --device cuda --streams 1 2 3 4 8 16 --speculate-below 0 4 --requests 3 \
-    --max-tokens 128 --rounds 2 --json-out "$OUT/pair_bench.json" 2>&1 | grep -v INFO | grep -E "^streams|^pair|Error" | log
-  # ... and under MPS, where the services' step is cheaper (0.84x in-process at one stream): does it pay further?
-  timeout 280 python bench/pair_bench.py --device cuda --streams 1 2 3 4 8 16 --speculate-below 0 4 --requests 3 \
-    --max-tokens 128 --rounds 2 --mps --json-out "$OUT/pair_bench_mps.json" 2>&1 | grep -v INFO \
-    | grep -E "^streams|^pair|Error" | sed "s/^/mps: /" | log
+  # (fiftieth session, not run yet; rewritten in the fifty-second, when MPS became `up`'s default) what gRPC clients
+  # see: pairs started as `specsplit up` starts them (linked, under MPS), drafting below 0 (always), 4 (the default)
+  # and 8 sequences, 1 to 8 concurrent clients streaming held-out prompts, against the same target serving them with
+  # speculation off (bench/pair_bench.py). Is 4 still the right default under MPS (0.91x target only at 4 streams,
+  # 1.00x at 8, one short round each in the fifty-second session)?
+  timeout 560 python bench/pair_bench.py --device cuda --streams 1 2 3 4 6 8 --speculate-below 0 4 8 --requests 3 \
+    --max-tokens 192 --rounds 2 --mps --json-out "$OUT/pair_bench_mps.json" 2>&1 | grep -v INFO \
+    | grep -E "^streams|^pair|Error" | log
   ;;
 tree-grow-preload)
   # (fiftieth session; run in the fifty-second: no faster, dropped) the best-first tree kernel with each block's candidates read into registers
