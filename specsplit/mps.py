@@ -55,11 +55,12 @@ class MpsServer:
     def __init__(self, lifeline: Lifeline, *, control: str = CONTROL, timeout: float = 30.0) -> None:
         if os.environ.get(PIPE_ENV):
             raise MpsUnavailable(f"{PIPE_ENV} is set ({os.environ[PIPE_ENV]}): this process, and the services it "
-                               f"starts, are clients of that MPS server already; leave out --mps")
+                                 f"starts, are clients of that MPS server already, not of a private one (--mps off "
+                                 f"does not try one)")
         path = shutil.which(control)
         if path is None:
-            raise MpsUnavailable(f"--mps needs NVIDIA's {control} on PATH (it comes with the driver; in a "
-                               f"container, with the NVIDIA container toolkit's compute capability)")
+            raise MpsUnavailable(f"a private MPS server needs NVIDIA's {control} on PATH (it comes with the "
+                                 f"driver; in a container, with the NVIDIA container toolkit's compute capability)")
         self.folder = Path(tempfile.mkdtemp(prefix="specsplit-mps-"))
         self.env = client_env(self.folder)
         env = {**os.environ, **lifeline.child_env(), **self.env, CONTROL_ENV: path}

@@ -150,7 +150,7 @@ def test_an_mps_client_already_is_not_given_a_second_server(fake_control, monkey
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/var/run/mps-of-the-node")
     lifeline = Lifeline()
     try:
-        with pytest.raises(RuntimeError, match="clients of that MPS server already; leave out --mps"):
+        with pytest.raises(RuntimeError, match="clients of that MPS server already, not of a private one"):
             MpsServer(lifeline)
     finally:
         lifeline.close()
@@ -164,7 +164,7 @@ def test_the_command_line_reports_a_missing_control_program_as_an_error(monkeypa
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     assert main(["up", "--mps", "--device", "cuda", "--target", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err  # (the server starts before the services: nothing else ran)
-    assert err.startswith("specsplit: error: --mps needs NVIDIA's nvidia-cuda-mps-control on PATH")
+    assert err.startswith("specsplit: error: a private MPS server needs NVIDIA's nvidia-cuda-mps-control on PATH")
 
 
 def recorded_starts(monkeypatch, fail_under_mps: bool = False) -> list[bool]:
