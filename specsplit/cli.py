@@ -296,8 +296,10 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
     auto = args.num_drafts == "auto"
     tree = args.draft_tree
     if tree == "auto":  # trees where the services' were measured to pay: on a GPU, at the drafter's own draft length
+        # (a schedule that only turns speculation off from some batch size on, as `specsplit up` gives on a GPU,
+        # keeps it below there)
         tree = AUTO_DRAFT_TREE if drafter and args.device.startswith("cuda") and args.num_drafts is None \
-            and not args.drafts_by_batch else 0
+            and all(drafts == 0 for _, drafts in args.drafts_by_batch) else 0
     engine = EngineConfig(max_batch=args.max_batch, num_drafts=None if auto else args.num_drafts,
                           kv_blocks=args.kv_blocks, cuda_graphs=args.cuda_graphs,
                           drafts_by_batch=args.drafts_by_batch, auto_drafts=auto, draft_tree=tree,
@@ -558,9 +560,9 @@ def add_service_parsers(sub) -> None:
                     help="greedy steps of a DFlash drafter service verify a best-first draft tree of this many nodes "
                          "a sequence instead of a chain (1..63, grown from its rows; 0: chains): the drafter answers "
                          "each block row's 8 best tokens, the trees are grown and verified here (default auto: "
-                         f"{AUTO_DRAFT_TREE} on a GPU without --num-drafts or --drafts-by-batch, where the services' "
-                         "trees ran 1.05-1.18x their chains at 1 to 4 streams; else chains. A drafter that offers "
-                         "no candidates, such as MTP, is asked for chains)")
+                         f"{AUTO_DRAFT_TREE} on a GPU without --num-drafts, and with a --drafts-by-batch only of N:0, "
+                         "where the services' trees ran 1.05-1.18x their chains at 1 to 4 streams; else chains. A "
+                         "drafter that offers no candidates, such as MTP, is asked for chains)")
     ts.add_argument("--draft-tree-batch", type=int, default=8, metavar="N",
                     help="with --draft-tree: trees only in steps of at most N sequences, chains above (default 8: "
                          "with the one-launch kernels of the forty-eighth session trees beat chains at eight streams, "

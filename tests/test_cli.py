@@ -172,6 +172,9 @@ DRAFTER = ("--drafter", "unix:/nonexistent/d.sock")
                                          ((*DRAFTER, "--device", "cuda", "--num-drafts", "7"), (0, 8, None)),
                                          ((*DRAFTER, "--device", "cuda", "--num-drafts", "auto"), (0, 8, None)),
                                          ((*DRAFTER, "--device", "cuda", "--drafts-by-batch", "8:7"), (0, 8, None)),
+                                         ((*DRAFTER, "--device", "cuda", "--drafts-by-batch", "2:7,4:0"), (0, 8, None)),
+                                         # (speculation off from 4 sequences on, as `specsplit up` gives on a GPU)
+                                         ((*DRAFTER, "--device", "cuda", "--drafts-by-batch", "4:0"), (15, 8, 8)),
                                          (("--device", "cuda"), (0, 8, None)),
                                          ((*DRAFTER, "--draft-tree", "31", "--trees-by-batch", "2:15,3:0"),
                                           (31, 8, 8, ((2, 15), (3, 0)))),
@@ -179,8 +182,8 @@ DRAFTER = ("--drafter", "unix:/nonexistent/d.sock")
 def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, monkeypatch):
     """`target serve --draft-tree N|auto [--draft-tree-batch B] [--trees-by-batch N:M]`: the engine's trees (B at
     most --max-batch; M nodes from N sequences on), of the 8 candidates a row the drafter serves. auto (the
-    default): trees of 15 nodes on a GPU with a drafter at its own draft length; chains on the CPU, at a draft
-    length given or learned, or with no drafter."""
+    default): trees of 15 nodes on a GPU with a drafter at its own draft length (where it drafts at all); chains on
+    the CPU, at a draft length given or learned, or with no drafter."""
     import specsplit.services
 
     monkeypatch.setattr(logs, "configure", lambda *args, **kwargs: None)  # (the root logger outlives the test)
