@@ -2,7 +2,7 @@
 streamed by N concurrent clients, side by side in one run.
 
     python bench/pair_bench.py --device cuda --streams 1 2 4 8 16 [--speculate-below 0 4] [--requests 3]
-        [--max-tokens 128] [--rounds 2] [--mps] [--json-out PATH]
+        [--max-tokens 128] [--rounds 2] [--mps] [--also-chains] [--json-out PATH]
 
 One pair per --speculate-below value (`ServiceSpec.speculate_below`: the target drafts only in steps of fewer
 sequences; 0: at every batch size), all up at once (an idle pair costs the GPU nothing; with --mps one at a time,
@@ -101,6 +101,9 @@ def main() -> None:
     ap.add_argument("--mps", action="store_true",
                     help="every pair under a private MPS server of its own (as `up` starts them on a GPU, where "
                          "MPS can start); without it, as `up --mps off`")
+    ap.add_argument("--also-chains", action="store_true",
+                    help="beside each pair, one verifying chains (its target given --draft-tree 0), as `up` "
+                         "started them on a GPU before the fifty-second session")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if min(args.streams) < 1 or args.requests < 1 or args.rounds < 1 or min(args.speculate_below) < 0:
@@ -108,31 +111,36 @@ def main() -> None:
     tokenizer = Tokenizer.from_dir(target_dir("default"))
     heldout = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)]
     max_batch = ("--max-batch", str(max(16, max(args.streams))))
-    spec = lambda below: ServiceSpec(device=args.device, dtype=args.dtype, speculate_below=below,  # noqa: E731
-                                     target_args=max_batch, mps=args.mps)
+    specs = {}  # run name -> its pair
+    for below in args.speculate_below:
+        specs[f"below_{below}"] = ServiceSpec(device=args.device, dtype=args.dtype, speculate_below=below,
+                                              target_args=max_batch, mps=args.mps)
+        if args.also_chains:
+            specs[f"below_{below}_chains"] = ServiceSpec(device=args.device, dtype=args.dtype, speculate_below=below,
+                                                         target_args=(*max_batch, "--draft-tree", "0"), mps=args.mps)
     # Under MPS one pair at a time (each its own private server), each beside its own target-only runs
-    groups = [args.speculate_below] if not args.mps else [[below] for below in args.speculate_below]
+    groups = [list(specs)] if not args.mps else [[name] for name in specs]
     table: dict[str, dict] = {f"streams_{n}": {"requests": n * args.requests} for n in args.streams}
     for group in groups:
         pairs = {}
         try:
-            for below in group:
-                pairs[below] = spawn(spec(below))
-                print(f"pair speculate_below={below}: target {pairs[below].spec.service_args('target')}", flush=True)
+            for name in group:
+                pairs[name] = spawn(specs[name])
+                print(f"pair {name}: target {pairs[name].spec.service_args('target')}", flush=True)
             runs = [("target_only", pairs[group[0]].target_address, False)] + \
-                [(f"below_{b}", pairs[b].target_address, True) for b in group]
+                [(name, pairs[name].target_address, True) for name in group]
             for n in args.streams:
                 row = table[f"streams_{n}"]
                 chosen = [heldout[i % len(heldout)] for i in range(n * args.requests)]
                 measure(runs, [chosen[i * args.requests:(i + 1) * args.requests] for i in range(n)], args, row,
-                        f"streams {n}" + (f", pair below {group[0]}" if args.mps else ""))
+                        f"streams {n}" + (f", pair {group[0]}" if args.mps else ""))
         finally:
             for services in pairs.values():
                 services.stop()
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         setting = {"device": args.device, "mps": args.mps, "max_tokens": args.max_tokens,
-                   "speculate_below": args.speculate_below}
+                   "speculate_below": args.speculate_below, "also_chains": args.also_chains}
         Path(args.json_out).write_text(json.dumps({**setting, **table}, indent=1))
 
 

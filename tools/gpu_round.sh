@@ -967,8 +967,9 @@ pair-bench)
   # and 8 sequences, 1 to 8 concurrent clients streaming held-out prompts, against the same target serving them with
   # speculation off (bench/pair_bench.py). Is 4 still the right default under MPS (0.91x target only at 4 streams,
   # 1.00x at 8, one short round each in the fifty-second session)?
+  # (and, with --also-chains, each beside the chains `up` verified before the fifty-second session's fix)
   timeout 560 python bench/pair_bench.py --device cuda --streams 1 2 3 4 6 8 --speculate-below 0 4 8 --requests 3 \
-    --max-tokens 192 --rounds 2 --mps --json-out "$OUT/pair_bench_mps.json" 2>&1 | grep -v INFO \
+    --max-tokens 160 --rounds 2 --mps --also-chains --json-out "$OUT/pair_bench_mps.json" 2>&1 | grep -v INFO \
     | grep -E "^streams|^pair|Error" | log
   ;;
 tree-grow-preload)
