@@ -67,6 +67,33 @@ def test_a_pair_sharing_a_gpu_drafts_below_four_sequences_a_step_by_default():
             ServiceSpec(device="cuda", speculate_below=bad)
 
 
+@pytest.mark.parametrize("spec, trees", [(ServiceSpec(device="cuda"), 15), (ServiceSpec(device="cuda:1", mps=False), 15),
+                                         (ServiceSpec(device="cuda", speculate_below=0), 15),
+                                         (ServiceSpec(device="cuda", target_args=("--num-drafts", "7")), 0),
+                                         (ServiceSpec(device="cuda", target_args=("--drafts-by-batch", "2:7")), 0),
+                                         (ServiceSpec(), 0)])
+def test_the_target_of_a_pair_on_a_gpu_verifies_draft_trees(spec, trees, monkeypatch):
+    """The target's own command line as the pair starts it (`service_args`), parsed as `target serve` parses it:
+    trees of 15 nodes on a GPU, also where its schedule turns speculation off from some batch size on (the
+    fiftieth session's `--drafts-by-batch 4:0` had made `--draft-tree auto` verify chains); chains where the
+    draft length is set, and on the CPU."""
+    import specsplit.services
+    from specsplit.shared import logs
+
+    monkeypatch.setattr(logs, "configure", lambda *args, **kwargs: None)  # (the root logger outlives the test)
+    seen = []
+
+    def start_target(settings):
+        seen.append(settings.engine.draft_tree)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(specsplit.services, "start_target", start_target)
+    with pytest.raises(SystemExit):
+        main(["target", "serve", "--listen", "unix:/nonexistent/t.sock", "--drafter", "unix:/nonexistent/d.sock",
+              "--device", spec.device, *spec.service_args("target")])
+    assert seen == [trees]
+
+
 def test_up_and_demo_refuse_device_waits_on_the_cpu_and_a_negative_speculate_below(capsys):
     assert main(["up", "--device-waits", "--device", "cpu"]) == 2
     assert "--device-waits orders the two services' CUDA streams: it needs a CUDA device" in capsys.readouterr().err
