@@ -49,9 +49,10 @@ class ServiceSpec:
     # instead of two contexts time-slicing the GPU. True: required (an error where it cannot start); False: off;
     # None ("auto"): on with a CUDA device and a drafter where it can be, else (no nvidia-cuda-mps-control, an MPS
     # client already, the server or the services under it not starting) without it, with a warning saying why.
-    # Auto by default since the fifty-second session's H100 run (gpu_round.sh mps-default): the pair's GPU tests
-    # passed under it, and pair_bench's pairs drafting below 4 streams (chains then) ran 1.45x target only at one
-    # stream under MPS against 1.14x without, 1.25x against 1.05x at two.
+    # Auto by default since the fifty-second session's H100 run (gpu_round.sh mps-default, mps-default-tests): under
+    # it test_mps and test_chaos_gpu passed, and the 21 of test_split_gpu's 32 cases that ran in the time left (none
+    # failed); pair_bench's pairs drafting below 4 streams (chains then) ran 1.45x target only at one stream under
+    # MPS against 1.14x without, 1.25x against 1.05x at two.
     mps: bool | None = None
     # The pair's streams wait for each other on the device: the drafter serves this one target (--device-waits
     # --max-targets 1) and the target asks for a tree step's candidates as the step before launches (--trees-ahead),
