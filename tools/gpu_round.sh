@@ -59,8 +59,9 @@
 #                                         # GPU tests, the steps' replays and served tokens/s with and without
 #   bash tools/gpu_round.sh qkv-rope      # the rotation and cache write in the q/k/v projection: GPU tests, steps on/off (run, dropped)
 #   bash tools/gpu_round.sh mps-default   # the pair under MPS by default: its GPU tests, pair_bench with and without (run: on)
-#   bash tools/gpu_round.sh mps-default-tests  # (next) the pair's GPU test files under the default, one by one (split: >320 s)
-#   bash tools/gpu_round.sh pair-bench    # (next) --speculate-below 0 / 4 / 8 under MPS through the real pair, 1-8 streams
+#   bash tools/gpu_round.sh mps-default-tests  # (next) test_split_gpu.py whole under the MPS default (21 of 32 passed in 320 s)
+#   bash tools/gpu_round.sh pair-bench    # (next) --speculate-below 0 / 4 / 8 under MPS through the real pair, 1-8 streams,
+#                                         # trees (up's default again) beside chains; then mps-trees: services / in-process
 #   bash tools/gpu_round.sh tables        # (next) the rotary tables in one launch (on): GPU tests, served tokens/s
 #                                         # with against without (one-launch attention: measured, removed)
 #   bash tools/gpu_round.sh served-trace  # the served decode steps under the profiler: where the device stands idle
