@@ -2,7 +2,7 @@
 streamed by N concurrent clients, side by side in one run.
 
     python bench/pair_bench.py --device cuda --streams 1 2 4 8 16 [--speculate-below 0 4] [--requests 3]
-        [--max-tokens 128] [--rounds 2] [--mps] [--also-chains] [--json-out PATH]
+        [--max-tokens 128] [--rounds 2] [--mps] [--also-chains] [--client-processes] [--json-out PATH]
 
 One pair per --speculate-below value (`ServiceSpec.speculate_below`: the target drafts only in steps of fewer
 sequences; 0: at every batch size), all up at once (an idle pair costs the GPU nothing; with --mps one at a time,
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
-import threading
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 from specsplit.client import Client, Generation
@@ -31,32 +32,42 @@ from specsplit.shared.tokenizer import Tokenizer
 from specsplit.train_data import HELDOUT_PATH, read_prompts
 
 
-def serve(address: str, prompts: list[list[list[int]]], max_tokens: int, speculative: bool
-          ) -> tuple[float, list[Generation]]:
-    """Each client's prompts one after another, the clients at once: (tokens/s over the wall time, results)."""
-    results: list[list[Generation]] = [[] for _ in prompts]
-    errors: list[BaseException] = []
+def _one_client(address: str, prompts: list[list[int]], max_tokens: int, speculative: bool
+                ) -> tuple[list[Generation], float]:
+    """One client's prompts one after another: their generations and the longest wait for a chunk (seconds,
+    the first chunk's included: a stall anywhere in a request shows here)."""
     params = SamplingParams(max_tokens=max_tokens)
+    results, longest = [], 0.0
+    with Client(address) as client:
+        for ids in prompts:
+            chunks, last = [], time.perf_counter()
+            with client.stream(ids, params, speculative=speculative) as stream:
+                for chunk in stream:
+                    now = time.perf_counter()
+                    longest, last = max(longest, now - last), now
+                    chunks.append(chunk)
+            results.append(Generation.from_chunks(chunks))
+    return results, longest
 
-    def client_main(i: int) -> None:
-        try:
-            with Client(address) as client:
-                for ids in prompts[i]:
-                    results[i].append(client.generate(ids, params, speculative=speculative))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(exc)
 
-    threads = [threading.Thread(target=client_main, args=(i,)) for i in range(len(prompts))]
+_POOL: ProcessPoolExecutor | None = None  # --client-processes: one process a client, kept across runs
+
+
+def serve(address: str, prompts: list[list[list[int]]], max_tokens: int, speculative: bool
+          ) -> tuple[float, list[Generation], float]:
+    """Each client's prompts one after another, the clients at once: tokens/s over the wall time, the results
+    and the longest wait any client had for a chunk (seconds). The clients are threads of this process, or with
+    --client-processes processes of a pool (then the clients' own Python cannot be what bounds the tokens/s)."""
     start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    if _POOL is not None:
+        per_client = [f.result() for f in [_POOL.submit(_one_client, address, p, max_tokens, speculative)
+                                           for p in prompts]]
+    else:
+        with ThreadPoolExecutor(len(prompts)) as threads:
+            per_client = list(threads.map(lambda p: _one_client(address, p, max_tokens, speculative), prompts))
     seconds = time.perf_counter() - start
-    if errors:
-        raise errors[0]
-    flat = [g for per_client in results for g in per_client]
-    return sum(len(g.token_ids) for g in flat) / seconds, flat
+    flat = [g for generations, _ in per_client for g in generations]
+    return sum(len(g.token_ids) for g in flat) / seconds, flat, max(gap for _, gap in per_client)
 
 
 def tau(results: list[Generation]) -> float:
@@ -66,26 +77,30 @@ def tau(results: list[Generation]) -> float:
 
 def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], args, row: dict, label: str) -> None:
     """Warm every run up once, then time them in alternating rounds; into `row` each speculative run's median
-    tokens/s over the first (target-only) run's, its tau and its requests differing from target only's."""
+    tokens/s over the first (target-only) run's, its tau, its requests differing from target only's and the
+    longest wait for a chunk in any of its rounds."""
     for _, address, speculative in runs:  # warm-up: graphs captured, chained steps too
         serve(address, prompts, args.max_tokens, speculative)
     rates: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    gaps: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     outputs: dict[str, list[Generation]] = {}
     for _ in range(args.rounds):
         for name, address, speculative in runs:
-            rate, outputs[name] = serve(address, prompts, args.max_tokens, speculative)
+            rate, outputs[name], gap = serve(address, prompts, args.max_tokens, speculative)
             rates[name].append(rate)
+            gaps[name].append(gap)
     base = statistics.median(rates["target_only"])
     want = [g.token_ids for g in outputs["target_only"]]
-    parts = [f"{label}: target only {base:.0f} tok/s"]
+    parts = [f"{label}: target only {base:.0f} tok/s (longest wait {1e3 * max(gaps['target_only']):.0f} ms)"]
     for name, _, _ in runs[1:]:
         rate = statistics.median(rates[name])
         differing = sum(g.token_ids != w for g, w in zip(outputs[name], want))
         row[name] = {"tokens_per_s": rate, "target_only_tokens_per_s": base, "over_target_only": rate / base,
                      "tau": tau(outputs[name]), "requests_differing": differing, "rounds": rates[name],
-                     "target_only_rounds": rates["target_only"]}
+                     "target_only_rounds": rates["target_only"], "longest_wait_s": gaps[name],
+                     "target_only_longest_wait_s": gaps["target_only"]}
         parts.append(f"{name.replace('_', ' ')} {rate / base:.2f}x (tau {tau(outputs[name]):.2f}, "
-                     f"{differing} differing)")
+                     f"{differing} differing, longest wait {1e3 * max(gaps[name]):.0f} ms)")
     print("; ".join(parts), flush=True)
 
 
@@ -104,6 +119,8 @@ def main() -> None:
     ap.add_argument("--also-chains", action="store_true",
                     help="beside each pair, one verifying chains (its target given --draft-tree 0), as `up` "
                          "started them on a GPU before the fifty-second session")
+    ap.add_argument("--client-processes", action="store_true",
+                    help="each client in a process of its own (default: threads of this process)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if min(args.streams) < 1 or args.requests < 1 or args.rounds < 1 or min(args.speculate_below) < 0:
@@ -121,6 +138,9 @@ def main() -> None:
     # Under MPS one pair at a time (each its own private server), each beside its own target-only runs
     groups = [list(specs)] if not args.mps else [[name] for name in specs]
     table: dict[str, dict] = {f"streams_{n}": {"requests": n * args.requests} for n in args.streams}
+    if args.client_processes:
+        global _POOL
+        _POOL = ProcessPoolExecutor(max(args.streams), mp_context=multiprocessing.get_context("spawn"))
     for group in groups:
         pairs = {}
         try:
@@ -139,7 +159,8 @@ def main() -> None:
                 services.stop()
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        setting = {"device": args.device, "mps": args.mps, "max_tokens": args.max_tokens,
+        setting = {"device": args.device, "mps": args.mps, "client_processes": args.client_processes,
+                   "max_tokens": args.max_tokens,
                    "speculate_below": args.speculate_below, "also_chains": args.also_chains}
         Path(args.json_out).write_text(json.dumps({**setting, **table}, indent=1))
 

@@ -62,6 +62,8 @@
 #   bash tools/gpu_round.sh mps-default-tests  # (next) test_split_gpu.py whole under the MPS default (21 of 32 passed in 320 s)
 #   bash tools/gpu_round.sh pair-bench    # (next) --speculate-below 0 / 4 / 8 under MPS through the real pair, 1-8 streams,
 #                                         # trees (up's default again) beside chains; then mps-trees: services / in-process
+#   bash tools/gpu_round.sh front-end     # (next) gRPC clients' tokens/s with the clients as threads, then as processes
+#   bash tools/gpu_round.sh h200-goals    # (next) the goals on the H200: steps, the held-out prompts at one stream, the 8B floor
 #   bash tools/gpu_round.sh tables        # (next) the rotary tables in one launch (on): GPU tests, served tokens/s
 #                                         # with against without (one-launch attention: measured, removed)
 #   bash tools/gpu_round.sh served-trace  # the served decode steps under the profiler: where the device stands idle
@@ -1041,6 +1043,31 @@ mps-default)
       --max-tokens 128 --rounds 1 $mps --json-out "$OUT/pair_bench${mps:-_no_mps}.json" 2>&1 | grep -v INFO \
       | grep -E "^streams|^pair|Error" | sed "s/^/${mps:-no mps}: /" | log
   done
+  ;;
+front-end)
+  # (fifty-third session) pair-bench's target only served gRPC clients 3,500 tok/s at eight streams, where the engine
+  # steps 10,000+ (split_bench, in-process): do the bench's client threads bound it, or the target service's?
+  # The pair under MPS drafting at every batch size, target only beside it, the clients as threads of the bench,
+  # then as processes of their own
+  for clients in "" --client-processes; do
+    timeout 140 python bench/pair_bench.py --device cuda --streams 1 8 16 --speculate-below 0 --requests 3 \
+      --max-tokens 160 --rounds 3 --mps $clients --json-out "$OUT/front_end${clients:-_threads}.json" 2>&1 \
+      | grep -v INFO | grep -E "^streams|Error" | sed "s/^/${clients:-client threads}: /" | log
+  done
+  ;;
+h200-goals)
+  # (fifty-third session) the issue's goals on the H200 it names (every figure since the thirty-third session is an
+  # H100's): ms a step and kernels, target only and trees of 15 at one and eight streams; the 80 held-out prompts at
+  # one stream, trees of 15 (tau, speedup over target only in the same run: 0.8 tau); the Qwen3-8B-shaped decode
+  # step against its floor (1.15x). The services against in-process (0.97x) and eight streams (0.6 tau): mps-trees
+  for args in "--drafter none --batch 1" "--drafter dflash --batch 1 --draft-tree 15" "--drafter none --batch 8" \
+      "--drafter dflash --batch 8 --draft-tree 15"; do
+    timeout 40 python bench/profile_step.py $args --steps 60 --out "$OUT/steps" 2>&1 | grep -E "^drafter|Error" | log
+  done
+  timeout 150 python -m specsplit.cli eval-acceptance --device cuda --draft-tree 15 --max-tokens 128 --batch 1 \
+    2>&1 | grep -v INFO | tee "$OUT/eval_tree15.txt" | grep -E "^tau|mismatches|speedup|tok/s" | log
+  timeout 120 python bench/floor_profile.py --target qwen3-8b --batch 1 --query 1 --out "$OUT/floor" 2>&1 \
+    | grep -v INFO | grep -iE "ms|floor|Error" | head -6 | log
   ;;
 mps-default-tests)
   # (fifty-second session) mps-default's test run gave no verdict within 270 s: the same files with MPS tried by
