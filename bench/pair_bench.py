@@ -10,17 +10,21 @@ each under its own server, beside its own target-only runs). At each stream coun
 prompts (N clients, each sending --requests held-out prompts one after another, greedy, EOS ends a request), and
 so does the first pair with speculation off for every request (the target-only baseline, the same process); each
 is warmed up once with the whole run, then timed in alternating rounds.
-Prints tokens/s (the median over rounds), each pair over target only, its tau, and how many requests' tokens
-differ from target only's (bf16 parts at near-ties).
+Prints tokens/s (the median over rounds), each pair over target only, its tau, how many requests' tokens
+differ from target only's (bf16 parts at near-ties) and the longest any client waited for a chunk (a stall
+shows there). The clients are threads of the bench, or with --client-processes processes of their own.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
+import socket
 import statistics
 import time
+import urllib.request
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
@@ -70,17 +74,45 @@ def serve(address: str, prompts: list[list[list[int]]], max_tokens: int, specula
     return sum(len(g.token_ids) for g in flat) / seconds, flat, max(gap for _, gap in per_client)
 
 
+# The target's counters that tell a stall's cause, as the bench prints them (target_service.metrics)
+EVENTS = {"drafter_fallbacks_total": "fallbacks", "drafter_reattaches_total": "reattaches",
+          "drafter_device_waits_released_total": "waits released", "chain_captures_total": "captures",
+          "drafter_rests_total": "rests", "drafter_resumes_total": "resumes"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def counters(port: int) -> dict[str, float]:
+    """The target's EVENTS counters from its metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        short = name.removeprefix("specsplit_target_")
+        if short in EVENTS:
+            found[EVENTS[short]] = float(value)
+    return found
+
+
 def tau(results: list[Generation]) -> float:
     steps = sum(g.stats.steps for g in results)
     return sum(len(g.token_ids) for g in results) / steps if steps else 0.0
 
 
-def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], args, row: dict, label: str) -> None:
+def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], args, row: dict, label: str,
+            ports: dict[str, int]) -> None:
     """Warm every run up once, then time them in alternating rounds; into `row` each speculative run's median
-    tokens/s over the first (target-only) run's, its tau, its requests differing from target only's and the
-    longest wait for a chunk in any of its rounds."""
+    tokens/s over the first (target-only) run's, its tau, its requests differing from target only's, the
+    longest wait for a chunk in any of its rounds and what its target counted in them (EVENTS; `ports`: each
+    pair's metrics port; the target-only runs are the first pair's target's)."""
     for _, address, speculative in runs:  # warm-up: graphs captured, chained steps too
         serve(address, prompts, args.max_tokens, speculative)
+    before = {name: counters(port) for name, port in ports.items()}
     rates: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     gaps: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     outputs: dict[str, list[Generation]] = {}
@@ -89,6 +121,8 @@ def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], a
             rate, outputs[name], gap = serve(address, prompts, args.max_tokens, speculative)
             rates[name].append(rate)
             gaps[name].append(gap)
+    events = {name: {k: v - before[name].get(k, 0.0) for k, v in counters(port).items() if v != before[name].get(k)}
+              for name, port in ports.items()}
     base = statistics.median(rates["target_only"])
     want = [g.token_ids for g in outputs["target_only"]]
     parts = [f"{label}: target only {base:.0f} tok/s (longest wait {1e3 * max(gaps['target_only']):.0f} ms)"]
@@ -98,9 +132,10 @@ def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], a
         row[name] = {"tokens_per_s": rate, "target_only_tokens_per_s": base, "over_target_only": rate / base,
                      "tau": tau(outputs[name]), "requests_differing": differing, "rounds": rates[name],
                      "target_only_rounds": rates["target_only"], "longest_wait_s": gaps[name],
-                     "target_only_longest_wait_s": gaps["target_only"]}
+                     "target_only_longest_wait_s": gaps["target_only"], "events": events[name]}
+        seen = "".join(f", {k} {v:.0f}" for k, v in events[name].items())
         parts.append(f"{name.replace('_', ' ')} {rate / base:.2f}x (tau {tau(outputs[name]):.2f}, "
-                     f"{differing} differing, longest wait {1e3 * max(gaps[name]):.0f} ms)")
+                     f"{differing} differing, longest wait {1e3 * max(gaps[name]):.0f} ms{seen})")
     print("; ".join(parts), flush=True)
 
 
@@ -142,10 +177,13 @@ def main() -> None:
         global _POOL
         _POOL = ProcessPoolExecutor(max(args.streams), mp_context=multiprocessing.get_context("spawn"))
     for group in groups:
-        pairs = {}
+        pairs, ports = {}, {}
         try:
             for name in group:
-                pairs[name] = spawn(specs[name])
+                ports[name] = free_port()
+                spec = specs[name]
+                pairs[name] = spawn(dataclasses.replace(
+                    spec, target_args=(*spec.target_args, "--metrics-port", str(ports[name]))))
                 print(f"pair {name}: target {pairs[name].spec.service_args('target')}", flush=True)
             runs = [("target_only", pairs[group[0]].target_address, False)] + \
                 [(name, pairs[name].target_address, True) for name in group]
@@ -153,7 +191,7 @@ def main() -> None:
                 row = table[f"streams_{n}"]
                 chosen = [heldout[i % len(heldout)] for i in range(n * args.requests)]
                 measure(runs, [chosen[i * args.requests:(i + 1) * args.requests] for i in range(n)], args, row,
-                        f"streams {n}" + (f", pair {group[0]}" if args.mps else ""))
+                        f"streams {n}" + (f", pair {group[0]}" if args.mps else ""), ports)
         finally:
             for services in pairs.values():
                 services.stop()
