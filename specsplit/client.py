@@ -50,6 +50,9 @@ class ServiceError(SpecsplitError):
         tried = f" (after {attempts} attempts)" if attempts > 1 else ""
         super().__init__(f"{code.name}: {details}{tried}")
 
+    def __reduce__(self):  # pickled whole: a client's error crosses process pools (Exception's pickles args only)
+        return type(self), (self.code, self.details, self.attempts)
+
 
 @dataclass(frozen=True)
 class Retry:

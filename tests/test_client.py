@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import pickle
 import subprocess
 import sys
 import threading
@@ -420,3 +421,12 @@ def scripted(tmp_path):
     yield start
     for server in servers:
         server.stop(grace=0).wait()
+
+
+def test_a_service_error_survives_pickling_whole():
+    # (a client in a process pool hands its error back pickled; Exception's own pickling broke on the
+    # required arguments, and the pool died with it)
+    err = ServiceError(grpc.StatusCode.UNAVAILABLE, "failed to connect", attempts=5)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is ServiceError
+    assert (back.code, back.details, back.attempts, str(back)) == (err.code, err.details, 5, str(err))
