@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 
 from specsplit.protos.v1 import target_pb2_grpc
@@ -19,6 +20,7 @@ from specsplit.target_service.sequence import Request, StepEvent
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specsplit.v1.TargetService"
+_NOTHING = object()
 
 
 def _stats(event: StepEvent) -> wire.GenerationStats:
@@ -112,15 +114,30 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         context.add_callback(lambda: self.loop.cancel(req.request_id))
         log.info("generating: %d prompt tokens, at most %d new, speculative %s", len(req.prompt_ids),
                  req.params.max_tokens, req.speculative)
+        after = _NOTHING  # the end of the stream (None: cancelled; an exception) met while gathering steps
         while True:
-            event = events.get()
+            event = events.get() if after is _NOTHING else after
             if event is None:  # cancelled: the client is gone
                 log.info("cancelled by the client")
                 return
             if isinstance(event, Exception):
                 raise event
+            # Steps that came while the last chunk was sent go out as one chunk: a stream behind the engine
+            # (many streams, a busy host) catches up in fewer messages instead of falling further behind
+            tokens, text = list(event.token_ids), [event.text_delta]
+            while event.finish_reason is None:
+                try:
+                    later = events.get_nowait()
+                except queue.Empty:
+                    break
+                if later is None or isinstance(later, Exception):
+                    after = later
+                    break
+                event = later
+                tokens += event.token_ids
+                text.append(event.text_delta)
             final = event.finish_reason is not None
-            chunk = wire.GenerateChunk(tuple(event.token_ids), event.text_delta, event.finish_reason,
+            chunk = wire.GenerateChunk(tuple(tokens), "".join(text), event.finish_reason,
                                        _stats(event) if final else None)
             if final:
                 ended[0] = event.finish_reason.value
