@@ -65,10 +65,10 @@ def run_demo(args) -> None:
     if setup.device == "cpu":
         print(f"cpu: {one_thread_per_process()} intra-op thread(s) in each process (set OMP_NUM_THREADS to change it)",
               flush=True)
-    num_drafts = choose_num_drafts(setup)
-    spec = replace(spec, target_args=("--num-drafts", str(num_drafts)))
+    target_args, drafting = split_drafts(calibrate_draft_length(setup), setup.device)
+    spec = replace(spec, target_args=target_args)
     print(f"starting the drafter ({spec.drafter}) and target ({spec.target}) services on {spec.device}, "
-          f"{num_drafts} drafts per step ...", flush=True)
+          f"{drafting} ...", flush=True)
     with spawn(spec) as services:
         print(f"drafter: {services.drafter_address}\ntarget:  {services.target_address}\n", flush=True)
         client = services.client()
@@ -77,7 +77,7 @@ def run_demo(args) -> None:
             results = [run_prompt(client, prompt) for prompt in PROMPTS]
         finally:
             client.close()
-    print_summary(results, num_drafts)
+    print_summary(results, drafting)
     print(f"services stopped; the demo took {time.perf_counter() - started:.0f} s")
 
 
@@ -94,14 +94,25 @@ def one_thread_per_process() -> int:
     return torch.get_num_threads()
 
 
-def choose_num_drafts(setup: LocalSetup) -> int:
-    """Calibrate in this process; the drafts per step the split will use (at least 1, so it drafts)."""
+def calibrate_draft_length(setup: LocalSetup) -> Calibration:
+    """Calibrate in this process: which draft length is fastest (`split_drafts` says what the split uses)."""
     print(f"measuring which draft length is fastest on {setup.device}: {CALIBRATION_TOKENS} greedy tokens of one "
           "short prompt per setting, best of two rounds, target and drafter in this process ...", flush=True)
     calibration = calibrate_local(setup, max_tokens=CALIBRATION_TOKENS)
     print("\n".join(calibration.table()))
     print(choice_line(calibration) + "\n", flush=True)
-    return calibration.fastest_drafting.num_drafts
+    return calibration
+
+
+def split_drafts(calibration: Calibration, device: str) -> tuple[tuple[str, ...], str]:
+    """The target's flags for the split and how the summary names them. The fastest drafting length, at least
+    1 so that the split drafts; on a GPU, where that is the longest tried (the drafter's own), no --num-drafts:
+    the target then verifies draft trees of that length, as `specsplit up` pairs them (the calibration's steps
+    are chains, which trees beat at one stream)."""
+    drafting = calibration.fastest_drafting.num_drafts
+    if device.startswith("cuda") and drafting == max(t.num_drafts for t in calibration.trials):
+        return (), f"{drafting} drafts per step, verified as draft trees"
+    return ("--num-drafts", str(drafting)), f"{drafting} drafts per step"
 
 
 def choice_line(calibration: Calibration) -> str:
@@ -149,8 +160,8 @@ def speedup(fast: Pass, alone: Pass) -> str:
     return f"{fast.tokens_per_s / alone.tokens_per_s:.2f}x" if alone.tokens_per_s else "-"
 
 
-def print_summary(results: list[tuple[Pass, Pass]], num_drafts: int) -> None:
-    print(f"through the services, {num_drafts} drafts per step, tokens/s measured at the client:")
+def print_summary(results: list[tuple[Pass, Pass]], drafting: str) -> None:
+    print(f"through the services, {drafting}, tokens/s measured at the client:")
     print(f"  {'prompt':>6}  {'tokens':>6}  {'speculative tok/s':>17}  {'target alone tok/s':>18}  {'speedup':>7}  "
           f"{'τ':>5}  {'acceptance':>10}  same tokens")
     rows = [(str(i + 1), fast, alone, "yes" if fast.token_ids == alone.token_ids else "NO")

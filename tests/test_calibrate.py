@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specsplit.calibrate import Calibration, Trial, calibrate
-from specsplit.demo import Pass, choice_line, print_summary
+from specsplit.demo import Pass, choice_line, print_summary, split_drafts
 from specsplit.drafter_service.checkpoint import random_drafter
 from specsplit.local import target_head, target_info
 from specsplit.target_service.model import load_target
@@ -55,10 +55,23 @@ def test_the_choice_and_what_the_demo_says_about_it(speeds, fastest, drafting, s
     assert "vs target alone" in table and f"{speeds[2] / speeds[0]:.2f}x" in table
 
 
+@pytest.mark.parametrize("speeds, device, args, says", [
+    ({0: 18.0, 2: 25.0, 4: 30.0}, "cuda", (), "4 drafts per step, verified as draft trees"),
+    ({0: 18.0, 2: 25.0, 4: 30.0}, "cuda:1", (), "4 drafts per step, verified as draft trees"),
+    ({0: 18.0, 2: 35.0, 4: 30.0}, "cuda", ("--num-drafts", "2"), "2 drafts per step"),
+    ({0: 18.0, 2: 25.0, 4: 30.0}, "cpu", ("--num-drafts", "4"), "4 drafts per step"),
+    ({0: 40.0, 2: 25.0, 4: 30.0}, "cuda", (), "4 drafts per step, verified as draft trees"),
+])
+def test_the_demo_verifies_trees_on_a_gpu_where_the_drafters_own_length_is_fastest(speeds, device, args, says):
+    # (as `specsplit up` pairs them: the target given no --num-drafts verifies trees at the drafter's length)
+    result = Calibration(tuple(trial(k, v) for k, v in speeds.items()), max_tokens=32)
+    assert split_drafts(result, device) == (args, says)
+
+
 def test_demo_summary_shows_both_speeds_tau_and_acceptance_per_prompt_and_in_total(capsys):
     fast = [Pass((1, 2, 3, 4), 1.0, 2, 4, 2), Pass((5, 6), 0.5, 1, 2, 1)]
     alone = [Pass((1, 2, 3, 4), 0.5, 4, 0, 0), Pass((5, 7), 0.25, 2, 0, 0)]
-    print_summary(list(zip(fast, alone)), num_drafts=2)
+    print_summary(list(zip(fast, alone)), "2 drafts per step")
     lines = capsys.readouterr().out.splitlines()
     assert "speculative tok/s" in lines[1] and "target alone tok/s" in lines[1] and "acceptance" in lines[1]
     assert lines[2].split() == ["1", "4", "4.0", "8.0", "0.50x", "2.00", "50%", "yes"]
