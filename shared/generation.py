@@ -111,7 +111,8 @@ class GenerationStats:
 
 @dataclass(frozen=True)
 class GenerateChunk:
-    """One engine step's output for a request; the last one carries finish_reason and stats."""
+    """A request's output since the last chunk (one engine step's, or several steps' where the stream fell
+    behind the engine); the last one carries finish_reason and stats."""
 
     token_ids: tuple[int, ...]
     text: str = ""

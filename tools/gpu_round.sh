@@ -1048,16 +1048,16 @@ front-end)
   # (fifty-third session) pair-bench's target only served gRPC clients 3,500 tok/s at eight streams, where the engine
   # steps 10,000+ (split_bench, in-process): do the bench's client threads bound it, or the target service's?
   # The pair under MPS drafting at every batch size, target only beside it, the clients as threads of the bench,
-  # then as processes of their own; then without MPS. (pair-bench's rounds at one and two streams also moved
+  # then as processes of their own. (pair-bench's rounds at one and two streams also moved
   # 1,084 -> 1,547 and 396 -> 1,693 tok/s: the longest wait for a chunk and the target's counters say why)
   # (and, where bench/_server_before.py is here, the target's Generate before steps queued behind a stream went
   # out as one chunk: that session's working tree only)
-  for variant in "--mps" "--mps --client-processes" "--mps --client-processes before" "--client-processes"; do
+  for variant in "--mps" "--mps --client-processes" "--mps --client-processes before"; do
     if [ "${variant% before}" != "$variant" ]; then
       [ -f bench/_server_before.py ] || continue
       cp target_service/server.py /tmp/server_after.py && cp bench/_server_before.py target_service/server.py
     fi
-    timeout 140 python bench/pair_bench.py --device cuda --streams 1 8 16 --speculate-below 0 --requests 3 \
+    timeout 110 python bench/pair_bench.py --device cuda --streams 1 8 --speculate-below 0 --requests 3 \
       --max-tokens 160 --rounds 3 ${variant% before} --json-out "$OUT/front_end${variant// /}.json" 2>&1 \
       | grep -v INFO | grep -E "^streams|Error" | sed "s/^/$variant: /" | log
     [ -f /tmp/server_after.py ] && cp /tmp/server_after.py target_service/server.py && rm /tmp/server_after.py
