@@ -74,10 +74,12 @@ def serve(address: str, prompts: list[list[list[int]]], max_tokens: int, specula
     return sum(len(g.token_ids) for g in flat) / seconds, flat, max(gap for _, gap in per_client)
 
 
-# The target's counters that tell a stall's cause, as the bench prints them (target_service.metrics)
-EVENTS = {"drafter_fallbacks_total": "fallbacks", "drafter_reattaches_total": "reattaches",
-          "drafter_device_waits_released_total": "waits released", "chain_captures_total": "captures",
-          "drafter_rests_total": "rests", "drafter_resumes_total": "resumes"}
+# The target's counters over the timed rounds, as the bench prints them (target_service.metrics): how its steps
+# went (chained on the device, drafts waited for there, Steps sent ahead) and what tells a stall's cause
+EVENTS = {"steps_total": "steps", "chained_steps_total": "chained", "drafter_device_waits_total": "device waits",
+          "drafter_steps_sent_ahead_total": "sent ahead", "drafter_fallbacks_total": "fallbacks",
+          "drafter_reattaches_total": "reattaches", "drafter_device_waits_released_total": "waits released",
+          "chain_captures_total": "captures", "drafter_rests_total": "rests", "drafter_resumes_total": "resumes"}
 
 
 def free_port() -> int:
@@ -109,23 +111,27 @@ def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], a
     """Warm every run up once, then time them in alternating rounds; into `row` each speculative run's median
     tokens/s over the first (target-only) run's, its tau, its requests differing from target only's, the
     longest wait for a chunk in any of its rounds and what its target counted in them (EVENTS; `ports`: each
-    pair's metrics port; the target-only runs are the first pair's target's)."""
+    run's target's metrics port)."""
     for _, address, speculative in runs:  # warm-up: graphs captured, chained steps too
         serve(address, prompts, args.max_tokens, speculative)
-    before = {name: counters(port) for name, port in ports.items()}
     rates: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     gaps: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     outputs: dict[str, list[Generation]] = {}
+    events: dict[str, dict[str, float]] = {name: {} for name, _, _ in runs}
     for _ in range(args.rounds):
         for name, address, speculative in runs:
+            before = counters(ports[name])
             rate, outputs[name], gap = serve(address, prompts, args.max_tokens, speculative)
             rates[name].append(rate)
             gaps[name].append(gap)
-    events = {name: {k: v - before[name].get(k, 0.0) for k, v in counters(port).items() if v != before[name].get(k)}
-              for name, port in ports.items()}
+            for key, value in counters(ports[name]).items():
+                if value != before.get(key, 0.0):
+                    events[name][key] = events[name].get(key, 0.0) + value - before.get(key, 0.0)
     base = statistics.median(rates["target_only"])
     want = [g.token_ids for g in outputs["target_only"]]
-    parts = [f"{label}: target only {base:.0f} tok/s (longest wait {1e3 * max(gaps['target_only']):.0f} ms)"]
+    said = lambda name: "".join(f", {k} {v:.0f}" for k, v in events[name].items())  # noqa: E731
+    parts = [f"{label}: target only {base:.0f} tok/s (longest wait {1e3 * max(gaps['target_only']):.0f} ms"
+             f"{said('target_only')})"]
     for name, _, _ in runs[1:]:
         rate = statistics.median(rates[name])
         differing = sum(g.token_ids != w for g, w in zip(outputs[name], want))
@@ -133,9 +139,8 @@ def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], a
                      "tau": tau(outputs[name]), "requests_differing": differing, "rounds": rates[name],
                      "target_only_rounds": rates["target_only"], "longest_wait_s": gaps[name],
                      "target_only_longest_wait_s": gaps["target_only"], "events": events[name]}
-        seen = "".join(f", {k} {v:.0f}" for k, v in events[name].items())
         parts.append(f"{name.replace('_', ' ')} {rate / base:.2f}x (tau {tau(outputs[name]):.2f}, "
-                     f"{differing} differing, longest wait {1e3 * max(gaps[name]):.0f} ms{seen})")
+                     f"{differing} differing, longest wait {1e3 * max(gaps[name]):.0f} ms{said(name)})")
     print("; ".join(parts), flush=True)
 
 
@@ -191,7 +196,8 @@ def main() -> None:
                 row = table[f"streams_{n}"]
                 chosen = [heldout[i % len(heldout)] for i in range(n * args.requests)]
                 measure(runs, [chosen[i * args.requests:(i + 1) * args.requests] for i in range(n)], args, row,
-                        f"streams {n}" + (f", pair {group[0]}" if args.mps else ""), ports)
+                        f"streams {n}" + (f", pair {group[0]}" if args.mps else ""),
+                        {"target_only": ports[group[0]], **ports})
         finally:
             for services in pairs.values():
                 services.stop()
