@@ -3,6 +3,7 @@ out as one chunk (a busy front end falls no further behind), and nothing is lost
 
 from __future__ import annotations
 
+import contextvars
 import queue
 from types import SimpleNamespace
 
@@ -52,7 +53,8 @@ def _chunks(events: list, smollm2_tokenizer) -> list:
     servicer = TargetServicer(_Loop(events), smollm2_tokenizer, "stand-in")
     ended = ["cancelled"]
     request = target_pb2.GenerateRequest(token_ids=target_pb2.TokenIds(ids=[1, 2, 3]))
-    return list(servicer._generate(request, _Context(), ended)), ended
+    # (in a context of its own, as a server thread's: the stream sets its request id on our log lines)
+    return contextvars.copy_context().run(list, servicer._generate(request, _Context(), ended)), ended
 
 
 def test_steps_queued_behind_the_stream_go_out_as_one_chunk(smollm2_tokenizer):
@@ -68,10 +70,11 @@ def test_an_error_after_queued_steps_comes_after_their_tokens(smollm2_tokenizer)
     servicer = TargetServicer(_Loop(events), smollm2_tokenizer, "stand-in")
     stream = servicer._generate(target_pb2.GenerateRequest(token_ids=target_pb2.TokenIds(ids=[1])), _Context(),
                                 ["cancelled"])
-    first = next(stream)
+    context = contextvars.copy_context()
+    first = context.run(next, stream)
     assert list(first.token_ids) == [5, 6] and first.text == "ab" and not first.HasField("stats")
     with pytest.raises(DrafterUnavailable, match="the step failed"):
-        next(stream)
+        context.run(next, stream)
 
 
 def test_a_cancel_after_queued_steps_ends_the_stream_without_a_final_chunk(smollm2_tokenizer):
