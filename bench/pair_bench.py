@@ -75,11 +75,16 @@ def serve(address: str, prompts: list[list[list[int]]], max_tokens: int, specula
 
 
 # The target's counters over the timed rounds, as the bench prints them (target_service.metrics): how its steps
-# went (chained on the device, drafts waited for there, Steps sent ahead) and what tells a stall's cause
+# went (chained on the device, drafts waited for there, Steps sent ahead), what tells a stall's cause, and (below)
+# the host's time a step by phase
 EVENTS = {"steps_total": "steps", "chained_steps_total": "chained", "drafter_device_waits_total": "device waits",
           "drafter_steps_sent_ahead_total": "sent ahead", "drafter_fallbacks_total": "fallbacks",
           "drafter_reattaches_total": "reattaches", "drafter_device_waits_released_total": "waits released",
           "chain_captures_total": "captures", "drafter_rests_total": "rests", "drafter_resumes_total": "resumes"}
+
+
+PHASE_SUM = 'step_seconds_sum{phase="'  # the host's seconds by step phase: propose, verify, control
+HOST_SECONDS = " host seconds"
 
 
 def free_port() -> int:
@@ -98,7 +103,16 @@ def counters(port: int) -> dict[str, float]:
         short = name.removeprefix("specsplit_target_")
         if short in EVENTS:
             found[EVENTS[short]] = float(value)
+        elif short.startswith(PHASE_SUM):  # step_seconds_sum{phase="propose"}: host seconds in that phase
+            found[short[len(PHASE_SUM):].split('"')[0] + HOST_SECONDS] = float(value)
     return found
+
+
+def said(events: dict[str, float]) -> str:
+    """The counters as the bench prints them; a phase's host seconds as ms a step."""
+    steps = events.get("steps", 0.0)
+    return "".join(f", {k.removesuffix(HOST_SECONDS)} {1e3 * v / steps:.2f} ms/step" if k.endswith(HOST_SECONDS)
+                   else f", {k} {v:.0f}" for k, v in events.items() if steps or not k.endswith(HOST_SECONDS))
 
 
 def tau(results: list[Generation]) -> float:
@@ -129,9 +143,8 @@ def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], a
                     events[name][key] = events[name].get(key, 0.0) + value - before.get(key, 0.0)
     base = statistics.median(rates["target_only"])
     want = [g.token_ids for g in outputs["target_only"]]
-    said = lambda name: "".join(f", {k} {v:.0f}" for k, v in events[name].items())  # noqa: E731
     parts = [f"{label}: target only {base:.0f} tok/s (longest wait {1e3 * max(gaps['target_only']):.0f} ms"
-             f"{said('target_only')})"]
+             f"{said(events['target_only'])})"]
     for name, _, _ in runs[1:]:
         rate = statistics.median(rates[name])
         differing = sum(g.token_ids != w for g, w in zip(outputs[name], want))
@@ -140,7 +153,7 @@ def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], a
                      "target_only_rounds": rates["target_only"], "longest_wait_s": gaps[name],
                      "target_only_longest_wait_s": gaps["target_only"], "events": events[name]}
         parts.append(f"{name.replace('_', ' ')} {rate / base:.2f}x (tau {tau(outputs[name]):.2f}, "
-                     f"{differing} differing, longest wait {1e3 * max(gaps[name]):.0f} ms{said(name)})")
+                     f"{differing} differing, longest wait {1e3 * max(gaps[name]):.0f} ms{said(events[name])})")
     print("; ".join(parts), flush=True)
 
 

@@ -60,9 +60,11 @@
 #   bash tools/gpu_round.sh qkv-rope      # the rotation and cache write in the q/k/v projection: GPU tests, steps on/off (run, dropped)
 #   bash tools/gpu_round.sh mps-default   # the pair under MPS by default: its GPU tests, pair_bench with and without (run: on)
 #   bash tools/gpu_round.sh mps-default-tests  # (next) test_split_gpu.py whole under the MPS default (21 of 32 passed in 320 s)
-#   bash tools/gpu_round.sh pair-bench    # (next) --speculate-below 0 / 4 / 8 under MPS through the real pair, 1-8 streams,
+#   bash tools/gpu_round.sh pair-bench    # (run in the fifty-third session) --speculate-below 0 / 4 / 8 under MPS through the real pair, 1-8 streams,
 #                                         # trees (up's default again) beside chains; then mps-trees: services / in-process
-#   bash tools/gpu_round.sh front-end     # (next) gRPC clients' tokens/s with the clients as threads, then as processes
+#   bash tools/gpu_round.sh pair-step     # (next) the served pair's ~2-ms step at one stream: the target's host by phase,
+#                                         # split_bench's services beside it
+#   bash tools/gpu_round.sh front-end     # (run) gRPC clients' tokens/s with the clients as threads, then as processes
 #   bash tools/gpu_round.sh h200-goals    # (next) the goals on the H200: steps, the held-out prompts at one stream, the 8B floor
 #   bash tools/gpu_round.sh tables        # (next) the rotary tables in one launch (on): GPU tests, served tokens/s
 #                                         # with against without (one-launch attention: measured, removed)
@@ -1045,7 +1047,7 @@ mps-default)
   done
   ;;
 front-end)
-  # (fifty-third session) pair-bench's target only served gRPC clients 3,500 tok/s at eight streams, where the engine
+  # (fifty-third session; run: clients as processes or threads alike, coalescing no faster, README) pair-bench's target only served gRPC clients 3,500 tok/s at eight streams, where the engine
   # steps 10,000+ (split_bench, in-process): do the bench's client threads bound it, or the target service's?
   # The pair under MPS drafting at every batch size, target only beside it, the clients as threads of the bench,
   # then as processes of their own. (pair-bench's rounds at one and two streams also moved
@@ -1062,6 +1064,18 @@ front-end)
       | grep -v INFO | grep -E "^streams|Error" | sed "s/^/$variant: /" | log
     [ -f /tmp/server_after.py ] && cp /tmp/server_after.py target_service/server.py && rm /tmp/server_after.py
   done
+  ;;
+pair-step)
+  # (fifty-third session) the pair as `up` starts it took ~2 ms a step at one stream (front-end: 402 steps for 1,212
+  # tokens at 1.0-1.1x target only's 0.76 ms a step, with MPS or without), where split_bench's services (the target
+  # engine in the bench's own process, the drafter a service; trees ahead, both waits, MPS) took ~1.2 in the
+  # forty-ninth session: where does the served target's step go? pair_bench now prints the target's host ms a step
+  # by phase (propose, verify, control); split_bench's services beside it in the same call
+  timeout 150 python bench/pair_bench.py --device cuda --streams 1 2 --speculate-below 0 --requests 3 \
+    --max-tokens 160 --rounds 3 --mps --client-processes --json-out "$OUT/pair_step.json" 2>&1 | grep -v INFO \
+    | grep -E "^streams|Error" | log
+  timeout 280 python bench/split_bench.py --device cuda --batch 1 --waves 4 --max-tokens 128 --also-trees 15 \
+    --also-both-waits --mps --json-out "$OUT/split_one_stream.json" 2>&1 | grep -v INFO | grep -E "^batch|Error" | log
   ;;
 h200-goals)
   # (fifty-third session) the issue's goals on the H200 it names (every figure since the thirty-third session is an
