@@ -1076,6 +1076,8 @@ pair-step)
     | grep -E "^streams|Error" | log
   timeout 280 python bench/split_bench.py --device cuda --batch 1 --waves 4 --max-tokens 128 --also-trees 15 \
     --also-both-waits --mps --json-out "$OUT/split_one_stream.json" 2>&1 | grep -v INFO | grep -E "^batch|Error" | log
+  # the front end alone on this host's CPUs (a stand-in engine: 0.4 ms slept, 0.3 ms of GIL a step)
+  timeout 90 python bench/front_end_bench.py 2>&1 | grep -v INFO | log
   ;;
 h200-goals)
   # (fifty-third session) the goals on the H200 it names (every figure since the thirty-third session is an
