@@ -260,12 +260,17 @@ def test_metrics_address_is_checked_and_a_taken_port_is_a_clear_error(pair):
         metrics.expose(MetricsAddress("127.0.0.1", target_port))
 
 
-def free_port() -> int:
+def free_ports(count: int) -> list[int]:
+    """Ports free now, all different: each is held until all are picked (a port picked and let go can be picked
+    again at once, and the two services then fought over one: "Address already in use" in a CI run)."""
+    import contextlib
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    with contextlib.ExitStack() as stack:
+        probes = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
 
 
 @pytest.mark.slow
@@ -277,7 +282,7 @@ def test_spawned_services_serve_metrics_and_json_logs_from_flags_and_environment
     from specsplit.harness import ServiceSpec
 
     monkeypatch.setenv("SPECSPLIT_LOG_FORMAT", "json")
-    ports = {"target": free_port(), "drafter": free_port()}
+    ports = dict(zip(("target", "drafter"), free_ports(2)))
     services = specsplit_factory(ServiceSpec(
         target=str(tiny_chat_dir), drafter="random-dflash", startup_timeout=300,
         target_args=("--metrics-port", str(ports["target"])), drafter_args=("--metrics-port", str(ports["drafter"]))))
