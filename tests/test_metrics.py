@@ -260,6 +260,10 @@ def test_metrics_address_is_checked_and_a_taken_port_is_a_clear_error(pair):
         metrics.expose(MetricsAddress("127.0.0.1", target_port))
 
 
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
 def free_ports(count: int) -> list[int]:
     """Ports free now, all different: each is held until all are picked (a port picked and let go can be picked
     again at once, and the two services then fought over one: "Address already in use" in a CI run)."""
