@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
-import socket
 import statistics
 import time
 import urllib.request
@@ -34,6 +33,7 @@ from specsplit.pair import ServiceSpec, spawn
 from specsplit.shared.sampling import SamplingParams
 from specsplit.shared.tokenizer import Tokenizer
 from specsplit.train_data import HELDOUT_PATH, read_prompts
+from step_overhead import free_port
 
 
 def _one_client(address: str, prompts: list[list[int]], max_tokens: int, speculative: bool
@@ -85,12 +85,6 @@ EVENTS = {"steps_total": "steps", "chained_steps_total": "chained", "drafter_dev
 
 PHASE_SUM = 'step_seconds_sum{phase="'  # the host's seconds by step phase: propose, verify, control
 HOST_SECONDS = " host seconds"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def counters(port: int) -> dict[str, float]:
