@@ -168,6 +168,9 @@ def main() -> None:
                          "started them on a GPU before the fifty-second session")
     ap.add_argument("--client-processes", action="store_true",
                     help="each client in a process of its own (default: threads of this process)")
+    ap.add_argument("--engine-process", choices=["off", "on", "both"], default="off",
+                    help="the targets' engines in a process of their own (target serve --engine-process); both: "
+                         "each pair once each way, each beside its own target only")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if min(args.streams) < 1 or args.requests < 1 or args.rounds < 1 or min(args.speculate_below) < 0:
@@ -176,14 +179,19 @@ def main() -> None:
     heldout = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)]
     max_batch = ("--max-batch", str(max(16, max(args.streams))))
     specs = {}  # run name -> its pair
-    for below in args.speculate_below:
-        specs[f"below_{below}"] = ServiceSpec(device=args.device, dtype=args.dtype, speculate_below=below,
-                                              target_args=max_batch, mps=args.mps)
-        if args.also_chains:
-            specs[f"below_{below}_chains"] = ServiceSpec(device=args.device, dtype=args.dtype, speculate_below=below,
-                                                         target_args=(*max_batch, "--draft-tree", "0"), mps=args.mps)
-    # Under MPS one pair at a time (each its own private server), each beside its own target-only runs
-    groups = [list(specs)] if not args.mps else [[name] for name in specs]
+    engines = {"off": [""], "on": ["_engine_process"], "both": ["", "_engine_process"]}[args.engine_process]
+    for engine in engines:
+        given = (*max_batch, "--engine-process") if engine else max_batch
+        for below in args.speculate_below:
+            specs[f"below_{below}{engine}"] = ServiceSpec(device=args.device, dtype=args.dtype, speculate_below=below,
+                                                          target_args=given, mps=args.mps)
+            if args.also_chains:
+                specs[f"below_{below}_chains{engine}"] = ServiceSpec(
+                    device=args.device, dtype=args.dtype, speculate_below=below,
+                    target_args=(*given, "--draft-tree", "0"), mps=args.mps)
+    # Under MPS one pair at a time (each its own private server), each beside its own target-only runs; so too
+    # where the engines run both ways (target only's too)
+    groups = [list(specs)] if not args.mps and args.engine_process != "both" else [[name] for name in specs]
     table: dict[str, dict] = {f"streams_{n}": {"requests": n * args.requests} for n in args.streams}
     if args.client_processes:
         global _POOL
@@ -203,7 +211,7 @@ def main() -> None:
                 row = table[f"streams_{n}"]
                 chosen = [heldout[i % len(heldout)] for i in range(n * args.requests)]
                 measure(runs, [chosen[i * args.requests:(i + 1) * args.requests] for i in range(n)], args, row,
-                        f"streams {n}" + (f", pair {group[0]}" if args.mps else ""),
+                        f"streams {n}" + (f", pair {group[0]}" if len(groups) > 1 else ""),
                         {"target_only": ports[group[0]], **ports})
         finally:
             for services in pairs.values():
@@ -211,6 +219,7 @@ def main() -> None:
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         setting = {"device": args.device, "mps": args.mps, "client_processes": args.client_processes,
+                   "engine_process": args.engine_process,
                    "max_tokens": args.max_tokens,
                    "speculate_below": args.speculate_below, "also_chains": args.also_chains}
         Path(args.json_out).write_text(json.dumps({**setting, **table}, indent=1))

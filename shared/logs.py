@@ -105,3 +105,11 @@ def configure(log_format: str = "text", level: str = "INFO") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+def current() -> tuple[str, str]:
+    """This process's log format and level as `configure` takes them (for a process it starts to log alike)."""
+    root = logging.getLogger()
+    json_lines = any(isinstance(h.formatter, JsonFormatter) for h in root.handlers)
+    level = logging.getLevelName(root.level)
+    return ("json" if json_lines else "text", level if level in LEVELS else "WARNING")

@@ -309,6 +309,7 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
                               drafter_timeout=args.drafter_timeout, step_socket=not args.step_over_grpc,
                               device_waits=args.device_waits, host_flags=args.host_flags,
                               trees_ahead=args.trees_ahead, max_streams=args.max_streams,
+                              engine_process=args.engine_process,
                               max_message_bytes=int(args.max_message_mib * (1 << 20)),
                               security=server_security(args), drafter_security=drafter_security(args),
                               metrics=metrics_address(args))
@@ -318,7 +319,10 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
                     "launches a kernel for the first time while a wait is queued (README, 'Device waits')")
     loop, server = start_target(settings)
     print(f"target serving on {', '.join(args.listen)}", flush=True)
-    wait_for_signal()
+    if not wait_for_signal(getattr(loop, "died", None)):
+        server.stop(0)  # its streams have ended with UNAVAILABLE; a supervisor restarts us
+        loop.stop()
+        raise SystemExit("the target's engine process died: the target stops")
     server.drain(args.drain_seconds)  # streams in flight finish (or are cancelled at the deadline)
     loop.stop()
 
@@ -602,6 +606,10 @@ def add_service_parsers(sub) -> None:
                     help="seconds a drafter call may take before the target decodes without it; a Step answer "
                          "gets less once steps were measured (20x the p99 of recent round trips, at least 1 s), "
                          "and a dead or stopped drafter is found by keepalive pings within about 2 s")
+    ts.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                    help="run the engine in a process of its own, apart from the gRPC front end: the front end's "
+                         "threads (one a Generate stream) no longer share the engine's GIL, whose host work bounds "
+                         "a graphed GPU step (default: off)")
     ts.add_argument("--max-streams", type=int, default=64,
                     help="Generate streams open at once (requests past --max-batch wait in the engine's "
                          "queue); one more is refused with RESOURCE_EXHAUSTED")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -20,6 +21,7 @@ from specsplit.shared.tokenizer import Tokenizer
 from specsplit.local import LocalSetup, build_drafter, target_dir
 from specsplit.target_service.drafter_client import RemoteProposer
 from specsplit.target_service.engine import Engine, EngineConfig
+from specsplit.target_service.engine_process import EngineProcess
 from specsplit.target_service.loop import EngineLoop
 from specsplit.target_service.model import load_target
 from specsplit.target_service.server import TargetServicer, serve as serve_target_rpc
@@ -76,6 +78,8 @@ class TargetSettings:
     security: ServerSecurity = ServerSecurity()  # token and TLS its callers need (--auth-token-file, --tls-*)
     drafter_security: ClientSecurity = ClientSecurity()  # what it presents to its drafter (the same token)
     metrics: MetricsAddress | None = None  # where Prometheus scrapes it (--metrics-host/--metrics-port); None: off
+    # --engine-process: the engine in a process of its own, its GIL apart from the gRPC front end's threads
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -117,13 +121,15 @@ def start_drafter(settings: DrafterSettings) -> tuple[DrafterServer, Served]:
     return server_obj, serve_drafter_rpc(server_obj, list(settings.listen), settings.security, settings.metrics)
 
 
-def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
+def build_engine(settings: TargetSettings) -> Engine:
+    """The target's engine: its model, and a drafter client when it has a drafter (one that is down now is
+    attached when it answers)."""
     setup = settings.setup
     folder = target_dir(setup.target)
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
     tokenizer = Tokenizer.from_dir(folder)
     proposer = None
-    if settings.drafter_address:  # a drafter that is down now is attached when it answers
+    if settings.drafter_address:
         proposer = RemoteProposer(settings.drafter_address, device=setup.device, dtype=setup.torch_dtype,
                                   timeout=settings.drafter_timeout, max_batch=settings.engine.max_batch,
                                   head=(model.embed_weight, model.lm_head_weight),
@@ -131,17 +137,31 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop, Served]:
                                   device_waits=settings.device_waits, host_flags=settings.host_flags,
                                   tree_keep=settings.engine.draft_tree_keep if settings.engine.draft_tree else 0,
                                   trees_ahead=settings.trees_ahead)
-    engine = Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids,
-                    text_stream=tokenizer.output_stream)
-    loop = EngineLoop(engine)
+    return Engine(model, proposer, settings.engine, eos_ids=tokenizer.eos_token_ids,
+                  text_stream=tokenizer.output_stream)
+
+
+def start_target(settings: TargetSettings) -> tuple[EngineLoop | EngineProcess, Served]:
+    """The engine (in a process of its own with settings.engine_process, else a thread of this one) behind
+    the gRPC front end; the caller drains the server, then stops the engine."""
+    folder = target_dir(settings.setup.target)
+    tokenizer = Tokenizer.from_dir(folder)
+    if settings.engine_process:
+        loop: EngineLoop | EngineProcess = EngineProcess(functools.partial(build_engine, settings))
+    else:
+        loop = EngineLoop(build_engine(settings))
     servicer = TargetServicer(loop, tokenizer, model_name=folder.name, max_streams=settings.max_streams)
     return loop, serve_target_rpc(servicer, list(settings.listen), max_message_bytes=settings.max_message_bytes,
                                   security=settings.security, metrics=settings.metrics)
 
 
-def wait_for_signal() -> None:
-    """Block until SIGINT, SIGTERM or SIGHUP (the terminal went away)."""
+def wait_for_signal(died: threading.Event | None = None) -> bool:
+    """Block until SIGINT, SIGTERM or SIGHUP (the terminal went away): True; or until `died` is set (an engine
+    in a process of its own is gone): False."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
+    if died is not None:
+        threading.Thread(target=lambda: (died.wait(), stop.set()), name="engine-watch", daemon=True).start()
     stop.wait()
+    return died is None or not died.is_set()

@@ -8,6 +8,7 @@ import threading
 
 from specsplit.shared.errors import InvalidRequest, SpecsplitError
 from specsplit.target_service.engine import Engine
+from specsplit.target_service.metrics import EngineState, engine_state
 from specsplit.target_service.sequence import Request, StepEvent
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,18 @@ class EngineLoop:
                 self._cancels.append(request_id)
                 self._work.notify()
         stream.put(None)
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.model.config.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.config.vocab_size
+
+    def state(self) -> EngineState:
+        """The engine's counters and state for a scrape or Describe, read from this thread (no lock)."""
+        return engine_state(self.engine)
 
     @property
     def busy(self) -> bool:

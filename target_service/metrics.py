@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from specsplit.shared.drafter_kind import DrafterKind
 from specsplit.shared.metrics import ServiceMetrics, buckets
 from specsplit.target_service.counters import EngineCounters
 
@@ -18,14 +20,14 @@ _MIN_DRAFT_BOUNDS = 17  # buckets 0..16 always (the shipped DFlash drafts up to 
 
 
 class TargetMetrics(ServiceMetrics):
-    """Requests by outcome (counted by the servicer) plus the engine's counters and state."""
+    """Requests by outcome (counted by the servicer) plus the engine's counters and state (`state()` at each scrape)."""
 
-    def __init__(self, engine, open_streams: Callable[[], int]) -> None:
+    def __init__(self, state: Callable[[], EngineState], open_streams: Callable[[], int]) -> None:
         super().__init__(PREFIX)
         self.requests = Counter(f"{PREFIX}_requests", "Generate requests by outcome: a finish reason (length, eos, "
                                 "stop), cancelled, or the refusing status code (invalid_argument, ...)",
                                 ["outcome"], registry=self.registry)
-        self.registry.register(_EngineCollector(engine, open_streams))
+        self.registry.register(_EngineCollector(state, open_streams))
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
@@ -53,15 +55,52 @@ def _at_least(counts: list[int]) -> list[int]:
     return out[::-1]
 
 
+@dataclass
+class EngineState:
+    """What a scrape (and Describe) reads of the engine, taken in one go wherever the engine runs (this process,
+    or the engine's own: `target_service.engine_process`), so it crosses a pipe as one message."""
+
+    counters: EngineCounters
+    drafter_attached: bool
+    drafter_kind: DrafterKind | None  # the attached drafter's, None while none is
+    running: int  # sequences decoding or prefilling
+    prefilling: int
+    waiting: int
+    link: dict[str, int] | None = None  # a drafter service's connection's counters (RemoteProposer.link)
+    step_transport: str | None = None  # its Step stream's carrier while attached: socket or grpc
+    draft_lengths: dict[int, int] | None = None  # --num-drafts auto: learned, by batch bucket
+
+
+def engine_state(engine) -> EngineState:
+    """The engine's state now: plain numbers and a copy of its counters' growing lists (the engine thread appends)."""
+    c = engine.counters
+    proposer = engine.proposer
+    attached = bool(engine.drafter_ok)
+    link = getattr(proposer, "link", None)  # a drafter service's connection (RemoteProposer)
+    link_counts = None if link is None else {
+        "sent_ahead": link.sent_ahead, "drafts_ahead": link.drafts_ahead,
+        "chain_taken_regrouped": link.chain_taken_regrouped, "device_waits": link.device_waits,
+        "taken_unanswered": link.taken_unanswered, "waits_released": getattr(proposer, "waits_released", 0)}
+    prefilling = engine.prefilling
+    return EngineState(
+        counters=replace(c, drafts=list(c.drafts), accepted=list(c.accepted)),
+        drafter_attached=attached,
+        drafter_kind=proposer.spec.kind if attached and proposer.spec is not None else None,
+        running=len(engine.running), prefilling=prefilling, waiting=len(engine.waiting),
+        link=link_counts,
+        step_transport=proposer.step_transport if attached and link is not None else None,
+        draft_lengths=engine.tuner.learned() if engine.tuner is not None else None)
+
+
 class _EngineCollector(Collector):
-    def __init__(self, engine, open_streams: Callable[[], int]) -> None:
-        self.engine = engine
+    def __init__(self, state: Callable[[], EngineState], open_streams: Callable[[], int]) -> None:
+        self.state = state
         self.open_streams = open_streams
 
     def collect(self) -> Iterator:
-        engine = self.engine
-        c: EngineCounters = engine.counters
-        drafts, accepted = list(c.drafts), list(c.accepted)  # one copy each: the engine thread appends
+        state = self.state()
+        c = state.counters
+        drafts, accepted = c.drafts, c.accepted
         yield _counter("steps", "batched decode/verify steps (target forwards)", c.steps)
         yield _counter("prefills", "prompts prefilled (a target forward that produced a token)", c.prefills)
         yield _counter("graphed_prefills", "prefill forwards replayed as captured graphs (prompts' chunks; "
@@ -84,41 +123,39 @@ class _EngineCollector(Collector):
         yield _counter("drafter_rests", "sequences set to rest from the drafter at a batch size that drafts nothing "
                        "(target serve --drafts-by-batch N:0): decoded as target only", c.rests)
         yield _counter("drafter_resumes", "resting sequences attached again once their batch drafted", c.resumes)
-        yield _gauge("drafter_attached", "1 while a drafter is attached", float(engine.drafter_ok))
-        link = getattr(engine.proposer, "link", None)  # a drafter service's connection (RemoteProposer)
+        yield _gauge("drafter_attached", "1 while a drafter is attached", float(state.drafter_attached))
+        link = state.link
         if link is not None:
             yield _counter("drafter_steps_sent_ahead", "Step messages sent before their answer was needed (a "
-                           "step's commits, with the next step's proposes), their answers read later", link.sent_ahead)
+                           "step's commits, with the next step's proposes), their answers read later", link["sent_ahead"])
             yield _counter("drafter_drafts_taken_ahead", "proposals taken from a Step sent ahead (no round trip "
-                           "of their own)", link.drafts_ahead)
+                           "of their own)", link["drafts_ahead"])
             yield _counter("drafter_chain_proposes_taken_regrouped", "chained proposes sent ahead taken by a step "
                            "whose batch had changed (sequences ended, attached, or back from sitting a step out)",
-                           link.chain_taken_regrouped)
+                           link["chain_taken_regrouped"])
             yield _counter("drafter_device_waits", "chained steps' drafts our stream waited for on the device "
                            "(device waits: on the drafter's host page by default, --device-waits), not our host",
-                           link.device_waits)
+                           link["device_waits"])
             yield _counter("drafter_drafts_taken_unanswered", "of those, chained proposes sent ahead whose drafts "
                            "the verify took before their answer was read (the answer checked after the launch)",
-                           link.taken_unanswered)
+                           link["taken_unanswered"])
             yield _counter("drafter_device_waits_released", "releases of device waits by the target itself (per "
                            "DONE buffer): a drafter that missed a step's deadline (it is dropped), or a drafter "
-                           "dropped for any reason with waits pending",
-                           getattr(engine.proposer, "waits_released", 0))
+                           "dropped for any reason with waits pending", link["waits_released"])
             transport = GaugeMetricFamily(f"{PREFIX}_drafter_step_transport", "1 for the carrier of the Step stream "
                                           "while a drafter is attached: socket (its step socket) or grpc",
                                           labels=["transport"])
             for name in ("socket", "grpc"):
-                transport.add_metric([name], float(engine.drafter_ok and engine.proposer.step_transport == name))
+                transport.add_metric([name], float(state.step_transport == name))
             yield transport
-        tuner = engine.tuner
-        if tuner is not None:
+        if state.draft_lengths is not None:
             lengths = GaugeMetricFamily(f"{PREFIX}_draft_length", "--num-drafts auto: the draft length the engine "
                                         "learned for steps of up to `batch` sequences (a power of two)",
                                         labels=["batch"])
-            for bucket, k in tuner.learned().items():
+            for bucket, k in state.draft_lengths.items():
                 lengths.add_metric([str(bucket)], k)
             yield lengths
-        yield self._sequences()
+        yield self._sequences(state)
         yield _gauge("streams", "Generate streams open", self.open_streams())
         phases = HistogramMetricFamily(f"{PREFIX}_step_seconds", "host seconds of a step's phases: propose (drafts "
                                        "back), verify (forward and acceptance), control (telling the drafter)",
@@ -141,11 +178,11 @@ class _EngineCollector(Collector):
         yield proposed
         yield taken
 
-    def _sequences(self) -> GaugeMetricFamily:
+    @staticmethod
+    def _sequences(state: EngineState) -> GaugeMetricFamily:
         family = GaugeMetricFamily(f"{PREFIX}_sequences", "sequences in the engine: decoding (running), admitted "
                                    "with their prompt still going in (prefilling), queued (waiting)", labels=["state"])
-        prefilling = self.engine.prefilling
-        family.add_metric(["running"], len(self.engine.running) - prefilling)
-        family.add_metric(["prefilling"], prefilling)
-        family.add_metric(["waiting"], len(self.engine.waiting))
+        family.add_metric(["running"], state.running - state.prefilling)
+        family.add_metric(["prefilling"], state.prefilling)
+        family.add_metric(["waiting"], state.waiting)
         return family

@@ -43,9 +43,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self._open_lock = threading.Lock()
         # A prompt that cannot fit the context is refused before it is encoded (a 20 MB prompt once cost
         # 34 s of CPU to learn that); the bound never refuses a prompt that fits, see Tokenizer.max_token_bytes.
-        self.context_length = loop.engine.model.config.max_position_embeddings
+        self.context_length = loop.context_length
         self.max_prompt_bytes = self.context_length * tokenizer.max_token_bytes
-        self.metrics = TargetMetrics(loop.engine, open_streams=lambda: self._open)
+        self.metrics = TargetMetrics(loop.state, open_streams=lambda: self._open)
 
     def _request(self, call: wire.GenerateCall, request_id: str) -> Request:
         self._check_prompt_size(call.prompt)
@@ -150,13 +150,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @rpc_errors
     def Describe(self, request, context):
-        engine = self.loop.engine
-        proposer = engine.proposer if engine.drafter_ok else None
         return wire.target_description_to_proto(wire.TargetDescription(
             model_name=self.model_name,
-            vocab_size=engine.model.config.vocab_size,
-            max_context=engine.model.config.max_position_embeddings,
-            drafter_kind=proposer.spec.kind if proposer is not None else None,
+            vocab_size=self.loop.vocab_size,
+            max_context=self.context_length,
+            drafter_kind=self.loop.state().drafter_kind,
         ))
 
 

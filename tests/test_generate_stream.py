@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextvars
 import queue
-from types import SimpleNamespace
 
 import pytest
 
@@ -19,7 +18,7 @@ class _Loop:
     """Stands in for the engine loop: the request's events are all queued before the stream reads one."""
 
     def __init__(self, events: list) -> None:
-        self.engine = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64)))
+        self.context_length = 64
         self.events = events
         self.cancelled: list[str] = []
 
@@ -31,6 +30,9 @@ class _Loop:
 
     def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
+
+    def state(self):
+        return None  # (read by a scrape; these tests take none)
 
 
 class _Context:

@@ -23,7 +23,7 @@ from specsplit.shared.metrics import MetricsAddress
 from specsplit.shared.sampling import SamplingParams
 from tests.raw_client import RawClient
 from specsplit.target_service.engine import Engine, EngineConfig
-from specsplit.target_service.metrics import TargetMetrics
+from specsplit.target_service.metrics import TargetMetrics, engine_state
 from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
 from tests.test_cancellation import wait_until
@@ -178,7 +178,7 @@ def test_drafter_fallbacks_and_reattaches_are_counted(tiny_chat_dir, tiny_chat_t
     target = load_target(tiny_chat_dir, dtype=torch.float32)
     flaky = FlakyDrafter(drafter("mtp", target), fail_after=2)
     engine = Engine(target, flaky, EngineConfig(max_batch=2))
-    metrics = TargetMetrics(engine, open_streams=lambda: 0)
+    metrics = TargetMetrics(lambda: engine_state(engine), open_streams=lambda: 0)
     for i, prompt in enumerate(tiny_chat_tokenizer_prompts):
         engine.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=16, ignore_eos=True)))
     steps = 0
@@ -206,7 +206,7 @@ def test_acceptance_by_draft_position_adds_up_to_the_requests_stats(tiny_chat_di
                      for r in make()}
     oracle = OracleDrafter(drafter("dflash", target, block_size=8, window=12), continuations, mistake_rate=0.1)
     engine = Engine(target, oracle, EngineConfig(max_batch=2))
-    metrics = TargetMetrics(engine, open_streams=lambda: 0)
+    metrics = TargetMetrics(lambda: engine_state(engine), open_streams=lambda: 0)
     stats = [events[-1].stats for events in engine.generate(make()).values()]
     samples = parse(generate_latest(metrics.registry).decode())
     proposed = [value(samples, "specsplit_target_draft_position_proposed_total", position=str(p)) for p in range(1, 8)]
@@ -221,7 +221,7 @@ def test_acceptance_by_draft_position_adds_up_to_the_requests_stats(tiny_chat_di
 def test_learned_draft_lengths_are_exported(tiny_chat_dir, tiny_chat_tokenizer_prompts):
     target = load_target(tiny_chat_dir, dtype=torch.float32)
     engine = Engine(target, drafter("dflash", target, block_size=8), EngineConfig(max_batch=2, auto_drafts=True))
-    metrics = TargetMetrics(engine, open_streams=lambda: 0)
+    metrics = TargetMetrics(lambda: engine_state(engine), open_streams=lambda: 0)
     assert "specsplit_target_draft_length{" not in generate_latest(metrics.registry).decode()  # nothing seen yet
     engine.generate([Request(f"r{i}", p, SamplingParams(max_tokens=40, ignore_eos=True))
                      for i, p in enumerate(tiny_chat_tokenizer_prompts)])
@@ -327,7 +327,7 @@ def test_sequences_resting_from_the_drafter_are_counted(tiny_chat_dir, tiny_chat
     target = load_target(tiny_chat_dir, dtype=torch.float32)
     engine = Engine(target, drafter("mtp", target), EngineConfig(max_batch=2, drafts_by_batch=((2, 0),),
                                                                  resume_after=2))
-    metrics = TargetMetrics(engine, open_streams=lambda: 0)
+    metrics = TargetMetrics(lambda: engine_state(engine), open_streams=lambda: 0)
     for i, (prompt, n) in enumerate(zip(tiny_chat_tokenizer_prompts[:2], (4, 16))):
         engine.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
     while engine.has_work:

@@ -62,6 +62,8 @@
 #   bash tools/gpu_round.sh mps-default-tests  # (next) test_split_gpu.py whole under the MPS default (21 of 32 passed in 320 s)
 #   bash tools/gpu_round.sh pair-bench    # (run in the fifty-third session) --speculate-below 0 / 4 / 8 under MPS through the real pair, 1-8 streams,
 #                                         # trees (up's default again) beside chains; then mps-trees: services / in-process
+#   bash tools/gpu_round.sh engine-process  # (next) the served pair and target only with the engine in a process of
+#                                          its own and not, at 1 and 8 streams; the front-end stand-in both ways
 #   bash tools/gpu_round.sh pair-step     # (next) the served pair's ~2-ms step at one stream: the target's host by phase,
 #                                         # split_bench's services beside it
 #   bash tools/gpu_round.sh front-end     # (run) gRPC clients' tokens/s with the clients as threads, then as processes
@@ -1064,6 +1066,17 @@ front-end)
       | grep -v INFO | grep -E "^streams|Error" | sed "s/^/$variant: /" | log
     [ -f /tmp/server_after.py ] && cp /tmp/server_after.py target_service/server.py && rm /tmp/server_after.py
   done
+  ;;
+engine-process)
+  # (fifty-fourth session) the served target ran ~2 ms a step at 1 stream and ~1.8 ms at 8 against 0.76-0.8 in
+  # process: its front end's threads share the engine's GIL. The engine in a process of its own
+  # (target serve --engine-process), each way beside its own target only, under MPS as `up` starts them
+  timeout 330 python bench/pair_bench.py --device cuda --streams 1 8 --speculate-below 0 --requests 3 \
+    --max-tokens 160 --rounds 3 --mps --client-processes --engine-process both \
+    --json-out "$OUT/engine_process.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
+  # the stand-in engine (host-bound: 0.05 ms slept, 0.7 ms of GIL a step) on this host's CPUs, both ways
+  timeout 150 python bench/front_end_bench.py --sleep-ms 0.05 --hold-ms 0.7 --streams 1 8 16 \
+    --json-out "$OUT/front_end.json" 2>&1 | grep -v INFO | log
   ;;
 pair-step)
   # (fifty-third session) the pair as `up` starts it took ~2 ms a step at one stream (front-end: 402 steps for 1,212
