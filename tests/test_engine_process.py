@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -20,6 +22,7 @@ from specsplit.services import DrafterSettings, TargetSettings, build_engine, st
 from specsplit.shared import wire
 from specsplit.shared.errors import CheckpointError, InvalidRequest, SpecsplitError
 from specsplit.shared.sampling import SamplingParams
+from specsplit.shared.serving import wait_healthy
 from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.engine_process import EngineDied, EngineProcess, _portable
 from specsplit.target_service.metrics import TargetMetrics
@@ -151,3 +154,40 @@ def test_an_error_that_does_not_cross_the_pipe_goes_as_its_text():
     assert isinstance(_portable(InvalidRequest("bad")), InvalidRequest)
     replaced = _portable(_Unpicklable(1, 2))
     assert type(replaced) is SpecsplitError and "_Unpicklable: 1/2" in str(replaced)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _serve_target(tmp_path, tiny_chat_dir) -> tuple[subprocess.Popen, str, int]:
+    """`specsplit target serve --engine-process` in a process of its own: (it, its address, its engine's pid)."""
+    address = f"unix:{tmp_path}/t.sock"
+    service = subprocess.Popen([sys.executable, "-m", "specsplit", "target", "serve", "--listen", address,
+                                "--target", str(tiny_chat_dir), "--engine-process", "--drain-seconds", "1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_healthy(address, timeout=120)
+    except Exception:
+        service.kill()
+        raise AssertionError(service.communicate()[0])
+    engines = _children(service.pid)
+    assert len(engines) >= 1, "no engine process under the service"
+    return service, address, engines[-1]
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="needs /proc/PID/task/PID/children")
+def test_the_service_exits_when_its_engine_dies_and_stops_it_on_sigterm(tmp_path, tiny_chat_dir):
+    service, address, engine = _serve_target(tmp_path, tiny_chat_dir)
+    with RawClient(address) as client:
+        assert len(client.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)).token_ids) == 4
+    os.kill(engine, signal.SIGKILL)
+    output = service.communicate(timeout=60)[0]
+    assert service.returncode != 0 and "engine process died" in output, output
+    service, address, engine = _serve_target(tmp_path, tiny_chat_dir)
+    service.send_signal(signal.SIGTERM)
+    output = service.communicate(timeout=60)[0]
+    assert service.returncode == 0, output
+    assert not os.path.exists(f"/proc/{engine}") or open(f"/proc/{engine}/stat").read().split()[2] == "Z"
