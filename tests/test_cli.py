@@ -201,6 +201,26 @@ def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, m
     assert seen == [want]
 
 
+@pytest.mark.parametrize("extra, want", [((), False), (("--device", "cuda"), True), (("--device", "cuda:1"), True),
+                                         (("--device", "cuda", "--no-engine-process"), False),
+                                         (("--engine-process",), True)])
+def test_target_serve_runs_its_engine_in_a_process_of_its_own_on_a_gpu(extra, want, monkeypatch):
+    """`target serve --[no-]engine-process`: by default on with a CUDA device, off on the CPU."""
+    import specsplit.services
+
+    monkeypatch.setattr(logs, "configure", lambda *args, **kwargs: None)  # (the root logger outlives the test)
+    seen = []
+
+    def start_target(settings):
+        seen.append(settings.engine_process)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(specsplit.services, "start_target", start_target)
+    with pytest.raises(SystemExit):
+        main(["target", "serve", "--listen", "unix:/nonexistent/t.sock", *extra])
+    assert seen == [want]
+
+
 @pytest.mark.parametrize("extra, says", [(("--draft-tree", "64"), "draft_tree"),
                                          (("--draft-tree", "15", "--draft-tree-batch", "0"), "draft_tree_batch"),
                                          (("--draft-tree", "15", "--trees-by-batch", "2:64"), "trees_by_batch"),

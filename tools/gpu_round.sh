@@ -62,8 +62,9 @@
 #   bash tools/gpu_round.sh mps-default-tests  # (next) test_split_gpu.py whole under the MPS default (21 of 32 passed in 320 s)
 #   bash tools/gpu_round.sh pair-bench    # (run in the fifty-third session) --speculate-below 0 / 4 / 8 under MPS through the real pair, 1-8 streams,
 #                                         # trees (up's default again) beside chains; then mps-trees: services / in-process
-#   bash tools/gpu_round.sh engine-process  # (next) the served pair and target only with the engine in a process of
-#                                          its own and not, at 1 and 8 streams; the front-end stand-in both ways
+#   bash tools/gpu_round.sh engine-process-short  # (run in the fifty-fourth session) the served pair and target only
+#                                          with the engine in a process of its own and not, at 1 and 8 streams, one round
+#   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh pair-step     # (next) the served pair's ~2-ms step at one stream: the target's host by phase,
 #                                         # split_bench's services beside it
 #   bash tools/gpu_round.sh front-end     # (run) gRPC clients' tokens/s with the clients as threads, then as processes
@@ -1067,15 +1068,21 @@ front-end)
     [ -f /tmp/server_after.py ] && cp /tmp/server_after.py target_service/server.py && rm /tmp/server_after.py
   done
   ;;
+engine-process-short)
+  # engine-process in ~200 s of device time (what a session had left after failed starts): one round
+  timeout 200 python bench/pair_bench.py --device cuda --streams 1 8 --speculate-below 0 --requests 2 \
+    --max-tokens 128 --rounds 1 --mps --client-processes --engine-process both \
+    --json-out "$OUT/engine_process.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
+  ;;
 engine-process)
   # (fifty-fourth session) the served target ran ~2 ms a step at 1 stream and ~1.8 ms at 8 against 0.76-0.8 in
   # process: its front end's threads share the engine's GIL. The engine in a process of its own
   # (target serve --engine-process), each way beside its own target only, under MPS as `up` starts them
-  timeout 330 python bench/pair_bench.py --device cuda --streams 1 8 --speculate-below 0 --requests 3 \
-    --max-tokens 160 --rounds 3 --mps --client-processes --engine-process both \
+  timeout 270 python bench/pair_bench.py --device cuda --streams 1 8 --speculate-below 0 --requests 3 \
+    --max-tokens 160 --rounds 2 --mps --client-processes --engine-process both \
     --json-out "$OUT/engine_process.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
   # the stand-in engine (host-bound: 0.05 ms slept, 0.7 ms of GIL a step) on this host's CPUs, both ways
-  timeout 150 python bench/front_end_bench.py --sleep-ms 0.05 --hold-ms 0.7 --streams 1 8 16 \
+  timeout 80 python bench/front_end_bench.py --sleep-ms 0.05 --hold-ms 0.7 --streams 1 8 16 \
     --json-out "$OUT/front_end.json" 2>&1 | grep -v INFO | log
   ;;
 pair-step)
