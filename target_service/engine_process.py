@@ -184,6 +184,9 @@ class EngineProcess:
                     waiter[1] = state
                     waiter[0].set()
         self._process.join(1.0)
+        if self._process.is_alive():  # a link broken with the process still up: it serves no one now
+            self._process.kill()
+            self._process.join(STOP_SECONDS)
         code = self._process.exitcode
         with self._lock:
             stopping = self._stopping
