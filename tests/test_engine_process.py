@@ -177,6 +177,7 @@ def _serve_target(tmp_path, tiny_chat_dir) -> tuple[subprocess.Popen, str, int]:
     return service, address, engines[-1]
 
 
+@pytest.mark.slow  # (two services started: about 20 s)
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
                     reason="needs /proc/PID/task/PID/children")
 def test_the_service_exits_when_its_engine_dies_and_stops_it_on_sigterm(tmp_path, tiny_chat_dir):
