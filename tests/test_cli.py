@@ -184,21 +184,27 @@ def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, m
     most --max-batch; M nodes from N sequences on), of the 8 candidates a row the drafter serves. auto (the
     default): trees of 15 nodes on a GPU with a drafter at its own draft length (where it drafts at all); chains on
     the CPU, at a draft length given or learned, or with no drafter."""
+    engine = target_serve_settings(extra, monkeypatch).engine
+    assert (engine.draft_tree, engine.draft_tree_keep, engine.draft_tree_batch) \
+        + ((engine.trees_by_batch,) if engine.trees_by_batch else ()) == want
+
+
+def target_serve_settings(extra, monkeypatch):
+    """The TargetSettings `target serve --listen ... *extra` starts its target with (nothing started)."""
     import specsplit.services
 
     monkeypatch.setattr(logs, "configure", lambda *args, **kwargs: None)  # (the root logger outlives the test)
     seen = []
 
     def start_target(settings):
-        engine = settings.engine
-        seen.append((engine.draft_tree, engine.draft_tree_keep, engine.draft_tree_batch)
-                    + ((engine.trees_by_batch,) if engine.trees_by_batch else ()))
+        seen.append(settings)
         raise SystemExit(0)
 
     monkeypatch.setattr(specsplit.services, "start_target", start_target)
     with pytest.raises(SystemExit):
         main(["target", "serve", "--listen", "unix:/nonexistent/t.sock", *extra])
-    assert seen == [want]
+    assert len(seen) == 1
+    return seen[0]
 
 
 @pytest.mark.parametrize("extra, want", [((), False), (("--device", "cuda"), True), (("--device", "cuda:1"), True),
@@ -206,19 +212,7 @@ def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, m
                                          (("--engine-process",), True)])
 def test_target_serve_runs_its_engine_in_a_process_of_its_own_on_a_gpu(extra, want, monkeypatch):
     """`target serve --[no-]engine-process`: by default on with a CUDA device, off on the CPU."""
-    import specsplit.services
-
-    monkeypatch.setattr(logs, "configure", lambda *args, **kwargs: None)  # (the root logger outlives the test)
-    seen = []
-
-    def start_target(settings):
-        seen.append(settings.engine_process)
-        raise SystemExit(0)
-
-    monkeypatch.setattr(specsplit.services, "start_target", start_target)
-    with pytest.raises(SystemExit):
-        main(["target", "serve", "--listen", "unix:/nonexistent/t.sock", *extra])
-    assert seen == [want]
+    assert target_serve_settings(extra, monkeypatch).engine_process is want
 
 
 @pytest.mark.parametrize("extra, says", [(("--draft-tree", "64"), "draft_tree"),
