@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
+import os
 import statistics
 import time
 import urllib.request
@@ -55,6 +56,24 @@ def _one_client(address: str, prompts: list[list[int]], max_tokens: int, specula
 
 
 _POOL: ProcessPoolExecutor | None = None  # --client-processes: one process a client, kept across runs
+
+
+def _pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def start_clients(workers: int, tries: int = 20) -> ProcessPoolExecutor:
+    """A pool of `workers` client processes, every one started and its imports done before anything is timed.
+    (A pool starts its processes as tasks find none idle, and a spawned one takes seconds to import this
+    module: started on demand, the runs at a new stream count went to the processes already up, one request
+    after another, the first pair's clients at two streams one at a time, 1.0 sequences a step.)"""
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    for _ in range(tries):  # all busy at once: each process answers one task
+        if len(set(pool.map(_pid_after, [0.5] * workers))) == workers:
+            return pool
+    pool.shutdown()
+    raise SystemExit(f"--client-processes: {workers} client processes did not all start")
 
 
 def serve(address: str, prompts: list[list[list[int]]], max_tokens: int, speculative: bool
@@ -195,7 +214,7 @@ def main() -> None:
     table: dict[str, dict] = {f"streams_{n}": {"requests": n * args.requests} for n in args.streams}
     if args.client_processes:
         global _POOL
-        _POOL = ProcessPoolExecutor(max(args.streams), mp_context=multiprocessing.get_context("spawn"))
+        _POOL = start_clients(max(args.streams))
     for group in groups:
         pairs, ports = {}, {}
         try:

@@ -167,17 +167,26 @@ def record(args) -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    mps = None
+    if args.mps:  # before this process's CUDA context is made (the drafter started below inherits the server's env)
+        import os
+
+        from specsplit.lifeline import Lifeline
+        from specsplit.mps import MpsServer
+        mps = MpsServer(Lifeline())
+        os.environ.update(mps.env)
     setup = LocalSetup(drafter=args.drafter, device=args.device, dtype=args.dtype, seed=0)
     folder = target_dir(setup.target)
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
     tokenizer = Tokenizer.from_dir(folder)
     sock = f"unix:{tempfile.mkdtemp(prefix='specsplit-timeline-')}/drafter.sock"
-    # the drafter is signalled as the target's window starts and records up to twice as many Step
-    # messages as it has steps (more than one may go a step): the summary keeps the time both recorded
+    # the drafter is signalled as the target's window starts and records as many Step messages as it has
+    # steps: at least one goes a step (more while sequences attach), so the drafter's window ends within the
+    # target's (twice as many outlasted a run of trees, one a step) and the summary keeps the time both recorded
     drafter_raw = out / "services_drafter.json"
     cmd = [sys.executable, "-m", "specsplit", "drafter", "serve", "--listen", sock, "--drafter", args.drafter,
            "--device", args.device, "--seed", "0", "--profile-on-signal",
-           "--profile-steps", f"1:{2 * args.steps}", "--profile-out", str(drafter_raw)] + \
+           "--profile-steps", f"1:{args.steps}", "--profile-out", str(drafter_raw)] + \
         (["--dtype", args.dtype] if args.dtype else []) + \
         (["--device-waits", "--max-targets", "1"] if args.drafter_device_waits else [])
     drafter_proc = subprocess.Popen(cmd)
@@ -185,11 +194,14 @@ def record(args) -> None:
     # drawn from the usual round trips would drop the drafter there (it did, once, in the first run)
     drafter_client.STEP_DEADLINE_FLOOR = 30.0
     prompts = stream_prompts(args.batch)
-    conf = EngineConfig(max_batch=args.batch)
+    conf = EngineConfig(max_batch=args.batch, draft_tree=args.draft_tree)
     try:
         wait_healthy(sock, 300)
+        # with trees, linked as `specsplit up` pairs them: the next tree step's ask sent as the target launches
         remote = RemoteProposer(sock, device=setup.device, dtype=setup.torch_dtype,
-                                head=(model.embed_weight, model.lm_head_weight), device_waits=args.device_waits)
+                                head=(model.embed_weight, model.lm_head_weight), device_waits=args.device_waits,
+                                trees_ahead=args.draft_tree > 0,
+                                tree_keep=EngineConfig.draft_tree_keep if args.draft_tree else 0)
         engines = {"in_process": Engine(model, make_drafter(args.drafter, model, setup), conf),
                    "services": Engine(model, remote, replace(conf, chain_capture_remote=args.remote_tail))}
         traces = {}
@@ -220,6 +232,8 @@ def record(args) -> None:
     finally:
         drafter_proc.terminate()
         drafter_proc.wait(timeout=30)  # the drafter's trace was written when its window ended
+        if mps is not None:
+            mps.stop()
     if not drafter_raw.exists():
         raise SystemExit("the drafter wrote no trace: the run ended before its window of Step messages did "
                          "(give more --max-tokens)")
@@ -250,6 +264,11 @@ def main() -> None:
     ap.add_argument("--remote-tail", action=argparse.BooleanOptionalAction, default=True,
                     help="the services engine replays what follows each chained step's drafts as one graph "
                          "(EngineConfig.chain_capture_remote, the default; --no-remote-tail: uncaptured)")
+    ap.add_argument("--draft-tree", type=int, default=0, metavar="N",
+                    help="both engines verify draft trees of N nodes (EngineConfig.draft_tree), the services' with "
+                         "the next tree step's ask sent as the target launches (as `specsplit up` pairs them)")
+    ap.add_argument("--mps", action="store_true",
+                    help="this process and the drafter as clients of a private NVIDIA MPS server (`up --mps`)")
     ap.add_argument("--out", default="timeline")
     args = ap.parse_args()
     if args.analyze:
@@ -258,8 +277,8 @@ def main() -> None:
         sides = dict(zip(("target", "drafter"), (load_trace(p) for p in args.analyze)))
         print_summary("timeline", summarize(sides, "target"))
         return
-    if args.steps < 2 or args.skip < 0:
-        ap.error("--steps takes 2 or more and --skip 0 or more")
+    if args.steps < 2 or args.skip < 0 or args.draft_tree < 0:
+        ap.error("--steps takes 2 or more, --skip and --draft-tree 0 or more")
     record(args)
 
 

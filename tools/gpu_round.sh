@@ -1085,6 +1085,26 @@ engine-process)
   timeout 80 python bench/front_end_bench.py --sleep-ms 0.05 --hold-ms 0.7 --streams 1 8 16 \
     --json-out "$OUT/front_end.json" 2>&1 | grep -v INFO | log
   ;;
+served-pair)
+  # (fifty-fifth session) with the target's engine in its own process (now the default on a GPU): (a) where a served
+  # pair's step goes at one stream (1.3 ms against 1.0 in-process for a tree step): both processes' GPU work on one
+  # clock, trees of 15 linked as `up` pairs them, under MPS; (b) does drafting still stop paying at four streams
+  # (`up`'s --speculate-below 4 was chosen with the engine in the front end's process)? Pairs drafting always and
+  # below 4, each beside its own target only, the target's host ms a step by phase
+  (cd bench && timeout 170 python timeline.py --batch 1 --max-tokens 256 --skip 50 --steps 150 --draft-tree 15 \
+    --drafter-device-waits --mps --out "$OUT/b1_trees" 2>&1 | grep -v INFO | tail -16 | log)
+  timeout 330 python bench/pair_bench.py --device cuda --streams 1 2 4 8 --speculate-below 0 4 --requests 3 \
+    --max-tokens 160 --rounds 2 --mps --client-processes --engine-process on \
+    --json-out "$OUT/served_pair.json" 2>&1 | grep -v INFO | grep -E "^streams|^pair|Error" | log
+  ;;
+served-pair-tests)
+  # ... the pair's GPU tests with the engine in its own process by default: SIGKILL of either side over CUDA IPC,
+  # the pair under MPS equals the pair without; then the eight-stream timeline
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_chaos_gpu.py tests/test_mps.py 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
+  (cd bench && timeout 170 python timeline.py --batch 8 --max-tokens 512 --skip 30 --steps 100 --draft-tree 15 \
+    --drafter-device-waits --mps --out "$OUT/b8_trees" 2>&1 | grep -v INFO | tail -16 | log)
+  ;;
 pair-step)
   # (fifty-third session) the pair as `up` starts it took ~2 ms a step at one stream (front-end: 402 steps for 1,212
   # tokens at 1.0-1.1x target only's 0.76 ms a step, with MPS or without), where split_bench's services (the target
