@@ -97,7 +97,8 @@ def serve(address: str, prompts: list[list[list[int]]], max_tokens: int, specula
 # went (chained on the device, drafts waited for there, Steps sent ahead), what tells a stall's cause, and (below)
 # the host's time a step by phase
 EVENTS = {"steps_total": "steps", "chained_steps_total": "chained", "drafter_device_waits_total": "device waits",
-          "drafter_steps_sent_ahead_total": "sent ahead", "drafter_fallbacks_total": "fallbacks",
+          "drafter_steps_sent_ahead_total": "sent ahead",
+          "drafter_drafts_taken_unanswered_total": "taken unanswered", "drafter_fallbacks_total": "fallbacks",
           "drafter_reattaches_total": "reattaches", "drafter_device_waits_released_total": "waits released",
           "chain_captures_total": "captures", "drafter_rests_total": "rests", "drafter_resumes_total": "resumes"}
 
