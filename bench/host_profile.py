@@ -244,6 +244,9 @@ def main() -> None:
                          "ahead: where the host's part of a step outlasts the device's, the device waits)")
     ap.add_argument("--time-replays", action="store_true",
                     help="also the host's time inside CUDA graph replays in the unprofiled steps")
+    ap.add_argument("--draft-tree", type=int, default=0, metavar="N",
+                    help="the engines verify draft trees of N nodes (EngineConfig.draft_tree); a drafter service "
+                         "is asked for them as `specsplit up` links a pair (the next tree step's sent ahead)")
     ap.add_argument("--mps", action="store_true",
                     help="this process and the drafter service as clients of a private NVIDIA MPS server "
                          "(specsplit.mps, as `specsplit up --mps`)")
@@ -298,7 +301,9 @@ def run(args: argparse.Namespace) -> None:
             wait_healthy(sock, 300)
             remote = RemoteProposer(sock, device=args.device, dtype=setup.torch_dtype,
                                     head=(model.embed_weight, model.lm_head_weight),
-                                    device_waits=args.both_waits or args.target_waits)
+                                    device_waits=args.both_waits or args.target_waits,
+                                    trees_ahead=args.draft_tree > 0,  # (as `specsplit up` links a pair's trees)
+                                    tree_keep=EngineConfig.draft_tree_keep if args.draft_tree else 0)
             if remote._conn is not None and remote._conn.done is not None:
                 print(f"the DONE buffer: {'the host page' if remote.waits_outlive_loads else 'device memory'}",
                       flush=True)
@@ -310,7 +315,7 @@ def run(args: argparse.Namespace) -> None:
             prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH, args.serving)]
             for batch in args.batch:
                 for name, drafter in [("target-only ", None)] * (not (args.split and args.split_only)) + engines:
-                    config = EngineConfig(max_batch=batch, overlap_attach=args.overlap_attach and drafter is remote,
+                    config = EngineConfig(max_batch=batch, draft_tree=args.draft_tree, overlap_attach=args.overlap_attach and drafter is remote,
                                           chain_regroup=not (args.no_regroup and drafter is remote),
                                           unquiesced_host_flags=args.unquiesced and drafter is remote)
                     engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids)
@@ -325,8 +330,9 @@ def run(args: argparse.Namespace) -> None:
         else:
             for batch in args.batch:
                 for name, drafter in [("target-only ", None)] * args.target_only + engines:
-                    report(name + profile_engine(Engine(model, drafter, EngineConfig(max_batch=batch)), tokenizer,
-                                                 batch, args.steps, args.device))
+                    config = EngineConfig(max_batch=batch, draft_tree=args.draft_tree)
+                    report(name + profile_engine(Engine(model, drafter, config), tokenizer, batch, args.steps,
+                                                 args.device))
     finally:
         if remote is not None:
             remote.close()

@@ -1091,9 +1091,13 @@ served-pair)
   # clock, trees of 15 linked as `up` pairs them, under MPS; (b) does drafting still stop paying at four streams
   # (`up`'s --speculate-below 4 was chosen with the engine in the front end's process)? Pairs drafting always and
   # below 4, each beside its own target only, the target's host ms a step by phase
-  (cd bench && timeout 170 python timeline.py --batch 1 --max-tokens 256 --skip 50 --steps 150 --draft-tree 15 \
+  # (first run: the bench's client processes started on demand halved the first pair's clients; the drafter's
+  # window outlasted the run) the target's host by function (cProfile) and the drafter's by stack, one stream
+  timeout 150 python bench/host_profile.py --device cuda --batch 1 --split --both-waits --draft-tree 15 \
+    --mps --steps 300 --drafter-trace "$OUT/drafter_host.json" --out "$OUT" 2>&1 | grep -v INFO | head -60 | log
+  (cd bench && timeout 150 python timeline.py --batch 1 --max-tokens 256 --skip 50 --steps 150 --draft-tree 15 \
     --drafter-device-waits --mps --out "$OUT/b1_trees" 2>&1 | grep -v INFO | tail -16 | log)
-  timeout 330 python bench/pair_bench.py --device cuda --streams 1 2 4 8 --speculate-below 0 4 --requests 3 \
+  timeout 260 python bench/pair_bench.py --device cuda --streams 1 4 8 --speculate-below 0 4 --requests 3 \
     --max-tokens 160 --rounds 2 --mps --client-processes --engine-process on \
     --json-out "$OUT/served_pair.json" 2>&1 | grep -v INFO | grep -E "^streams|^pair|Error" | log
   ;;
