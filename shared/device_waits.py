@@ -25,7 +25,11 @@ is done: a peer may still write an older value over ours (a wait behind it would
 
 The watchdog looks only when a deadline may have come: at the earliest one, or every IDLE_LOOK seconds
 with nothing armed. A wait is armed every step, each done long before its deadline (a second or more),
-so `wait` wakes the watchdog only for a deadline before its next look. (Woken at every wait, the
+so `wait` wakes the watchdog only for a deadline before its next look. `wait` forgets the waits seen done
+before it queues its own, while none holds the stream: after it, the wait just queued holds it, and with
+host pages' flags nothing was forgotten then. (The waits remembered grew by one a step until their first
+deadline, from then on the watchdog looked every RELEASE_AGAIN seconds, reading the page once for each, to
+confirm them written: ~80 reads of the page a step in the target's host profile, fifty-fifth session.) (Woken at every wait, the
 watchdog took the GIL at every step, on both hosts, right after the wait was queued, as the launch
 behind it let the GIL go; both sides' waits at eight streams went from 0.92x to 1.10x host polls.)
 """
@@ -97,6 +101,8 @@ class DeviceWaits:
             raise RuntimeError("DeviceWaits.wait after close")
         if not isinstance(done, Flag):
             done = Flag.of(done)
+        with self._lock:  # the waits seen done forgotten while none holds the stream (see _forget_safely)
+            self._forget_safely()
         stream = torch.cuda.current_stream(self._device)
         self._ops.wait(stream, done.address, value)
         event = torch.cuda.Event()
@@ -185,9 +191,10 @@ class DeviceWaits:
             self._forget_done()
 
     def _host_held(self) -> bool:
-        """Whether a wait on a host page's flag is pending: its stream may be held, so no CUDA call now."""
+        """Whether a wait on a host page's flag is pending: its stream may be held, so no CUDA call now. (Newest
+        first: the wait armed last is the one pending, most often, and then one read of the page answers.)"""
         return any(entry.done.host is not None and not entry.released and not _reached(entry.done, entry.value)
-                   for entry in self._armed)
+                   for entry in reversed(self._armed))
 
     def _earliest(self) -> float | None:
         deadlines = [entry.deadline for entry in self._armed if not entry.released]

@@ -592,6 +592,36 @@ def test_a_due_wait_written_in_time_is_confirmed_not_released_while_another_hold
         page.close()
 
 
+def test_waits_on_a_host_page_written_in_time_are_forgotten_as_the_next_is_armed(device, monkeypatch):
+    """A wait armed every step on the DONE page's flag, each written by the drafter before the next is armed:
+    the ones seen done are forgotten as the next is armed (they piled up while the newest held the stream,
+    and from their deadlines on the watchdog looked every RELEASE_AGAIN seconds, reading the page for each),
+    and arming reads the page a few times, not once for every wait remembered."""
+    page = HostPage.create(None)
+    waits = DeviceWaits(device, torch.device("cpu"))
+    flag = page.flag(0)
+    device.host[flag.address] = flag.host
+    reads = []
+    reached = device_waits._reached
+    monkeypatch.setattr(device_waits, "_reached", lambda f, v: reads.append(v) or reached(f, v))
+    try:
+        waits.wait(flag, 1, time.perf_counter() + 30)  # (starts the watchdog, asleep until that deadline)
+        time.sleep(0.05)
+        looks, most = waits.looks, 0
+        for value in range(1, 201):
+            flag.store(value)  # (the drafter, in time)
+            before = len(reads)
+            waits.wait(flag, value + 1, time.perf_counter() + 30)
+            most = max(most, len(reads) - before)
+        time.sleep(0.05)
+        assert most <= 3, f"arming a wait read the page {most} times"
+        assert waits.pending == 1 and waits.looks == looks and waits.failure is None and device.writes == []
+    finally:
+        flag.store(201)
+        waits.close()
+        page.close()
+
+
 def test_no_stream_write_while_a_wait_on_a_host_page_holds_the_stream(device, monkeypatch):
     """A released wait the stream has not passed, and behind it a wait on a host page not written yet: the
     fallback stream write of the first waits (a CUDA call while the stream may be held would keep the
