@@ -560,7 +560,7 @@ def add_service_parsers(sub) -> None:
                     help="at most K drafts per sequence in a step of N or more sequences, e.g. 8:7,32:3; where K "
                          "is 0 the step's sequences rest from the drafter (its state freed, decoded as the target "
                          "alone) and are attached again after 8 steps that draft (default: --num-drafts at every "
-                         "batch size; `specsplit up` on a GPU gives 4:0)")
+                         "batch size; `specsplit up` on a GPU gives 9:0)")
     ts.add_argument("--draft-tree", type=draft_tree_nodes, default="auto", metavar="NODES|auto",
                     help="greedy steps of a DFlash drafter service verify a best-first draft tree of this many nodes "
                          "a sequence instead of a chain (1..63, grown from its rows; 0: chains): the drafter answers "
@@ -644,9 +644,9 @@ def add_service_parsers(sub) -> None:
         p.add_argument("--speculate-below", type=int, default=None, metavar="N",
                        help="the target drafts only in steps of fewer than N sequences; from N on they decode as "
                             "the target alone (target serve --drafts-by-batch N:0; 0: at every batch size) "
-                            "(default: 4 with a CUDA device, where the two services share its GPU: there their "
-                            "trees ran 1.12x / 1.01x / 0.88x target only at 2 / 3 / 4 streams on an H100; "
-                            "else 0)")
+                            "(default: 9 with a CUDA device, where the two services share its GPU: there the pair "
+                            "ran 1.74x / 1.37x / 1.10x target only at 1 / 4 / 8 streams on an H100, resting from "
+                            "four on 1.04x / 0.99x; else 0)")
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> None:

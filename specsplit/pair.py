@@ -27,10 +27,14 @@ from specsplit.shared.serving import wait_healthy
 
 log = logging.getLogger(__name__)
 
-# The two services on one GPU, linked (`device_waits`): their draft trees ran 1.12x, 1.01x and 0.88x target only
-# at 2, 3 and 4 streams (H100, fiftieth session, `split_bench --also-trees 15 --also-both-waits`), 0.63x at 8;
-# resting from the drafter instead, 0.93x at 8 and 0.89x at 16. So the pair drafts below four sequences a step.
-SHARED_GPU_SPECULATE_BELOW = 4
+# The two services on one GPU, linked (`device_waits`), under MPS, the target's engine in its own process, as `up`
+# starts them: what gRPC clients saw (H100, fifty-fifth session, `pair_bench --streams 1 4 8 --speculate-below 0 4`)
+# was 1.74x, 1.37x and 1.10x target only at 1, 4 and 8 streams drafting at every batch size, against 1.04x and 0.99x
+# resting from the drafter from four sequences on. (Below four was chosen in the fiftieth session, the engine then
+# sharing the front end's GIL: trees 0.88x target only at 4 streams, 0.63x at 8.) Past eight nothing was measured
+# that way; in process, where the split costs nothing, trees ran 0.92x target only at 12 streams and 0.66x at 16.
+# So the pair drafts in steps of up to eight sequences (trees, `target serve --draft-tree-batch`'s bound too).
+SHARED_GPU_SPECULATE_BELOW = 9
 
 
 @dataclass(frozen=True)  # used as a default argument: must not be mutable

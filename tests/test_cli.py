@@ -173,7 +173,8 @@ DRAFTER = ("--drafter", "unix:/nonexistent/d.sock")
                                          ((*DRAFTER, "--device", "cuda", "--num-drafts", "auto"), (0, 8, None)),
                                          ((*DRAFTER, "--device", "cuda", "--drafts-by-batch", "8:7"), (0, 8, None)),
                                          ((*DRAFTER, "--device", "cuda", "--drafts-by-batch", "2:7,4:0"), (0, 8, None)),
-                                         # (speculation off from 4 sequences on, as `specsplit up` gives on a GPU)
+                                         # (speculation off from 9 sequences on, as `specsplit up` gives on a GPU)
+                                         ((*DRAFTER, "--device", "cuda", "--drafts-by-batch", "9:0"), (15, 8, 8)),
                                          ((*DRAFTER, "--device", "cuda", "--drafts-by-batch", "4:0"), (15, 8, 8)),
                                          (("--device", "cuda"), (0, 8, None)),
                                          ((*DRAFTER, "--draft-tree", "31", "--trees-by-batch", "2:15,3:0"),

@@ -21,7 +21,7 @@ def test_a_pair_on_a_gpu_links_its_streams_by_default():
     candidates ahead; elsewhere, or with device_waits=False, each service gets only what it was given."""
     gpu = ServiceSpec(device="cuda", target_args=("--draft-tree", "15"), drafter_args=("--metrics-port", "9"))
     assert gpu.service_args("drafter") == ("--device-waits", "--max-targets", "1", "--metrics-port", "9")
-    assert gpu.service_args("target") == ("--trees-ahead", "--drafts-by-batch", "4:0", "--draft-tree", "15")
+    assert gpu.service_args("target") == ("--trees-ahead", "--drafts-by-batch", "9:0", "--draft-tree", "15")
     for spec in (ServiceSpec(device="cuda:1", device_waits=False, speculate_below=0, target_args=("--draft-tree", "15")),
                  ServiceSpec(target_args=("--draft-tree", "15")),  # (the CPU)
                  ServiceSpec(device="cuda", drafter="none", target_args=("--draft-tree", "15"))):
@@ -41,21 +41,21 @@ def test_drafter_args_a_linked_drafter_cannot_take_leave_the_pair_unlinked(clash
                        target_args=("--draft-tree", "15"))
     assert not spec.waits_on_device
     assert spec.service_args("drafter") == ("--metrics-port", "9", *clash)
-    assert spec.service_args("target") == ("--drafts-by-batch", "4:0", "--draft-tree", "15")
+    assert spec.service_args("target") == ("--drafts-by-batch", "9:0", "--draft-tree", "15")
     with pytest.raises(InvalidRequest, match=f"the drafter's {clash[0]} says otherwise"):
         ServiceSpec(device="cuda", drafter_args=clash, device_waits=True)
 
 
-def test_a_pair_sharing_a_gpu_drafts_below_four_sequences_a_step_by_default():
-    """SHARED_GPU_SPECULATE_BELOW: on a CUDA device the target drafts nothing from four sequences a step (its
-    sequences rest from the drafter, `--drafts-by-batch 4:0`), as asked with speculate_below, never where the
+def test_a_pair_sharing_a_gpu_drafts_in_steps_of_up_to_eight_sequences_by_default():
+    """SHARED_GPU_SPECULATE_BELOW: on a CUDA device the target drafts nothing from nine sequences a step (its
+    sequences rest from the drafter, `--drafts-by-batch 9:0`), as asked with speculate_below, never where the
     target's own arguments give --drafts-by-batch; on the CPU, with no drafter or with 0, no limit."""
     from specsplit.pair import SHARED_GPU_SPECULATE_BELOW
 
-    assert SHARED_GPU_SPECULATE_BELOW == 4
-    assert ServiceSpec(device="cuda", device_waits=False).service_args("target") == ("--drafts-by-batch", "4:0")
-    assert ServiceSpec(device="cuda", device_waits=False, speculate_below=9).service_args("target") \
-        == ("--drafts-by-batch", "9:0")
+    assert SHARED_GPU_SPECULATE_BELOW == 9
+    assert ServiceSpec(device="cuda", device_waits=False).service_args("target") == ("--drafts-by-batch", "9:0")
+    assert ServiceSpec(device="cuda", device_waits=False, speculate_below=4).service_args("target") \
+        == ("--drafts-by-batch", "4:0")
     assert ServiceSpec(device_waits=False, speculate_below=2).service_args("target") == ("--drafts-by-batch", "2:0")
     for own in (("--drafts-by-batch", "8:3"), ("--drafts-by-batch=8:3",)):
         assert ServiceSpec(device="cuda", device_waits=False, target_args=own).service_args("target") == own
@@ -114,6 +114,6 @@ def test_the_pair_with_device_waits_starts_services_that_accept_them(tmp_path):
     drafter = parser.parse_args(["drafter", "serve", "--listen", "unix:x", *spec.service_args("drafter")])
     target = parser.parse_args(["target", "serve", "--listen", "unix:y", *spec.service_args("target")])
     assert drafter.device_waits and drafter.max_targets == 1 and target.trees_ahead
-    assert target.drafts_by_batch == ((4, 0),)
+    assert target.drafts_by_batch == ((9, 0),)
     DrafterSettings(("unix:x",), LocalSetup(), limits=DrafterLimits(max_targets=drafter.max_targets),
                     device_waits=drafter.device_waits)  # (refused unless with --max-targets 1)
