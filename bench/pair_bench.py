@@ -11,8 +11,8 @@ prompts (N clients, each sending --requests held-out prompts one after another, 
 so does the first pair with speculation off for every request (the target-only baseline, the same process); each
 is warmed up once with the whole run, then timed in alternating rounds.
 Prints tokens/s (the median over rounds), each pair over target only, its tau, how many requests' tokens
-differ from target only's (bf16 parts at near-ties) and the longest any client waited for a chunk (a stall
-shows there). The clients are threads of the bench, or with --client-processes processes of their own.
+differ from target only's (bf16 parts at near-ties), the longest any client waited for a chunk (a stall
+shows there) and the median wait for a request's first chunk (what a request costs beyond its steps). The clients are threads of the bench, or with --client-processes processes of their own.
 """
 
 from __future__ import annotations
@@ -38,21 +38,24 @@ from step_overhead import free_port
 
 
 def _one_client(address: str, prompts: list[list[int]], max_tokens: int, speculative: bool
-                ) -> tuple[list[Generation], float]:
-    """One client's prompts one after another: their generations and the longest wait for a chunk (seconds,
-    the first chunk's included: a stall anywhere in a request shows here)."""
+                ) -> tuple[list[Generation], float, list[float]]:
+    """One client's prompts one after another: their generations, the longest wait for a chunk (seconds,
+    the first chunk's included: a stall anywhere in a request shows here) and each request's wait for its
+    first chunk (what a request costs beyond its steps: admission, prefill, the drafter's attach)."""
     params = SamplingParams(max_tokens=max_tokens)
-    results, longest = [], 0.0
+    results, longest, firsts = [], 0.0, []
     with Client(address) as client:
         for ids in prompts:
             chunks, last = [], time.perf_counter()
             with client.stream(ids, params, speculative=speculative) as stream:
                 for chunk in stream:
                     now = time.perf_counter()
+                    if not chunks:
+                        firsts.append(now - last)
                     longest, last = max(longest, now - last), now
                     chunks.append(chunk)
             results.append(Generation.from_chunks(chunks))
-    return results, longest
+    return results, longest, firsts
 
 
 _POOL: ProcessPoolExecutor | None = None  # --client-processes: one process a client, kept across runs
@@ -77,9 +80,9 @@ def start_clients(workers: int, tries: int = 20) -> ProcessPoolExecutor:
 
 
 def serve(address: str, prompts: list[list[list[int]]], max_tokens: int, speculative: bool
-          ) -> tuple[float, list[Generation], float]:
-    """Each client's prompts one after another, the clients at once: tokens/s over the wall time, the results
-    and the longest wait any client had for a chunk (seconds). The clients are threads of this process, or with
+          ) -> tuple[float, list[Generation], float, list[float]]:
+    """Each client's prompts one after another, the clients at once: tokens/s over the wall time, the results,
+    the longest wait any client had for a chunk and every request's wait for its first chunk (seconds). The clients are threads of this process, or with
     --client-processes processes of a pool (then the clients' own Python cannot be what bounds the tokens/s)."""
     start = time.perf_counter()
     if _POOL is not None:
@@ -89,8 +92,9 @@ def serve(address: str, prompts: list[list[list[int]]], max_tokens: int, specula
         with ThreadPoolExecutor(len(prompts)) as threads:
             per_client = list(threads.map(lambda p: _one_client(address, p, max_tokens, speculative), prompts))
     seconds = time.perf_counter() - start
-    flat = [g for generations, _ in per_client for g in generations]
-    return sum(len(g.token_ids) for g in flat) / seconds, flat, max(gap for _, gap in per_client)
+    flat = [g for generations, _, _ in per_client for g in generations]
+    return (sum(len(g.token_ids) for g in flat) / seconds, flat, max(gap for _, gap, _ in per_client),
+            [first for _, _, firsts in per_client for first in firsts])
 
 
 # The target's counters over the timed rounds, as the bench prints them (target_service.metrics): how its steps
@@ -144,30 +148,35 @@ def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], a
         serve(address, prompts, args.max_tokens, speculative)
     rates: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     gaps: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    firsts: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     outputs: dict[str, list[Generation]] = {}
     events: dict[str, dict[str, float]] = {name: {} for name, _, _ in runs}
     for _ in range(args.rounds):
         for name, address, speculative in runs:
             before = counters(ports[name])
-            rate, outputs[name], gap = serve(address, prompts, args.max_tokens, speculative)
+            rate, outputs[name], gap, first = serve(address, prompts, args.max_tokens, speculative)
             rates[name].append(rate)
             gaps[name].append(gap)
+            firsts[name] += first
             for key, value in counters(ports[name]).items():
                 if value != before.get(key, 0.0):
                     events[name][key] = events[name].get(key, 0.0) + value - before.get(key, 0.0)
     base = statistics.median(rates["target_only"])
     want = [g.token_ids for g in outputs["target_only"]]
-    parts = [f"{label}: target only {base:.0f} tok/s (longest wait {1e3 * max(gaps['target_only']):.0f} ms"
-             f"{said(events['target_only'])})"]
+    parts = [f"{label}: target only {base:.0f} tok/s (longest wait {1e3 * max(gaps['target_only']):.0f} ms, "
+             f"first chunk {1e3 * statistics.median(firsts['target_only']):.1f} ms{said(events['target_only'])})"]
     for name, _, _ in runs[1:]:
         rate = statistics.median(rates[name])
         differing = sum(g.token_ids != w for g, w in zip(outputs[name], want))
         row[name] = {"tokens_per_s": rate, "target_only_tokens_per_s": base, "over_target_only": rate / base,
                      "tau": tau(outputs[name]), "requests_differing": differing, "rounds": rates[name],
                      "target_only_rounds": rates["target_only"], "longest_wait_s": gaps[name],
-                     "target_only_longest_wait_s": gaps["target_only"], "events": events[name]}
+                     "target_only_longest_wait_s": gaps["target_only"], "events": events[name],
+                     "first_chunk_median_s": statistics.median(firsts[name]),
+                     "target_only_first_chunk_median_s": statistics.median(firsts["target_only"])}
         parts.append(f"{name.replace('_', ' ')} {rate / base:.2f}x (tau {tau(outputs[name]):.2f}, "
-                     f"{differing} differing, longest wait {1e3 * max(gaps[name]):.0f} ms{said(events[name])})")
+                     f"{differing} differing, longest wait {1e3 * max(gaps[name]):.0f} ms, first chunk "
+                     f"{1e3 * statistics.median(firsts[name]):.1f} ms{said(events[name])})")
     print("; ".join(parts), flush=True)
 
 
