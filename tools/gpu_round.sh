@@ -1140,6 +1140,12 @@ waits-pruned-tests)
   timeout 280 python -m pytest -q -m gpu -p no:cacheprovider tests/test_host_flags.py tests/test_split_gpu.py \
     -k "host_flags or prefill or attached_behind or never_land or waited_for" --durations=4 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -10 | log
+  # the pair as `up` now starts it (drafting up to eight sequences a step), with each request's wait for its first
+  # chunk: at one stream the served pair's steps averaged 1.26 ms (tokens/s over tau) against host_profile's 1.168,
+  # about 4 ms a request beyond its steps, where target only's averaged its steady 0.74
+  timeout 170 python bench/pair_bench.py --device cuda --streams 1 8 --speculate-below 9 --requests 3 \
+    --max-tokens 160 --rounds 2 --mps --client-processes --engine-process on \
+    --json-out "$OUT/pair_first_chunks.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
   ;;
 pair-step)
   # (fifty-third session) the pair as `up` starts it took ~2 ms a step at one stream (front-end: 402 steps for 1,212
