@@ -25,13 +25,15 @@ is done: a peer may still write an older value over ours (a wait behind it would
 
 The watchdog looks only when a deadline may have come: at the earliest one, or every IDLE_LOOK seconds
 with nothing armed. A wait is armed every step, each done long before its deadline (a second or more),
-so `wait` wakes the watchdog only for a deadline before its next look. `wait` forgets the waits seen done
-before it queues its own, while none holds the stream: after it, the wait just queued holds it, and with
-host pages' flags nothing was forgotten then. (The waits remembered grew by one a step until their first
-deadline, from then on the watchdog looked every RELEASE_AGAIN seconds, reading the page once for each, to
-confirm them written: ~80 reads of the page a step in the target's host profile, fifty-fifth session.) (Woken at every wait, the
+so `wait` wakes the watchdog only for a deadline before its next look. (Woken at every wait, the
 watchdog took the GIL at every step, on both hosts, right after the wait was queued, as the launch
 behind it let the GIL go; both sides' waits at eight streams went from 0.92x to 1.10x host polls.)
+
+`wait` forgets the waits seen done before it queues its own, while none holds the stream: after it, the
+wait just queued holds it, and with host pages' flags nothing was forgotten there. (So the waits remembered
+grew by one a step; past the first one's deadline the watchdog looked every RELEASE_AGAIN seconds and read
+the page once for each to confirm them written: ~80 reads of the page a step in the target's host profile,
+fifty-fifth session.)
 """
 
 from __future__ import annotations
