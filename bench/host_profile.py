@@ -252,6 +252,8 @@ def main() -> None:
                          "(specsplit.mps, as `specsplit up --mps`)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
+    if args.draft_tree < 0:
+        ap.error("--draft-tree takes 0 (chains) or more nodes")
     torch.set_grad_enabled(False)
     mps = None
     if args.mps:  # before this process's CUDA context is made
@@ -315,7 +317,8 @@ def run(args: argparse.Namespace) -> None:
             prompts = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH, args.serving)]
             for batch in args.batch:
                 for name, drafter in [("target-only ", None)] * (not (args.split and args.split_only)) + engines:
-                    config = EngineConfig(max_batch=batch, draft_tree=args.draft_tree, overlap_attach=args.overlap_attach and drafter is remote,
+                    config = EngineConfig(max_batch=batch, draft_tree=args.draft_tree,
+                                          overlap_attach=args.overlap_attach and drafter is remote,
                                           chain_regroup=not (args.no_regroup and drafter is remote),
                                           unquiesced_host_flags=args.unquiesced and drafter is remote)
                     engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids)
