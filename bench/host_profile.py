@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
+import importlib
+import inspect
 import os
 import pstats
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -72,6 +77,81 @@ class ReplayClock:
 REPLAYS: ReplayClock | None = None
 
 
+# (--clock) what a step's host time is spent in, unprofiled: the engine's phases and a drafter service's verbs
+CLOCKED = {
+    "specsplit.target_service.engine:Engine": (
+        "_admit", "_finish_prefill", "_decode_step", "_chain_step", "_chain_launch", "_chain_tail", "_chain_run",
+        "_chain_send_ahead", "_chain_read", "_quiesce", "_emit"),
+    "specsplit.target_service.graphs:StepGraphs": ("chain_tables",),
+    "specsplit.target_service.chain:ChainedStep": ("outcome",),
+    "specsplit.target_service.drafter_client:RemoteProposer": (
+        "chain_batch", "chain_candidates", "chain_propose", "chain_commit", "chain_prefetch", "chain_settle",
+        "_take_unanswered", "_candidates_in_buffer", "_live", "_send", "_answer", "_write_feed"),
+    "specsplit.shared.device_waits:DeviceWaits": ("wait",),
+}
+
+
+class MethodClock:
+    """(--clock) inclusive host seconds in the CLOCKED methods, called on this thread while `on`: each method
+    wrapped with two clock reads (about a microsecond a call), no profiler (cProfile's per-call cost swells
+    Python-heavy code, and in Python 3.12 it sees every thread's calls). Methods nest: read a phase's figure as
+    including the verbs it calls."""
+
+    def __init__(self, targets: dict[str, tuple[str, ...]] = CLOCKED) -> None:
+        self.on = False
+        self.seconds: Counter = Counter()
+        self.calls: Counter = Counter()
+        self._restore = []
+        thread = threading.current_thread()
+        for where, names in targets.items():
+            module, _, cls = where.partition(":")
+            owner = getattr(importlib.import_module(module), cls)
+            for name in names:
+                original = inspect.getattr_static(owner, name, None)
+                if isinstance(original, staticmethod):
+                    setattr(owner, name, staticmethod(self._wrap(original.__func__, f"{cls}.{name}", thread)))
+                elif inspect.isfunction(original):
+                    setattr(owner, name, self._wrap(original, f"{cls}.{name}", thread))
+                else:
+                    raise SystemExit(f"--clock: {cls}.{name} is no method here")
+                self._restore.append((owner, name, original))
+
+    def _wrap(self, original, label: str, thread: threading.Thread):
+        clock = self
+
+        @functools.wraps(original)
+        def clocked(*args, **kwargs):
+            if not clock.on or threading.current_thread() is not thread:
+                return original(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                clock.seconds[label] += time.perf_counter() - started
+                clock.calls[label] += 1
+        return clocked
+
+    def start(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+        self.on = True
+
+    def lines(self, steps: int) -> str:
+        self.on = False
+        rows = [f"{'µs/step':>10} {'calls/step':>10}  method (inclusive, unprofiled)"]
+        for label, seconds in self.seconds.most_common():
+            rows.append(f"{seconds / steps * 1e6:10.1f} {self.calls[label] / steps:10.1f}  {label}")
+        return "\n".join(rows)
+
+    def close(self) -> None:
+        for owner, name, original in reversed(self._restore):
+            setattr(owner, name, original)
+        self._restore.clear()
+
+
+CLOCK: MethodClock | None = None
+
+
 def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int, device: str) -> str:
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     # enough tokens for every step measured (16 a step at most), within the model's context
@@ -92,6 +172,15 @@ def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int,
     replays = ""
     if REPLAYS is not None:
         REPLAYS.on, replays = False, REPLAYS.line(steps)
+    clocked = ""
+    if CLOCK is not None:  # the same number of steps again, the methods clocked
+        CLOCK.start()
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+        clocked_wall = (time.perf_counter() - started) / steps
+        clocked = f"\nclocked: {clocked_wall * 1e3:.3f} ms/step\n{CLOCK.lines(steps)}"
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
@@ -100,7 +189,7 @@ def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int,
     prof.disable()
     for request_id in list(engine.running):
         engine.abort(request_id)
-    return profile_lines(prof, steps, f"batch {batch}: {wall * 1e3:.3f} ms/step unprofiled{replays}")
+    return profile_lines(prof, steps, f"batch {batch}: {wall * 1e3:.3f} ms/step unprofiled{replays}") + clocked
 
 
 def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int, device: str,
@@ -244,6 +333,9 @@ def main() -> None:
                          "ahead: where the host's part of a step outlasts the device's, the device waits)")
     ap.add_argument("--time-replays", action="store_true",
                     help="also the host's time inside CUDA graph replays in the unprofiled steps")
+    ap.add_argument("--clock", action="store_true",
+                    help="also the host's µs a step in the engine's phases and the drafter verbs, unprofiled "
+                         "(each method wrapped with two clock reads; MethodClock)")
     ap.add_argument("--draft-tree", type=int, default=0, metavar="N",
                     help="the engines verify draft trees of N nodes (EngineConfig.draft_tree); a drafter service "
                          "is asked for them as `specsplit up` links a pair (the next tree step's sent ahead)")
@@ -267,9 +359,11 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    global REPLAYS
+    global REPLAYS, CLOCK
     if args.time_replays:
         REPLAYS = ReplayClock()
+    if args.clock:
+        CLOCK = MethodClock()
     setup = LocalSetup(drafter=args.drafter, device=args.device, seed=0)
     folder = target_dir("default")
     model = load_target(folder, dtype=setup.torch_dtype, device=args.device)

@@ -1121,15 +1121,17 @@ waits-pruned)
   # eight streams (host_profile, unprofiled, trees linked as `up` pairs them, MPS), with the fix and, where
   # bench/_device_waits_before.py is here (`git show 385484c~1:shared/device_waits.py > bench/_device_waits_before.py`
   # before the call), without it, alternating; then both services' work on one clock at one stream
-  # (each side's first run keeps its whole cProfile table: the target's host by function, no drafter profiled)
+  # (each side's first run keeps its whole table: the target's host by function under cProfile, no drafter
+  # profiled, and by phase and drafter verb unprofiled, host_profile --clock)
   for variant in after before after2 before2; do
     if [ "${variant%2}" = before ]; then
       [ -f bench/_device_waits_before.py ] || continue
       cp shared/device_waits.py /tmp/device_waits_after.py && cp bench/_device_waits_before.py shared/device_waits.py
     fi
     keep="--out /tmp/$variant"; [ "${variant%2}" = "$variant" ] && keep="--out $OUT/$variant"
-    timeout 110 python bench/host_profile.py --device cuda --batch 1 8 --split --split-only --both-waits \
-      --draft-tree 15 --mps --steps 300 $keep 2>&1 | grep -E "ms/step unprofiled" | sed "s/^/$variant: /" | log
+    timeout 130 python bench/host_profile.py --device cuda --batch 1 8 --split --split-only --both-waits \
+      --draft-tree 15 --mps --steps 300 --clock $keep 2>&1 | grep -E "ms/step unprofiled|^clocked" \
+      | sed "s/^/$variant: /" | log
     [ -f /tmp/device_waits_after.py ] && cp /tmp/device_waits_after.py shared/device_waits.py && rm /tmp/device_waits_after.py
   done
   (cd bench && timeout 150 python timeline.py --batch 1 --max-tokens 256 --skip 50 --steps 150 --draft-tree 15 \
