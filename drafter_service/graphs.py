@@ -21,7 +21,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from specsplit.drafter_service.context_pool import ContextPool
 from specsplit.drafter_service.heads import TargetHead
@@ -30,6 +29,7 @@ from specsplit.kernels.row_max import row_max
 from specsplit.kernels.workspace import arrival_counters
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture_serving, inlining
 from specsplit.shared.fused import FusedWeights
+from specsplit.shared.layers import embed_rows
 from specsplit.shared.staging import HostStaging
 
 
@@ -149,7 +149,7 @@ class _ProposeBuffers:
 
         cfg, pool = self.model.cfg, self.context_pool
         self.ids[:, 0] = self.anchors
-        block = F.embedding(self.ids, self.head.embed)
+        block = embed_rows(self.head.embed, self.ids)
         if cfg.input_embedding_scale != 1.0:  # a multiply by 1 is exact: no launch for it
             block = block * cfg.input_embedding_scale
         block = block.to(pool.k.dtype)

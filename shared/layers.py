@@ -8,6 +8,7 @@ ragged batches are described by the caller.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable
 
 import torch
@@ -31,6 +32,22 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+# Embedding rows by advanced indexing instead of F.embedding (off until a GPU measures it: SPECSPLIT_EMBED_BY_INDEXING=1).
+# F.embedding is an index_select, and for up to 16 indices PyTorch takes its small-index kernel: 5 blocks of 128
+# threads for SmolLM2's 576 columns, each thread walking the indices one after another. A tree verify's 16 tokens
+# and the drafter's block of 16 took 8-10 µs each so (H100, fifty-fifth session's in-process tree step at one
+# stream), where 128 indices at eight streams took the vectorized gather, 2.4 µs. Indexing gathers every element
+# in parallel whatever the count.
+EMBED_BY_INDEXING = os.environ.get("SPECSPLIT_EMBED_BY_INDEXING", "0") == "1"
+
+
+def embed_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """weight[ids]: the embeddings of token ids (any shape) from weight [vocab, hidden], as F.embedding gives."""
+    if EMBED_BY_INDEXING:
+        return weight[ids]
+    return F.embedding(ids, weight)
 
 
 def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from specsplit.kernels.workspace import arrival_counters
 from specsplit.shared.cuda_graphs import batch_buckets, bucket_for, capture, inlining
 from specsplit.shared.errors import InvalidRequest, StateConflict
 from specsplit.shared.fused import FusedWeights, PagedAttend, fuse_projections, run_fused_layers
-from specsplit.shared.layers import SelfAttention, head_logits
+from specsplit.shared.layers import SelfAttention, embed_rows, head_logits
 from specsplit.shared.ragged import ragged_arange
 from specsplit.shared.tree import block_rows
 from specsplit.target_service.kv_cache import PagedKVCache
@@ -285,7 +285,7 @@ class StaticForward:
         KV cache through the block tables."""
         cfg, stack = self.model.config, self.model.model
         positions = self.rotary.reshape(-1)
-        residual = stack.embed_tokens(self.token_ids)  # [B * Q, hidden]
+        residual = embed_rows(stack.embed_tokens.weight, self.token_ids)  # [B * Q, hidden]
         cos, sin = stack.rotary_emb(positions, residual.dtype)
 
         def attention(i: int, q: torch.Tensor) -> torch.Tensor:  # q rotated, k and v in the cache

@@ -126,6 +126,24 @@ def test_static_forwards_equal_eager(window, one_launch, monkeypatch):
             assert_close(b[name], a[name], atol=ATOL, rtol=0)
 
 
+def test_static_forwards_embed_the_block_by_indexing_as_eager(monkeypatch):
+    """With SPECSPLIT_EMBED_BY_INDEXING the static forwards embed the block through weight[ids]: the drafts and
+    contexts are the eager forward's."""
+    from specsplit.shared import layers
+
+    monkeypatch.setattr(layers, "EMBED_BY_INDEXING", True)
+    indexed = []
+    plain = layers.embed_rows
+    monkeypatch.setattr("specsplit.drafter_service.graphs.embed_rows", lambda w, i: indexed.append(i) or plain(w, i))
+    eager, static = make(), make()
+    static.use_static_forwards(use_graphs=False)
+    want_ctx, got_ctx = drive_both(eager, static, steps=4)
+    assert indexed
+    for a, b in zip(want_ctx, got_ctx):
+        for name in a:
+            assert_close(b[name], a[name], atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("in_rope", [True, False], ids=["in-rope", "apart"])
 def test_static_forwards_equal_eager_with_q_and_k_normed_in_the_rotary_launch(monkeypatch, in_rope):
     """kernels.rope.QK_NORM_IN_ROPE (on by default): the fused layers hand their q and k norms to the rotary kernel

@@ -75,6 +75,45 @@ def test_static_forward_equals_eager(family, query_lens, fused, request):
         starts = [s + len(t) for s, t in zip(starts, tokens)]
 
 
+def test_embed_rows_by_indexing_equals_the_embedding(monkeypatch):
+    """shared.layers.embed_rows: weight[ids] (SPECSPLIT_EMBED_BY_INDEXING) gives F.embedding's rows exactly, for
+    ids of any shape, repeated ids included."""
+    from specsplit.shared import layers
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(50, 12, generator=gen).to(torch.bfloat16)
+    for shape in ((16,), (1, 16), (3, 5), (1,)):
+        ids = torch.randint(0, 50, shape, generator=gen)
+        ids.view(-1)[0] = ids.view(-1)[-1]
+        want = torch.nn.functional.embedding(ids, weight)
+        for by_indexing in (False, True):
+            monkeypatch.setattr(layers, "EMBED_BY_INDEXING", by_indexing)
+            got = layers.embed_rows(weight, ids)
+            assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_static_forward_embeds_by_indexing_as_eager(tiny_llama_dir, monkeypatch):
+    """With SPECSPLIT_EMBED_BY_INDEXING the fused static step's embeddings go through weight[ids], and the step
+    equals the eager forward."""
+    from specsplit.shared import layers
+
+    monkeypatch.setattr(layers, "EMBED_BY_INDEXING", True)
+    indexed = []
+    plain = layers.embed_rows
+    monkeypatch.setattr("specsplit.target_service.graphs.embed_rows", lambda w, i: indexed.append(i) or plain(w, i))
+    model = load_target(tiny_llama_dir)
+    capture = CaptureSpec(layer_ids=(0,), last_hidden=True)
+    (ref_cache, cache), _ = prefilled_pair(model, [9, 14])
+    graphs = StepGraphs(model, cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False,
+                        fused=True)
+    step = StepBatch([0, 1], [[5, 6, 7], [8]], [9, 14])
+    want, got = eager(model, ref_cache, step, capture), graphs.forward(step)
+    assert indexed
+    for name in ("logits", "layer_features", "last_hidden"):
+        expected = getattr(want, name).float()
+        assert_close(getattr(got, name).float(), expected, atol=atol(model, expected), rtol=0)
+
+
 @pytest.mark.parametrize("in_rope", [True, False], ids=["in-rope", "apart"])
 def test_static_forward_norms_q_and_k_in_the_rotary_launch(tiny_qwen3_dir, monkeypatch, in_rope):
     """kernels.rope.QK_NORM_IN_ROPE (on by default): a Qwen3 target's fused layers hand their per-head q and k norms

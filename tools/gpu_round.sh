@@ -69,6 +69,7 @@
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
 #   bash tools/gpu_round.sh waits-pruned  # (next) the device waits' fix: services' ms a step with and without, timeline;
 #                                         # waits-pruned-tests: the device waits' GPU tests, test_split_gpu's last five
+#   bash tools/gpu_round.sh embed-indexing  # (next) embeddings by weight[ids] (off): GPU tests on, steps on/off
 #   bash tools/gpu_round.sh pair-step     # (next) the served pair's ~2-ms step at one stream: the target's host by phase,
 #                                         # split_bench's services beside it
 #   bash tools/gpu_round.sh front-end     # (run) gRPC clients' tokens/s with the clients as threads, then as processes
@@ -1150,6 +1151,21 @@ waits-pruned-tests)
   timeout 170 python bench/pair_bench.py --device cuda --streams 1 8 --speculate-below 9 --requests 3 \
     --max-tokens 160 --rounds 2 --mps --client-processes --engine-process on \
     --json-out "$OUT/pair_first_chunks.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
+  ;;
+embed-indexing)
+  # (fifty-fifth session, not run yet) shared.layers.EMBED_BY_INDEXING (SPECSPLIT_EMBED_BY_INDEXING=1, off): the
+  # target's and the drafter's graph-captured embeddings by weight[ids] instead of F.embedding, whose small-index
+  # kernel took 8-10 µs for 16 ids (twice a tree step at one stream). Its GPU tests (the graphs against eager, the
+  # chained trees), then steps on and off alternating; on by default only if it wins
+  SPECSPLIT_EMBED_BY_INDEXING=1 timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_step_graphs.py \
+    tests/test_dflash_graphs.py tests/test_chain.py 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
+  for v in 0 1 0 1; do
+    for args in "--drafter none --batch 1" "--drafter dflash --batch 1 --draft-tree 15" \
+        "--drafter dflash --batch 8 --draft-tree 15"; do
+      SPECSPLIT_EMBED_BY_INDEXING=$v timeout 45 python bench/profile_step.py $args --steps 60 --out /tmp/steps 2>&1 \
+        | grep -E "^drafter|Error" | sed "s/^/by indexing $v: /" | log
+    done
+  done
   ;;
 pair-step)
   # (fifty-third session) the pair as `up` starts it took ~2 ms a step at one stream (front-end: 402 steps for 1,212
