@@ -75,6 +75,19 @@ def test_static_forward_equals_eager(family, query_lens, fused, request):
         starts = [s + len(t) for s, t in zip(starts, tokens)]
 
 
+def fused_step_equals_eager(model) -> None:
+    """One fused static step of two sequences (three tokens and one) against the eager forward."""
+    capture = CaptureSpec(layer_ids=(0,), last_hidden=True)
+    (ref_cache, cache), _ = prefilled_pair(model, [9, 14])
+    graphs = StepGraphs(model, cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False,
+                        fused=True)
+    step = StepBatch([0, 1], [[5, 6, 7], [8]], [9, 14])
+    want, got = eager(model, ref_cache, step, capture), graphs.forward(step)
+    for name in ("logits", "layer_features", "last_hidden"):
+        expected = getattr(want, name).float()
+        assert_close(getattr(got, name).float(), expected, atol=atol(model, expected), rtol=0)
+
+
 def test_embed_rows_by_indexing_equals_the_embedding(monkeypatch):
     """shared.layers.embed_rows: weight[ids] (SPECSPLIT_EMBED_BY_INDEXING) gives F.embedding's rows exactly, for
     ids of any shape, repeated ids included."""
@@ -102,16 +115,8 @@ def test_static_forward_embeds_by_indexing_as_eager(tiny_llama_dir, monkeypatch)
     plain = layers.embed_rows
     monkeypatch.setattr("specsplit.target_service.graphs.embed_rows", lambda w, i: indexed.append(i) or plain(w, i))
     model = load_target(tiny_llama_dir)
-    capture = CaptureSpec(layer_ids=(0,), last_hidden=True)
-    (ref_cache, cache), _ = prefilled_pair(model, [9, 14])
-    graphs = StepGraphs(model, cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False,
-                        fused=True)
-    step = StepBatch([0, 1], [[5, 6, 7], [8]], [9, 14])
-    want, got = eager(model, ref_cache, step, capture), graphs.forward(step)
+    fused_step_equals_eager(model)
     assert indexed
-    for name in ("logits", "layer_features", "last_hidden"):
-        expected = getattr(want, name).float()
-        assert_close(getattr(got, name).float(), expected, atol=atol(model, expected), rtol=0)
 
 
 @pytest.mark.parametrize("in_rope", [True, False], ids=["in-rope", "apart"])
@@ -126,15 +131,7 @@ def test_static_forward_norms_q_and_k_in_the_rotary_launch(tiny_qwen3_dir, monke
     plain = rope.rope_and_cache_write  # (shared.fused.PagedAttend calls it through the module)
     monkeypatch.setattr(rope, "rope_and_cache_write", lambda *a: given.append(a[8]) or plain(*a))
     model = load_target(tiny_qwen3_dir)
-    capture = CaptureSpec(layer_ids=(0,), last_hidden=True)
-    (ref_cache, cache), _ = prefilled_pair(model, [9, 14])
-    graphs = StepGraphs(model, cache, capture, max_batch=4, query_lens=(1, 6), max_len=64, use_graphs=False,
-                        fused=True)
-    step = StepBatch([0, 1], [[5, 6, 7], [8]], [9, 14])
-    want, got = eager(model, ref_cache, step, capture), graphs.forward(step)
-    for name in ("logits", "layer_features", "last_hidden"):
-        expected = getattr(want, name).float()
-        assert_close(getattr(got, name).float(), expected, atol=atol(model, expected), rtol=0)
+    fused_step_equals_eager(model)
     layers = model.model.layers
     assert len(given) == len(layers)
     if not in_rope:
