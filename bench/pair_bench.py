@@ -12,7 +12,8 @@ so does the first pair with speculation off for every request (the target-only b
 is warmed up once with the whole run, then timed in alternating rounds.
 Prints tokens/s (the median over rounds), each pair over target only, its tau, how many requests' tokens
 differ from target only's (bf16 parts at near-ties), the longest any client waited for a chunk (a stall
-shows there) and the median wait for a request's first chunk (what a request costs beyond its steps). The clients are threads of the bench, or with --client-processes processes of their own.
+shows there) and the median wait for a request's first chunk (what a request costs beyond its steps). The
+clients are threads of the bench, or with --client-processes processes of their own.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def start_clients(workers: int, tries: int = 20) -> ProcessPoolExecutor:
 def serve(address: str, prompts: list[list[list[int]]], max_tokens: int, speculative: bool
           ) -> tuple[float, list[Generation], float, list[float]]:
     """Each client's prompts one after another, the clients at once: tokens/s over the wall time, the results,
-    the longest wait any client had for a chunk and every request's wait for its first chunk (seconds). The clients are threads of this process, or with
-    --client-processes processes of a pool (then the clients' own Python cannot be what bounds the tokens/s)."""
+    the longest wait any client had for a chunk and every request's wait for its first chunk (seconds). The
+    clients are threads of this process, or with --client-processes processes of a pool (then the clients' own
+    Python cannot be what bounds the tokens/s)."""
     start = time.perf_counter()
     if _POOL is not None:
         per_client = [f.result() for f in [_POOL.submit(_one_client, address, p, max_tokens, speculative)

@@ -228,7 +228,7 @@ def record(args) -> None:
                 raise SystemExit(f"{name}: the run ended before step {args.skip + args.steps}; "
                                  "give more --max-tokens or fewer --skip/--steps")
             traces[name] = {"target": gzip_to(raw, out / f"{raw.name}.gz")}
-        link = remote.link  # how the services' steps went: proposes sent ahead and taken, drafts waited for on the device
+        link = remote.link  # how the services' steps went: proposes sent ahead and taken, drafts waited for
         print(f"services link: sent ahead {link.sent_ahead}, chained taken ahead {link.chain_taken_ahead}, device "
               f"waits {link.device_waits}, host waits {link.host_waits}, taken unanswered {link.taken_unanswered}",
               flush=True)

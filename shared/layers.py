@@ -34,7 +34,8 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-# Embedding rows by advanced indexing instead of F.embedding (off until a GPU measures it: SPECSPLIT_EMBED_BY_INDEXING=1).
+# Embedding rows by advanced indexing instead of F.embedding (off until a GPU measures it:
+# SPECSPLIT_EMBED_BY_INDEXING=1).
 # F.embedding is an index_select, and for up to 16 indices PyTorch takes its small-index kernel: 5 blocks of 128
 # threads for SmolLM2's 576 columns, each thread walking the indices one after another. A tree verify's 16 tokens
 # and the drafter's block of 16 took 8-10 µs each so (H100, fifty-fifth session's in-process tree step at one
