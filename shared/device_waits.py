@@ -111,7 +111,6 @@ class DeviceWaits:
         event.record(stream)
         with self._lock:
             self._armed.append(_Armed(done, value, event, deadline))
-            self._forget_safely()  # (after the append: the wait just queued may hold the stream)
             self.armed += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="specsplit-device-waits", daemon=True)
