@@ -1195,18 +1195,23 @@ class RemoteProposer:
         return conn is not None and not conn.dead and conn.feed is not None and conn.tree_candidates
 
     def chain_candidates(self, batch: RemoteChainBatch, anchors: torch.Tensor, positions: torch.Tensor,
-                         keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         keep: int, into: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """A chained step's draft-tree candidates for anchors [B] at positions [B] (on the device): each of the
         drafter's max_drafts block rows' `keep` best log-probabilities and target ids, [B, rows, keep] each on
         our device: those `chain_prefetch` asked for the same (`trees_ahead`), or from one Step now with the
         queued commit and settles. The values are the peer's bytes: the engine clamps the ids, and a NaN score
-        ranks last."""
+        ranks last. `into`: float32 and int64 tensors of that shape the candidates are copied into (and
+        returned), straight from the drafts buffer where the drafter wrote them there."""
         if keep != self.tree_keep:
             raise ValueError(f"this drafter connection asks for {self.tree_keep} candidates a row, not {keep}")
         rows = self.spec.max_drafts if self.spec is not None else 0
         n, cut = len(batch.seq_ids), rows * keep
+        if into is not None and (len(into) != 2 or into[0].shape != (n, rows, keep) or into[0].dtype != torch.float32
+                                 or into[1].shape != (n, rows, keep) or into[1].dtype != torch.int64):
+            raise ValueError(f"chained candidates go into float32 and int64 tensors of shape {(n, rows, keep)}")
         if rows and self._take_unanswered(batch, anchors, positions, rows, keep):
-            return self._candidates_in_buffer(batch.conn, n, rows, keep)
+            return self._candidates_in_buffer(batch.conn, n, rows, keep, into)
         conn = self._chain_conn(batch)  # (reads an answer still out)
         if not conn.tree_candidates or self.spec is None:
             raise DrafterUnavailable("the attached drafter offers no draft-tree candidates")
@@ -1225,7 +1230,7 @@ class RemoteProposer:
                     or 2 * cut > conn.drafts.tensor.shape[1]:
                 self._disconnect()
                 raise DrafterUnavailable("the drafter answered a chained tree's candidates for other sequences")
-            return self._candidates_in_buffer(conn, n, rows, keep)
+            return self._candidates_in_buffer(conn, n, rows, keep, into)
         else:
             got = [answer.proposals.get(seq_id) for seq_id in batch.seq_ids]
             if any(p is None or len(p.tokens) != cut or p.confidence is None or len(p.confidence) != cut
@@ -1234,19 +1239,31 @@ class RemoteProposer:
                 raise DrafterUnavailable("the drafter answered a chained tree without its candidates")
             ids = torch.tensor([p.tokens for p in got], dtype=torch.int64).to(self.device, non_blocking=True)
             logp = torch.tensor([p.confidence for p in got], dtype=torch.float32).to(self.device, non_blocking=True)
-        return logp.view(n, rows, keep), ids.view(n, rows, keep)
+        got = logp.view(n, rows, keep), ids.view(n, rows, keep)
+        if into is None:
+            return got
+        for values, out in zip(got, into):
+            out.copy_(values)
+        return into
 
-    def _candidates_in_buffer(self, conn: _Connection, n: int, rows: int,
-                              keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _candidates_in_buffer(self, conn: _Connection, n: int, rows: int, keep: int,
+                              into: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first n sequences' tree candidates in our drafts buffer, [n, rows, keep] log-probabilities and ids
-        (the ids, then the log-probabilities' float32 bits), copied on our stream (ordered after the drafter's
-        writes by whoever called), the read noted for the next Step that offers the buffer."""
+        (the ids, then the log-probabilities' float32 bits), copied on our stream (into `into`'s, or new
+        tensors; ordered after the drafter's writes by whoever called), the read noted for the next Step that
+        offers the buffer."""
         cut = rows * keep
         view = conn.drafts.tensor[:n, :2 * cut]
-        ids, logp = view[:, :cut].long(), view[:, cut:].clone().view(torch.float32)
+        ids, logp = view[:, :cut].view(n, rows, keep), view[:, cut:].view(torch.float32).view(n, rows, keep)
+        if into is None:
+            into = (torch.empty((n, rows, keep), dtype=torch.float32, device=view.device),
+                    torch.empty((n, rows, keep), dtype=torch.int64, device=view.device))
+        into[0].copy_(logp)
+        into[1].copy_(ids)  # (widened as it is copied)
         self._note_read(conn)
         self.link.drafts_on_device += n
-        return logp.view(n, rows, keep), ids.view(n, rows, keep)
+        return into
 
     def _rows_ahead(self, sent, answer: wire.StepResult | None, batch: RemoteChainBatch, anchors: torch.Tensor,
                     positions: torch.Tensor, num_drafts: int, ahead_rows: Sequence[int] | None,

@@ -1368,10 +1368,13 @@ class Engine:
             self._chain_capture(program, tail)
         anchors, positions = program.feed
         if program.tree:
-            got = self._drafter_call(self.proposer.chain_candidates, batch, anchors, positions, keep)
+            got = self._drafter_call(self.proposer.chain_candidates, batch, anchors, positions, keep,
+                                     program.candidates)  # (into them, straight from the drafts buffer)
             if got is _FAILED:
                 return False
             for into, values in zip(program.candidates, got):
+                if values is into:
+                    continue
                 if values.shape != into.shape:  # (the engine's own ask: a drafter answering otherwise is detached)
                     self._detach()
                     return False

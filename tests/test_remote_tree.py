@@ -323,13 +323,22 @@ def test_with_device_waits_a_trees_candidates_sent_ahead_are_taken_before_their_
         return RemoteChainBatch(ask_ids, (0,) * len(ask_ids), conn)
 
     want = ((0, rows), (2, rows))
-    for ask in ("candidates", "a chain's drafts", "candidates for others"):
+    for ask in ("candidates", "candidates into the engine's", "a chain's drafts", "candidates for others"):
         order.clear()
         proposer = RemoteProposer(address, max_batch=4, tree_keep=keep, trees_ahead=True)
         try:
             proposer._live()
             batch = sent_ahead(proposer, want, ask_ids=(0, 1) if ask == "candidates for others" else (0, 2))
-            if ask == "candidates":
+            if ask.startswith("candidates into"):  # (the engine's graph inputs, filled straight from the buffer)
+                into = torch.full((2, rows, keep), 9.0), torch.full((2, rows, keep), -1, dtype=torch.int64)
+                for wrong in ((into[0], into[1][:1]), (into[0].double(), into[1])):
+                    with pytest.raises(ValueError, match="go into"):
+                        proposer.chain_candidates(batch, anchors, positions, keep, wrong)
+                got = proposer.chain_candidates(batch, anchors, positions, keep, into)
+                assert got[0] is into[0] and got[1] is into[1] and order == [("wait", 5), "read noted"]
+                assert torch.equal(into[1], ids.long().view(2, rows, keep))
+                assert torch.equal(into[0], logp.view(2, rows, keep))
+            elif ask == "candidates":
                 got_logp, got_ids = proposer.chain_candidates(batch, anchors, positions, keep)
                 assert order == [("wait", 5), "read noted"] and proposer._unanswered  # (read after the verify)
                 assert torch.equal(got_ids, ids.long().view(2, rows, keep))
