@@ -121,13 +121,13 @@ def start_drafter(settings: DrafterSettings) -> tuple[DrafterServer, Served]:
     return server_obj, serve_drafter_rpc(server_obj, list(settings.listen), settings.security, settings.metrics)
 
 
-def build_engine(settings: TargetSettings) -> Engine:
+def build_engine(settings: TargetSettings, tokenizer: Tokenizer | None = None) -> Engine:
     """The target's engine: its model, and a drafter client when it has a drafter (one that is down now is
-    attached when it answers)."""
+    attached when it answers). `tokenizer`: the target's, where the caller has it loaded."""
     setup = settings.setup
     folder = target_dir(setup.target)
     model = load_target(folder, dtype=setup.torch_dtype, device=setup.device)
-    tokenizer = Tokenizer.from_dir(folder)
+    tokenizer = tokenizer or Tokenizer.from_dir(folder)
     proposer = None
     if settings.drafter_address:
         proposer = RemoteProposer(settings.drafter_address, device=setup.device, dtype=setup.torch_dtype,
@@ -149,7 +149,7 @@ def start_target(settings: TargetSettings) -> tuple[EngineLoop | EngineProcess, 
     if settings.engine_process:
         loop: EngineLoop | EngineProcess = EngineProcess(functools.partial(build_engine, settings))
     else:
-        loop = EngineLoop(build_engine(settings))
+        loop = EngineLoop(build_engine(settings, tokenizer))
     servicer = TargetServicer(loop, tokenizer, model_name=folder.name, max_streams=settings.max_streams)
     return loop, serve_target_rpc(servicer, list(settings.listen), max_message_bytes=settings.max_message_bytes,
                                   security=settings.security, metrics=settings.metrics)
