@@ -67,6 +67,7 @@
 #   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
+#   bash tools/gpu_round.sh round56       # (next) the GPU tests of the changes without a device, waits-pruned in one call
 #   bash tools/gpu_round.sh waits-pruned  # (next) the device waits' fix: services' ms a step with and without, timeline;
 #                                         # waits-pruned-tests: the device waits' GPU tests, test_split_gpu's last five
 #   bash tools/gpu_round.sh embed-indexing  # (next) embeddings by weight[ids] (off): GPU tests on, steps on/off
@@ -1115,6 +1116,28 @@ served-pair-tests)
   (cd bench && timeout 170 python timeline.py --batch 8 --max-tokens 512 --skip 30 --steps 100 --draft-tree 15 \
     --drafter-device-waits --mps --out "$OUT/b8_trees" 2>&1 | grep -v INFO | tail -16 | log)
   ;;
+round56)
+  # (fifty-sixth session: machines scarce, one call planned) the GPU tests of what changed without a device (the tree
+  # candidates copied from the drafts buffer straight into the engine's graph inputs; the device waits forgotten
+  # before the next is queued) and test_split_gpu.py's five not reached; then waits-pruned's services' ms a step
+  # with the fix and without, alternating, each run within what is left of the call's 570 s
+  started=$(date +%s); left() { echo $((570 - $(date +%s) + started)); }
+  timeout 230 python -m pytest -q -m gpu -p no:cacheprovider tests/test_host_flags.py tests/test_split_gpu.py \
+    -k "host_flags or tree or prefill or attached_behind or never_land or waited_for" --durations=3 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -10 | log
+  for variant in after before after2 before2; do
+    [ "$(left)" -gt 100 ] || { echo "$variant: no time left" | log; break; }
+    if [ "${variant%2}" = before ]; then
+      [ -f bench/_device_waits_before.py ] || continue
+      cp shared/device_waits.py /tmp/device_waits_after.py && cp bench/_device_waits_before.py shared/device_waits.py
+    fi
+    keep="--out /tmp/$variant"; [ "${variant%2}" = "$variant" ] && keep="--out $OUT/$variant"
+    timeout $(( $(left) - 5 )) python bench/host_profile.py --device cuda --batch 1 8 --split --split-only \
+      --both-waits --draft-tree 15 --mps --steps 300 --clock $keep 2>&1 | grep -E "ms/step unprofiled|^clocked" \
+      | sed "s/^/$variant: /" | log
+    [ -f /tmp/device_waits_after.py ] && cp /tmp/device_waits_after.py shared/device_waits.py && rm /tmp/device_waits_after.py
+  done
+  ;;
 waits-pruned)
   # (fifty-fifth session, not run yet) the target's device waits on the DONE host page: the waits seen done are now
   # forgotten as the next is armed (they piled up a step at a time, and past their deadlines the watchdog read the
@@ -1157,11 +1180,14 @@ embed-indexing)
   # target's and the drafter's graph-captured embeddings by weight[ids] instead of F.embedding, whose small-index
   # kernel took 8-10 µs for 16 ids (twice a tree step at one stream). Its GPU tests (the graphs against eager, the
   # chained trees), then steps on and off alternating; on by default only if it wins
-  SPECSPLIT_EMBED_BY_INDEXING=1 timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_step_graphs.py \
+  # (fifty-sixth session: each step run within what is left of the call's 570 s, trees first)
+  started=$(date +%s); left() { echo $((570 - $(date +%s) + started)); }
+  SPECSPLIT_EMBED_BY_INDEXING=1 timeout 220 python -m pytest -q -m gpu -p no:cacheprovider tests/test_step_graphs.py \
     tests/test_dflash_graphs.py tests/test_chain.py 2>&1 | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
   for v in 0 1 0 1; do
-    for args in "--drafter none --batch 1" "--drafter dflash --batch 1 --draft-tree 15" \
-        "--drafter dflash --batch 8 --draft-tree 15"; do
+    for args in "--drafter dflash --batch 1 --draft-tree 15" "--drafter dflash --batch 8 --draft-tree 15" \
+        "--drafter none --batch 1"; do
+      [ "$(left)" -gt 45 ] || break 2
       SPECSPLIT_EMBED_BY_INDEXING=$v timeout 45 python bench/profile_step.py $args --steps 60 --out /tmp/steps 2>&1 \
         | grep -E "^drafter|Error" | sed "s/^/by indexing $v: /" | log
     done
