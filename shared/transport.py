@@ -698,7 +698,8 @@ class RowBuffer:
                  cuda: _CudaExport | None, segment_key: tuple[int, int]) -> None:
         self.descriptor = descriptor
         self.tensor = tensor  # [rows, cols]
-        self._header = header  # [8] int64 in shared memory; word _GEN is the generation
+        self._header = header.numpy()  # [8] int64 in shared memory; word _GEN is the generation (set through numpy:
+        # a torch tensor's item assignment costs ~2.6 µs of host time, twice a chained step)
         self._generation = int(header[_GEN])  # only we write it: read back from here, not from the segment
         self._cuda = cuda
         self._recorded = cuda is None  # host writes are complete when they return
