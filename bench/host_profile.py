@@ -101,9 +101,15 @@ class MethodClock:
         self.on = False
         self.seconds: Counter = Counter()
         self.calls: Counter = Counter()
+        self._targets = targets
         self._restore = []
+        self._install()  # (a name that is no method stops the bench now, not after its first runs)
+        self.close()
+
+    def _install(self) -> None:
+        """Wrap the methods (only while clocking: the unprofiled and the profiled steps run the plain ones)."""
         thread = threading.current_thread()
-        for where, names in targets.items():
+        for where, names in self._targets.items():
             module, _, cls = where.partition(":")
             owner = getattr(importlib.import_module(module), cls)
             for name in names:
@@ -134,10 +140,12 @@ class MethodClock:
     def start(self) -> None:
         self.seconds.clear()
         self.calls.clear()
+        self._install()
         self.on = True
 
     def lines(self, steps: int) -> str:
         self.on = False
+        self.close()
         rows = [f"{'µs/step':>10} {'calls/step':>10}  method (inclusive, unprofiled)"]
         for label, seconds in self.seconds.most_common():
             rows.append(f"{seconds / steps * 1e6:10.1f} {self.calls[label] / steps:10.1f}  {label}")
