@@ -67,7 +67,9 @@
 #   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
-#   bash tools/gpu_round.sh round56       # (next) the GPU tests of the changes without a device, waits-pruned in one call
+#   bash tools/gpu_round.sh round57       # (next) the GPU tests of the tree candidates' copy and of the device waits
+#   bash tools/gpu_round.sh round56       # (run: the services' ms a step with the waits' fix and without; its tests got
+#                                         # no verdict within their 230 s)
 #   bash tools/gpu_round.sh waits-pruned  # (next) the device waits' fix: services' ms a step with and without, timeline;
 #                                         # waits-pruned-tests: the device waits' GPU tests, test_split_gpu's last five
 #   bash tools/gpu_round.sh embed-indexing  # (next) embeddings by weight[ids] (off): GPU tests on, steps on/off
@@ -1115,6 +1117,16 @@ served-pair-tests)
     | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
   (cd bench && timeout 170 python timeline.py --batch 8 --max-tokens 512 --skip 30 --steps 100 --draft-tree 15 \
     --drafter-device-waits --mps --out "$OUT/b8_trees" 2>&1 | grep -v INFO | tail -16 | log)
+  ;;
+round57)
+  # (fifty-seventh session) round56's test run got no verdict within its 230 s (too many selected): the GPU tests of
+  # the tree candidates copied straight into the engine's graph inputs (the services' trees) first, then those of
+  # the device waits and host pages and test_split_gpu.py's five not reached, each run with a verdict of its own
+  timeout 250 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py -k "tree" --durations=3 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/trees: /" | log
+  timeout 280 python -m pytest -q -m gpu -p no:cacheprovider tests/test_host_flags.py tests/test_split_gpu.py \
+    -k "host_flags or prefill or attached_behind or never_land or waited_for" --durations=3 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/waits: /" | log
   ;;
 round56)
   # (fifty-sixth session: machines scarce, one call planned) the GPU tests of what changed without a device (the tree
