@@ -68,6 +68,7 @@
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
 #   bash tools/gpu_round.sh round57       # (next) the GPU tests of the tree candidates' copy and of the device waits
+#   bash tools/gpu_round.sh round57b      # (next) target only with embeddings by indexing on/off; the pair's first chunks
 #   bash tools/gpu_round.sh round56       # (run: the services' ms a step with the waits' fix and without; its tests got
 #                                         # no verdict within their 230 s)
 #   bash tools/gpu_round.sh waits-pruned  # (next) the device waits' fix: services' ms a step with and without, timeline;
@@ -1127,6 +1128,20 @@ round57)
   timeout 280 python -m pytest -q -m gpu -p no:cacheprovider tests/test_host_flags.py tests/test_split_gpu.py \
     -k "host_flags or prefill or attached_behind or never_land or waited_for" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/waits: /" | log
+  ;;
+round57b)
+  # (fifty-seventh session, after round57) the target-only step with embeddings by indexing (on since the fifty-sixth
+  # session; its tree steps were measured, target only not: the machine went), off and on alternating; then the pair
+  # as `up` starts it with each request's wait for its first chunk (waits-pruned-tests' second half)
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  for v in 0 1 0 1; do
+    [ "$(left)" -gt 250 ] || break
+    SPECSPLIT_EMBED_BY_INDEXING=$v timeout 45 python bench/profile_step.py --drafter none --batch 1 --steps 60 \
+      --out /tmp/steps 2>&1 | grep -E "^drafter|Error" | sed "s/^/by indexing $v: /" | log
+  done
+  timeout $(( $(left) - 5 )) python bench/pair_bench.py --device cuda --streams 1 8 --speculate-below 9 --requests 3 \
+    --max-tokens 160 --rounds 2 --mps --client-processes --engine-process on \
+    --json-out "$OUT/pair_first_chunks.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
   ;;
 round56)
   # (fifty-sixth session: machines scarce, one call planned) the GPU tests of what changed without a device (the tree
