@@ -34,15 +34,16 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-# Embedding rows by advanced indexing instead of F.embedding (SPECSPLIT_EMBED_BY_INDEXING=0, read at import, turns
-# it off; a value that is no switch is refused). F.embedding is an index_select, and for up to 16 indices PyTorch
-# takes its small-index kernel: 5 blocks of 128 threads for SmolLM2's 576 columns, each thread walking the indices
-# one after another. A tree verify's 16 tokens and the drafter's block of 16 took 8-10 µs each so (H100, fifty-fifth
-# session's in-process tree step at one stream), where 128 indices at eight streams took the vectorized gather,
-# 2.4 µs. Indexing gathers every element in parallel whatever the count. On since the fifty-sixth session's H100
-# run (`bench/profile_step.py --draft-tree 15`, off and on alternating): trees of 15 at one stream 1.000 / 1.008 ms
-# a step off, 0.995 / 0.989 on, GPU busy 1.640 / 1.641 against 1.631 / 1.631 ms; at eight streams 1.286 / 1.290 against 1.291 / 1.288 (the same). Its GPU
-# tests (the static target step and the drafter's static forwards against eager, the chained trees) passed with it.
+# Embedding rows by advanced indexing instead of F.embedding (SPECSPLIT_EMBED_BY_INDEXING=0, read at import, turns it
+# off; a value that is no switch is refused). F.embedding is an index_select, and for up to 16 indices PyTorch takes
+# its small-index kernel: 5 blocks of 128 threads for SmolLM2's 576 columns, each thread walking the indices one after
+# another. A tree verify's 16 tokens and the drafter's block of 16 took 8-10 µs each so (H100, fifty-fifth session's
+# in-process tree step at one stream), where 128 indices at eight streams took the vectorized gather, 2.4 µs. Indexing
+# gathers every element in parallel whatever the count. On since the fifty-sixth session's H100 run
+# (`bench/profile_step.py --draft-tree 15`, off and on alternating): trees of 15 at one stream 1.000 / 1.008 ms a step
+# off, 0.995 / 0.989 on, GPU busy 1.640 / 1.641 against 1.631 / 1.631 ms; at eight streams 1.286 / 1.290 against 1.291
+# / 1.288 (the same). Its GPU tests (the static target step and the drafter's static forwards against eager, the
+# chained trees) passed with it.
 EMBED_BY_INDEXING = _switch("SPECSPLIT_EMBED_BY_INDEXING", True)
 
 
