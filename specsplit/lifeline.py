@@ -1,19 +1,24 @@
 """A service spawned by another process exits when that process dies, however it dies (SIGKILL included).
 
 The parent keeps the write end of a pipe; each service it spawns gets the read end (named in the
-SPECSPLIT_LIFELINE environment variable, `FD` or `FD:FOLDER`) and a thread that blocks reading it. The
-kernel closes the write end when the parent dies, the read returns end-of-file, and the service
-removes the parent's scratch folder (when the parent made one) and stops as on SIGTERM. Services run in sessions of their own, so no terminal
-hangup reaches them; without this they outlived a killed `specsplit up`.
+SPECSPLIT_LIFELINE environment variable, `FD:GRACE:FOLDER`, the last two possibly empty) and a thread
+that blocks reading it. The kernel closes the write end when the parent dies, the read returns
+end-of-file, and the service removes the parent's scratch folder (when the parent made one) and stops as
+on SIGTERM. Should that orderly stop not end the process within GRACE seconds (a thread stuck at exit),
+the thread prints every thread's stack to the service's stderr and ends the process at once. Services
+run in sessions of their own, so no terminal hangup reaches them; without this they outlived a killed
+`specsplit up`.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import shutil
 import signal
 import threading
+import time
 
 log = logging.getLogger(__name__)
 ENV = "SPECSPLIT_LIFELINE"
@@ -30,9 +35,13 @@ class Lifeline:
     def pass_fds(self) -> tuple[int]:
         return (self._read,)
 
-    def child_env(self) -> dict[str, str]:
-        folder = f":{os.fspath(self.folder)}" if self.folder is not None else ""
-        return {ENV: f"{self._read}{folder}"}
+    def child_env(self, grace: float | None = None) -> dict[str, str]:
+        """The child's environment entry; `grace`: seconds its orderly stop may take once the parent is gone
+        before it is ended at once (None: as long as it takes)."""
+        if grace is not None and not 0 <= grace < float("inf"):
+            raise ValueError(f"a lifeline's grace is seconds >= 0, not {grace!r}")
+        folder = os.fspath(self.folder) if self.folder is not None else ""
+        return {ENV: f"{self._read}:{'' if grace is None else grace}:{folder}"}
 
     def close(self) -> None:
         """Cut the line: children still running see their parent gone."""
@@ -44,8 +53,11 @@ class Lifeline:
         self._read = self._write = -1
 
 
-def watch(fd: int, folder: str | None = None) -> None:
-    """In the child: when the parent is gone, remove `folder` and SIGTERM this process (it drains)."""
+def watch(fd: int, folder: str | None = None, grace: float | None = None) -> None:
+    """In the child: when the parent is gone, remove `folder` and SIGTERM this process (it drains); if it
+    still runs `grace` seconds later, print its threads' stacks and end it."""
+    if grace is not None and not 0 <= grace < float("inf"):
+        raise ValueError(f"a lifeline's grace is seconds >= 0, not {grace!r}")
 
     def wait() -> None:
         while True:
@@ -60,6 +72,12 @@ def watch(fd: int, folder: str | None = None) -> None:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
         os.kill(os.getpid(), signal.SIGTERM)
+        if grace is None:
+            return
+        time.sleep(grace)  # (a daemon thread: a process that stops in time ends it here)
+        log.error("still running %g s after the process that started it died: ending it now; its threads:", grace)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(1)
 
     threading.Thread(target=wait, name="lifeline", daemon=True).start()
 
@@ -67,6 +85,11 @@ def watch(fd: int, folder: str | None = None) -> None:
 def watch_from_env() -> None:
     """`watch` the line SPECSPLIT_LIFELINE names, if any (it is not passed on to our own children)."""
     value = os.environ.pop(ENV, None)
-    if value:
-        fd, _, folder = value.partition(":")
-        watch(int(fd), folder or None)
+    if not value:
+        return
+    fd, _, rest = value.partition(":")
+    grace, _, folder = rest.partition(":")
+    try:
+        watch(int(fd), folder or None, float(grace) if grace else None)
+    except ValueError:
+        raise SystemExit(f"{ENV}={value!r} is not FD:GRACE:FOLDER (GRACE and FOLDER may be empty)") from None

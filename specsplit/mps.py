@@ -63,7 +63,7 @@ class MpsServer:
                                  f"driver; in a container, with the NVIDIA container toolkit's compute capability)")
         self.folder = Path(tempfile.mkdtemp(prefix="specsplit-mps-"))
         self.env = client_env(self.folder)
-        env = {**os.environ, **lifeline.child_env(), **self.env, CONTROL_ENV: path}
+        env = {**os.environ, **lifeline.child_env(grace=3 * QUIT_SECONDS), **self.env, CONTROL_ENV: path}
         with open(self.folder / "guard.log", "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "specsplit.mps", str(self.folder)], env=env,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

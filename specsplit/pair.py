@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 # that way; in process, where the split costs nothing, trees ran 0.92x target only at 12 streams and 0.66x at 16.
 # So the pair drafts in steps of up to eight sequences (trees, `target serve --draft-tree-batch`'s bound too).
 SHARED_GPU_SPECULATE_BELOW = 9
+# Once the process that spawned the pair is gone, a service has its drain plus this long to stop in order before
+# its lifeline ends it at once (specsplit.lifeline): a thread stuck at exit must not keep it running for good.
+STOP_MARGIN_SECONDS = 10.0
 
 
 @dataclass(frozen=True)  # used as a default argument: must not be mutable
@@ -199,7 +202,7 @@ class Services:
         log = open(self.workdir / f"{name}.log", "ab")
         # The token travels in the environment, not argv (which `ps` shows anyone); none inherited.
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-        env.update(lifeline.child_env(), **(self.mps.env if self.mps else {}),
+        env.update(lifeline.child_env(grace=self.spec.drain_seconds + STOP_MARGIN_SECONDS), **(self.mps.env if self.mps else {}),
                    **({TOKEN_ENV: self.spec.auth_token} if self.spec.auth_token else {}))
         with log:
             self.procs[name] = subprocess.Popen(

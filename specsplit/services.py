@@ -163,5 +163,8 @@ def wait_for_signal(died: threading.Event | None = None) -> bool:
         signal.signal(sig, lambda *_: stop.set())
     if died is not None:
         threading.Thread(target=lambda: (died.wait(), stop.set()), name="engine-watch", daemon=True).start()
-    stop.wait()
+    # Woken each second: a signal the kernel hands to another thread only flags the main thread's handler, which
+    # then runs at its next bytecode, and a wait without a timeout would never get there.
+    while not stop.wait(1.0):
+        pass
     return died is None or not died.is_set()
