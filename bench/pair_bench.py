@@ -12,8 +12,10 @@ so does the first pair with speculation off for every request (the target-only b
 is warmed up once with the whole run, then timed in alternating rounds.
 Prints tokens/s (the median over rounds), each pair over target only, its tau, how many requests' tokens
 differ from target only's (bf16 parts at near-ties), the longest any client waited for a chunk (a stall
-shows there) and the median wait for a request's first chunk (what a request costs beyond its steps). The
-clients are threads of the bench, or with --client-processes processes of their own.
+shows there), the median wait for a request's first chunk (what a request costs beyond its steps), and the
+shape of the target's steps: sequences a step (below the stream count: the batch not full) and wall ms a step
+(above the step's own time: the target waited between steps). The clients are threads of the bench, or with
+--client-processes processes of their own.
 """
 
 from __future__ import annotations
@@ -140,6 +142,22 @@ def tau(results: list[Generation]) -> float:
     return sum(len(g.token_ids) for g in results) / steps if steps else 0.0
 
 
+def step_shape(sequence_steps: int, requests: int, seconds: float, steps: float) -> dict[str, float]:
+    """What the target's steps were over timed rounds: how many sequences each carried on average (the
+    requests' steps, less the prefill each counts as one, over the target's decode and verify steps), and
+    the wall time a step took from the clients' side (the rounds' seconds over those steps). Below the stream
+    count, the batch was not full (requests arriving, prefilling, ending); above the step's own time, the
+    target spent time between steps (prefills among it). Empty without steps."""
+    if steps <= 0:
+        return {}
+    return {"sequences_per_step": (sequence_steps - requests) / steps, "wall_ms_per_step": 1e3 * seconds / steps}
+
+
+def said_shape(shape: dict[str, float]) -> str:
+    return (f", {shape['sequences_per_step']:.2f} sequences a step, {shape['wall_ms_per_step']:.3f} ms a step (wall)"
+            if shape else "")
+
+
 def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], args, row: dict, label: str,
             ports: dict[str, int]) -> None:
     """Warm every run up once, then time them in alternating rounds; into `row` each speculative run's median
@@ -153,10 +171,16 @@ def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], a
     firsts: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     outputs: dict[str, list[Generation]] = {}
     events: dict[str, dict[str, float]] = {name: {} for name, _, _ in runs}
+    sequence_steps: dict[str, int] = {name: 0 for name, _, _ in runs}
+    requests: dict[str, int] = {name: 0 for name, _, _ in runs}
+    seconds: dict[str, float] = {name: 0.0 for name, _, _ in runs}
     for _ in range(args.rounds):
         for name, address, speculative in runs:
             before = counters(ports[name])
             rate, outputs[name], gap, first = serve(address, prompts, args.max_tokens, speculative)
+            sequence_steps[name] += sum(g.stats.steps for g in outputs[name])
+            requests[name] += len(outputs[name])
+            seconds[name] += sum(len(g.token_ids) for g in outputs[name]) / rate
             rates[name].append(rate)
             gaps[name].append(gap)
             firsts[name] += first
@@ -165,8 +189,11 @@ def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], a
                     events[name][key] = events[name].get(key, 0.0) + value - before.get(key, 0.0)
     base = statistics.median(rates["target_only"])
     want = [g.token_ids for g in outputs["target_only"]]
+    shapes = {name: step_shape(sequence_steps[name], requests[name], seconds[name], events[name].get("steps", 0.0))
+              for name, _, _ in runs}
     parts = [f"{label}: target only {base:.0f} tok/s (longest wait {1e3 * max(gaps['target_only']):.0f} ms, "
-             f"first chunk {1e3 * statistics.median(firsts['target_only']):.1f} ms{said(events['target_only'])})"]
+             f"first chunk {1e3 * statistics.median(firsts['target_only']):.1f} ms{said_shape(shapes['target_only'])}"
+             f"{said(events['target_only'])})"]
     for name, _, _ in runs[1:]:
         rate = statistics.median(rates[name])
         differing = sum(g.token_ids != w for g, w in zip(outputs[name], want))
@@ -175,10 +202,11 @@ def measure(runs: list[tuple[str, str, bool]], prompts: list[list[list[int]]], a
                      "target_only_rounds": rates["target_only"], "longest_wait_s": gaps[name],
                      "target_only_longest_wait_s": gaps["target_only"], "events": events[name],
                      "first_chunk_median_s": statistics.median(firsts[name]),
-                     "target_only_first_chunk_median_s": statistics.median(firsts["target_only"])}
+                     "target_only_first_chunk_median_s": statistics.median(firsts["target_only"]),
+                     "step_shape": shapes[name], "target_only_step_shape": shapes["target_only"]}
         parts.append(f"{name.replace('_', ' ')} {rate / base:.2f}x (tau {tau(outputs[name]):.2f}, "
                      f"{differing} differing, longest wait {1e3 * max(gaps[name]):.0f} ms, first chunk "
-                     f"{1e3 * statistics.median(firsts[name]):.1f} ms{said(events[name])})")
+                     f"{1e3 * statistics.median(firsts[name]):.1f} ms{said_shape(shapes[name])}{said(events[name])})")
     print("; ".join(parts), flush=True)
 
 
