@@ -85,10 +85,29 @@ class ServiceSpec:
                                  f"not {self.device!r}")
         if self.device_waits and self.drafter == "none":
             raise InvalidRequest("--device-waits orders the target's stream and its drafter's: give a drafter")
+        for name in ("drafter", "target"):
+            self.drain_for(name)  # (refused here, not as the service starts)
         clash = self._unlinking_drafter_args()
         if self.device_waits and clash:
             raise InvalidRequest(f"--device-waits serves one target with prepared chained graphs: the drafter's "
                                  f"{clash} says otherwise (leave it out, or pass device_waits=False)")
+
+    def drain_for(self, name: str) -> float:
+        """How long `name` ("target" or "drafter") drains once SIGTERMed: the last --drain-seconds of its own
+        arguments (argparse takes the last), else `drain_seconds`."""
+        given, args = self.drain_seconds, self.target_args if name == "target" else self.drafter_args
+        for i, arg in enumerate(args):
+            if arg == "--drain-seconds":
+                given = args[i + 1] if i + 1 < len(args) else None
+            elif arg.startswith("--drain-seconds="):
+                given = arg.partition("=")[2]
+        try:
+            seconds = float(given)
+        except (TypeError, ValueError):
+            seconds = float("nan")
+        if isinstance(given, bool) or not 0 <= seconds < float("inf"):
+            raise InvalidRequest(f"the {name}'s --drain-seconds is a number of seconds >= 0, not {given!r}")
+        return seconds
 
     def _unlinking_drafter_args(self) -> str | None:
         """The first of `drafter_args` a drafter serving with device waits refuses (DrafterSettings), if any."""
@@ -202,7 +221,8 @@ class Services:
         log = open(self.workdir / f"{name}.log", "ab")
         # The token travels in the environment, not argv (which `ps` shows anyone); none inherited.
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-        env.update(lifeline.child_env(grace=self.spec.drain_seconds + STOP_MARGIN_SECONDS), **(self.mps.env if self.mps else {}),
+        env.update(lifeline.child_env(grace=self.spec.drain_for(name) + STOP_MARGIN_SECONDS),
+                   **(self.mps.env if self.mps else {}),
                    **({TOKEN_ENV: self.spec.auth_token} if self.spec.auth_token else {}))
         with log:
             self.procs[name] = subprocess.Popen(

@@ -117,3 +117,15 @@ def test_the_pair_with_device_waits_starts_services_that_accept_them(tmp_path):
     assert target.drafts_by_batch == ((9, 0),)
     DrafterSettings(("unix:x",), LocalSetup(), limits=DrafterLimits(max_targets=drafter.max_targets),
                     device_waits=drafter.device_waits)  # (refused unless with --max-targets 1)
+
+
+def test_a_services_lifeline_grace_follows_its_own_drain():
+    """Each service is ended by its lifeline STOP_MARGIN_SECONDS past its own drain (its last --drain-seconds,
+    as argparse takes it, else the pair's); a drain that is no number of seconds is refused when the spec is made."""
+    spec = ServiceSpec(drain_seconds=3.0, target_args=("--drain-seconds", "7", "--drain-seconds=40"),
+                       drafter_args=("--metrics-port", "9"))
+    assert spec.drain_for("target") == 40.0 and spec.drain_for("drafter") == 3.0
+    for bad in [dict(drain_seconds=-1.0), dict(drain_seconds=float("nan")), dict(target_args=("--drain-seconds",)),
+                dict(drafter_args=("--drain-seconds=soon",)), dict(target_args=("--drain-seconds", "inf"))]:
+        with pytest.raises(InvalidRequest, match="--drain-seconds is a number of seconds"):
+            ServiceSpec(**bad)
