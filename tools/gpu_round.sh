@@ -1132,7 +1132,9 @@ round57)
 round57b)
   # (fifty-seventh session, after round57) the target-only step with embeddings by indexing (on since the fifty-sixth
   # session; its tree steps were measured, target only not: the machine went), off and on alternating; then the pair
-  # as `up` starts it with each request's wait for its first chunk (waits-pruned-tests' second half)
+  # as `up` starts it with each request's wait for its first chunk (waits-pruned-tests' second half) and, since the
+  # fifty-seventh session, the shape of the target's steps: sequences a step (eight streams' served pair ran 1.10x
+  # target only at tau 3.25 where host_profile's steps would give ~2x: a batch not full?) and wall ms a step
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
   for v in 0 1 0 1; do
     [ "$(left)" -gt 250 ] || break
