@@ -30,6 +30,7 @@ from specsplit.shared.status import Throttle, status_of
 
 log = logging.getLogger(__name__)
 HELLO_SECONDS = 5.0
+CLOSE_SECONDS = 5.0  # how long `close` waits, in all, for the connections' threads to end their sessions
 SPARE_CONNECTIONS = 4
 DRAIN_BYTES = 1 << 20  # read from a refused connection before closing it
 _refusals = Throttle(per_minute=6)
@@ -40,6 +41,7 @@ class _Connection:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.thread: threading.Thread | None = None  # the one serving it, once started
 
     def cancel(self) -> None:
         try:
@@ -98,7 +100,9 @@ class StepSocketServer:
                 _refuse(sock, refusal, linger=0.0)  # this thread accepts for everyone: it never waits
                 continue
             try:
-                threading.Thread(target=self._serve, args=(connection,), name="step-socket", daemon=True).start()
+                connection.thread = threading.Thread(target=self._serve, args=(connection,), name="step-socket",
+                                                     daemon=True)
+                connection.thread.start()
             except RuntimeError as err:  # no thread to be had
                 with self._lock:
                     self._connections.discard(connection)
@@ -152,7 +156,8 @@ class StepSocketServer:
             self._accepting = False
 
     def close(self) -> None:
-        """Stop listening and end every open connection (their sessions end with them)."""
+        """Stop listening and end every open connection; returns once their threads have ended their sessions
+        (up to CLOSE_SECONDS in all: a step still running on the device may hold one longer)."""
         self.stop_accepting()
         self._closed = True
         try:
@@ -168,6 +173,11 @@ class StepSocketServer:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        deadline = time.monotonic() + CLOSE_SECONDS
+        for connection in connections:
+            thread = connection.thread
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _refuse(sock: socket.socket, err: BaseException, linger: float = 1.0) -> None:

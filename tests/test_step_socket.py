@@ -233,6 +233,24 @@ def test_stopping_ends_the_accept_thread(drafter):
     assert not socket_server._thread.is_alive()
 
 
+def test_stopping_ends_each_connections_session_before_it_returns(drafter):
+    """The socket's close waits for its connections' threads: once the server has stopped, no thread of it
+    still ends a session (and logs) behind the caller's back."""
+    server_obj, address = drafter
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        proposer.alloc(0, BUDGET)
+        proposer.prefill(0, [3, 4, 5], rows(3, 0))
+        proposer.propose([ProposeRequest(0, 6, 3, 3)])  # (its Step stream is the socket's connection)
+        (socket_server,) = server_obj.served.listeners
+        (connection,) = socket_server._connections
+        assert connection.thread.is_alive() and server_obj.num_sessions == 1
+        server_obj.served.stop(None).wait()
+        assert not connection.thread.is_alive() and server_obj.num_sessions == 0
+    finally:
+        proposer.close()
+
+
 def test_a_hello_trickled_in_byte_by_byte_still_has_its_deadline(drafter, monkeypatch):
     server_obj, address = drafter
     monkeypatch.setattr(step_socket, "HELLO_SECONDS", 1.0)
