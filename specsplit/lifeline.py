@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 ENV = "SPECSPLIT_LIFELINE"
 
 
+def _check_grace(grace: float | None) -> None:
+    if grace is not None and not 0 <= grace < float("inf"):
+        raise ValueError(f"a lifeline's grace is seconds >= 0, not {grace!r}")
+
+
 class Lifeline:
     """The parent's side: the pipe, and the arguments that hand its read end to a child."""
 
@@ -38,8 +43,7 @@ class Lifeline:
     def child_env(self, grace: float | None = None) -> dict[str, str]:
         """The child's environment entry; `grace`: seconds its orderly stop may take once the parent is gone
         before it is ended at once (None: as long as it takes)."""
-        if grace is not None and not 0 <= grace < float("inf"):
-            raise ValueError(f"a lifeline's grace is seconds >= 0, not {grace!r}")
+        _check_grace(grace)
         folder = os.fspath(self.folder) if self.folder is not None else ""
         return {ENV: f"{self._read}:{'' if grace is None else grace}:{folder}"}
 
@@ -56,8 +60,7 @@ class Lifeline:
 def watch(fd: int, folder: str | None = None, grace: float | None = None) -> None:
     """In the child: when the parent is gone, remove `folder` and SIGTERM this process (it drains); if it
     still runs `grace` seconds later, print its threads' stacks and end it."""
-    if grace is not None and not 0 <= grace < float("inf"):
-        raise ValueError(f"a lifeline's grace is seconds >= 0, not {grace!r}")
+    _check_grace(grace)
 
     def wait() -> None:
         while True:
