@@ -121,7 +121,9 @@ def test_a_sigterm_another_thread_receives_still_ends_wait_for_signal():
 
         def other():
             started.set()
-            time.sleep(0.5)
+            while signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # until wait_for_signal has its handler
+                time.sleep(0.01)
+            time.sleep(0.2)  # (into its wait)
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(600)
 
