@@ -18,7 +18,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 
 log = logging.getLogger(__name__)
 ENV = "SPECSPLIT_LIFELINE"
@@ -71,18 +70,27 @@ def watch(fd: int, folder: str | None = None, grace: float | None = None) -> Non
                 continue
             except OSError:
                 break
+        if grace is not None:  # (first: nothing below, a log write included, may hold this thread for good)
+            timer = threading.Timer(grace, _end_now, args=(grace,))
+            timer.daemon = True  # (a process that stops in time ends it)
+            timer.start()
         log.warning("the process that started this service is gone: stopping")
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
         os.kill(os.getpid(), signal.SIGTERM)
-        if grace is None:
-            return
-        time.sleep(grace)  # (a daemon thread: a process that stops in time ends it here)
-        log.error("still running %g s after the process that started it died: ending it now; its threads:", grace)
-        faulthandler.dump_traceback(all_threads=True)
-        os._exit(1)
 
     threading.Thread(target=wait, name="lifeline", daemon=True).start()
+
+
+def _end_now(grace: float) -> None:
+    """End this process at once, having printed every thread's stack. Straight to file descriptor 2, taking no
+    lock: a thread stuck holding the logging handler's must not hold this one too."""
+    try:
+        os.write(2, f"still running {grace:g} s after the process that started it died: ending it now; its "
+                    f"threads:\n".encode())
+        faulthandler.dump_traceback(file=2, all_threads=True)
+    finally:
+        os._exit(1)
 
 
 def watch_from_env() -> None:

@@ -68,6 +68,26 @@ def test_a_child_that_does_not_stop_within_its_grace_is_ended_with_its_threads_p
     assert "stuck_at_exit" in out  # the main thread's stack, for whoever reads the log
 
 
+def test_a_child_whose_logging_is_stuck_is_ended_all_the_same():
+    """The lifeline's own log line never returns (a handler stuck, as on a pipe nobody reads): its grace runs
+    from the parent's death on a timer of its own, and the ending takes no lock."""
+    lifeline = Lifeline()
+    child = _child(WATCHING.format(handler=textwrap.dedent("""
+        import logging, threading
+        class Stuck(logging.Handler):
+            def emit(self, record):
+                threading.Event().wait()
+        logging.getLogger().addHandler(Stuck())
+    """).replace("\n", "\n    ")), lifeline, 0.5)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        lifeline.close()
+        out, _ = child.communicate(timeout=20)
+    finally:
+        child.kill()
+    assert child.returncode == 1 and "ending it now" in out and "in emit" in out, out
+
+
 def test_without_a_grace_a_child_is_left_to_its_orderly_stop():
     lifeline = Lifeline()
     child = _child(WATCHING.format(handler="signal.signal(signal.SIGTERM, lambda *_: print('asked', flush=True))"),
