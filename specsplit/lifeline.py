@@ -4,8 +4,9 @@ The parent keeps the write end of a pipe; each service it spawns gets the read e
 SPECSPLIT_LIFELINE environment variable, `FD:GRACE:FOLDER`, the last two possibly empty) and a thread
 that blocks reading it. The kernel closes the write end when the parent dies, the read returns
 end-of-file, and the service removes the parent's scratch folder (when the parent made one) and stops as
-on SIGTERM. Should that orderly stop not end the process within GRACE seconds (a thread stuck at exit),
-the thread prints every thread's stack to the service's stderr and ends the process at once. Services
+on SIGTERM. Should that orderly stop not end the process within GRACE seconds of the parent's death (a
+thread stuck at exit), a timer prints every thread's stack to the service's stderr and ends the process
+at once. Services
 run in sessions of their own, so no terminal hangup reaches them; without this they outlived a killed
 `specsplit up`.
 """
