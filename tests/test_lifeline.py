@@ -22,6 +22,16 @@ def _child(code: str, lifeline: Lifeline | None = None, grace: float | None = No
                             pass_fds=lifeline.pass_fds if lifeline else ())
 
 
+def _cut(child: subprocess.Popen, lifeline: Lifeline) -> str:
+    """Once the child watches, cut its line (as the kernel does when the parent dies); its output once it ends."""
+    try:
+        assert child.stdout.readline() == "ready\n"
+        lifeline.close()
+        return child.communicate(timeout=20)[0]
+    finally:
+        child.kill()
+
+
 WATCHING = """
     import signal, sys, time
     from specsplit.lifeline import watch_from_env
@@ -41,12 +51,7 @@ def test_a_child_whose_parent_is_gone_stops_in_order_and_removes_the_parents_fol
     folder.mkdir()
     lifeline = Lifeline(folder)
     child = _child(WATCHING.format(handler="signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))"), lifeline, 30)
-    try:
-        assert child.stdout.readline() == "ready\n"
-        lifeline.close()  # as the kernel does when the parent dies
-        out, _ = child.communicate(timeout=20)
-    finally:
-        child.kill()
+    out = _cut(child, lifeline)
     assert child.returncode == 0, out
     assert "ending it now" not in out
     assert not folder.exists()
@@ -57,12 +62,7 @@ def test_a_child_that_does_not_stop_within_its_grace_is_ended_with_its_threads_p
     # Its SIGTERM handler never stops it, as a thread stuck at exit would not let it end.
     child = _child(WATCHING.format(handler="signal.signal(signal.SIGTERM, lambda *_: print('asked', flush=True))"),
                    lifeline, 0.5)
-    try:
-        assert child.stdout.readline() == "ready\n"
-        lifeline.close()
-        out, _ = child.communicate(timeout=20)
-    finally:
-        child.kill()
+    out = _cut(child, lifeline)
     assert child.returncode == 1, out
     assert "asked" in out and "ending it now" in out
     assert "stuck_at_exit" in out  # the main thread's stack, for whoever reads the log
@@ -79,12 +79,7 @@ def test_a_child_whose_logging_is_stuck_is_ended_all_the_same():
                 threading.Event().wait()
         logging.getLogger().addHandler(Stuck())
     """).replace("\n", "\n    ")), lifeline, 0.5)
-    try:
-        assert child.stdout.readline() == "ready\n"
-        lifeline.close()
-        out, _ = child.communicate(timeout=20)
-    finally:
-        child.kill()
+    out = _cut(child, lifeline)
     assert child.returncode == 1 and "ending it now" in out and "in emit" in out, out
 
 
