@@ -205,15 +205,19 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     """Requests admitted as others end (what a server sees): every prompt through `batch` slots, run once to
     warm up, then timed, then profiled; per engine step. `mark(run)` is called as each run ends ("warm-up",
     "timed", "profiled"), e.g. to read a drafter service's counters between them."""
+    shapes: list[str] = []
+
     def run(tag: str) -> int:
         for i, ids in enumerate(prompts):
             engine.add(Request(f"{tag}{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                                                 seed=i if temperature else None)))
+        before = chain_tally(engine.counters)
         steps = 0
         while engine.has_work:
             engine.step()
             steps += 1
         sync(device)
+        shapes.append(f"{tag}: {said_chain_tally(chain_tally(engine.counters), before, len(engine._chain_programs))}")
         return steps
 
     run("w")
@@ -245,8 +249,29 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     prof.disable()
     if mark is not None:
         mark("profiled")
-    return profile_lines(prof, steps, f"serving {len(prompts)} prompts through {batch} slots, {max_tokens} tokens: "
-                                      f"{steps} engine steps, {wall * 1e3:.3f} ms/step unprofiled{extra}")
+    head, _, rest = profile_lines(prof, steps, f"serving {len(prompts)} prompts through {batch} slots, {max_tokens} "
+                                               f"tokens: {steps} engine steps, {wall * 1e3:.3f} ms/step unprofiled"
+                                               f"{extra}").partition("\n")
+    return f"{head}\nchained steps by run (w warm-up, t timed, p profiled): {'; '.join(shapes)}\n{rest}"
+
+
+_CHAIN_TALLY = ("chained", "chain_replays", "chain_captures", "chain_capture_seconds", "chain_programs_made",
+                "chain_programs_dropped")
+
+
+def chain_tally(counters) -> dict[str, float]:
+    """The engine's counters of chained steps and their programs, as they stand."""
+    return {name: getattr(counters, name) for name in _CHAIN_TALLY}
+
+
+def said_chain_tally(after: dict[str, float], before: dict[str, float], held: int) -> str:
+    """One run's chained steps: how many, how many replayed a captured graph, the captures and their host
+    seconds, the programs made and dropped (a dropped shape that comes back runs uncaptured again), and the
+    programs held at its end."""
+    d = {name: after[name] - before[name] for name in _CHAIN_TALLY}
+    return (f"{d['chained']:.0f} chained, {d['chain_replays']:.0f} replayed, {d['chain_captures']:.0f} captured "
+            f"({1e3 * d['chain_capture_seconds']:.0f} ms), programs {d['chain_programs_made']:.0f} made, "
+            f"{d['chain_programs_dropped']:.0f} dropped, {held} held")
 
 
 def prefill_phases(metrics_url: str) -> tuple[float, dict[str, float]]:
@@ -326,6 +351,10 @@ def main() -> None:
     ap.add_argument("--unquiesced", action="store_true",
                     help="(--split --target-waits) EngineConfig.unquiesced_host_flags for the services: waits on the host "
                          "page left pending across a kernel's first launch (no drain, no host wait at a batch change)")
+    ap.add_argument("--chain-programs", type=int, default=EngineConfig.chain_programs, metavar="N",
+                    help="EngineConfig.chain_programs: chained-step programs (and graphs) kept")
+    ap.add_argument("--capture-after", type=int, default=EngineConfig.chain_capture_after, metavar="N",
+                    help="EngineConfig.chain_capture_after: uncaptured runs of a chained-step shape before its capture")
     ap.add_argument("--split-only", action="store_true", help="(--split) only the services, not in-process too")
     ap.add_argument("--drafter-trace", default=None, metavar="PATH",
                     help="(--split) the drafter's host during Step messages 300 to 600 (the first batch's steady "
@@ -420,6 +449,8 @@ def run(args: argparse.Namespace) -> None:
             for batch in args.batch:
                 for name, drafter in [("target-only ", None)] * (not (args.split and args.split_only)) + engines:
                     config = EngineConfig(max_batch=batch, draft_tree=args.draft_tree,
+                                          chain_programs=args.chain_programs,
+                                          chain_capture_after=args.capture_after,
                                           overlap_attach=args.overlap_attach and drafter is remote,
                                           chain_regroup=not (args.no_regroup and drafter is remote),
                                           unquiesced_host_flags=args.unquiesced and drafter is remote)
@@ -428,14 +459,16 @@ def run(args: argparse.Namespace) -> None:
                     # captures (a context bucket runs eagerly once, then is captured), the timed run's are
                     # what a warm server pays.
                     lines: list[str] = []
-                    mark = prefill_marks(metrics_url, lines) if drafter is remote else None
+                    mark = prefill_marks(metrics_url, lines) if remote is not None and drafter is remote else None
                     text = name + profile_serving(engine, prompts, args.max_tokens, batch, args.device,
                                                   args.temperature, mark)
                     report("\n".join([text, *lines]))
         else:
             for batch in args.batch:
                 for name, drafter in [("target-only ", None)] * args.target_only + engines:
-                    config = EngineConfig(max_batch=batch, draft_tree=args.draft_tree)
+                    config = EngineConfig(max_batch=batch, draft_tree=args.draft_tree,
+                                          chain_programs=args.chain_programs,
+                                          chain_capture_after=args.capture_after)
                     report(name + profile_engine(Engine(model, drafter, config), tokenizer, batch, args.steps,
                                                  args.device))
     finally:

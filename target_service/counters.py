@@ -54,6 +54,8 @@ class EngineCounters:
     chain_captures: int = 0  # chained steps' shapes captured as one CUDA graph (chain.ChainProgram; whole, or after a service's drafts) ...
     chain_replays: int = 0  # ... and chained steps launched as a replay of one
     chain_capture_seconds: float = 0.0  # host seconds spent capturing them (a step that captures waits)
+    chain_programs_made: int = 0  # chained-step programs made (a shape's first use, or its return once dropped) ...
+    chain_programs_dropped: int = 0  # ... and dropped, least recently used, past EngineConfig.chain_programs
     # Host seconds of one batched step's phases, each ending at a point that already waits for the device:
     # propose (drafts back), verify (target forward and acceptance read back), control (telling the
     # drafter what was accepted: stash, commit, trim, catch-up).

@@ -40,11 +40,6 @@ from specsplit.target_service.sequence import FinishReason, Request, Sequence, S
 
 log = logging.getLogger(__name__)
 _FAILED = object()  # what a drafter verb "returns" when it raised
-_CHAIN_PROGRAMS = 24  # chained-step programs (and their graphs) kept, by batch size and draft length
-# Uncaptured runs of a chained-step shape before it is captured: a capture costs about ten replays'
-# worth of host time, so a shape passing through (a batch draining at the end of a burst, a draft
-# length the tuner tries) is not captured, one that holds is
-_CHAIN_CAPTURE_AFTER = 8
 # A captured prefill forward's tokens per prompt, and the most prompts in one (EngineConfig.graphed_prefill)
 # (64 × 4: most chat prompts in one chunk; a replay's logits cover its 256 rows); a longer prompt's chunks
 # go alone through a forward of up to this many tokens (EngineConfig.prefill_chunk, if smaller)
@@ -107,6 +102,17 @@ class EngineConfig:
     # (twenty-fourth session, bf16, medians of three rounds): 1.15x / 1.09x the uncaptured services'
     # tokens/s at one / eight streams, every request's tokens equal.
     chain_capture_remote: bool = True
+    # Chained-step programs (and their graphs) kept, by batch size, draft length and tree rows; the least
+    # recently used past this many are dropped, and their shape runs uncaptured again when it comes back.
+    chain_programs: int = 24
+    # Uncaptured runs of a chained-step shape before it is captured: a shape passing through (a batch draining
+    # at the end of a burst, a draft length the tuner tries) is not captured, one that comes back is. It was 8
+    # (a capture costs about ten replays' worth of host time). Serving 24 held-out prompts through 8 slots
+    # (trees of 15, H100, fifty-eighth session, `host_profile --serving 24 --batch 8`), shapes seen two or
+    # three times a pass still reached their eighth run, and a capture of 20-50 ms, in the third pass over the
+    # same prompts, and their steps before it ran uncaptured; at 2 every step of the second pass on replayed:
+    # 1.669 -> 1.477 ms a step in process, 2.872 -> 2.492 through the services (one run each).
+    chain_capture_after: int = 2
     # A step that completes a prompt reads its first token (a wait for the device) after launching the
     # decode step of the others, when a step launched ahead is out (Engine.step): with requests admitted
     # as others end, reading it first left the device idle from each prefill's end to the next launch.
@@ -165,6 +171,10 @@ class EngineConfig:
             raise InvalidRequest(f"resume_after is a number of steps >= 1 or None, got {self.resume_after!r}")
         if isinstance(self.chain_capture, bool) or not isinstance(self.chain_capture, int) or self.chain_capture < 0:
             raise InvalidRequest(f"chain_capture is a number of sequences >= 0, got {self.chain_capture!r}")
+        for name, least in (("chain_programs", 1), ("chain_capture_after", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InvalidRequest(f"{name} is a number >= {least}, got {value!r}")
         if not isinstance(self.chain_capture_remote, bool):
             raise InvalidRequest(f"chain_capture_remote is true or false, got {self.chain_capture_remote!r}")
         for name, least, most in (("draft_tree", 0, MAX_TREE_NODES), ("draft_tree_keep", 1, MAX_TREE_KEEP),
@@ -1240,19 +1250,22 @@ class Engine:
 
     def _chain_program(self, n: int, k: int, tree: int = 0) -> ChainProgram:
         """The program of chained steps of n sequences and k drafts, or trees of k nodes grown from `tree` rows
-        (made on first use; the least recently used past `_CHAIN_PROGRAMS` are dropped, with their graphs)."""
+        (made on first use; the least recently used past `EngineConfig.chain_programs` are dropped, with their
+        graphs)."""
         program = self._chain_programs.pop((n, k, tree), None)
         if program is None:
             program = ChainProgram(n, k, self._device, tree)
-            while len(self._chain_programs) >= _CHAIN_PROGRAMS:
+            self.counters.chain_programs_made += 1
+            while len(self._chain_programs) >= self.config.chain_programs:
                 self._chain_programs.pop(next(iter(self._chain_programs)))
+                self.counters.chain_programs_dropped += 1
         self._chain_programs[(n, k, tree)] = program  # (last in order: the most recently used)
         return program
 
     def _chain_run(self, program: ChainProgram, whole: bool, device_work) -> bool:
         """Run a chained step's device work: replayed as one graph when `whole` (greedy, every sequence
         drafting) and CUDA graphs are on, captured once the shape has run uncaptured often enough
-        (`_CHAIN_CAPTURE_AFTER`); run uncaptured otherwise, each drafter verb guarded (a failure
+        (`EngineConfig.chain_capture_after`); run uncaptured otherwise, each drafter verb guarded (a failure
         detaches it). False: the drafter failed before the verify."""
         whole = whole and getattr(self.proposer, "chain_captured_whole", True)  # (the services' propose: a round trip)
         if whole and self._chain_capturable(program):
@@ -1266,7 +1279,7 @@ class Engine:
 
     def _chain_capturable(self, program: ChainProgram) -> bool:
         """Not captured yet, run uncaptured often enough, never failed, and small enough."""
-        return program.graph is None and program.runs >= _CHAIN_CAPTURE_AFTER and not program.broken \
+        return program.graph is None and program.runs >= self.config.chain_capture_after and not program.broken \
             and program.n <= self._chain_capture_most
 
     def _chain_capture(self, program: ChainProgram, work: Callable[[], object]) -> None:
@@ -1345,7 +1358,7 @@ class Engine:
         """A chained step through a drafter service (`EngineConfig.chain_capture_remote`; greedy, every
         sequence drafting): the propose (the drafter's round trip, or the answer to the one sent ahead),
         then everything from its drafts to the outcome and the next feed, replayed as one graph once the
-        shape has run uncaptured `_CHAIN_CAPTURE_AFTER` times (`program.drafts` its input), then the
+        shape has run uncaptured `chain_capture_after` times (`program.drafts` its input), then the
         verified rows' commit queued for the next Step from what the graph kept. False: the drafter
         failed before the verify (it is detached)."""
 

@@ -111,6 +111,9 @@ class _EngineCollector(Collector):
                        "through a drafter service, what follows the drafts), a replay a step from then on", c.chain_captures)
         yield _counter("chain_capture_seconds", "host seconds spent capturing them (the step that captures "
                        "waits for it)", c.chain_capture_seconds)
+        yield _counter("chain_programs_dropped", "chained-step programs dropped as the least recently used past "
+                       "EngineConfig.chain_programs (their shapes run uncaptured again when they come back)",
+                       c.chain_programs_dropped)
         yield _counter("tokens", "tokens generated and sent to clients", c.tokens)
         yield _by_count("verified_drafts", "drafts verified per sequence per step (0: serial decoding)", drafts)
         yield _by_count("accepted_drafts", "drafts accepted per sequence per step; tau = 1 + sum / count", accepted)

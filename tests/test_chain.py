@@ -207,6 +207,39 @@ def test_engine_config_chain_capture_is_a_count_of_sequences():
             EngineConfig(chain_capture=bad)
 
 
+def test_engine_config_chain_programs_and_capture_after_are_counts():
+    from specsplit.shared.errors import InvalidRequest
+    from specsplit.target_service.engine import EngineConfig
+
+    config = EngineConfig()
+    assert (config.chain_programs, config.chain_capture_after) == (24, 2)
+    assert EngineConfig(chain_programs=1, chain_capture_after=0).chain_capture_after == 0
+    for name, bad in (("chain_programs", 0), ("chain_programs", True), ("chain_programs", 2.0),
+                      ("chain_capture_after", -1), ("chain_capture_after", False), ("chain_capture_after", "8")):
+        with pytest.raises(InvalidRequest, match=name):
+            EngineConfig(**{name: bad})
+
+
+def test_chain_programs_past_their_number_drop_the_least_recently_used(tiny_chat_dir):
+    """`EngineConfig.chain_programs` shapes are kept; one more drops the one used longest ago, and a shape
+    dropped comes back as a new program (uncaptured, its runs counted again). The counters tell both."""
+    from specsplit.target_service.engine import Engine, EngineConfig
+
+    engine = Engine(load_target(tiny_chat_dir), None, EngineConfig(max_batch=4, chain_programs=2))
+    first = engine._chain_program(1, 3)
+    first.runs = 5
+    engine._chain_program(2, 3)
+    assert engine._chain_program(1, 3) is first  # (used again: now the most recent)
+    engine._chain_program(2, 3, tree=2)  # a third shape: (2, 3) goes, used longest ago
+    assert set(engine._chain_programs) == {(1, 3, 0), (2, 3, 2)}
+    c = engine.counters
+    assert (c.chain_programs_made, c.chain_programs_dropped) == (3, 1)
+    engine._chain_program(2, 3)  # back: a new program, and (1, 3) goes
+    engine._chain_program(1, 3)
+    assert engine._chain_program(1, 3).runs == 0
+    assert (c.chain_programs_made, c.chain_programs_dropped) == (5, 3)
+
+
 def test_chain_refuses_what_it_cannot_serve(tiny_chat_dir):
     """No chained step for an anchor that may reach the budget, a sequence twice, or a settle that
     passes the budget or commits nothing (all checked before anything changes)."""
