@@ -294,15 +294,24 @@ def prefill_line(before: tuple[float, dict[str, float]], after: tuple[float, dic
             + ", ".join(f"{p} {ms:.3f}" for p, ms in parts.items()))
 
 
+def graph_line(before: dict[str, float], after: dict[str, float], run: str) -> str:
+    """The drafter's chained steps between two reads of its `chain_graph_steps` counter, by outcome (captures
+    in a warm server's run stall the target's steps that wait for those drafts)."""
+    counts = {o: after[o] - before.get(o, 0.0) for o in after if after[o] - before.get(o, 0.0)}
+    return (f"drafter ({run}): chained steps " + (", ".join(f"{o} {n:.0f}" for o, n in counts.items()) or "none"))
+
+
 def prefill_marks(metrics_url: str, lines: list[str]) -> Callable[[str], None]:
-    """A `profile_serving` mark that appends to `lines` the drafter's PrefillDrafter line of each run."""
+    """A `profile_serving` mark that appends to `lines` the drafter's PrefillDrafter line of each run, and its
+    chained steps by how they ran (uncaptured, captured, replayed, ...)."""
     last = prefill_phases(metrics_url)
+    graphs = labelled(metrics_url, "chain_graph_steps_total", "outcome")
 
     def mark(run: str) -> None:
-        nonlocal last
-        now = prefill_phases(metrics_url)
-        lines.append(prefill_line(last, now, run))
-        last = now
+        nonlocal last, graphs
+        now, graphed = prefill_phases(metrics_url), labelled(metrics_url, "chain_graph_steps_total", "outcome")
+        lines.extend([prefill_line(last, now, run), graph_line(graphs, graphed, run)])
+        last, graphs = now, graphed
     return mark
 
 

@@ -1,0 +1,42 @@
+"""bench/host_profile.py's arithmetic over an engine's and a drafter's counters (the bench runs on the device)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCH = Path(__file__).parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def host_profile():
+    sys.path.insert(0, str(BENCH))  # (it imports a sibling)
+    try:
+        spec = importlib.util.spec_from_file_location("host_profile", BENCH / "host_profile.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_a_runs_chain_tally_is_what_changed_in_it(host_profile):
+    counters = SimpleNamespace(chained=10, chain_replays=4, chain_captures=1, chain_capture_seconds=0.5,
+                               chain_programs_made=3, chain_programs_dropped=0)
+    before = host_profile.chain_tally(counters)
+    counters.chained, counters.chain_replays, counters.chain_captures = 145, 139, 2
+    counters.chain_capture_seconds, counters.chain_programs_made, counters.chain_programs_dropped = 0.531, 5, 1
+    line = host_profile.said_chain_tally(host_profile.chain_tally(counters), before, 7)
+    assert line == "135 chained, 135 replayed, 1 captured (31 ms), programs 2 made, 1 dropped, 7 held"
+
+
+def test_the_drafters_chained_steps_by_outcome_count_only_this_run(host_profile):
+    before = {"uncaptured": 40.0, "captured": 5.0, "replayed": 100.0}
+    after = {"uncaptured": 42.0, "captured": 6.0, "replayed": 233.0, "prepared": 3.0}
+    assert host_profile.graph_line(before, after, "timed") == \
+        "drafter (timed): chained steps uncaptured 2, captured 1, replayed 133, prepared 3"
+    assert host_profile.graph_line(after, after, "profiled") == "drafter (profiled): chained steps none"
