@@ -354,6 +354,9 @@ def main() -> None:
     ap.add_argument("--overlap-attach", action="store_true",
                     help="(--split --serving) EngineConfig.overlap_attach for the services: requests arriving while a "
                          "chained step is out are attached to the drafter after the next step launched")
+    ap.add_argument("--async-attach", action="store_true",
+                    help="(--split --serving) EngineConfig.async_attach for the services: a completed prompt's attach "
+                         "goes out without waiting for its answer, the sequence sitting steps out until it is in")
     ap.add_argument("--no-regroup", action="store_true",
                     help="(--split) EngineConfig(chain_regroup=False) for the services: a batch that changed waits for "
                          "a propose of its own, as before the thirty-seventh session")
@@ -423,7 +426,8 @@ def run(args: argparse.Namespace) -> None:
 
     proc = remote = None
     services = "services, " + "both waits, " * args.both_waits + "target waits, " * args.target_waits \
-        + "unquiesced, " * args.unquiesced + "no regroup, " * args.no_regroup
+        + "unquiesced, " * args.unquiesced + "no regroup, " * args.no_regroup + "async attach, " * args.async_attach \
+        + "overlapped attach, " * args.overlap_attach
     services = services if services != "services, " else "services "
     try:
         if args.split:
@@ -461,6 +465,7 @@ def run(args: argparse.Namespace) -> None:
                                           chain_programs=args.chain_programs,
                                           chain_capture_after=args.capture_after,
                                           overlap_attach=args.overlap_attach and drafter is remote,
+                                          async_attach=args.async_attach and drafter is remote,
                                           chain_regroup=not (args.no_regroup and drafter is remote),
                                           unquiesced_host_flags=args.unquiesced and drafter is remote)
                     engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids)

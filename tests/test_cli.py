@@ -216,6 +216,12 @@ def test_target_serve_runs_its_engine_in_a_process_of_its_own_on_a_gpu(extra, wa
     assert target_serve_settings(extra, monkeypatch).engine_process is want
 
 
+@pytest.mark.parametrize("extra, want", [((), False), (("--async-attach",), True), (("--no-async-attach",), False)])
+def test_target_serve_attaches_without_waiting_when_asked(extra, want, monkeypatch):
+    """`target serve --[no-]async-attach`: EngineConfig.async_attach, off by default."""
+    assert target_serve_settings((*DRAFTER, *extra), monkeypatch).engine.async_attach is want
+
+
 @pytest.mark.parametrize("extra, says", [(("--draft-tree", "64"), "draft_tree"),
                                          (("--draft-tree", "15", "--draft-tree-batch", "0"), "draft_tree_batch"),
                                          (("--draft-tree", "15", "--trees-by-batch", "2:64"), "trees_by_batch"),

@@ -148,6 +148,137 @@ def test_requests_attached_after_the_next_step_launched_decode_as_those_attached
     assert runs[True][1:] == runs[False][1:] and runs[True][2] == 0
 
 
+def _slowed(drafter, seconds: float, fail=None):
+    """The served drafter's prefill, `seconds` late (and raising `fail(seq_id)`'s error when it gives one)."""
+    prefill = drafter.prefill
+
+    def slow(seq_id, *args, **kwargs):
+        time.sleep(seconds)
+        error = fail(seq_id) if fail is not None else None
+        if error is not None:
+            raise error
+        return prefill(seq_id, *args, **kwargs)
+
+    drafter.prefill = slow
+    return prefill
+
+
+def _watched(engine, proposer):
+    """Records, for each decode step, whether an attach was out (sent, its answer not taken) and which of its
+    sequences were attached to the drafter."""
+    seen = []
+    decode = engine._decode_step
+
+    def watched(seqs):
+        seen.append((bool(proposer._prefills), {s.request.request_id for s in seqs if s.drafter_attached}))
+        return decode(seqs)
+
+    engine._decode_step = watched
+    return seen
+
+
+def test_requests_attached_without_waiting_decode_as_those_attached_at_once(pair, tiny_chat_dir):
+    """EngineConfig.async_attach: each completed prompt's attach goes out and the engine steps the others while
+    the drafter (slowed to 0.2 s an attach) answers; the new sequence then joins, attached. Every token is
+    target-only decoding's, as with attaches waited for; nothing is refused or detached, and nothing stays
+    allocated on the drafter."""
+    from specsplit.shared.tokenizer import Tokenizer
+
+    target, _, address, remote = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    alone = _run(_engine(target, None, chain=False), tokenizer)
+    _slowed(remote, 0.2)
+    for out in (False, True):
+        proposer = RemoteProposer(address, max_batch=4)
+        try:
+            engine = _engine(target, proposer, async_attach=out)
+            seen = _watched(engine, proposer)
+            assert _run(engine, tokenizer) == alone
+            assert engine.counters.fallbacks == engine.counters.refusals == 0 and engine.counters.chained > 5
+            assert any(busy for busy, _ in seen) == out, seen  # (steps ran with an attach out only when asked)
+            assert set().union(*(ids for _, ids in seen)) == set(alone)  # every request drafted
+            proposer.flush()
+            assert len(remote.store) == 0 and remote.pool.num_free_blocks == remote.pool.num_blocks
+        finally:
+            proposer.close()
+
+
+def test_a_request_ending_while_its_attach_is_out_leaves_nothing_on_the_drafter(pair, tiny_chat_dir):
+    """A request whose first token ends it, and one cancelled a step after its prompt went in, each while its
+    attach is out: its free takes the attach's answer first, so the drafter frees what it allocated. The
+    others' tokens are target-only decoding's."""
+    from specsplit.shared.sampling import SamplingParams
+    from specsplit.shared.tokenizer import Tokenizer
+    from specsplit.target_service.sequence import Request
+
+    target, _, address, remote = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    alone = _run(_engine(target, None, chain=False), tokenizer, lengths=(20, 20), late_at=10**6)
+    _slowed(remote, 0.3)
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        engine = _engine(target, proposer, async_attach=True)
+        engine.add(Request("one", tokenizer.encode(PROMPTS[4]), SamplingParams(max_tokens=1, ignore_eos=True)))
+        engine.add(Request("cut", tokenizer.encode(PROMPTS[2]), SamplingParams(max_tokens=50, ignore_eos=True)))
+        events = {}
+        for e in engine.step():  # both prompts in, their attaches out; "one" ended with its first token
+            events.setdefault(e.request_id, []).extend(e.token_ids)
+        assert len(events["one"]) == 1 and "cut" in {a.seq.request.request_id for a in engine._attaching.values()}
+        assert engine.abort("cut")
+        got = _run(engine, tokenizer, lengths=(20, 20), late_at=10**6)
+        assert got == alone and engine.counters.fallbacks == 0
+        proposer.flush()
+        assert len(remote.store) == 0 and remote.pool.num_free_blocks == remote.pool.num_blocks
+    finally:
+        proposer.close()
+
+
+@pytest.mark.parametrize("error, refusals, fallbacks", [
+    ("refused", 1, 0),  # InvalidRequest: that sequence decodes without drafts, the others go on drafting
+    ("no room once", 0, 0),  # CapacityExceeded: tried once more, waiting, and attached
+    ("failed", 0, 1),  # the drafter failed: detached (re-attached after its backoff, past this short run)
+])
+def test_an_attach_answered_with_an_error_leaves_the_sequence_as_a_waiting_attach_would(pair, tiny_chat_dir, error,
+                                                                                       refusals, fallbacks):
+    """EngineConfig.async_attach: the first attach's answer is an error. Refused, that sequence decodes without
+    drafts; refused for room, it is tried once more and attached; a drafter that failed is detached. Every token
+    is target-only decoding's either way, and nothing stays allocated on the drafter."""
+    from specsplit.shared.errors import CapacityExceeded
+    from specsplit.shared.tokenizer import Tokenizer
+
+    target, _, address, remote = pair
+    tokenizer = Tokenizer.from_dir(tiny_chat_dir)
+    alone = _run(_engine(target, None, chain=False), tokenizer)
+    failed = []
+
+    def fail(seq_id):
+        if failed:
+            return None
+        failed.append(seq_id)
+        return {"refused": InvalidRequest("not this one"), "no room once": CapacityExceeded("full"),
+                "failed": RuntimeError("the drafter broke")}[error]
+
+    _slowed(remote, 0.05, fail)
+    proposer = RemoteProposer(address, max_batch=4)
+    try:
+        engine = _engine(target, proposer, async_attach=True)
+        assert _run(engine, tokenizer) == alone
+        assert (engine.counters.refusals, engine.counters.fallbacks) == (refusals, fallbacks) and failed
+        proposer.flush()
+        assert len(remote.store) == 0 and remote.pool.num_free_blocks == remote.pool.num_blocks
+    finally:
+        proposer.close()
+
+
+def test_engine_config_async_attach_is_a_switch():
+    from specsplit.target_service.engine import EngineConfig
+
+    assert EngineConfig().async_attach is False and EngineConfig(async_attach=True).async_attach is True
+    for bad in (1, "yes", None):
+        with pytest.raises(InvalidRequest, match="async_attach"):
+            EngineConfig(async_attach=bad)
+
+
 class Scripted:
     """The served drafter's chained verbs, recorded: each propose's drafts, replaced by the target's own
     continuation after each anchor (from `texts`, the target-only tokens of every request, looked up by

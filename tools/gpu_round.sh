@@ -69,7 +69,8 @@
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
 #   bash tools/gpu_round.sh round58       # (next) GPU tests of chained steps captured after 2 runs; serving through 8
 #                                         # slots in process and through the services (as is, unquiesced, overlapped attach)
-#   bash tools/gpu_round.sh round58b      # (next) the served pair at 1 and 8 streams (round57b's pair_bench) with it
+#   bash tools/gpu_round.sh round58b      # (next) the served pair at 1 and 8 streams (round57b's pair_bench), beside
+#                                         # one attaching without waiting (target serve --async-attach)
 #   bash tools/gpu_round.sh round57       # (run in the fifty-eighth session: all passed) the GPU tests of the tree
 #                                         # candidates' copy and of the device waits
 #   bash tools/gpu_round.sh round57b      # (run in the fifty-eighth session) target only with embeddings by indexing
@@ -1128,18 +1129,20 @@ round58)
   # (fifty-eighth session) chained-step shapes are captured after 2 uncaptured runs (EngineConfig.chain_capture_after,
   # was 8): the GPU tests of captured chained steps first; then 24 held-out prompts through 8 slots (trees of 15), in
   # process and through the services, each run's captures beside its ms a step (host_profile prints both, and the
-  # drafter's chained steps by outcome: its own captures still come after 8 runs); then the services unquiesced
-  # (no host wait for the drafts at a batch change: serving has one every ~3 steps) and with the attach overlapped
+  # drafter's chained steps by outcome: its own captures still come after 8 runs); then the services attaching
+  # without waiting (EngineConfig.async_attach: each arrival held the host ~2.7 ms), unquiesced (no host wait for
+  # the drafts at a batch change: serving has one every ~3 steps) and with the attach overlapped
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
   timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_chain.py tests/test_split_gpu.py \
-    -k "capture or chained_steps_equal or riders" --durations=3 2>&1 \
+    -k "capture or chained_steps_equal or riders or attached_without_waiting" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
   serve="python bench/host_profile.py --device cuda --batch 8 --serving 24 --max-tokens 128 --draft-tree 15"
-  for variant in in-process services unquiesced overlapped; do
+  for variant in in-process services async unquiesced overlapped; do
     [ "$(left)" -gt 70 ] || { echo "$variant: no time left" | log; break; }
     case $variant in
       in-process) flags="" ;;
       services) flags="--split --split-only --both-waits --mps" ;;
+      async) flags="--split --split-only --both-waits --mps --async-attach" ;;
       unquiesced) flags="--split --split-only --both-waits --mps --unquiesced" ;;
       overlapped) flags="--split --split-only --both-waits --mps --overlap-attach" ;;
     esac
@@ -1148,10 +1151,11 @@ round58)
   done
   ;;
 round58b)
-  # (fifty-eighth session) round57b's served pair with chained shapes captured after 2 runs: tokens/s, tau, step shape
+  # (fifty-eighth session) round57b's served pair with chained shapes captured after 2 runs, and beside it the pair
+  # whose target attaches arrivals without waiting (--async-attach): tokens/s, tau, step shape
   ROUND_SECONDS=${ROUND_SECONDS:-570} timeout 400 python bench/pair_bench.py --device cuda --streams 1 8 \
     --speculate-below 9 --requests 3 --max-tokens 160 --rounds 2 --mps --client-processes --engine-process on \
-    --json-out "$OUT/pair58.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
+    --also-async-attach --json-out "$OUT/pair58.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
   ;;
 round57)
   # (fifty-seventh session) round56's test run got no verdict within its 230 s (too many selected): the GPU tests of
