@@ -357,6 +357,8 @@ def main() -> None:
     ap.add_argument("--async-attach", action="store_true",
                     help="(--split --serving) EngineConfig.async_attach for the services: a completed prompt's attach "
                          "goes out without waiting for its answer, the sequence sitting steps out until it is in")
+    ap.add_argument("--drafter-capture-after", type=int, default=None, metavar="N",
+                    help="(--split) the drafter service's --chain-capture-after (default: its own, 8)")
     ap.add_argument("--no-regroup", action="store_true",
                     help="(--split) EngineConfig(chain_regroup=False) for the services: a batch that changed waits for "
                          "a propose of its own, as before the thirty-seventh session")
@@ -427,7 +429,8 @@ def run(args: argparse.Namespace) -> None:
     proc = remote = None
     services = "services, " + "both waits, " * args.both_waits + "target waits, " * args.target_waits \
         + "unquiesced, " * args.unquiesced + "no regroup, " * args.no_regroup + "async attach, " * args.async_attach \
-        + "overlapped attach, " * args.overlap_attach
+        + "overlapped attach, " * args.overlap_attach \
+        + (f"drafter captures after {args.drafter_capture_after}, " if args.drafter_capture_after is not None else "")
     services = services if services != "services, " else "services "
     try:
         if args.split:
@@ -441,6 +444,8 @@ def run(args: argparse.Namespace) -> None:
                                      "--metrics-port", str(metrics_port)]
                                     + (["--device-waits", "--max-targets", "1"] if args.both_waits else [])
                                     + (["--prefill-copies"] if args.prefill_copies else [])
+                                    + (["--chain-capture-after", str(args.drafter_capture_after)]
+                                       if args.drafter_capture_after is not None else [])
                                     + (["--profile-steps", "300:600", "--profile-out", args.drafter_trace,
                                         "--profile-host"] if args.drafter_trace else []))
             print(f"drafter service pid {proc.pid}", flush=True)

@@ -30,7 +30,8 @@ import torch
 from specsplit.drafter_service.heads import TargetHead
 from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.metrics import DrafterMetrics
-from specsplit.drafter_service.session import Session, buffers_read, chains, done_flags, served_tree_keep
+from specsplit.drafter_service.session import (CHAIN_CAPTURE_AFTER, Session, buffers_read, chains, done_flags,
+                                               served_tree_keep)
 from specsplit.drafter_service.step_socket import StepSocketServer
 from specsplit.protos.v1 import drafter_pb2, drafter_pb2_grpc
 from specsplit.shared import logs, wire
@@ -105,6 +106,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         self._closed = threading.Event()
         self.step_socket = ""  # where the Step stream is also served without gRPC (serve sets it)
         self.chain_graphs = True  # chained steps' commit and propose as one CUDA graph each (--no-chain-graphs: off)
+        self.chain_capture_after = CHAIN_CAPTURE_AFTER  # ... once a shape has run this many times (--chain-capture-after)
         self.prepare_chains = True  # chained steps' host work before the target's writes (Session.prepare_chain)
         self.prefill_copies = False  # a prefill's CUDA IPC rows copied out at once (--prefill-copies, Session.prefill)
         # --device-waits: a prepared chained step's graph launched at once, our stream waiting on the device for
@@ -207,7 +209,8 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
                 self._make_room_for_a_session()
             session = Session(self.proposer, client_id=client, new_seq_id=lambda: next(self._seq_ids),
                               head=self.head, device=self.device, limits=self.limits, chain_graphs=self.chain_graphs,
-                              on_chain_graph=self.metrics.chain_graph_step, prefill_copies=self.prefill_copies)
+                              on_chain_graph=self.metrics.chain_graph_step, prefill_copies=self.prefill_copies,
+                              chain_capture_after=self.chain_capture_after)
             self._sessions[client] = session
         return session
 

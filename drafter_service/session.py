@@ -188,9 +188,10 @@ class Session:
     def __init__(self, proposer: Proposer, *, client_id: str, new_seq_id: Callable[[], int],
                  head: TargetHead | None, device: torch.device, limits: DrafterLimits = DrafterLimits(),
                  chain_graphs: bool = False, on_chain_graph: Callable[[str], None] | None = None,
-                 waits: DeviceWaits | None = None, prefill_copies: bool = False) -> None:
+                 waits: DeviceWaits | None = None, prefill_copies: bool = False,
+                 chain_capture_after: int = CHAIN_CAPTURE_AFTER) -> None:
         # chain_graphs: a chained step's commit, propose and drafts copy replayed as one CUDA graph per
-        # shape once it has run CHAIN_CAPTURE_AFTER times (see _chain_device); on_chain_graph is told
+        # shape once it has run `chain_capture_after` times (see _chain_device); on_chain_graph is told
         # how each such step ran (an outcome of CHAIN_GRAPH_OUTCOMES: the server's metrics); waits: our
         # stream's device waits for the target's written values (drafter --device-waits; see prepare_chain)
         # prefill_copies: a prefill's CUDA IPC rows are copied out on a stream of their own and only the copy is
@@ -224,6 +225,9 @@ class Session:
         self._rows_seconds = 0.0  # spent in _rows since the step began
         self._replay_seconds = 0.0  # spent launching chained steps' graphs since the step began
         self.chain_graphs = chain_graphs and self.device.type == "cuda"
+        if isinstance(chain_capture_after, bool) or not isinstance(chain_capture_after, int) or chain_capture_after < 0:
+            raise InvalidRequest(f"chain_capture_after is a number of runs >= 0, got {chain_capture_after!r}")
+        self.chain_capture_after = chain_capture_after
         self._chain_graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # by shape and addresses; None: broken
         self._chain_runs: dict[tuple, int] = {}  # uncaptured runs of each shape
         self._chain_pool = None  # the graphs' memory pool
@@ -886,7 +890,7 @@ class Session:
 
     def _chain_device(self, key: tuple, batch, device_work: Callable[[], None]) -> None:
         """A chained step's commit, propose and drafts copy: replayed as one graph once its shape has run
-        CHAIN_CAPTURE_AFTER times uncaptured (its tables bound first, as the in-process engine binds
+        `chain_capture_after` times uncaptured (its tables bound first, as the in-process engine binds
         them before a whole step's capture or replay); uncaptured before, and for good if the capture
         fails or the connection holds its most graphs (MAX_CHAIN_GRAPHS). The graph holds this
         connection's buffers' addresses, and the buffers' ids last (key): releasing a buffer drops the
@@ -896,7 +900,7 @@ class Session:
         if graph is None:
             outcome = "uncaptured"
             if key not in self._chain_graphs and len(self._chain_graphs) < MAX_CHAIN_GRAPHS \
-                    and self._counted_run(key) > CHAIN_CAPTURE_AFTER:
+                    and self._counted_run(key) > self.chain_capture_after:
                 del self._chain_runs[key]
                 graph = self._chain_graphs[key] = self._chain_capture(key, batch, device_work)
                 outcome = "captured" if graph is not None else "failed"

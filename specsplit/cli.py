@@ -274,6 +274,7 @@ def cmd_drafter_serve(args: argparse.Namespace) -> None:
                                                        metrics=metrics_address(args),
                                                        context_pool_rows=args.context_pool_rows,
                                                        profile=window, chain_graphs=args.chain_graphs,
+                                                       chain_capture_after=args.chain_capture_after,
                                                        prepare_chains=args.prepare_chains,
                                                        prefill_copies=args.prefill_copies,
                                                        device_waits=args.device_waits,
@@ -511,6 +512,9 @@ def add_service_parsers(sub) -> None:
                     help="on a GPU, replay a chained step's context commit, propose and drafts copy (StepRequest.chain) "
                          "as one CUDA graph per shape once it has run a few times (default: on; the drafter's host "
                          "time a Step fell from 1.06 to 0.43 ms on the H200)")
+    ds.add_argument("--chain-capture-after", type=int, default=8, metavar="N",
+                    help="with --chain-graphs: a chained step's shape is captured once it has run N times uncaptured "
+                         "(default 8; the target's engine captures its own after 2 since the fifty-eighth session)")
     ds.add_argument("--prepare-chains", action=argparse.BooleanOptionalAction, default=True,
                     help="with --chain-graphs: a chained propose sent ahead has its host work (checks, settles, "
                          "tables) done as it arrives, while the target's GPU still verifies, and only its graph's "

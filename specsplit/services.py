@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from specsplit.drafter_service.heads import TargetHead, TargetInfo
 from specsplit.drafter_service.limits import DrafterLimits
 from specsplit.drafter_service.server import DrafterServer, serve as serve_drafter_rpc
+from specsplit.drafter_service.session import CHAIN_CAPTURE_AFTER
 from specsplit.shared.checkpoint import load_config, load_state_dict
 from specsplit.shared.errors import InvalidRequest
 from specsplit.shared.metrics import MetricsAddress
@@ -40,6 +41,7 @@ class DrafterSettings:
     context_pool_rows: int | None = None  # DFlash context rows held for all connections (None: the default)
     profile: StepWindow | None = None  # --profile-steps/--profile-out: a torch profile of those Step messages
     chain_graphs: bool = True  # --chain-graphs (--no-chain-graphs: off): a chained step's commit and propose replayed as one CUDA graph
+    chain_capture_after: int = CHAIN_CAPTURE_AFTER  # --chain-capture-after: uncaptured runs of a chained shape first
     prepare_chains: bool = True  # --prepare-chains: a chained step sent ahead prepared before the target's writes are done
     prefill_copies: bool = False  # --prefill-copies: a prefill's CUDA IPC rows copied out at once (Session.prefill)
     device_waits: bool = False  # --device-waits: ... and launched at once, our stream waiting for them (one target only)
@@ -50,6 +52,9 @@ class DrafterSettings:
             raise InvalidRequest("--head must be auto, checkpoint or target")
         if not self.listen:
             raise InvalidRequest("give at least one --listen address")
+        if isinstance(self.chain_capture_after, bool) or not isinstance(self.chain_capture_after, int) \
+                or self.chain_capture_after < 0:
+            raise InvalidRequest(f"--chain-capture-after is a number of runs >= 0, got {self.chain_capture_after!r}")
         if self.device_waits and (self.limits.max_targets != 1 or not self.prepare_chains or not self.chain_graphs):
             raise InvalidRequest("--device-waits serves one target with prepared chained graphs: give it with "
                                  "--max-targets 1, and without --no-prepare-chains or --no-chain-graphs")
@@ -109,6 +114,7 @@ def build_drafter_server(settings: DrafterSettings) -> DrafterServer:
     server = DrafterServer(drafter, head=head, device=setup.device, limits=settings.limits)
     server.profile = settings.profile
     server.chain_graphs = settings.chain_graphs
+    server.chain_capture_after = settings.chain_capture_after
     server.prepare_chains = settings.prepare_chains
     server.prefill_copies = settings.prefill_copies
     server.device_waits = settings.device_waits

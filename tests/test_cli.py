@@ -216,6 +216,25 @@ def test_target_serve_runs_its_engine_in_a_process_of_its_own_on_a_gpu(extra, wa
     assert target_serve_settings(extra, monkeypatch).engine_process is want
 
 
+def test_drafter_serve_passes_chain_capture_after_to_its_settings(monkeypatch):
+    """`drafter serve --chain-capture-after N` (default 8, the session's CHAIN_CAPTURE_AFTER)."""
+    import specsplit.services
+    from specsplit.drafter_service.session import CHAIN_CAPTURE_AFTER
+
+    monkeypatch.setattr(logs, "configure", lambda *args, **kwargs: None)  # (the root logger outlives the test)
+    seen = []
+
+    def start_drafter(settings):
+        seen.append(settings.chain_capture_after)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(specsplit.services, "start_drafter", start_drafter)
+    for extra in ((), ("--chain-capture-after", "2")):
+        with pytest.raises(SystemExit):
+            main(["drafter", "serve", "--listen", "unix:/nonexistent/d.sock", "--device", "cpu", *extra])
+    assert seen == [CHAIN_CAPTURE_AFTER, 2] and CHAIN_CAPTURE_AFTER == 8
+
+
 @pytest.mark.parametrize("extra, want", [((), False), (("--async-attach",), True), (("--no-async-attach",), False)])
 def test_target_serve_attaches_without_waiting_when_asked(extra, want, monkeypatch):
     """`target serve --[no-]async-attach`: EngineConfig.async_attach, off by default."""

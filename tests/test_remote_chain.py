@@ -979,6 +979,39 @@ def test_a_drafter_gone_mid_chain_costs_no_token_and_the_chain_resumes_when_one_
         served[0].close()
 
 
+@pytest.mark.parametrize("after", [0, 2])
+def test_a_drafter_given_chain_capture_after_captures_a_shape_after_that_many_runs(monkeypatch, after):
+    """`drafter serve --chain-capture-after N`: a shape runs uncaptured N times and is captured on the next; a
+    count that is not one is refused, by the session and by the service's settings."""
+    from specsplit.drafter_service import session as session_module
+    from specsplit.local import LocalSetup
+    from specsplit.services import DrafterSettings
+
+    class Proposer:
+        def chain_bind(self, batch):
+            pass
+
+    class Graph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(session_module, "capture_serving", lambda work, pool: Graph())
+    monkeypatch.setattr(session_module.torch.cuda, "graph_pool_handle", lambda: "pool")
+    outcomes = []
+    session = session_module.Session(Proposer(), client_id="c", new_seq_id=lambda: 0, head=None, device="cpu",
+                                     on_chain_graph=outcomes.append, chain_capture_after=after)
+    session.chain_graphs = True
+    for _ in range(after + 2):
+        session._chain_device((1, 3, "a"), "batch", lambda: None)
+    assert outcomes == ["uncaptured"] * after + ["captured", "replayed"]
+    for bad in (-1, True, 2.0):
+        with pytest.raises(InvalidRequest, match="chain_capture_after"):
+            session_module.Session(Proposer(), client_id="c", new_seq_id=lambda: 0, head=None, device="cpu",
+                                   chain_capture_after=bad)
+        with pytest.raises(InvalidRequest, match="--chain-capture-after"):
+            DrafterSettings(("unix:/tmp/x.sock",), LocalSetup(drafter="dflash", device="cpu"), chain_capture_after=bad)
+
+
 def test_a_chained_steps_graph_is_captured_after_its_runs_replayed_bound_and_given_up_if_it_fails(monkeypatch):
     """`Session._chain_device` (drafter --chain-graphs): a shape runs uncaptured CHAIN_CAPTURE_AFTER times,
     is captured on the next (its tables bound first, its forwards inlined), replayed from then with its

@@ -67,8 +67,10 @@
 #   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
-#   bash tools/gpu_round.sh round58       # (next) GPU tests of chained steps captured after 2 runs; serving through 8
-#                                         # slots in process and through the services (as is, unquiesced, overlapped attach)
+#   bash tools/gpu_round.sh round58       # (next) GPU tests of chained steps captured after 2 runs and of attaches not
+#                                         # waited for; serving through 8 slots in process, through the services, async
+#   bash tools/gpu_round.sh round58c      # (next) serving through 8 slots: services as they are, unquiesced, attach
+#                                         # overlapped, the drafter's graphs captured after 2 runs
 #   bash tools/gpu_round.sh round58b      # (next) the served pair at 1 and 8 streams (round57b's pair_bench), beside
 #                                         # one attaching without waiting (target serve --async-attach)
 #   bash tools/gpu_round.sh round57       # (run in the fifty-eighth session: all passed) the GPU tests of the tree
@@ -128,6 +130,24 @@ device_waits_round() {  # the device-wait GPU tests within $1 s, then split_benc
     | grep -E "^batch [0-9]+" | log
   python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(b, {k: round(v, 3) for k, v in \
     d[b]['rounds']['median'].items() if 'over' in k}) for b in d if b.startswith('batch')]" "$OUT/split_$4.json" 2>&1 | log
+}
+serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each of "$@" within what `left` gives
+  local serve="python bench/host_profile.py --device cuda --batch 8 --serving 24 --max-tokens 128 --draft-tree 15"
+  local services="--split --split-only --both-waits --mps" variant flags
+  for variant in "$@"; do
+    [ "$(left)" -gt 70 ] || { echo "$variant: no time left" | log; break; }
+    case $variant in
+      in-process) flags="" ;;
+      services) flags="$services" ;;
+      async) flags="$services --async-attach" ;;
+      unquiesced) flags="$services --unquiesced" ;;
+      overlapped) flags="$services --overlap-attach" ;;
+      drafter-after-2) flags="$services --drafter-capture-after 2" ;;
+      *) echo "serving_variants: no variant $variant" | log; continue ;;
+    esac
+    timeout 75 $serve $flags > "$OUT/serving-$variant.txt" 2>&1
+    grep -E "serving|chained steps|^drafter \(|Error" "$OUT/serving-$variant.txt" | sed "s/^/$variant: /" | log
+  done
 }
 if [ "${1:-}" = services ]; then
   # can the target's and the drafter's streams order each other through a flag, with no host waiting
@@ -1130,25 +1150,19 @@ round58)
   # was 8): the GPU tests of captured chained steps first; then 24 held-out prompts through 8 slots (trees of 15), in
   # process and through the services, each run's captures beside its ms a step (host_profile prints both, and the
   # drafter's chained steps by outcome: its own captures still come after 8 runs); then the services attaching
-  # without waiting (EngineConfig.async_attach: each arrival held the host ~2.7 ms), unquiesced (no host wait for
-  # the drafts at a batch change: serving has one every ~3 steps) and with the attach overlapped
+  # without waiting (EngineConfig.async_attach: each arrival held the host ~2.7 ms). round58c: the other ways
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
   timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_chain.py tests/test_split_gpu.py \
     -k "capture or chained_steps_equal or riders or attached_without_waiting" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
-  serve="python bench/host_profile.py --device cuda --batch 8 --serving 24 --max-tokens 128 --draft-tree 15"
-  for variant in in-process services async unquiesced overlapped; do
-    [ "$(left)" -gt 70 ] || { echo "$variant: no time left" | log; break; }
-    case $variant in
-      in-process) flags="" ;;
-      services) flags="--split --split-only --both-waits --mps" ;;
-      async) flags="--split --split-only --both-waits --mps --async-attach" ;;
-      unquiesced) flags="--split --split-only --both-waits --mps --unquiesced" ;;
-      overlapped) flags="--split --split-only --both-waits --mps --overlap-attach" ;;
-    esac
-    timeout 75 $serve $flags > "$OUT/serving-$variant.txt" 2>&1
-    grep -E "serving|chained steps|^drafter \(" "$OUT/serving-$variant.txt" | sed "s/^/$variant: /" | log
-  done
+  serving_variants in-process services async
+  ;;
+round58c)
+  # (fifty-eighth session) round58's serving through 8 slots, the other ways: the services as they are, unquiesced,
+  # the attach overlapped, and the drafter's chained graphs captured after 2 runs (drafter serve --chain-capture-after
+  # 2; its default 8)
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  serving_variants services unquiesced overlapped drafter-after-2
   ;;
 round58b)
   # (fifty-eighth session) round57b's served pair with chained shapes captured after 2 runs, and beside it the pair
