@@ -71,6 +71,8 @@
 #                                         # waited for; serving through 8 slots in process, through the services, async
 #   bash tools/gpu_round.sh round58c      # (next) serving through 8 slots: services as they are, unquiesced, attach
 #                                         # overlapped, the drafter's graphs captured after 2 runs
+#   bash tools/gpu_round.sh pair-ab       # (next, after `tools/old_tree.sh 8f8d27d`) the served pair at one stream,
+#                                         # this checkout beside the fifty-fifth session's tree (1.35x here, 1.74x there)
 #   bash tools/gpu_round.sh round58b      # (next) the served pair at 1 and 8 streams (round57b's pair_bench), beside
 #                                         # one attaching without waiting (target serve --async-attach)
 #   bash tools/gpu_round.sh round57       # (run in the fifty-eighth session: all passed) the GPU tests of the tree
@@ -1163,6 +1165,25 @@ round58c)
   # 2; its default 8)
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
   serving_variants services unquiesced overlapped drafter-after-2
+  ;;
+pair-ab)
+  # (fifty-eighth session) the served pair at one stream ran 1.35x target only on this session's machine, 1.74x on the
+  # fifty-fifth session's: the machine, or a regression? This checkout beside an earlier commit's tree
+  # (`bash tools/old_tree.sh COMMIT`, carried as .old-tree.tar.gz beside the checkpoints and .whl), alternating on one
+  # machine, each pair beside its own target only; each tree installed (editable) in turn, this one again at the end
+  [ -f .old-tree.tar.gz ] || { echo "pair-ab: no .old-tree.tar.gz here (bash tools/old_tree.sh COMMIT)" | log; exit 1; }
+  rm -rf /tmp/ab && mkdir -p /tmp/ab && tar xzf .old-tree.tar.gz -C /tmp/ab
+  ln -s "$PWD/drafter_service/checkpoints" /tmp/ab/old/drafter_service/checkpoints
+  here=$PWD
+  for side in new old new old; do
+    tree=$here; [ "$side" = old ] && tree=/tmp/ab/old
+    (cd "$tree" && python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip-ab.log 2>&1) \
+      || { tail -3 /tmp/pip-ab.log | sed "s/^/$side: /" | log; break; }
+    (cd "$tree" && timeout 130 python bench/pair_bench.py --device cuda --streams 1 --speculate-below 9 --requests 3 \
+      --max-tokens 160 --rounds 2 --mps --client-processes --engine-process on --json-out "$OUT/ab-$side.json" 2>&1 \
+      | grep -v INFO | grep -E "^streams|Error" | sed "s/^/$side: /" | log)
+  done
+  (cd "$here" && python -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1)
   ;;
 round58b)
   # (fifty-eighth session) round57b's served pair with chained shapes captured after 2 runs, and beside it the pair
