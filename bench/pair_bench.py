@@ -225,9 +225,6 @@ def main() -> None:
     ap.add_argument("--also-chains", action="store_true",
                     help="beside each pair, one verifying chains (its target given --draft-tree 0), as `up` "
                          "started them on a GPU before the fifty-second session")
-    ap.add_argument("--also-async-attach", action="store_true",
-                    help="beside each pair, one whose target attaches arriving requests without waiting for the "
-                         "drafter's answer (target serve --async-attach)")
     ap.add_argument("--client-processes", action="store_true",
                     help="each client in a process of its own (default: threads of this process)")
     ap.add_argument("--engine-process", choices=["off", "on", "both"], default="off",
@@ -251,10 +248,6 @@ def main() -> None:
                 specs[f"below_{below}_chains{engine}"] = ServiceSpec(
                     device=args.device, dtype=args.dtype, speculate_below=below,
                     target_args=(*given, "--draft-tree", "0"), mps=args.mps)
-            if args.also_async_attach:
-                specs[f"below_{below}_async_attach{engine}"] = ServiceSpec(
-                    device=args.device, dtype=args.dtype, speculate_below=below,
-                    target_args=(*given, "--async-attach"), mps=args.mps)
     # Under MPS one pair at a time (each its own private server), each beside its own target-only runs; so too
     # where the engines run both ways (target only's too)
     groups = [list(specs)] if not args.mps and args.engine_process != "both" else [[name] for name in specs]
@@ -287,8 +280,7 @@ def main() -> None:
         setting = {"device": args.device, "mps": args.mps, "client_processes": args.client_processes,
                    "engine_process": args.engine_process,
                    "max_tokens": args.max_tokens,
-                   "speculate_below": args.speculate_below, "also_chains": args.also_chains,
-                   "also_async_attach": args.also_async_attach}
+                   "speculate_below": args.speculate_below, "also_chains": args.also_chains}
         Path(args.json_out).write_text(json.dumps({**setting, **table}, indent=1))
 
 

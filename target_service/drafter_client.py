@@ -106,59 +106,6 @@ class LinkStats:
     unary_calls: Counter = field(default_factory=Counter)  # unary calls made, by method
 
 
-class PendingPrefill:
-    """A sequence's attach (its allocation and prompt rows, one PrefillDrafter) sent without waiting for the
-    answer (`RemoteProposer.alloc_and_prefill_async`). `done()` looks without waiting; `result()` waits and
-    gives the rows appended or raises what the waiting `prefill` would have raised. An attach that went the
-    waiting way (nothing to overlap) comes back as one already done."""
-
-    def __init__(self, seq_id: int, *, owner: "RemoteProposer | None" = None, conn: "_Connection | None" = None,
-                 future: "grpc.Future | None" = None, outcome: "int | BaseException | None" = None) -> None:
-        self.seq_id = seq_id
-        self._owner, self._conn, self._future = owner, conn, future
-        self._outcome = outcome
-        self._settled = future is None
-
-    def done(self) -> bool:
-        return self._settled or self._future.done()
-
-    def result(self) -> int:
-        self.wait()
-        if isinstance(self._outcome, BaseException):
-            raise self._outcome
-        return self._outcome
-
-    def wait(self) -> None:
-        """Take the answer (once): the sequence is the connection's from then on, or the call's error is kept
-        for `result` (a drafter gone drops the connection, as a waiting call's would)."""
-        if self._settled:
-            return
-        self._settled = True
-        owner, conn = self._owner, self._conn
-        owner._prefills.pop(self.seq_id, None)
-        try:
-            self._outcome = self._future.result().rows_appended
-        except grpc.FutureCancelledError:
-            self._outcome = DrafterUnavailable("the drafter was dropped while the sequence's attach was out")
-            return
-        except grpc.RpcError as exc:
-            self._outcome = _error_from_rpc(exc)
-            if isinstance(self._outcome, DrafterUnavailable) and owner._conn is conn:
-                owner._disconnect()
-            return
-        if owner._conn is conn and not conn.dead:
-            conn.allocated.add(self.seq_id)
-        else:  # (dropped since: the drafter freed the connection's sequences with it)
-            self._outcome = DrafterUnavailable("the drafter was dropped while the sequence's attach was out")
-
-    def cancel(self) -> None:
-        """The connection is being dropped: the answer, if any comes, is not taken."""
-        if not self._settled:
-            self._settled = True
-            self._future.cancel()
-            self._outcome = DrafterUnavailable("the drafter was dropped while the sequence's attach was out")
-
-
 class RowStager:
     """Copies rows into one registered buffer and hands out references (or inline rows)."""
 
@@ -483,7 +430,6 @@ class RemoteProposer:
         self.last_error = ""  # why no drafter is attached now ("" while one is)
         self._conn: _Connection | None = None
         self._pending: dict[int, _Pending] = {}
-        self._prefills: dict[int, PendingPrefill] = {}  # attaches sent and not answered yet, by seq id
         self._step_id = 0
         self._unanswered = False  # a Step sent by send_pending or prefetch whose answer is not read yet
         self._ahead: dict[int, ProposeRequest] | None = None  # the proposes of the last prefetch, by seq id
@@ -728,9 +674,6 @@ class RemoteProposer:
         page.close()
 
     def _disconnect(self) -> None:
-        prefills, self._prefills = self._prefills, {}
-        for pending in prefills.values():
-            pending.cancel()
         if self._waits is not None:
             self._waits.release()  # no stream of ours waits on a drafter we drop
             self._waits.failure = None  # (a failure of the connection dropped now: the next one starts clean)
@@ -899,7 +842,6 @@ class RemoteProposer:
                 stream: "torch.cuda.Stream | None" = None) -> int:
         """stream: the rows' copy into our buffer for the drafter goes on it (the engine's attach stream,
         EngineConfig.overlap_attach), not on the current one."""
-        self._settle_prefills()  # (their rows in the bulk buffer are read before it is written again)
         self._send_queued(seq_id)
         conn = self._live()
         if conn.alloc_next is not None and conn.alloc_next[0] != seq_id:
@@ -916,43 +858,6 @@ class RemoteProposer:
                 self._grow_bulk(conn, rows.shape[0])
             self._raise_refused(conn, seq_id)
         return self._prefill_part(conn, seq_id, token_ids, rows, start_pos, stream)
-
-    def alloc_and_prefill_async(self, seq_id: int, budget_tokens: int, token_ids: Sequence[int], rows: torch.Tensor,
-                                start_pos: int = 0, *, stream: "torch.cuda.Stream | None" = None) -> PendingPrefill:
-        """`alloc` then `prefill`, without waiting for the drafter's answer (EngineConfig.async_attach): the one
-        PrefillDrafter that attaches the sequence goes out and the engine's steps go on meanwhile; the answer is
-        taken by the returned `PendingPrefill` (the sequence is not the connection's before). Nor does it wait
-        for the answer to a Step sent ahead, as the waiting verbs do: that Step is about other sequences. A
-        later verb for this sequence (its free), another attach (the bulk buffer's rows are read before it
-        is written again) and a dropped connection take the answer first. Where the attach cannot go that
-        way (the rows inline or past the bulk buffer, a drafter that allocates apart, verbs of this sequence
-        queued, the connection down) it goes the waiting way, and its errors are raised here."""
-        self._settle_prefills()
-        conn = self._conn
-        if rows is None or conn is None or conn.dead or not conn.prefill_allocs or conn.bulk is None \
-                or conn.bulk.buffer is None \
-                or rows.shape[0] > conn.bulk.buffer.tensor.shape[0] or seq_id in self._pending \
-                or (self._waits is not None and self._waits.failure is not None):
-            self.alloc(seq_id, budget_tokens)
-            return PendingPrefill(seq_id, outcome=self.prefill(seq_id, token_ids, rows, start_pos, stream=stream))
-        if conn.alloc_next is not None:  # (another sequence's allocation left for its prefill: sent alone first)
-            self._send_alloc(conn)
-        conn.alloc_refused.pop(seq_id, None)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            staged = conn.bulk.put(rows)
-            conn.bulk.seal()
-        op = wire.RowsOp(tuple(token_ids), conn.bulk.source(staged, rows.shape[0]), start_pos)
-        request = wire.prefill_to_proto(seq_id, op, budget_tokens)
-        self.link.unary_calls["PrefillDrafter"] += 1
-        future = conn.stub.PrefillDrafter.future(request, timeout=self.timeout, metadata=conn.metadata)
-        pending = self._prefills[seq_id] = PendingPrefill(seq_id, owner=self, conn=conn, future=future)
-        return pending
-
-    def _settle_prefills(self, seq_id: int | None = None) -> None:
-        """Take the answers of the attaches out (or of `seq_id`'s): see alloc_and_prefill_async."""
-        for pending in [self._prefills[seq_id]] if seq_id in self._prefills else \
-                list(self._prefills.values()) if seq_id is None else []:
-            pending.wait()
 
     def _prefill_part(self, conn: _Connection, seq_id: int, token_ids, rows: torch.Tensor, start_pos: int,
                       stream: "torch.cuda.Stream | None" = None) -> int:
@@ -1033,9 +938,7 @@ class RemoteProposer:
     def free(self, seq_id: int) -> None:
         """Queued: it rides on the next step's message (the engine calls `flush` when none is coming).
         A sequence this connection never allocated (the drafter restarted since) has nothing to free.
-        A Step sent ahead is not waited for: its answer is read by the next call that needs it. An attach of
-        it still out is answered first (allocated, it is freed)."""
-        self._settle_prefills(seq_id)
+        A Step sent ahead is not waited for: its answer is read by the next call that needs it."""
         conn = self._conn
         if conn is None or conn.dead or not self._unanswered:
             conn = self._live()
@@ -1486,13 +1389,11 @@ class RemoteProposer:
                               num_drafts, done_buffer, done_value, written_value, written_buffer, tree_keep)
 
     def take_kv(self, seq_id: int) -> CarriedKV:
-        self._settle_prefills(seq_id)
         self._flush([])
         pb = self._unary("TakeDrafterKV", drafter_pb2.TakeDrafterKVRequest(seq_id=seq_id))
         return wire.carried_kv_from_proto(pb)
 
     def install_kv(self, seq_id: int, handle: int) -> CarriedKV:
-        self._settle_prefills(seq_id)
         self._send_queued(seq_id)
         pb = self._unary("InstallDrafterKV", drafter_pb2.InstallDrafterKVRequest(seq_id=seq_id, handle=handle))
         return wire.carried_kv_from_proto(pb)

@@ -126,13 +126,6 @@ class EngineConfig:
     # ahead, which comes once that step is done. With them a first kernel launch may come while our stream
     # waits (`_quiesce`; the attach's kernels, a concatenation and copies, have run by then): measurement only.
     overlap_attach: bool = False
-    # Through a drafter service that offers it (`RemoteProposer.alloc_and_prefill_async`; fifty-eighth session, off
-    # until measured): a completed prompt's attach (one PrefillDrafter) goes out without our host waiting for its
-    # answer, nor for the answer to the Step sent ahead before it; the sequence sits the engine's steps out until
-    # the answer is in (looked for at each step's start, waited for only when nothing else can run) and then
-    # joins as one attached since. Serving 24 held-out prompts through 8 slots (H100, trees of 15), each attach
-    # held the host ~2.7 ms (the drafter's own host ~1.0 ms of it), 0.4-0.5 ms a step, with the GPU idle.
-    async_attach: bool = False
     # Through a drafter service: the chained propose sent ahead as a step launches also asks for the sequences
     # attached since, and the next step takes its drafts for a batch that lost or gained sequences
     # (Engine._ahead_rows). Off: a Step of its own, waited for, at each batch change (measurement only).
@@ -182,9 +175,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InvalidRequest(f"{name} is a number >= {least}, got {value!r}")
-        for name in ("chain_capture_remote", "async_attach"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidRequest(f"{name} is true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.chain_capture_remote, bool):
+            raise InvalidRequest(f"chain_capture_remote is true or false, got {self.chain_capture_remote!r}")
         for name, least, most in (("draft_tree", 0, MAX_TREE_NODES), ("draft_tree_keep", 1, MAX_TREE_KEEP),
                                   ("draft_tree_batch", 1, self.max_batch)):
             value = getattr(self, name)
@@ -266,8 +258,6 @@ class Engine:
         self.counters = EngineCounters()  # read by target_service.metrics at scrape time
         # Admitted sequences whose prompts are not all in the cache yet, in admission order (see _prefill)
         self._prefilling: dict[int, _Prefill] = {}
-        # Sequences whose attach to a drafter service is out (EngineConfig.async_attach): they sit steps out
-        self._attaching: dict[int, _Attaching] = {}
         self._prefill_seconds = 0.0  # host time in prefill steps so far (left out of a launched step's time)
         self._spec = proposer.spec if proposer is not None else None  # the spec capture and graphs follow
         self.tuner = self._new_tuner()
@@ -402,15 +392,10 @@ class Engine:
         then runs that step, the prefill and the next step back to back while the host samples, attaches
         the drafter and emits, where reading them first left it idle from the prefill's end to the next
         launch (`_overlaps_prefill`)."""
-        self._settle_attaches(wait=False)
         self._maybe_reattach(list(self.running.values()))
         prefill = self._admit()
         done = {seq.seq_id for seq in prefill.done} if prefill is not None else set()
-        decoding = [s for s in self.running.values() if s.seq_id not in done and s.seq_id not in self._prefilling
-                    and s.seq_id not in self._attaching]
-        if not decoding and prefill is None and self._attaching:
-            self._settle_attaches(wait=True)  # (nothing else to run: the drafter's answers are waited for)
-            return []
+        decoding = [s for s in self.running.values() if s.seq_id not in done and s.seq_id not in self._prefilling]
         overlap = prefill is not None and bool(decoding) and self._overlaps_prefill()
         events = [] if overlap else self._finish_prefill(prefill)
         if decoding:
@@ -625,8 +610,7 @@ class Engine:
             self.counters.prefills += 1
         attaching = [seq for seq in done if self._speculating(seq)]
         # the next step's batch size drafts nothing: they rest from the drafter at once (EngineConfig.resume_after)
-        stepping = sum(1 for s in self.running.values() if s.seq_id not in self._prefilling
-                       and s.seq_id not in self._attaching)
+        stepping = sum(1 for s in self.running.values() if s.seq_id not in self._prefilling)
         if attaching and self.config.resume_after is not None and self._schedule_drafts(stepping) == 0:
             for seq in attaching:
                 seq.drafter_resting = True
@@ -640,8 +624,7 @@ class Engine:
             with self._batched_appends():  # one drafter context forward for every completed prompt
                 for seq in attaching:
                     if self.drafter_ok:
-                        self._attach(seq, seq.request.prompt_ids, rows[seq.seq_id], side,
-                                     wait=not self.config.async_attach)
+                        self._attach(seq, seq.request.prompt_ids, rows[seq.seq_id], side)
         return [self._emit(seq, first) for seq, first in zip(done, firsts)]
 
     def _graphed_prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]
@@ -1263,8 +1246,7 @@ class Engine:
         held = {s.seq_id for s in seqs}
         return [s for s in self.running.values()
                 if s.seq_id not in held and s.seq_id not in unread and s.drafter_attached and self._is_running(s)
-                and s.seq_id not in self._prefilling and s.seq_id not in self._attaching
-                and self._chain_room(s, 0, k)]
+                and s.seq_id not in self._prefilling and self._chain_room(s, 0, k)]
 
     def _chain_program(self, n: int, k: int, tree: int = 0) -> ChainProgram:
         """The program of chained steps of n sequences and k drafts, or trees of k nodes grown from `tree` rows
@@ -1837,7 +1819,6 @@ class Engine:
             # tails after its drafts, read only ours, and stay for the re-attached connection)
             self._chain_programs.clear()
         attached = [s for s in self.running.values() if s.drafter_attached]
-        self._attaching.clear()  # (their answers, if any come, are not taken: the connection goes below)
         for seq in self.running.values():
             seq.drafter_attached = False
         reset = getattr(self.proposer, "reset", None)
@@ -1860,73 +1841,33 @@ class Engine:
             return torch.cat(chunks)
 
     def _attach(self, seq: Sequence, tokens: list[int], rows: "torch.Tensor | list[torch.Tensor] | None",
-                side: "torch.cuda.Stream | None" = None, wait: bool = True) -> None:
-        """rows: the prompt's feature rows, or the chunks its prefill captured (joined here, on `side` if given).
-        wait=False (EngineConfig.async_attach): through a drafter service that offers it, the attach goes out
-        and the sequence sits steps out until `_settle_attaches` takes the answer."""
+                side: "torch.cuda.Stream | None" = None) -> None:
+        """rows: the prompt's feature rows, or the chunks its prefill captured (joined here, on `side` if given)."""
         try:
             if isinstance(rows, list):
                 rows = self._prompt_rows(rows, side)
             # (a chained step's anchor lies below the drafter's budget: its steps' writes past ours, see _overhang)
-            budget = seq.reserved_tokens if self._chains() else seq.budget_tokens
-            begin = None if wait else _capability(self.proposer, "alloc_and_prefill_async")
-            if begin is not None:
-                pending = begin(seq.seq_id, budget, tokens, rows, 0, stream=side)
-                self._attaching[seq.seq_id] = _Attaching(seq, pending, tokens, rows)
-                return
-            self.proposer.alloc(seq.seq_id, budget)
+            self.proposer.alloc(seq.seq_id, seq.reserved_tokens if self._chains() else seq.budget_tokens)
             if side is None:
                 self.proposer.prefill(seq.seq_id, tokens, rows, 0)
             else:  # (a drafter service: the rows' copy into its buffer on `side`)
                 self.proposer.prefill(seq.seq_id, tokens, rows, 0, stream=side)
         except (InvalidRequest, CapacityExceeded, StateConflict) as exc:
-            self._refused(seq, exc)
+            # This sequence is what the drafter refuses, not the drafter: the others keep speculating.
+            log.warning("the drafter refused sequence %s (%s: %s); decoding it without speculation",
+                        seq.request.request_id, type(exc).__name__, exc,
+                        extra=fields(request_id=seq.request.request_id, seq_id=seq.seq_id))
+            self.counters.refusals += 1
+            seq.drafter_refused = True
+            self._forget(seq)
             return
         except Exception as exc:  # noqa: BLE001 - by design: a drafter fault must not fail requests
-            self._attach_failed(seq, exc)
+            log.warning("drafter failed attaching %s (%s: %s); continuing without speculation",
+                        seq.request.request_id, type(exc).__name__, exc,
+                        extra=fields(request_id=seq.request.request_id, seq_id=seq.seq_id))
+            self._detach()
             return
         seq.drafter_attached, seq.drafter_resting = True, False
-
-    def _refused(self, seq: Sequence, exc: Exception) -> None:
-        """This sequence is what the drafter refuses, not the drafter: the others keep speculating."""
-        log.warning("the drafter refused sequence %s (%s: %s); decoding it without speculation",
-                    seq.request.request_id, type(exc).__name__, exc,
-                    extra=fields(request_id=seq.request.request_id, seq_id=seq.seq_id))
-        self.counters.refusals += 1
-        seq.drafter_refused = True
-        self._forget(seq)
-
-    def _attach_failed(self, seq: Sequence, exc: Exception) -> None:
-        log.warning("drafter failed attaching %s (%s: %s); continuing without speculation",
-                    seq.request.request_id, type(exc).__name__, exc,
-                    extra=fields(request_id=seq.request.request_id, seq_id=seq.seq_id))
-        self._detach()
-
-    def _settle_attaches(self, wait: bool) -> None:
-        """The attaches out (EngineConfig.async_attach) whose answers are in, or all of them when `wait`: each
-        sequence is attached, or refused, or the drafter detached, as a waiting attach would have left it. A
-        refusal for room is tried once more the waiting way: frees riding a Step the attach overtook (sent
-        ahead, not answered yet) may make it."""
-        for seq_id, attaching in list(self._attaching.items()):
-            if not wait and not attaching.pending.done():
-                continue
-            if self._attaching.pop(seq_id, None) is None:  # (dropped by a detach of an attach before it)
-                continue
-            seq = attaching.seq
-            if not self.drafter_ok:  # (detached since: `_maybe_reattach` brings it in with the others)
-                continue
-            try:
-                attaching.pending.result()
-            except CapacityExceeded:
-                self._attach(seq, attaching.tokens, attaching.rows)
-                continue
-            except (InvalidRequest, StateConflict) as exc:
-                self._refused(seq, exc)
-                continue
-            except Exception as exc:  # noqa: BLE001 - by design: a drafter fault must not fail requests
-                self._attach_failed(seq, exc)
-                continue
-            seq.drafter_attached, seq.drafter_resting = True, False
 
     def _maybe_reattach(self, seqs: list[Sequence]) -> None:
         """After a drafter outage, rebuild drafter state by re-capturing each sequence's rows."""
@@ -2099,8 +2040,7 @@ class Engine:
         self.running.pop(seq.request.request_id, None)
         self._prefilling.pop(seq.seq_id, None)
         self.cache.free(seq.seq_id)
-        attaching = self._attaching.pop(seq.seq_id, None) is not None  # (its free takes the attach's answer first)
-        if seq.drafter_attached or attaching:
+        if seq.drafter_attached:
             seq.drafter_attached = False
             self._drafter_call(self.proposer.free, seq.seq_id)
             # A remote proposer sends the free with the next step; with no step coming, send it now.
@@ -2117,17 +2057,6 @@ class PrefillForwards:
     short: StepGraphs  # the next chunk of several short prompts a forward
     long: StepGraphs | None  # one longer prompt's next chunk, up to prefill_chunk tokens (None: eagerly)
     captured: bool  # CUDA graphs (or their reference, run eagerly)
-
-
-@dataclass
-class _Attaching:
-    """A sequence's attach to a drafter service, out (EngineConfig.async_attach): its answer to come, and the
-    prompt's tokens and rows for a second, waiting try."""
-
-    seq: Sequence
-    pending: object  # drafter_client.PendingPrefill
-    tokens: list[int]
-    rows: torch.Tensor | None
 
 
 @dataclass

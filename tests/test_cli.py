@@ -235,12 +235,6 @@ def test_drafter_serve_passes_chain_capture_after_to_its_settings(monkeypatch):
     assert seen == [CHAIN_CAPTURE_AFTER, 2] and CHAIN_CAPTURE_AFTER == 8
 
 
-@pytest.mark.parametrize("extra, want", [((), False), (("--async-attach",), True), (("--no-async-attach",), False)])
-def test_target_serve_attaches_without_waiting_when_asked(extra, want, monkeypatch):
-    """`target serve --[no-]async-attach`: EngineConfig.async_attach, off by default."""
-    assert target_serve_settings((*DRAFTER, *extra), monkeypatch).engine.async_attach is want
-
-
 @pytest.mark.parametrize("extra, says", [(("--draft-tree", "64"), "draft_tree"),
                                          (("--draft-tree", "15", "--draft-tree-batch", "0"), "draft_tree_batch"),
                                          (("--draft-tree", "15", "--trees-by-batch", "2:64"), "trees_by_batch"),

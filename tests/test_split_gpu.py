@@ -644,30 +644,6 @@ def test_requests_attached_behind_the_next_step_draft_as_those_attached_before_i
     assert results[True][1] == results[False][1] and sum(results[True][1]) > 0
 
 
-@pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])
-def test_requests_attached_without_waiting_decode_as_target_only(tmp_path, device_waits):
-    """EngineConfig.async_attach over CUDA IPC: requests arriving while a chained step is out are attached with
-    their rows in the bulk buffer and the engine steps the others before the answers are in (one prompt is
-    longer than that buffer: it grows, the attach waiting). Every token is target-only's, the drafter is never
-    detached, and drafts were accepted."""
-    prompts = [*PROMPTS, "Say it again: " + "the sea, " * 600]
-    target_only, tokenizer = load_local(LocalSetup(drafter="none", device="cuda", dtype="float32", seed=0))
-    want = _staggered(target_only, tokenizer, prompts)[0]
-    with spawned_drafter(tmp_path) as address:
-        model, tokenizer = default_target()
-        engine, remote = remote_engine(address, model, config={"async_attach": True}, device_waits=device_waits)
-        out = []
-        decode = engine._decode_step
-        engine._decode_step = lambda seqs: (out.append(bool(remote._prefills)), decode(seqs))[1]
-        try:
-            tokens, accepted = _staggered(engine, tokenizer, prompts)
-            assert engine.drafter_ok and engine.counters.fallbacks == engine.counters.refusals == 0
-        finally:
-            remote.close()
-    assert tokens == want and sum(accepted) > 0, accepted
-    assert any(out)
-
-
 def test_a_target_whose_rows_never_land_stalls_only_itself(tmp_path):
     """Two targets share one drafter. One records its step buffer's event behind GPU work of ~20 s (a
     sleep on a side stream): the drafter polls that event outside its lock, so the other target's Steps

@@ -67,14 +67,12 @@
 #   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
-#   bash tools/gpu_round.sh round58       # (next) GPU tests of chained steps captured after 2 runs and of attaches not
-#                                         # waited for; serving through 8 slots in process, through the services, async
-#   bash tools/gpu_round.sh round58c      # (next) serving through 8 slots: services as they are, unquiesced, attach
-#                                         # overlapped, the drafter's graphs captured after 2 runs
+#   bash tools/gpu_round.sh round58       # (next) GPU tests of chained steps captured after 2 runs; serving through 8
+#                                         # slots in process, through the services (as they are, the drafter's graphs
+#                                         # captured after 2 runs, unquiesced)
 #   bash tools/gpu_round.sh pair-ab       # (next, after `tools/old_tree.sh 8f8d27d`) the served pair at one stream,
 #                                         # this checkout beside the fifty-fifth session's tree (1.35x here, 1.74x there)
-#   bash tools/gpu_round.sh round58b      # (next) the served pair at 1 and 8 streams (round57b's pair_bench), beside
-#                                         # one attaching without waiting (target serve --async-attach)
+#   bash tools/gpu_round.sh round58b      # (next) the served pair at 1 and 8 streams (round57b's pair_bench) with it
 #   bash tools/gpu_round.sh round57       # (run in the fifty-eighth session: all passed) the GPU tests of the tree
 #                                         # candidates' copy and of the device waits
 #   bash tools/gpu_round.sh round57b      # (run in the fifty-eighth session) target only with embeddings by indexing
@@ -141,7 +139,6 @@ serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each 
     case $variant in
       in-process) flags="" ;;
       services) flags="$services" ;;
-      async) flags="$services --async-attach" ;;
       unquiesced) flags="$services --unquiesced" ;;
       overlapped) flags="$services --overlap-attach" ;;
       drafter-after-2) flags="$services --drafter-capture-after 2" ;;
@@ -1151,20 +1148,13 @@ round58)
   # (fifty-eighth session) chained-step shapes are captured after 2 uncaptured runs (EngineConfig.chain_capture_after,
   # was 8): the GPU tests of captured chained steps first; then 24 held-out prompts through 8 slots (trees of 15), in
   # process and through the services, each run's captures beside its ms a step (host_profile prints both, and the
-  # drafter's chained steps by outcome: its own captures still come after 8 runs); then the services attaching
-  # without waiting (EngineConfig.async_attach: each arrival held the host ~2.7 ms). round58c: the other ways
+  # drafter's chained steps by outcome: its own captures come after 8 runs, or 2 as `drafter-after-2` asks); then the
+  # services unquiesced (no host wait for the drafts at a batch change: serving has one every ~3 steps)
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
   timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_chain.py tests/test_split_gpu.py \
-    -k "capture or chained_steps_equal or riders or attached_without_waiting" --durations=3 2>&1 \
+    -k "capture or chained_steps_equal or riders" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
-  serving_variants in-process services async
-  ;;
-round58c)
-  # (fifty-eighth session) round58's serving through 8 slots, the other ways: the services as they are, unquiesced,
-  # the attach overlapped, and the drafter's chained graphs captured after 2 runs (drafter serve --chain-capture-after
-  # 2; its default 8)
-  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
-  serving_variants services unquiesced overlapped drafter-after-2
+  serving_variants in-process services drafter-after-2 unquiesced
   ;;
 pair-ab)
   # (fifty-eighth session) the served pair at one stream ran 1.35x target only on this session's machine, 1.74x on the
@@ -1186,11 +1176,10 @@ pair-ab)
   (cd "$here" && python -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1)
   ;;
 round58b)
-  # (fifty-eighth session) round57b's served pair with chained shapes captured after 2 runs, and beside it the pair
-  # whose target attaches arrivals without waiting (--async-attach): tokens/s, tau, step shape
+  # (fifty-eighth session) round57b's served pair with chained shapes captured after 2 runs: tokens/s, tau, step shape
   ROUND_SECONDS=${ROUND_SECONDS:-570} timeout 400 python bench/pair_bench.py --device cuda --streams 1 8 \
     --speculate-below 9 --requests 3 --max-tokens 160 --rounds 2 --mps --client-processes --engine-process on \
-    --also-async-attach --json-out "$OUT/pair58.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
+    --json-out "$OUT/pair58.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
   ;;
 round57)
   # (fifty-seventh session) round56's test run got no verdict within its 230 s (too many selected): the GPU tests of
