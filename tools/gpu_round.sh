@@ -69,7 +69,7 @@
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
 #   bash tools/gpu_round.sh round58       # (next) GPU tests of chained steps captured after 2 runs; serving through 8
 #                                         # slots in process, through the services (as they are, the drafter's graphs
-#                                         # captured after 2 runs, unquiesced)
+#                                         # captured after 2 runs); round58c: unquiesced, the target's host polling
 #   bash tools/gpu_round.sh pair-ab       # (next, after `tools/old_tree.sh 8f8d27d`) the served pair at one stream,
 #                                         # this checkout beside the fifty-fifth session's tree (1.35x here, 1.74x there)
 #   bash tools/gpu_round.sh round58b      # (next) the served pair at 1 and 8 streams (round57b's pair_bench) with it
@@ -132,7 +132,10 @@ device_waits_round() {  # the device-wait GPU tests within $1 s, then split_benc
     d[b]['rounds']['median'].items() if 'over' in k}) for b in d if b.startswith('batch')]" "$OUT/split_$4.json" 2>&1 | log
 }
 serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each of "$@" within what `left` gives
-  local serve="python bench/host_profile.py --device cuda --batch 8 --serving 24 --max-tokens 128 --draft-tree 15"
+  # (--time-replays: the host's time inside graph replays, unprofiled; the services' profile showed ~0.9 ms a replay
+  # serving, 54 us in process)
+  local serve="python bench/host_profile.py --device cuda --batch 8 --serving 24 --max-tokens 128 --draft-tree 15 \
+    --time-replays"
   local services="--split --split-only --both-waits --mps" variant flags
   for variant in "$@"; do
     [ "$(left)" -gt 70 ] || { echo "$variant: no time left" | log; break; }
@@ -142,6 +145,7 @@ serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each 
       unquiesced) flags="$services --unquiesced" ;;
       overlapped) flags="$services --overlap-attach" ;;
       drafter-after-2) flags="$services --drafter-capture-after 2" ;;
+      host-polls) flags="--split --split-only --mps" ;;
       *) echo "serving_variants: no variant $variant" | log; continue ;;
     esac
     timeout 75 $serve $flags > "$OUT/serving-$variant.txt" 2>&1
@@ -1148,13 +1152,19 @@ round58)
   # (fifty-eighth session) chained-step shapes are captured after 2 uncaptured runs (EngineConfig.chain_capture_after,
   # was 8): the GPU tests of captured chained steps first; then 24 held-out prompts through 8 slots (trees of 15), in
   # process and through the services, each run's captures beside its ms a step (host_profile prints both, and the
-  # drafter's chained steps by outcome: its own captures come after 8 runs, or 2 as `drafter-after-2` asks); then the
-  # services unquiesced (no host wait for the drafts at a batch change: serving has one every ~3 steps)
+  # drafter's chained steps by outcome: its own captures come after 8 runs, or 2 as `drafter-after-2` asks)
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
   timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_chain.py tests/test_split_gpu.py \
     -k "capture or chained_steps_equal or riders" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
-  serving_variants in-process services drafter-after-2 unquiesced
+  serving_variants in-process services drafter-after-2
+  ;;
+round58c)
+  # (fifty-eighth session) round58's serving through 8 slots, the other ways: the services unquiesced (no host wait for
+  # the drafts at a batch change: serving has one every ~3 steps), and with the target's host polling for the drafts
+  # instead of its stream waiting on the device (are the replays' ~0.9 ms the device waits'?)
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  serving_variants services unquiesced host-polls
   ;;
 pair-ab)
   # (fifty-eighth session) the served pair at one stream ran 1.35x target only on this session's machine, 1.74x on the
