@@ -146,6 +146,8 @@ serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each 
       overlapped) flags="$services --overlap-attach" ;;
       drafter-after-2) flags="$services --drafter-capture-after 2" ;;
       host-polls) flags="--split --split-only --mps" ;;
+      in-process-mps) flags="--mps" ;;
+      no-mps) flags="--split --split-only --both-waits" ;;
       *) echo "serving_variants: no variant $variant" | log; continue ;;
     esac
     timeout 75 $serve $flags > "$OUT/serving-$variant.txt" 2>&1
@@ -1162,9 +1164,10 @@ round58)
 round58c)
   # (fifty-eighth session) round58's serving through 8 slots, the other ways: the services unquiesced (no host wait for
   # the drafts at a batch change: serving has one every ~3 steps), and with the target's host polling for the drafts
-  # instead of its stream waiting on the device (are the replays' ~0.9 ms the device waits'?)
+  # instead of its stream waiting on the device, and without MPS, and in process under MPS (are the replays' ~0.9 ms
+  # the device waits', or MPS's?)
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
-  serving_variants services unquiesced host-polls
+  serving_variants services host-polls no-mps in-process-mps unquiesced
   ;;
 pair-ab)
   # (fifty-eighth session) the served pair at one stream ran 1.35x target only on this session's machine, 1.74x on the
