@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).parents[1] / "bench"
+from tests.bench_modules import bench_module
 
 
 @pytest.fixture(scope="module")
 def host_profile():
-    sys.path.insert(0, str(BENCH))  # (it imports a sibling)
-    try:
-        spec = importlib.util.spec_from_file_location("host_profile", BENCH / "host_profile.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from bench_module("host_profile")
 
 
 def test_a_runs_chain_tally_is_what_changed_in_it(host_profile):

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[1] / "bench"
+from tests.bench_modules import bench_module
 
 
 @pytest.fixture(scope="module")
 def pair_bench():
-    sys.path.insert(0, str(BENCH))  # (it imports a sibling)
-    try:
-        spec = importlib.util.spec_from_file_location("pair_bench", BENCH / "pair_bench.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from bench_module("pair_bench")
 
 
 def test_the_step_shape_is_the_requests_steps_and_the_wall_time_over_the_targets_steps(pair_bench):
