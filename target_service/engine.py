@@ -110,8 +110,9 @@ class EngineConfig:
     # (a capture costs about ten replays' worth of host time). Serving 24 held-out prompts through 8 slots
     # (trees of 15, H100, fifty-eighth session, `host_profile --serving 24 --batch 8`), shapes seen two or
     # three times a pass still reached their eighth run, and a capture of 20-50 ms, in the third pass over the
-    # same prompts, and their steps before it ran uncaptured; at 2 every step of the second pass on replayed:
-    # 1.669 -> 1.477 ms a step in process, 2.872 -> 2.492 through the services (one run each).
+    # same prompts, and their steps before it ran uncaptured; at 2 the second pass replayed every chained step
+    # (in process one 20-ms capture was left in it): 1.669 -> 1.477 ms a step in process, 2.872 -> 2.492 through
+    # the services (one run each).
     chain_capture_after: int = 2
     # A step that completes a prompt reads its first token (a wait for the device) after launching the
     # decode step of the others, when a step launched ahead is out (Engine.step): with requests admitted
