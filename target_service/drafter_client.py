@@ -178,6 +178,18 @@ def _coalesce(copies: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.T
             for start, first, count, _ in runs]
 
 
+def _rows_of_one(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
+    """[2, n]: `first` and `second` ([n] each) as the two rows of one view, where they are two rows of one tensor
+    (same storage, dtype and strides, `second` wherever after `first`); None otherwise."""
+    if first.dim() != 1 or second.shape != first.shape or second.dtype != first.dtype or first.stride() != (1,) \
+            or second.stride() != (1,) or not _same_storage(first, second):
+        return None
+    step = second.storage_offset() - first.storage_offset()
+    if step < first.shape[0]:  # (overlapping, or before it)
+        return None
+    return first.as_strided((2, first.shape[0]), (step, 1), first.storage_offset())
+
+
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Slices of one tensor share its `_base` (cheap to compare); otherwise compare the storages."""
     if a._base is not None and a._base is b._base:
@@ -1130,8 +1142,7 @@ class RemoteProposer:
             return None
         batch = RemoteChainBatch(tuple(seq_ids), tuple(int(a) for a in anchors_ahead), conn)
         self._chain_ahead = self._chain_ahead_result = None
-        self._write_feed(conn, 1, anchors)
-        self._write_feed(conn, 2, positions)
+        self._write_anchors(conn, anchors, positions)
         self._send(conn, [], into_buffer=True, chain=(batch, num_drafts, tree_keep))
         self._unanswered = self._unanswered_chain = True
         self._chain_ahead = (batch.seq_ids, num_drafts, _feed_key(anchors), _feed_key(positions), conn, tree_keep)
@@ -1182,8 +1193,7 @@ class RemoteProposer:
                    num_drafts: int, tree_keep: int = 0) -> wire.StepResult:
         """A chained propose's Step now, from anchors and positions [B] on the device (with the queued commit and
         settles), and its answer: drafts, or (tree_keep) each row's candidates."""
-        self._write_feed(conn, 1, anchors)
-        self._write_feed(conn, 2, positions)
+        self._write_anchors(conn, anchors, positions)
         self._send(conn, [], into_buffer=True, chain=(batch, num_drafts, tree_keep))
         return self._answer(conn, self.step_deadline())
 
@@ -1354,6 +1364,20 @@ class RemoteProposer:
             conn.feed.bump()
             conn.feed_fresh = False
         conn.feed.tensor[row, :values.shape[0]].copy_(values)
+
+    @classmethod
+    def _write_anchors(cls, conn: _Connection, anchors: torch.Tensor, positions: torch.Tensor) -> None:
+        """Anchors and positions [B] into the feed's rows 1 and 2: one copy where they are rows of one tensor (the
+        engine's [2, B] feed, as a chained step leaves it), two otherwise."""
+        pair = _rows_of_one(anchors, positions)
+        if pair is None:
+            cls._write_feed(conn, 1, anchors)
+            cls._write_feed(conn, 2, positions)
+            return
+        if conn.feed_fresh:
+            conn.feed.bump()
+            conn.feed_fresh = False
+        conn.feed.tensor[1:3, :pair.shape[1]].copy_(pair)
 
     def _chain_part(self, conn: _Connection,
                     propose: tuple[RemoteChainBatch, int, int] | None) -> wire.ChainStep | None:

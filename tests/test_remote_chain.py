@@ -85,6 +85,30 @@ def _run(engine, tokenizer, late_at: int = 5, lengths=(30, 35, 40), late_length:
             return events
 
 
+def test_a_chained_steps_anchors_and_positions_go_into_the_feed_in_one_copy_where_they_are_rows_of_one_tensor():
+    """`RemoteProposer._write_anchors`: rows 1 and 2 of the feed buffer get the anchors and positions, as two writes
+    would give them, whether they are two rows of one tensor (one copy: the engine's [2, B] feed, a wider one's
+    first columns, rows of a taller one) or not (two)."""
+    from types import SimpleNamespace
+
+    from specsplit.target_service.drafter_client import _rows_of_one
+
+    feed = torch.arange(12, dtype=torch.int64).view(2, 6)
+    tall = torch.arange(100, 124, dtype=torch.int64).view(4, 6)
+    apart = (torch.tensor([7, 8, 9]), torch.tensor([1, 2, 3]))
+    cases = [(feed[0], feed[1], True), (feed[0, :4], feed[1, :4], True), (tall[0], tall[1], True),
+             (tall[1], tall[3], True), (apart[0], apart[1], False), (feed[1], feed[0], False),
+             (feed[0, 1:], feed[0, :5], False), (feed[:, 0], feed[:, 1], False)]
+    for anchors, positions, one in cases:
+        assert (_rows_of_one(anchors, positions) is not None) == one, (anchors, positions)
+        buffer = torch.full((3, 8), -1, dtype=torch.int32)
+        conn = SimpleNamespace(feed=SimpleNamespace(tensor=buffer, bump=lambda: None), feed_fresh=False)
+        RemoteProposer._write_anchors(conn, anchors, positions)
+        n = anchors.shape[0]
+        assert buffer[1, :n].tolist() == anchors.tolist() and buffer[2, :n].tolist() == positions.tolist()
+        assert (buffer[0] == -1).all() and (buffer[1:, n:] == -1).all()
+
+
 def test_chained_steps_through_the_services_equal_the_in_process_chain(pair, tiny_chat_dir):
     """The engine chains its steps through the drafter service: every propose drafts what the in-process
     chained drafter drafts (its context K/V committed from the target's rows at the positions the feed
