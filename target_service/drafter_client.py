@@ -1359,11 +1359,12 @@ class RemoteProposer:
         return conn
 
     @staticmethod
-    def _write_feed(conn: _Connection, row: int, values: torch.Tensor) -> None:
+    def _write_feed(conn: _Connection, row: int | slice, values: torch.Tensor) -> None:
+        """values [n] into the feed's row `row`, or [rows, n] into its rows `row` (a slice)."""
         if conn.feed_fresh:
             conn.feed.bump()
             conn.feed_fresh = False
-        conn.feed.tensor[row, :values.shape[0]].copy_(values)
+        conn.feed.tensor[row, :values.shape[-1]].copy_(values)
 
     @classmethod
     def _write_anchors(cls, conn: _Connection, anchors: torch.Tensor, positions: torch.Tensor) -> None:
@@ -1374,10 +1375,7 @@ class RemoteProposer:
             cls._write_feed(conn, 1, anchors)
             cls._write_feed(conn, 2, positions)
             return
-        if conn.feed_fresh:
-            conn.feed.bump()
-            conn.feed_fresh = False
-        conn.feed.tensor[1:3, :pair.shape[1]].copy_(pair)
+        cls._write_feed(conn, slice(1, 3), pair)
 
     def _chain_part(self, conn: _Connection,
                     propose: tuple[RemoteChainBatch, int, int] | None) -> wire.ChainStep | None:
