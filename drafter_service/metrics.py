@@ -47,6 +47,9 @@ class DrafterMetrics(ServiceMetrics):
                                       "GPU), wait (for the rows to be read, the stream's work before them included)",
                                       ["phase"], registry=self.registry)
         self._prefill_phase = {p: self.prefill_phases.labels(p) for p in PREFILL_PHASES}
+        self.step_attaches = Counter(f"{PREFIX}_step_attaches", "sequences attached on the Step stream (a SeqStep "
+                                     "that allocates its sequence, its prompt's rows as a catch-up) and not refused",
+                                     registry=self.registry)
         self.proposals = Counter(f"{PREFIX}_proposals", "sequences drafts were proposed for", registry=self.registry)
         self.draft_tokens = Counter(f"{PREFIX}_draft_tokens", "draft tokens proposed", registry=self.registry)
         self.sequence_errors = Counter(f"{PREFIX}_sequence_errors", "sequences refused or failed inside a Step "
@@ -63,9 +66,13 @@ class DrafterMetrics(ServiceMetrics):
         self._chain_graph = {o: self.chain_graph_steps.labels(o) for o in CHAIN_GRAPH_OUTCOMES}
         self.registry.register(_SessionCollector(sessions))
 
-    def answered(self, result: StepResult, seconds: float, phases: Mapping[str, float] | None = None) -> None:
-        """One Step message answered in `seconds`, spent on `phases` (name → seconds)."""
+    def answered(self, result: StepResult, seconds: float, phases: Mapping[str, float] | None = None,
+                 attached: int = 0) -> None:
+        """One Step message answered in `seconds`, spent on `phases` (name → seconds), `attached` sequences
+        attached by it."""
         self.steps.observe(seconds)
+        if attached:
+            self.step_attaches.inc(attached)
         for phase, spent in (phases or {}).items():
             child = self._phase.get(phase)
             if child is None:

@@ -275,6 +275,7 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
             drafts_buffer=True, instance=self.instance, chains=chains(self.proposer),
             done_flags=chains(self.proposer) and done_flags(self.device), written_flags=self.written_flags,
             prefill_allocs=True, host_flags=self.host_flags, tree_keep=served_tree_keep(self.proposer),
+            step_attach=True,
         )
         return wire.description_to_proto(description)
 
@@ -465,7 +466,11 @@ class DrafterServer(drafter_pb2_grpc.DrafterServiceServicer):
         stepped = time.perf_counter()
         answer = wire.step_result_to_proto(result, columns=batch.draft_columns)
         done = time.perf_counter()
-        self.metrics.answered(result, done - started, {
+        attaching = [s.seq_id for s in batch.seqs if s.alloc is not None]
+        if attaching:
+            refused = {e.seq_id for e in result.errors}
+            attaching = [seq_id for seq_id in attaching if seq_id not in refused]
+        self.metrics.answered(result, done - started, attached=len(attaching), phases={
             "parse": parsed - started, "ready": ready - prepared, "lock": locked - ready, "commit": phases.commit,
             "rows": phases.rows,
             "context": phases.context, "propose": phases.propose, "replay": phases.replay, "wait": phases.wait,

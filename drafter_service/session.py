@@ -480,8 +480,24 @@ class Session:
 
     @_in_client_ids
     def apply(self, step: SeqStep) -> int:
-        """One sequence's operations, in the wire's order: catchup, stash, commit, trim, free.
-        Returns the rows the catch-up appended (0 without one)."""
+        """One sequence's operations, in the wire's order: alloc, catchup, stash, commit, trim, free.
+        Returns the rows the catch-up appended (0 without one). With an alloc (an attach on the Step
+        stream), an operation refused after it frees the sequence again: nothing of it is held."""
+        if step.alloc is None:
+            return self._apply(step)
+        self.alloc(step.seq_id, step.alloc)
+        try:
+            return self._apply(step)
+        except BaseException:
+            if step.seq_id in self._seqs:
+                try:
+                    self.free(step.seq_id)
+                except Exception as exc:  # noqa: BLE001 - the refusal is the error to answer
+                    log.warning("client %s: freeing sequence %d after its refused attach failed (%s: %s)",
+                                self.client_id, step.seq_id, type(exc).__name__, exc)
+            raise
+
+    def _apply(self, step: SeqStep) -> int:
         internal = self._internal(step.seq_id)
         if self._verified(step):
             # stash + commit + trim of one verify: one drafter call (same checks, nothing changed on error)
@@ -514,7 +530,7 @@ class Session:
     def _verified(self, step: SeqStep) -> bool:
         """Whether `step` is exactly one verify's stash, commit and trim, and the drafter takes that in
         one call (looked up on its class, as the engine does)."""
-        return (step.catchup is None and not step.free and step.stash is not None and step.commit is not None
+        return (step.catchup is None and not step.free and step.alloc is None and step.stash is not None and step.commit is not None
                 and step.trim is not None and step.commit.num_rows == step.trim + 1
                 and getattr(type(self.proposer), "commit_verified", None) is not None)
 

@@ -208,6 +208,7 @@ class DrafterDescription:
     prefill_allocs: bool = False  # PrefillDrafter allocates the sequence when asked (alloc_budget_tokens)
     host_flags: bool = False  # takes its DONE buffer in a host page passed with the Step socket hello
     tree_keep: int = 0  # the candidates a row a chained propose may ask for (ChainStep.tree_keep; 0: none)
+    step_attach: bool = False  # a SeqStep may allocate its sequence (SeqStep.alloc: an attach on the stream)
 
 
 def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescription:
@@ -236,6 +237,7 @@ def description_to_proto(d: DrafterDescription) -> drafter_pb2.DrafterDescriptio
         prefill_allocs=d.prefill_allocs,
         host_flags=d.host_flags,
         tree_keep=d.tree_keep,
+        step_attach=d.step_attach,
     )
 
 
@@ -258,7 +260,7 @@ def description_from_proto(pb: drafter_pb2.DrafterDescription) -> DrafterDescrip
     )
     return DrafterDescription(spec, pb.host_id, pb.device_uuid, pb.needs_target_head, pb.step_columns,
                               pb.step_socket, pb.drafts_buffer, pb.instance, pb.chains, pb.done_flags,
-                              pb.written_flags, pb.prefill_allocs, pb.host_flags, pb.tree_keep)
+                              pb.written_flags, pb.prefill_allocs, pb.host_flags, pb.tree_keep, pb.step_attach)
 
 
 def carried_kv_to_proto(kv: CarriedKV) -> drafter_pb2.CarriedKV:
@@ -375,7 +377,7 @@ class RowsOp:
 
 @dataclass(frozen=True)
 class SeqStep:
-    """One sequence's operations in a step, applied as catchup, stash, commit, trim, free."""
+    """One sequence's operations in a step, applied as alloc, catchup, stash, commit, trim, free."""
 
     seq_id: int
     catchup: RowsOp | None = None
@@ -383,11 +385,14 @@ class SeqStep:
     commit: CommitOp | None = None
     trim: int | None = None  # drafts the verify accepted
     free: bool = False
+    alloc: int | None = None  # allocate the sequence first with this budget (DrafterDescription.step_attach)
 
     def __post_init__(self) -> None:
         _nonneg("seq_id", self.seq_id)
         if self.trim is not None:
             _nonneg("trim", self.trim)
+        if self.alloc is not None:
+            _budget(self.seq_id, self.alloc)
 
 
 @dataclass(frozen=True)
@@ -574,6 +579,7 @@ def seq_step_to_proto(s: SeqStep) -> drafter_pb2.SeqStep:
         commit=_commit_to_proto(s.commit) if s.commit is not None else None,
         trim=s.trim,
         free=s.free,
+        alloc_budget_tokens=s.alloc,
     )
 
 
@@ -586,6 +592,7 @@ def seq_step_from_proto(pb: drafter_pb2.SeqStep) -> SeqStep:
         commit=CommitOp(c.num_rows, c.base_pos, tuple(c.token_ids)) if pb.HasField("commit") else None,
         trim=pb.trim if pb.HasField("trim") else None,
         free=pb.free,
+        alloc=pb.alloc_budget_tokens if pb.HasField("alloc_budget_tokens") else None,
     )
 
 
@@ -614,7 +621,7 @@ def step_to_proto(batch: StepBatch, columns: bool = False) -> drafter_pb2.StepRe
 
 def _fits_columns(s: SeqStep, first: RowRef) -> bool:
     """Exactly a stash of rows in `first`'s buffer and generation, a commit and a trim."""
-    return (s.commit is not None and s.trim is not None and s.catchup is None and not s.free
+    return (s.commit is not None and s.trim is not None and s.catchup is None and not s.free and s.alloc is None
             and isinstance(s.stash, RowRef) and s.stash.buffer_id == first.buffer_id
             and s.stash.generation == first.generation)
 

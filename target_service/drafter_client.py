@@ -197,7 +197,8 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-_OP_ORDER = {name: i for i, name in enumerate(("catchup", "stash", "commit", "trim", "free"))}  # a SeqStep's order
+_QUEUED, _SENT, _MISSING = object(), object(), object()  # an attach on the Step stream: queued, in a Step out
+_OP_ORDER = {name: i for i, name in enumerate(("attach", "catchup", "stash", "commit", "trim", "free"))}  # a SeqStep's
 
 
 @dataclass
@@ -209,11 +210,15 @@ class _Pending:
     commit: wire.CommitOp | None = None
     trim: int | None = None
     free: bool = False
+    # an attach on the Step stream (`attach_on_stream`): (budget, token_ids, the prompt's rows), its rows
+    # staged into the bulk buffer as the Step goes (a Step still out may read that buffer until answered)
+    attach: tuple | None = None
     last: int = -1  # _OP_ORDER of the latest operation queued: one at or before it needs a send first
 
     def verified_only(self) -> bool:
         """Exactly one verify's stash (in the step buffer), commit and trim: what VerifiedColumns carry."""
-        return (self.catchup is None and not self.free and self.stash is not None and self.commit is not None
+        return (self.catchup is None and self.attach is None and not self.free and self.stash is not None
+                and self.commit is not None
                 and self.trim is not None and isinstance(self.stash[0], int)
                 and self.commit.num_rows == self.trim + 1)
 
@@ -260,6 +265,8 @@ class _Connection:
     overdue: bool = False  # the watchdog cancelled the stream: an answer missed its deadline
     columns: bool = False  # the drafter reads a StepRequest's columns (DrafterDescription.step_columns)
     prefill_allocs: bool = False  # its PrefillDrafter allocates too (DrafterDescription.prefill_allocs) ...
+    step_attach: bool = False  # a SeqStep may allocate its sequence (DrafterDescription.step_attach)
+    attaching: tuple[int, ...] = ()  # the sequences the Step sent last attaches (`attach_on_stream`)
     alloc_next: tuple[int, int] | None = None  # ... so `alloc` leaves (seq id, budget) for the prefill after it
     # allocations sent alone on another call's behalf and refused: raised by the sequence's own prefill
     alloc_refused: dict[int, SpecsplitError] = field(default_factory=dict)
@@ -442,6 +449,9 @@ class RemoteProposer:
         self.last_error = ""  # why no drafter is attached now ("" while one is)
         self._conn: _Connection | None = None
         self._pending: dict[int, _Pending] = {}
+        # attaches on the Step stream (`attach_on_stream`) not taken yet: _QUEUED, _SENT, None (attached), or
+        # the refusal (or the connection's end) to raise
+        self._attaches: dict[int, object] = {}
         self._step_id = 0
         self._unanswered = False  # a Step sent by send_pending or prefetch whose answer is not read yet
         self._ahead: dict[int, ProposeRequest] | None = None  # the proposes of the last prefetch, by seq id
@@ -487,6 +497,7 @@ class RemoteProposer:
                 conn.metadata = (*conn.metadata, (INSTANCE_HEADER, desc.instance))
             self._setup_transport(conn, desc, client, call_wait)
             conn.columns, conn.prefill_allocs = desc.step_columns, desc.prefill_allocs
+            conn.step_attach = desc.step_attach
         except (grpc.RpcError, grpc.FutureTimeoutError, SpecsplitError, OSError) as exc:  # OSError: shared memory
             conn.close()  # the channel and any buffers already exported
             raise DrafterUnavailable(f"cannot attach the drafter at {self.address}: "
@@ -514,7 +525,7 @@ class RemoteProposer:
             conn.responses = conn.stub.Step(iter(conn.outbox.get, None), metadata=conn.metadata)
             conn.responses.add_done_callback(lambda call: self._ended(call, conn))
             threading.Thread(target=self._watch, args=(conn,), daemon=True).start()
-        self._conn, self._pending = conn, {}
+        self._conn, self._pending, self._attaches = conn, {}, {}  # (attaches out on a dropped one: not asked for again)
         try:
             self._flush([], timeout=call_wait)  # the stream opens lazily: did the drafter take it (--max-targets)?
         except SpecsplitError as exc:  # _flush has disconnected; exc is the drafter's reason when it gave one
@@ -698,6 +709,9 @@ class RemoteProposer:
             self._conn.close()
         self._conn = None
         self._pending = {}
+        # attaches not answered (or not taken) go with the connection
+        gone = DrafterUnavailable("the drafter connection dropped before the sequence's attach was taken")
+        self._attaches = {seq_id: gone for seq_id in self._attaches}
         self._chain_commit = None
         self._settles = ([], [])
         self._unanswered = self._unanswered_chain = False
@@ -896,6 +910,84 @@ class RemoteProposer:
         self._unary("ReleaseBuffers", drafter_pb2.ReleaseBuffersRequest(buffer_ids=[old.buffer_id]))
         conn.exporter.release(old.buffer_id)
 
+    def attach_on_stream(self, seq_id: int, budget_tokens: int, token_ids: Sequence[int], rows: torch.Tensor) -> bool:
+        """A sequence's attach (its allocation, then its prompt's rows as a catch-up from position 0) queued for
+        the next Step, where `alloc` + `prefill` would make a round trip of their own now, after waiting for any
+        Step still out: False (nothing queued) when this drafter or connection cannot take it that way (no
+        DrafterDescription.step_attach, rows not through a registered buffer, more rows than the bulk buffer
+        has left for this Step). `attach_outcome` tells how it went, once the Step is answered; a refusal is the
+        sequence's alone, as `prefill`'s. The rows stay ours, unread, until that Step is sent."""
+        conn = self._conn
+        if conn is None or conn.dead or not conn.step_attach or conn.bulk is None or conn.bulk.buffer is None \
+                or rows is None or rows.dim() != 2 or rows.shape[0] == 0:
+            return False
+        if seq_id in conn.allocated or seq_id in self._pending or seq_id in self._attaches \
+                or (conn.alloc_next is not None and conn.alloc_next[0] == seq_id):
+            raise StateConflict(f"sequence {seq_id} is attached already, or has verbs queued")
+        queued = sum(p.attach[2].shape[0] for p in self._pending.values() if p.attach is not None)
+        if queued + rows.shape[0] > conn.bulk.buffer.tensor.shape[0]:
+            return False  # (`prefill` grows the buffer; this Step's rows must fit the one the drafter maps)
+        if rows.shape[1] != conn.bulk.cols:
+            raise InvalidRequest(f"feature rows must be [n, {conn.bulk.cols}], got {tuple(rows.shape)}")
+        budget = wire.SeqStep(seq_id, alloc=budget_tokens).alloc  # (checked as the drafter will)
+        self._pending[seq_id] = _Pending(attach=(budget, tuple(token_ids), rows), last=_OP_ORDER["attach"])
+        self._attaches[seq_id] = _QUEUED
+        return True
+
+    def attach_outcome(self, seq_id: int, *, read: bool = True, wait: bool = False) -> bool | None:
+        """How the attach `attach_on_stream` queued went: True (attached), or its refusal raised
+        (InvalidRequest, CapacityExceeded, StateConflict: the sequence's alone), or DrafterUnavailable (the
+        connection dropped). None while it is not known: queued for a Step, or (`read` false) in a Step still
+        out. `read`: the answer to a Step still out that carries it is read now (waiting for it); `wait`: one
+        still queued goes now, in a Step of its own, its answer waited for."""
+        state = self._attaches.get(seq_id, _MISSING)
+        if state is _MISSING:
+            raise StateConflict(f"no attach of sequence {seq_id} is out")
+        if state is _QUEUED:
+            if not wait:
+                return None
+            self._flush([])
+        elif state is _SENT:
+            if not (read or wait):
+                return None
+            self._live()  # (the answer to the Step it went with: every Step sent is answered or left unanswered)
+        state = self._attaches.pop(seq_id)
+        if isinstance(state, BaseException):
+            raise state
+        if state is not None:  # (a bug: each send's answer settles the attaches it carried)
+            raise DrafterUnavailable(f"the attach of sequence {seq_id} was left unanswered")
+        return True
+
+    def _stage_attaches(self, conn: _Connection) -> dict[int, wire.RowsOp]:
+        """The queued attaches' rows into the bulk buffer (one generation, sealed), as the Step carrying them is
+        sent: any Step before it that read the buffer has been answered by then."""
+        ops = {}
+        for seq_id, p in self._pending.items():
+            if p.attach is not None:
+                _, tokens, rows = p.attach
+                ops[seq_id] = wire.RowsOp(tokens, conn.bulk.source(conn.bulk.put(rows), rows.shape[0]), 0)
+        if ops:
+            conn.bulk.seal()
+        return ops
+
+    def _settle_attaches(self, conn: _Connection, sent: tuple[int, ...],
+                         errors: Sequence[wire.SeqError]) -> list[wire.SeqError]:
+        """The attaches a Step carried, from its answer: each attached, or refused (the sequence's own error, the
+        drafter holding nothing of it); returns the errors left, which drop the connection."""
+        refused = {}
+        for error in errors:
+            if error.seq_id in sent:
+                exc = error.exception()
+                if isinstance(exc, _REFUSALS):
+                    refused[error.seq_id] = exc
+        for seq_id in sent:
+            if seq_id in refused:
+                self._attaches[seq_id] = refused[seq_id]
+            else:
+                conn.allocated.add(seq_id)
+                self._attaches[seq_id] = None
+        return [e for e in errors if e.seq_id not in refused]
+
     def _pending_for(self, seq_id: int, op: str) -> _Pending:
         """The sequence's queue; if it already holds `op` or an op applied after it, those are sent first.
 
@@ -951,9 +1043,15 @@ class RemoteProposer:
         """Queued: it rides on the next step's message (the engine calls `flush` when none is coming).
         A sequence this connection never allocated (the drafter restarted since) has nothing to free.
         A Step sent ahead is not waited for: its answer is read by the next call that needs it."""
+        attach = self._attaches.get(seq_id)
+        if attach is _QUEUED:  # (never sent: nothing of it on the drafter)
+            del self._attaches[seq_id]
+            self._pending.pop(seq_id, None)
+            return
         conn = self._conn
-        if conn is None or conn.dead or not self._unanswered:
-            conn = self._live()
+        if conn is None or conn.dead or not self._unanswered or attach is _SENT:
+            conn = self._live()  # (an attach in the Step still out: its answer tells whether there is a sequence)
+        self._attaches.pop(seq_id, None)
         if conn.alloc_next is not None and conn.alloc_next[0] == seq_id:  # (its prefill never went)
             conn.alloc_next = None
         conn.alloc_refused.pop(seq_id, None)
@@ -1449,12 +1547,17 @@ class RemoteProposer:
         instead of `proposes`. The queued chained settles and commit go with any Step."""
         self._send_alloc(conn)  # (an allocation left for a prefill goes before anything naming the sequence)
         conn.step.seal()
+        attaches = self._stage_attaches(conn)
         self._step_id += 1
         # A verify's stash + commit + trim of rows in the step buffer (the usual entry) goes straight into
         # the message's columns; anything else travels as a SeqStep.
         fast = conn.columns and conn.step.buffer is not None
         verified = {seq_id: p for seq_id, p in self._pending.items() if fast and p.verified_only()}
-        others = (self._seq_step(conn, seq_id, p) for seq_id, p in self._pending.items() if seq_id not in verified)
+        # (attaches last: a free in this Step may make the room one needs)
+        others = [self._seq_step(conn, seq_id, p) for seq_id, p in self._pending.items()
+                  if seq_id not in verified and seq_id not in attaches]
+        others += [wire.SeqStep(seq_id, catchup=op, alloc=self._pending[seq_id].attach[0])
+                   for seq_id, op in attaches.items()]
         conn.offered = into_buffer and conn.drafts is not None and (bool(proposes) or chain is not None)
         # A chained propose sent ahead is taken only as the next Step's: any other Step sent after it may
         # change what it drafted from or overwrite its drafts (chain_prefetch sets it again after its own)
@@ -1470,6 +1573,9 @@ class RemoteProposer:
                                drafts_buffer=conn.drafts.buffer_id if conn.offered else 0,
                                chain=self._chain_part(conn, chain) if conn.feed is not None else None)
         self._pending = {}
+        conn.attaching = tuple(attaches)
+        for seq_id in attaches:
+            self._attaches[seq_id] = _SENT
         pb = wire.step_to_proto(batch, columns=conn.columns)
         if verified:
             _add_verified_columns(pb, conn.step.buffer, verified)
@@ -1519,11 +1625,15 @@ class RemoteProposer:
         self.link.answer_seconds.append(seconds)
         if timed:  # round trips the step waited for (send_pending's and prefetch's overlap other work)
             self.link.step_seconds.append(seconds)
-        if result.errors:
+        errors = result.errors
+        if conn.attaching:  # (a refused attach is the sequence's alone)
+            sent, conn.attaching = conn.attaching, ()
+            errors = self._settle_attaches(conn, sent, errors)
+        if errors:
             # The drafter's state for this client no longer matches the target's: drop the connection
             # (the drafter frees the session) and let the engine re-attach from scratch after backoff.
             self._disconnect()
-            raise result.errors[0].exception()
+            raise errors[0].exception()
         return result
 
     @staticmethod

@@ -127,6 +127,15 @@ class EngineConfig:
     # ahead, which comes once that step is done. With them a first kernel launch may come while our stream
     # waits (`_quiesce`; the attach's kernels, a concatenation and copies, have run by then): measurement only.
     overlap_attach: bool = False
+    # Through a drafter service that offers it (DrafterDescription.step_attach; fifty-ninth session): a completed
+    # prompt's attach (its allocation and its rows as a catch-up from position 0) rides the next Step instead of
+    # a PrefillDrafter round trip of its own, which first waited for the answer to the Step sent ahead: the
+    # sequence sits the engine's steps out until the answer to the Step that carried it is read. Chaining, that
+    # is read as the next step's propose goes ahead (after its verify launched), which then asks for the
+    # sequence too, so it joins the step after with its drafts there: one step later than before, and no
+    # round trip. A refusal is the sequence's alone, as before.
+    # Serving 24 held-out prompts through 8 slots (H100, trees of 15), each attach held the host ~2.7 ms.
+    stream_attach: bool = True
     # Through a drafter service: the chained propose sent ahead as a step launches also asks for the sequences
     # attached since, and the next step takes its drafts for a batch that lost or gained sequences
     # (Engine._ahead_rows). Off: a Step of its own, waited for, at each batch change (measurement only).
@@ -176,8 +185,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InvalidRequest(f"{name} is a number >= {least}, got {value!r}")
-        if not isinstance(self.chain_capture_remote, bool):
-            raise InvalidRequest(f"chain_capture_remote is true or false, got {self.chain_capture_remote!r}")
+        for name in ("chain_capture_remote", "stream_attach"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name} is true or false, got {getattr(self, name)!r}")
         for name, least, most in (("draft_tree", 0, MAX_TREE_NODES), ("draft_tree_keep", 1, MAX_TREE_KEEP),
                                   ("draft_tree_batch", 1, self.max_batch)):
             value = getattr(self, name)
@@ -259,6 +269,9 @@ class Engine:
         self.counters = EngineCounters()  # read by target_service.metrics at scrape time
         # Admitted sequences whose prompts are not all in the cache yet, in admission order (see _prefill)
         self._prefilling: dict[int, _Prefill] = {}
+        # Sequences whose attach rides a Step not answered yet (EngineConfig.stream_attach), and the engine
+        # steps each has sat out so far: they sit steps out until it is
+        self._attaching: dict[int, _Attaching] = {}
         self._prefill_seconds = 0.0  # host time in prefill steps so far (left out of a launched step's time)
         self._spec = proposer.spec if proposer is not None else None  # the spec capture and graphs follow
         self.tuner = self._new_tuner()
@@ -393,10 +406,15 @@ class Engine:
         then runs that step, the prefill and the next step back to back while the host samples, attaches
         the drafter and emits, where reading them first left it idle from the prefill's end to the next
         launch (`_overlaps_prefill`)."""
+        self._settle_attaches(read=False)
         self._maybe_reattach(list(self.running.values()))
         prefill = self._admit()
         done = {seq.seq_id for seq in prefill.done} if prefill is not None else set()
-        decoding = [s for s in self.running.values() if s.seq_id not in done and s.seq_id not in self._prefilling]
+        decoding = [s for s in self.running.values() if s.seq_id not in done and s.seq_id not in self._prefilling
+                    and s.seq_id not in self._attaching]
+        if not decoding and prefill is None and self._attaching:
+            self._settle_attaches(wait=True)  # (nothing else to run: their Step goes now, its answer waited for)
+            return []
         overlap = prefill is not None and bool(decoding) and self._overlaps_prefill()
         events = [] if overlap else self._finish_prefill(prefill)
         if decoding:
@@ -611,7 +629,8 @@ class Engine:
             self.counters.prefills += 1
         attaching = [seq for seq in done if self._speculating(seq)]
         # the next step's batch size drafts nothing: they rest from the drafter at once (EngineConfig.resume_after)
-        stepping = sum(1 for s in self.running.values() if s.seq_id not in self._prefilling)
+        stepping = sum(1 for s in self.running.values() if s.seq_id not in self._prefilling
+                       and s.seq_id not in self._attaching)
         if attaching and self.config.resume_after is not None and self._schedule_drafts(stepping) == 0:
             for seq in attaching:
                 seq.drafter_resting = True
@@ -625,7 +644,8 @@ class Engine:
             with self._batched_appends():  # one drafter context forward for every completed prompt
                 for seq in attaching:
                     if self.drafter_ok:
-                        self._attach(seq, seq.request.prompt_ids, rows[seq.seq_id], side)
+                        self._attach(seq, seq.request.prompt_ids, rows[seq.seq_id], side,
+                                     on_stream=self.config.stream_attach)
         return [self._emit(seq, first) for seq, first in zip(done, firsts)]
 
     def _graphed_prefill_plan(self, pending: list[Sequence], offsets: dict[int, int]
@@ -1156,6 +1176,10 @@ class Engine:
         if prefetch is None or not self.drafter_ok \
                 or (program.tree and not getattr(self.proposer, "trees_ahead", False)):
             return None
+        if self._attaching:  # (attached since the last launch, they are asked for below: see stream_attach)
+            self._settle_attaches()
+            if not self.drafter_ok:
+                return None
         unread = {} if pending is None else {s.seq_id: n + 1 for s, n in zip(pending.seqs, pending.counts)}
         rows = [unread.get(s.seq_id, 0) + n + 1 for s, n in zip(seqs, counts)]
         if not all(self._chain_room(s, r, k, offers_k=not self.config.chain_regroup) for s, r in zip(seqs, rows)):
@@ -1247,7 +1271,8 @@ class Engine:
         held = {s.seq_id for s in seqs}
         return [s for s in self.running.values()
                 if s.seq_id not in held and s.seq_id not in unread and s.drafter_attached and self._is_running(s)
-                and s.seq_id not in self._prefilling and self._chain_room(s, 0, k)]
+                and s.seq_id not in self._prefilling and s.seq_id not in self._attaching
+                and self._chain_room(s, 0, k)]
 
     def _chain_program(self, n: int, k: int, tree: int = 0) -> ChainProgram:
         """The program of chained steps of n sequences and k drafts, or trees of k nodes grown from `tree` rows
@@ -1820,6 +1845,7 @@ class Engine:
             # tails after its drafts, read only ours, and stay for the re-attached connection)
             self._chain_programs.clear()
         attached = [s for s in self.running.values() if s.drafter_attached]
+        self._attaching.clear()  # (their answers, if any come, are not taken: the connection goes below)
         for seq in self.running.values():
             seq.drafter_attached = False
         reset = getattr(self.proposer, "reset", None)
@@ -1842,33 +1868,75 @@ class Engine:
             return torch.cat(chunks)
 
     def _attach(self, seq: Sequence, tokens: list[int], rows: "torch.Tensor | list[torch.Tensor] | None",
-                side: "torch.cuda.Stream | None" = None) -> None:
-        """rows: the prompt's feature rows, or the chunks its prefill captured (joined here, on `side` if given)."""
+                side: "torch.cuda.Stream | None" = None, on_stream: bool = False) -> None:
+        """rows: the prompt's feature rows, or the chunks its prefill captured (joined here, on `side` if given).
+        on_stream: through a drafter service that takes it (EngineConfig.stream_attach), the attach rides the next
+        Step and the sequence sits steps out until `_settle_attaches` takes its answer (the rows' copy then
+        goes on our stream as that Step is sent: `side` is not used)."""
         try:
+            queue = _capability(self.proposer, "attach_on_stream") if on_stream else None
             if isinstance(rows, list):
-                rows = self._prompt_rows(rows, side)
+                rows = self._prompt_rows(rows, None if queue is not None else side)
             # (a chained step's anchor lies below the drafter's budget: its steps' writes past ours, see _overhang)
-            self.proposer.alloc(seq.seq_id, seq.reserved_tokens if self._chains() else seq.budget_tokens)
+            budget = seq.reserved_tokens if self._chains() else seq.budget_tokens
+            if queue is not None and queue(seq.seq_id, budget, tokens, rows):
+                self._attaching[seq.seq_id] = _Attaching(seq)
+                return
+            self.proposer.alloc(seq.seq_id, budget)
             if side is None:
                 self.proposer.prefill(seq.seq_id, tokens, rows, 0)
             else:  # (a drafter service: the rows' copy into its buffer on `side`)
                 self.proposer.prefill(seq.seq_id, tokens, rows, 0, stream=side)
         except (InvalidRequest, CapacityExceeded, StateConflict) as exc:
-            # This sequence is what the drafter refuses, not the drafter: the others keep speculating.
-            log.warning("the drafter refused sequence %s (%s: %s); decoding it without speculation",
-                        seq.request.request_id, type(exc).__name__, exc,
-                        extra=fields(request_id=seq.request.request_id, seq_id=seq.seq_id))
-            self.counters.refusals += 1
-            seq.drafter_refused = True
-            self._forget(seq)
+            self._refused(seq, exc)
             return
         except Exception as exc:  # noqa: BLE001 - by design: a drafter fault must not fail requests
-            log.warning("drafter failed attaching %s (%s: %s); continuing without speculation",
-                        seq.request.request_id, type(exc).__name__, exc,
-                        extra=fields(request_id=seq.request.request_id, seq_id=seq.seq_id))
-            self._detach()
+            self._attach_failed(seq, exc)
             return
         seq.drafter_attached, seq.drafter_resting = True, False
+
+    def _refused(self, seq: Sequence, exc: Exception) -> None:
+        """This sequence is what the drafter refuses, not the drafter: the others keep speculating."""
+        log.warning("the drafter refused sequence %s (%s: %s); decoding it without speculation",
+                    seq.request.request_id, type(exc).__name__, exc,
+                    extra=fields(request_id=seq.request.request_id, seq_id=seq.seq_id))
+        self.counters.refusals += 1
+        seq.drafter_refused = True
+        self._forget(seq)
+
+    def _attach_failed(self, seq: Sequence, exc: Exception) -> None:
+        log.warning("drafter failed attaching %s (%s: %s); continuing without speculation",
+                    seq.request.request_id, type(exc).__name__, exc,
+                    extra=fields(request_id=seq.request.request_id, seq_id=seq.seq_id))
+        self._detach()
+
+    def _settle_attaches(self, *, read: bool = True, wait: bool = False) -> None:
+        """The attaches riding Steps (EngineConfig.stream_attach) whose answers are in. `read`: the answer to a
+        Step still out that carries one is read now (`_chain_send_ahead`: its verify is launched, and the
+        propose about to go ahead reads it anyway); at a step's start (`read` false) only for an attach two
+        steps old (a step that sends no Step, or reads none, holds none back for long); `wait`: those still
+        queued are sent now. Each sequence is then attached, or refused, or the drafter detached, as `_attach`
+        would have left it."""
+        for seq_id, attaching in list(self._attaching.items()):
+            if self._attaching.get(seq_id) is not attaching:  # (dropped since: a detach by the attach before it)
+                continue
+            seq = attaching.seq
+            if not read:
+                attaching.steps += 1
+            try:
+                attached = self.proposer.attach_outcome(seq_id, read=read or attaching.steps >= 2,
+                                                        wait=wait or attaching.steps >= 2)
+            except (InvalidRequest, CapacityExceeded, StateConflict) as exc:
+                del self._attaching[seq_id]
+                self._refused(seq, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - by design: a drafter fault must not fail requests
+                del self._attaching[seq_id]
+                self._attach_failed(seq, exc)
+                continue
+            if attached:
+                del self._attaching[seq_id]
+                seq.drafter_attached, seq.drafter_resting = True, False
 
     def _maybe_reattach(self, seqs: list[Sequence]) -> None:
         """After a drafter outage, rebuild drafter state by re-capturing each sequence's rows."""
@@ -2041,7 +2109,8 @@ class Engine:
         self.running.pop(seq.request.request_id, None)
         self._prefilling.pop(seq.seq_id, None)
         self.cache.free(seq.seq_id)
-        if seq.drafter_attached:
+        attaching = self._attaching.pop(seq.seq_id, None) is not None  # (its free takes the attach's answer first)
+        if seq.drafter_attached or attaching:
             seq.drafter_attached = False
             self._drafter_call(self.proposer.free, seq.seq_id)
             # A remote proposer sends the free with the next step; with no step coming, send it now.
@@ -2058,6 +2127,14 @@ class PrefillForwards:
     short: StepGraphs  # the next chunk of several short prompts a forward
     long: StepGraphs | None  # one longer prompt's next chunk, up to prefill_chunk tokens (None: eagerly)
     captured: bool  # CUDA graphs (or their reference, run eagerly)
+
+
+@dataclass
+class _Attaching:
+    """A sequence whose attach rides a Step (EngineConfig.stream_attach), and the engine steps it has sat out."""
+
+    seq: Sequence
+    steps: int = 0
 
 
 @dataclass

@@ -319,7 +319,7 @@ def test_requests_ending_and_arriving_cost_no_round_trip(pair, tiny_chat_dir):
 
     unhurried.chain_propose = chain_propose
     try:
-        _engine(target, unhurried).generate(requests())
+        _engine(target, unhurried, stream_attach=False).generate(requests())
     finally:
         unhurried.close()
     proposer = RemoteProposer(address, max_batch=4)
@@ -338,7 +338,7 @@ def test_requests_ending_and_arriving_cost_no_round_trip(pair, tiny_chat_dir):
     proposer.chain_prefetch = chain_prefetch
     read.clear()
     try:
-        engine = _engine(target, proposer)
+        engine = _engine(target, proposer, stream_attach=False)  # (attaching on the stream: tests/test_stream_attach.py)
         got = engine.generate(requests())
         assert {r: [t for e in got[r] for t in e.token_ids] for r in got} \
             == {r: [t for e in alone[r] for t in e.token_ids] for r in alone}
@@ -360,7 +360,7 @@ def test_requests_ending_and_arriving_cost_no_round_trip(pair, tiny_chat_dir):
     proposer = RemoteProposer(address, max_batch=4)
     taken = Recorded(proposer)
     try:
-        engine = _engine(target, proposer, overlap_attach=True)
+        engine = _engine(target, proposer, overlap_attach=True, stream_attach=False)
         overlapped = engine.generate(requests())
         assert {r: [t for e in overlapped[r] for t in e.token_ids] for r in overlapped} \
             == {r: [t for e in alone[r] for t in e.token_ids] for r in alone}
@@ -370,7 +370,7 @@ def test_requests_ending_and_arriving_cost_no_round_trip(pair, tiny_chat_dir):
         proposer.close()
     proposer = RemoteProposer(address, max_batch=4)  # EngineConfig.chain_regroup off (for measurements): as before
     try:
-        _engine(target, proposer, chain_regroup=False).generate(requests())
+        _engine(target, proposer, chain_regroup=False, stream_attach=False).generate(requests())
         assert len(proposer.link.step_seconds) > 3 + len(lengths) and proposer.link.chain_taken_regrouped == 0
     finally:
         proposer.close()
@@ -1619,8 +1619,10 @@ def test_every_row_taken_from_a_propose_sent_ahead_was_sent_with_the_anchor_and_
                 for i, (n, t, stops) in enumerate(specs)]
 
     def run(proposer):
-        """Each request's tokens; the first three at once, the rest two at a time every few steps."""
-        engine = _engine(target, proposer)
+        """Each request's tokens; the first three at once, the rest two at a time every few steps. (Attached by
+        PrefillDrafter: on the Step stream a sequence joins when the answer carrying its attach is read, which
+        comes a step later with proposes sent ahead; tests/test_stream_attach.py)"""
+        engine = _engine(target, proposer, stream_attach=False)
         waiting, tokens = requests(), {}
         for step in itertools.count():
             if step == 0 or (step % 4 == 0 and waiting):
@@ -1695,7 +1697,7 @@ def test_sampled_sequences_near_their_end_still_let_the_chained_propose_go_ahead
         proposer = RemoteProposer(address, max_batch=4, chain_ahead=ahead)
         drafts = Recorded(proposer)
         try:
-            engine = _engine(target, proposer)
+            engine = _engine(target, proposer, stream_attach=False)  # (a unary attach, as the waits counted)
             events = engine.generate(requests())
             runs.append(({r: [t for e in evs for t in e.token_ids] for r, evs in events.items()}, drafts.drafts,
                          len(proposer.link.step_seconds), engine.counters))

@@ -634,7 +634,8 @@ def test_requests_attached_behind_the_next_step_draft_as_those_attached_before_i
     with spawned_drafter(tmp_path, "copies") as address:
         model, tokenizer = default_target()
         for overlap in (False, True):
-            engine, remote = remote_engine(address, model, config={"overlap_attach": overlap})
+            # (attached by PrefillDrafter, as overlap_attach was built for: not on the Step stream)
+            engine, remote = remote_engine(address, model, config={"overlap_attach": overlap, "stream_attach": False})
             try:
                 results[overlap] = _staggered(engine, tokenizer, prompts)
                 assert engine.drafter_ok and engine.counters.fallbacks == 0

@@ -67,7 +67,9 @@
 #   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
-#   bash tools/gpu_round.sh round58       # (next) GPU tests of chained steps captured after 2 runs; serving through 8
+#   bash tools/gpu_round.sh round59       # (next) attaches riding the Step stream: the services' GPU tests that
+#                                         # attach requests; serving through 8 slots with and without
+#   bash tools/gpu_round.sh round58       # (run in the fifty-ninth session) GPU tests of chained steps captured after 2 runs; serving through 8
 #                                         # slots in process, through the services (as they are, the drafter's graphs
 #                                         # captured after 2 runs); round58c: unquiesced, the target's host polling
 #   bash tools/gpu_round.sh pair-ab       # (next, after `tools/old_tree.sh 8f8d27d`) the served pair at one stream,
@@ -144,6 +146,7 @@ serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each 
       services) flags="$services" ;;
       unquiesced) flags="$services --unquiesced" ;;
       overlapped) flags="$services --overlap-attach" ;;
+      unary-attach) flags="$services --unary-attach" ;;
       drafter-after-2) flags="$services --drafter-capture-after 2" ;;
       host-polls) flags="--split --split-only --mps" ;;
       in-process-mps) flags="--mps" ;;
@@ -1149,6 +1152,17 @@ served-pair-tests)
     | grep -E "Error|assert|FAILED|passed|failed" | tail -6 | log
   (cd bench && timeout 170 python timeline.py --batch 8 --max-tokens 512 --skip 30 --steps 100 --draft-tree 15 \
     --drafter-device-waits --mps --out "$OUT/b8_trees" 2>&1 | grep -v INFO | tail -16 | log)
+  ;;
+round59)
+  # (fifty-ninth session) a request's attach rides the Step stream (EngineConfig.stream_attach, on; DrafterDescription.
+  # step_attach) instead of a PrefillDrafter call after the answer to the Step sent ahead (~2.7 ms of host an
+  # arrival): the services' GPU tests that attach requests first, then serving through 8 slots each way, in process
+  # beside them
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+    -k "arriving or split_equals" --durations=3 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
+  serving_variants services unary-attach in-process services
   ;;
 round58)
   # (fifty-eighth session) chained-step shapes are captured after 2 uncaptured runs (EngineConfig.chain_capture_after,

@@ -12,7 +12,7 @@ class DescribeDrafterRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterDescription(_message.Message):
-    __slots__ = ("kind", "block_size", "max_drafts", "target_layer_ids", "feature", "feature_dim", "hidden_size", "vocab_size", "max_batch", "window", "needs_target_head", "host_id", "device_uuid", "step_columns", "step_socket", "drafts_buffer", "instance", "chains", "done_flags", "written_flags", "prefill_allocs", "host_flags", "tree_keep")
+    __slots__ = ("kind", "block_size", "max_drafts", "target_layer_ids", "feature", "feature_dim", "hidden_size", "vocab_size", "max_batch", "window", "needs_target_head", "host_id", "device_uuid", "step_columns", "step_socket", "drafts_buffer", "instance", "chains", "done_flags", "written_flags", "prefill_allocs", "host_flags", "tree_keep", "step_attach")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFTS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class DrafterDescription(_message.Message):
     PREFILL_ALLOCS_FIELD_NUMBER: _ClassVar[int]
     HOST_FLAGS_FIELD_NUMBER: _ClassVar[int]
     TREE_KEEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_ATTACH_FIELD_NUMBER: _ClassVar[int]
     kind: _common_pb2.DrafterKind
     block_size: int
     max_drafts: int
@@ -59,7 +60,8 @@ class DrafterDescription(_message.Message):
     prefill_allocs: bool
     host_flags: bool
     tree_keep: int
-    def __init__(self, kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., block_size: _Optional[int] = ..., max_drafts: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., feature_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., window: _Optional[int] = ..., needs_target_head: _Optional[bool] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., step_columns: _Optional[bool] = ..., step_socket: _Optional[str] = ..., drafts_buffer: _Optional[bool] = ..., instance: _Optional[str] = ..., chains: _Optional[bool] = ..., done_flags: _Optional[bool] = ..., written_flags: _Optional[bool] = ..., prefill_allocs: _Optional[bool] = ..., host_flags: _Optional[bool] = ..., tree_keep: _Optional[int] = ...) -> None: ...
+    step_attach: bool
+    def __init__(self, kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., block_size: _Optional[int] = ..., max_drafts: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature: _Optional[_Union[_common_pb2.FeatureKind, str]] = ..., feature_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_batch: _Optional[int] = ..., window: _Optional[int] = ..., needs_target_head: _Optional[bool] = ..., host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., step_columns: _Optional[bool] = ..., step_socket: _Optional[str] = ..., drafts_buffer: _Optional[bool] = ..., instance: _Optional[str] = ..., chains: _Optional[bool] = ..., done_flags: _Optional[bool] = ..., written_flags: _Optional[bool] = ..., prefill_allocs: _Optional[bool] = ..., host_flags: _Optional[bool] = ..., tree_keep: _Optional[int] = ..., step_attach: _Optional[bool] = ...) -> None: ...
 
 class RegisterBuffersRequest(_message.Message):
     __slots__ = ("buffers",)
@@ -276,20 +278,22 @@ class CatchupOp(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., base_pos: _Optional[int] = ...) -> None: ...
 
 class SeqStep(_message.Message):
-    __slots__ = ("seq_id", "catchup", "stash", "commit", "trim", "free")
+    __slots__ = ("seq_id", "catchup", "stash", "commit", "trim", "free", "alloc_budget_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     CATCHUP_FIELD_NUMBER: _ClassVar[int]
     STASH_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     TRIM_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     catchup: CatchupOp
     stash: _common_pb2.RowRef
     commit: CommitOp
     trim: int
     free: bool
-    def __init__(self, seq_id: _Optional[int] = ..., catchup: _Optional[_Union[CatchupOp, _Mapping]] = ..., stash: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ..., trim: _Optional[int] = ..., free: _Optional[bool] = ...) -> None: ...
+    alloc_budget_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., catchup: _Optional[_Union[CatchupOp, _Mapping]] = ..., stash: _Optional[_Union[_common_pb2.RowRef, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ..., trim: _Optional[int] = ..., free: _Optional[bool] = ..., alloc_budget_tokens: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "seqs", "proposes", "register_buffers", "release_buffers", "verified", "propose_columns", "draft_columns", "drafts_buffer", "chain")
