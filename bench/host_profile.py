@@ -354,9 +354,10 @@ def main() -> None:
     ap.add_argument("--overlap-attach", action="store_true",
                     help="(--split --serving) EngineConfig.overlap_attach for the services: requests arriving while a "
                          "chained step is out are attached to the drafter after the next step launched")
-    ap.add_argument("--unary-attach", action="store_true",
-                    help="(--split --serving) EngineConfig(stream_attach=False) for the services: each request is "
-                         "attached by a PrefillDrafter call of its own, after the answer to the Step sent ahead")
+    ap.add_argument("--stream-attach", action="store_true",
+                    help="(--split --serving) EngineConfig(stream_attach=True) for the services: each request's "
+                         "attach rides the next Step instead of a PrefillDrafter call after the answer to the Step "
+                         "sent ahead")
     ap.add_argument("--drafter-capture-after", type=int, default=None, metavar="N",
                     help="(--split) the drafter service's --chain-capture-after (default: its own, 8)")
     ap.add_argument("--no-regroup", action="store_true",
@@ -429,7 +430,7 @@ def run(args: argparse.Namespace) -> None:
     proc = remote = None
     services = "services, " + "both waits, " * args.both_waits + "target waits, " * args.target_waits \
         + "unquiesced, " * args.unquiesced + "no regroup, " * args.no_regroup \
-        + "overlapped attach, " * args.overlap_attach + "unary attach, " * args.unary_attach \
+        + "overlapped attach, " * args.overlap_attach + "attached on the stream, " * args.stream_attach \
         + (f"drafter captures after {args.drafter_capture_after}, " if args.drafter_capture_after is not None else "")
     services = services if services != "services, " else "services "
     try:
@@ -470,7 +471,7 @@ def run(args: argparse.Namespace) -> None:
                                           chain_programs=args.chain_programs,
                                           chain_capture_after=args.capture_after,
                                           overlap_attach=args.overlap_attach and drafter is remote,
-                                          stream_attach=not (args.unary_attach and drafter is remote),
+                                          stream_attach=args.stream_attach and drafter is remote,
                                           chain_regroup=not (args.no_regroup and drafter is remote),
                                           unquiesced_host_flags=args.unquiesced and drafter is remote)
                     engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids)

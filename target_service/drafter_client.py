@@ -198,7 +198,7 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 _QUEUED, _SENT, _MISSING = object(), object(), object()  # an attach on the Step stream: queued, in a Step out
-_OP_ORDER = {name: i for i, name in enumerate(("attach", "catchup", "stash", "commit", "trim", "free"))}  # a SeqStep's
+_OP_ORDER = {name: i for i, name in enumerate(("catchup", "stash", "commit", "trim", "free"))}  # a SeqStep's order
 
 
 @dataclass
@@ -867,8 +867,13 @@ class RemoteProposer:
     def prefill(self, seq_id: int, token_ids: Sequence[int], rows: torch.Tensor, start_pos: int = 0, *,
                 stream: "torch.cuda.Stream | None" = None) -> int:
         """stream: the rows' copy into our buffer for the drafter goes on it (the engine's attach stream,
-        EngineConfig.overlap_attach), not on the current one."""
+        EngineConfig.overlap_attach), not on the current one. Attaches queued on the stream (`attach_on_stream`)
+        go first, in a Step of their own: their rows go into the bulk buffer as that Step is sent, and a flush
+        inside this call (a refusal for room retried after the queued frees) would otherwise write them over
+        this prefill's, or into a buffer the drafter has not been told of yet (`_grow_bulk`)."""
         self._send_queued(seq_id)
+        if any(p.attach is not None for p in self._pending.values()):
+            self._flush([])
         conn = self._live()
         if conn.alloc_next is not None and conn.alloc_next[0] != seq_id:
             self._send_alloc(conn)
@@ -930,7 +935,8 @@ class RemoteProposer:
         if rows.shape[1] != conn.bulk.cols:
             raise InvalidRequest(f"feature rows must be [n, {conn.bulk.cols}], got {tuple(rows.shape)}")
         budget = wire.SeqStep(seq_id, alloc=budget_tokens).alloc  # (checked as the drafter will)
-        self._pending[seq_id] = _Pending(attach=(budget, tuple(token_ids), rows), last=_OP_ORDER["attach"])
+        # (`last` as a free's: any verb queued for it later sends the attach first, not merged into its SeqStep)
+        self._pending[seq_id] = _Pending(attach=(budget, tuple(token_ids), rows), last=_OP_ORDER["free"])
         self._attaches[seq_id] = _QUEUED
         return True
 
@@ -946,7 +952,13 @@ class RemoteProposer:
         if state is _QUEUED:
             if not wait:
                 return None
-            self._flush([])
+            try:
+                self._flush([])
+            except SpecsplitError as err:  # (the Step's own failure, which dropped the connection: not a refusal)
+                if isinstance(err, DrafterUnavailable):
+                    raise
+                raise DrafterUnavailable(f"the drafter refused the Step carrying sequence {seq_id}'s attach: "
+                                         f"{err}") from err
         elif state is _SENT:
             if not (read or wait):
                 return None
@@ -961,14 +973,12 @@ class RemoteProposer:
     def _stage_attaches(self, conn: _Connection) -> dict[int, wire.RowsOp]:
         """The queued attaches' rows into the bulk buffer (one generation, sealed), as the Step carrying them is
         sent: any Step before it that read the buffer has been answered by then."""
-        ops = {}
-        for seq_id, p in self._pending.items():
-            if p.attach is not None:
-                _, tokens, rows = p.attach
-                ops[seq_id] = wire.RowsOp(tokens, conn.bulk.source(conn.bulk.put(rows), rows.shape[0]), 0)
-        if ops:
-            conn.bulk.seal()
-        return ops
+        staged = {seq_id: (p.attach[1], conn.bulk.put(p.attach[2]), p.attach[2].shape[0])
+                  for seq_id, p in self._pending.items() if p.attach is not None}
+        if not staged:
+            return {}
+        conn.bulk.seal()  # (written, and on a GPU its event recorded, before any reference to the rows is made)
+        return {seq_id: wire.RowsOp(tokens, conn.bulk.source(offset, n), 0) for seq_id, (tokens, offset, n) in staged.items()}
 
     def _settle_attaches(self, conn: _Connection, sent: tuple[int, ...],
                          errors: Sequence[wire.SeqError]) -> list[wire.SeqError]:
@@ -1405,11 +1415,13 @@ class RemoteProposer:
         steps. The answer is checked then, and one that is not these drafts drops the drafter; the verify
         that read the buffer cost speed, never a token (it is exact, and the engine clamps the ids). False
         where the answer must be read first (no device waits, the engine asked our host to wait, another
-        step or buffer, verbs queued since)."""
+        step or buffer, verbs queued since: not a sequence's attach, which changes nothing the propose drafted
+        from, its rows staged only as the next Step goes)."""
         conn, n = self._conn, len(batch.seq_ids)
         if self._waits is None or self._host_waits_next or conn is None or conn is not batch.conn or conn.dead \
                 or not (self._unanswered and self._unanswered_chain) or self._taken_unanswered is not None \
-                or self._chain_commit is not None or self._pending or not conn.offered or not conn.done_sent \
+                or self._chain_commit is not None or any(p.attach is None for p in self._pending.values()) \
+                or not conn.offered or not conn.done_sent \
                 or self._waits.failure is not None or conn.drafts is None \
                 or n > conn.drafts.tensor.shape[0] \
                 or num_drafts * (2 * tree_keep if tree_keep else 1) > conn.drafts.tensor.shape[1] \

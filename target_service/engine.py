@@ -134,8 +134,10 @@ class EngineConfig:
     # is read as the next step's propose goes ahead (after its verify launched), which then asks for the
     # sequence too, so it joins the step after with its drafts there: one step later than before, and no
     # round trip. A refusal is the sequence's alone, as before.
-    # Serving 24 held-out prompts through 8 slots (H100, trees of 15), each attach held the host ~2.7 ms.
-    stream_attach: bool = True
+    # Serving 24 held-out prompts through 8 slots (H100, trees of 15), each attach held the host ~2.7 ms. Off until
+    # measured on a GPU: its first GPU run found the rows referenced before their generation was recorded (fixed,
+    # and the CPU tests now hold every buffer to that rule), and none has run since.
+    stream_attach: bool = False
     # Through a drafter service: the chained propose sent ahead as a step launches also asks for the sequences
     # attached since, and the next step takes its drafts for a batch that lost or gained sequences
     # (Engine._ahead_rows). Off: a Step of its own, waited for, at each batch change (measurement only).
@@ -629,8 +631,8 @@ class Engine:
             self.counters.prefills += 1
         attaching = [seq for seq in done if self._speculating(seq)]
         # the next step's batch size drafts nothing: they rest from the drafter at once (EngineConfig.resume_after)
-        stepping = sum(1 for s in self.running.values() if s.seq_id not in self._prefilling
-                       and s.seq_id not in self._attaching)
+        # (sequences whose attach rides a Step count: they step again within a step or two)
+        stepping = sum(1 for s in self.running.values() if s.seq_id not in self._prefilling)
         if attaching and self.config.resume_after is not None and self._schedule_drafts(stepping) == 0:
             for seq in attaching:
                 seq.drafter_resting = True
@@ -1172,14 +1174,12 @@ class Engine:
         nor its successor's arrival, nor a sampled sequence stepping out and back costs a round trip.
         A tree step asks for the next tree step's candidates, for its own sequences only (the drafter's
         `trees_ahead`). Returns the sequences asked for and k (None: nothing was sent)."""
+        if self._attaching and self.drafter_ok:  # (attached since the last launch: asked for below, see stream_attach)
+            self._settle_attaches()
         prefetch = _capability(self.proposer, "chain_prefetch")
         if prefetch is None or not self.drafter_ok \
                 or (program.tree and not getattr(self.proposer, "trees_ahead", False)):
             return None
-        if self._attaching:  # (attached since the last launch, they are asked for below: see stream_attach)
-            self._settle_attaches()
-            if not self.drafter_ok:
-                return None
         unread = {} if pending is None else {s.seq_id: n + 1 for s, n in zip(pending.seqs, pending.counts)}
         rows = [unread.get(s.seq_id, 0) + n + 1 for s, n in zip(seqs, counts)]
         if not all(self._chain_room(s, r, k, offers_k=not self.config.chain_regroup) for s, r in zip(seqs, rows)):
@@ -1883,7 +1883,7 @@ class Engine:
                 self._attaching[seq.seq_id] = _Attaching(seq)
                 return
             self.proposer.alloc(seq.seq_id, budget)
-            if side is None:
+            if side is None or queue is not None:  # (rows joined on our stream: copied on it too)
                 self.proposer.prefill(seq.seq_id, tokens, rows, 0)
             else:  # (a drafter service: the rows' copy into its buffer on `side`)
                 self.proposer.prefill(seq.seq_id, tokens, rows, 0, stream=side)

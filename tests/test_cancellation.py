@@ -61,7 +61,7 @@ def test_cancelled_stream_frees_target_and_drafter_state(pair):
     request = wire.generate_to_proto(
         wire.GenerateCall(PROMPT, SamplingParams(max_tokens=400, ignore_eos=True)))
     call = client.stub.Generate(request)
-    next(call)  # the first tokens arrived: the sequence lives on both sides (its attach rides the next Step)
+    next(call)  # the first tokens arrived: the sequence lives on both sides (an attach on the stream: soon)
     assert len(loop.engine.running) == 1 and wait_until(lambda: len(drafter_obj.proposer.store) == 1)
     call.cancel()
     with pytest.raises(grpc.RpcError):

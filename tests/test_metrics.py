@@ -126,13 +126,14 @@ def test_a_request_moves_the_target_and_drafter_counters_consistently(pair):
     graphed = {o: after_d.get(("specsplit_drafter_chain_graph_steps_total", (("outcome", o),)))
                for o in ("uncaptured", "captured", "replayed", "failed", "prepared", "waited")}
     assert graphed == dict.fromkeys(graphed, 0.0), graphed
-    # The sequence was attached on the Step stream (EngineConfig.stream_attach): no call of its own (the
-    # PrefillDrafter's counters and phases exported, unmoved)
-    assert d("step_attaches_total") == 1
-    assert d("rpcs_total", method="/specsplit.v1.DrafterService/PrefillDrafter", code="OK") == d("prefills_total") == 0
+    # One call attached the sequence: its prefill allocated it (its parts timed, the context forward among them;
+    # none rode a Step: EngineConfig.stream_attach is off)
+    assert d("rpcs_total", method="/specsplit.v1.DrafterService/PrefillDrafter", code="OK") == d("prefills_total") == 1
     assert d("rpcs_total", method="/specsplit.v1.DrafterService/AllocState", code="OK") == 0
+    assert d("step_attaches_total") == 0
     prefill_phases = ("ready", "lock", "alloc", "rows", "context", "wait")
-    assert all(d("prefill_phase_seconds_total", phase=p) == 0 for p in prefill_phases)
+    assert all(d("prefill_phase_seconds_total", phase=p) >= 0 for p in prefill_phases)
+    assert d("prefill_phase_seconds_total", phase="context") > 0
     assert value(after_d, "specsplit_drafter_sessions", stream="open") == 1
     assert value(after_d, "specsplit_drafter_buffers") >= 2  # step and bulk row buffers (shared memory)
     assert value(after_d, "specsplit_drafter_buffer_bytes") > 0

@@ -1474,6 +1474,16 @@ def test_with_device_waits_a_chained_propose_sent_ahead_is_taken_before_its_answ
         assert proposer._chain_ahead_result is None and proposer._ahead_result is None  # (filed as nothing)
         assert (proposer.link.taken_unanswered, proposer.link.device_waits, proposer.link.chain_taken_ahead) == (1, 1, 1)
 
+        order.clear()  # a request's attach queued on the stream since: taken all the same, the attach still queued
+        batch = sent_ahead(proposer, ((0, 3), (2, 3)))
+        assert proposer.attach_on_stream(7, 64, [3, 4], torch.zeros(2, proposer.spec.feature_dim))
+        proposer.chain_propose(batch, anchors, positions, 3)
+        assert order == [("wait", 5), "read noted"] and proposer.link.taken_unanswered == 2, order
+        assert proposer._pending[7].attach is not None
+        proposer._live()
+        proposer._pending.clear()
+        proposer._attaches.clear()
+
         order.clear()  # an answer for other sequences than the drafts taken: dropped when it is read
         batch = sent_ahead(proposer, ((0, 3),))
         proposer.chain_propose(batch, anchors, positions, 3)

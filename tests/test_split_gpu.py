@@ -526,6 +526,44 @@ def test_requests_ending_and_arriving_take_the_drafts_sent_ahead_as_fresh_propos
     assert regrouped >= len(lengths) - 4 and chained >= 40 and waited <= 6 < each_waited, (regrouped, chained, waited)
 
 
+@pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])
+def test_requests_attached_on_the_stream_decode_as_target_only(tmp_path, device_waits):
+    """EngineConfig.stream_attach: seven greedy requests through four slots, arriving as others end, each attached
+    by a SeqStep riding the next Step (its prompt's rows through the bulk buffer by CUDA IPC, the generation's
+    writes recorded before the Step names them) instead of a PrefillDrafter call. Tokens are target-only's,
+    nothing falls back, no unary call goes, the chained steps take the drafts sent ahead for the sequences
+    joining, and the requests accept as many drafts as when attached by PrefillDrafter (within 3 %: a join a
+    step later drafts some steps in batches of other sizes)."""
+    model, tokenizer = default_target()
+    lengths = (40, 90, 60, 120, 30, 70, 50)
+    requests = lambda: [Request(str(i), tokenizer.encode(PROMPTS[i % len(PROMPTS)]),  # noqa: E731
+                                SamplingParams(max_tokens=n, ignore_eos=True)) for i, n in enumerate(lengths)]
+    runs = {}
+    with spawned_drafter(tmp_path) as address:
+        for on_stream in (False, True):
+            engine, remote = remote_engine(address, model, device_waits=device_waits,
+                                           config={"stream_attach": on_stream})
+            try:
+                events = engine.generate(requests())
+                assert engine.drafter_ok and engine.counters.fallbacks == 0 and engine.counters.refusals == 0
+                runs[on_stream] = ([[t for e in events[str(i)] for t in e.token_ids] for i in range(len(lengths))],
+                                   sum(events[str(i)][-1].stats.accepted for i in range(len(lengths))),
+                                   dict(remote.link.unary_calls), remote.link.chain_taken_regrouped,
+                                   engine.counters.chained)
+                assert not engine._attaching and not remote._attaches
+            finally:
+                remote.close()
+    target_only, _ = load_local(LocalSetup(drafter="none", device="cuda", dtype="float32", seed=0))
+    alone = target_only.generate(requests())
+    want = [[t for e in alone[str(i)] for t in e.token_ids] for i in range(len(lengths))]
+    (tokens, accepted, unary, _, _), (stream_tokens, stream_accepted, stream_unary, regrouped, chained) = \
+        runs[False], runs[True]
+    assert tokens == stream_tokens == want
+    assert unary == {"PrefillDrafter": len(lengths)} and not stream_unary, (unary, stream_unary)
+    assert accepted > 0 and abs(stream_accepted - accepted) <= 0.03 * accepted, (stream_accepted, accepted)
+    assert regrouped >= len(lengths) - 4 and chained >= 40, (regrouped, chained)
+
+
 def test_a_drafter_whose_drafts_never_land_is_given_up_without_stalling_the_target(tmp_path, monkeypatch):
     """A drafter that records the drafts buffer's event behind GPU work of a minute: the target's host
     polls that event and gives the drafter up at the step's deadline (its stream never waits on the

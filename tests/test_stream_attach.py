@@ -7,10 +7,25 @@ from __future__ import annotations
 import pytest
 
 from specsplit.shared import wire
-from specsplit.shared.errors import CapacityExceeded, InvalidRequest, StateConflict
+from specsplit.shared.errors import CapacityExceeded, DrafterUnavailable, InvalidRequest, StateConflict
 from specsplit.shared.proposer import ProposeRequest
+from specsplit.shared.transport import RowBuffer
 from tests.test_drafter_server import (BUDGET, GAMMA, alloc_prefill, env, make_drafter, rows, same,  # noqa: F401
                                        serve_remote)
+
+
+@pytest.fixture(autouse=True)
+def rows_referenced_once_recorded(monkeypatch):
+    """Every buffer as strict as a CUDA one: its rows referenced only once the generation's writes are recorded
+    (an attach's rows referenced before their Step sealed the bulk buffer failed on the GPU alone)."""
+    bump = RowBuffer.bump
+
+    def strict_bump(self):
+        generation = bump(self)
+        self._recorded = False
+        return generation
+
+    monkeypatch.setattr(RowBuffer, "bump", strict_bump)
 
 
 def test_an_attach_on_the_stream_rides_the_next_step_and_leaves_what_a_prefill_leaves(serve_remote):
@@ -164,7 +179,7 @@ def test_requests_attached_on_the_stream_decode_as_target_only_with_no_call_of_t
     proposer = RemoteProposer(address, max_batch=4)
     try:
         alone = _engine(target, None, chain=False).generate(requests())
-        engine = _engine(target, proposer)
+        engine = _engine(target, proposer, stream_attach=True)
         got = engine.generate(requests())
         assert {r: [t for e in got[r] for t in e.token_ids] for r in got} \
             == {r: [t for e in alone[r] for t in e.token_ids] for r in alone}
@@ -180,3 +195,51 @@ def test_requests_attached_on_the_stream_decode_as_target_only_with_no_call_of_t
         server.stop(None).wait()
         server_obj.close()
     assert server_obj.num_sessions == 0
+
+
+def test_a_prefill_after_queued_attaches_sends_them_first_so_its_retry_finds_its_rows(serve_remote):
+    """A sequence attached by PrefillDrafter (its rows too many for this Step's share of the bulk buffer) while
+    another's attach is queued, and refused for room until the queued frees go: the queued attach goes first, in
+    a Step of its own, so the flush before the prefill's retry stages nothing over the prefill's rows."""
+    drafter = make_drafter()
+    _, proposer = serve_remote(drafter, limits={"max_sequences": 2}, max_batch=4)
+    for s in (0, 1):
+        proposer.alloc(s, BUDGET)
+        proposer.prefill(s, [3, 4, 5], rows(3, s), 0)
+    proposer.free(0)
+    proposer.free(1)  # both queued: room for two once sent
+    assert proposer.attach_on_stream(2, BUDGET, [3, 4], rows(2, 2))
+    proposer.alloc(3, BUDGET)  # left for its prefill, which allocates it
+    assert proposer.prefill(3, [6, 7, 8], rows(3, 3), 0) == 3
+    assert proposer.attach_outcome(2) is True and len(drafter.store) == 2
+    asked = [ProposeRequest(2, 7, 2, GAMMA - 1), ProposeRequest(3, 7, 3, GAMMA - 1)]
+    assert [len(p.tokens) for p in proposer.propose(asked)] == [GAMMA - 1] * 2
+
+
+def test_another_sequences_failure_in_the_attachs_step_drops_the_drafter_not_the_attach(serve_remote):
+    """The Step that carries an attach fails for another sequence (a state mismatch: the connection drops): the
+    attach's outcome is the drafter's unavailability, not a refusal of the attaching sequence."""
+    drafter = make_drafter()
+    _, proposer = serve_remote(drafter, max_batch=4)
+    proposer.alloc(5, BUDGET)
+    proposer.prefill(5, [3, 4, 5], rows(3, 5), 0)
+    proposer.catchup(5, [7], rows(1, 9), 10)  # not where sequence 5 is: the drafter refuses it
+    assert proposer.attach_on_stream(6, BUDGET, [3, 4], rows(2, 6))
+    with pytest.raises(DrafterUnavailable, match="carrying sequence 6"):
+        proposer.attach_outcome(6, wait=True)
+    assert proposer._conn is None
+
+
+def test_a_verb_queued_for_an_attaching_sequence_sends_the_attach_first(serve_remote):
+    drafter, twin = make_drafter(), make_drafter()
+    _, proposer = serve_remote(drafter, max_batch=4)
+    assert proposer.attach_on_stream(0, BUDGET, [3, 4, 5], rows(3, 0))
+    steps = proposer._step_id
+    proposer.catchup(0, [6], rows(1, 7), 3)  # (the engine sends none before the attach is answered: all the same)
+    assert proposer._step_id == steps + 1 and proposer.attach_outcome(0) is True
+    proposer.flush()
+    twin.alloc(0, BUDGET)
+    twin.prefill(0, [3, 4, 5], rows(3, 0), 0)
+    twin.catchup(0, [6], rows(1, 7), 3)
+    asked = [ProposeRequest(0, 8, 4, GAMMA - 1)]
+    same(proposer.propose(asked), twin.propose(asked), twin)

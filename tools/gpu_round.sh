@@ -146,7 +146,7 @@ serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each 
       services) flags="$services" ;;
       unquiesced) flags="$services --unquiesced" ;;
       overlapped) flags="$services --overlap-attach" ;;
-      unary-attach) flags="$services --unary-attach" ;;
+      stream-attach) flags="$services --stream-attach" ;;
       drafter-after-2) flags="$services --drafter-capture-after 2" ;;
       host-polls) flags="--split --split-only --mps" ;;
       in-process-mps) flags="--mps" ;;
@@ -1154,15 +1154,16 @@ served-pair-tests)
     --drafter-device-waits --mps --out "$OUT/b8_trees" 2>&1 | grep -v INFO | tail -16 | log)
   ;;
 round59)
-  # (fifty-ninth session) a request's attach rides the Step stream (EngineConfig.stream_attach, on; DrafterDescription.
-  # step_attach) instead of a PrefillDrafter call after the answer to the Step sent ahead (~2.7 ms of host an
-  # arrival): the services' GPU tests that attach requests first, then serving through 8 slots each way, in process
-  # beside them
+  # (fifty-ninth session) a request's attach rides the Step stream (EngineConfig.stream_attach, off until this
+  # passes; DrafterDescription.step_attach) instead of a PrefillDrafter call after the answer to the Step sent ahead
+  # (~2.7 ms of host an arrival): its GPU tests first (its first run referenced rows before their generation was
+  # recorded: fixed since), then serving through 8 slots each way, in process beside them. If they pass and it
+  # wins, make it the default (EngineConfig.stream_attach; tests/test_metrics.py then counts step_attaches)
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
   timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py \
-    -k "arriving or split_equals" --durations=3 2>&1 \
+    -k "on_the_stream or arriving" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
-  serving_variants services unary-attach in-process services
+  serving_variants stream-attach services in-process stream-attach
   ;;
 round58)
   # (fifty-eighth session) chained-step shapes are captured after 2 uncaptured runs (EngineConfig.chain_capture_after,
