@@ -949,20 +949,19 @@ class RemoteProposer:
         state = self._attaches.get(seq_id, _MISSING)
         if state is _MISSING:
             raise StateConflict(f"no attach of sequence {seq_id} is out")
-        if state is _QUEUED:
-            if not wait:
-                return None
-            try:
-                self._flush([])
-            except SpecsplitError as err:  # (the Step's own failure, which dropped the connection: not a refusal)
+        if (state is _QUEUED and not wait) or (state is _SENT and not (read or wait)):
+            return None
+        if state is _QUEUED or state is _SENT:
+            try:  # (a Step sent ahead is answered when read: every Step sent is answered or left unanswered)
+                if state is _QUEUED:
+                    self._flush([])
+                else:
+                    self._live()
+            except SpecsplitError as err:  # the Step's own failure, or the stream's end: the connection dropped
                 if isinstance(err, DrafterUnavailable):
                     raise
-                raise DrafterUnavailable(f"the drafter refused the Step carrying sequence {seq_id}'s attach: "
-                                         f"{err}") from err
-        elif state is _SENT:
-            if not (read or wait):
-                return None
-            self._live()  # (the answer to the Step it went with: every Step sent is answered or left unanswered)
+                self.reset()  # (gone already, unless the stream's end was not read yet)
+                raise DrafterUnavailable(f"the Step carrying sequence {seq_id}'s attach failed: {err}") from err
         state = self._attaches.pop(seq_id)
         if isinstance(state, BaseException):
             raise state

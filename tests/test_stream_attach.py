@@ -243,3 +243,30 @@ def test_a_verb_queued_for_an_attaching_sequence_sends_the_attach_first(serve_re
     twin.catchup(0, [6], rows(1, 7), 3)
     asked = [ProposeRequest(0, 8, 4, GAMMA - 1)]
     same(proposer.propose(asked), twin.propose(asked), twin)
+
+
+@pytest.mark.parametrize("step_socket", [False, True], ids=["grpc", "step-socket"])
+def test_a_drafter_ending_the_stream_of_a_step_out_with_an_attach_is_unavailable_not_a_refusal(
+        serve_remote, monkeypatch, step_socket):
+    """The Step sent ahead that carries an attach ends the stream (a status for the whole Step): the attach's
+    outcome is the drafter's unavailability, over gRPC (whose stream's end carries that status) as over the step
+    socket, never a refusal of the attaching sequence."""
+    import time
+
+    from specsplit.drafter_service.server import DrafterServer
+
+    step_once = DrafterServer._step_once
+
+    def failing(self, session, stream, request):
+        if any(s.HasField("alloc_budget_tokens") for s in request.seqs):
+            raise StateConflict("a refusal of the whole Step")
+        return step_once(self, session, stream, request)
+
+    monkeypatch.setattr(DrafterServer, "_step_once", failing)
+    _, proposer = serve_remote(make_drafter(), max_batch=4, step_socket=step_socket)
+    assert proposer.attach_on_stream(1, BUDGET, [3, 4], rows(2, 1))
+    proposer.send_pending()
+    time.sleep(0.3)  # (the stream's end arrives before the answer is read, as an engine's step of work allows)
+    with pytest.raises(DrafterUnavailable):
+        proposer.attach_outcome(1)
+    assert proposer._conn is None
