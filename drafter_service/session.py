@@ -530,7 +530,8 @@ class Session:
     def _verified(self, step: SeqStep) -> bool:
         """Whether `step` is exactly one verify's stash, commit and trim, and the drafter takes that in
         one call (looked up on its class, as the engine does)."""
-        return (step.catchup is None and not step.free and step.alloc is None and step.stash is not None and step.commit is not None
+        return (step.catchup is None and not step.free and step.alloc is None and step.stash is not None
+                and step.commit is not None
                 and step.trim is not None and step.commit.num_rows == step.trim + 1
                 and getattr(type(self.proposer), "commit_verified", None) is not None)
 

@@ -1271,8 +1271,7 @@ class Engine:
         held = {s.seq_id for s in seqs}
         return [s for s in self.running.values()
                 if s.seq_id not in held and s.seq_id not in unread and s.drafter_attached and self._is_running(s)
-                and s.seq_id not in self._prefilling and s.seq_id not in self._attaching
-                and self._chain_room(s, 0, k)]
+                and s.seq_id not in self._prefilling and self._chain_room(s, 0, k)]
 
     def _chain_program(self, n: int, k: int, tree: int = 0) -> ChainProgram:
         """The program of chained steps of n sequences and k drafts, or trees of k nodes grown from `tree` rows
