@@ -80,10 +80,14 @@ REPLAYS: ReplayClock | None = None
 # (--clock) what a step's host time is spent in, unprofiled: the engine's phases and a drafter service's verbs
 CLOCKED = {
     "specsplit.target_service.engine:Engine": (
-        "_admit", "_finish_prefill", "_decode_step", "_chain_step", "_chain_launch", "_chain_tail", "_chain_run",
-        "_chain_send_ahead", "_chain_read", "_quiesce", "_emit"),
+        "step", "_admit", "_finish_prefill", "_decode_step", "_chain_plan", "_chain_step", "_chain_launch",
+        "_chain_tail", "_chain_run", "_chain_feed", "_chain_send_ahead", "_chain_read", "_quiesce", "_emit",
+        "_text_delta", "_release", "_settle_attaches", "_drafter_call"),
     "specsplit.target_service.graphs:StepGraphs": ("chain_tables",),
+    "specsplit.target_service.graphs:StaticForward": ("load_fed_tables",),
+    "specsplit.target_service.kv_cache:PagedKVCache": ("reserve_batch",),
     "specsplit.target_service.chain:ChainedStep": ("outcome",),
+    "specsplit.target_service.chain:ChainBuffers": ("launch",),
     "specsplit.target_service.drafter_client:RemoteProposer": (
         "chain_batch", "chain_candidates", "chain_propose", "chain_commit", "chain_prefetch", "chain_settle",
         "_take_unanswered", "_candidates_in_buffer", "_live", "_send", "_answer", "_write_feed"),
@@ -243,6 +247,15 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
                   f"{sum(answers) / steps * 1e3:.3f} ms a step; unary calls {sum(link.unary_calls.values()) - unary} "
                   f"({', '.join(f'{m} {n}' for m, n in sorted(link.unary_calls.items()))} in all); chained proposes "
                   f"sent ahead taken for a batch that changed {link.chain_taken_regrouped - regrouped}")
+    clocked = ""
+    if CLOCK is not None:  # the same requests again, the methods clocked (unprofiled)
+        CLOCK.start()
+        started = time.perf_counter()
+        clocked_steps = run("c")
+        clocked_wall = (time.perf_counter() - started) / clocked_steps
+        clocked = f"\nclocked: {clocked_steps} engine steps, {clocked_wall * 1e3:.3f} ms/step\n{CLOCK.lines(clocked_steps)}"
+        if mark is not None:
+            mark("clocked")
     prof = cProfile.Profile()
     prof.enable()
     steps = run("p")
@@ -252,7 +265,8 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     head, _, rest = profile_lines(prof, steps, f"serving {len(prompts)} prompts through {batch} slots, {max_tokens} "
                                                f"tokens: {steps} engine steps, {wall * 1e3:.3f} ms/step unprofiled"
                                                f"{extra}").partition("\n")
-    return f"{head}\nchained steps by run (w warm-up, t timed, p profiled): {'; '.join(shapes)}\n{rest}"
+    return (f"{head}\nchained steps by run (w warm-up, t timed, c clocked, p profiled): {'; '.join(shapes)}\n{rest}"
+            f"{clocked}")
 
 
 _CHAIN_TALLY = ("chained", "chain_replays", "chain_captures", "chain_capture_seconds", "chain_programs_made",

@@ -67,6 +67,7 @@
 #   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
+#   bash tools/gpu_round.sh round60       # (next) round59, then serving's host time by phase, unprofiled (--clock)
 #   bash tools/gpu_round.sh round59       # (next) attaches riding the Step stream: the services' GPU tests that
 #                                         # attach requests; serving through 8 slots with and without
 #   bash tools/gpu_round.sh round58       # (run in the fifty-ninth session) GPU tests of chained steps captured after 2 runs; serving through 8
@@ -151,10 +152,13 @@ serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each 
       host-polls) flags="--split --split-only --mps" ;;
       in-process-mps) flags="--mps" ;;
       no-mps) flags="--split --split-only --both-waits" ;;
+      # (--clock: a fourth run, each engine phase and drafter verb clocked, unprofiled)
+      in-process-clock) flags="--clock" ;;
+      stream-attach-clock) flags="$services --stream-attach --clock" ;;
       *) echo "serving_variants: no variant $variant" | log; continue ;;
     esac
-    timeout 75 $serve $flags > "$OUT/serving-$variant.txt" 2>&1
-    grep -E "serving|chained steps|^drafter \(|Error" "$OUT/serving-$variant.txt" | sed "s/^/$variant: /" | log
+    timeout $([ "${variant%-clock}" = "$variant" ] && echo 75 || echo 100) $serve $flags > "$OUT/serving-$variant.txt" 2>&1
+    grep -E "serving|chained steps|^drafter \(|Error|^clocked" "$OUT/serving-$variant.txt" | sed "s/^/$variant: /" | log
   done
 }
 if [ "${1:-}" = services ]; then
@@ -1164,6 +1168,16 @@ round59)
     -k "on_the_stream or arriving" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
   serving_variants stream-attach services in-process stream-attach
+  ;;
+round60)
+  # (sixtieth session) round59's GPU tests and serving (the attach riding the Step stream, then without), then where
+  # the host's time goes in a serving step, unprofiled (--clock), in process and through the services attaching on
+  # the stream: the in-process chained step is ~1.6 ms of host at eight sequences, the device's ~0.8
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  timeout 180 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+    -k "on_the_stream or arriving" --durations=3 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
+  serving_variants stream-attach services in-process-clock stream-attach-clock
   ;;
 round58)
   # (fifty-eighth session) chained-step shapes are captured after 2 uncaptured runs (EngineConfig.chain_capture_after,
