@@ -38,7 +38,7 @@ from specsplit.shared.tokenizer import Tokenizer
 from specsplit.target_service.engine import Engine, EngineConfig
 from specsplit.target_service.model import load_target
 from specsplit.target_service.sequence import Request
-from step_overhead import PREFIX, free_port, labelled
+from step_overhead import PREFIX, free_port, labelled, served_seconds
 
 PROMPT = "Explain how a hash map works, with an example in Python."
 
@@ -320,13 +320,34 @@ def prefill_marks(metrics_url: str, lines: list[str]) -> Callable[[str], None]:
     chained steps by how they ran (uncaptured, captured, replayed, ...)."""
     last = prefill_phases(metrics_url)
     graphs = labelled(metrics_url, "chain_graph_steps_total", "outcome")
+    steps = step_phases(metrics_url)
 
     def mark(run: str) -> None:
-        nonlocal last, graphs
+        nonlocal last, graphs, steps
         now, graphed = prefill_phases(metrics_url), labelled(metrics_url, "chain_graph_steps_total", "outcome")
-        lines.extend([prefill_line(last, now, run), graph_line(graphs, graphed, run)])
-        last, graphs = now, graphed
+        stepped = step_phases(metrics_url)
+        lines.extend([prefill_line(last, now, run), graph_line(graphs, graphed, run), step_line(steps, stepped, run)])
+        last, graphs, steps = now, graphed, stepped
     return mark
+
+
+def step_phases(metrics_url: str) -> tuple[float, float, dict[str, float]]:
+    """The drafter service's Step messages answered so far, their seconds (its own clock, from a message's
+    arrival to its answer) and their host seconds by phase."""
+    seconds, count = served_seconds(metrics_url)
+    return count, seconds, labelled(metrics_url, "step_phase_seconds_total", "phase")
+
+
+def step_line(before: tuple[float, float, dict[str, float]], after: tuple[float, float, dict[str, float]],
+              run: str) -> str:
+    """The drafter's ms a Step message between two `step_phases`, and by phase: is its host what the target's
+    waits for?"""
+    count = after[0] - before[0]
+    if not count:
+        return f"drafter ({run}): no Step answered"
+    parts = {p: (after[2][p] - before[2].get(p, 0.0)) / count * 1e3 for p in after[2]}
+    return (f"drafter ({run}): {count:.0f} Steps answered, {(after[1] - before[1]) / count * 1e3:.3f} ms each from "
+            f"arrival to answer; by phase: " + ", ".join(f"{p} {ms:.3f}" for p, ms in parts.items() if ms >= 0.0005))
 
 
 def profile_lines(prof: cProfile.Profile, steps: int, head: str) -> str:
