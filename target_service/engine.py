@@ -2071,6 +2071,13 @@ class Engine:
         if seq.detok is None:
             return ""
         stops = [s for s in seq.request.params.stop_strings if s]
+        if not stops:  # (the usual request: nothing held back, `text` is `decoded`, no search a token)
+            delta = "".join(map(seq.detok.push, kept))
+            if seq.finish_reason is not None:
+                delta += seq.detok.flush()
+            seq.decoded += delta
+            seq.text += delta
+            return delta
         longest = max((len(s) for s in stops), default=0)
         for i, token in enumerate(kept):
             searched_from = max(0, len(seq.decoded) - longest + 1)
