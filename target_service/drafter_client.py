@@ -1312,14 +1312,15 @@ class RemoteProposer:
         return conn is not None and not conn.dead and conn.feed is not None and conn.tree_candidates
 
     def chain_candidates(self, batch: RemoteChainBatch, anchors: torch.Tensor, positions: torch.Tensor,
-                         keep: int, into: tuple[torch.Tensor, torch.Tensor] | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         keep: int, into: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         ahead_rows: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A chained step's draft-tree candidates for anchors [B] at positions [B] (on the device): each of the
         drafter's max_drafts block rows' `keep` best log-probabilities and target ids, [B, rows, keep] each on
         our device: those `chain_prefetch` asked for the same (`trees_ahead`), or from one Step now with the
         queued commit and settles. The values are the peer's bytes: the engine clamps the ids, and a NaN score
         ranks last. `into`: float32 and int64 tensors of that shape the candidates are copied into (and
-        returned), straight from the drafts buffer where the drafter wrote them there."""
+        returned), straight from the drafts buffer where the drafter wrote them there. ahead_rows: as
+        `chain_propose`'s (a batch that lost or gained sequences takes those rows of the candidates sent ahead)."""
         if keep != self.tree_keep:
             raise ValueError(f"this drafter connection asks for {self.tree_keep} candidates a row, not {keep}")
         rows = self.spec.max_drafts if self.spec is not None else 0
@@ -1335,19 +1336,22 @@ class RemoteProposer:
         sent, answer = self._chain_ahead, self._chain_ahead_result
         self._chain_ahead = self._chain_ahead_result = None  # (a propose sent ahead for others drafted for nothing)
         self._ahead = self._ahead_result = None
-        if self._rows_ahead(sent, answer, batch, anchors, positions, rows, None, keep) is not None:
+        taken = self._rows_ahead(sent, answer, batch, anchors, positions, rows, ahead_rows, keep)
+        if taken is not None:
             self._host_waits_next = False  # (as chain_propose's: the answer was read, its work seen done)
             self.link.drafts_ahead += n
             self.link.chain_taken_ahead += 1
+            self.link.chain_taken_regrouped += sent[0] != batch.seq_ids
+            want = tuple((seq_id, rows) for seq_id in sent[0])
         else:
             answer = self._chain_ask(conn, batch, anchors, positions, rows, keep)
+            want = tuple((seq_id, rows) for seq_id in batch.seq_ids)
         if answer.in_buffer:
             self._check_rows(conn, answer)
-            if answer.in_buffer != tuple((seq_id, rows) for seq_id in batch.seq_ids) \
-                    or 2 * cut > conn.drafts.tensor.shape[1]:
+            if answer.in_buffer != want or 2 * cut > conn.drafts.tensor.shape[1]:
                 self._disconnect()
                 raise DrafterUnavailable("the drafter answered a chained tree's candidates for other sequences")
-            return self._candidates_in_buffer(conn, n, rows, keep, into)
+            return self._candidates_in_buffer(conn, n, rows, keep, into, taken)
         else:
             got = [answer.proposals.get(seq_id) for seq_id in batch.seq_ids]
             if any(p is None or len(p.tokens) != cut or p.confidence is None or len(p.confidence) != cut
@@ -1364,14 +1368,18 @@ class RemoteProposer:
         return into
 
     def _candidates_in_buffer(self, conn: _Connection, n: int, rows: int, keep: int,
-                              into: tuple[torch.Tensor, torch.Tensor] | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first n sequences' tree candidates in our drafts buffer, [n, rows, keep] log-probabilities and ids
-        (the ids, then the log-probabilities' float32 bits), copied on our stream (into `into`'s, or new
-        tensors; ordered after the drafter's writes by whoever called), the read noted for the next Step that
-        offers the buffer."""
+                              into: tuple[torch.Tensor, torch.Tensor] | None = None,
+                              taken: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first n sequences' tree candidates in our drafts buffer (or those of rows `taken`, in that order),
+        [n, rows, keep] log-probabilities and ids (the ids, then the log-probabilities' float32 bits), copied on
+        our stream (into `into`'s, or new tensors; ordered after the drafter's writes by whoever called), the
+        read noted for the next Step that offers the buffer."""
         cut = rows * keep
-        view = conn.drafts.tensor[:n, :2 * cut]
+        view = conn.drafts.tensor
+        if taken is None or taken == list(range(n)):
+            view = view[:n, :2 * cut]
+        else:  # (a gather: the rows' copy, on our stream)
+            view = view[device_longs(taken, view.device), :2 * cut]
         ids, logp = view[:, :cut].view(n, rows, keep), view[:, cut:].view(torch.float32).view(n, rows, keep)
         if into is None:
             into = (torch.empty((n, rows, keep), dtype=torch.float32, device=view.device),
@@ -1388,8 +1396,8 @@ class RemoteProposer:
         """The rows of the chained propose sent ahead (`sent`, answered by `answer`) that are this one's drafts,
         or None: it was for another connection or k, a verb for one of these sequences was queued since
         (verbs for others ride on the next Step: a sequence's drafts depend on its own state alone), or
-        it is neither the same batch on the same feed nor rows of it the engine vouches for (a tree's candidates,
-        `tree_keep`, only the same batch on the same feed)."""
+        it is neither the same batch on the same feed nor rows of it the engine vouches for (`ahead_rows`; a
+        tree's candidates too, `tree_keep`)."""
         if sent is None or answer is None or self._chain_commit is not None \
                 or any(seq_id in self._pending for seq_id in batch.seq_ids):
             return None
@@ -1399,7 +1407,7 @@ class RemoteProposer:
         n = len(batch.seq_ids)
         if ids == batch.seq_ids and (anchors_key, positions_key) == (_feed_key(anchors), _feed_key(positions)):
             return list(range(n))
-        if tree_keep or ahead_rows is None or len(ahead_rows) != n or any(not 0 <= r < len(ids) for r in ahead_rows) \
+        if ahead_rows is None or len(ahead_rows) != n or any(not 0 <= r < len(ids) for r in ahead_rows) \
                 or tuple(ids[r] for r in ahead_rows) != batch.seq_ids:
             return None
         return list(ahead_rows)

@@ -294,7 +294,7 @@ class Engine:
         self._chain_programs: dict[tuple[int, int, int], ChainProgram] = {}
         # The sequences and k of the chained propose a drafter service was sent as the last step launched
         # (see _chain_send_ahead), for the next launch only
-        self._sent_ahead: tuple[tuple[int, ...], int] | None = None
+        self._sent_ahead: tuple[tuple[int, ...], object] | None = None  # (see _ahead_key)
         self._chain_pool = None  # the memory pool their captured graphs share
         self._side_stream: "torch.cuda.Stream | None" = None  # the attaches' stream (overlap_attach, made on first use)
         self._chain_capture_most = config.chain_capture if use_graphs else 0
@@ -1097,7 +1097,8 @@ class Engine:
                                    [ends[i] - firsts[i] - k - 1 for i in drafting])
         if batch is None or batch is _FAILED:
             return None
-        ahead_rows = self._ahead_rows([ids[i] for i in drafting], k, sent) if self.config.chain_regroup else None
+        ahead_rows = self._ahead_rows([ids[i] for i in drafting], self._ahead_key(k, tree), sent) \
+            if self.config.chain_regroup else None
         if self.cache.num_free_blocks < sum(max(0, self.cache.blocks_for(end) - self.cache.blocks_for(self.cache.length(i)))
                                             for i, end in zip(ids, ends)):
             return None
@@ -1138,21 +1139,26 @@ class Engine:
             self._chain_buffers = ChainBuffers(self.graphs.batches[-1], widest, self._device)
         launched = self._chain_buffers.launch(seqs, k, counts, program, started)
         if among is None:
-            sent = self._chain_send_ahead(seqs, k, counts, pending, program, back)
-            # (a tree's candidates sent ahead are the same batch's alone: `_ahead_rows` regroups chains)
-            self._sent_ahead = None if program.tree else sent
+            self._sent_ahead = self._chain_send_ahead(seqs, k, counts, pending, program, back)
         return launched
 
+    def _ahead_key(self, k: int, tree: int) -> object:
+        """What a propose sent ahead must have been asked for to serve a chained step of k drafts (`tree`: a tree
+        step's, whatever its nodes: its candidates, the drafter's rows and `draft_tree_keep` a row)."""
+        return ("tree", self._spec.max_drafts, self.config.draft_tree_keep) if tree else k
+
     @staticmethod
-    def _ahead_rows(ids: list[int], k: int, sent: tuple[tuple[int, ...], int] | None) -> list[int] | None:
+    def _ahead_rows(ids: list[int], key: object, sent: tuple[tuple[int, ...], object] | None) -> list[int] | None:
         """Where each of a chained step's drafting sequences lies in the propose sent ahead as the step before
-        launched (`sent`), when all of them do with this k (None otherwise). Their anchors and positions are
+        launched (`sent`), when all of them do and it was asked for what this step takes (`key`: its k, or a
+        tree step's candidates, see _ahead_key; None otherwise). Their anchors and positions are
         what it was sent: the feed the step before left for the sequences it held (a batch that changed is
         fed from its rows, see _chain_feed), and the host's own for the others, which no step has moved
         since it was read (those attached as it launched, and those back from sitting it out, sent as the
         step not read then left them, see _chain_send_ahead). So a batch that lost or gained sequences
-        takes those drafts without a round trip (`RemoteProposer.chain_propose`)."""
-        if sent is None or sent[1] != k:
+        takes those drafts (or a tree step's candidates) without a round trip (`RemoteProposer.chain_propose`,
+        `chain_candidates`)."""
+        if sent is None or sent[1] != key:
             return None
         row = {seq_id: i for i, seq_id in enumerate(sent[0])}
         if any(seq_id not in row for seq_id in ids):
@@ -1160,7 +1166,7 @@ class Engine:
         return [row[seq_id] for seq_id in ids]
 
     def _chain_send_ahead(self, seqs: list[Sequence], k: int, counts: list[int], pending: ChainedStep | None,
-                          program: ChainProgram, back: "_Rejoining | None" = None) -> tuple[tuple[int, ...], int] | None:
+                          program: ChainProgram, back: "_Rejoining | None" = None) -> tuple[tuple[int, ...], object] | None:
         """A drafter service asked for the next chained step's drafts now, from the feed the step just launched
         leaves: its host receives them while our GPU verifies, and drafts as soon as the verify is done,
         while our host reads the step before and emits it; the next launch takes the drafts if it chains
@@ -1172,8 +1178,8 @@ class Engine:
         since the last launch, which the next step will add, are asked for too (`_joining`), and those of
         the step not read yet that sit this one out (`back`, see _rejoining): so neither a request's end,
         nor its successor's arrival, nor a sampled sequence stepping out and back costs a round trip.
-        A tree step asks for the next tree step's candidates, for its own sequences only (the drafter's
-        `trees_ahead`). Returns the sequences asked for and k (None: nothing was sent)."""
+        A tree step asks for the next tree step's candidates (the drafter's `trees_ahead`), for the same
+        sequences. Returns the sequences asked for and what for (`_ahead_key`; None: nothing was sent)."""
         if self._attaching and self.drafter_ok:  # (attached since the last launch: asked for below, see stream_attach)
             self._settle_attaches()
         prefetch = _capability(self.proposer, "chain_prefetch")
@@ -1191,11 +1197,6 @@ class Engine:
                 self._drafter_call(send)
             return None
         ids = [s.seq_id for s in seqs]
-        if program.tree:
-            anchors, positions = program.feed
-            sent = self._drafter_call(prefetch, ids, rows, anchors, positions, self._spec.max_drafts,
-                                      self.config.draft_tree_keep)
-            return None if sent is None or sent is _FAILED else (sent, k)
         feeds = [program.feed]
         joining = self._joining(seqs, unread, k) if self.config.chain_regroup else []
         if joining:  # (their anchors and positions the host's, as the next step's feed takes them)
@@ -1210,8 +1211,9 @@ class Engine:
         if len(feeds) > 1:
             self._quiesce()  # (the join below may launch a kernel for the first time: no device wait pending)
             anchors, positions = torch.cat(feeds, dim=1)
-        sent = self._drafter_call(prefetch, ids, rows, anchors, positions, k)
-        return None if sent is None or sent is _FAILED else (sent, k)
+        asked = (self._spec.max_drafts, self.config.draft_tree_keep) if program.tree else (k,)
+        sent = self._drafter_call(prefetch, ids, rows, anchors, positions, *asked)
+        return None if sent is None or sent is _FAILED else (sent, self._ahead_key(k, program.tree))
 
     def _send_ahead_again(self) -> None:
         """(overlap_attach, through a drafter service) Sequences attached behind the launch whose propose went
@@ -1221,7 +1223,8 @@ class Engine:
         Each launched sequence's anchor now lies only that step's rows past the drafter's position, once the
         settles this Step carries are applied."""
         launched, prefetch = self._chain, _capability(self.proposer, "chain_prefetch")
-        if launched is None or self._sent_ahead is None or prefetch is None or not self.drafter_ok:
+        if launched is None or self._sent_ahead is None or prefetch is None or not self.drafter_ok \
+                or (launched.program is not None and launched.program.tree):  # (chains only)
             return
         k = launched.num_drafts
         unread = {s.seq_id: n + 1 for s, n in zip(launched.seqs, launched.counts)}
@@ -1329,7 +1332,7 @@ class Engine:
         the capture). False: the drafter failed before the verify (it is detached)."""
         call = call or (lambda verb, *args: verb(*args))
         if program.tree:
-            return self._chain_tree(call, program, batch, fwd)
+            return self._chain_tree(call, program, batch, fwd, ahead_rows)
         anchors, positions = program.feed
         drafts = self._chain_drafts(call, batch, anchors, positions, program.k, among, len(seqs), ahead_rows)
         if drafts is None:
@@ -1339,15 +1342,17 @@ class Engine:
                            lambda rows, at: call(self.proposer.chain_commit, batch, rows, at, program.k + 1))
         return True
 
-    def _chain_tree(self, call, program: ChainProgram, batch, fwd) -> bool:
+    def _chain_tree(self, call, program: ChainProgram, batch, fwd, ahead_rows: list[int] | None = None) -> bool:
         """A chained step of draft trees (`_tree_depth`), from `program.feed` to `program.outcome` and the next
         feed, all on the device: the drafter's candidates, each sequence's best-first tree of k nodes
         (`kernels.tree_grow`), one verify of the roots and nodes in a tree bucket, the longest path of the target's
         picks accepted (`kernels.tree_accept`), its k/v moved to the positions its tokens take and its rows
         committed to the drafter in their place, as if it had been a chain drafted and accepted whole. The
-        rows past it lie where the next verify and propose write first. False: the drafter failed."""
+        rows past it lie where the next verify and propose write first. False: the drafter failed. ahead_rows:
+        see _ahead_rows."""
         anchors, positions = program.feed
-        got = call(self.proposer.chain_candidates, batch, anchors, positions, self.config.draft_tree_keep)
+        got = call(self.proposer.chain_candidates, batch, anchors, positions, self.config.draft_tree_keep,
+                   *(() if ahead_rows is None else (None, ahead_rows)))  # (a drafter service's sent ahead alone)
         if got is _FAILED:
             return False
         self._tree_verify(program, fwd, *got,
@@ -1407,7 +1412,8 @@ class Engine:
         anchors, positions = program.feed
         if program.tree:
             got = self._drafter_call(self.proposer.chain_candidates, batch, anchors, positions, keep,
-                                     program.candidates)  # (into them, straight from the drafts buffer)
+                                     program.candidates,  # (into them, straight from the drafts buffer)
+                                     *(() if ahead_rows is None else (ahead_rows,)))
             if got is _FAILED:
                 return False
             for into, values in zip(program.candidates, got):

@@ -67,7 +67,7 @@ def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(p
     target-only decoding's, a request joining mid-run included; nothing stays allocated on either side. Trees of
     as many nodes as the drafter's 7 rows, and of 13 (wider, no deeper: each commit still holds at most 8 rows).
     With `trees_ahead` the next tree step's candidates are asked for as each step launches, and taken by the next
-    step of the same batch (most steps here) instead of a Step of its own."""
+    step (most steps here) instead of a Step of its own: when the batch changed too, the rows of its sequences."""
     from specsplit.shared.tokenizer import Tokenizer
 
     target, local, address, remote = pair
@@ -96,8 +96,10 @@ def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(p
         assert through.counters.chained == in_process.counters.chained > 10
         assert {key[1:] for key in through._chain_programs if key[2]} == {(nodes, local.spec.max_drafts)}
         assert set(widths) == {min(nodes, local.spec.max_drafts) + 1}  # (the in-process trees' commits)
-        taken = proposer.link.chain_taken_ahead
+        taken, regrouped = proposer.link.chain_taken_ahead, proposer.link.chain_taken_regrouped
         assert (taken > len(there) // 2) if ahead else taken == 0, (taken, len(there))
+        # (requests ending and one joining: those steps took the rows sent ahead for their sequences)
+        assert (regrouped > 0) if ahead else regrouped == 0, regrouped
         proposer.flush()
         assert len(remote.store) == 0 and remote.pool.num_free_blocks == remote.pool.num_blocks
         assert through.cache.num_free_blocks == through.cache.num_blocks - 1  # all but the scratch block

@@ -453,7 +453,8 @@ def test_draft_trees_through_the_drafter_service_accept_as_the_in_process_trees(
     the trees, its side replayed as a graph. Requests of three lengths (the batch shrinks): the tokens are
     target-only's, each request accepts as many drafts as with the in-process trees (float32: the same
     candidates), in fewer steps than the services' chains. With `trees_ahead` most steps take candidates asked
-    for as the step before launched (with device waits, before their answer is read)."""
+    for as the step before launched (with device waits, before their answer is read; as the batch shrinks, its
+    sequences' rows of them)."""
     from specsplit.target_service.engine import EngineConfig
 
     model, tokenizer = default_target()
@@ -473,7 +474,7 @@ def test_draft_trees_through_the_drafter_service_accept_as_the_in_process_trees(
                                        tree_keep=8, trees_ahead=ahead)
         assert remote.tree_candidates and remote._conn.drafts.tensor.shape[1] == 2 * 15 * 8
         tokens, stats = outcome(engine)
-        trees, taken = engine.counters, remote.link.chain_taken_ahead
+        trees, taken, regrouped = engine.counters, remote.link.chain_taken_ahead, remote.link.chain_taken_regrouped
         remote.close()
         engine, remote = remote_engine(address, model, device_waits=device_waits)
         _, chain_stats = outcome(engine)
@@ -484,6 +485,8 @@ def test_draft_trees_through_the_drafter_service_accept_as_the_in_process_trees(
     assert sum(s.steps for s in stats) < sum(s.steps for s in chain_stats)
     assert trees.fallbacks == 0 and trees.chain_replays >= 20, (trees.chain_captures, trees.chain_replays)
     assert (taken > trees.chained // 2) if ahead else taken == 0, (taken, trees.chained)
+    # (as the batch shrank, the next step took its sequences' rows of the candidates sent ahead)
+    assert (regrouped > 0) if ahead else regrouped == 0, regrouped
 
 
 @pytest.mark.parametrize("device_waits", [False, True], ids=["host-polls", "device-waits"])

@@ -67,7 +67,8 @@
 #   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
-#   bash tools/gpu_round.sh round60       # (next) round59, then serving's host time by phase, unprofiled (--clock)
+#   bash tools/gpu_round.sh round60b      # (next) trees sent ahead regrouped at batch changes: GPU tests, serving
+#   bash tools/gpu_round.sh round60       # (run in the sixtieth session) round59, then serving's host time by phase, unprofiled (--clock)
 #   bash tools/gpu_round.sh round59       # (next) attaches riding the Step stream: the services' GPU tests that
 #                                         # attach requests; serving through 8 slots with and without
 #   bash tools/gpu_round.sh round58       # (run in the fifty-ninth session) GPU tests of chained steps captured after 2 runs; serving through 8
@@ -1168,6 +1169,18 @@ round59)
     -k "on_the_stream or arriving" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
   serving_variants stream-attach services in-process stream-attach
+  ;;
+round60b)
+  # (sixtieth session) round60 found the services' 8-slot tree steps waiting ~1.3-2 ms at each batch change (0.24
+  # a step): a tree's candidates sent ahead served only the same batch. Now a batch that lost or gained sequences
+  # takes their rows (as chains did): the GPU tests of trees sent ahead, then serving with and without the
+  # attach on the stream
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  serving_variants stream-attach
+  timeout 100 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+    -k "draft_trees_through and sent-ahead" --durations=3 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
+  serving_variants services
   ;;
 round60)
   # (sixtieth session) round59's GPU tests and serving (the attach riding the Step stream, then without), then where
