@@ -45,6 +45,48 @@ def _recorded(proposer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return seen
 
 
+def _asks(proposer) -> list[tuple[str, tuple[int, ...]]]:
+    """In order from now on: ("step", the sequences) of each `chain_candidates` call and ("ahead", the sequences) of
+    each `chain_prefetch` that sent candidates ahead."""
+    asks, candidates, prefetch = [], proposer.chain_candidates, proposer.chain_prefetch
+
+    def chain_candidates(batch, *args):
+        asks.append(("step", tuple(batch.seq_ids)))
+        return candidates(batch, *args)
+
+    def chain_prefetch(*args):
+        sent = prefetch(*args)
+        if sent is not None:
+            asks.append(("ahead", tuple(sent)))
+        return sent
+
+    proposer.chain_candidates, proposer.chain_prefetch = chain_candidates, chain_prefetch
+    return asks
+
+
+def test_candidates_in_the_drafts_buffer_are_taken_by_the_rows_asked_for():
+    """A batch that changed takes its sequences' rows of the candidates sent ahead (`taken`, in the step's order):
+    each row's ids, then its log-probabilities' float32 bits, gathered; none given or the first rows in order
+    read the first n rows as they lie."""
+    import types
+
+    rows, keep, n_rows = 3, 2, 4
+    cut = rows * keep
+    ids = torch.arange(n_rows * cut, dtype=torch.int32).view(n_rows, cut)
+    logp = -torch.rand(n_rows, cut)
+    buffer = torch.cat([ids, logp.view(torch.int32)], dim=1)
+    conn = types.SimpleNamespace(drafts=types.SimpleNamespace(tensor=buffer))
+    notes = []
+    me = types.SimpleNamespace(_note_read=notes.append, link=types.SimpleNamespace(drafts_on_device=0))
+    for taken in ([2, 0], [1, 2, 3], [0, 1], None):
+        n = len(taken) if taken is not None else 3
+        index = taken if taken is not None else list(range(n))
+        got_logp, got_ids = RemoteProposer._candidates_in_buffer(me, conn, n, rows, keep, None, taken)
+        assert torch.equal(got_ids, ids[index].to(torch.int64).view(n, rows, keep))
+        assert torch.equal(got_logp, logp[index].view(n, rows, keep))
+    assert len(notes) == 4 and me.link.drafts_on_device == 2 + 3 + 2 + 3
+
+
 def _tree_steps(engine) -> int:
     return sum(1 for key in engine._chain_programs if key[2])
 
@@ -83,6 +125,7 @@ def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(p
     try:
         assert proposer.tree_candidates
         there = _recorded(proposer)
+        asked = _asks(proposer)
         # (attached by PrefillDrafter, as the in-process drafter attaches: a request attached on the Step stream
         # joins a step later, so the steps' candidates would differ from the in-process ones from there)
         through = _engine(target, proposer, chain_capture_remote=captured, stream_attach=False, **trees)
@@ -98,8 +141,12 @@ def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(p
         assert set(widths) == {min(nodes, local.spec.max_drafts) + 1}  # (the in-process trees' commits)
         taken, regrouped = proposer.link.chain_taken_ahead, proposer.link.chain_taken_regrouped
         assert (taken > len(there) // 2) if ahead else taken == 0, (taken, len(there))
-        # (requests ending and one joining: those steps took the rows sent ahead for their sequences)
+        # (requests ending and one joining: those steps took the rows sent ahead for their sequences; the one
+        # joining was asked for ahead, beside the step's own, as the step before it launched)
         assert (regrouped > 0) if ahead else regrouped == 0, regrouped
+        joined = any(then == "ahead" and set(ids) > set(before)
+                     for (was, before), (then, ids) in zip(asked, asked[1:]) if was == "step")
+        assert joined == ahead, asked
         proposer.flush()
         assert len(remote.store) == 0 and remote.pool.num_free_blocks == remote.pool.num_blocks
         assert through.cache.num_free_blocks == through.cache.num_blocks - 1  # all but the scratch block
