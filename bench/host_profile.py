@@ -395,6 +395,9 @@ def main() -> None:
                          "sent ahead")
     ap.add_argument("--drafter-capture-after", type=int, default=None, metavar="N",
                     help="(--split) the drafter service's --chain-capture-after (default: its own, 8)")
+    ap.add_argument("--tree-regroup", action="store_true",
+                    help="(--split) EngineConfig(tree_regroup=True) for the services: a tree step whose batch lost or "
+                         "gained sequences takes their rows of the candidates sent ahead")
     ap.add_argument("--no-regroup", action="store_true",
                     help="(--split) EngineConfig(chain_regroup=False) for the services: a batch that changed waits for "
                          "a propose of its own, as before the thirty-seventh session")
@@ -464,7 +467,7 @@ def run(args: argparse.Namespace) -> None:
 
     proc = remote = None
     services = "services, " + "both waits, " * args.both_waits + "target waits, " * args.target_waits \
-        + "unquiesced, " * args.unquiesced + "no regroup, " * args.no_regroup \
+        + "unquiesced, " * args.unquiesced + "no regroup, " * args.no_regroup + "trees regrouped, " * args.tree_regroup \
         + "overlapped attach, " * args.overlap_attach + "attached on the stream, " * args.stream_attach \
         + (f"drafter captures after {args.drafter_capture_after}, " if args.drafter_capture_after is not None else "")
     services = services if services != "services, " else "services "
@@ -508,6 +511,7 @@ def run(args: argparse.Namespace) -> None:
                                           overlap_attach=args.overlap_attach and drafter is remote,
                                           stream_attach=args.stream_attach and drafter is remote,
                                           chain_regroup=not (args.no_regroup and drafter is remote),
+                                          tree_regroup=args.tree_regroup and drafter is remote,
                                           unquiesced_host_flags=args.unquiesced and drafter is remote)
                     engine = Engine(model, drafter, config, eos_ids=tokenizer.eos_token_ids)
                     # The drafter's prefills run by run: the warm-up's carry its graphs' first uses and

@@ -142,6 +142,10 @@ class EngineConfig:
     # attached since, and the next step takes its drafts for a batch that lost or gained sequences
     # (Engine._ahead_rows). Off: a Step of its own, waited for, at each batch change (measurement only).
     chain_regroup: bool = True
+    # ... and a tree step's candidates sent ahead too (sixtieth session: serving through 8 slots, each batch change
+    # cost a tree step a Step of its own, 1.3-2.1 ms waited for, 0.24 a step). Off until measured on a GPU
+    # (`gpu_round.sh round60b`): tree steps then take candidates sent ahead for the same batch alone.
+    tree_regroup: bool = False
     # With device waits whose DONE buffer is the host page (RemoteProposer.waits_outlive_loads: its watchdog
     # releases with a store, which gets through a kernel module's load) our stream's waits are left pending
     # across work that may launch a kernel for the first time: no `_quiesce`, no host wait for the drafts of a
@@ -187,7 +191,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InvalidRequest(f"{name} is a number >= {least}, got {value!r}")
-        for name in ("chain_capture_remote", "stream_attach"):
+        for name in ("chain_capture_remote", "stream_attach", "tree_regroup"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(f"{name} is true or false, got {getattr(self, name)!r}")
         for name, least, most in (("draft_tree", 0, MAX_TREE_NODES), ("draft_tree_keep", 1, MAX_TREE_KEEP),
@@ -1098,7 +1102,7 @@ class Engine:
         if batch is None or batch is _FAILED:
             return None
         ahead_rows = self._ahead_rows([ids[i] for i in drafting], self._ahead_key(k, tree), sent) \
-            if self.config.chain_regroup else None
+            if self._regroups(tree) else None
         if self.cache.num_free_blocks < sum(max(0, self.cache.blocks_for(end) - self.cache.blocks_for(self.cache.length(i)))
                                             for i, end in zip(ids, ends)):
             return None
@@ -1112,7 +1116,7 @@ class Engine:
         row_of = {} if pending is None else {s.seq_id: i for i, s in enumerate(pending.seqs)}
         # (read before the feed below may overwrite the step not read yet's; a propose goes ahead only when
         # every sequence drafts)
-        back = self._rejoining(ids, k, pending) if len(drafting) == len(seqs) else None
+        back = self._rejoining(ids, k, pending, tree) if len(drafting) == len(seqs) else None
         if pending is None or pending.program is not program or [s.seq_id for s in pending.seqs] != ids:
             program.feed.copy_(torch.stack(self._chain_feed(seqs, firsts, pending, row_of)))
         # each sequence's drafts offered: none without a drafter; a sampled one's as a step-by-step step
@@ -1141,6 +1145,11 @@ class Engine:
         if among is None:
             self._sent_ahead = self._chain_send_ahead(seqs, k, counts, pending, program, back)
         return launched
+
+    def _regroups(self, tree: int) -> bool:
+        """Whether a chained step (`tree`: a tree step) that lost or gained sequences takes their rows of what was
+        sent ahead (`EngineConfig.chain_regroup`, `tree_regroup`)."""
+        return self.config.chain_regroup and (not tree or self.config.tree_regroup)
 
     def _ahead_key(self, k: int, tree: int) -> object:
         """What a propose sent ahead must have been asked for to serve a chained step of k drafts (`tree`: a tree
@@ -1198,7 +1207,7 @@ class Engine:
             return None
         ids = [s.seq_id for s in seqs]
         feeds = [program.feed]
-        joining = self._joining(seqs, unread, k) if self.config.chain_regroup else []
+        joining = self._joining(seqs, unread, k) if self._regroups(program.tree) else []
         if joining:  # (their anchors and positions the host's, as the next step's feed takes them)
             ids += [s.seq_id for s in joining]
             rows += [0] * len(joining)
@@ -1246,13 +1255,13 @@ class Engine:
         if sent is not None:  # (None: nothing sent, the first propose stands)
             self._sent_ahead = (sent, k)
 
-    def _rejoining(self, ids: list[int], k: int, pending: ChainedStep | None) -> "_Rejoining | None":
+    def _rejoining(self, ids: list[int], k: int, pending: ChainedStep | None, tree: int = 0) -> "_Rejoining | None":
         """The sequences of the step not read yet that sit out the step of `ids` (a sampled one near its end,
         see _chain_plan) and may be back in the next: for the propose sent ahead, their anchors and positions
         as that step leaves them, gathered on the device now (before the new step's feed may overwrite that
         step's program's; they are what the host will know once it has read that step), and its rows, which
         the drafter has not been told yet. None: there are none, or no propose goes ahead."""
-        if pending is None or not self.config.chain_regroup or _capability(self.proposer, "chain_prefetch") is None \
+        if pending is None or not self._regroups(tree) or _capability(self.proposer, "chain_prefetch") is None \
                 or not getattr(self.proposer, "chain_ahead", True):
             return None
         held = set(ids)

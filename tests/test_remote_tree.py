@@ -94,22 +94,23 @@ def _tree_steps(engine) -> int:
 _SLOW = pytest.mark.slow  # (4-6 s each on the CPU: the default run keeps the captured one, as a GPU serves)
 
 
-@pytest.mark.parametrize("captured, nodes, ahead", [(True, NODES, False), pytest.param(False, NODES, False, marks=_SLOW),
-                                                    pytest.param(True, 2 * NODES - 1, False, marks=_SLOW),
-                                                    pytest.param(False, 2 * NODES - 1, False, marks=_SLOW),
-                                                    pytest.param(True, NODES, True, marks=_SLOW),
-                                                    pytest.param(False, 2 * NODES - 1, True, marks=_SLOW)],
-                         ids=["as-tail", "verb-by-verb", "wider-than-rows-as-tail", "wider-than-rows-verb-by-verb",
-                              "sent-ahead-as-tail", "sent-ahead-wider-verb-by-verb"])
+@pytest.mark.parametrize("captured, nodes, ahead, regroup", [
+    (True, NODES, False, False), pytest.param(False, NODES, False, False, marks=_SLOW),
+    pytest.param(True, 2 * NODES - 1, False, False, marks=_SLOW), pytest.param(False, 2 * NODES - 1, False, False, marks=_SLOW),
+    pytest.param(True, NODES, True, True, marks=_SLOW), pytest.param(False, 2 * NODES - 1, True, True, marks=_SLOW),
+    pytest.param(True, NODES, True, False, marks=_SLOW)],
+    ids=["as-tail", "verb-by-verb", "wider-than-rows-as-tail", "wider-than-rows-verb-by-verb", "sent-ahead-as-tail",
+         "sent-ahead-wider-verb-by-verb", "sent-ahead-same-batch-only"])
 def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(pair, tiny_chat_dir, captured, nodes,
-                                                                               ahead):
+                                                                               ahead, regroup):
     """Each chained tree step asks the drafter service for its rows' candidates (answered inline on the CPU) and
     grows, verifies and accepts its trees here (`chain_capture_remote`: as the tail a graph would hold, or
     uncaptured, verb by verb): every candidate, every token and every step the in-process trees', and the tokens
     target-only decoding's, a request joining mid-run included; nothing stays allocated on either side. Trees of
     as many nodes as the drafter's 7 rows, and of 13 (wider, no deeper: each commit still holds at most 8 rows).
     With `trees_ahead` the next tree step's candidates are asked for as each step launches, and taken by the next
-    step (most steps here) instead of a Step of its own: when the batch changed too, the rows of its sequences."""
+    step (most steps here) instead of a Step of its own; with `tree_regroup`, when the batch changed too, the rows
+    of its sequences (and a sequence joining is asked for ahead)."""
     from specsplit.shared.tokenizer import Tokenizer
 
     target, local, address, remote = pair
@@ -128,7 +129,8 @@ def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(p
         asked = _asks(proposer)
         # (attached by PrefillDrafter, as the in-process drafter attaches: a request attached on the Step stream
         # joins a step later, so the steps' candidates would differ from the in-process ones from there)
-        through = _engine(target, proposer, chain_capture_remote=captured, stream_attach=False, **trees)
+        through = _engine(target, proposer, chain_capture_remote=captured, stream_attach=False, tree_regroup=regroup,
+                          **trees)
         got = _run(through, tokenizer)
         assert got == want == alone
         # every step's candidates, as the engine got them: the in-process drafter's, ids and log-probabilities
@@ -143,10 +145,10 @@ def test_trees_through_the_services_equal_the_in_process_trees_and_target_only(p
         assert (taken > len(there) // 2) if ahead else taken == 0, (taken, len(there))
         # (requests ending and one joining: those steps took the rows sent ahead for their sequences; the one
         # joining was asked for ahead, beside the step's own, as the step before it launched)
-        assert (regrouped > 0) if ahead else regrouped == 0, regrouped
+        assert (regrouped > 0) if regroup else regrouped == 0, regrouped
         joined = any(then == "ahead" and set(ids) > set(before)
                      for (was, before), (then, ids) in zip(asked, asked[1:]) if was == "step")
-        assert joined == ahead, asked
+        assert joined == regroup, asked
         proposer.flush()
         assert len(remote.store) == 0 and remote.pool.num_free_blocks == remote.pool.num_blocks
         assert through.cache.num_free_blocks == through.cache.num_blocks - 1  # all but the scratch block

@@ -453,8 +453,8 @@ def test_draft_trees_through_the_drafter_service_accept_as_the_in_process_trees(
     the trees, its side replayed as a graph. Requests of three lengths (the batch shrinks): the tokens are
     target-only's, each request accepts as many drafts as with the in-process trees (float32: the same
     candidates), in fewer steps than the services' chains. With `trees_ahead` most steps take candidates asked
-    for as the step before launched (with device waits, before their answer is read; as the batch shrinks, its
-    sequences' rows of them)."""
+    for as the step before launched (with device waits, before their answer is read; as the batch shrinks, with
+    `tree_regroup`, its sequences' rows of them)."""
     from specsplit.target_service.engine import EngineConfig
 
     model, tokenizer = default_target()
@@ -470,8 +470,8 @@ def test_draft_trees_through_the_drafter_service_accept_as_the_in_process_trees(
                           EngineConfig(max_batch=4, draft_tree=15))
     want, want_stats = outcome(local)
     with spawned_drafter(tmp_path) as address:
-        engine, remote = remote_engine(address, model, config={"draft_tree": 15}, device_waits=device_waits,
-                                       tree_keep=8, trees_ahead=ahead)
+        engine, remote = remote_engine(address, model, config={"draft_tree": 15, "tree_regroup": ahead},
+                                       device_waits=device_waits, tree_keep=8, trees_ahead=ahead)
         assert remote.tree_candidates and remote._conn.drafts.tensor.shape[1] == 2 * 15 * 8
         tokens, stats = outcome(engine)
         trees, taken, regrouped = engine.counters, remote.link.chain_taken_ahead, remote.link.chain_taken_regrouped

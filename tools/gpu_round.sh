@@ -67,7 +67,7 @@
 #   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
-#   bash tools/gpu_round.sh round60b      # (next) trees sent ahead regrouped at batch changes: GPU tests, serving
+#   bash tools/gpu_round.sh round60b      # (next) trees regrouped (EngineConfig.tree_regroup, off): serving, GPU tests
 #   bash tools/gpu_round.sh round60       # (run in the sixtieth session) round59, then serving's host time by phase, unprofiled (--clock)
 #   bash tools/gpu_round.sh round59       # (next) attaches riding the Step stream: the services' GPU tests that
 #                                         # attach requests; serving through 8 slots with and without
@@ -149,6 +149,8 @@ serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each 
       unquiesced) flags="$services --unquiesced" ;;
       overlapped) flags="$services --overlap-attach" ;;
       stream-attach) flags="$services --stream-attach" ;;
+      tree-regroup) flags="$services --tree-regroup" ;;
+      stream-attach-regroup) flags="$services --stream-attach --tree-regroup" ;;
       drafter-after-2) flags="$services --drafter-capture-after 2" ;;
       host-polls) flags="--split --split-only --mps" ;;
       in-process-mps) flags="--mps" ;;
@@ -1172,15 +1174,15 @@ round59)
   ;;
 round60b)
   # (sixtieth session) round60 found the services' 8-slot tree steps waiting ~1.3-2 ms at each batch change (0.24
-  # a step): a tree's candidates sent ahead served only the same batch. Now a batch that lost or gained sequences
-  # takes their rows (as chains did): the GPU tests of trees sent ahead, then serving with and without the
-  # attach on the stream
+  # a step): a tree's candidates sent ahead served only the same batch. With EngineConfig.tree_regroup (off until
+  # this passes and wins) a batch that lost or gained sequences takes their rows (as chains did): serving with
+  # and without it, the GPU tests of trees sent ahead, then with the attach on the stream too (it may win now)
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
-  serving_variants stream-attach
-  timeout 100 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+  serving_variants tree-regroup services
+  timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py \
     -k "draft_trees_through and sent-ahead" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
-  serving_variants services
+  serving_variants stream-attach-regroup tree-regroup
   ;;
 round60)
   # (sixtieth session) round59's GPU tests and serving (the attach riding the Step stream, then without), then where
