@@ -1220,9 +1220,9 @@ class Engine:
         if len(feeds) > 1:
             self._quiesce()  # (the join below may launch a kernel for the first time: no device wait pending)
             anchors, positions = torch.cat(feeds, dim=1)
-        asked = (self._spec.max_drafts, self.config.draft_tree_keep) if program.tree else (k,)
-        sent = self._drafter_call(prefetch, ids, rows, anchors, positions, *asked)
-        return None if sent is None or sent is _FAILED else (sent, self._ahead_key(k, program.tree))
+        key = self._ahead_key(k, program.tree)
+        sent = self._drafter_call(prefetch, ids, rows, anchors, positions, *(key[1:] if program.tree else (key,)))
+        return None if sent is None or sent is _FAILED else (sent, key)
 
     def _send_ahead_again(self) -> None:
         """(overlap_attach, through a drafter service) Sequences attached behind the launch whose propose went
@@ -2086,11 +2086,10 @@ class Engine:
         if seq.detok is None:
             return ""
         stops = [s for s in seq.request.params.stop_strings if s]
-        if not stops:  # (the usual request: nothing held back, `text` is `decoded`, no search a token)
+        if not stops:  # (the usual request: nothing held back, no search a token, no `decoded` beside `text`)
             delta = "".join(map(seq.detok.push, kept))
             if seq.finish_reason is not None:
                 delta += seq.detok.flush()
-            seq.decoded += delta
             seq.text += delta
             return delta
         longest = max((len(s) for s in stops), default=0)

@@ -73,7 +73,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     text: str = ""  # decoded generated text emitted so far (stop strings excluded)
     detok: TextStream | None = None  # incremental detokenizer (None: the engine emits no text)
-    decoded: str = ""  # all text decoded so far, including what is held back for stop strings
+    decoded: str = ""  # (with stop strings) all text decoded so far, including what is held back for them
 
     @property
     def prompt_len(self) -> int:
