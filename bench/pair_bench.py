@@ -25,6 +25,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import shlex
 import statistics
 import time
 import urllib.request
@@ -230,13 +231,15 @@ def main() -> None:
     ap.add_argument("--engine-process", choices=["off", "on", "both"], default="off",
                     help="the targets' engines in a process of their own (target serve --engine-process); both: "
                          "each pair once each way, each beside its own target only")
+    ap.add_argument("--target-args", default="", metavar="'ARGS'",
+                    help="more `target serve` options for every pair's target, one string, e.g. '--tree-regroup'")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if min(args.streams) < 1 or args.requests < 1 or args.rounds < 1 or min(args.speculate_below) < 0:
         ap.error("--streams, --requests and --rounds must be positive, --speculate-below >= 0")
     tokenizer = Tokenizer.from_dir(target_dir("default"))
     heldout = [p.encode(tokenizer) for p in read_prompts(HELDOUT_PATH)]
-    max_batch = ("--max-batch", str(max(16, max(args.streams))))
+    max_batch = ("--max-batch", str(max(16, max(args.streams))), *shlex.split(args.target_args))
     specs = {}  # run name -> its pair
     engines = {"off": [""], "on": ["_engine_process"], "both": ["", "_engine_process"]}[args.engine_process]
     for engine in engines:

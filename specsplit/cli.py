@@ -305,7 +305,7 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
                           kv_blocks=args.kv_blocks, cuda_graphs=args.cuda_graphs,
                           drafts_by_batch=args.drafts_by_batch, auto_drafts=auto, draft_tree=tree,
                           draft_tree_batch=min(args.draft_tree_batch, args.max_batch) if tree else None,
-                          trees_by_batch=args.trees_by_batch if tree else ())
+                          trees_by_batch=args.trees_by_batch if tree else (), tree_regroup=args.tree_regroup)
     settings = TargetSettings(tuple(args.listen), setup_from(args, "none"), drafter, engine,
                               drafter_timeout=args.drafter_timeout, step_socket=not args.step_over_grpc,
                               device_waits=args.device_waits, host_flags=args.host_flags,
@@ -586,6 +586,10 @@ def add_service_parsers(sub) -> None:
                          "as chains' proposes are sent ahead, so the next tree step of the same sequences takes "
                          "them without a round trip of its own (default: off; it pays with a drafter serving "
                          "--device-waits, as `specsplit up` pairs them on a GPU)")
+    ts.add_argument("--tree-regroup", action=argparse.BooleanOptionalAction, default=False,
+                    help="with --trees-ahead: a tree step whose batch lost or gained sequences (a request ending or "
+                         "arriving) takes their rows of the candidates sent ahead, as chains do, instead of a Step "
+                         "of its own (default: off until measured on a GPU; EngineConfig.tree_regroup)")
     ts.add_argument("--kv-blocks", type=int, default=2048, help="KV cache size, in blocks of 16 tokens")
     ts.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="on a GPU, replay decode/verify steps as CUDA graphs captured at start "

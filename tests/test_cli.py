@@ -190,6 +190,14 @@ def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, m
         + ((engine.trees_by_batch,) if engine.trees_by_batch else ()) == want
 
 
+@pytest.mark.parametrize("extra, want", [((), False), (("--tree-regroup",), True), (("--no-tree-regroup",), False)])
+def test_target_serve_passes_tree_regroup_to_the_engine(extra, want, monkeypatch):
+    """`target serve --[no-]tree-regroup`: whether a tree step whose batch changed takes candidates sent ahead
+    (EngineConfig.tree_regroup; off by default)."""
+    settings = target_serve_settings((*DRAFTER, "--draft-tree", "15", "--trees-ahead", *extra), monkeypatch)
+    assert settings.engine.tree_regroup is want and settings.trees_ahead
+
+
 def target_serve_settings(extra, monkeypatch):
     """The TargetSettings `target serve --listen ... *extra` starts its target with (nothing started)."""
     import specsplit.services

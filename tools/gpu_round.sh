@@ -67,6 +67,8 @@
 #   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
+#   bash tools/gpu_round.sh round61       # (next) round60b reordered: serving with and without tree_regroup, alternating
+#   bash tools/gpu_round.sh round61b      # (next) the served pair at 1 and 8 streams, PAIR_ARGS=--tree-regroup if it wins
 #   bash tools/gpu_round.sh round60b      # (next) trees regrouped (EngineConfig.tree_regroup, off): serving, GPU tests
 #   bash tools/gpu_round.sh round60       # (run in the sixtieth session) round59, then serving's host time by phase, unprofiled (--clock)
 #   bash tools/gpu_round.sh round59       # (next) attaches riding the Step stream: the services' GPU tests that
@@ -1171,6 +1173,24 @@ round59)
     -k "on_the_stream or arriving" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
   serving_variants stream-attach services in-process stream-attach
+  ;;
+round61)
+  # (sixty-first session) round60b reordered: on a fresh machine the first serving run pays the drafter's start (the
+  # sixtieth session's regroup run timed out behind it), so the services without regrouping go first, then with and
+  # without alternating; the GPU tests of trees sent ahead (regrouping required); the attach on the stream last
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  serving_variants services tree-regroup services tree-regroup
+  timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+    -k "draft_trees_through and sent-ahead" --durations=3 2>&1 \
+    | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
+  serving_variants stream-attach-regroup
+  ;;
+round61b)
+  # (sixty-first session) the served pair at 1 and 8 streams (round58b), its targets given $PAIR_ARGS (e.g.
+  # --tree-regroup, as round61 decides)
+  ROUND_SECONDS=${ROUND_SECONDS:-570} timeout 420 python bench/pair_bench.py --device cuda --streams 1 8 \
+    --speculate-below 9 --requests 3 --max-tokens 160 --rounds 2 --mps --client-processes --engine-process on \
+    --target-args "${PAIR_ARGS:-}" --json-out "$OUT/pair61.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
   ;;
 round60b)
   # (sixtieth session) round60 found the services' 8-slot tree steps waiting ~1.3-2 ms at each batch change (0.24
