@@ -211,14 +211,17 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     "timed", "profiled"), e.g. to read a drafter service's counters between them."""
     shapes: list[str] = []
 
+    emitted = [0]  # tokens the last run emitted
+
     def run(tag: str) -> int:
+        emitted[0] = 0
         for i, ids in enumerate(prompts):
             engine.add(Request(f"{tag}{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                                                 seed=i if temperature else None)))
         before = chain_tally(engine.counters)
         steps = 0
         while engine.has_work:
-            engine.step()
+            emitted[0] += sum(len(event.token_ids) for event in engine.step())
             steps += 1
         sync(device)
         shapes.append(f"{tag}: {said_chain_tally(chain_tally(engine.counters), before, len(engine._chain_programs))}")
@@ -235,7 +238,8 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
         REPLAYS.on, REPLAYS.seconds, REPLAYS.calls = True, 0.0, 0
     started = time.perf_counter()
     steps = run("t")
-    wall = (time.perf_counter() - started) / steps
+    seconds = time.perf_counter() - started
+    wall, rate, per_step = seconds / steps, emitted[0] / seconds, emitted[0] / steps
     if mark is not None:
         mark("timed")
     extra = ""
@@ -263,7 +267,8 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     if mark is not None:
         mark("profiled")
     head, _, rest = profile_lines(prof, steps, f"serving {len(prompts)} prompts through {batch} slots, {max_tokens} "
-                                               f"tokens: {steps} engine steps, {wall * 1e3:.3f} ms/step unprofiled"
+                                               f"tokens: {steps} engine steps, {wall * 1e3:.3f} ms/step unprofiled "
+                                               f"({rate:,.0f} tok/s, {per_step:.2f} tokens a step)"
                                                f"{extra}").partition("\n")
     return (f"{head}\nchained steps by run (w warm-up, t timed, c clocked, p profiled): {'; '.join(shapes)}\n{rest}"
             f"{clocked}")

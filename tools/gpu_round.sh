@@ -68,6 +68,7 @@
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
 #   bash tools/gpu_round.sh round61       # (next) round60b reordered: serving with and without tree_regroup, alternating
+#   bash tools/gpu_round.sh tree-sizes    # (next) in process through 8 slots: tok/s by tree size (7, 15, 31, 3)
 #   bash tools/gpu_round.sh round61b      # (next) the served pair at 1 and 8 streams, PAIR_ARGS=--tree-regroup if it wins
 #   bash tools/gpu_round.sh round60b      # (next) trees regrouped (EngineConfig.tree_regroup, off): serving, GPU tests
 #   bash tools/gpu_round.sh round60       # (run in the sixtieth session) round59, then serving's host time by phase, unprofiled (--clock)
@@ -1184,6 +1185,16 @@ round61)
     -k "draft_trees_through and sent-ahead" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
   serving_variants stream-attach-regroup
+  ;;
+tree-sizes)
+  # (sixty-first session, next) which tree size serves 8 slots fastest in process: the step is the device's there
+  # (1.48 ms against target only's 0.73, trees of 15); host_profile's timed line now gives tok/s and tokens a step
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  for nodes in 15 7 31 3 15 7; do
+    [ "$(left)" -gt 70 ] || break
+    timeout 75 python bench/host_profile.py --device cuda --batch 8 --serving 24 --max-tokens 128 \
+      --draft-tree $nodes 2>&1 | grep -E "^(in-process|target-only) serving|Error" | sed "s/^/trees of $nodes: /" | log
+  done
   ;;
 round61b)
   # (sixty-first session) the served pair at 1 and 8 streams (round58b), its targets given $PAIR_ARGS (e.g.
