@@ -1181,7 +1181,7 @@ round61)
   # without alternating; the GPU tests of trees sent ahead (regrouping required); the attach on the stream last
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
   serving_variants services tree-regroup services tree-regroup
-  timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py \
+  [ "$(left)" -gt 130 ] && timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py \
     -k "draft_trees_through and sent-ahead" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
   serving_variants stream-attach-regroup
