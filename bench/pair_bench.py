@@ -283,7 +283,8 @@ def main() -> None:
         setting = {"device": args.device, "mps": args.mps, "client_processes": args.client_processes,
                    "engine_process": args.engine_process,
                    "max_tokens": args.max_tokens,
-                   "speculate_below": args.speculate_below, "also_chains": args.also_chains}
+                   "speculate_below": args.speculate_below, "also_chains": args.also_chains,
+                   "target_args": args.target_args}
         Path(args.json_out).write_text(json.dumps({**setting, **table}, indent=1))
 
 
