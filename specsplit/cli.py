@@ -315,6 +315,9 @@ def cmd_target_serve(args: argparse.Namespace) -> None:
                               max_message_bytes=int(args.max_message_mib * (1 << 20)),
                               security=server_security(args), drafter_security=drafter_security(args),
                               metrics=metrics_address(args))
+    if args.tree_regroup and not (args.trees_ahead and tree and drafter):
+        log.warning("--tree-regroup takes tree candidates sent ahead: without a drafter, trees (--draft-tree) and "
+                    "--trees-ahead it changes nothing")
     if args.device_waits:
         log.warning("--device-waits puts the waits into device memory where the drafter takes no host page, for "
                     "measurement only: a drafter that never writes can then stall this target for good if it "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import subprocess
@@ -196,6 +197,17 @@ def test_target_serve_passes_tree_regroup_to_the_engine(extra, want, monkeypatch
     (EngineConfig.tree_regroup; off by default)."""
     settings = target_serve_settings((*DRAFTER, "--draft-tree", "15", "--trees-ahead", *extra), monkeypatch)
     assert settings.engine.tree_regroup is want and settings.trees_ahead
+
+
+def test_target_serve_warns_of_tree_regroup_that_changes_nothing(monkeypatch, caplog):
+    """--tree-regroup without --trees-ahead (or without trees) has no candidates sent ahead to take: it says so."""
+    with caplog.at_level(logging.WARNING):
+        target_serve_settings((*DRAFTER, "--draft-tree", "15", "--tree-regroup"), monkeypatch)
+    assert "changes nothing" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        target_serve_settings((*DRAFTER, "--draft-tree", "15", "--trees-ahead", "--tree-regroup"), monkeypatch)
+    assert "changes nothing" not in caplog.text
 
 
 def target_serve_settings(extra, monkeypatch):
