@@ -144,7 +144,7 @@ class EngineConfig:
     chain_regroup: bool = True
     # ... and a tree step's candidates sent ahead too (sixtieth session: serving through 8 slots, each batch change
     # cost a tree step a Step of its own, 1.3-2.1 ms waited for, 0.24 a step). Off until measured on a GPU
-    # (`gpu_round.sh round60b`): tree steps then take candidates sent ahead for the same batch alone.
+    # (`gpu_round.sh round61`): tree steps then take candidates sent ahead for the same batch alone.
     tree_regroup: bool = False
     # With device waits whose DONE buffer is the host page (RemoteProposer.waits_outlive_loads: its watchdog
     # releases with a store, which gets through a kernel module's load) our stream's waits are left pending
