@@ -18,7 +18,9 @@ def bench_module(name: str) -> Iterator[ModuleType]:
     try:
         spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # (what dataclasses look their module's annotations up in)
         spec.loader.exec_module(module)
         yield module
     finally:
+        sys.modules.pop(name, None)
         sys.path.remove(str(BENCH))

@@ -67,6 +67,8 @@
 #   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
+#   bash tools/gpu_round.sh lanes         # (next) in process: 8 slots as one engine against 2 and 4 engines of 4 and 2
+#                                         # slots on streams of their own (do their steps overlap on the GPU?)
 #   bash tools/gpu_round.sh round61       # (next) round60b reordered: serving with and without tree_regroup, alternating
 #   bash tools/gpu_round.sh tree-sizes    # (next) in process through 8 slots: tok/s by tree size (7, 15, 31, 3)
 #   bash tools/gpu_round.sh round61b      # (next) the served pair at 1 and 8 streams, PAIR_ARGS=--tree-regroup if it wins
@@ -1185,6 +1187,17 @@ round61)
     -k "draft_trees_through and sent-ahead" --durations=3 2>&1 \
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
   serving_variants stream-attach-regroup
+  ;;
+lanes)
+  # (sixty-second session) at 8 slots an in-process tree step is the device's (1.48 ms against target only's 0.73),
+  # its kernels latency-bound, one after another: do two or four engines ("lanes", each on a stream of its own,
+  # the host stepping them in turn) serve the same 8 slots faster? Target only and trees of 15, then chains.
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  timeout $(( $(left) > 300 ? 280 : $(left) - 20 )) python bench/lanes_probe.py --device cuda --slots 8 --lanes 1 2 4 \
+    --serving 24 --max-tokens 128 --draft-tree 15 --rounds 3 --json-out "$OUT/lanes.json" 2>&1 | grep -v INFO | log
+  [ "$(left)" -gt 150 ] && timeout $(( $(left) - 20 )) python bench/lanes_probe.py --device cuda --slots 8 \
+    --lanes 1 2 --serving 24 --max-tokens 128 --draft-tree 0 --rounds 3 --no-target-only \
+    --json-out "$OUT/lanes_chains.json" 2>&1 | grep -v INFO | sed "s/^/chains: /" | log
   ;;
 tree-sizes)
   # (sixty-first session, next) which tree size serves 8 slots fastest in process: the step is the device's there
