@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from specsplit.cli import trees_by_batch
 from specsplit.lifeline import Lifeline
 from specsplit.local import LocalSetup, make_drafter, target_dir
 from specsplit.mps import MpsServer
@@ -400,9 +401,10 @@ def main() -> None:
                          "sent ahead")
     ap.add_argument("--drafter-capture-after", type=int, default=None, metavar="N",
                     help="(--split) the drafter service's --chain-capture-after (default: its own, 8)")
-    ap.add_argument("--tree-regroup", action="store_true",
-                    help="(--split) EngineConfig(tree_regroup=True) for the services: a tree step whose batch lost or "
-                         "gained sequences takes their rows of the candidates sent ahead")
+    ap.add_argument("--no-tree-regroup", dest="tree_regroup", action="store_false",
+                    help="(--split) EngineConfig(tree_regroup=False) for the services: a tree step whose batch lost or "
+                         "gained sequences waits for candidates of its own instead of taking their rows of those sent "
+                         "ahead (as before the sixty-second session)")
     ap.add_argument("--no-regroup", action="store_true",
                     help="(--split) EngineConfig(chain_regroup=False) for the services: a batch that changed waits for "
                          "a propose of its own, as before the thirty-seventh session")
@@ -434,6 +436,9 @@ def main() -> None:
     ap.add_argument("--draft-tree", type=int, default=0, metavar="N",
                     help="the engines verify draft trees of N nodes (EngineConfig.draft_tree); a drafter service "
                          "is asked for them as `specsplit up` links a pair (the next tree step's sent ahead)")
+    ap.add_argument("--trees-by-batch", type=trees_by_batch, default=(), metavar="N:NODES,...",
+                    help="(--draft-tree) trees of at most NODES nodes in steps of N or more sequences "
+                         "(EngineConfig.trees_by_batch, as `target serve --trees-by-batch`)")
     ap.add_argument("--mps", action="store_true",
                     help="this process and the drafter service as clients of a private NVIDIA MPS server "
                          "(specsplit.mps, as `specsplit up --mps`)")
@@ -472,7 +477,7 @@ def run(args: argparse.Namespace) -> None:
 
     proc = remote = None
     services = "services, " + "both waits, " * args.both_waits + "target waits, " * args.target_waits \
-        + "unquiesced, " * args.unquiesced + "no regroup, " * args.no_regroup + "trees regrouped, " * args.tree_regroup \
+        + "unquiesced, " * args.unquiesced + "no regroup, " * args.no_regroup + "trees not regrouped, " * (not args.tree_regroup) \
         + "overlapped attach, " * args.overlap_attach + "attached on the stream, " * args.stream_attach \
         + (f"drafter captures after {args.drafter_capture_after}, " if args.drafter_capture_after is not None else "")
     services = services if services != "services, " else "services "
@@ -511,6 +516,7 @@ def run(args: argparse.Namespace) -> None:
             for batch in args.batch:
                 for name, drafter in [("target-only ", None)] * (not (args.split and args.split_only)) + engines:
                     config = EngineConfig(max_batch=batch, draft_tree=args.draft_tree,
+                                          trees_by_batch=args.trees_by_batch if args.draft_tree else (),
                                           chain_programs=args.chain_programs,
                                           chain_capture_after=args.capture_after,
                                           overlap_attach=args.overlap_attach and drafter is remote,

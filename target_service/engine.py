@@ -142,10 +142,12 @@ class EngineConfig:
     # attached since, and the next step takes its drafts for a batch that lost or gained sequences
     # (Engine._ahead_rows). Off: a Step of its own, waited for, at each batch change (measurement only).
     chain_regroup: bool = True
-    # ... and a tree step's candidates sent ahead too (sixtieth session: serving through 8 slots, each batch change
-    # cost a tree step a Step of its own, 1.3-2.1 ms waited for, 0.24 a step). Off until measured on a GPU
-    # (`gpu_round.sh round61`): tree steps then take candidates sent ahead for the same batch alone.
-    tree_regroup: bool = False
+    # ... and a tree step's candidates sent ahead too. Without it each batch change cost a tree step a Step of its
+    # own, waited for (sixtieth session: 0.24 a step, 1.3-2.1 ms each, serving through 8 slots). With it (sixty-
+    # second session, H100, `gpu_round.sh round61`, alternating): 2.234 / 2.332 ms a step against 2.457 / 2.526,
+    # the Step answers waited for 0.01 a step instead of 0.24; its GPU tests passed. Off: tree steps take
+    # candidates sent ahead for the same batch alone.
+    tree_regroup: bool = True
     # With device waits whose DONE buffer is the host page (RemoteProposer.waits_outlive_loads: its watchdog
     # releases with a store, which gets through a kernel module's load) our stream's waits are left pending
     # across work that may launch a kernel for the first time: no `_quiesce`, no host wait for the drafts of a

@@ -191,19 +191,32 @@ def test_target_serve_passes_its_draft_tree_options_to_the_engine(extra, want, m
         + ((engine.trees_by_batch,) if engine.trees_by_batch else ()) == want
 
 
-@pytest.mark.parametrize("extra, want", [((), False), (("--tree-regroup",), True), (("--no-tree-regroup",), False)])
+@pytest.mark.parametrize("extra, want", [((), True), (("--tree-regroup",), True), (("--no-tree-regroup",), False)])
 def test_target_serve_passes_tree_regroup_to_the_engine(extra, want, monkeypatch):
     """`target serve --[no-]tree-regroup`: whether a tree step whose batch changed takes candidates sent ahead
-    (EngineConfig.tree_regroup; off by default)."""
+    (EngineConfig.tree_regroup; on by default)."""
     settings = target_serve_settings((*DRAFTER, "--draft-tree", "15", "--trees-ahead", *extra), monkeypatch)
     assert settings.engine.tree_regroup is want and settings.trees_ahead
 
 
+@pytest.mark.parametrize("extra, want", [((), False), (("--stream-attach",), True), (("--no-stream-attach",), False)])
+def test_target_serve_passes_stream_attach_to_the_engine(extra, want, monkeypatch):
+    """`target serve --[no-]stream-attach`: whether a request's attach rides the next Step (EngineConfig.stream_attach;
+    off by default)."""
+    settings = target_serve_settings((*DRAFTER, "--draft-tree", "15", "--trees-ahead", *extra), monkeypatch)
+    assert settings.engine.stream_attach is want
+
+
 def test_target_serve_warns_of_tree_regroup_that_changes_nothing(monkeypatch, caplog):
-    """--tree-regroup without --trees-ahead (or without trees) has no candidates sent ahead to take: it says so."""
+    """--tree-regroup without --trees-ahead (or without trees) has no candidates sent ahead to take: it says so
+    when asked for, not when it is only the default."""
     with caplog.at_level(logging.WARNING):
         target_serve_settings((*DRAFTER, "--draft-tree", "15", "--tree-regroup"), monkeypatch)
     assert "changes nothing" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        settings = target_serve_settings((*DRAFTER, "--draft-tree", "15"), monkeypatch)
+    assert "changes nothing" not in caplog.text and settings.engine.tree_regroup
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         target_serve_settings((*DRAFTER, "--draft-tree", "15", "--trees-ahead", "--tree-regroup"), monkeypatch)
