@@ -67,10 +67,15 @@
 #   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
-#   bash tools/gpu_round.sh lanes         # (next) in process: 8 slots as one engine against 2 and 4 engines of 4 and 2
+#   bash tools/gpu_round.sh round62       # (next) the attach on the Step stream with trees regrouped, alternating with
+#                                         # regrouping alone (one run: 2.04 against 2.23-2.33 ms a step); then
+#                                         # PAIR_ARGS=--stream-attach bash tools/gpu_round.sh round61b, and round61b as is
+#   bash tools/gpu_round.sh tree-schedule # (next) 8 slots: trees of 15, of 7, and of 15 with --trees-by-batch 6:7, in
+#                                         # process and through the services (trees of 7 served 8 slots 1.09-1.19x 15's)
+#   bash tools/gpu_round.sh lanes         # (run in the sixty-second session: lanes lose, 0.85x and 0.69x) in process: 8 slots as one engine against 2 and 4 engines of 4 and 2
 #                                         # slots on streams of their own (do their steps overlap on the GPU?)
-#   bash tools/gpu_round.sh round61       # (next) round60b reordered: serving with and without tree_regroup, alternating
-#   bash tools/gpu_round.sh tree-sizes    # (next) in process through 8 slots: tok/s by tree size (7, 15, 31, 3)
+#   bash tools/gpu_round.sh round61       # (run in the sixty-second session: regrouping on) round60b reordered: serving with and without tree_regroup, alternating
+#   bash tools/gpu_round.sh tree-sizes    # (run in the sixty-second session: 7 best at 8 slots) in process through 8 slots: tok/s by tree size (7, 15, 31, 3)
 #   bash tools/gpu_round.sh round61b      # (next) the served pair at 1 and 8 streams, PAIR_ARGS=--tree-regroup if it wins
 #   bash tools/gpu_round.sh round60b      # (next) trees regrouped (EngineConfig.tree_regroup, off): serving, GPU tests
 #   bash tools/gpu_round.sh round60       # (run in the sixtieth session) round59, then serving's host time by phase, unprofiled (--clock)
@@ -150,12 +155,13 @@ serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each 
     [ "$(left)" -gt 70 ] || { echo "$variant: no time left" | log; break; }
     case $variant in
       in-process) flags="" ;;
-      services) flags="$services" ;;
+      services) flags="$services" ;;  # (trees regrouped: the default since the sixty-second session)
+      no-tree-regroup) flags="$services --no-tree-regroup" ;;
       unquiesced) flags="$services --unquiesced" ;;
       overlapped) flags="$services --overlap-attach" ;;
       stream-attach) flags="$services --stream-attach" ;;
-      tree-regroup) flags="$services --tree-regroup" ;;
-      stream-attach-regroup) flags="$services --stream-attach --tree-regroup" ;;
+      tree-regroup) flags="$services" ;;
+      stream-attach-regroup) flags="$services --stream-attach" ;;
       drafter-after-2) flags="$services --drafter-capture-after 2" ;;
       host-polls) flags="--split --split-only --mps" ;;
       in-process-mps) flags="--mps" ;;
@@ -1188,6 +1194,27 @@ round61)
     | grep -E "Error|assert|FAILED|passed|failed|^[0-9.]+s call" | tail -8 | sed "s/^/tests: /" | log
   serving_variants stream-attach-regroup
   ;;
+round62)
+  # (sixty-second session, next) with trees regrouped (on since that session) the attach on the Step stream ran one
+  # serving run at 2.037 ms a step against 2.234 / 2.332 without; before regrouping it gained nothing (sixtieth).
+  # Alternating, twice each; then the served pair: PAIR_ARGS=--stream-attach bash tools/gpu_round.sh round61b
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  serving_variants tree-regroup stream-attach-regroup tree-regroup stream-attach-regroup
+  ;;
+tree-schedule)
+  # (sixty-second session, next) in process through 8 slots trees of 7 served 1.09-1.19x trees of 15 (14,317-14,401
+  # against 12,057-13,086 tok/s), where at 1 and 4 slots 15 served more (2,880 against 2,613; 7,900 against
+  # 7,430-7,612). Trees of 15 lowered to 7 from 6 sequences a step (--trees-by-batch 6:7) beside 15 and 7, in
+  # process, then through the services (regrouped), alternating
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  for flags in "--draft-tree 15" "--draft-tree 15 --trees-by-batch 6:7" "--draft-tree 7" "--draft-tree 15" \
+      "--draft-tree 15 --trees-by-batch 6:7" "--split --split-only --both-waits --mps --draft-tree 15" \
+      "--split --split-only --both-waits --mps --draft-tree 15 --trees-by-batch 6:7"; do
+    [ "$(left)" -gt 80 ] || break
+    timeout 75 python bench/host_profile.py --device cuda --batch 8 --serving 24 --max-tokens 128 $flags 2>&1 \
+      | grep -E "^(in-process|services).*serving|Error" | sed "s/^/$flags: /" | log
+  done
+  ;;
 lanes)
   # (sixty-second session) at 8 slots an in-process tree step is the device's (1.48 ms against target only's 0.73),
   # its kernels latency-bound, one after another: do two or four engines ("lanes", each on a stream of its own,
@@ -1212,9 +1239,10 @@ tree-sizes)
 round61b)
   # (sixty-first session) the served pair at 1 and 8 streams (round58b), its targets given $PAIR_ARGS (e.g.
   # --tree-regroup, as round61 decides)
+  # (--target-args=...: a value that starts with "--" must be joined to its option)
   ROUND_SECONDS=${ROUND_SECONDS:-570} timeout 420 python bench/pair_bench.py --device cuda --streams 1 8 \
     --speculate-below 9 --requests 3 --max-tokens 160 --rounds 2 --mps --client-processes --engine-process on \
-    --target-args "${PAIR_ARGS:-}" --json-out "$OUT/pair61.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
+    --target-args="${PAIR_ARGS:-}" --json-out "$OUT/pair61.json" 2>&1 | grep -v INFO | grep -E "^streams|Error" | log
   ;;
 round60b)
   # (sixtieth session) round60 found the services' 8-slot tree steps waiting ~1.3-2 ms at each batch change (0.24
