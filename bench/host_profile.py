@@ -477,7 +477,8 @@ def run(args: argparse.Namespace) -> None:
 
     proc = remote = None
     services = "services, " + "both waits, " * args.both_waits + "target waits, " * args.target_waits \
-        + "unquiesced, " * args.unquiesced + "no regroup, " * args.no_regroup + "trees not regrouped, " * (not args.tree_regroup) \
+        + "unquiesced, " * args.unquiesced + "no regroup, " * args.no_regroup \
+        + "trees not regrouped, " * (not args.tree_regroup) \
         + "overlapped attach, " * args.overlap_attach + "attached on the stream, " * args.stream_attach \
         + (f"drafter captures after {args.drafter_capture_after}, " if args.drafter_capture_after is not None else "")
     services = services if services != "services, " else "services "

@@ -72,8 +72,8 @@ def lane_slots(slots: int, lanes: int) -> int:
     return slots // lanes
 
 
-def serve(engines: list[Engine], streams: list["torch.cuda.Stream | None"], prompts: list[list[int]], max_tokens: int, tag: str,
-          device: str) -> Served:
+def serve(engines: list[Engine], streams: list["torch.cuda.Stream | None"], prompts: list[list[int]],
+          max_tokens: int, tag: str, device: str) -> Served:
     """Every prompt through `engines`, dealt in turn, the host stepping each lane with work in turn, each lane's
     work on its stream (None: the current one, off CUDA)."""
     served = Served()
