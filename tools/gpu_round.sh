@@ -70,6 +70,7 @@
 #   bash tools/gpu_round.sh round62       # (next) the attach on the Step stream with trees regrouped, alternating with
 #                                         # regrouping alone (one run: 2.04 against 2.23-2.33 ms a step); then
 #                                         # PAIR_ARGS=--stream-attach bash tools/gpu_round.sh round61b, and round61b as is
+#   bash tools/gpu_round.sh round63b      # (next) the served pair at 8 streams, --stream-attach against without
 #   bash tools/gpu_round.sh tree-schedule # (next) 8 slots: trees of 15, of 7, and of 15 with --trees-by-batch 6:7, in
 #                                         # process and through the services (trees of 7 served 8 slots 1.09-1.19x 15's)
 #   bash tools/gpu_round.sh lanes         # (run in the sixty-second session: lanes lose, 0.85x and 0.69x) in process: 8 slots as one engine against 2 and 4 engines of 4 and 2
@@ -1200,6 +1201,20 @@ round62)
   # Alternating, twice each; then the served pair: PAIR_ARGS=--stream-attach bash tools/gpu_round.sh round61b
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
   serving_variants tree-regroup stream-attach-regroup tree-regroup stream-attach-regroup
+  ;;
+round63b)
+  # (sixty-third session) the served pair at eight streams with the attach on the Step stream and without, one
+  # pair_bench each (each pair beside its own target only): the pair's clients send a stream's next request when
+  # its last ends, so arrivals (each a PrefillDrafter round trip without it, ~2.7 ms of the target's host) come
+  # about every six steps there
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  for pair_args in --stream-attach "" --stream-attach; do
+    [ "$(left)" -gt 120 ] || break
+    timeout $(( $(left) > 270 ? 250 : $(left) - 20 )) python bench/pair_bench.py --device cuda --streams 8 \
+      --speculate-below 9 --requests 4 --max-tokens 160 --rounds 3 --mps --client-processes --engine-process on \
+      --target-args="$pair_args" --json-out "$OUT/pair63${pair_args:+_attach}.json" 2>&1 | grep -v INFO \
+      | grep -E "^streams|Error" | sed "s/^/${pair_args:-as is}: /" | log
+  done
   ;;
 tree-schedule)
   # (sixty-second session, next) in process through 8 slots trees of 7 served 1.09-1.19x trees of 15 (14,317-14,401
