@@ -205,11 +205,27 @@ def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int,
     return profile_lines(prof, steps, f"batch {batch}: {wall * 1e3:.3f} ms/step unprofiled{replays}") + clocked
 
 
+def timed_line(runs: list[tuple[float, int, int]]) -> str:
+    """The timed runs' (seconds, engine steps, tokens emitted) as the serving line says them: ms a step,
+    tok/s and tokens a step of the median run by ms a step, and with several runs the spread of ms a step."""
+    if not runs or any(steps < 1 or seconds <= 0 for seconds, steps, _ in runs):
+        raise ValueError(f"timed runs need steps and time: {runs}")
+    ranked = sorted(runs, key=lambda r: r[0] / r[1])
+    seconds, steps, tokens = ranked[(len(ranked) - 1) // 2]  # (an even count: the lower middle, a run measured)
+    line = f"{seconds / steps * 1e3:.3f} ms/step unprofiled ({tokens / seconds:,.0f} tok/s, {tokens / steps:.2f} " \
+           f"tokens a step"
+    if len(runs) > 1:
+        walls = [f"{s / n * 1e3:.3f}" for s, n, _ in runs]
+        line += f"; median of {len(runs)} timed runs, in order {' '.join(walls)} ms/step"
+    return line + ")"
+
+
 def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int, device: str,
-                    temperature: float = 0.0, mark: Callable[[str], None] | None = None) -> str:
+                    temperature: float = 0.0, mark: Callable[[str], None] | None = None, timed_runs: int = 1) -> str:
     """Requests admitted as others end (what a server sees): every prompt through `batch` slots, run once to
-    warm up, then timed, then profiled; per engine step. `mark(run)` is called as each run ends ("warm-up",
-    "timed", "profiled"), e.g. to read a drafter service's counters between them."""
+    warm up, then timed (`timed_runs` times: the median run), then profiled; per engine step. `mark(run)` is
+    called as each run ends ("warm-up", "timed", "profiled"), e.g. to read a drafter service's counters between
+    them (the timed runs' together)."""
     shapes: list[str] = []
 
     emitted = [0]  # tokens the last run emitted
@@ -237,10 +253,12 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     regrouped = link.chain_taken_regrouped if link is not None else 0
     if REPLAYS is not None:
         REPLAYS.on, REPLAYS.seconds, REPLAYS.calls = True, 0.0, 0
-    started = time.perf_counter()
-    steps = run("t")
-    seconds = time.perf_counter() - started
-    wall, rate, per_step = seconds / steps, emitted[0] / seconds, emitted[0] / steps
+    timed = []
+    for r in range(timed_runs):
+        started = time.perf_counter()
+        steps = run("t" if r == 0 else f"t{r}-")  # (request ids unique across the runs)
+        timed.append((time.perf_counter() - started, steps, emitted[0]))
+    steps = sum(n for _, n, _ in timed)  # (the counts below: a step of all the timed runs)
     if mark is not None:
         mark("timed")
     extra = ""
@@ -268,8 +286,7 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     if mark is not None:
         mark("profiled")
     head, _, rest = profile_lines(prof, steps, f"serving {len(prompts)} prompts through {batch} slots, {max_tokens} "
-                                               f"tokens: {steps} engine steps, {wall * 1e3:.3f} ms/step unprofiled "
-                                               f"({rate:,.0f} tok/s, {per_step:.2f} tokens a step)"
+                                               f"tokens: {timed[0][1]} engine steps, {timed_line(timed)}"
                                                f"{extra}").partition("\n")
     return (f"{head}\nchained steps by run (w warm-up, t timed, c clocked, p profiled): {'; '.join(shapes)}\n{rest}"
             f"{clocked}")
@@ -423,6 +440,9 @@ def main() -> None:
                     help="instead: N held-out prompts through --batch slots, admitted as others end (in-process; "
                          "with --split, through the drafter service too)")
     ap.add_argument("--max-tokens", type=int, default=128, help="(--serving) tokens per request")
+    ap.add_argument("--timed-runs", type=int, default=1, metavar="N",
+                    help="(--serving) time the requests N times after the warm-up and report the median run (one "
+                         "run of 24 prompts through 8 slots is about 0.3 s)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="(--serving) sampled requests at this temperature, each seeded by its index (0: greedy)")
     ap.add_argument("--target-only", action="store_true",
@@ -446,6 +466,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.draft_tree < 0:
         ap.error("--draft-tree takes 0 (chains) or more nodes")
+    if args.timed_runs < 1:
+        ap.error("--timed-runs takes 1 or more")
     torch.set_grad_enabled(False)
     mps = None
     if args.mps:  # before this process's CUDA context is made
@@ -532,7 +554,7 @@ def run(args: argparse.Namespace) -> None:
                     lines: list[str] = []
                     mark = prefill_marks(metrics_url, lines) if remote is not None and drafter is remote else None
                     text = name + profile_serving(engine, prompts, args.max_tokens, batch, args.device,
-                                                  args.temperature, mark)
+                                                  args.temperature, mark, args.timed_runs)
                     report("\n".join([text, *lines]))
         else:
             for batch in args.batch:

@@ -30,3 +30,17 @@ def test_the_drafters_chained_steps_by_outcome_count_only_this_run(host_profile)
     assert host_profile.graph_line(before, after, "timed") == \
         "drafter (timed): chained steps uncaptured 2, captured 1, replayed 133, prepared 3"
     assert host_profile.graph_line(after, after, "profiled") == "drafter (profiled): chained steps none"
+
+
+def test_the_serving_line_gives_the_median_timed_run_and_every_runs_step(host_profile):
+    one = host_profile.timed_line([(0.5, 200, 4000)])
+    assert one == "2.500 ms/step unprofiled (8,000 tok/s, 20.00 tokens a step)"
+    runs = [(0.6, 200, 4000), (0.4, 200, 4000), (0.5, 200, 4000), (0.9, 200, 4000)]  # (even: the lower middle)
+    assert host_profile.timed_line(runs) == ("2.500 ms/step unprofiled (8,000 tok/s, 20.00 tokens a step; median of "
+                                             "4 timed runs, in order 3.000 2.000 2.500 4.500 ms/step)")
+
+
+@pytest.mark.parametrize("runs", [[], [(0.5, 0, 10)], [(0.0, 10, 10)]], ids=["none", "no-steps", "no-time"])
+def test_timed_runs_without_steps_or_time_are_refused(host_profile, runs):
+    with pytest.raises(ValueError, match="timed runs"):
+        host_profile.timed_line(runs)

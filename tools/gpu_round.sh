@@ -67,12 +67,12 @@
 #   bash tools/gpu_round.sh engine-process  # (next) the same, three rounds of 160 tokens; the front-end stand-in both ways
 #   bash tools/gpu_round.sh served-pair   # (run in the fifty-fifth session) the pair as `up` starts it: host profiles, timeline,
 #                                         # --speculate-below 0 / 4 at 1, 4, 8 streams; served-pair-tests: its GPU tests, b8 timeline
-#   bash tools/gpu_round.sh round62       # (next) the attach on the Step stream with trees regrouped, alternating with
-#                                         # regrouping alone (one run: 2.04 against 2.23-2.33 ms a step); then
-#                                         # PAIR_ARGS=--stream-attach bash tools/gpu_round.sh round61b, and round61b as is
+#   bash tools/gpu_round.sh round62       # (run in the sixty-third session: single runs spread 2.4-3.3 ms a step, no verdict;
+#                                         # next with --timed-runs 7) the attach on the Step stream with trees regrouped,
+#                                         # alternating with regrouping alone; then round63b
 #   bash tools/gpu_round.sh round63b      # (next) the served pair at 8 streams, --stream-attach against without
-#   bash tools/gpu_round.sh tree-schedule # (next) 8 slots: trees of 15, of 7, and of 15 with --trees-by-batch 6:7, in
-#                                         # process and through the services (trees of 7 served 8 slots 1.09-1.19x 15's)
+#   bash tools/gpu_round.sh tree-schedule # (run in the sixty-third session: 6:7 no better than 15; 7 best in process) 8 slots:
+#                                         # trees of 15, of 7, and of 15 with --trees-by-batch 6:7, in process and services
 #   bash tools/gpu_round.sh lanes         # (run in the sixty-second session: lanes lose, 0.85x and 0.69x) in process: 8 slots as one engine against 2 and 4 engines of 4 and 2
 #                                         # slots on streams of their own (do their steps overlap on the GPU?)
 #   bash tools/gpu_round.sh round61       # (run in the sixty-second session: regrouping on) round60b reordered: serving with and without tree_regroup, alternating
@@ -149,8 +149,10 @@ device_waits_round() {  # the device-wait GPU tests within $1 s, then split_benc
 serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each of "$@" within what `left` gives
   # (--time-replays: the host's time inside graph replays, unprofiled; the services' profile showed ~0.9 ms a replay
   # serving, 54 us in process)
+  # (--timed-runs 7, since the sixty-third session: single timed runs of the services, 0.3 s each, spread 2.4-3.4 ms a
+  # step on one machine; the median of seven)
   local serve="python bench/host_profile.py --device cuda --batch 8 --serving 24 --max-tokens 128 --draft-tree 15 \
-    --time-replays"
+    --time-replays --timed-runs 7"
   local services="--split --split-only --both-waits --mps" variant flags
   for variant in "$@"; do
     [ "$(left)" -gt 70 ] || { echo "$variant: no time left" | log; break; }
@@ -1226,8 +1228,8 @@ tree-schedule)
       "--draft-tree 15 --trees-by-batch 6:7" "--split --split-only --both-waits --mps --draft-tree 15" \
       "--split --split-only --both-waits --mps --draft-tree 15 --trees-by-batch 6:7"; do
     [ "$(left)" -gt 80 ] || break
-    timeout 75 python bench/host_profile.py --device cuda --batch 8 --serving 24 --max-tokens 128 $flags 2>&1 \
-      | grep -E "^(in-process|services).*serving|Error" | sed "s/^/$flags: /" | log
+    timeout 75 python bench/host_profile.py --device cuda --batch 8 --serving 24 --max-tokens 128 --timed-runs 7 \
+      $flags 2>&1 | grep -E "^(in-process|services).*serving|Error" | sed "s/^/$flags: /" | log
   done
   ;;
 lanes)
