@@ -1208,12 +1208,12 @@ round63b)
   # (sixty-third session) the served pair at eight streams with the attach on the Step stream and without, one
   # pair_bench each (each pair beside its own target only): the pair's clients send a stream's next request when
   # its last ends, so arrivals (each a PrefillDrafter round trip without it, ~2.7 ms of the target's host) come
-  # about every six steps there
+  # about every six steps there (seven rounds: a round at eight streams is about half a second)
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
   for pair_args in --stream-attach "" --stream-attach; do
     [ "$(left)" -gt 120 ] || break
     timeout $(( $(left) > 270 ? 250 : $(left) - 20 )) python bench/pair_bench.py --device cuda --streams 8 \
-      --speculate-below 9 --requests 4 --max-tokens 160 --rounds 3 --mps --client-processes --engine-process on \
+      --speculate-below 9 --requests 4 --max-tokens 160 --rounds 7 --mps --client-processes --engine-process on \
       --target-args="$pair_args" --json-out "$OUT/pair63${pair_args:+_attach}.json" 2>&1 | grep -v INFO \
       | grep -E "^streams|Error" | sed "s/^/${pair_args:-as is}: /" | log
   done
