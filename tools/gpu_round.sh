@@ -70,6 +70,7 @@
 #   bash tools/gpu_round.sh round62       # (run in the sixty-third session: single runs spread 2.4-3.3 ms a step, no verdict;
 #                                         # next with --timed-runs 7) the attach on the Step stream with trees regrouped,
 #                                         # alternating with regrouping alone; then round63b
+#   bash tools/gpu_round.sh round64       # (next) round62 with medians of seven timed runs, and one intra-op thread a process
 #   bash tools/gpu_round.sh round63b      # (next) the served pair at 8 streams, --stream-attach against without
 #   bash tools/gpu_round.sh tree-schedule # (run in the sixty-third session: 6:7 no better than 15; 7 best in process) 8 slots:
 #                                         # trees of 15, of 7, and of 15 with --trees-by-batch 6:7, in process and services
@@ -154,8 +155,13 @@ serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each 
   local serve="python bench/host_profile.py --device cuda --batch 8 --serving 24 --max-tokens 128 --draft-tree 15 \
     --time-replays --timed-runs 7"
   local services="--split --split-only --both-waits --mps" variant flags
-  for variant in "$@"; do
-    [ "$(left)" -gt 70 ] || { echo "$variant: no time left" | log; break; }
+  local threads variant_name
+  for variant_name in "$@"; do
+    [ "$(left)" -gt 70 ] || { echo "$variant_name: no time left" | log; break; }
+    # (omp1-VARIANT: VARIANT with one intra-op thread in every process, the drafter service's inherited; torch's
+    # default is one a core, 16 here, in each of the processes sharing the host)
+    variant=${variant_name#omp1-} threads=
+    [ "$variant" = "$variant_name" ] || threads=1
     case $variant in
       in-process) flags="" ;;
       services) flags="$services" ;;  # (trees regrouped: the default since the sixty-second session)
@@ -174,8 +180,10 @@ serving_variants() {  # 24 held-out prompts through 8 slots (trees of 15), each 
       stream-attach-clock) flags="$services --stream-attach --clock" ;;
       *) echo "serving_variants: no variant $variant" | log; continue ;;
     esac
-    timeout $([ "${variant%-clock}" = "$variant" ] && echo 75 || echo 100) $serve $flags > "$OUT/serving-$variant.txt" 2>&1
-    grep -E "serving|chained steps|^drafter \(|Error|^clocked" "$OUT/serving-$variant.txt" | sed "s/^/$variant: /" | log
+    env ${threads:+OMP_NUM_THREADS=$threads} timeout $([ "${variant%-clock}" = "$variant" ] && echo 75 || echo 100) $serve $flags \
+      > "$OUT/serving-$variant_name.txt" 2>&1
+    grep -E "serving|chained steps|^drafter \(|Error|^clocked" "$OUT/serving-$variant_name.txt" \
+      | sed "s/^/$variant_name: /" | log
   done
 }
 if [ "${1:-}" = services ]; then
@@ -1203,6 +1211,13 @@ round62)
   # Alternating, twice each; then the served pair: PAIR_ARGS=--stream-attach bash tools/gpu_round.sh round61b
   started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
   serving_variants tree-regroup stream-attach-regroup tree-regroup stream-attach-regroup
+  ;;
+round64)
+  # (sixty-third session, next) round62 again with the median of seven timed runs a variant (one run of the services
+  # spread 2.4-3.4 ms a step there): regrouped as is, with the attach on the Step stream, and as is with one intra-op
+  # thread a process (do the processes' torch thread pools, 16 each, crowd the hosts?); in process last, for the ratio
+  started=$(date +%s); left() { echo $((${ROUND_SECONDS:-570} - $(date +%s) + started)); }
+  serving_variants services stream-attach-regroup omp1-services services stream-attach-regroup omp1-services in-process
   ;;
 round63b)
   # (sixty-third session) the served pair at eight streams with the attach on the Step stream and without, one
