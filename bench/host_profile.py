@@ -269,7 +269,8 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
         extra += (f"; Step answers waited for {len(answers) / steps:.2f} a step, "
                   f"{sum(answers) / steps * 1e3:.3f} ms a step; unary calls {sum(link.unary_calls.values()) - unary} "
                   f"({', '.join(f'{m} {n}' for m, n in sorted(link.unary_calls.items()))} in all); chained proposes "
-                  f"sent ahead taken for a batch that changed {link.chain_taken_regrouped - regrouped}")
+                  f"sent ahead taken for a batch that changed {link.chain_taken_regrouped - regrouped}"
+                  + (f" (the calls and proposes of the {len(timed)} timed runs together)" if len(timed) > 1 else ""))
     clocked = ""
     if CLOCK is not None:  # the same requests again, the methods clocked (unprofiled)
         CLOCK.start()
