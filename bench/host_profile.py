@@ -206,14 +206,14 @@ def profile_engine(engine: Engine, tokenizer: Tokenizer, batch: int, steps: int,
 
 
 def timed_line(runs: list[tuple[float, int, int]]) -> str:
-    """The timed runs' (seconds, engine steps, tokens emitted) as the serving line says them: ms a step,
-    tok/s and tokens a step of the median run by ms a step, and with several runs the spread of ms a step."""
+    """The timed runs' (seconds, engine steps, tokens emitted) as the serving line says them: engine steps, ms
+    a step, tok/s and tokens a step of the median run by ms a step, and with several runs each run's ms a step."""
     if not runs or any(steps < 1 or seconds <= 0 for seconds, steps, _ in runs):
         raise ValueError(f"timed runs need steps and time: {runs}")
     ranked = sorted(runs, key=lambda r: r[0] / r[1])
     seconds, steps, tokens = ranked[(len(ranked) - 1) // 2]  # (an even count: the lower middle, a run measured)
-    line = f"{seconds / steps * 1e3:.3f} ms/step unprofiled ({tokens / seconds:,.0f} tok/s, {tokens / steps:.2f} " \
-           f"tokens a step"
+    line = f"{steps} engine steps, {seconds / steps * 1e3:.3f} ms/step unprofiled ({tokens / seconds:,.0f} tok/s, " \
+           f"{tokens / steps:.2f} tokens a step"
     if len(runs) > 1:
         walls = [f"{s / n * 1e3:.3f}" for s, n, _ in runs]
         line += f"; median of {len(runs)} timed runs, in order {' '.join(walls)} ms/step"
@@ -287,7 +287,7 @@ def profile_serving(engine: Engine, prompts: list[list[int]], max_tokens: int, b
     if mark is not None:
         mark("profiled")
     head, _, rest = profile_lines(prof, steps, f"serving {len(prompts)} prompts through {batch} slots, {max_tokens} "
-                                               f"tokens: {timed[0][1]} engine steps, {timed_line(timed)}"
+                                               f"tokens: {timed_line(timed)}"
                                                f"{extra}").partition("\n")
     return (f"{head}\nchained steps by run (w warm-up, t timed, c clocked, p profiled): {'; '.join(shapes)}\n{rest}"
             f"{clocked}")

@@ -34,10 +34,10 @@ def test_the_drafters_chained_steps_by_outcome_count_only_this_run(host_profile)
 
 def test_the_serving_line_gives_the_median_timed_run_and_every_runs_step(host_profile):
     one = host_profile.timed_line([(0.5, 200, 4000)])
-    assert one == "2.500 ms/step unprofiled (8,000 tok/s, 20.00 tokens a step)"
-    runs = [(0.6, 200, 4000), (0.4, 200, 4000), (0.5, 200, 4000), (0.9, 200, 4000)]  # (even: the lower middle)
-    assert host_profile.timed_line(runs) == ("2.500 ms/step unprofiled (8,000 tok/s, 20.00 tokens a step; median of "
-                                             "4 timed runs, in order 3.000 2.000 2.500 4.500 ms/step)")
+    assert one == "200 engine steps, 2.500 ms/step unprofiled (8,000 tok/s, 20.00 tokens a step)"
+    runs = [(0.6, 200, 4000), (0.4, 200, 4000), (0.5, 196, 3920), (0.9, 200, 4000)]  # (even: the lower middle)
+    assert host_profile.timed_line(runs) == ("196 engine steps, 2.551 ms/step unprofiled (7,840 tok/s, 20.00 tokens a "
+                                             "step; median of 4 timed runs, in order 3.000 2.000 2.551 4.500 ms/step)")
 
 
 @pytest.mark.parametrize("runs", [[], [(0.5, 0, 10)], [(0.0, 10, 10)]], ids=["none", "no-steps", "no-time"])
