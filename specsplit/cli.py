@@ -597,9 +597,9 @@ def add_service_parsers(sub) -> None:
                          "from 2.46-2.53 to 2.23-2.33 ms; EngineConfig.tree_regroup)")
     ts.add_argument("--stream-attach", action=argparse.BooleanOptionalAction, default=False,
                     help="with a drafter service: a request's attach rides the next Step instead of a PrefillDrafter "
-                         "call after the answer to the Step sent ahead (default: off; serving through 8 slots on an "
-                         "H100 it ran 2.04 ms a step with trees regrouped against 2.23-2.33 without it, one run; "
-                         "EngineConfig.stream_attach)")
+                         "call after the answer to the Step sent ahead (default: off, not yet shown to pay: serving "
+                         "through 8 slots on an H100 one run gave 2.04 ms a step against 2.23-2.33 without it, four "
+                         "later runs 2.96-3.13 against 2.40-3.26; EngineConfig.stream_attach)")
     ts.add_argument("--kv-blocks", type=int, default=2048, help="KV cache size, in blocks of 16 tokens")
     ts.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="on a GPU, replay decode/verify steps as CUDA graphs captured at start "
